@@ -1,0 +1,63 @@
+"""Shared set-up of the benchmarks: a fresh database and key prefix on the real servers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import statistics
+from collections.abc import Iterator
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from run_engine.db.migrations import migrate_sync
+
+DEFAULT_DB = "postgresql://postgres@127.0.0.1:5432/test"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+@contextlib.contextmanager
+def fresh_database() -> Iterator[str]:
+    base = os.environ.get("DATABASE_URL", DEFAULT_DB)
+    params = conninfo_to_dict(base)
+    admin = make_conninfo(**{**params, "dbname": "postgres"})
+    name = f"re_bench_{secrets.token_hex(4)}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_conninfo(**{**params, "dbname": name})
+    try:
+        migrate_sync(url)
+        yield url
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def delete_prefix(redis_url: str, prefix: str) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        batch = []
+        async for key in client.scan_iter(match=f"{prefix}*", count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                await client.delete(*batch)
+                batch.clear()
+        if batch:
+            await client.delete(*batch)
+    finally:
+        await client.aclose()
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(p / 100 * (len(values) - 1))))
+    return values[k]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")

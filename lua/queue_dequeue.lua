@@ -1,0 +1,106 @@
+-- include: queue_lib
+-- queue_dequeue: hand up to `max` ready runs of worker group `wg` out fairly, taking a slot at
+-- environment, queue and concurrency-key level atomically with removing each run.
+--   environments: lowest virtual time first (start-time fair queuing; +1 per run served)
+--   queues of an environment: oldest head (lowest score) first; paused or full ones skipped
+--   keys of a queue: lowest virtual time first; full keys skipped
+-- One run is taken per pass and the choice is made again, so environments and keys interleave.
+-- KEYS[1] B:delayed
+-- ARGV[1] B, ARGV[2] wg, ARGV[3] now ms, ARGV[4] max runs, ARGV[5] promote limit,
+-- ARGV[6] default env limit, ARGV[7] scan window
+-- returns: flat array of 7 fields per run: run, env, queue, ck, score, deliveries, task
+local wg, now, max = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local default_env_limit, window = tonumber(ARGV[6]), tonumber(ARGV[7])
+promote(now, tonumber(ARGV[5]))
+
+local g = gkey(wg)
+local out = {}
+local skip_env, skip_q, skip_k = {}, {}, {}
+local budget = 2000 -- bounds the work of one call whatever the shape of the backlog
+
+local function limit_of(hkey, field, default)
+  local v = redis.call('HGET', hkey, field)
+  if v then return tonumber(v) end
+  return default
+end
+
+-- the first candidate of a ZSET (ascending) not in `skip`, scanning `window` at a time
+local function first_free(zkey, skip, prefix)
+  local offset = 0
+  while budget > 0 do
+    local items = redis.call('ZRANGE', zkey, offset, offset + window - 1, 'WITHSCORES')
+    if #items == 0 then return nil end
+    for i = 1, #items, 2 do
+      budget = budget - 1
+      if not skip[prefix .. items[i]] then return items[i], tonumber(items[i + 1]) end
+    end
+    offset = offset + window
+  end
+  return nil
+end
+
+local function pick_key(env, q)
+  local r = rkey(wg, env, q)
+  local qm = qkey(env, q) .. ':meta'
+  local key_limit = limit_of(qm, 'key_limit', nil)
+  while budget > 0 do
+    local ck, kvt = first_free(r .. ':ks', skip_k, env .. '\0' .. q .. '\0')
+    if not ck then return nil end
+    if key_limit and redis.call('SCARD', qkey(env, q) .. ':k:' .. ck .. ':running') >= key_limit then
+      skip_k[env .. '\0' .. q .. '\0' .. ck] = true
+    else
+      return ck, kvt
+    end
+  end
+  return nil
+end
+
+local function pick_queue(env)
+  local qs = g .. ':e:' .. env .. ':qs'
+  while budget > 0 do
+    local q = first_free(qs, skip_q, env .. '\0')
+    if not q then return nil end
+    local qm = qkey(env, q) .. ':meta'
+    local paused = redis.call('HGET', qm, 'paused') == '1'
+    local limit = limit_of(qm, 'limit', nil)
+    if paused or (limit and redis.call('SCARD', qkey(env, q) .. ':running') >= limit) then
+      skip_q[env .. '\0' .. q] = true
+    else
+      local ck, kvt = pick_key(env, q)
+      if ck then return q, ck, kvt end
+      skip_q[env .. '\0' .. q] = true
+    end
+  end
+  return nil
+end
+
+while #out < max * 7 and budget > 0 do
+  local env, evt = first_free(g .. ':envs', skip_env, '')
+  if not env then break end
+  local env_limit = limit_of(ekey(env) .. ':meta', 'limit', default_env_limit)
+  local q, ck, kvt = nil, nil, nil
+  if redis.call('SCARD', ekey(env) .. ':running') < env_limit then q, ck, kvt = pick_queue(env) end
+  if not q then
+    skip_env[env] = true
+  else
+    local r = rkey(wg, env, q)
+    local popped = redis.call('ZPOPMIN', r .. ':k:' .. ck)
+    local run, score = popped[1], popped[2]
+    local mk = B .. ':msg:' .. run
+    local deliveries = redis.call('HINCRBY', mk, 'deliveries', 1)
+    redis.call('HSET', mk, 'state', 'held')
+    local task = redis.call('HGET', mk, 'task') or ''
+    redis.call('SADD', ekey(env) .. ':running', run)
+    redis.call('SADD', qkey(env, q) .. ':running', run)
+    redis.call('SADD', qkey(env, q) .. ':k:' .. ck .. ':running', run)
+    count_queued(env, q, -1)
+    -- virtual times: the key and the env advance by one run; the clocks move to the served tag
+    redis.call('ZADD', r .. ':ks', 'XX', kvt + 1, ck)
+    if kvt > tonumber(redis.call('GET', r .. ':vt') or '0') then redis.call('SET', r .. ':vt', kvt) end
+    redis.call('ZADD', g .. ':envs', 'XX', evt + 1, env)
+    if evt > tonumber(redis.call('HGET', g .. ':meta', 'vt') or '0') then redis.call('HSET', g .. ':meta', 'vt', evt) end
+    refresh_key(wg, env, q, ck)
+    for _, v in ipairs({run, env, q, ck, score, deliveries, task}) do out[#out + 1] = v end
+  end
+end
+return out

@@ -1,0 +1,146 @@
+-- queue_lib: helpers shared by the queue_*.lua scripts (put in front of each by `-- include:`).
+-- Every key lives under one shard base B = '<prefix>:{rq:N}' (a hash tag: one cluster slot).
+-- Layout (see docs/ARCHITECTURE.md, "Run queue"):
+--   B:msg:<run>                       HASH  env, queue, ck, wg, score, due, deliveries, task, state, reason, dead_at
+--   B:delayed                         ZSET  run -> due ms (not yet visible)
+--   B:g:<wg>:envs                     ZSET  env -> virtual time (envs of group wg with ready runs)
+--   B:g:<wg>:meta / :evt              HASH  vt (group virtual clock) / env -> saved virtual time
+--   B:g:<wg>:e:<env>:qs               ZSET  queue -> head score (queues with ready runs)
+--   B:g:<wg>:e:<env>:q:<q>:k:<ck>     ZSET  run -> score (ready runs of one concurrency key)
+--   B:g:<wg>:e:<env>:q:<q>:ks         ZSET  ck -> virtual time (keys with ready runs)
+--   B:g:<wg>:e:<env>:q:<q>:heads      ZSET  ck -> head score
+--   B:g:<wg>:e:<env>:q:<q>:kvt        HASH  ck -> saved virtual time of an idle key; field '' unused
+--   B:g:<wg>:e:<env>:q:<q>:vt         STRING queue virtual clock
+--   B:e:<env>:meta                    HASH  limit, queued
+--   B:e:<env>:running                 SET   runs holding an env slot
+--   B:e:<env>:q:<q>:meta              HASH  limit, key_limit, paused, queued
+--   B:e:<env>:q:<q>:running           SET   runs holding a queue slot
+--   B:e:<env>:q:<q>:k:<ck>:running    SET   runs holding a key slot
+--   B:e:<env>:dlq                     ZSET  run -> dead at ms
+-- Message states: ready, delayed, held (holds slots), released (suspended), dlq.
+
+local B = ARGV[1]
+
+local function ekey(env) return B .. ':e:' .. env end
+local function qkey(env, q) return B .. ':e:' .. env .. ':q:' .. q end
+local function gkey(wg) return B .. ':g:' .. wg end
+local function rkey(wg, env, q) return B .. ':g:' .. wg .. ':e:' .. env .. ':q:' .. q end
+
+local function msg_fields(mk)
+  local raw = redis.call('HMGET', mk, 'env', 'queue', 'ck', 'wg', 'score', 'state', 'deliveries', 'task', 'due')
+  if not raw[1] then return nil end
+  return {env = raw[1], queue = raw[2], ck = raw[3] or '', wg = raw[4], score = tonumber(raw[5]),
+          state = raw[6], deliveries = tonumber(raw[7] or '0'), task = raw[8] or '', due = raw[9]}
+end
+
+local function count_queued(env, q, delta)
+  redis.call('HINCRBY', qkey(env, q) .. ':meta', 'queued', delta)
+  redis.call('HINCRBY', ekey(env) .. ':meta', 'queued', delta)
+end
+
+-- An env is listed for its group while any of its queues has ready runs.
+local function refresh_env(wg, env)
+  local g = gkey(wg)
+  local active = redis.call('EXISTS', g .. ':e:' .. env .. ':qs') == 1
+  local cur = redis.call('ZSCORE', g .. ':envs', env)
+  if active and not cur then
+    local gvt = tonumber(redis.call('HGET', g .. ':meta', 'vt') or '0')
+    local evt = tonumber(redis.call('HGET', g .. ':evt', env) or '0')
+    redis.call('ZADD', g .. ':envs', math.max(gvt, evt), env)
+    redis.call('HDEL', g .. ':evt', env)
+  elseif cur and not active then
+    local gvt = tonumber(redis.call('HGET', g .. ':meta', 'vt') or '0')
+    if tonumber(cur) > gvt then redis.call('HSET', g .. ':evt', env, cur) end
+    redis.call('ZREM', g .. ':envs', env)
+  end
+end
+
+-- A queue is listed in its env with the score of its oldest ready run.
+local function refresh_queue(wg, env, q)
+  local r = rkey(wg, env, q)
+  local head = redis.call('ZRANGE', r .. ':heads', 0, 0, 'WITHSCORES')
+  local qs = gkey(wg) .. ':e:' .. env .. ':qs'
+  if head[1] then redis.call('ZADD', qs, head[2], q) else redis.call('ZREM', qs, q) end
+  refresh_env(wg, env)
+end
+
+-- After a key's ready set changed: keep its head score, (de)activate it with its virtual time.
+local function refresh_key(wg, env, q, ck)
+  local r = rkey(wg, env, q)
+  local kz = r .. ':k:' .. ck
+  local head = redis.call('ZRANGE', kz, 0, 0, 'WITHSCORES')
+  local cur = redis.call('ZSCORE', r .. ':ks', ck)
+  if head[1] then
+    redis.call('ZADD', r .. ':heads', head[2], ck)
+    if not cur then
+      local qvt = tonumber(redis.call('GET', r .. ':vt') or '0')
+      local kvt = tonumber(redis.call('HGET', r .. ':kvt', ck) or '0')
+      redis.call('ZADD', r .. ':ks', math.max(qvt, kvt), ck)
+      redis.call('HDEL', r .. ':kvt', ck)
+    end
+  else
+    redis.call('ZREM', r .. ':heads', ck)
+    if cur then
+      local qvt = tonumber(redis.call('GET', r .. ':vt') or '0')
+      if tonumber(cur) > qvt then redis.call('HSET', r .. ':kvt', ck, cur) end
+      redis.call('ZREM', r .. ':ks', ck)
+    end
+  end
+  refresh_queue(wg, env, q)
+end
+
+local function make_ready(run, m)
+  redis.call('ZADD', rkey(m.wg, m.env, m.queue) .. ':k:' .. m.ck, m.score, run)
+  refresh_key(m.wg, m.env, m.queue, m.ck)
+end
+
+local function free_slots(run, m)
+  redis.call('SREM', ekey(m.env) .. ':running', run)
+  redis.call('SREM', qkey(m.env, m.queue) .. ':running', run)
+  redis.call('SREM', qkey(m.env, m.queue) .. ':k:' .. m.ck .. ':running', run)
+end
+
+-- Take a message out of wherever it is (ready, delayed, held, dlq); the hash stays.
+local function detach(run, m)
+  local s = m.state
+  if s == 'ready' then
+    redis.call('ZREM', rkey(m.wg, m.env, m.queue) .. ':k:' .. m.ck, run)
+    refresh_key(m.wg, m.env, m.queue, m.ck)
+    count_queued(m.env, m.queue, -1)
+  elseif s == 'delayed' then
+    redis.call('ZREM', B .. ':delayed', run)
+    count_queued(m.env, m.queue, -1)
+  elseif s == 'held' then
+    free_slots(run, m)
+  elseif s == 'dlq' then
+    redis.call('ZREM', ekey(m.env) .. ':dlq', run)
+  end
+end
+
+-- Put a detached message in the queue: ready if due, else delayed until `due`.
+local function attach(run, m, due, now)
+  local mk = B .. ':msg:' .. run
+  if due > now then
+    redis.call('ZADD', B .. ':delayed', due, run)
+    redis.call('HSET', mk, 'state', 'delayed', 'due', due)
+  else
+    redis.call('HSET', mk, 'state', 'ready', 'due', due)
+    make_ready(run, m)
+  end
+  count_queued(m.env, m.queue, 1)
+end
+
+-- Delayed runs whose time has come become ready (bounded per call).
+local function promote(now, limit)
+  local due = redis.call('ZRANGEBYSCORE', B .. ':delayed', '-inf', now, 'LIMIT', 0, limit)
+  for _, run in ipairs(due) do
+    redis.call('ZREM', B .. ':delayed', run)
+    local mk = B .. ':msg:' .. run
+    local m = msg_fields(mk)
+    if m then
+      redis.call('HSET', mk, 'state', 'ready')
+      make_ready(run, m)
+    end
+  end
+  return #due
+end

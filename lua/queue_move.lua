@@ -1,0 +1,34 @@
+-- include: queue_lib
+-- queue_move: the other single-run moves.
+--   release      held -> released: free the slots, keep the message (a suspended run)
+--   remove       anywhere -> gone (cancel, expire)
+--   dead_letter  anywhere -> the environment's DLQ, with a reason
+--   redrive      DLQ -> ready now, deliveries reset to 0
+-- KEYS[1] B:delayed
+-- ARGV[1] B, ARGV[2] action, ARGV[3] run, ARGV[4] now ms, ARGV[5] reason (dead_letter)
+-- returns: 1 when the run was there to move (for redrive: was in the DLQ), else 0
+local action, run, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local mk = B .. ':msg:' .. run
+local m = msg_fields(mk)
+if not m then return 0 end
+if action == 'release' then
+  if m.state ~= 'held' then return 0 end
+  free_slots(run, m)
+  redis.call('HSET', mk, 'state', 'released')
+elseif action == 'remove' then
+  detach(run, m)
+  redis.call('DEL', mk)
+elseif action == 'dead_letter' then
+  detach(run, m)
+  redis.call('HSET', mk, 'state', 'dlq', 'reason', ARGV[5], 'dead_at', now)
+  redis.call('ZADD', ekey(m.env) .. ':dlq', now, run)
+elseif action == 'redrive' then
+  if m.state ~= 'dlq' then return 0 end
+  detach(run, m)
+  redis.call('HSET', mk, 'deliveries', 0)
+  redis.call('HDEL', mk, 'reason', 'dead_at')
+  attach(run, m, now, now)
+else
+  return redis.error_reply('unknown action ' .. action)
+end
+return 1

@@ -1,0 +1,597 @@
+"""All SQL of the engine: named, parameterised queries mapped to dataclasses.
+
+The hot path is :meth:`Repository.transition_many`: one statement that, for many runs at once,
+checks each run's latest valid snapshot against the caller's expectation, appends the new
+snapshot and updates the run row. It runs in its own transaction (autocommit), so a state change
+is one round trip and one commit, however many runs a batch carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import orjson
+from psycopg import AsyncConnection
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
+from psycopg_pool import AsyncConnectionPool
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+set_json_dumps(_dumps)
+set_json_loads(orjson.loads)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    id: str
+    run_id: str
+    engine_status: str
+    run_status: str
+    attempt_number: int
+    description: str
+    previous_snapshot_id: str | None
+    checkpoint_id: str | None
+    worker_id: str | None
+    completed_waitpoint_ids: list[str]
+    is_valid: bool
+    error: dict[str, Any] | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    id: str
+    environment_id: str
+    worker_group_id: str
+    task_identifier: str
+    payload: Any
+    payload_type: str
+    status: str
+    queue: str
+    concurrency_key: str | None
+    priority_ms: int
+    idempotency_key: str | None
+    ttl_s: int | None
+    delay_until: datetime | None
+    tags: list[str]
+    metadata: Any
+    max_attempts: int | None
+    retry: dict[str, Any] | None
+    max_duration_s: int | None
+    machine: str | None
+    attempt_number: int
+    output: Any
+    output_type: str | None
+    error: dict[str, Any] | None
+    locked_to_deployment_id: str | None
+    parent_run_id: str | None
+    root_run_id: str | None
+    depth: int
+    batch_id: str | None
+    trigger_function: str
+    created_at: datetime
+    updated_at: datetime
+    queued_at: datetime | None
+    queue_timestamp: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+_RUN_FIELDS = RunRow.__slots__
+_SNAPSHOT_FIELDS = Snapshot.__slots__
+
+
+def _run(row: dict[str, Any]) -> RunRow:
+    return RunRow(**{name: row[name] for name in _RUN_FIELDS})
+
+
+def _snapshot(row: dict[str, Any]) -> Snapshot:
+    return Snapshot(**{name: row[name] for name in _SNAPSHOT_FIELDS})
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One requested state change of one run.
+
+    Applied only if the run's latest valid snapshot has an ``engine_status`` in ``from_statuses``
+    and, when ``expected_snapshot_id`` is given, that id.
+    """
+
+    run_id: str
+    new_snapshot_id: str
+    engine_status: str
+    run_status: str
+    from_statuses: tuple[str, ...]
+    expected_snapshot_id: str | None = None
+    description: str = ""
+    attempt_delta: int = 0
+    set_started: bool = False
+    set_finished: bool = False
+    reopen: bool = False  # clear finished_at, output and error (DLQ redrive)
+    output: Any = None
+    output_type: str | None = None
+    error: dict[str, Any] | None = None
+    worker_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TransitionResult:
+    """``applied`` with the new snapshot and run; otherwise the latest snapshot's id and status
+    (``None`` when the run does not exist)."""
+
+    run_id: str
+    applied: bool
+    latest_snapshot_id: str | None
+    latest_status: str | None
+    snapshot: Snapshot | None = None
+    run: RunRow | None = None
+
+
+_TRANSITION_SQL = """
+-- transition_many: per input row, append a snapshot if the latest valid one matches, update the run.
+-- params: parallel arrays, one element per transition (see Transition)
+WITH input AS (
+    SELECT * FROM unnest(
+        %(run_ids)s::text[], %(new_ids)s::text[], %(engine_statuses)s::text[], %(run_statuses)s::text[],
+        %(froms)s::text[], %(expected)s::text[], %(descriptions)s::text[], %(attempt_deltas)s::int[],
+        %(set_started)s::bool[], %(set_finished)s::bool[], %(reopen)s::bool[], %(outputs)s::jsonb[],
+        %(output_types)s::text[], %(errors)s::jsonb[], %(worker_ids)s::text[]
+    ) WITH ORDINALITY AS t(run_id, new_id, engine_status, run_status, froms, expected, description,
+                           attempt_delta, set_started, set_finished, reopen, output, output_type,
+                           error, worker_id, ord)
+), latest AS (
+    SELECT i.*, l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number AS latest_attempt
+    FROM input i
+    LEFT JOIN LATERAL (
+        SELECT s.id, s.engine_status, s.attempt_number
+        FROM task_run_execution_snapshot s
+        WHERE s.run_id = i.run_id AND s.is_valid
+        ORDER BY s.seq DESC
+        LIMIT 1
+    ) l ON true
+), allowed AS (
+    SELECT * FROM latest
+    WHERE latest_id IS NOT NULL
+      AND (expected IS NULL OR latest_id = expected)
+      AND latest_status = ANY(string_to_array(froms, ','))
+), ins AS (
+    INSERT INTO task_run_execution_snapshot (
+        id, run_id, engine_status, run_status, attempt_number, description,
+        previous_snapshot_id, worker_id, error)
+    SELECT new_id, run_id, engine_status, run_status, latest_attempt + attempt_delta, description,
+           latest_id, worker_id, error
+    FROM allowed
+    ORDER BY ord
+    RETURNING *
+), upd AS (
+    UPDATE task_run r SET
+        status = a.run_status,
+        updated_at = now(),
+        attempt_number = r.attempt_number + a.attempt_delta,
+        started_at = CASE WHEN a.set_started THEN coalesce(r.started_at, now()) ELSE r.started_at END,
+        finished_at = CASE WHEN a.set_finished THEN now() WHEN a.reopen THEN NULL ELSE r.finished_at END,
+        output = CASE WHEN a.reopen THEN NULL WHEN a.output IS NOT NULL THEN a.output ELSE r.output END,
+        output_type = CASE WHEN a.output IS NOT NULL THEN a.output_type ELSE r.output_type END,
+        error = CASE WHEN a.reopen THEN NULL WHEN a.error IS NOT NULL THEN a.error ELSE r.error END,
+        queued_at = CASE WHEN a.engine_status = 'QUEUED' THEN now() ELSE r.queued_at END
+    FROM allowed a
+    WHERE r.id = a.run_id
+    RETURNING r.*
+)
+SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_latest_status,
+       to_jsonb(ins.*) AS t_snapshot, to_jsonb(upd.*) AS t_run
+FROM latest l
+LEFT JOIN ins ON ins.run_id = l.run_id
+LEFT JOIN upd ON upd.id = l.run_id
+ORDER BY l.ord
+"""
+
+
+def _parse_ts(value: Any) -> Any:
+    if isinstance(value, str):
+        return datetime.fromisoformat(value)
+    return value
+
+
+_RUN_TS = ("created_at", "updated_at", "queued_at", "queue_timestamp", "started_at", "finished_at", "delay_until")
+
+
+def _run_from_json(data: dict[str, Any]) -> RunRow:
+    for key in _RUN_TS:
+        data[key] = _parse_ts(data.get(key))
+    return _run(data)
+
+
+def _snapshot_from_json(data: dict[str, Any]) -> Snapshot:
+    data["created_at"] = _parse_ts(data["created_at"])
+    return _snapshot(data)
+
+
+@dataclass(frozen=True, slots=True)
+class NewRun:
+    """A run to insert together with its first snapshot."""
+
+    id: str
+    snapshot_id: str
+    environment_id: str
+    worker_group_id: str
+    task_identifier: str
+    payload: Any
+    payload_type: str
+    status: str
+    engine_status: str
+    queue: str
+    concurrency_key: str | None = None
+    priority_ms: int = 0
+    idempotency_key: str | None = None
+    idempotency_key_expires_at: datetime | None = None
+    ttl_s: int | None = None
+    delay_until: datetime | None = None
+    tags: tuple[str, ...] = ()
+    metadata: Any = None
+    max_attempts: int | None = None
+    retry: dict[str, Any] | None = None
+    max_duration_s: int | None = None
+    machine: str | None = None
+    locked_to_deployment_id: str | None = None
+    parent_run_id: str | None = None
+    root_run_id: str | None = None
+    depth: int = 0
+    batch_id: str | None = None
+    trigger_function: str = "trigger"
+    queue_timestamp: datetime | None = None
+    description: str = "Run was created"
+
+
+_INSERT_RUNS_SQL = """
+-- insert_runs: many runs and their first snapshots in one statement.
+WITH input AS (
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(
+        id text, snapshot_id text, environment_id text, worker_group_id text, task_identifier text,
+        payload jsonb, payload_type text, status text, engine_status text, queue text,
+        concurrency_key text, priority_ms int, idempotency_key text,
+        idempotency_key_expires_at timestamptz, ttl_s int, delay_until timestamptz, tags text[],
+        metadata jsonb, max_attempts int, retry jsonb, max_duration_s int, machine text,
+        locked_to_deployment_id text, parent_run_id text, root_run_id text, depth int,
+        batch_id text, trigger_function text, queue_timestamp timestamptz, description text)
+), runs AS (
+    INSERT INTO task_run (
+        id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
+        concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
+        delay_until, tags, metadata, max_attempts, retry, max_duration_s, machine,
+        locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
+        queued_at, queue_timestamp)
+    SELECT id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
+        concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
+        delay_until, coalesce(tags, '{}'), metadata, max_attempts, retry, max_duration_s, machine,
+        locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
+        CASE WHEN engine_status = 'QUEUED' THEN now() END, coalesce(queue_timestamp, now())
+    FROM input
+    RETURNING id, created_at
+)
+INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, description)
+SELECT i.snapshot_id, i.id, i.engine_status, i.status, i.description
+FROM input i JOIN runs r ON r.id = i.id
+"""
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+class Repository:
+    """Queries over one psycopg connection pool."""
+
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+
+    @classmethod
+    async def open(cls, database_url: str, *, min_size: int = 2, max_size: int = 8) -> Repository:
+        pool = AsyncConnectionPool(
+            database_url,
+            min_size=min_size,
+            max_size=max_size,
+            kwargs={"autocommit": True, "prepare_threshold": 0},
+            open=False,
+        )
+        await pool.open(wait=True, timeout=30)
+        return cls(pool)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    # --- runs -------------------------------------------------------------------------------
+
+    async def insert_runs(self, runs: Sequence[NewRun]) -> None:
+        rows = [{name: _jsonable(getattr(r, name)) for name in NewRun.__slots__} for r in runs]
+        async with self.pool.connection() as conn:
+            await conn.execute(_INSERT_RUNS_SQL, {"rows": Jsonb(rows)})
+
+    async def transition_many(self, transitions: Sequence[Transition]) -> list[TransitionResult]:
+        t = transitions
+        params = {
+            "run_ids": [x.run_id for x in t],
+            "new_ids": [x.new_snapshot_id for x in t],
+            "engine_statuses": [x.engine_status for x in t],
+            "run_statuses": [x.run_status for x in t],
+            "froms": [",".join(x.from_statuses) for x in t],
+            "expected": [x.expected_snapshot_id for x in t],
+            "descriptions": [x.description for x in t],
+            "attempt_deltas": [x.attempt_delta for x in t],
+            "set_started": [x.set_started for x in t],
+            "set_finished": [x.set_finished for x in t],
+            "reopen": [x.reopen for x in t],
+            "outputs": [None if x.output is None else Jsonb(x.output) for x in t],
+            "output_types": [x.output_type for x in t],
+            "errors": [None if x.error is None else Jsonb(x.error) for x in t],
+            "worker_ids": [x.worker_id for x in t],
+        }
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_TRANSITION_SQL, params)
+            rows = await cur.fetchall()
+        results = []
+        for row in rows:
+            snap = row["t_snapshot"]
+            run = row["t_run"]
+            results.append(
+                TransitionResult(
+                    run_id=row["t_run_id"],
+                    applied=snap is not None,
+                    latest_snapshot_id=snap["id"] if snap else row["t_latest_id"],
+                    latest_status=snap["engine_status"] if snap else row["t_latest_status"],
+                    snapshot=_snapshot_from_json(snap) if snap else None,
+                    run=_run_from_json(run) if run else None,
+                )
+            )
+        return results
+
+    async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            if env_id is None:
+                await cur.execute("SELECT * FROM task_run WHERE id = %s", (run_id,))
+            else:
+                await cur.execute(
+                    "SELECT * FROM task_run WHERE id = %s AND environment_id = %s", (run_id, env_id)
+                )
+            row = await cur.fetchone()
+        return _run(row) if row else None
+
+    async def latest_snapshot(self, run_id: str) -> Snapshot | None:
+        async with self.pool.connection() as conn:
+            return await self._latest_snapshot(conn, run_id)
+
+    @staticmethod
+    async def _latest_snapshot(conn: AsyncConnection[Any], run_id: str) -> Snapshot | None:
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(
+            """SELECT * FROM task_run_execution_snapshot
+               WHERE run_id = %s AND is_valid ORDER BY seq DESC LIMIT 1""",
+            (run_id,),
+        )
+        row = await cur.fetchone()
+        return _snapshot(row) if row else None
+
+    async def snapshots(self, run_id: str) -> list[Snapshot]:
+        """Every snapshot of a run, oldest first (the audit log)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                "SELECT * FROM task_run_execution_snapshot WHERE run_id = %s ORDER BY seq", (run_id,)
+            )
+            return [_snapshot(r) for r in await cur.fetchall()]
+
+    async def pending_version_runs(self, env_id: str, worker_group_id: str, tasks: Sequence[str]) -> list[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT id FROM task_run
+                   WHERE environment_id = %s AND worker_group_id = %s
+                     AND status = 'PENDING_VERSION' AND task_identifier = ANY(%s)
+                   ORDER BY created_at""",
+                (env_id, worker_group_id, list(tasks)),
+            )
+            return [r[0] for r in await cur.fetchall()]
+
+    # --- tenancy and deployments ------------------------------------------------------------
+
+    async def ensure_environment(
+        self,
+        *,
+        org_slug: str,
+        project_slug: str,
+        env_slug: str,
+        env_type: str,
+        api_key_hash: str,
+        worker_group_token_hash: str,
+        concurrency_limit: int,
+        ids: dict[str, str],
+    ) -> dict[str, str]:
+        """Create what is missing of org → project → env (+ the project's default worker group);
+        return their ids. ``ids`` holds fresh ids to use for rows that get created."""
+        async with self.pool.connection() as conn, conn.transaction():
+            org = await (
+                await conn.execute(
+                    """INSERT INTO organization (id, slug, title) VALUES (%s, %s, %s)
+                       ON CONFLICT (slug) DO UPDATE SET slug = EXCLUDED.slug RETURNING id""",
+                    (ids["org"], org_slug, org_slug),
+                )
+            ).fetchone()
+            assert org is not None
+            project = await (
+                await conn.execute(
+                    """INSERT INTO project (id, organization_id, slug, title) VALUES (%s, %s, %s, %s)
+                       ON CONFLICT (organization_id, slug) DO UPDATE SET slug = EXCLUDED.slug RETURNING id""",
+                    (ids["project"], org[0], project_slug, project_slug),
+                )
+            ).fetchone()
+            assert project is not None
+            wg = await (
+                await conn.execute(
+                    "SELECT id FROM worker_group WHERE project_id = %s AND name = 'main'", (project[0],)
+                )
+            ).fetchone()
+            if wg is None:
+                wg = await (
+                    await conn.execute(
+                        """INSERT INTO worker_group (id, name, project_id, token_hash, master_queue)
+                           VALUES (%s, 'main', %s, %s, %s) RETURNING id""",
+                        (ids["worker_group"], project[0], worker_group_token_hash, ids["worker_group"]),
+                    )
+                ).fetchone()
+            assert wg is not None
+            env = await (
+                await conn.execute(
+                    """INSERT INTO runtime_environment
+                           (id, project_id, type, slug, api_key_hash, concurrency_limit, default_worker_group_id)
+                       VALUES (%s, %s, %s, %s, %s, %s, %s)
+                       ON CONFLICT (project_id, slug) DO UPDATE SET slug = EXCLUDED.slug
+                       RETURNING id, concurrency_limit""",
+                    (ids["env"], project[0], env_type, env_slug, api_key_hash, concurrency_limit, wg[0]),
+                )
+            ).fetchone()
+            assert env is not None
+        return {
+            "org": org[0],
+            "project": project[0],
+            "worker_group": wg[0],
+            "env": env[0],
+            "concurrency_limit": str(env[1]),
+        }
+
+    async def environment(self, env_id: str) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM runtime_environment WHERE id = %s", (env_id,))
+            return await cur.fetchone()
+
+    async def register_deployment(
+        self,
+        *,
+        deployment_id: str,
+        env_id: str,
+        worker_group_id: str,
+        version: str,
+        content_hash: str,
+        tasks: Sequence[dict[str, Any]],
+        queues: Sequence[dict[str, Any]],
+        queue_ids: Sequence[str],
+    ) -> tuple[str, bool]:
+        """Record a deployment and make it current; upsert its queues. Returns (id, created).
+
+        Registering the same content again returns the existing deployment."""
+        async with self.pool.connection() as conn, conn.transaction():
+            existing = await (
+                await conn.execute(
+                    """SELECT id, version FROM deployment
+                       WHERE environment_id = %s AND worker_group_id = %s AND content_hash = %s
+                       ORDER BY created_at DESC LIMIT 1""",
+                    (env_id, worker_group_id, content_hash),
+                )
+            ).fetchone()
+            created = existing is None
+            dep_id = deployment_id if existing is None else existing[0]
+            await conn.execute(
+                "UPDATE deployment SET is_current = false WHERE environment_id = %s AND worker_group_id = %s AND is_current AND id <> %s",
+                (env_id, worker_group_id, dep_id),
+            )
+            if created:
+                await conn.execute(
+                    """INSERT INTO deployment (id, environment_id, worker_group_id, version, content_hash, tasks, queues, is_current)
+                       VALUES (%s, %s, %s, %s, %s, %s, %s, true)""",
+                    (dep_id, env_id, worker_group_id, version, content_hash, Jsonb(list(tasks)), Jsonb(list(queues))),
+                )
+                cur = conn.cursor()
+                await cur.executemany(
+                    """INSERT INTO deployment_task (deployment_id, environment_id, task_identifier, queue_name, retry, max_duration_s, machine)
+                       VALUES (%s, %s, %s, %s, %s, %s, %s)""",
+                    [
+                        (dep_id, env_id, t["id"], t["queue"], Jsonb(t.get("retry")) if t.get("retry") else None,
+                         t.get("maxDuration"), t.get("machine"))
+                        for t in tasks
+                    ],
+                )
+            else:
+                await conn.execute("UPDATE deployment SET is_current = true WHERE id = %s", (dep_id,))
+            for queue, queue_id in zip(queues, queue_ids, strict=True):
+                await conn.execute(
+                    """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit)
+                       VALUES (%s, %s, %s, %s, %s)
+                       ON CONFLICT (environment_id, name) DO UPDATE SET concurrency_limit = EXCLUDED.concurrency_limit""",
+                    (queue_id, env_id, queue["name"], queue.get("type", "task"), queue.get("concurrencyLimit")),
+                )
+        return dep_id, created
+
+    async def current_task(self, env_id: str, worker_group_id: str, task_id: str) -> dict[str, Any] | None:
+        """The task as the current deployment of (env, group) declares it, or None."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT dt.*, d.version FROM deployment_task dt
+                   JOIN deployment d ON d.id = dt.deployment_id
+                   WHERE d.environment_id = %s AND d.worker_group_id = %s AND d.is_current
+                     AND dt.task_identifier = %s""",
+                (env_id, worker_group_id, task_id),
+            )
+            return await cur.fetchone()
+
+    async def deployment_task(self, deployment_id: str, task_id: str) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                "SELECT * FROM deployment_task WHERE deployment_id = %s AND task_identifier = %s",
+                (deployment_id, task_id),
+            )
+            return await cur.fetchone()
+
+    async def task_queue(self, env_id: str, name: str) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_queue WHERE environment_id = %s AND name = %s", (env_id, name))
+            return await cur.fetchone()
+
+    async def ensure_queue(self, queue_id: str, env_id: str, name: str, concurrency_limit: int | None) -> dict[str, Any]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit)
+                   VALUES (%s, %s, %s, 'custom', %s)
+                   ON CONFLICT (environment_id, name) DO UPDATE
+                       SET concurrency_limit = coalesce(EXCLUDED.concurrency_limit, task_queue.concurrency_limit)
+                   RETURNING *""",
+                (queue_id, env_id, name, concurrency_limit),
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            return row
+
+    async def set_queue_paused(self, env_id: str, name: str, paused: bool) -> bool:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE task_queue SET paused = %s WHERE environment_id = %s AND name = %s", (paused, env_id, name)
+            )
+            return cur.rowcount > 0
+
+    async def assign_deployment(self, run_ids: Sequence[str], deployment_id: str, queue_of: dict[str, str]) -> None:
+        """Lock PENDING_VERSION runs to the deployment that can run them; runs that were put in
+        their task's default queue move to the queue the deployment declares for the task."""
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """UPDATE task_run r SET locked_to_deployment_id = %(dep)s,
+                       queue = CASE WHEN r.queue = 'task/' || r.task_identifier
+                                    THEN coalesce((%(queues)s::jsonb) ->> r.task_identifier, r.queue)
+                                    ELSE r.queue END
+                   WHERE r.id = ANY(%(ids)s) AND r.status = 'PENDING_VERSION'""",
+                {"dep": deployment_id, "queues": Jsonb(queue_of), "ids": list(run_ids)},
+            )

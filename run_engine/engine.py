@@ -1,0 +1,139 @@
+"""RunEngine: composes the systems over one SystemResources; the engine's public methods.
+
+The facade holds no logic of its own: every method delegates to one system.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from run_engine.clock import Clock, SystemClock
+from run_engine.db.repository import Repository, RunRow, Snapshot
+from run_engine.events import EventBus
+from run_engine.jobs import Job, JobQueue, JobWorker
+from run_engine.locking import RunLocker
+from run_engine.run_queue import RunQueue
+from run_engine.settings import EngineSettings
+from run_engine.statuses import RunStatus
+from systems.dequeue import DequeuedRun
+from systems.enqueue import TriggeredRun, TriggerRequest
+from systems.execution_snapshot import HEARTBEAT_JOB
+from systems.registry import Systems
+from systems.resources import SystemResources
+from systems.run_attempt import MAX_DURATION_JOB, AttemptOutcome, StartedAttempt
+
+__all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome"]
+
+
+class RunEngine:
+    def __init__(self, resources: SystemResources, redis: aioredis.Redis, *, run_jobs: bool = True) -> None:
+        self.resources = resources
+        self.systems = Systems.build(resources)
+        self.redis = redis
+        self.events = resources.events
+        self.jobs = JobWorker(
+            resources.jobs,
+            {HEARTBEAT_JOB: self._on_heartbeat_job, MAX_DURATION_JOB: self._on_max_duration_job},
+            concurrency=resources.settings.job_concurrency,
+            poll_interval_s=resources.settings.job_poll_interval_s,
+        )
+        self._run_jobs = run_jobs
+
+    @classmethod
+    async def create(
+        cls, settings: EngineSettings, *, clock: Clock | None = None, run_jobs: bool = True,
+    ) -> RunEngine:
+        """Connect to PostgreSQL and Redis (``settings.database_url`` / ``redis_url``) and start
+        the background job worker unless ``run_jobs`` is False (tests drive it step by step)."""
+        clock = clock or SystemClock()
+        redis = aioredis.Redis.from_url(settings.redis_url, max_connections=64)
+        repo = await Repository.open(settings.database_url, min_size=settings.db_pool_min, max_size=settings.db_pool_max)
+        queue = RunQueue(redis, prefix=f"{settings.key_prefix}:q", shards=settings.queue_shards,
+                         max_deliveries=settings.max_deliveries, default_env_limit=settings.env_concurrency)
+        await queue.load_scripts()
+        locker = RunLocker([redis], prefix=f"{settings.key_prefix}:lock")
+        jobs = JobQueue(redis, prefix=f"{settings.key_prefix}:jobs", clock=clock)
+        resources = SystemResources(repo=repo, queue=queue, locker=locker, jobs=jobs, events=EventBus(),
+                                    clock=clock, settings=settings)
+        engine = cls(resources, redis, run_jobs=run_jobs)
+        await engine.start()
+        return engine
+
+    async def start(self) -> None:
+        await self.resources.locker.start()
+        if self._run_jobs:
+            await self.jobs.start()
+
+    async def close(self) -> None:
+        await self.jobs.stop()
+        await self.resources.locker.stop()
+        await self.resources.repo.close()
+        await self.redis.aclose()
+
+    # --- runs ---------------------------------------------------------------------------------
+
+    async def trigger(self, request: TriggerRequest) -> TriggeredRun:
+        return (await self.systems.enqueue.trigger_many([request]))[0]
+
+    async def trigger_many(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
+        return await self.systems.enqueue.trigger_many(requests)
+
+    async def dequeue(self, worker_group_id: str, max_runs: int = 1, worker_id: str | None = None) -> list[DequeuedRun]:
+        return await self.systems.dequeue.dequeue(worker_group_id, max_runs, worker_id)
+
+    async def start_attempt(self, run_id: str, snapshot_id: str, worker_id: str | None = None) -> StartedAttempt:
+        return await self.systems.run_attempt.start_attempt(run_id, snapshot_id, worker_id)
+
+    async def complete_attempt(self, run_id: str, snapshot_id: str, *, ok: bool, output: Any = None,
+                               error: dict[str, Any] | None = None, retryable: bool | None = None) -> AttemptOutcome:
+        return await self.systems.run_attempt.complete_attempt(run_id, snapshot_id, ok=ok, output=output,
+                                                               error=error, retryable=retryable)
+
+    async def heartbeat(self, run_id: str, snapshot_id: str) -> None:
+        await self.systems.snapshots.heartbeat(run_id, snapshot_id)
+
+    async def cancel(self, run_id: str) -> RunStatus:
+        return await self.systems.cancel.cancel(run_id)
+
+    async def redrive(self, env_id: str, run_id: str) -> str:
+        return await self.systems.dead_letter.redrive(env_id, run_id)
+
+    async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
+        return await self.resources.repo.get_run(run_id, env_id)
+
+    async def latest_snapshot(self, run_id: str) -> Snapshot:
+        return await self.systems.snapshots.latest(run_id)
+
+    async def snapshots(self, run_id: str) -> list[Snapshot]:
+        return await self.resources.repo.snapshots(run_id)
+
+    # --- deployments and queues ---------------------------------------------------------------
+
+    async def register_deployment(self, *, env_id: str, worker_group_id: str, version: str, content_hash: str,
+                                  tasks: Sequence[dict[str, Any]], queues: Sequence[dict[str, Any]] = ()) -> tuple[str, int]:
+        return await self.systems.waiting_for_worker.register_deployment(
+            env_id=env_id, worker_group_id=worker_group_id, version=version, content_hash=content_hash,
+            tasks=tasks, queues=queues)
+
+    async def pause_queue(self, env_id: str, queue: str) -> None:
+        await self.resources.repo.set_queue_paused(env_id, queue, True)
+        await self.resources.queue.pause(env_id, queue)
+
+    async def resume_queue(self, env_id: str, queue: str) -> None:
+        await self.resources.repo.set_queue_paused(env_id, queue, False)
+        await self.resources.queue.resume(env_id, queue)
+
+    # --- engine jobs --------------------------------------------------------------------------
+
+    async def run_due_jobs(self) -> int:
+        """Run every engine job that is due now (tests with a fake clock call this)."""
+        return await self.jobs.run_due_once()
+
+    async def _on_heartbeat_job(self, job: Job) -> None:
+        await self.systems.run_attempt.on_heartbeat_timeout(job.payload["run_id"], job.payload["snapshot_id"])
+
+    async def _on_max_duration_job(self, job: Job) -> None:
+        await self.systems.run_attempt.on_max_duration(job.payload["run_id"], job.payload["snapshot_id"])

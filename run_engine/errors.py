@@ -1,0 +1,76 @@
+"""Errors of the run engine.
+
+Hierarchy::
+
+    RunEngineError
+    ├── NotFoundError              unknown id (or one of another environment)
+    ├── StaleSnapshotError         the caller's snapshot id is no longer the latest (HTTP 409)
+    ├── InvalidTransitionError     the run is in a state where the operation is impossible (409/422)
+    ├── LockTimeoutError           the run lock could not be taken in time
+    ├── ValidationError            bad input (HTTP 400), names the field
+    └── ConfigurationError         bad settings, missing embedded server, …
+
+Decisions (retry, finish, requeue) are returned as data, never raised.
+"""
+
+from __future__ import annotations
+
+
+class RunEngineError(Exception):
+    code = "internal_error"
+
+
+class NotFoundError(RunEngineError):
+    code = "not_found"
+
+    def __init__(self, kind: str, ident: str) -> None:
+        super().__init__(f"{kind} {ident!r} not found")
+        self.kind = kind
+        self.ident = ident
+
+
+class StaleSnapshotError(RunEngineError):
+    code = "stale_snapshot"
+
+    def __init__(self, run_id: str, snapshot_id: str, latest_snapshot_id: str, latest_status: str) -> None:
+        super().__init__(
+            f"snapshot {snapshot_id} of run {run_id} is stale: the latest is {latest_snapshot_id} ({latest_status})"
+        )
+        self.run_id = run_id
+        self.snapshot_id = snapshot_id
+        self.latest_snapshot_id = latest_snapshot_id
+        self.latest_status = latest_status
+
+
+class InvalidTransitionError(RunEngineError):
+    code = "invalid_state"
+
+    def __init__(self, run_id: str, status: str, operation: str) -> None:
+        super().__init__(f"cannot {operation} run {run_id} in execution status {status}")
+        self.run_id = run_id
+        self.status = status
+        self.operation = operation
+
+
+class LockTimeoutError(RunEngineError):
+    code = "lock_timeout"
+
+    def __init__(self, resources: tuple[str, ...], waited_s: float, attempts: int) -> None:
+        super().__init__(
+            f"could not lock {', '.join(resources)} after {attempts} attempts in {waited_s:.2f}s"
+        )
+        self.resources = resources
+        self.waited_s = waited_s
+        self.attempts = attempts
+
+
+class ValidationError(RunEngineError):
+    code = "invalid_input"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ConfigurationError(RunEngineError):
+    code = "configuration_error"

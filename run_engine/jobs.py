@@ -1,0 +1,214 @@
+"""Engine jobs: delayed jobs in Redis with fixed ids (DESIGN.md §8).
+
+* ``schedule`` with an id that exists replaces the job (new payload, time and token): rescheduling
+  is debouncing; ``ack`` cancels a pending job.
+* ``claim`` leases due jobs atomically (score := now + visibility timeout); a consumer that dies
+  lets the lease run out and the job is delivered again (at least once: handlers are idempotent).
+* ``complete`` / ``fail`` act only if the job still carries the claimed token, so a job that was
+  rescheduled while its handler ran survives. ``fail`` retries with back-off, then moves the job to
+  the job DLQ.
+
+Keys: ``<prefix>:{jobs}:due`` (ZSET id → run-at ms), ``:items`` (HASH id → JSON), ``:dlq`` (HASH).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+
+from run_engine.clock import Clock
+from run_engine.lua_scripts import LuaScript
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: str
+    kind: str
+    payload: dict[str, Any]
+    attempt: int
+    token: str
+
+
+def _encode(kind: str, payload: dict[str, Any], attempt: int, token: str, error: str | None = None) -> bytes:
+    data: dict[str, Any] = {"kind": kind, "payload": payload, "attempt": attempt, "token": token}
+    if error is not None:
+        data["error"] = error
+    return orjson.dumps(data)
+
+
+def _decode(job_id: str | bytes, raw: str | bytes) -> Job:
+    data = orjson.loads(raw)
+    jid = job_id.decode() if isinstance(job_id, bytes) else job_id
+    return Job(jid, data["kind"], data["payload"], data["attempt"], data["token"])
+
+
+class JobQueue:
+    def __init__(self, redis: Redis, *, prefix: str, clock: Clock, max_attempts: int = 12,
+                 min_retry_s: float = 1.0, max_retry_s: float = 3600.0, factor: float = 2.0) -> None:
+        self.redis = redis
+        self.clock = clock
+        self.max_attempts = max_attempts
+        self.min_retry_s = min_retry_s
+        self.max_retry_s = max_retry_s
+        self.factor = factor
+        base = f"{prefix}:{{jobs}}"
+        self.due_key = f"{base}:due"
+        self.items_key = f"{base}:items"
+        self.dlq_key = f"{base}:dlq"
+        self._schedule = LuaScript.get("jobs_schedule")
+        self._reschedule = LuaScript.get("jobs_reschedule")
+        self._ack = LuaScript.get("jobs_ack")
+        self._claim = LuaScript.get("jobs_claim")
+        self._settle = LuaScript.get("jobs_settle")
+
+    def _ms(self, when: float) -> int:
+        return int(when * 1000)
+
+    async def schedule(self, job_id: str, kind: str, payload: dict[str, Any], run_at: float) -> None:
+        await self.schedule_many([(job_id, kind, payload, run_at)])
+
+    async def schedule_many(self, jobs: Sequence[tuple[str, str, dict[str, Any], float]]) -> None:
+        if not jobs:
+            return
+        args: list[Any] = []
+        for job_id, kind, payload, run_at in jobs:
+            args += [job_id, self._ms(run_at), _encode(kind, payload, 0, secrets.token_hex(8))]
+        await self._schedule(self.redis, [self.due_key, self.items_key], args)
+
+    async def reschedule(self, job_id: str, run_at: float) -> bool:
+        return (await self.reschedule_many([(job_id, run_at)]))[0]
+
+    async def reschedule_many(self, items: Sequence[tuple[str, float]]) -> list[bool]:
+        if not items:
+            return []
+        args: list[Any] = []
+        for job_id, run_at in items:
+            args += [job_id, self._ms(run_at)]
+        return [bool(x) for x in await self._reschedule(self.redis, [self.due_key], args)]
+
+    async def ack(self, job_id: str) -> None:
+        await self.ack_many([job_id])
+
+    async def ack_many(self, job_ids: Sequence[str]) -> None:
+        if job_ids:
+            await self._ack(self.redis, [self.due_key, self.items_key], list(job_ids))
+
+    async def claim(self, limit: int, visibility_s: float = 30.0) -> list[Job]:
+        flat = await self._claim(self.redis, [self.due_key, self.items_key],
+                                 [self._ms(self.clock.now()), limit, int(visibility_s * 1000)])
+        return [_decode(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+
+    async def complete(self, job: Job) -> bool:
+        return bool(await self._settle(self.redis, [self.due_key, self.items_key, self.dlq_key],
+                                       [job.id, job.token, "complete", "", 0]))
+
+    def retry_delay_s(self, attempt: int) -> float:
+        return min(self.max_retry_s, self.min_retry_s * self.factor ** max(0, attempt - 1))
+
+    async def fail(self, job: Job, error: str) -> bool:
+        """Retry the job after a back-off, or move it to the job DLQ after ``max_attempts``."""
+        attempt = job.attempt + 1
+        keys = [self.due_key, self.items_key, self.dlq_key]
+        if attempt >= self.max_attempts:
+            return bool(await self._settle(self.redis, keys, [
+                job.id, job.token, "dead", _encode(job.kind, job.payload, attempt, job.token, error), 0]))
+        run_at = self.clock.now() + self.retry_delay_s(attempt)
+        return bool(await self._settle(self.redis, keys, [
+            job.id, job.token, "retry", _encode(job.kind, job.payload, attempt, job.token, error), self._ms(run_at)]))
+
+    async def get(self, job_id: str) -> tuple[Job, float] | None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.items_key, job_id)
+        pipe.zscore(self.due_key, job_id)
+        raw, score = await pipe.execute()
+        if raw is None or score is None:
+            return None
+        return _decode(job_id, raw), score / 1000
+
+    async def dlq(self, limit: int = 100) -> list[tuple[Job, str]]:
+        out = []
+        async for job_id, raw in self.redis.hscan_iter(self.dlq_key, count=limit):
+            out.append((_decode(job_id, raw), orjson.loads(raw).get("error", "")))
+            if len(out) >= limit:
+                break
+        return out
+
+    async def size(self) -> int:
+        return int(await self.redis.zcard(self.due_key))
+
+
+Handler = Callable[[Job], Awaitable[None]]
+
+
+class JobWorker:
+    """Claims due jobs and runs their handlers, ``concurrency`` at a time."""
+
+    def __init__(self, queue: JobQueue, handlers: Mapping[str, Handler], *, concurrency: int = 10,
+                 poll_interval_s: float = 0.05, visibility_s: float = 30.0) -> None:
+        self.queue = queue
+        self.handlers = dict(handlers)
+        self.concurrency = concurrency
+        self.poll_interval_s = poll_interval_s
+        self.visibility_s = visibility_s
+        self._task: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+
+    async def _run(self, job: Job) -> None:
+        handler = self.handlers.get(job.kind)
+        try:
+            if handler is None:
+                raise LookupError(f"no handler for job kind {job.kind!r}")
+            await handler(job)
+        except Exception as exc:
+            log.exception("engine job %s (%s) failed", job.id, job.kind)
+            await self.queue.fail(job, f"{type(exc).__name__}: {exc}")
+        else:
+            await self.queue.complete(job)
+
+    async def run_due_once(self) -> int:
+        """Claim and run every job due now; returns how many ran."""
+        total = 0
+        while True:
+            jobs = await self.queue.claim(self.concurrency, self.visibility_s)
+            if not jobs:
+                return total
+            await asyncio.gather(*(self._run(job) for job in jobs))
+            total += len(jobs)
+
+    async def _loop(self) -> None:
+        while True:
+            free = self.concurrency - len(self._running)
+            try:
+                jobs = await self.queue.claim(free, self.visibility_s) if free > 0 else []
+            except Exception:  # Redis away: keep trying, the jobs are still there
+                log.exception("claiming engine jobs failed")
+                jobs = []
+            for job in jobs:
+                task = asyncio.create_task(self._run(job))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+            if len(jobs) < max(free, 1):
+                await asyncio.sleep(self.poll_interval_s)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)

@@ -1,0 +1,58 @@
+"""Lua scripts from ``lua/*.lua``: loaded once, called by SHA, reloaded on NOSCRIPT.
+
+One :class:`LuaScript` per file. Callers pass every key in ``keys`` (built by a key producer), so
+a script touches only keys it was given and, with hash tags, one cluster slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import NoScriptError
+
+from run_engine._resources import read_text
+
+KeyOrArg = str | bytes | int | float
+
+
+class LuaScript:
+    """A script of ``lua/<name>.lua``, executed with EVALSHA and loaded on NOSCRIPT."""
+
+    _cache: dict[str, LuaScript] = {}
+    source: str
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        source = read_text("lua", f"{name}.lua")
+        # A script may start with `-- include: <lib>`: that library file is put in front of it,
+        # so scripts share helpers without copies (each file still runs as one script).
+        first = source.split("\n", 1)[0]
+        if first.startswith("-- include: "):
+            source = read_text("lua", f"{first.removeprefix('-- include: ').strip()}.lua") + "\n" + source
+        self.source = source
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    @classmethod
+    def get(cls, name: str) -> LuaScript:
+        script = cls._cache.get(name)
+        if script is None:
+            script = cls._cache[name] = cls(name)
+        return script
+
+    async def load(self, client: Redis) -> None:
+        await client.script_load(self.source)
+
+    async def __call__(self, client: Redis, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self.load(client)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+
+    def queue_in(self, pipe: Pipeline, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> None:
+        """Add a call to a pipeline; the script must have been :meth:`load`-ed on that server."""
+        pipe.evalsha(self.sha, len(keys), *keys, *args)

@@ -1,0 +1,70 @@
+"""Values the run queue takes and returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueItem:
+    """A run to put in the queue.
+
+    ``score_ms`` orders runs inside their queue (queued-at minus priority: lower first);
+    ``available_at_ms`` hides the run until then (delays, retry back-off).
+    """
+
+    run_id: str
+    env_id: str
+    queue: str
+    worker_group: str
+    score_ms: float
+    available_at_ms: int | None = None
+    concurrency_key: str | None = None
+    task: str = ""
+    reset_deliveries: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DequeuedMessage:
+    run_id: str
+    env_id: str
+    queue: str
+    concurrency_key: str | None
+    worker_group: str
+    score_ms: float
+    deliveries: int
+    task: str
+
+
+@dataclass(frozen=True, slots=True)
+class NackResult:
+    dead_lettered: bool
+    deliveries: int
+    available_at_ms: int | None = None
+    known: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DlqEntry:
+    run_id: str
+    queue: str
+    task: str
+    reason: str
+    dead_at_ms: int
+    deliveries: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    queued: int
+    running: int
+    limit: int | None
+    key_limit: int | None
+    paused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EnvStats:
+    queued: int
+    running: int
+    limit: int

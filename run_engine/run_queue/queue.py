@@ -1,0 +1,226 @@
+"""RunQueue: one typed method per Lua script of ``lua/queue_*.lua``.
+
+Every operation is one script call per shard it touches (a batch of runs of many environments
+is grouped by shard), and costs O(log n) in the backlog: nothing scans a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+
+from run_engine.lua_scripts import LuaScript
+from run_engine.run_queue.keys import QueueKeys
+from run_engine.run_queue.models import (
+    DequeuedMessage,
+    DlqEntry,
+    EnqueueItem,
+    EnvStats,
+    NackResult,
+    QueueStats,
+)
+
+
+def _s(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RunQueue:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        prefix: str,
+        shards: int = 2,
+        max_deliveries: int = 12,
+        nack_min_delay_ms: int = 1000,
+        nack_max_delay_ms: int = 3_600_000,
+        nack_factor: float = 2.0,
+        default_env_limit: int = 100,
+        promote_limit: int = 500,
+        scan_window: int = 32,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.redis = redis
+        self.keys = QueueKeys(prefix, shards)
+        self.max_deliveries = max_deliveries
+        self.nack_min_delay_ms = nack_min_delay_ms
+        self.nack_max_delay_ms = nack_max_delay_ms
+        self.nack_factor = nack_factor
+        self.default_env_limit = default_env_limit
+        self.promote_limit = promote_limit
+        self.scan_window = scan_window
+        self._rng = rng or random.Random()
+        self._next_shard = 0
+        self._enqueue = LuaScript.get("queue_enqueue")
+        self._dequeue = LuaScript.get("queue_dequeue")
+        self._ack = LuaScript.get("queue_ack")
+        self._nack = LuaScript.get("queue_nack")
+        self._move = LuaScript.get("queue_move")
+
+    async def load_scripts(self) -> None:
+        for script in (self._enqueue, self._dequeue, self._ack, self._nack, self._move):
+            await script.load(self.redis)
+
+    def _shard_args(self, env_id: str) -> tuple[list[str], str]:
+        shard = self.keys.shard_of(env_id)
+        return [self.keys.delayed(shard)], self.keys.base(shard)
+
+    # --- enqueue / dequeue --------------------------------------------------------------------
+
+    async def enqueue(self, items: Sequence[EnqueueItem], now_ms: int) -> None:
+        by_shard: dict[int, list[str | int]] = defaultdict(list)
+        for it in items:
+            due = it.available_at_ms if it.available_at_ms is not None else now_ms
+            by_shard[self.keys.shard_of(it.env_id)] += [
+                it.run_id, it.env_id, it.queue, it.concurrency_key or "", it.worker_group, it.score_ms,
+                due, it.task, "1" if it.reset_deliveries else "0",
+            ]
+        await asyncio.gather(*(
+            self._enqueue(self.redis, [self.keys.delayed(shard)], [self.keys.base(shard), now_ms, *args])
+            for shard, args in by_shard.items()
+        ))
+
+    async def dequeue(self, worker_group: str, max_runs: int, now_ms: int) -> list[DequeuedMessage]:
+        """Up to ``max_runs`` runs of ``worker_group``; shards are visited in rotating order."""
+        out: list[DequeuedMessage] = []
+        start = self._next_shard
+        self._next_shard = (self._next_shard + 1) % self.keys.shards
+        for i in range(self.keys.shards):
+            if len(out) >= max_runs:
+                break
+            shard = (start + i) % self.keys.shards
+            flat = await self._dequeue(self.redis, [self.keys.delayed(shard)], [
+                self.keys.base(shard), worker_group, now_ms, max_runs - len(out), self.promote_limit,
+                self.default_env_limit, self.scan_window,
+            ])
+            for j in range(0, len(flat), 7):
+                ck = _s(flat[j + 3])
+                out.append(DequeuedMessage(
+                    run_id=_s(flat[j]), env_id=_s(flat[j + 1]), queue=_s(flat[j + 2]),
+                    concurrency_key=ck or None, worker_group=worker_group,
+                    score_ms=float(_s(flat[j + 4])), deliveries=int(flat[j + 5]), task=_s(flat[j + 6]),
+                ))
+        return out
+
+    # --- after a dequeue ------------------------------------------------------------------------
+
+    async def ack(self, items: Sequence[tuple[str, str]]) -> None:
+        """``(env_id, run_id)`` pairs are done: free their slots and forget them."""
+        by_shard: dict[int, list[str]] = defaultdict(list)
+        for env_id, run_id in items:
+            by_shard[self.keys.shard_of(env_id)].append(run_id)
+        await asyncio.gather(*(
+            self._ack(self.redis, [self.keys.delayed(shard)], [self.keys.base(shard), *runs])
+            for shard, runs in by_shard.items()
+        ))
+
+    async def nack(self, env_id: str, run_id: str, now_ms: int, retry_at_ms: int | None = None) -> NackResult:
+        keys, base = self._shard_args(env_id)
+        reply = await self._nack(self.redis, keys, [
+            base, run_id, now_ms, self.max_deliveries, "" if retry_at_ms is None else retry_at_ms,
+            self.nack_min_delay_ms, self.nack_max_delay_ms, self.nack_factor, self._rng.random(),
+        ])
+        if reply[0] == -1:
+            return NackResult(dead_lettered=False, deliveries=0, known=False)
+        return NackResult(dead_lettered=reply[0] == 1, deliveries=int(reply[1]),
+                          available_at_ms=None if reply[0] == 1 else int(reply[2]))
+
+    async def _one(self, action: str, env_id: str, run_id: str, now_ms: int = 0, reason: str = "") -> bool:
+        keys, base = self._shard_args(env_id)
+        return bool(await self._move(self.redis, keys, [base, action, run_id, now_ms, reason]))
+
+    async def release(self, env_id: str, run_id: str) -> None:
+        await self._one("release", env_id, run_id)
+
+    async def remove(self, env_id: str, run_id: str) -> bool:
+        return await self._one("remove", env_id, run_id)
+
+    async def dead_letter(self, env_id: str, run_id: str, reason: str, now_ms: int) -> None:
+        await self._one("dead_letter", env_id, run_id, now_ms, reason)
+
+    async def redrive(self, env_id: str, run_id: str, now_ms: int) -> bool:
+        return await self._one("redrive", env_id, run_id, now_ms)
+
+    async def list_dlq(self, env_id: str, limit: int = 100, after: str | None = None) -> list[DlqEntry]:
+        """Dead-lettered runs, oldest first; ``after`` is the last run id of the previous page."""
+        dlq = f"{self.keys.env(env_id)}:dlq"
+        start = 0
+        if after is not None:
+            rank = await self.redis.zrank(dlq, after)
+            start = 0 if rank is None else rank + 1
+        entries = await self.redis.zrange(dlq, start, start + limit - 1, withscores=True)
+        pipe = self.redis.pipeline(transaction=False)
+        for run, _ in entries:
+            pipe.hmget(self.keys.message(env_id, _s(run)), "queue", "task", "reason", "deliveries")
+        fields = await pipe.execute() if entries else []
+        return [
+            DlqEntry(_s(run), _s(f[0]), _s(f[1]), _s(f[2]), int(score), int(f[3] or 0))
+            for (run, score), f in zip(entries, fields, strict=True)
+        ]
+
+    # --- limits, pause, stats -------------------------------------------------------------------
+
+    async def set_env_limit(self, env_id: str, limit: int | None) -> None:
+        meta = f"{self.keys.env(env_id)}:meta"
+        if limit is None:
+            await self.redis.hdel(meta, "limit")
+        else:
+            await self.redis.hset(meta, "limit", limit)
+
+    async def _set_queue_field(self, env_id: str, queue: str, field: str, value: int | None) -> None:
+        meta = f"{self.keys.queue(env_id, queue)}:meta"
+        if value is None:
+            await self.redis.hdel(meta, field)
+        else:
+            await self.redis.hset(meta, field, value)
+
+    async def set_queue_limit(self, env_id: str, queue: str, limit: int | None) -> None:
+        """Combined cap over all concurrency keys of the queue (None: only the env limit)."""
+        await self._set_queue_field(env_id, queue, "limit", limit)
+
+    async def set_key_limit(self, env_id: str, queue: str, limit: int | None) -> None:
+        """Cap per concurrency key of the queue."""
+        await self._set_queue_field(env_id, queue, "key_limit", limit)
+
+    async def pause(self, env_id: str, queue: str) -> None:
+        await self._set_queue_field(env_id, queue, "paused", 1)
+
+    async def resume(self, env_id: str, queue: str) -> None:
+        await self._set_queue_field(env_id, queue, "paused", None)
+
+    async def queue_stats(self, env_id: str, queue: str) -> QueueStats:
+        qk = self.keys.queue(env_id, queue)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(f"{qk}:meta", "queued", "limit", "key_limit", "paused")
+        pipe.scard(f"{qk}:running")
+        (queued, limit, key_limit, paused), running = await pipe.execute()
+        return QueueStats(
+            queued=int(queued or 0), running=int(running),
+            limit=None if limit is None else int(limit), key_limit=None if key_limit is None else int(key_limit),
+            paused=_s(paused) == "1",
+        )
+
+    async def env_stats(self, env_id: str) -> EnvStats:
+        ek = self.keys.env(env_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(f"{ek}:meta", "queued", "limit")
+        pipe.scard(f"{ek}:running")
+        (queued, limit), running = await pipe.execute()
+        return EnvStats(queued=int(queued or 0), running=int(running),
+                        limit=self.default_env_limit if limit is None else int(limit))
+
+    async def running_ids(self, env_id: str) -> set[str]:
+        return {_s(x) for x in await self.redis.smembers(f"{self.keys.env(env_id)}:running")}
+
+    async def has_messages(self, items: Sequence[tuple[str, str]]) -> list[bool]:
+        pipe = self.redis.pipeline(transaction=False)
+        for env_id, run_id in items:
+            pipe.exists(self.keys.message(env_id, run_id))
+        return [bool(x) for x in await pipe.execute()] if items else []

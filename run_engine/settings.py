@@ -1,0 +1,130 @@
+"""Engine settings: frozen dataclasses with defaults; only entry points read the environment."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from run_engine.errors import ConfigurationError, ValidationError
+from run_engine.statuses import ExecutionStatus
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How a failed attempt is retried; the API's ``retry`` keys in seconds."""
+
+    max_attempts: int = 3
+    factor: float = 2.0
+    min_timeout_s: float = 1.0
+    max_timeout_s: float = 10.0
+    randomize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValidationError("retry.max_attempts", "must be at least 1")
+        if self.factor < 1:
+            raise ValidationError("retry.factor", "must be at least 1")
+        if self.min_timeout_s < 0 or self.max_timeout_s < self.min_timeout_s:
+            raise ValidationError("retry.max_timeout", "must be >= min_timeout >= 0")
+
+    def delay_s(self, failed_attempt: int, rng: random.Random | None = None) -> float:
+        """Back-off before the attempt after ``failed_attempt`` (1-based): min·factor^(n-1), capped,
+        times a random factor in [1, 2) when ``randomize`` (as Trigger.dev and p-retry do)."""
+        delay = self.min_timeout_s * self.factor ** max(0, failed_attempt - 1)
+        if self.randomize:
+            delay *= 1 + (rng or random).random()
+        return min(delay, self.max_timeout_s)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None, base: RetryPolicy | None = None) -> RetryPolicy:
+        """Build from the API's camelCase or snake_case keys, over ``base``."""
+        base = base or cls()
+        if not data:
+            return base
+        names = {
+            "max_attempts": ("max_attempts", "maxAttempts"),
+            "factor": ("factor",),
+            "min_timeout_s": ("min_timeout", "minTimeout", "min_timeout_s"),
+            "max_timeout_s": ("max_timeout", "maxTimeout", "max_timeout_s"),
+            "randomize": ("randomize",),
+        }
+        changes: dict[str, Any] = {}
+        for attr, keys in names.items():
+            for key in keys:
+                if key in data and data[key] is not None:
+                    changes[attr] = data[key]
+        return replace(base, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_attempts": self.max_attempts,
+            "factor": self.factor,
+            "min_timeout": self.min_timeout_s,
+            "max_timeout": self.max_timeout_s,
+            "randomize": self.randomize,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    database_url: str = ""
+    redis_url: str = ""
+    key_prefix: str = "re"
+    queue_shards: int = 2
+    max_deliveries: int = 12
+    pending_executing_timeout_s: float = 60.0
+    executing_timeout_s: float = 60.0
+    executing_with_waitpoints_timeout_s: float = 60.0
+    suspended_timeout_s: float = 600.0
+    pending_cancel_timeout_s: float = 60.0
+    stalled_retry_delay_s: float = 0.25
+    max_duration_grace_s: float = 5.0
+    env_concurrency: int = 100
+    max_payload_bytes: int = 3 * MiB
+    default_retry: RetryPolicy = field(default_factory=RetryPolicy)
+    db_pool_min: int = 2
+    db_pool_max: int = 8
+    job_concurrency: int = 20
+    job_poll_interval_s: float = 0.05
+
+    def heartbeat_timeout_s(self, status: ExecutionStatus) -> float | None:
+        return {
+            ExecutionStatus.PENDING_EXECUTING: self.pending_executing_timeout_s,
+            ExecutionStatus.EXECUTING: self.executing_timeout_s,
+            ExecutionStatus.EXECUTING_WITH_WAITPOINTS: self.executing_with_waitpoints_timeout_s,
+            ExecutionStatus.SUSPENDED: self.suspended_timeout_s,
+            ExecutionStatus.PENDING_CANCEL: self.pending_cancel_timeout_s,
+        }.get(status)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> EngineSettings:
+        """Read ``DATABASE_URL``, ``REDIS_URL`` and ``RUN_ENGINE_*`` variables (API.md)."""
+        env = os.environ if environ is None else environ
+        mapping = {
+            "database_url": "DATABASE_URL",
+            "redis_url": "REDIS_URL",
+            "key_prefix": "RUN_ENGINE_KEY_PREFIX",
+            "max_deliveries": "RUN_ENGINE_MAX_DELIVERIES",
+            "pending_executing_timeout_s": "RUN_ENGINE_PENDING_EXECUTING_TIMEOUT_S",
+            "executing_timeout_s": "RUN_ENGINE_EXECUTING_TIMEOUT_S",
+            "env_concurrency": "RUN_ENGINE_ENV_CONCURRENCY",
+            "max_payload_bytes": "RUN_ENGINE_MAX_PAYLOAD_BYTES",
+            "queue_shards": "RUN_ENGINE_QUEUE_SHARDS",
+        }
+        types = {f.name: f.type for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for attr, var in mapping.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            kind = types[attr]
+            try:
+                values[attr] = int(raw) if kind in ("int", int) else float(raw) if kind in ("float", float) else raw
+            except ValueError as exc:
+                raise ConfigurationError(f"{var}={raw!r} is not a number") from exc
+        values.update(overrides)
+        return cls(**values)

@@ -1,0 +1,48 @@
+"""CancelSystem: queued runs end at once; executing runs go through PENDING_CANCEL until their
+worker reports back (or its heartbeat times out)."""
+
+from __future__ import annotations
+
+from run_engine.events import RunEvent
+from run_engine.statuses import CANCEL_AT_ONCE, EXECUTING, ExecutionStatus, RunStatus
+from systems.resources import SystemResources
+
+E = ExecutionStatus
+CANCEL_ERROR = {"type": "CANCELED", "message": "Run was cancelled"}
+
+
+class CancelSystem:
+    def __init__(self, resources: SystemResources) -> None:
+        self.r = resources
+
+    async def cancel(self, run_id: str) -> RunStatus:
+        """Cancel a run; a finished run is left as it is. Returns the run's public status after."""
+        s = self.r.systems
+        assert s is not None
+        async with self.r.locker.lock("cancel", run_id):
+            latest = await s.snapshots.latest(run_id)
+            status = ExecutionStatus(latest.engine_status)
+            if status == E.FINISHED or status == E.PENDING_CANCEL:
+                return RunStatus(latest.run_status)
+            if status in CANCEL_AT_ONCE:
+                run = await self.r.repo.get_run(run_id)
+                assert run is not None
+                # Out of the queue first: a cancelled run must never be handed out again.
+                await self.r.queue.remove(run.environment_id, run_id)
+                outcome = await s.run_attempt.finish(
+                    run_id, RunStatus.CANCELED, error=CANCEL_ERROR, expected_snapshot_id=latest.id,
+                    from_statuses=(status,), description=f"Cancelled while {status}",
+                )
+                return outcome.status
+            if status in EXECUTING:
+                result = await s.snapshots.apply(
+                    run_id, E.PENDING_CANCEL, RunStatus.EXECUTING, from_statuses=(status,),
+                    expected_snapshot_id=latest.id, operation="cancel",
+                    description="Cancel requested while executing",
+                )
+                assert result.snapshot is not None and result.run is not None
+                await s.snapshots.after_transition(latest.id, status, result.snapshot)
+                self.r.events.emit(RunEvent("run_cancelled", run_id, result.run.environment_id, result.snapshot.id,
+                                            {"status": "PENDING_CANCEL", "final": False}))
+                return RunStatus.EXECUTING
+            return RunStatus(latest.run_status)

@@ -1,0 +1,74 @@
+"""DeadLetterSystem: a dequeued run whose worker never started it is requeued with back-off;
+past the delivery limit it goes to its environment's DLQ and fails as SYSTEM_FAILURE.
+Redrive puts it back in its queue directly."""
+
+from __future__ import annotations
+
+from run_engine.db.repository import Snapshot
+from run_engine.errors import InvalidTransitionError, NotFoundError
+from run_engine.events import RunEvent
+from run_engine.statuses import ExecutionStatus, RunStatus
+from systems.execution_snapshot import heartbeat_job_id
+from systems.resources import SystemResources
+
+E = ExecutionStatus
+DLQ_ERROR = {
+    "type": "INTERNAL_ERROR",
+    "code": "TASK_RUN_DEQUEUED_MAX_RETRIES",
+    "message": "The run was dequeued too many times without starting",
+}
+
+
+class DeadLetterSystem:
+    def __init__(self, resources: SystemResources) -> None:
+        self.r = resources
+
+    async def requeue_undelivered(self, run_id: str, latest: Snapshot) -> None:
+        """PENDING_EXECUTING timed out (caller holds the lock): nack, or DLQ past the limit."""
+        s = self.r.systems
+        assert s is not None
+        run = await self.r.repo.get_run(run_id)
+        assert run is not None
+        outcome = await self.r.queue.nack(run.environment_id, run_id, self.r.now_ms())
+        if outcome.dead_lettered:
+            result = await s.snapshots.apply(
+                run_id, E.FINISHED, RunStatus.SYSTEM_FAILURE, from_statuses=(E.PENDING_EXECUTING,),
+                expected_snapshot_id=latest.id, operation="dead-letter", description="Moved to the DLQ",
+                set_finished=True, error=DLQ_ERROR,
+            )
+            await self.r.jobs.ack_many([heartbeat_job_id(run_id, latest.id)])
+            assert result.snapshot is not None
+            self.r.events.emit(RunEvent("run_dead_lettered", run_id, run.environment_id, result.snapshot.id,
+                                        {"deliveries": outcome.deliveries}))
+            return
+        result = await s.snapshots.apply(
+            run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=(E.PENDING_EXECUTING,),
+            expected_snapshot_id=latest.id, operation="requeue",
+            description="Requeued: the attempt did not start in time",
+        )
+        await self.r.jobs.ack_many([heartbeat_job_id(run_id, latest.id)])
+        assert result.snapshot is not None
+        self.r.events.emit(RunEvent("run_requeued", run_id, run.environment_id, result.snapshot.id,
+                                    {"deliveries": outcome.deliveries}))
+
+    async def redrive(self, env_id: str, run_id: str) -> str:
+        """Move a dead-lettered run back into its queue: QUEUED with a fresh delivery count."""
+        s = self.r.systems
+        assert s is not None
+        async with self.r.locker.lock("redrive", run_id):
+            run = await self.r.repo.get_run(run_id, env_id)
+            if run is None:
+                raise NotFoundError("run", run_id)
+            latest = await s.snapshots.latest(run_id)
+            if latest.engine_status != E.FINISHED or run.status != RunStatus.SYSTEM_FAILURE:
+                raise InvalidTransitionError(run_id, latest.engine_status, "redrive")
+            result = await s.snapshots.apply(
+                run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=(E.FINISHED,), expected_snapshot_id=latest.id,
+                operation="redrive", description="Redriven from the DLQ", reopen=True,
+            )
+            assert result.snapshot is not None and result.run is not None
+            if not await self.r.queue.redrive(env_id, run_id, self.r.now_ms()):
+                # The DLQ entry is gone (e.g. Redis was flushed): enqueue it afresh.
+                await self.r.queue.enqueue([s.enqueue.item_for(result.run, reset_deliveries=True)], self.r.now_ms())
+        self.r.events.emit(RunEvent("run_redriven", run_id, env_id, result.snapshot.id))
+        return result.snapshot.id

@@ -1,0 +1,213 @@
+"""EnqueueSystem: create runs (trigger) and put runs into the run queue."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from run_engine.db.repository import NewRun, RunRow
+from run_engine.errors import NotFoundError, ValidationError
+from run_engine.events import RunEvent
+from run_engine.ids import new_id
+from run_engine.run_queue import EnqueueItem
+from run_engine.statuses import ExecutionStatus, RunStatus
+from systems.resources import SystemResources
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerRequest:
+    """What a caller asks for; options use the API's meaning (seconds, names)."""
+
+    env_id: str
+    task_id: str
+    payload: Any = None
+    payload_type: str = "application/json"
+    queue: str | None = None
+    queue_concurrency_limit: int | None = None
+    concurrency_key: str | None = None
+    priority_s: float = 0.0
+    tags: tuple[str, ...] = ()
+    metadata: Any = None
+    max_attempts: int | None = None
+    retry: dict[str, Any] | None = None
+    max_duration_s: int | None = None
+    machine: str | None = None
+    parent_run_id: str | None = None
+    root_run_id: str | None = None
+    depth: int = 0
+    batch_id: str | None = None
+    trigger_function: str = "trigger"
+
+
+@dataclass(frozen=True, slots=True)
+class TriggeredRun:
+    id: str
+    status: RunStatus
+    snapshot_id: str
+    queue: str
+    is_cached: bool = False
+
+
+@dataclass(slots=True)
+class _EnvInfo:
+    worker_group_id: str
+    concurrency_limit: int
+    fetched_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class _TaskInfo:
+    deployment_id: str | None
+    queue: str | None
+    fetched_at: float = field(default_factory=time.monotonic)
+
+
+class EnqueueSystem:
+    # Deployments and limits change rarely; a short cache keeps the trigger path to one write.
+    CACHE_TTL_S = 2.0
+
+    def __init__(self, resources: SystemResources) -> None:
+        self.r = resources
+        self._envs: dict[str, _EnvInfo] = {}
+        self._tasks: dict[tuple[str, str, str], _TaskInfo] = {}
+        self._queues: set[tuple[str, str]] = set()
+        self._last_micros = 0
+
+    def invalidate(self) -> None:
+        self._tasks.clear()
+        self._queues.clear()
+
+    async def environment(self, env_id: str) -> _EnvInfo:
+        info = self._envs.get(env_id)
+        if info is None or time.monotonic() - info.fetched_at > self.CACHE_TTL_S:
+            row = await self.r.repo.environment(env_id)
+            if row is None:
+                raise NotFoundError("environment", env_id)
+            fresh = _EnvInfo(row["default_worker_group_id"], row["concurrency_limit"])
+            if info is None or info.concurrency_limit != fresh.concurrency_limit:
+                await self.r.queue.set_env_limit(env_id, fresh.concurrency_limit)
+            self._envs[env_id] = info = fresh
+        return info
+
+    async def _task(self, env_id: str, worker_group_id: str, task_id: str) -> _TaskInfo:
+        key = (env_id, worker_group_id, task_id)
+        info = self._tasks.get(key)
+        if info is None or time.monotonic() - info.fetched_at > self.CACHE_TTL_S:
+            row = await self.r.repo.current_task(env_id, worker_group_id, task_id)
+            info = _TaskInfo(row["deployment_id"], row["queue_name"]) if row else _TaskInfo(None, None)
+            self._tasks[key] = info
+        return info
+
+    async def _ensure_queue(self, env_id: str, name: str, limit: int | None) -> None:
+        if limit is None and (env_id, name) in self._queues:
+            return
+        row = await self.r.repo.ensure_queue(new_id("queue"), env_id, name, limit)
+        await self.r.queue.set_queue_limit(env_id, name, row["concurrency_limit"])
+        if row["paused"]:
+            await self.r.queue.pause(env_id, name)
+        self._queues.add((env_id, name))
+
+    async def trigger_many(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
+        """Create runs: one insert for all of them, then one enqueue for those that can run."""
+        now = self.r.clock.now()
+        new_runs: list[NewRun] = []
+        items: list[EnqueueItem] = []
+        results: list[TriggeredRun] = []
+        for req in requests:
+            self._validate(req)
+            env = await self.environment(req.env_id)
+            task = await self._task(req.env_id, env.worker_group_id, req.task_id)
+            queue = req.queue or task.queue or f"task/{req.task_id}"
+            await self._ensure_queue(req.env_id, queue, req.queue_concurrency_limit)
+            runnable = task.deployment_id is not None
+            engine_status = ExecutionStatus.QUEUED if runnable else ExecutionStatus.PENDING_VERSION
+            status = RunStatus.QUEUED if runnable else RunStatus.PENDING_VERSION
+            priority_ms = int(req.priority_s * 1000)
+            created = self._queue_timestamp(now)
+            run = NewRun(
+                id=new_id("run"),
+                snapshot_id=new_id("snapshot"),
+                environment_id=req.env_id,
+                worker_group_id=env.worker_group_id,
+                task_identifier=req.task_id,
+                payload=req.payload,
+                payload_type=req.payload_type,
+                status=status,
+                engine_status=engine_status,
+                queue=queue,
+                concurrency_key=req.concurrency_key,
+                priority_ms=priority_ms,
+                tags=req.tags,
+                metadata=req.metadata,
+                max_attempts=req.max_attempts,
+                retry=req.retry,
+                max_duration_s=req.max_duration_s,
+                machine=req.machine,
+                locked_to_deployment_id=task.deployment_id,
+                parent_run_id=req.parent_run_id,
+                root_run_id=req.root_run_id,
+                depth=req.depth,
+                batch_id=req.batch_id,
+                trigger_function=req.trigger_function,
+                queue_timestamp=created,
+                description="Run was created" if runnable else "No deployment has this task yet",
+            )
+            new_runs.append(run)
+            if runnable:
+                items.append(self.queue_item(run.id, req.env_id, queue, env.worker_group_id,
+                                             created.timestamp() * 1000, priority_ms, req.concurrency_key,
+                                             req.task_id))
+            results.append(TriggeredRun(run.id, status, run.snapshot_id, queue))
+        if len(new_runs) == 1:
+            await self.r.inserts.submit(new_runs[0])
+        else:
+            await self.r.repo.insert_runs(new_runs)
+        if len(items) == 1:
+            await self.r.enqueues.submit(items[0])
+        elif items:
+            await self.r.queue.enqueue(items, self.r.now_ms())
+        for run, result in zip(new_runs, results, strict=True):
+            self.r.events.emit(RunEvent("run_created", run.id, run.environment_id, run.snapshot_id,
+                                        {"status": result.status, "task": run.task_identifier}))
+            if result.status == RunStatus.PENDING_VERSION:
+                self.r.events.emit(RunEvent("run_pending_version", run.id, run.environment_id, run.snapshot_id))
+        return results
+
+    def _queue_timestamp(self, now: float) -> datetime:
+        """``now`` with microseconds, strictly increasing in this process, so that runs
+        triggered in the same millisecond (or one batch) keep their order in the queue."""
+        micros = max(int(now * 1_000_000), self._last_micros + 1)
+        self._last_micros = micros
+        return datetime.fromtimestamp(micros / 1_000_000, UTC)
+
+    @staticmethod
+    def queue_item(run_id: str, env_id: str, queue: str, worker_group_id: str, queued_at_ms: float,
+                   priority_ms: int, concurrency_key: str | None, task: str,
+                   available_at_ms: int | None = None, reset_deliveries: bool = False) -> EnqueueItem:
+        return EnqueueItem(
+            run_id=run_id, env_id=env_id, queue=queue, worker_group=worker_group_id,
+            score_ms=queued_at_ms - priority_ms, available_at_ms=available_at_ms,
+            concurrency_key=concurrency_key, task=task, reset_deliveries=reset_deliveries,
+        )
+
+    def item_for(self, run: RunRow, available_at_ms: int | None = None, *, reset_deliveries: bool = False) -> EnqueueItem:
+        """The queue item of an existing run; it keeps its original place (queue timestamp)."""
+        queued = run.queue_timestamp or run.created_at
+        return self.queue_item(run.id, run.environment_id, run.queue, run.worker_group_id,
+                               queued.timestamp() * 1000, run.priority_ms, run.concurrency_key,
+                               run.task_identifier, available_at_ms, reset_deliveries)
+
+    def _validate(self, req: TriggerRequest) -> None:
+        if not req.task_id or len(req.task_id) > 128:
+            raise ValidationError("taskId", "must be 1..128 characters")
+        if req.queue is not None and (not req.queue or ":" in req.queue or len(req.queue) > 128):
+            raise ValidationError("options.queue", "must be 1..128 characters without ':'")
+        if req.priority_s < 0:
+            raise ValidationError("options.priority", "must be >= 0")
+        if req.max_attempts is not None and req.max_attempts < 1:
+            raise ValidationError("options.maxAttempts", "must be >= 1")
+        if len(req.tags) > 10:
+            raise ValidationError("options.tags", "at most 10 tags")

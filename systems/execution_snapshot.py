@@ -1,0 +1,100 @@
+"""ExecutionSnapshotSystem: append snapshots (through the group-commit writer), arm heartbeat
+timeouts, take heartbeats, answer "what is the latest snapshot"."""
+
+from __future__ import annotations
+
+from run_engine.db.repository import Snapshot, Transition, TransitionResult
+from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError
+from run_engine.ids import new_id
+from run_engine.statuses import ExecutionStatus, RunStatus
+from systems.resources import SystemResources
+
+HEARTBEAT_JOB = "heartbeat_timeout"
+
+
+def heartbeat_job_id(run_id: str, snapshot_id: str) -> str:
+    return f"hb.{run_id}.{snapshot_id}"
+
+
+class ExecutionSnapshotSystem:
+    def __init__(self, resources: SystemResources) -> None:
+        self.r = resources
+
+    async def apply(
+        self,
+        run_id: str,
+        to: ExecutionStatus,
+        run_status: RunStatus,
+        *,
+        from_statuses: frozenset[ExecutionStatus] | tuple[ExecutionStatus, ...],
+        expected_snapshot_id: str | None = None,
+        operation: str,
+        **changes: object,
+    ) -> TransitionResult:
+        """Append a snapshot ``to`` if the latest is in ``from_statuses`` (and is
+        ``expected_snapshot_id`` when given); raise a typed error otherwise."""
+        result = await self.r.transition(
+            Transition(
+                run_id=run_id,
+                new_snapshot_id=new_id("snapshot"),
+                engine_status=to,
+                run_status=run_status,
+                from_statuses=tuple(from_statuses),
+                expected_snapshot_id=expected_snapshot_id,
+                **changes,  # type: ignore[arg-type]
+            )
+        )
+        self.raise_unless_applied(result, expected_snapshot_id, operation)
+        return result
+
+    @staticmethod
+    def raise_unless_applied(result: TransitionResult, expected_snapshot_id: str | None, operation: str) -> None:
+        if result.applied:
+            return
+        if result.latest_snapshot_id is None:
+            raise NotFoundError("run", result.run_id)
+        if expected_snapshot_id is not None and result.latest_snapshot_id != expected_snapshot_id:
+            raise StaleSnapshotError(
+                result.run_id, expected_snapshot_id, result.latest_snapshot_id, str(result.latest_status)
+            )
+        raise InvalidTransitionError(result.run_id, str(result.latest_status), operation)
+
+    async def after_transition(self, previous_snapshot_id: str | None, previous_status: str | None, snapshot: Snapshot) -> None:
+        """Re-arm heartbeat timeouts: cancel the previous snapshot's job, schedule the new one's."""
+        if previous_snapshot_id and previous_status and self.r.settings.heartbeat_timeout_s(ExecutionStatus(previous_status)):
+            await self.r.jobs.ack(heartbeat_job_id(snapshot.run_id, previous_snapshot_id))
+        timeout = self.r.settings.heartbeat_timeout_s(ExecutionStatus(snapshot.engine_status))
+        if timeout is not None:
+            await self.r.jobs.schedule(
+                heartbeat_job_id(snapshot.run_id, snapshot.id),
+                HEARTBEAT_JOB,
+                {"run_id": snapshot.run_id, "snapshot_id": snapshot.id},
+                self.r.clock.now() + timeout,
+            )
+
+    async def heartbeat(self, run_id: str, snapshot_id: str) -> None:
+        """Push back the run's timeout; no lock, no PostgreSQL write. A heartbeat for a snapshot
+        that is no longer the latest raises :class:`StaleSnapshotError`."""
+        snapshot_status = None
+        moved = await self.r.jobs.reschedule(heartbeat_job_id(run_id, snapshot_id), self._deadline_unknown())
+        if moved:
+            return
+        latest = await self.r.repo.latest_snapshot(run_id)
+        if latest is None:
+            raise NotFoundError("run", run_id)
+        snapshot_status = latest.engine_status
+        if latest.id != snapshot_id:
+            raise StaleSnapshotError(run_id, snapshot_id, latest.id, snapshot_status)
+        # The latest snapshot has no heartbeat job (e.g. FINISHED, QUEUED): nothing to extend.
+
+    def _deadline_unknown(self) -> float:
+        # A heartbeat extends by the longest timeout of the statuses a worker heartbeats in;
+        # the job's handler re-checks the real status, so a generous deadline is safe.
+        s = self.r.settings
+        return self.r.clock.now() + max(s.executing_timeout_s, s.pending_executing_timeout_s)
+
+    async def latest(self, run_id: str) -> Snapshot:
+        snapshot = await self.r.repo.latest_snapshot(run_id)
+        if snapshot is None:
+            raise NotFoundError("run", run_id)
+        return snapshot

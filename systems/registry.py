@@ -1,0 +1,39 @@
+"""The engine's systems registry: systems reach their siblings only through it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from systems.cancel import CancelSystem
+from systems.dead_letter import DeadLetterSystem
+from systems.dequeue import DequeueSystem
+from systems.enqueue import EnqueueSystem
+from systems.execution_snapshot import ExecutionSnapshotSystem
+from systems.resources import SystemResources
+from systems.run_attempt import RunAttemptSystem
+from systems.waiting_for_worker import WaitingForWorkerSystem
+
+
+@dataclass(eq=False)
+class Systems:
+    snapshots: ExecutionSnapshotSystem
+    enqueue: EnqueueSystem
+    dequeue: DequeueSystem
+    run_attempt: RunAttemptSystem
+    cancel: CancelSystem
+    dead_letter: DeadLetterSystem
+    waiting_for_worker: WaitingForWorkerSystem
+
+    @classmethod
+    def build(cls, resources: SystemResources) -> Systems:
+        systems = cls(
+            snapshots=ExecutionSnapshotSystem(resources),
+            enqueue=EnqueueSystem(resources),
+            dequeue=DequeueSystem(resources),
+            run_attempt=RunAttemptSystem(resources),
+            cancel=CancelSystem(resources),
+            dead_letter=DeadLetterSystem(resources),
+            waiting_for_worker=WaitingForWorkerSystem(resources),
+        )
+        resources.systems = systems
+        return systems

@@ -1,0 +1,58 @@
+"""The one object every system receives: storage, queue, locks, jobs, events, clock, settings."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from run_engine.jobs import JobQueue
+from run_engine.locking import RunLocker
+
+from run_engine.batching import Batcher
+from run_engine.clock import Clock
+from run_engine.db.repository import NewRun, Repository, Transition, TransitionResult
+from run_engine.events import EventBus
+from run_engine.run_queue import EnqueueItem, RunQueue
+from run_engine.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from systems.registry import Systems
+
+
+@dataclass(eq=False)
+class SystemResources:
+    repo: Repository
+    queue: RunQueue
+    locker: RunLocker
+    jobs: JobQueue
+    events: EventBus
+    clock: Clock
+    settings: EngineSettings
+    rng: random.Random = field(default_factory=random.Random)
+    systems: Systems | None = None
+
+    def __post_init__(self) -> None:
+        # Group commit: concurrent state changes share one statement / one Lua call.
+        self.transitions: Batcher[Transition, TransitionResult] = Batcher(self.repo.transition_many)
+        self.inserts: Batcher[NewRun, None] = Batcher(self._insert_runs)
+        self.enqueues: Batcher[EnqueueItem, None] = Batcher(self._enqueue)
+        self.acks: Batcher[tuple[str, str], None] = Batcher(self._ack)
+
+    def now_ms(self) -> int:
+        return int(self.clock.now() * 1000)
+
+    async def transition(self, transition: Transition) -> TransitionResult:
+        return await self.transitions.submit(transition)
+
+    async def _insert_runs(self, runs: list[NewRun]) -> list[None]:
+        await self.repo.insert_runs(runs)
+        return [None] * len(runs)
+
+    async def _enqueue(self, items: list[EnqueueItem]) -> list[None]:
+        await self.queue.enqueue(items, self.now_ms())
+        return [None] * len(items)
+
+    async def _ack(self, items: list[tuple[str, str]]) -> list[None]:
+        await self.queue.ack(items)
+        return [None] * len(items)

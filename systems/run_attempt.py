@@ -1,0 +1,229 @@
+"""RunAttemptSystem: start attempts, complete them, decide retries, finish runs, and handle the
+timeouts that end an attempt (stalled heartbeat, max duration).
+
+Retry decisions are data (:class:`AttemptOutcome`), never exceptions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from run_engine.db.repository import RunRow, Snapshot, TransitionResult
+from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError
+from run_engine.events import RunEvent
+from run_engine.settings import RetryPolicy
+from run_engine.statuses import EXECUTING, ExecutionStatus, RunStatus
+from systems.execution_snapshot import heartbeat_job_id
+from systems.resources import SystemResources
+
+E = ExecutionStatus
+MAX_DURATION_JOB = "max_duration"
+
+#: error ``type`` values with a fixed meaning
+ERROR_TIMED_OUT = "MAX_DURATION_EXCEEDED"
+ERROR_ABORT = "ABORT"
+
+
+@dataclass(frozen=True, slots=True)
+class StartedAttempt:
+    run: RunRow
+    snapshot: Snapshot
+    attempt_number: int
+    retry: RetryPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptOutcome:
+    """``finished`` with the run's final status, or ``retry`` after ``delay_ms``."""
+
+    action: Literal["finished", "retry"]
+    status: RunStatus
+    snapshot_id: str
+    delay_ms: int | None = None
+
+
+def max_duration_job_id(run_id: str, snapshot_id: str) -> str:
+    return f"maxdur.{run_id}.{snapshot_id}"
+
+
+class RunAttemptSystem:
+    def __init__(self, resources: SystemResources) -> None:
+        self.r = resources
+        # A deployment's task catalogue never changes, so it is cached for the process's life.
+        self._tasks: dict[tuple[str, str], dict[str, Any] | None] = {}
+
+    @property
+    def _s(self):  # type: ignore[no-untyped-def]
+        assert self.r.systems is not None
+        return self.r.systems
+
+    async def deployment_task(self, run: RunRow) -> dict[str, Any] | None:
+        if not run.locked_to_deployment_id:
+            return None
+        key = (run.locked_to_deployment_id, run.task_identifier)
+        if key not in self._tasks:
+            if len(self._tasks) > 10_000:
+                self._tasks.clear()
+            self._tasks[key] = await self.r.repo.deployment_task(*key)
+        return self._tasks[key]
+
+    async def retry_policy(self, run: RunRow) -> RetryPolicy:
+        task = await self.deployment_task(run)
+        policy = RetryPolicy.from_json(task["retry"] if task else None, self.r.settings.default_retry)
+        policy = RetryPolicy.from_json(run.retry, policy)
+        if run.max_attempts is not None:
+            policy = RetryPolicy.from_json({"max_attempts": run.max_attempts}, policy)
+        return policy
+
+    async def start_attempt(self, run_id: str, snapshot_id: str, worker_id: str | None = None) -> StartedAttempt:
+        async with self.r.locker.lock("start_attempt", run_id):
+            result = await self._s.snapshots.apply(
+                run_id, E.EXECUTING, RunStatus.EXECUTING,
+                from_statuses=(E.PENDING_EXECUTING,), expected_snapshot_id=snapshot_id,
+                operation="start an attempt of", description="Attempt started",
+                attempt_delta=1, set_started=True, worker_id=worker_id,
+            )
+            assert result.run is not None and result.snapshot is not None
+            run, snapshot = result.run, result.snapshot
+            await self._s.snapshots.after_transition(snapshot_id, E.PENDING_EXECUTING, snapshot)
+            policy = await self.retry_policy(run)
+            max_duration = run.max_duration_s
+            if max_duration is None:
+                task = await self.deployment_task(run)
+                max_duration = task["max_duration_s"] if task else None
+            if max_duration:
+                await self.r.jobs.schedule(
+                    max_duration_job_id(run_id, snapshot.id), MAX_DURATION_JOB,
+                    {"run_id": run_id, "snapshot_id": snapshot.id},
+                    self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s,
+                )
+        self.r.events.emit(RunEvent("attempt_started", run_id, run.environment_id, snapshot.id,
+                                    {"attempt": run.attempt_number}))
+        return StartedAttempt(run, snapshot, run.attempt_number, policy)
+
+    async def complete_attempt(
+        self, run_id: str, snapshot_id: str, *, ok: bool, output: Any = None,
+        output_type: str = "application/json", error: dict[str, Any] | None = None,
+        retryable: bool | None = None,
+    ) -> AttemptOutcome:
+        async with self.r.locker.lock("complete_attempt", run_id):
+            if ok:
+                return await self._succeed(run_id, snapshot_id, output, output_type)
+            return await self._fail(run_id, snapshot_id, error or {"type": "UNKNOWN", "message": "unknown error"},
+                                    retryable=retryable)
+
+    async def _succeed(self, run_id: str, snapshot_id: str, output: Any, output_type: str) -> AttemptOutcome:
+        try:
+            result = await self._s.snapshots.apply(
+                run_id, E.FINISHED, RunStatus.COMPLETED,
+                from_statuses=EXECUTING, expected_snapshot_id=snapshot_id,
+                operation="complete", description="Attempt succeeded", set_finished=True,
+                output=output, output_type=output_type,
+            )
+        except StaleSnapshotError as exc:
+            if exc.latest_status == E.PENDING_CANCEL:
+                return await self.finish_cancel_requested(run_id, exc.latest_snapshot_id)
+            raise
+        await self._finalize(result, snapshot_id, E.EXECUTING)
+        assert result.run is not None and result.snapshot is not None
+        self.r.events.emit(RunEvent("run_succeeded", run_id, result.run.environment_id, result.snapshot.id))
+        return AttemptOutcome("finished", RunStatus.COMPLETED, result.snapshot.id)
+
+    async def _fail(self, run_id: str, snapshot_id: str, error: dict[str, Any], *, retryable: bool | None,
+                    forced_delay_s: float | None = None) -> AttemptOutcome:
+        latest = await self._s.snapshots.latest(run_id)
+        if latest.id != snapshot_id:
+            if latest.engine_status == E.PENDING_CANCEL:
+                return await self.finish_cancel_requested(run_id, latest.id)
+            raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
+        if latest.engine_status not in EXECUTING:
+            raise InvalidTransitionError(run_id, latest.engine_status, "fail an attempt of")
+        run = await self.r.repo.get_run(run_id)
+        if run is None:
+            raise NotFoundError("run", run_id)
+        policy = await self.retry_policy(run)
+        final_status: RunStatus | None = None
+        if error.get("type") == ERROR_TIMED_OUT:
+            final_status = RunStatus.TIMED_OUT
+        elif retryable is False or error.get("type") == ERROR_ABORT:
+            final_status = RunStatus.FAILED
+        elif run.attempt_number >= policy.max_attempts:
+            final_status = RunStatus.FAILED
+        if final_status is not None:
+            return await self.finish(run_id, final_status, error=error, expected_snapshot_id=snapshot_id,
+                                     from_statuses=EXECUTING, description="Attempt failed, no retry")
+        delay_s = forced_delay_s if forced_delay_s is not None else policy.delay_s(run.attempt_number, self.r.rng)
+        result = await self._s.snapshots.apply(
+            run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=EXECUTING, expected_snapshot_id=snapshot_id,
+            operation="retry", description=f"Retrying after attempt {run.attempt_number} failed", error=error,
+        )
+        assert result.run is not None and result.snapshot is not None
+        await self._ack_attempt_jobs(run_id, snapshot_id, latest.engine_status)
+        available_at = self.r.now_ms() + int(delay_s * 1000)
+        await self.r.queue.enqueue([self._s.enqueue.item_for(result.run, available_at, reset_deliveries=True)],
+                                   self.r.now_ms())
+        self.r.events.emit(RunEvent("run_failed", run_id, run.environment_id, result.snapshot.id,
+                                    {"error": error, "final": False}))
+        self.r.events.emit(RunEvent("retry_scheduled", run_id, run.environment_id, result.snapshot.id,
+                                    {"delay_ms": int(delay_s * 1000), "attempt": run.attempt_number}))
+        return AttemptOutcome("retry", RunStatus.QUEUED, result.snapshot.id, int(delay_s * 1000))
+
+    async def finish(self, run_id: str, status: RunStatus, *, error: dict[str, Any] | None = None,
+                     expected_snapshot_id: str | None, from_statuses: frozenset[ExecutionStatus] | tuple[ExecutionStatus, ...],
+                     description: str) -> AttemptOutcome:
+        """End the run (caller holds the run lock): FINISHED snapshot, queue slot and jobs released."""
+        result = await self._s.snapshots.apply(
+            run_id, E.FINISHED, status, from_statuses=from_statuses, expected_snapshot_id=expected_snapshot_id,
+            operation="finish", description=description, set_finished=True, error=error,
+        )
+        assert result.run is not None and result.snapshot is not None
+        await self._finalize(result, None, None)
+        name = {RunStatus.CANCELED: "run_cancelled"}.get(status, "run_failed")
+        self.r.events.emit(RunEvent(name, run_id, result.run.environment_id, result.snapshot.id,
+                                    {"status": status, "error": error, "final": True}))
+        return AttemptOutcome("finished", status, result.snapshot.id)
+
+    async def _finalize(self, result: TransitionResult, snapshot_id: str | None, status: str | None) -> None:
+        """After a run finished: free its queue slots, cancel its timeout jobs."""
+        assert result.run is not None and result.snapshot is not None
+        previous = result.snapshot.previous_snapshot_id
+        await self.r.acks.submit((result.run.environment_id, result.run.id))
+        if previous:
+            await self.r.jobs.ack_many([heartbeat_job_id(result.run.id, previous),
+                                        max_duration_job_id(result.run.id, previous)])
+
+    async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str, status: str) -> None:
+        await self.r.jobs.ack_many([heartbeat_job_id(run_id, snapshot_id), max_duration_job_id(run_id, snapshot_id)])
+
+    async def finish_cancel_requested(self, run_id: str, pending_cancel_snapshot_id: str) -> AttemptOutcome:
+        return await self.finish(run_id, RunStatus.CANCELED, expected_snapshot_id=pending_cancel_snapshot_id,
+                                 from_statuses=(E.PENDING_CANCEL,), description="Cancelled while executing",
+                                 error={"type": "CANCELED", "message": "Run was cancelled"})
+
+    # --- timeouts ---------------------------------------------------------------------------
+
+    async def on_heartbeat_timeout(self, run_id: str, snapshot_id: str) -> None:
+        """The heartbeat job of ``snapshot_id`` fired: the worker went quiet."""
+        async with self.r.locker.lock("heartbeat_timeout", run_id):
+            latest = await self.r.repo.latest_snapshot(run_id)
+            if latest is None or latest.id != snapshot_id:
+                return  # the run moved on; this job is stale
+            status = ExecutionStatus(latest.engine_status)
+            if status == E.PENDING_EXECUTING:
+                await self._s.dead_letter.requeue_undelivered(run_id, latest)
+            elif status in EXECUTING:
+                await self._fail(run_id, snapshot_id,
+                                 {"type": "INTERNAL_ERROR", "code": "TASK_RUN_STALLED_EXECUTING",
+                                  "message": "The run stopped sending heartbeats"},
+                                 retryable=True, forced_delay_s=self.r.settings.stalled_retry_delay_s)
+            elif status == E.PENDING_CANCEL:
+                await self.finish_cancel_requested(run_id, snapshot_id)
+
+    async def on_max_duration(self, run_id: str, snapshot_id: str) -> None:
+        async with self.r.locker.lock("max_duration", run_id):
+            latest = await self.r.repo.latest_snapshot(run_id)
+            if latest is None or latest.id != snapshot_id or latest.engine_status not in EXECUTING:
+                return
+            await self.finish(run_id, RunStatus.TIMED_OUT, expected_snapshot_id=snapshot_id, from_statuses=EXECUTING,
+                              error={"type": ERROR_TIMED_OUT, "message": "Run exceeded its maximum duration"},
+                              description="Max duration exceeded")

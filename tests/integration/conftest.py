@@ -1,0 +1,77 @@
+"""An engine over the session's real PostgreSQL and Redis, with a fake clock and the job worker
+switched off, so tests drive timeouts step by step."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from run_engine.clock import FakeClock
+from run_engine.events import RunEvent
+from run_engine.settings import EngineSettings, RetryPolicy
+from run_engine.tenancy import Environment, ensure_environment
+
+if TYPE_CHECKING:
+    from run_engine.engine import RunEngine
+
+
+@dataclass
+class Harness:
+    engine: RunEngine
+    clock: FakeClock
+    env: Environment
+    events: list[RunEvent] = field(default_factory=list)
+
+    def names(self, run_id: str) -> list[str]:
+        return [e.name for e in self.events if e.run_id == run_id]
+
+    async def deploy(self, *tasks: dict[str, Any], queues: list[dict[str, Any]] | None = None,
+                     version: str = "1") -> str:
+        dep_id, _ = await self.engine.register_deployment(
+            env_id=self.env.env_id, worker_group_id=self.env.worker_group_id, version=version,
+            content_hash=f"hash-{version}", tasks=list(tasks), queues=queues or [])
+        return dep_id
+
+    async def statuses(self, run_id: str) -> list[str]:
+        return [s.engine_status for s in await self.engine.snapshots(run_id)]
+
+    async def advance(self, seconds: float) -> int:
+        """Move the fake clock and run the engine jobs that became due."""
+        self.clock.advance(seconds)
+        return await self.engine.run_due_jobs()
+
+
+@pytest.fixture
+async def make_engine(database_url: str, redis_url: str, key_prefix: str, unique: str) -> AsyncIterator[Callable[..., Any]]:
+    engines: list[RunEngine] = []
+
+    async def make(**overrides: Any) -> Harness:
+        settings = EngineSettings(
+            database_url=database_url, redis_url=redis_url, key_prefix=f"{key_prefix}:{unique}",
+            default_retry=RetryPolicy(max_attempts=3, factor=2, min_timeout_s=1, max_timeout_s=10, randomize=False),
+            **overrides,
+        )
+        from run_engine.engine import RunEngine
+
+        clock = FakeClock()
+        engine = await RunEngine.create(settings, clock=clock, run_jobs=False)
+        engines.append(engine)
+        env = await ensure_environment(engine.resources.repo, org=f"org-{unique}", project="proj", env="dev")
+        harness = Harness(engine, clock, env)
+        engine.events.subscribe("*", harness.events.append)
+        return harness
+
+    yield make
+    for engine in engines:
+        await engine.close()
+
+
+@pytest.fixture
+async def h(make_engine: Callable[..., Any]) -> Harness:
+    harness: Harness = await make_engine()
+    await harness.deploy({"id": "hello"}, {"id": "limited", "queue": "limited"},
+                         queues=[{"name": "limited", "concurrencyLimit": 1}])
+    return harness

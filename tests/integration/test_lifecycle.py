@@ -1,0 +1,281 @@
+"""Every transition of DESIGN.md §5 that the spine builds, on real PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import pytest
+
+from run_engine.engine import TriggerRequest
+from run_engine.errors import InvalidTransitionError, StaleSnapshotError
+from run_engine.statuses import RunStatus
+
+from .conftest import Harness
+
+
+def req(h: Harness, task: str = "hello", **kw: object) -> TriggerRequest:
+    return TriggerRequest(env_id=h.env.env_id, task_id=task, **kw)  # type: ignore[arg-type]
+
+
+async def dequeue_one(h: Harness):  # type: ignore[no-untyped-def]
+    got = await h.engine.dequeue(h.env.worker_group_id, 1)
+    assert len(got) == 1, got
+    return got[0]
+
+
+async def test_trigger_to_completed_with_full_snapshot_history(h: Harness) -> None:
+    run = await h.engine.trigger(req(h, payload={"n": 1}))
+    assert run.status == RunStatus.QUEUED
+    d = await dequeue_one(h)
+    assert d.run.id == run.id and d.run.payload == {"n": 1} and d.snapshot.engine_status == "PENDING_EXECUTING"
+    started = await h.engine.start_attempt(run.id, d.snapshot.id)
+    assert started.attempt_number == 1 and started.snapshot.engine_status == "EXECUTING"
+    outcome = await h.engine.complete_attempt(run.id, started.snapshot.id, ok=True, output={"ok": 1})
+    assert outcome.action == "finished" and outcome.status == RunStatus.COMPLETED
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.status == "COMPLETED" and row.output == {"ok": 1}
+    assert row.started_at is not None and row.finished_at is not None
+    assert await h.statuses(run.id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "FINISHED"]
+    snaps = await h.engine.snapshots(run.id)
+    assert [s.previous_snapshot_id for s in snaps[1:]] == [s.id for s in snaps[:-1]]
+    assert h.names(run.id) == ["run_created", "run_dequeued", "attempt_started", "run_succeeded"]
+    # the slot is free again: nothing held in the queue
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == set()
+
+
+async def test_retry_after_failure_waits_the_policy_delay(h: Harness) -> None:
+    run = await h.engine.trigger(req(h))
+    delays = []
+    for attempt in (1, 2):
+        d = await dequeue_one(h)
+        started = await h.engine.start_attempt(run.id, d.snapshot.id)
+        assert started.attempt_number == attempt
+        outcome = await h.engine.complete_attempt(run.id, started.snapshot.id, ok=False,
+                                                  error={"type": "Error", "message": f"boom {attempt}"})
+        assert outcome.action == "retry"
+        delays.append(outcome.delay_ms)
+        # invisible until the back-off has passed
+        h.clock.advance(outcome.delay_ms / 1000 - 0.05)  # type: ignore[operator]
+        assert await h.engine.dequeue(h.env.worker_group_id, 1) == []
+        h.clock.advance(0.05)
+    assert delays == [1000, 2000]  # min 1 s, factor 2, no jitter
+    d = await dequeue_one(h)
+    started = await h.engine.start_attempt(run.id, d.snapshot.id)
+    outcome = await h.engine.complete_attempt(run.id, started.snapshot.id, ok=False,
+                                              error={"type": "Error", "message": "boom 3"})
+    assert outcome.action == "finished" and outcome.status == RunStatus.FAILED
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.status == "FAILED" and row.attempt_number == 3
+    assert row.error == {"type": "Error", "message": "boom 3"}
+    assert h.names(run.id).count("retry_scheduled") == 2
+
+
+async def test_task_retry_policy_and_trigger_override(h: Harness) -> None:
+    await h.deploy({"id": "flaky", "retry": {"maxAttempts": 2, "minTimeout": 5, "factor": 3, "randomize": False}},
+                   version="2")
+    run = await h.engine.trigger(req(h, "flaky"))
+    d = await dequeue_one(h)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    assert s.retry.max_attempts == 2
+    out = await h.engine.complete_attempt(run.id, s.snapshot.id, ok=False, error={"type": "E", "message": "x"})
+    assert out.delay_ms == 5000
+    one_shot = await h.engine.trigger(req(h, "flaky", max_attempts=1))
+    d = await dequeue_one(h)
+    s = await h.engine.start_attempt(one_shot.id, d.snapshot.id)
+    out = await h.engine.complete_attempt(one_shot.id, s.snapshot.id, ok=False, error={"type": "E", "message": "x"})
+    assert out.action == "finished" and out.status == RunStatus.FAILED
+
+
+async def test_non_retryable_error_ends_the_run_at_once(h: Harness) -> None:
+    run = await h.engine.trigger(req(h))
+    d = await dequeue_one(h)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    out = await h.engine.complete_attempt(run.id, s.snapshot.id, ok=False, retryable=False,
+                                          error={"type": "ABORT", "message": "no"})
+    assert out.action == "finished" and out.status == RunStatus.FAILED
+
+
+async def test_stale_snapshot_id_is_rejected_and_changes_nothing(h: Harness) -> None:
+    run = await h.engine.trigger(req(h))
+    d = await dequeue_one(h)
+    with pytest.raises(StaleSnapshotError) as info:
+        await h.engine.start_attempt(run.id, run.snapshot_id)
+    assert info.value.latest_snapshot_id == d.snapshot.id and info.value.latest_status == "PENDING_EXECUTING"
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    with pytest.raises(StaleSnapshotError):
+        await h.engine.complete_attempt(run.id, d.snapshot.id, ok=True, output=1)
+    with pytest.raises(StaleSnapshotError):
+        await h.engine.heartbeat(run.id, d.snapshot.id)
+    assert await h.statuses(run.id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING"]
+    await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True, output=1)
+    with pytest.raises((StaleSnapshotError, InvalidTransitionError)):
+        await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True, output=2)
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.output == 1
+
+
+async def test_pending_executing_heartbeat_timeout_requeues(h: Harness) -> None:
+    run = await h.engine.trigger(req(h))
+    d = await dequeue_one(h)
+    assert d.deliveries == 1
+    await h.advance(30)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "PENDING_EXECUTING"
+    await h.advance(31)  # past the 60 s PENDING_EXECUTING timeout
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED"
+    assert "run_requeued" in h.names(run.id)
+    await h.advance(3600)  # past the nack back-off
+    d2 = await dequeue_one(h)
+    assert d2.run.id == run.id and d2.deliveries == 2
+
+
+async def test_executing_heartbeat_timeout_fails_the_attempt_and_retries(h: Harness) -> None:
+    run = await h.engine.trigger(req(h))
+    d = await dequeue_one(h)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    await h.advance(50)
+    await h.engine.heartbeat(run.id, s.snapshot.id)  # pushes the timeout back
+    await h.advance(50)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
+    await h.advance(61)
+    latest = await h.engine.latest_snapshot(run.id)
+    assert latest.engine_status == "QUEUED"
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.error is not None and row.error["code"] == "TASK_RUN_STALLED_EXECUTING"
+    h.clock.advance(1)
+    d2 = await dequeue_one(h)
+    s2 = await h.engine.start_attempt(run.id, d2.snapshot.id)
+    assert s2.attempt_number == 2
+    await h.engine.complete_attempt(run.id, s2.snapshot.id, ok=True, output="late")
+    assert (await h.engine.get_run(run.id)).status == "COMPLETED"  # type: ignore[union-attr]
+
+
+async def test_cancel_in_each_state(h: Harness) -> None:
+    q = h.env.worker_group_id
+    # PENDING_VERSION: no deployment has the task
+    pv = await h.engine.trigger(req(h, "not-deployed"))
+    assert pv.status == RunStatus.PENDING_VERSION
+    assert await h.engine.cancel(pv.id) == RunStatus.CANCELED
+    # QUEUED
+    queued = await h.engine.trigger(req(h))
+    assert await h.engine.cancel(queued.id) == RunStatus.CANCELED
+    assert await h.engine.dequeue(q, 5) == []
+    # PENDING_EXECUTING
+    pe = await h.engine.trigger(req(h))
+    d = await dequeue_one(h)
+    assert await h.engine.cancel(pe.id) == RunStatus.CANCELED
+    with pytest.raises(StaleSnapshotError):
+        await h.engine.start_attempt(pe.id, d.snapshot.id)
+    # EXECUTING → PENDING_CANCEL → the worker reports → CANCELED
+    ex = await h.engine.trigger(req(h))
+    d = await dequeue_one(h)
+    s = await h.engine.start_attempt(ex.id, d.snapshot.id)
+    assert await h.engine.cancel(ex.id) == RunStatus.EXECUTING
+    assert (await h.engine.latest_snapshot(ex.id)).engine_status == "PENDING_CANCEL"
+    out = await h.engine.complete_attempt(ex.id, s.snapshot.id, ok=True, output=1)
+    assert out.status == RunStatus.CANCELED
+    # EXECUTING → PENDING_CANCEL → the worker is gone → heartbeat timeout → CANCELED
+    gone = await h.engine.trigger(req(h))
+    d = await dequeue_one(h)
+    await h.engine.start_attempt(gone.id, d.snapshot.id)
+    await h.engine.cancel(gone.id)
+    await h.advance(61)
+    # FINISHED: a no-op
+    assert await h.engine.cancel(gone.id) == RunStatus.CANCELED
+    for run_id in (pv.id, queued.id, pe.id, ex.id, gone.id):
+        row = await h.engine.get_run(run_id)
+        assert row is not None and row.status == "CANCELED", (run_id, row and row.status)
+        assert (await h.engine.latest_snapshot(run_id)).engine_status == "FINISHED"
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == set()
+
+
+async def test_nack_past_the_limit_dead_letters_then_redrive_completes(make_engine) -> None:  # type: ignore[no-untyped-def]
+    h: Harness = await make_engine(max_deliveries=3)
+    await h.deploy({"id": "hello"})
+    run = await h.engine.trigger(req(h))
+    for _ in range(3):
+        await dequeue_one(h)
+        await h.advance(61)  # PENDING_EXECUTING timeout → nack
+        h.clock.advance(3600)  # past the back-off
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.status == "SYSTEM_FAILURE"
+    assert row.error is not None and row.error["code"] == "TASK_RUN_DEQUEUED_MAX_RETRIES"
+    assert "run_dead_lettered" in h.names(run.id)
+    dlq = await h.engine.resources.queue.list_dlq(h.env.env_id)
+    assert [e.run_id for e in dlq] == [run.id]
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+
+    await h.engine.redrive(h.env.env_id, run.id)
+    assert (await h.engine.get_run(run.id)).status == "QUEUED"  # type: ignore[union-attr]
+    assert await h.engine.resources.queue.list_dlq(h.env.env_id) == []
+    d = await dequeue_one(h)
+    assert d.deliveries == 1
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True, output="redriven")
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.status == "COMPLETED" and row.error is None and row.finished_at is not None
+
+
+async def test_pending_version_runs_are_enqueued_when_a_deployment_registers(h: Harness) -> None:
+    first = await h.engine.trigger(req(h, "later", payload=1))
+    second = await h.engine.trigger(req(h, "later", payload=2))
+    assert first.status == second.status == RunStatus.PENDING_VERSION
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+    await h.deploy({"id": "hello"}, {"id": "later", "queue": "later-q"}, version="2")
+    got = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert [d.run.id for d in got] == [first.id, second.id]  # they kept their place
+    assert {d.run.queue for d in got} == {"later-q"}
+    assert await h.statuses(first.id) == ["PENDING_VERSION", "QUEUED", "PENDING_EXECUTING"]
+
+
+async def test_max_duration_times_the_run_out(h: Harness) -> None:
+    run = await h.engine.trigger(req(h, max_duration_s=10))
+    d = await dequeue_one(h)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    await h.engine.heartbeat(run.id, s.snapshot.id)
+    await h.advance(16)  # 10 s + grace
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.status == "TIMED_OUT"
+    # the worker's late completion is refused
+    with pytest.raises(StaleSnapshotError):
+        await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True, output=1)
+
+
+async def test_max_duration_error_from_the_worker_is_final(h: Harness) -> None:
+    run = await h.engine.trigger(req(h))
+    d = await dequeue_one(h)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    out = await h.engine.complete_attempt(run.id, s.snapshot.id, ok=False,
+                                          error={"type": "MAX_DURATION_EXCEEDED", "message": "too slow"})
+    assert out.status == RunStatus.TIMED_OUT
+
+
+async def test_queue_concurrency_limit_holds_through_the_engine(h: Harness) -> None:
+    a = await h.engine.trigger(req(h, "limited"))
+    b = await h.engine.trigger(req(h, "limited"))
+    got = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert [x.run.id for x in got] == [a.id]
+    s = await h.engine.start_attempt(a.id, got[0].snapshot.id)
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+    await h.engine.complete_attempt(a.id, s.snapshot.id, ok=True, output=None)
+    got = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert [x.run.id for x in got] == [b.id]
+
+
+async def test_many_concurrent_lifecycles_share_batches(h: Harness) -> None:
+    import asyncio
+
+    runs = await h.engine.trigger_many([req(h, payload=i) for i in range(60)])
+    done: list[str] = []
+
+    async def consumer() -> None:
+        while True:
+            got = await h.engine.dequeue(h.env.worker_group_id, 5)
+            if not got:
+                return
+            for d in got:
+                s = await h.engine.start_attempt(d.run.id, d.snapshot.id)
+                await h.engine.complete_attempt(d.run.id, s.snapshot.id, ok=True, output=d.run.payload)
+                done.append(d.run.id)
+
+    await asyncio.gather(*(consumer() for _ in range(6)))
+    assert sorted(done) == sorted(r.id for r in runs)
+    for r in runs[:5]:
+        assert (await h.engine.get_run(r.id)).status == "COMPLETED"  # type: ignore[union-attr]

@@ -1,0 +1,78 @@
+"""Migrations: the whole data model, idempotent, safe with concurrent migrators."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from run_engine.db.migrations import available_migrations, migrate_sync
+
+TABLES = {
+    "organization", "project", "runtime_environment", "worker_group", "worker_instance", "deployment",
+    "deployment_task", "task_queue", "task_run", "task_run_execution_snapshot", "waitpoint",
+    "task_run_waitpoint", "batch_task_run", "task_run_checkpoint", "task_run_journal", "task_schedule",
+    "engine_lease", "engine_setting", "schema_migration",
+}
+
+
+@pytest.fixture
+def empty_database(database_url: str) -> Iterator[str]:
+    params = conninfo_to_dict(database_url)
+    admin = make_conninfo(**{**params, "dbname": "postgres"})
+    name = f"re_mig_{secrets.token_hex(4)}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield make_conninfo(**{**params, "dbname": name})
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_migrated_database_has_the_whole_data_model(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        tables = {r[0] for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+        assert tables == TABLES
+        persistence = conn.execute(
+            "SELECT relpersistence FROM pg_class WHERE relname = 'engine_lease'").fetchone()
+        assert persistence == ("u",)  # unlogged, dex-style
+        cols = {r[0] for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'task_run_journal'")}
+        assert {"run_id", "sequence", "kind", "key", "result"} <= cols
+        versions = [r[0] for r in conn.execute("SELECT version FROM schema_migration ORDER BY version")]
+        assert versions == [m.version for m in available_migrations()]
+
+
+def test_journal_sequence_is_unique_per_run(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        indexes = [r[0] for r in conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE tablename = 'task_run_journal'")]
+        assert any("(run_id, sequence)" in d for d in indexes)
+
+
+def test_migrate_twice_applies_nothing_the_second_time(empty_database: str) -> None:
+    assert migrate_sync(empty_database) == [m.version for m in available_migrations()]
+    assert migrate_sync(empty_database) == []
+
+
+def test_concurrent_migrators_apply_each_file_once(empty_database: str) -> None:
+    results: list[list[str]] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(migrate_sync(empty_database))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    applied = sorted(v for r in results for v in r)
+    assert applied == [m.version for m in available_migrations()]

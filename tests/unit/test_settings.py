@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from run_engine.errors import ConfigurationError, ValidationError
+from run_engine.settings import EngineSettings, RetryPolicy
+from run_engine.statuses import ExecutionStatus
+
+
+def test_retry_delay_grows_by_factor_and_is_capped() -> None:
+    policy = RetryPolicy(max_attempts=10, factor=2, min_timeout_s=1, max_timeout_s=5, randomize=False)
+    assert [policy.delay_s(n) for n in range(1, 6)] == [1, 2, 4, 5, 5]
+
+
+def test_retry_jitter_stays_within_one_to_two_times() -> None:
+    policy = RetryPolicy(min_timeout_s=1, factor=3, max_timeout_s=100, randomize=True)
+    rng = random.Random(7)
+    for attempt in (1, 2, 3):
+        base = 3 ** (attempt - 1)
+        for _ in range(50):
+            assert base <= policy.delay_s(attempt, rng) < 2 * base
+
+
+def test_retry_policy_from_api_keys_over_a_base() -> None:
+    base = RetryPolicy(max_attempts=3)
+    got = RetryPolicy.from_json({"maxAttempts": 5, "minTimeout": 0.5, "max_timeout": 9}, base)
+    assert (got.max_attempts, got.min_timeout_s, got.max_timeout_s, got.factor) == (5, 0.5, 9, base.factor)
+    assert RetryPolicy.from_json(None, base) is base
+
+
+@pytest.mark.parametrize("bad", [{"max_attempts": 0}, {"factor": 0.5}, {"min_timeout_s": 5, "max_timeout_s": 1}])
+def test_retry_policy_rejects_nonsense(bad: dict) -> None:
+    with pytest.raises(ValidationError):
+        RetryPolicy(**bad)
+
+
+def test_settings_from_env_reads_documented_variables() -> None:
+    s = EngineSettings.from_env({
+        "DATABASE_URL": "postgresql://x/db", "REDIS_URL": "redis://y", "RUN_ENGINE_MAX_DELIVERIES": "4",
+        "RUN_ENGINE_PENDING_EXECUTING_TIMEOUT_S": "1.5", "RUN_ENGINE_ENV_CONCURRENCY": "7",
+    })
+    assert (s.database_url, s.redis_url, s.max_deliveries, s.pending_executing_timeout_s, s.env_concurrency) == (
+        "postgresql://x/db", "redis://y", 4, 1.5, 7)
+    assert s.heartbeat_timeout_s(ExecutionStatus.PENDING_EXECUTING) == 1.5
+    assert s.heartbeat_timeout_s(ExecutionStatus.QUEUED) is None
+
+
+def test_settings_from_env_names_the_bad_variable() -> None:
+    with pytest.raises(ConfigurationError, match="RUN_ENGINE_MAX_DELIVERIES"):
+        EngineSettings.from_env({"RUN_ENGINE_MAX_DELIVERIES": "many"})
