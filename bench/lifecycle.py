@@ -1,7 +1,7 @@
 """Engine lifecycle benchmark: N runs through trigger → dequeue → start → complete, in process,
 on real PostgreSQL and Redis, with concurrent producers and consumers.
 
-    python bench/lifecycle.py [--runs 5000] [--consumers 16] [--producers 8] [--batch 10]
+    python bench/lifecycle.py [--runs 5000] [--consumers 32] [--producers 16] [--batch 20]
 
 Prints a table (runs/s, CPU ms per run, p50/p99 per operation) and, as its last line,
 ``lifecycle runs/s: <number>``.
@@ -63,14 +63,17 @@ async def run(args: argparse.Namespace, database_url: str, redis_url: str) -> fl
             done += 1
 
         async def consumer() -> None:
+            idle = 0.001
             while done < args.runs:
                 t = time.perf_counter()
                 got = await engine.dequeue(env.worker_group_id, args.batch)
                 if not got:
                     if produced.is_set() and done >= args.runs:
                         return
-                    await asyncio.sleep(0.002)
+                    await asyncio.sleep(idle)  # back off while the queue is empty
+                    idle = min(idle * 2, 0.02)
                     continue
+                idle = 0.001
                 lat["dequeue"].append(time.perf_counter() - t)
                 await asyncio.gather(*(execute(d) for d in got))
 
@@ -103,9 +106,9 @@ async def run(args: argparse.Namespace, database_url: str, redis_url: str) -> fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5000)
-    parser.add_argument("--producers", type=int, default=8)
-    parser.add_argument("--consumers", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--producers", type=int, default=16)
+    parser.add_argument("--consumers", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=1000)
     parser.add_argument("--pool", type=int, default=8)
     args = parser.parse_args()

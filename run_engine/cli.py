@@ -15,6 +15,11 @@ from run_engine.services import services
 app = typer.Typer(help="run-engine: trigger, queue and run background tasks.", no_args_is_help=True)
 
 
+@app.callback()
+def _root() -> None:
+    """run-engine: trigger, queue and run background tasks."""
+
+
 @app.command()
 def migrate(
     data_dir: Annotated[Path | None, typer.Option(help="Where embedded servers keep their data (default .run-engine/).")] = None,

@@ -49,7 +49,9 @@ class RunEngine:
         """Connect to PostgreSQL and Redis (``settings.database_url`` / ``redis_url``) and start
         the background job worker unless ``run_jobs`` is False (tests drive it step by step)."""
         clock = clock or SystemClock()
-        redis = aioredis.Redis.from_url(settings.redis_url, max_connections=64)
+        # A blocking pool: under a burst callers wait for a connection instead of failing.
+        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=64, timeout=30)
+        redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
         repo = await Repository.open(settings.database_url, min_size=settings.db_pool_min, max_size=settings.db_pool_max)
         queue = RunQueue(redis, prefix=f"{settings.key_prefix}:q", shards=settings.queue_shards,
                          max_deliveries=settings.max_deliveries, default_env_limit=settings.env_concurrency)

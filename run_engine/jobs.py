@@ -70,6 +70,7 @@ class JobQueue:
         self._ack = LuaScript.get("jobs_ack")
         self._claim = LuaScript.get("jobs_claim")
         self._settle = LuaScript.get("jobs_settle")
+        self._apply = LuaScript.get("jobs_apply")
 
     def _ms(self, when: float) -> int:
         return int(when * 1000)
@@ -84,6 +85,16 @@ class JobQueue:
         for job_id, kind, payload, run_at in jobs:
             args += [job_id, self._ms(run_at), _encode(kind, payload, 0, secrets.token_hex(8))]
         await self._schedule(self.redis, [self.due_key, self.items_key], args)
+
+    async def apply(self, cancel: Sequence[str], schedule: Sequence[tuple[str, str, dict[str, Any], float]]) -> None:
+        """Cancel ``cancel`` and create or replace ``schedule`` in one round trip (cancels first,
+        so an id in both ends up scheduled)."""
+        if not cancel and not schedule:
+            return
+        args: list[Any] = [len(cancel), *cancel]
+        for job_id, kind, payload, run_at in schedule:
+            args += [job_id, self._ms(run_at), _encode(kind, payload, 0, secrets.token_hex(8))]
+        await self._apply(self.redis, [self.due_key, self.items_key], args)
 
     async def reschedule(self, job_id: str, run_at: float) -> bool:
         return (await self.reschedule_many([(job_id, run_at)]))[0]

@@ -121,6 +121,8 @@ class RunLocker:
 
     async def _on_node(self, call: Awaitable[T]) -> T:
         """One node's answer, bounded in time: a dead node must not eat the lock's validity."""
+        if len(self.nodes) == 1:  # no quorum to protect: the client's own timeouts apply
+            return await call
         return await asyncio.wait_for(call, timeout=max(0.05, self.settings.duration_s * 0.2))
 
     # --- acquire / release ----------------------------------------------------------------------

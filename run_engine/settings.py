@@ -74,7 +74,7 @@ class EngineSettings:
     database_url: str = ""
     redis_url: str = ""
     key_prefix: str = "re"
-    queue_shards: int = 2
+    queue_shards: int = 1  # raise it on Redis Cluster: each shard is one hash slot
     max_deliveries: int = 12
     pending_executing_timeout_s: float = 60.0
     executing_timeout_s: float = 60.0

@@ -7,7 +7,7 @@ from run_engine.db.repository import Snapshot, Transition, TransitionResult
 from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError
 from run_engine.ids import new_id
 from run_engine.statuses import ExecutionStatus, RunStatus
-from systems.resources import SystemResources
+from systems.resources import JobSpec, SystemResources
 
 HEARTBEAT_JOB = "heartbeat_timeout"
 
@@ -60,22 +60,29 @@ class ExecutionSnapshotSystem:
         raise InvalidTransitionError(result.run_id, str(result.latest_status), operation)
 
     async def after_transition(self, previous_snapshot_id: str | None, previous_status: str | None, snapshot: Snapshot) -> None:
-        """Re-arm heartbeat timeouts: cancel the previous snapshot's job, schedule the new one's."""
+        """Re-arm heartbeat timeouts: cancel the previous snapshot's job, schedule the new one's
+        (plus ``extra`` jobs), in one batched Redis call."""
+        await self.r.change_jobs(*self.rearm(previous_snapshot_id, previous_status, snapshot))
+
+    def rearm(self, previous_snapshot_id: str | None, previous_status: str | None,
+              snapshot: Snapshot) -> tuple[list[str], list[JobSpec]]:
+        cancel: list[str] = []
+        schedule: list[JobSpec] = []
         if previous_snapshot_id and previous_status and self.r.settings.heartbeat_timeout_s(ExecutionStatus(previous_status)):
-            await self.r.jobs.ack(heartbeat_job_id(snapshot.run_id, previous_snapshot_id))
+            cancel.append(heartbeat_job_id(snapshot.run_id, previous_snapshot_id))
         timeout = self.r.settings.heartbeat_timeout_s(ExecutionStatus(snapshot.engine_status))
         if timeout is not None:
-            await self.r.jobs.schedule(
+            schedule.append((
                 heartbeat_job_id(snapshot.run_id, snapshot.id),
                 HEARTBEAT_JOB,
                 {"run_id": snapshot.run_id, "snapshot_id": snapshot.id},
                 self.r.clock.now() + timeout,
-            )
+            ))
+        return cancel, schedule
 
     async def heartbeat(self, run_id: str, snapshot_id: str) -> None:
         """Push back the run's timeout; no lock, no PostgreSQL write. A heartbeat for a snapshot
         that is no longer the latest raises :class:`StaleSnapshotError`."""
-        snapshot_status = None
         moved = await self.r.jobs.reschedule(heartbeat_job_id(run_id, snapshot_id), self._deadline_unknown())
         if moved:
             return

@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from run_engine.jobs import JobQueue
-from run_engine.locking import RunLocker
+from typing import TYPE_CHECKING, Any
 
 from run_engine.batching import Batcher
 from run_engine.clock import Clock
 from run_engine.db.repository import NewRun, Repository, Transition, TransitionResult
 from run_engine.events import EventBus
+from run_engine.jobs import JobQueue
+from run_engine.locking import RunLocker
 from run_engine.run_queue import EnqueueItem, RunQueue
 from run_engine.settings import EngineSettings
 
 if TYPE_CHECKING:
     from systems.registry import Systems
+
+
+JobSpec = tuple[str, str, dict[str, Any], float]  # id, kind, payload, run-at
+
+
+@dataclass(frozen=True, slots=True)
+class JobChange:
+    cancel: tuple[str, ...]
+    schedule: tuple[JobSpec, ...]
 
 
 @dataclass(eq=False)
@@ -38,6 +47,7 @@ class SystemResources:
         self.inserts: Batcher[NewRun, None] = Batcher(self._insert_runs)
         self.enqueues: Batcher[EnqueueItem, None] = Batcher(self._enqueue)
         self.acks: Batcher[tuple[str, str], None] = Batcher(self._ack)
+        self.job_changes: Batcher[JobChange, None] = Batcher(self._apply_jobs)
 
     def now_ms(self) -> int:
         return int(self.clock.now() * 1000)
@@ -52,6 +62,15 @@ class SystemResources:
     async def _enqueue(self, items: list[EnqueueItem]) -> list[None]:
         await self.queue.enqueue(items, self.now_ms())
         return [None] * len(items)
+
+    async def change_jobs(self, cancel: Sequence[str] = (), schedule: Sequence[JobSpec] = ()) -> None:
+        """Cancel and (re)schedule engine jobs; concurrent callers share one Redis call."""
+        if cancel or schedule:
+            await self.job_changes.submit(JobChange(tuple(cancel), tuple(schedule)))
+
+    async def _apply_jobs(self, changes: list[JobChange]) -> list[None]:
+        await self.jobs.apply([i for c in changes for i in c.cancel], [j for c in changes for j in c.schedule])
+        return [None] * len(changes)
 
     async def _ack(self, items: list[tuple[str, str]]) -> list[None]:
         await self.queue.ack(items)

@@ -5,6 +5,7 @@ Retry decisions are data (:class:`AttemptOutcome`), never exceptions."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -85,18 +86,19 @@ class RunAttemptSystem:
             )
             assert result.run is not None and result.snapshot is not None
             run, snapshot = result.run, result.snapshot
-            await self._s.snapshots.after_transition(snapshot_id, E.PENDING_EXECUTING, snapshot)
+            cancel, schedule = self._s.snapshots.rearm(snapshot_id, E.PENDING_EXECUTING, snapshot)
             policy = await self.retry_policy(run)
             max_duration = run.max_duration_s
             if max_duration is None:
                 task = await self.deployment_task(run)
                 max_duration = task["max_duration_s"] if task else None
             if max_duration:
-                await self.r.jobs.schedule(
+                schedule.append((
                     max_duration_job_id(run_id, snapshot.id), MAX_DURATION_JOB,
                     {"run_id": run_id, "snapshot_id": snapshot.id},
                     self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s,
-                )
+                ))
+            await self.r.change_jobs(cancel, schedule)
         self.r.events.emit(RunEvent("attempt_started", run_id, run.environment_id, snapshot.id,
                                     {"attempt": run.attempt_number}))
         return StartedAttempt(run, snapshot, run.attempt_number, policy)
@@ -187,13 +189,12 @@ class RunAttemptSystem:
         """After a run finished: free its queue slots, cancel its timeout jobs."""
         assert result.run is not None and result.snapshot is not None
         previous = result.snapshot.previous_snapshot_id
-        await self.r.acks.submit((result.run.environment_id, result.run.id))
-        if previous:
-            await self.r.jobs.ack_many([heartbeat_job_id(result.run.id, previous),
-                                        max_duration_job_id(result.run.id, previous)])
+        cancel = [heartbeat_job_id(result.run.id, previous), max_duration_job_id(result.run.id, previous)] if previous else []
+        await asyncio.gather(self.r.acks.submit((result.run.environment_id, result.run.id)),
+                             self.r.change_jobs(cancel))
 
     async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str, status: str) -> None:
-        await self.r.jobs.ack_many([heartbeat_job_id(run_id, snapshot_id), max_duration_job_id(run_id, snapshot_id)])
+        await self.r.change_jobs([heartbeat_job_id(run_id, snapshot_id), max_duration_job_id(run_id, snapshot_id)])
 
     async def finish_cancel_requested(self, run_id: str, pending_cancel_snapshot_id: str) -> AttemptOutcome:
         return await self.finish(run_id, RunStatus.CANCELED, expected_snapshot_id=pending_cancel_snapshot_id,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,9 +30,11 @@ def redis_url() -> Iterator[str]:
     if url:
         yield url
         return
-    server = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="re-redis-")))
+    data = Path(tempfile.mkdtemp(prefix="re-redis-"))
+    server = EmbeddedRedis(data)
     yield server.start()
     server.stop()
+    shutil.rmtree(data, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +63,9 @@ def database_url() -> Iterator[str]:
     """A fresh, migrated database for this session, dropped at the end."""
     base = os.environ.get("DATABASE_URL")
     embedded: EmbeddedPostgres | None = None
+    data = Path(tempfile.mkdtemp(prefix="re-pg-"))
     if not base:
-        embedded = EmbeddedPostgres(Path(tempfile.mkdtemp(prefix="re-pg-")) / "pgdata")
+        embedded = EmbeddedPostgres(data / "pgdata")
         base = embedded.start()
     name = f"re_test_{SESSION_TAG}"
     params = conninfo_to_dict(base)
@@ -77,6 +81,7 @@ def database_url() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     if embedded is not None:
         embedded.stop()
+    shutil.rmtree(data, ignore_errors=True)
 
 
 @pytest.fixture
