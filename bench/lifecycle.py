@@ -37,7 +37,7 @@ async def run(args: argparse.Namespace, database_url: str, redis_url: str) -> fl
                               env_concurrency=args.concurrency, db_pool_max=args.pool)
     engine = await RunEngine.create(settings)
     try:
-        env = await ensure_environment(engine.resources.repo, org="bench", project="bench",
+        env = await ensure_environment(engine.resources.repo, secret="bench", org="bench", project="bench",
                                        concurrency_limit=args.concurrency)
         await engine.register_deployment(env_id=env.env_id, worker_group_id=env.worker_group_id, version="1",
                                          content_hash="bench", tasks=[{"id": "noop"}])

@@ -1,9 +1,11 @@
-"""``run-engine``: the command line."""
+"""``run-engine``: the command line (API.md, "CLI")."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +15,11 @@ from run_engine.db.migrations import migrate_sync
 from run_engine.services import services
 
 app = typer.Typer(help="run-engine: trigger, queue and run background tasks.", no_args_is_help=True)
+worker_groups = typer.Typer(help="Self-hosted worker groups.", no_args_is_help=True)
+app.add_typer(worker_groups, name="worker-groups")
+
+DataDir = Annotated[Path | None, typer.Option(help="Where embedded servers keep their data (default .run-engine/).")]
+AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
 @app.callback()
@@ -20,11 +27,14 @@ def _root() -> None:
     """run-engine: trigger, queue and run background tasks."""
 
 
+def _settings(database_url: str, redis_url: str):  # type: ignore[no-untyped-def]
+    from run_engine.settings import EngineSettings
+
+    return EngineSettings.from_env(database_url=database_url, redis_url=redis_url)
+
+
 @app.command()
-def migrate(
-    data_dir: Annotated[Path | None, typer.Option(help="Where embedded servers keep their data (default .run-engine/).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-) -> None:
+def migrate(data_dir: DataDir = None, as_json: AsJson = False) -> None:
     """Apply pending database migrations (idempotent; safe when several processes start at once)."""
     with services(data_dir) as svc:
         applied = migrate_sync(svc.database_url)
@@ -36,8 +46,95 @@ def migrate(
         typer.echo("database is up to date")
 
 
+@app.command()
+def server(
+    port: Annotated[int, typer.Option(envvar="RUN_ENGINE_PORT", help="Port to listen on.")] = 3030,
+    host: Annotated[str, typer.Option(envvar="RUN_ENGINE_HOST", help="Address to listen on.")] = "127.0.0.1",
+    secret: Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET", help="Key for run tokens.")] = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Run the API server (public + worker API) with the engine and its background jobs."""
+    from run_engine.server import serve
+
+    with services(data_dir) as svc:
+        migrate_sync(svc.database_url)
+        asyncio.run(serve(_settings(svc.database_url, svc.redis_url), host=host, port=port, secret=secret))
+
+
+async def _bootstrap(database_url: str, redis_url: str, org: str, project: str, env: str, secret: str | None):  # type: ignore[no-untyped-def]
+    from run_engine.db.repository import Repository
+    from run_engine.tenancy import ensure_environment, installation_secret
+
+    settings = _settings(database_url, redis_url)
+    repo = await Repository.open(database_url, min_size=1, max_size=2)
+    try:
+        key = await installation_secret(repo, secret)
+        return await ensure_environment(repo, secret=key, org=org, project=project, env=env,
+                                        concurrency_limit=settings.env_concurrency)
+    finally:
+        await repo.close()
+
+
+@app.command()
+def bootstrap(
+    org: Annotated[str, typer.Option(help="Organization slug.")] = "dev",
+    project: Annotated[str, typer.Option(help="Project slug.")] = "dev",
+    env: Annotated[str, typer.Option(help="Environment slug: dev, staging or prod.")] = "dev",
+    api_url: Annotated[str, typer.Option(envvar="RUN_ENGINE_API_URL", help="URL printed as apiUrl.")] = "http://127.0.0.1:3030",
+    secret: Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET", help="Key for derived secrets.")] = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Create what is missing of org → project → environment (+ the project's worker group) and
+    print JSON {apiKey, workerGroupToken, apiUrl}."""
+    with services(data_dir) as svc:
+        migrate_sync(svc.database_url)
+        e = asyncio.run(_bootstrap(svc.database_url, svc.redis_url, org, project, env, secret))
+    typer.echo(json.dumps({"apiKey": e.api_key, "workerGroupToken": e.worker_group_token, "apiUrl": api_url,
+                           "environmentId": e.env_id, "projectId": e.project_id, "workerGroupId": e.worker_group_id}))
+
+
+async def _create_group(database_url: str, name: str, org: str, project: str | None, default: bool,
+                        secret: str | None) -> tuple[str, str]:
+    from run_engine.db.repository import Repository
+    from run_engine.tenancy import create_worker_group, installation_secret
+
+    repo = await Repository.open(database_url, min_size=1, max_size=2)
+    try:
+        project_id = None
+        if project:
+            row = await repo.project_by_slug(org, project)
+            if row is None:
+                raise typer.BadParameter(f"no project {org}/{project}; run `run-engine bootstrap` first")
+            project_id = row["id"]
+        return await create_worker_group(repo, secret=await installation_secret(repo, secret), name=name,
+                                         project_id=project_id, make_default=default)
+    finally:
+        await repo.close()
+
+
+@worker_groups.command("create")
+def worker_groups_create(
+    name: str,
+    org: Annotated[str, typer.Option(help="Organization slug of the project.")] = "dev",
+    project: Annotated[str | None, typer.Option(help="Project slug (none: a shared group).")] = "dev",
+    default: Annotated[bool, typer.Option("--default", help="Make it the default group of the project.")] = False,
+    secret: Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET")] = None,
+    data_dir: DataDir = None,
+    as_json: AsJson = False,
+) -> None:
+    """Create a self-hosted worker group and print its token."""
+    with services(data_dir) as svc:
+        migrate_sync(svc.database_url)
+        group_id, token = asyncio.run(_create_group(svc.database_url, name, org, project, default, secret))
+    if as_json:
+        typer.echo(json.dumps({"id": group_id, "name": name, "token": token}))
+    else:
+        typer.echo(token)
+
+
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=os.environ.get("RUN_ENGINE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app()
 
 

@@ -12,7 +12,9 @@ import redis.asyncio as aioredis
 
 from run_engine.clock import Clock, SystemClock
 from run_engine.db.repository import Repository, RunRow, Snapshot
+from run_engine.errors import NotFoundError
 from run_engine.events import EventBus
+from run_engine.ids import new_id
 from run_engine.jobs import Job, JobQueue, JobWorker
 from run_engine.locking import RunLocker
 from run_engine.run_queue import RunQueue
@@ -83,6 +85,14 @@ class RunEngine:
     async def trigger_many(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
         return await self.systems.enqueue.trigger_many(requests)
 
+    def new_batch_id(self) -> str:
+        return new_id("batch")
+
+    async def trigger_batch(self, env_id: str, batch_id: str, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
+        """Record a batch and create its runs: one insert for the runs, one queue call."""
+        await self.resources.repo.insert_batch(batch_id, env_id, len(requests))
+        return await self.systems.enqueue.trigger_many(requests)
+
     async def dequeue(self, worker_group_id: str, max_runs: int = 1, worker_id: str | None = None) -> list[DequeuedRun]:
         return await self.systems.dequeue.dequeue(worker_group_id, max_runs, worker_id)
 
@@ -127,6 +137,14 @@ class RunEngine:
     async def resume_queue(self, env_id: str, queue: str) -> None:
         await self.resources.repo.set_queue_paused(env_id, queue, False)
         await self.resources.queue.resume(env_id, queue)
+
+    async def set_queue_concurrency_override(self, env_id: str, queue: str, limit: int | None) -> dict[str, Any]:
+        """Override a queue's deployed concurrency limit (``None`` resets it)."""
+        row = await self.resources.repo.set_queue_override(env_id, queue, limit)
+        if row is None:
+            raise NotFoundError("queue", queue)
+        await self.systems.enqueue.mirror_queue(row)
+        return row
 
     # --- engine jobs --------------------------------------------------------------------------
 

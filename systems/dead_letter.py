@@ -69,6 +69,6 @@ class DeadLetterSystem:
             assert result.snapshot is not None and result.run is not None
             if not await self.r.queue.redrive(env_id, run_id, self.r.now_ms()):
                 # The DLQ entry is gone (e.g. Redis was flushed): enqueue it afresh.
-                await self.r.queue.enqueue([s.enqueue.item_for(result.run, reset_deliveries=True)], self.r.now_ms())
+                await self.r.enqueue_items([s.enqueue.item_for(result.run, reset_deliveries=True)])
         self.r.events.emit(RunEvent("run_redriven", run_id, env_id, result.snapshot.id))
         return result.snapshot.id

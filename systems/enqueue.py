@@ -40,6 +40,7 @@ class TriggerRequest:
     depth: int = 0
     batch_id: str | None = None
     trigger_function: str = "trigger"
+    ttl_s: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +106,23 @@ class EnqueueSystem:
         if limit is None and (env_id, name) in self._queues:
             return
         row = await self.r.repo.ensure_queue(new_id("queue"), env_id, name, limit)
-        await self.r.queue.set_queue_limit(env_id, name, row["concurrency_limit"])
+        await self.mirror_queue(row)
+        self._queues.add((env_id, name))
+
+    async def mirror_queue(self, row: dict[str, Any]) -> None:
+        """Copy a task_queue row's effective limit (override, else deployed) and pause flag to Redis."""
+        env_id, name = row["environment_id"], row["name"]
+        limit = row["concurrency_limit_override"]
+        await self.r.queue.set_queue_limit(env_id, name, row["concurrency_limit"] if limit is None else limit)
+        await self.r.queue.set_key_limit(env_id, name, row["concurrency_key_limit"])
         if row["paused"]:
             await self.r.queue.pause(env_id, name)
-        self._queues.add((env_id, name))
+        else:
+            await self.r.queue.resume(env_id, name)
+
+    async def mirror_queues(self, env_id: str) -> None:
+        for row in await self.r.repo.list_queues(env_id):
+            await self.mirror_queue(row)
 
     async def trigger_many(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
         """Create runs: one insert for all of them, then one enqueue for those that can run."""
@@ -152,6 +166,7 @@ class EnqueueSystem:
                 depth=req.depth,
                 batch_id=req.batch_id,
                 trigger_function=req.trigger_function,
+                ttl_s=req.ttl_s,
                 queue_timestamp=created,
                 description="Run was created" if runnable else "No deployment has this task yet",
             )
@@ -168,7 +183,7 @@ class EnqueueSystem:
         if len(items) == 1:
             await self.r.enqueues.submit(items[0])
         elif items:
-            await self.r.queue.enqueue(items, self.r.now_ms())
+            await self.r.enqueue_items(items)
         for run, result in zip(new_runs, results, strict=True):
             self.r.events.emit(RunEvent("run_created", run.id, run.environment_id, run.snapshot_id,
                                         {"status": result.status, "task": run.task_identifier}))

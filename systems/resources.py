@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +46,8 @@ class SystemResources:
         self.transitions: Batcher[Transition, TransitionResult] = Batcher(self.repo.transition_many)
         self.inserts: Batcher[NewRun, None] = Batcher(self._insert_runs)
         self.enqueues: Batcher[EnqueueItem, None] = Batcher(self._enqueue)
-        self.acks: Batcher[tuple[str, str], None] = Batcher(self._ack)
+        self.acks: Batcher[tuple[str, str, str], None] = Batcher(self._ack)  # env, run, worker group
+        self._work_listeners: list[Callable[[str], None]] = []
         self.job_changes: Batcher[JobChange, None] = Batcher(self._apply_jobs)
 
     def now_ms(self) -> int:
@@ -59,10 +60,6 @@ class SystemResources:
         await self.repo.insert_runs(runs)
         return [None] * len(runs)
 
-    async def _enqueue(self, items: list[EnqueueItem]) -> list[None]:
-        await self.queue.enqueue(items, self.now_ms())
-        return [None] * len(items)
-
     async def change_jobs(self, cancel: Sequence[str] = (), schedule: Sequence[JobSpec] = ()) -> None:
         """Cancel and (re)schedule engine jobs; concurrent callers share one Redis call."""
         if cancel or schedule:
@@ -72,6 +69,25 @@ class SystemResources:
         await self.jobs.apply([i for c in changes for i in c.cancel], [j for c in changes for j in c.schedule])
         return [None] * len(changes)
 
-    async def _ack(self, items: list[tuple[str, str]]) -> list[None]:
-        await self.queue.ack(items)
+    def on_work(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(worker_group_id)`` whenever a group may have new work: runs were
+        enqueued for it, or runs of it finished and freed concurrency (long-poll wake-ups)."""
+        self._work_listeners.append(listener)
+
+    def work_available(self, worker_groups: Iterable[str]) -> None:
+        for group in set(worker_groups):
+            for listener in self._work_listeners:
+                listener(group)
+
+    async def enqueue_items(self, items: Sequence[EnqueueItem]) -> None:
+        await self.queue.enqueue(items, self.now_ms())
+        self.work_available(i.worker_group for i in items)
+
+    async def _enqueue(self, items: list[EnqueueItem]) -> list[None]:
+        await self.enqueue_items(items)
+        return [None] * len(items)
+
+    async def _ack(self, items: list[tuple[str, str, str]]) -> list[None]:
+        await self.queue.ack([(env, run) for env, run, _ in items])
+        self.work_available(group for _, _, group in items)
         return [None] * len(items)

@@ -31,6 +31,7 @@ class StartedAttempt:
     snapshot: Snapshot
     attempt_number: int
     retry: RetryPolicy
+    max_duration_s: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +102,7 @@ class RunAttemptSystem:
             await self.r.change_jobs(cancel, schedule)
         self.r.events.emit(RunEvent("attempt_started", run_id, run.environment_id, snapshot.id,
                                     {"attempt": run.attempt_number}))
-        return StartedAttempt(run, snapshot, run.attempt_number, policy)
+        return StartedAttempt(run, snapshot, run.attempt_number, policy, max_duration)
 
     async def complete_attempt(
         self, run_id: str, snapshot_id: str, *, ok: bool, output: Any = None,
@@ -162,8 +163,7 @@ class RunAttemptSystem:
         assert result.run is not None and result.snapshot is not None
         await self._ack_attempt_jobs(run_id, snapshot_id, latest.engine_status)
         available_at = self.r.now_ms() + int(delay_s * 1000)
-        await self.r.queue.enqueue([self._s.enqueue.item_for(result.run, available_at, reset_deliveries=True)],
-                                   self.r.now_ms())
+        await self.r.enqueue_items([self._s.enqueue.item_for(result.run, available_at, reset_deliveries=True)])
         self.r.events.emit(RunEvent("run_failed", run_id, run.environment_id, result.snapshot.id,
                                     {"error": error, "final": False}))
         self.r.events.emit(RunEvent("retry_scheduled", run_id, run.environment_id, result.snapshot.id,
@@ -190,7 +190,7 @@ class RunAttemptSystem:
         assert result.run is not None and result.snapshot is not None
         previous = result.snapshot.previous_snapshot_id
         cancel = [heartbeat_job_id(result.run.id, previous), max_duration_job_id(result.run.id, previous)] if previous else []
-        await asyncio.gather(self.r.acks.submit((result.run.environment_id, result.run.id)),
+        await asyncio.gather(self.r.acks.submit((result.run.environment_id, result.run.id, result.run.worker_group_id)),
                              self.r.change_jobs(cancel))
 
     async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str, status: str) -> None:

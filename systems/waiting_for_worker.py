@@ -38,8 +38,7 @@ class WaitingForWorkerSystem:
             version=version, content_hash=content_hash, tasks=task_list, queues=queue_list,
             queue_ids=[new_id("queue") for _ in queue_list],
         )
-        for q in queue_list:
-            await self.r.queue.set_queue_limit(env_id, q["name"], q.get("concurrencyLimit"))
+        await s.enqueue.mirror_queues(env_id)
         s.enqueue.invalidate()
         waiting = await self.r.repo.pending_version_runs(env_id, worker_group_id, [t["id"] for t in task_list])
         queue_of = {t["id"]: t["queue"] for t in task_list}
@@ -61,7 +60,7 @@ class WaitingForWorkerSystem:
             ])
             runs = [res.run for res in results if res.applied and res.run is not None]
             if runs:
-                await self.r.queue.enqueue([s.enqueue.item_for(run) for run in runs], self.r.now_ms())
+                await self.r.enqueue_items([s.enqueue.item_for(run) for run in runs])
         for run, res in zip(runs, [x for x in results if x.applied], strict=True):
             assert res.snapshot is not None
             self.r.events.emit(RunEvent("run_requeued", run.id, run.environment_id, res.snapshot.id,

@@ -595,3 +595,157 @@ class Repository:
                    WHERE r.id = ANY(%(ids)s) AND r.status = 'PENDING_VERSION'""",
                 {"dep": deployment_id, "queues": Jsonb(queue_of), "ids": list(run_ids)},
             )
+
+    # --- API support ----------------------------------------------------------------------
+
+    async def environment_by_key_hash(self, key_hash: str) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT e.*, p.organization_id FROM runtime_environment e
+                   JOIN project p ON p.id = e.project_id WHERE e.api_key_hash = %s""",
+                (key_hash,),
+            )
+            return await cur.fetchone()
+
+    async def worker_group_by_token_hash(self, token_hash: str) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM worker_group WHERE token_hash = %s", (token_hash,))
+            return await cur.fetchone()
+
+    async def environments_of_worker_group(self, worker_group_id: str) -> list[dict[str, Any]]:
+        """Environments a group serves: those whose default group it is, or every environment of
+        its project."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT e.* FROM runtime_environment e
+                   JOIN worker_group g ON g.id = %s
+                   WHERE e.default_worker_group_id = g.id OR e.project_id = g.project_id
+                   ORDER BY e.created_at""",
+                (worker_group_id,),
+            )
+            return list(await cur.fetchall())
+
+    async def create_worker_group(self, group_id: str, name: str, project_id: str | None, token_hash: str,
+                                  make_default: bool) -> dict[str, Any]:
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """INSERT INTO worker_group (id, name, project_id, token_hash, master_queue)
+                   VALUES (%s, %s, %s, %s, %s) RETURNING *""",
+                (group_id, name, project_id, token_hash, group_id),
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            if make_default and project_id:
+                await conn.execute(
+                    "UPDATE runtime_environment SET default_worker_group_id = %s WHERE project_id = %s",
+                    (group_id, project_id),
+                )
+            return row
+
+    async def project_by_slug(self, org_slug: str, project_slug: str) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT p.* FROM project p JOIN organization o ON o.id = p.organization_id
+                   WHERE o.slug = %s AND p.slug = %s""",
+                (org_slug, project_slug),
+            )
+            return await cur.fetchone()
+
+    async def rotate_api_key(self, env_id: str, key_hash: str) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE runtime_environment SET api_key_hash = %s WHERE id = %s", (key_hash, env_id))
+
+    async def rotate_worker_group_token(self, group_id: str, token_hash: str) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE worker_group SET token_hash = %s WHERE id = %s", (token_hash, group_id))
+
+    async def upsert_worker_instance(self, instance_id: str, worker_group_id: str, name: str) -> str:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """INSERT INTO worker_instance (id, worker_group_id, name) VALUES (%s, %s, %s)
+                   ON CONFLICT (worker_group_id, name) DO UPDATE SET last_heartbeat_at = now()
+                   RETURNING id""",
+                (instance_id, worker_group_id, name),
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            return str(row[0])
+
+    async def touch_worker_instance(self, worker_group_id: str, name: str) -> bool:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE worker_instance SET last_heartbeat_at = now() WHERE worker_group_id = %s AND name = %s",
+                (worker_group_id, name),
+            )
+            return cur.rowcount > 0
+
+    async def list_runs(self, env_id: str, *, statuses: Sequence[str] = (), tasks: Sequence[str] = (),
+                        tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
+                        limit: int = 25, after: tuple[datetime, str] | None = None) -> list[RunRow]:
+        """Newest first; ``after`` is the (created_at, id) of the last run of the previous page."""
+        where = ["environment_id = %(env)s"]
+        params: dict[str, Any] = {"env": env_id, "limit": limit}
+        for column, values, name in (("status", statuses, "st"), ("task_identifier", tasks, "tk"),
+                                     ("queue", queues, "qu"), ("batch_id", batches, "ba")):
+            if values:
+                where.append(f"{column} = ANY(%({name})s)")
+                params[name] = list(values)
+        if tags:
+            where.append("tags && %(tags)s")
+            params["tags"] = list(tags)
+        if after is not None:
+            where.append("(created_at, id) < (%(after_ts)s, %(after_id)s)")
+            params["after_ts"], params["after_id"] = after
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                f"SELECT * FROM task_run WHERE {' AND '.join(where)} ORDER BY created_at DESC, id DESC LIMIT %(limit)s",
+                params,
+            )
+            return [_run(r) for r in await cur.fetchall()]
+
+    async def child_runs(self, run_id: str) -> list[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT id FROM task_run WHERE parent_run_id = %s ORDER BY created_at LIMIT 100", (run_id,))
+            return [r[0] for r in await cur.fetchall()]
+
+    async def list_queues(self, env_id: str) -> list[dict[str, Any]]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_queue WHERE environment_id = %s ORDER BY name", (env_id,))
+            return list(await cur.fetchall())
+
+    async def set_queue_override(self, env_id: str, name: str, limit: int | None) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """UPDATE task_queue SET concurrency_limit_override = %s
+                   WHERE environment_id = %s AND name = %s RETURNING *""",
+                (limit, env_id, name),
+            )
+            return await cur.fetchone()
+
+    async def get_setting(self, key: str) -> str | None:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute("SELECT value FROM engine_setting WHERE key = %s", (key,))).fetchone()
+            return None if row is None else str(row[0])
+
+    async def ensure_setting(self, key: str, value: str) -> str:
+        """Store ``value`` unless the key has one already; return the stored value."""
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                "INSERT INTO engine_setting (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING", (key, value))
+            row = await (await conn.execute("SELECT value FROM engine_setting WHERE key = %s", (key,))).fetchone()
+            assert row is not None
+            return str(row[0])
+
+    async def insert_batch(self, batch_id: str, env_id: str, size: int) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                "INSERT INTO batch_task_run (id, environment_id, size) VALUES (%s, %s, %s)", (batch_id, env_id, size))

@@ -59,7 +59,7 @@ async def make_engine(database_url: str, redis_url: str, key_prefix: str, unique
         clock = FakeClock()
         engine = await RunEngine.create(settings, clock=clock, run_jobs=False)
         engines.append(engine)
-        env = await ensure_environment(engine.resources.repo, org=f"org-{unique}", project="proj", env="dev")
+        env = await ensure_environment(engine.resources.repo, secret="test-secret", org=f"org-{unique}", project="proj", env="dev")
         harness = Harness(engine, clock, env)
         engine.events.subscribe("*", harness.events.append)
         return harness

@@ -1,0 +1,145 @@
+"""HTTP plumbing shared by the API apps: the error shape, body parsing with size limits,
+authentication, JSON responses.
+
+Every error is ``{"error": {"code", "message"}}`` with the status of API.md; nothing a client can
+send produces a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from run_engine.errors import (
+    InvalidTransitionError,
+    LockTimeoutError,
+    NotFoundError,
+    RunEngineError,
+    StaleSnapshotError,
+    ValidationError,
+)
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+MAX_REQUEST_BYTES = 10 * 1024 * 1024
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, *, extra: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.extra = extra or {}
+        self.headers = headers
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+def error_response(status: int, code: str, message: str, extra: dict[str, Any] | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    return json_response({"error": {"code": code, "message": message, **(extra or {})}}, status, headers)
+
+
+async def handle_exception(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, ApiError):
+        return error_response(exc.status, exc.code, exc.message, exc.extra, exc.headers)
+    if isinstance(exc, StaleSnapshotError):
+        return error_response(409, exc.code, str(exc), {
+            "latestSnapshot": {"id": exc.latest_snapshot_id, "executionStatus": exc.latest_status}})
+    if isinstance(exc, NotFoundError):
+        return error_response(404, "not_found", f"{exc.kind} not found")
+    if isinstance(exc, InvalidTransitionError):
+        return error_response(409, exc.code, str(exc))
+    if isinstance(exc, ValidationError):
+        return error_response(400, exc.code, str(exc))
+    if isinstance(exc, LockTimeoutError):
+        return error_response(503, exc.code, "the run is busy; try again", headers={"Retry-After": "1"})
+    if isinstance(exc, HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail))
+    if isinstance(exc, RunEngineError):
+        log.exception("engine error on %s %s", request.method, request.url.path)
+        return error_response(500, exc.code, str(exc))
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return error_response(500, "internal_error", "internal error")
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if not (isinstance(p, str) and p in {"function-after", "union"})]
+    return ".".join(parts) or "body"
+
+
+async def read_json(request: Request, *, limit: int = MAX_REQUEST_BYTES, required: bool = True) -> Any:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "payload_too_large", f"request body is larger than {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, "payload_too_large", f"request body is larger than {limit} bytes")
+    if not body:
+        if required:
+            raise ApiError(400, "invalid_input", "body: a JSON body is required")
+        return None
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, "invalid_input", f"body: malformed JSON ({exc})") from None
+
+
+def validate(model: type[M], data: Any) -> M:
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_input", "body: must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except PydanticError as exc:
+        first = exc.errors()[0]
+        raise ApiError(400, "invalid_input", f"{_field_path(first['loc'])}: {first['msg']}") from None
+
+
+async def body(request: Request, model: type[M], *, required: bool = True) -> M:
+    data = await read_json(request, required=required)
+    return validate(model, {} if data is None else data)
+
+
+def bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "unauthorized", "missing or malformed Authorization: Bearer header")
+    return token.strip()
+
+
+class TtlCache:
+    """A tiny cache for credential look-ups (keys are hashes; entries expire)."""
+
+    def __init__(self, ttl_s: float = 5.0, size: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.size = size
+        self._data: dict[str, tuple[float, Any]] = {}
+
+    def get(self, key: str) -> Any:
+        hit = self._data.get(key)
+        if hit is None or time.monotonic() - hit[0] > self.ttl_s:
+            return None
+        return hit[1]
+
+    def put(self, key: str, value: Any) -> None:
+        if len(self._data) >= self.size:
+            self._data.clear()
+        self._data[key] = (time.monotonic(), value)

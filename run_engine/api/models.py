@@ -1,0 +1,177 @@
+"""Request bodies of the HTTP API (pydantic). Field names are the API's camelCase; unknown
+fields are ignored so that Trigger.dev's SDK can call run-engine."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MACHINES = ("micro", "small-1x", "small-2x", "medium-1x", "medium-2x", "large-1x", "large-2x")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+
+
+def parse_duration_s(value: float | int | str) -> float:
+    """Seconds from a number of seconds or a string like "30s", "15m", "2h", "1d"."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number of seconds or a string like '30s', '15m', '2h', '1d'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(value)
+        if not match:
+            raise ValueError("must be a number of seconds or a string like '30s', '15m', '2h', '1d'")
+        seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+    if seconds < 0:
+        raise ValueError("must not be negative")
+    return seconds
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class QueueOption(_Body):
+    name: str = Field(min_length=1, max_length=128)
+    concurrencyLimit: int | None = Field(default=None, ge=0, le=100_000)
+
+    @field_validator("name")
+    @classmethod
+    def _no_colon(cls, v: str) -> str:
+        if ":" in v:
+            raise ValueError("must not contain ':'")
+        return v
+
+
+class RetryOption(_Body):
+    maxAttempts: int | None = Field(default=None, ge=1, le=250)
+    factor: float | None = Field(default=None, ge=1, le=100)
+    minTimeoutInMs: int | None = Field(default=None, ge=0)
+    maxTimeoutInMs: int | None = Field(default=None, ge=0)
+    randomize: bool | None = None
+
+
+class TriggerOptions(_Body):
+    queue: QueueOption | str | None = None
+    concurrencyKey: str | None = Field(default=None, max_length=256)
+    idempotencyKey: str | None = Field(default=None, max_length=256)
+    idempotencyKeyTTL: float | int | str | None = None
+    delay: float | int | str | datetime | None = None
+    ttl: float | int | str | None = None
+    priority: float | None = Field(default=None, ge=0)
+    tags: list[str] | str | None = None
+    metadata: dict[str, Any] | None = None
+    maxAttempts: int | None = Field(default=None, ge=1, le=250)
+    maxDuration: float | None = Field(default=None, gt=0)
+    machine: Literal[MACHINES] | None = None  # type: ignore[valid-type]
+    lockToVersion: str | None = None
+    parentRunId: str | None = None
+    resumeParentOnCompletion: bool | None = None
+    payloadType: str | None = None
+    retry: RetryOption | None = None
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v: list[str] | str | None) -> list[str] | None:
+        if v is None:
+            return None
+        tags = [v] if isinstance(v, str) else v
+        if len(tags) > 10:
+            raise ValueError("at most 10 tags")
+        for tag in tags:
+            if not tag or len(tag) > 128:
+                raise ValueError("each tag must be 1..128 characters")
+        return tags
+
+    @field_validator("queue")
+    @classmethod
+    def _queue_name(cls, v: QueueOption | str | None) -> QueueOption | str | None:
+        if isinstance(v, str) and (not v or ":" in v or len(v) > 128):
+            raise ValueError("must be 1..128 characters without ':'")
+        return v
+
+    @field_validator("ttl", "idempotencyKeyTTL")
+    @classmethod
+    def _duration(cls, v: float | int | str | None) -> float | int | str | None:
+        if v is not None:
+            parse_duration_s(v)
+        return v
+
+
+class TriggerBody(_Body):
+    payload: Any = None
+    options: TriggerOptions | None = None
+
+
+class BatchItem(_Body):
+    task: str = Field(min_length=1, max_length=128)
+    payload: Any = None
+    options: TriggerOptions | None = None
+
+
+class BatchBody(_Body):
+    items: list[BatchItem] = Field(min_length=1, max_length=1000)
+
+
+class PauseBody(_Body):
+    action: Literal["pause", "resume"]
+
+
+class ConcurrencyBody(_Body):
+    concurrencyLimit: int = Field(ge=0, le=100_000)
+
+
+class RedriveAllBody(_Body):
+    taskIdentifier: str | None = None
+    queue: str | None = None
+
+
+# --- worker API -------------------------------------------------------------------------------
+
+class TaskDecl(_Body):
+    id: str = Field(min_length=1, max_length=128)
+    queue: str | None = Field(default=None, max_length=128)
+    retry: dict[str, Any] | None = None
+    maxDuration: int | None = Field(default=None, gt=0)
+    machine: Literal[MACHINES] | None = None  # type: ignore[valid-type]
+
+
+class DeploymentDecl(_Body):
+    tasks: list[TaskDecl] = Field(min_length=1, max_length=5000)
+    queues: list[QueueOption] = Field(default_factory=list, max_length=5000)
+    version: str | None = None
+
+
+class ConnectBody(_Body):
+    workerInstanceName: str = Field(min_length=1, max_length=256)
+    deployment: DeploymentDecl
+    environments: list[str] | None = None
+
+
+class WorkerHeartbeatBody(_Body):
+    workerInstanceName: str = Field(min_length=1, max_length=256)
+
+
+class DequeueBody(_Body):
+    maxRuns: int = Field(default=1, ge=1, le=100)
+    waitMs: int = Field(default=0, ge=0, le=60_000)
+    workerInstanceName: str | None = None
+
+
+class ErrorBody(_Body):
+    type: str = "BUILT_IN_ERROR"
+    name: str | None = None
+    message: str = ""
+    stackTrace: str | None = None
+    code: str | None = None
+
+
+class CompleteBody(_Body):
+    ok: bool
+    output: Any = None
+    outputType: str | None = None
+    error: ErrorBody | None = None
+    retryable: bool | None = None

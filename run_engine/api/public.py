@@ -1,0 +1,331 @@
+"""The public API (API.md, "Public API"): environment secret key or run token."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from run_engine.api.context import ApiContext, EnvAuth
+from run_engine.api.http import ApiError, body, json_response
+from run_engine.api.models import (
+    BatchBody,
+    ConcurrencyBody,
+    PauseBody,
+    RedriveAllBody,
+    TriggerBody,
+    TriggerOptions,
+    parse_duration_s,
+)
+from run_engine.api.serialize import iso, run_object
+from run_engine.db.repository import RunRow
+from run_engine.engine import TriggerRequest
+from run_engine.errors import InvalidTransitionError
+from run_engine.statuses import RunStatus
+
+
+def _ctx(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.ctx
+    return ctx
+
+
+def _decode_payload(payload: Any, payload_type: str | None, field: str) -> Any:
+    """Trigger.dev's SDK sends JSON (or superjson) payloads as strings: decode them."""
+    if isinstance(payload, str) and payload_type in ("application/json", "application/super+json"):
+        try:
+            decoded = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise ApiError(400, "invalid_input", f"{field}: not valid JSON for payloadType {payload_type}") from None
+        if payload_type == "application/super+json" and isinstance(decoded, dict) and "json" in decoded:
+            decoded = decoded["json"]
+        return decoded
+    return payload
+
+
+def _check_size(ctx: ApiContext, value: Any, field: str) -> None:
+    limit = ctx.engine.resources.settings.max_payload_bytes
+    if value is not None and len(orjson.dumps(value)) > limit:
+        raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
+
+
+def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, options: TriggerOptions | None,
+                    field: str, *, batch_id: str | None = None, trigger_function: str = "trigger") -> TriggerRequest:
+    o = options or TriggerOptions()
+    payload = _decode_payload(payload, o.payloadType, f"{field}.payload")
+    _check_size(ctx, payload, f"{field}.payload")
+    _check_size(ctx, o.metadata, f"{field}.options.metadata")
+    queue_name = o.queue.name if o.queue is not None and not isinstance(o.queue, str) else o.queue
+    queue_limit = o.queue.concurrencyLimit if o.queue is not None and not isinstance(o.queue, str) else None
+    retry = None
+    if o.retry is not None:
+        retry = {k: v for k, v in {
+            "max_attempts": o.retry.maxAttempts, "factor": o.retry.factor,
+            "min_timeout": None if o.retry.minTimeoutInMs is None else o.retry.minTimeoutInMs / 1000,
+            "max_timeout": None if o.retry.maxTimeoutInMs is None else o.retry.maxTimeoutInMs / 1000,
+            "randomize": o.retry.randomize}.items() if v is not None}
+    return TriggerRequest(
+        env_id=auth.env_id, task_id=task, payload=payload, payload_type="application/json",
+        queue=queue_name, queue_concurrency_limit=queue_limit, concurrency_key=o.concurrencyKey,
+        priority_s=o.priority or 0.0, tags=tuple(o.tags or ()), metadata=o.metadata,
+        max_attempts=o.maxAttempts, retry=retry,
+        max_duration_s=None if o.maxDuration is None else int(o.maxDuration), machine=o.machine,
+        parent_run_id=o.parentRunId or auth.run_id, batch_id=batch_id, trigger_function=trigger_function,
+        ttl_s=None if o.ttl is None else int(parse_duration_s(o.ttl)),
+    )
+
+
+async def trigger(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    task = request.path_params["task_id"]
+    if not task or len(task) > 128:
+        raise ApiError(400, "invalid_input", "taskId: must be 1..128 characters")
+    req = await body(request, TriggerBody)
+    run = await ctx.engine.trigger(trigger_request(ctx, auth, task, req.payload, req.options, "body"))
+    return json_response({"id": run.id, "isCached": run.is_cached})
+
+
+async def batch_trigger(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    req = await body(request, BatchBody)
+    batch_id = ctx.engine.new_batch_id()
+    requests = [trigger_request(ctx, auth, item.task, item.payload, item.options, f"items.{i}",
+                                batch_id=batch_id, trigger_function="batchTrigger")
+                for i, item in enumerate(req.items)]
+    runs = await ctx.engine.trigger_batch(auth.env_id, batch_id, requests)
+    return json_response({"id": batch_id, "runs": [
+        {"id": r.id, "taskIdentifier": q.task_id, "isCached": r.is_cached} for r, q in zip(runs, requests, strict=True)]})
+
+
+async def get_batch(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    batch_id = request.path_params["batch_id"]
+    runs = await ctx.repo.list_runs(auth.env_id, batches=[batch_id], limit=1000)
+    if not runs:
+        raise ApiError(404, "not_found", "batch not found")
+    done = all(RunStatus(r.status) in {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELED, RunStatus.CRASHED,
+                                       RunStatus.SYSTEM_FAILURE, RunStatus.EXPIRED, RunStatus.TIMED_OUT} for r in runs)
+    return json_response({"id": batch_id, "status": "COMPLETED" if done else "PENDING", "runCount": len(runs),
+                          "runs": [r.id for r in reversed(runs)]})
+
+
+async def _own_run(ctx: ApiContext, auth: EnvAuth, run_id: str) -> RunRow:
+    run = await ctx.engine.get_run(run_id, auth.env_id)
+    if run is None:
+        raise ApiError(404, "not_found", "run not found")
+    return run
+
+
+async def get_run(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    run = await _own_run(ctx, auth, request.path_params["run_id"])
+    return json_response(run_object(run, children=await ctx.repo.child_runs(run.id)))
+
+
+def _csv(request: Request, name: str) -> list[str]:
+    raw = request.query_params.get(name)
+    return [v.strip() for v in raw.split(",") if v.strip()] if raw else []
+
+
+def _cursor(run: RunRow) -> str:
+    return f"{run.created_at.isoformat()}|{run.id}"
+
+
+async def list_runs(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    size_raw = request.query_params.get("page[size]", "25")
+    if not size_raw.isdigit() or not 1 <= int(size_raw) <= 100:
+        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
+    statuses = _csv(request, "filter[status]")
+    for s in statuses:
+        if s not in RunStatus.__members__:
+            raise ApiError(400, "invalid_input", f"filter[status]: unknown status {s!r}")
+    after = None
+    if cursor := request.query_params.get("page[after]"):
+        try:
+            ts, run_id = cursor.split("|", 1)
+            after = (datetime.fromisoformat(ts), run_id)
+        except ValueError:
+            raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
+    size = int(size_raw)
+    runs = await ctx.repo.list_runs(
+        auth.env_id, statuses=statuses, tasks=_csv(request, "filter[taskIdentifier]"), tags=_csv(request, "filter[tag]"),
+        queues=_csv(request, "filter[queue]"), batches=_csv(request, "filter[batch]"), limit=size + 1, after=after)
+    page, more = runs[:size], len(runs) > size
+    return json_response({"data": [run_object(r) for r in page],
+                          "pagination": {"next": _cursor(page[-1]) if more and page else None}})
+
+
+async def cancel_run(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    run = await _own_run(ctx, auth, request.path_params["run_id"])
+    await ctx.engine.cancel(run.id)
+    return json_response({"id": run.id})
+
+
+async def replay_run(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    run = await _own_run(ctx, auth, request.path_params["run_id"])
+    new = await ctx.engine.trigger(TriggerRequest(
+        env_id=auth.env_id, task_id=run.task_identifier, payload=run.payload, payload_type=run.payload_type,
+        queue=run.queue, concurrency_key=run.concurrency_key, priority_s=run.priority_ms / 1000,
+        tags=tuple(run.tags), metadata=run.metadata, max_attempts=run.max_attempts, retry=run.retry,
+        max_duration_s=run.max_duration_s, machine=run.machine))
+    return json_response({"id": new.id})
+
+
+# --- queues -------------------------------------------------------------------------------------
+
+async def _queue_object(ctx: ApiContext, row: dict[str, Any]) -> dict[str, Any]:
+    stats = await ctx.engine.resources.queue.queue_stats(row["environment_id"], row["name"])
+    limit = row["concurrency_limit_override"] if row["concurrency_limit_override"] is not None else row["concurrency_limit"]
+    return {"id": row["id"], "name": row["name"], "type": row["type"], "running": stats.running,
+            "queued": stats.queued, "concurrencyLimit": limit, "paused": row["paused"],
+            "concurrencyLimitOverridden": row["concurrency_limit_override"] is not None}
+
+
+async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str) -> dict[str, Any]:
+    row = await ctx.repo.task_queue(auth.env_id, name)
+    if row is None:
+        raise ApiError(404, "not_found", "queue not found")
+    return row
+
+
+async def list_queues(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    return json_response({"data": [await _queue_object(ctx, r) for r in await ctx.repo.list_queues(auth.env_id)]})
+
+
+async def get_queue(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    return json_response(await _queue_object(ctx, await _queue_row(ctx, auth, request.path_params["name"])))
+
+
+async def pause_queue(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    name = request.path_params["name"]
+    await _queue_row(ctx, auth, name)
+    req = await body(request, PauseBody)
+    if req.action == "pause":
+        await ctx.engine.pause_queue(auth.env_id, name)
+    else:
+        await ctx.engine.resume_queue(auth.env_id, name)
+    return json_response(await _queue_object(ctx, await _queue_row(ctx, auth, name)))
+
+
+async def override_concurrency(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    name = request.path_params["name"]
+    await _queue_row(ctx, auth, name)
+    req = await body(request, ConcurrencyBody)
+    row = await ctx.engine.set_queue_concurrency_override(auth.env_id, name, req.concurrencyLimit)
+    return json_response(await _queue_object(ctx, row))
+
+
+async def reset_concurrency(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    name = request.path_params["name"]
+    await _queue_row(ctx, auth, name)
+    row = await ctx.engine.set_queue_concurrency_override(auth.env_id, name, None)
+    return json_response(await _queue_object(ctx, row))
+
+
+# --- DLQ ----------------------------------------------------------------------------------------
+
+async def list_dlq(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    size_raw = request.query_params.get("page[size]", "25")
+    if not size_raw.isdigit() or not 1 <= int(size_raw) <= 100:
+        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
+    size = int(size_raw)
+    tasks, queues = set(_csv(request, "filter[taskIdentifier]")), set(_csv(request, "filter[queue]"))
+    after = request.query_params.get("page[after]")
+    data: list[dict[str, Any]] = []
+    more = False
+    while True:
+        entries = await ctx.engine.resources.queue.list_dlq(auth.env_id, limit=100, after=after)
+        for e in entries:
+            if (tasks and e.task not in tasks) or (queues and e.queue not in queues):
+                continue
+            if len(data) == size:
+                more = True
+                break
+            run = await ctx.engine.get_run(e.run_id, auth.env_id)
+            if run is not None:
+                data.append({"run": run_object(run), "reason": e.reason, "deadAt": iso(_ms(e.dead_at_ms)),
+                             "deliveries": e.deliveries})
+        if more or len(entries) < 100:
+            break
+        after = entries[-1].run_id
+    return json_response({"data": data, "pagination": {"next": data[-1]["run"]["id"] if more and data else None}})
+
+
+def _ms(ms: int) -> datetime:
+    from datetime import UTC
+
+    return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+async def redrive_one(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    run = await _own_run(ctx, auth, request.path_params["run_id"])
+    try:
+        await ctx.engine.redrive(auth.env_id, run.id)
+    except InvalidTransitionError:
+        raise ApiError(409, "not_dead_lettered", "the run is not in the dead-letter queue") from None
+    return json_response({"id": run.id})
+
+
+async def redrive_all(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    req = await body(request, RedriveAllBody, required=False)
+    count = 0
+    while True:
+        entries = await ctx.engine.resources.queue.list_dlq(auth.env_id, limit=100)
+        matching = [e for e in entries if (req.taskIdentifier in (None, e.task)) and (req.queue in (None, e.queue))]
+        for e in matching:
+            try:
+                await ctx.engine.redrive(auth.env_id, e.run_id)
+                count += 1
+            except InvalidTransitionError:
+                await ctx.engine.resources.queue.remove(auth.env_id, e.run_id)
+        if len(entries) < 100 or not matching:
+            break
+    return json_response({"redriven": count})
+
+
+ROUTES = [
+    Route("/api/v1/tasks/batch", batch_trigger, methods=["POST"]),
+    Route("/api/v1/tasks/{task_id}/trigger", trigger, methods=["POST"]),
+    Route("/api/v1/batches/{batch_id}", get_batch, methods=["GET"]),
+    Route("/api/v3/runs/{run_id}", get_run, methods=["GET"]),
+    Route("/api/v1/runs", list_runs, methods=["GET"]),
+    Route("/api/v2/runs/{run_id}/cancel", cancel_run, methods=["POST"]),
+    Route("/api/v1/runs/{run_id}/replay", replay_run, methods=["POST"]),
+    Route("/api/v1/queues", list_queues, methods=["GET"]),
+    Route("/api/v1/queues/{name:path}/pause", pause_queue, methods=["POST"]),
+    Route("/api/v1/queues/{name:path}/concurrency/override", override_concurrency, methods=["POST"]),
+    Route("/api/v1/queues/{name:path}/concurrency/reset", reset_concurrency, methods=["POST"]),
+    Route("/api/v1/queues/{name:path}", get_queue, methods=["GET"]),
+    Route("/api/v1/dlq", list_dlq, methods=["GET"]),
+    Route("/api/v1/dlq/redrive", redrive_all, methods=["POST"]),
+    Route("/api/v1/dlq/{run_id}/redrive", redrive_one, methods=["POST"]),
+]

@@ -1,0 +1,90 @@
+"""The API's run object (API.md), a superset of Trigger.dev's RetrieveRunResponse."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from run_engine.db.repository import RunRow, Snapshot
+from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
+
+QUEUED = {RunStatus.QUEUED, RunStatus.PENDING_VERSION, RunStatus.DELAYED}
+EXECUTING = {RunStatus.EXECUTING, RunStatus.DEQUEUED}
+FAILED = {RunStatus.FAILED, RunStatus.CRASHED, RunStatus.SYSTEM_FAILURE, RunStatus.EXPIRED, RunStatus.TIMED_OUT}
+
+
+def iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat().replace("+00:00", "Z")
+
+
+def run_object(run: RunRow, *, children: list[str] | None = None) -> dict[str, Any]:
+    status = RunStatus(run.status)
+    end = run.finished_at
+    duration_ms = int((end - run.started_at).total_seconds() * 1000) if end and run.started_at else 0
+    obj: dict[str, Any] = {
+        "id": run.id,
+        "taskIdentifier": run.task_identifier,
+        "status": status.value,
+        "isQueued": status in QUEUED,
+        "isExecuting": status in EXECUTING,
+        "isWaiting": status == RunStatus.WAITING,
+        "isCompleted": status in FINAL_RUN_STATUSES,
+        "isSuccess": status == RunStatus.COMPLETED,
+        "isFailed": status in FAILED,
+        "isCancelled": status == RunStatus.CANCELED,
+        "isTest": False,
+        "payload": run.payload,
+        "payloadType": run.payload_type,
+        "attemptCount": run.attempt_number,
+        "tags": run.tags,
+        "metadata": run.metadata if run.metadata is not None else {},
+        "queue": run.queue,
+        "concurrencyKey": run.concurrency_key,
+        "priority": run.priority_ms / 1000,
+        "idempotencyKey": run.idempotency_key,
+        "ttl": run.ttl_s,
+        "delayedUntil": iso(run.delay_until),
+        "expiredAt": None,
+        "createdAt": iso(run.created_at),
+        "updatedAt": iso(run.updated_at),
+        "startedAt": iso(run.started_at),
+        "finishedAt": iso(run.finished_at),
+        "durationMs": duration_ms,
+        "costInCents": 0,
+        "baseCostInCents": 0,
+        "batchId": run.batch_id,
+        "depth": run.depth,
+        "triggerFunction": run.trigger_function,
+        "relatedRuns": {"root": run.root_run_id, "parent": run.parent_run_id, "children": children or []},
+        "version": None,
+        "maxAttempts": run.max_attempts,
+        "maxDuration": run.max_duration_s,
+        "machine": run.machine,
+    }
+    if status == RunStatus.COMPLETED:
+        obj["output"] = run.output
+        obj["outputType"] = run.output_type
+    if run.error is not None and status in FAILED | {RunStatus.CANCELED} or (run.error and status in QUEUED):
+        obj["error"] = _error(run.error)
+    return obj
+
+
+def _error(error: dict[str, Any]) -> dict[str, Any]:
+    out = {"type": error.get("type", "BUILT_IN_ERROR"), "message": error.get("message", "")}
+    for key in ("name", "stackTrace", "code"):
+        if error.get(key):
+            out[key] = error[key]
+    return out
+
+
+def snapshot_object(snapshot: Snapshot) -> dict[str, Any]:
+    return {
+        "id": snapshot.id,
+        "runId": snapshot.run_id,
+        "executionStatus": snapshot.engine_status,
+        "runStatus": snapshot.run_status,
+        "attemptNumber": snapshot.attempt_number,
+        "description": snapshot.description,
+        "previousSnapshotId": snapshot.previous_snapshot_id,
+        "createdAt": iso(snapshot.created_at),
+    }

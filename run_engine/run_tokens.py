@@ -1,0 +1,52 @@
+"""Run tokens and callback signatures: HMAC-SHA256 with the installation's secret.
+
+A run token lets an executor act for one run and one attempt until it expires; it never carries
+the environment's secret key. Format: ``rt_<run_id>.<attempt>.<expires unix s>.<signature>``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+PREFIX = "rt_"
+
+
+@dataclass(frozen=True, slots=True)
+class RunTokenClaims:
+    run_id: str
+    attempt: int
+    expires_at: int
+
+
+class RunTokens:
+    def __init__(self, secret: str) -> None:
+        self._key = secret.encode()
+
+    def _sign(self, message: str) -> str:
+        digest = hmac.new(self._key, message.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+    def mint(self, run_id: str, attempt: int, expires_at: int) -> str:
+        body = f"{run_id}.{attempt}.{expires_at}"
+        return f"{PREFIX}{body}.{self._sign(body)}"
+
+    def verify(self, token: str, now: float) -> RunTokenClaims | None:
+        """The claims of a valid, unexpired token; None otherwise."""
+        if not token.startswith(PREFIX):
+            return None
+        try:
+            run_id, attempt, expires, signature = token[len(PREFIX):].rsplit(".", 3)
+            claims = RunTokenClaims(run_id, int(attempt), int(expires))
+        except ValueError:
+            return None
+        if not hmac.compare_digest(signature, self._sign(f"{run_id}.{attempt}.{expires}")):
+            return None
+        if claims.expires_at < now:
+            return None
+        return claims
+
+    def callback_signature(self, waitpoint_id: str) -> str:
+        return self._sign(f"callback.{waitpoint_id}")

@@ -1,0 +1,44 @@
+"""The API server process: engine + HTTP apps on uvicorn."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import uvicorn
+
+from run_engine.api.app import create_app
+from run_engine.api.context import ApiContext
+from run_engine.engine import RunEngine
+from run_engine.run_tokens import RunTokens
+from run_engine.settings import EngineSettings
+from run_engine.tenancy import installation_secret
+from run_engine.wakeups import WakeUps
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.asynccontextmanager
+async def api_context(settings: EngineSettings, *, secret: str | None, public_url: str) -> AsyncIterator[ApiContext]:
+    engine = await RunEngine.create(settings)
+    wakeups = WakeUps(engine.redis, channel=f"{settings.key_prefix}:wake")
+    engine.resources.on_work(wakeups.notify)
+    await wakeups.start()
+    try:
+        secret = await installation_secret(engine.resources.repo, secret)
+        yield ApiContext(engine=engine, tokens=RunTokens(secret), wakeups=wakeups, public_url=public_url)
+    finally:
+        await wakeups.stop()
+        await engine.close()
+
+
+async def serve(settings: EngineSettings, *, host: str, port: int, secret: str | None,
+                public_url: str | None = None) -> None:
+    url = public_url or f"http://{host}:{port}"
+    async with api_context(settings, secret=secret, public_url=url) as ctx:
+        config = uvicorn.Config(create_app(ctx), host=host, port=port, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        log.info("run-engine API listening on %s", url)
+        await server.serve()
