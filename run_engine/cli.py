@@ -132,6 +132,27 @@ def worker_groups_create(
         typer.echo(token)
 
 
+@app.command("supervisor")
+def supervisor_cmd(
+    token: Annotated[str, typer.Option(envvar="RUN_ENGINE_WORKER_TOKEN", help="Worker group token (tr_wgt_…).")],
+    tasks: Annotated[str, typer.Option(help="Python module with your @task functions, e.g. my_app.tasks.")],
+    api_url: Annotated[str, typer.Option(envvar="RUN_ENGINE_API_URL", help="URL of the run-engine server.")] = "http://127.0.0.1:3030",
+    concurrency: Annotated[int, typer.Option(min=1, max=1000, help="Runs at once (one warm executor each).")] = 4,
+    name: Annotated[str, typer.Option(help="Worker instance name (default host-pid).")] = "",
+    heartbeat_interval: Annotated[float, typer.Option(envvar="RUN_ENGINE_HEARTBEAT_INTERVAL_S", help="Seconds between run heartbeats.")] = 20.0,
+    env: Annotated[list[str] | None, typer.Option("--env", help="Serve only these environments (slug or id).")] = None,
+) -> None:
+    """Serve a worker group: pull its runs and execute them in warm executor processes."""
+    import sys
+
+    from supervisor.supervisor import SupervisorConfig, run_supervisor
+
+    sys.path.insert(0, os.getcwd())
+    run_supervisor(SupervisorConfig(api_url=api_url, token=token, tasks_module=tasks, concurrency=concurrency,
+                                    name=name, heartbeat_interval_s=heartbeat_interval,
+                                    environments=tuple(env or ())))
+
+
 def main() -> None:
     logging.basicConfig(level=os.environ.get("RUN_ENGINE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

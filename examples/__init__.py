@@ -1,0 +1,1 @@
+"""Example tasks for `run-engine dev`."""

@@ -1,0 +1,33 @@
+"""Runs from outside a task: retrieve, list, cancel, replay."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from run_engine.sdk.client import request
+
+
+async def retrieve(run_id: str) -> dict[str, Any]:
+    result: dict[str, Any] = await request("GET", f"/api/v3/runs/{run_id}")
+    return result
+
+
+async def list(**filters: str) -> dict[str, Any]:  # noqa: A001 - the SDK's documented name
+    """``filters`` map to ``filter[...]`` query parameters, e.g. ``status="COMPLETED"``."""
+    params = {f"filter[{k}]": v for k, v in filters.items() if k not in {"size", "after"}}
+    if "size" in filters:
+        params["page[size]"] = filters["size"]
+    if "after" in filters:
+        params["page[after]"] = filters["after"]
+    result: dict[str, Any] = await request("GET", "/api/v1/runs", params=params)
+    return result
+
+
+async def cancel(run_id: str) -> dict[str, Any]:
+    result: dict[str, Any] = await request("POST", f"/api/v2/runs/{run_id}/cancel")
+    return result
+
+
+async def replay(run_id: str) -> dict[str, Any]:
+    result: dict[str, Any] = await request("POST", f"/api/v1/runs/{run_id}/replay")
+    return result

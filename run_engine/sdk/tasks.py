@@ -1,0 +1,123 @@
+"""Task authoring: ``@task``, ``queue(...)``, triggering from Python.
+
+A module of tasks is what a supervisor runs (``--tasks my_app.tasks``): importing it fills the
+registry, from which the supervisor builds the deployment it registers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from run_engine.sdk.client import request
+
+MACHINES = {"micro": 256, "small-1x": 512, "small-2x": 1024, "medium-1x": 2048, "medium-2x": 4096,
+            "large-1x": 8192, "large-2x": 16384}  # MiB of memory per preset
+
+REGISTRY: dict[str, Task] = {}
+QUEUES: dict[str, Queue] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    name: str
+    concurrency_limit: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        if self.concurrency_limit is not None:
+            out["concurrencyLimit"] = self.concurrency_limit
+        return out
+
+
+def queue(name: str, concurrency_limit: int | None = None) -> Queue:
+    """Declare a queue shared by tasks; ``concurrency_limit`` caps its runs at once."""
+    if not name or ":" in name:
+        raise ValueError("queue names are non-empty and contain no ':'")
+    q = Queue(name, concurrency_limit)
+    QUEUES[name] = q
+    return q
+
+
+@dataclass(frozen=True, slots=True)
+class RunHandle:
+    id: str
+    is_cached: bool = False
+
+
+@dataclass(eq=False)
+class Task:
+    id: str
+    fn: Callable[..., Any]
+    queue: Queue | None = None
+    retry: dict[str, Any] | None = None
+    max_duration: int | None = None
+    machine: str | None = None
+    wants_ctx: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = inspect.signature(self.fn).parameters
+        self.wants_ctx = len(params) >= 2
+
+    def declaration(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id}
+        if self.queue is not None:
+            out["queue"] = self.queue.name
+        if self.retry:
+            out["retry"] = self.retry
+        if self.max_duration:
+            out["maxDuration"] = self.max_duration
+        if self.machine:
+            out["machine"] = self.machine
+        return out
+
+    async def execute(self, payload: Any, ctx: Any) -> Any:
+        """Run the task function: async ones on the loop, sync ones in a thread."""
+        args = (payload, ctx) if self.wants_ctx else (payload,)
+        if inspect.iscoroutinefunction(self.fn):
+            return await self.fn(*args)
+        return await asyncio.to_thread(self.fn, *args)
+
+    async def trigger(self, payload: Any = None, options: dict[str, Any] | None = None) -> RunHandle:
+        """Trigger a run of this task through the public API."""
+        data = await request("POST", f"/api/v1/tasks/{self.id}/trigger",
+                             json={"payload": payload, "options": options or {}})
+        return RunHandle(data["id"], data.get("isCached", False))
+
+    async def batch_trigger(self, items: list[Any], options: dict[str, Any] | None = None) -> list[RunHandle]:
+        """Trigger one run per payload in one request (up to 1,000)."""
+        data = await request("POST", "/api/v1/tasks/batch", json={
+            "items": [{"task": self.id, "payload": p, "options": options or {}} for p in items]})
+        return [RunHandle(r["id"], r.get("isCached", False)) for r in data["runs"]]
+
+
+def task(
+    fn: Callable[..., Any] | None = None, *, id: str | None = None, queue: Queue | None = None,  # noqa: A002
+    retry: dict[str, Any] | None = None, max_duration: int | None = None, machine: str | None = None,
+) -> Any:
+    """Declare a task: ``@task`` or ``@task(id=..., queue=..., retry=..., max_duration=..., machine=...)``.
+
+    The function takes ``(payload)`` or ``(payload, ctx)``; it may be async or sync. Its return
+    value must be JSON.
+    """
+    if machine is not None and machine not in MACHINES:
+        raise ValueError(f"machine must be one of {sorted(MACHINES)}")
+
+    def wrap(f: Callable[..., Any]) -> Task:
+        t = Task(id=id or f.__name__.replace("_", "-"), fn=f, queue=queue, retry=retry,
+                 max_duration=max_duration, machine=machine)
+        if t.id in REGISTRY and REGISTRY[t.id].fn is not f:
+            raise ValueError(f"two tasks have the id {t.id!r}")
+        REGISTRY[t.id] = t
+        return t
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def deployment() -> dict[str, Any]:
+    """The registry as the worker API's ``deployment`` body."""
+    queues = {t.queue.name: t.queue for t in REGISTRY.values() if t.queue is not None} | QUEUES
+    return {"tasks": [t.declaration() for t in REGISTRY.values()], "queues": [q.to_json() for q in queues.values()]}

@@ -1,0 +1,210 @@
+"""The worker-group supervisor: connects, long-polls for up to its free capacity, runs each run in
+a warm executor, heartbeats, enforces max duration and memory, reports crashes, and on SIGTERM
+stops polling, drains in-flight runs and exits 0.
+
+It talks to the engine only over the worker API (HTTP): nothing here imports the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from run_engine.sdk.tasks import MACHINES, deployment
+from supervisor.executor import ExecutorFailure, ExecutorPool
+
+log = logging.getLogger("run_engine.supervisor")
+WORKER = "/engine/v1/worker-actions"
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorConfig:
+    api_url: str
+    token: str
+    tasks_module: str
+    concurrency: int = 4
+    name: str = ""
+    heartbeat_interval_s: float = 20.0
+    poll_wait_ms: int = 10_000
+    environments: tuple[str, ...] = ()
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig) -> None:
+        self.config = config
+        self.name = config.name or f"{socket.gethostname()}-{os.getpid()}"
+        self.pool = ExecutorPool(config.tasks_module)
+        self.http = httpx.AsyncClient(base_url=config.api_url.rstrip("/"),
+                                      headers={"Authorization": f"Bearer {config.token}"},
+                                      timeout=httpx.Timeout(30, read=config.poll_wait_ms / 1000 + 30),
+                                      limits=httpx.Limits(max_connections=config.concurrency * 3 + 10))
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(config.concurrency)
+        self._stopping = asyncio.Event()
+        self._poll: asyncio.Task[Any] | None = None
+        self.completed = 0
+
+    async def _post(self, path: str, json: Any = None) -> httpx.Response:
+        return await self.http.post(f"{WORKER}{path}", json=json)
+
+    async def connect(self) -> dict[str, Any]:
+        importlib.import_module(self.config.tasks_module)
+        body: dict[str, Any] = {"workerInstanceName": self.name, "deployment": deployment()}
+        if self.config.environments:
+            body["environments"] = list(self.config.environments)
+        for attempt in range(60):
+            try:
+                response = await self._post("/connect", body)
+                break
+            except httpx.TransportError:
+                if attempt == 59:
+                    raise
+                await asyncio.sleep(0.5)
+        if response.status_code != 200:
+            raise SystemExit(f"connect failed: {response.status_code} {response.text}")
+        data: dict[str, Any] = response.json()
+        log.info("connected as %s: deployment %s (version %s), %d tasks", self.name, data["deploymentId"],
+                 data["version"], len(body["deployment"]["tasks"]))
+        return data
+
+    def stop(self) -> None:
+        """Stop polling; in-flight runs finish (SIGTERM)."""
+        if not self._stopping.is_set():
+            log.info("stopping: draining %d in-flight runs", len(self._inflight))
+        self._stopping.set()
+        if self._poll is not None:
+            self._poll.cancel()
+
+    async def run(self) -> None:
+        await self.connect()
+        await self.pool.warm(min(self.config.concurrency, 2))
+        beat = asyncio.create_task(self._worker_heartbeats())
+        try:
+            while not self._stopping.is_set():
+                await self._slots.acquire()
+                free = 1
+                while free < self.config.concurrency and not self._slots.locked():
+                    await self._slots.acquire()
+                    free += 1
+                runs = await self._dequeue(free)
+                for item in runs:
+                    task = asyncio.create_task(self._handle(item))
+                    self._inflight.add(task)
+                    task.add_done_callback(self._inflight.discard)
+                for _ in range(free - len(runs)):
+                    self._slots.release()
+            if self._inflight:
+                await asyncio.gather(*self._inflight, return_exceptions=True)
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            self.pool.close()
+            await self.http.aclose()
+        log.info("stopped after %d runs", self.completed)
+
+    async def _dequeue(self, max_runs: int) -> list[dict[str, Any]]:
+        self._poll = asyncio.create_task(self._post("/dequeue", {
+            "maxRuns": max_runs, "waitMs": self.config.poll_wait_ms, "workerInstanceName": self.name}))
+        try:
+            response = await self._poll
+        except asyncio.CancelledError:
+            if self._stopping.is_set():
+                return []
+            raise
+        except httpx.TransportError as exc:
+            log.warning("dequeue failed (%s); retrying", exc)
+            await asyncio.sleep(0.5)
+            return []
+        finally:
+            self._poll = None
+        if response.status_code != 200:
+            log.warning("dequeue answered %s: %s", response.status_code, response.text[:200])
+            await asyncio.sleep(0.5)
+            return []
+        runs: list[dict[str, Any]] = response.json()["runs"]
+        return runs
+
+    async def _worker_heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(30)
+            with contextlib.suppress(httpx.HTTPError):
+                await self._post("/heartbeat", {"workerInstanceName": self.name})
+
+    async def _handle(self, item: dict[str, Any]) -> None:
+        try:
+            await self._execute(item)
+        except Exception:
+            log.exception("run %s: supervisor error", item["run"]["id"])
+        finally:
+            self._slots.release()
+
+    async def _execute(self, item: dict[str, Any]) -> None:
+        run_id = item["run"]["id"]
+        start = await self._post(f"/runs/{run_id}/snapshots/{item['snapshot']['id']}/attempts/start")
+        if start.status_code != 200:
+            log.info("run %s: not started (%s %s)", run_id, start.status_code, start.text[:200])
+            return
+        started = start.json()
+        snapshot_id = started["snapshot"]["id"]
+        cancelled = asyncio.Event()
+        executor = await self.pool.acquire()
+        beat = asyncio.create_task(self._run_heartbeats(run_id, snapshot_id, cancelled, executor))
+        msg = {"type": "run", "runId": run_id, "task": started["run"]["taskIdentifier"],
+               "payload": started["payload"], "attempt": started["attemptNumber"], "tags": started["run"]["tags"],
+               "queue": started["run"]["queue"], "runToken": started["runToken"], "apiUrl": self.config.api_url}
+        try:
+            result = await executor.run(msg, max_duration_s=started.get("maxDuration"),
+                                        memory_mb=MACHINES.get(started.get("machine") or "small-1x"))
+        except ExecutorFailure as exc:
+            error, retryable = exc.error, exc.retryable
+            if cancelled.is_set():
+                error, retryable = {"type": "CANCELED", "message": "Run was cancelled"}, False
+            log.info("run %s: %s", run_id, error["message"])
+            result = {"ok": False, "error": error, "retryable": retryable}
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            self.pool.release(executor)
+        complete = await self._post(f"/runs/{run_id}/snapshots/{snapshot_id}/attempts/complete", result)
+        if complete.status_code != 200:
+            log.info("run %s: completion refused (%s %s)", run_id, complete.status_code, complete.text[:200])
+        self.completed += 1
+
+    async def _run_heartbeats(self, run_id: str, snapshot_id: str, cancelled: asyncio.Event, executor: Any) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            try:
+                response = await self._post(f"/runs/{run_id}/snapshots/{snapshot_id}/heartbeat")
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 409:
+                latest = response.json().get("error", {}).get("latestSnapshot", {})
+                log.info("run %s moved on to %s: stopping its executor", run_id, latest.get("executionStatus"))
+                cancelled.set()
+                executor.kill()
+                return
+
+
+def run_supervisor(config: SupervisorConfig) -> None:
+    async def main() -> None:
+        sup = Supervisor(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, sup.stop)
+        await sup.run()
+
+    asyncio.run(main())

@@ -1,0 +1,142 @@
+"""Runs end to end: real server and supervisors, HTTP only."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import Stack, stop
+
+
+@pytest.fixture(scope="module")
+def supervised(stack: Stack) -> Stack:
+    stack.start_supervisor("main", concurrency=6)
+    return stack
+
+
+def test_trigger_to_completed_with_output(supervised: Stack) -> None:
+    run_id = supervised.trigger("echo", {"hello": "world"})
+    run = supervised.wait_for(run_id)
+    assert run["status"] == "COMPLETED" and run["isSuccess"] and run["isCompleted"]
+    assert run["output"] == {"payload": {"hello": "world"}, "attempt": 1, "run": run_id, "task": "echo"}
+    assert run["attemptCount"] == 1 and run["startedAt"] and run["finishedAt"]
+    sync = supervised.wait_for(supervised.trigger("sync-echo", [1, 2]))
+    assert sync["output"] == {"sync": [1, 2]}
+
+
+def test_failing_task_is_retried_then_failed_with_its_error(supervised: Stack) -> None:
+    run = supervised.wait_for(supervised.trigger("always-fails", {}))
+    assert run["status"] == "FAILED" and run["isFailed"]
+    assert run["attemptCount"] == 2
+    assert run["error"]["message"] == "nope 2" and run["error"]["name"] == "ValueError"
+    assert "stackTrace" in run["error"]
+
+
+def test_abort_ends_the_run_at_once(supervised: Stack) -> None:
+    run = supervised.wait_for(supervised.trigger("aborts", {}))
+    assert run["status"] == "FAILED" and run["attemptCount"] == 1
+    assert run["error"]["message"] == "stop right there"
+
+
+def test_output_that_is_not_json_fails_clearly(supervised: Stack) -> None:
+    run = supervised.wait_for(supervised.trigger("not-json", {}))
+    assert run["status"] == "FAILED" and "not JSON" in run["error"]["message"]
+
+
+def test_max_duration_times_out(supervised: Stack) -> None:
+    run = supervised.wait_for(supervised.trigger("sleeper", {"seconds": 30}))
+    assert run["status"] == "TIMED_OUT" and run["attemptCount"] == 1, (run["error"], run["attemptCount"])
+
+
+def test_killed_executor_is_retried(supervised: Stack) -> None:
+    run = supervised.wait_for(supervised.trigger("crash-once", {}))
+    assert run["status"] == "COMPLETED" and run["output"]["attempt"] == 2
+
+
+def test_out_of_memory_is_reported(supervised: Stack) -> None:
+    run = supervised.wait_for(supervised.trigger("hog", {}))
+    assert run["status"] == "FAILED" and run["error"]["type"] == "TASK_PROCESS_OOM_KILLED"
+
+
+def test_cancel_queued_and_executing_runs(supervised: Stack) -> None:
+    with supervised.client() as c:
+        # executing
+        running = supervised.trigger("long", {"seconds": 30})
+        supervised.wait_for(running, lambda r: r["status"] == "EXECUTING")
+        assert c.post(f"/api/v2/runs/{running}/cancel").json() == {"id": running}
+        assert supervised.wait_for(running)["status"] == "CANCELED"
+        # queued: its queue is paused so it stays queued
+        assert c.post("/api/v1/queues/task/sync-echo/pause", json={"action": "pause"}).json()["paused"] is True
+        queued = supervised.trigger("sync-echo", 1)
+        assert supervised.run(queued)["status"] == "QUEUED"
+        c.post(f"/api/v2/runs/{queued}/cancel")
+        assert supervised.run(queued)["status"] == "CANCELED"
+        c.post("/api/v1/queues/task/sync-echo/pause", json={"action": "resume"})
+        # cancelling a finished run changes nothing
+        c.post(f"/api/v2/runs/{queued}/cancel")
+        assert supervised.run(queued)["status"] == "CANCELED"
+
+
+def test_pause_and_resume_a_queue(supervised: Stack) -> None:
+    with supervised.client() as c:
+        assert c.post("/api/v1/queues/task/echo/pause", json={"action": "pause"}).status_code == 200
+        run_id = supervised.trigger("echo", "paused")
+        time.sleep(0.5)
+        assert supervised.run(run_id)["status"] == "QUEUED"
+        q = c.get("/api/v1/queues/task/echo").json()
+        assert q["paused"] is True and q["queued"] >= 1
+        c.post("/api/v1/queues/task/echo/pause", json={"action": "resume"})
+    assert supervised.wait_for(run_id)["status"] == "COMPLETED"
+
+
+def test_queue_concurrency_limit_is_never_exceeded(supervised: Stack, tmp_path: Path) -> None:
+    log = tmp_path / "limited.log"
+    ids = [supervised.trigger("limited", {"log": str(log)}) for _ in range(8)]
+    for run_id in ids:
+        assert supervised.wait_for(run_id)["status"] == "COMPLETED"
+    events = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda e: (e["t"], e["event"] == "start"))
+    running = peak = 0
+    for e in events:
+        running += 1 if e["event"] == "start" else -1
+        peak = max(peak, running)
+    assert peak == 2  # the limit, reached but never exceeded
+
+
+def test_replay_creates_a_new_run_with_the_same_payload(supervised: Stack) -> None:
+    first = supervised.wait_for(supervised.trigger("echo", {"n": 7}))
+    with supervised.client() as c:
+        replay = c.post(f"/api/v1/runs/{first['id']}/replay").json()["id"]
+    again = supervised.wait_for(replay)
+    assert replay != first["id"] and again["output"]["payload"] == {"n": 7}
+
+
+def test_killed_supervisor_run_is_requeued_and_completes_on_another(stack: Stack) -> None:
+    own = stack.project("failover")  # only the supervisors started here serve it
+    doomed = own.start_supervisor("doomed", concurrency=1)
+    run_id = own.trigger("long", {"seconds": 2})
+    first = own.wait_for(run_id, lambda r: r["status"] == "EXECUTING")
+    assert first["attemptCount"] == 1
+    stop(doomed, signal.SIGKILL)
+    own.start_supervisor("rescuer", concurrency=1)
+    run = own.wait_for(run_id, timeout=60)  # after the 3 s EXECUTING heartbeat timeout
+    assert run["status"] == "COMPLETED" and run["output"]["attempt"] == 2
+
+
+def test_executors_are_warm_and_reused(stack: Stack) -> None:
+    own = stack.project("warm")
+    own.start_supervisor("warm", concurrency=1)
+    pids = [own.wait_for(own.trigger("long", {"seconds": 0}))["output"]["pid"] for _ in range(3)]
+    assert len(set(pids)) == 1, pids  # one executor process ran all three
+
+
+def test_sigterm_drains_in_flight_runs_and_exits_zero(stack: Stack) -> None:
+    own = stack.project("drain")
+    sup = own.start_supervisor("drainer", concurrency=2)
+    run_id = own.trigger("long", {"seconds": 1.5})
+    own.wait_for(run_id, lambda r: r["status"] == "EXECUTING")
+    assert stop(sup, signal.SIGTERM) == 0
+    assert own.run(run_id)["status"] == "COMPLETED"  # finished before the process exited
