@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Annotated, Any
 
@@ -13,7 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 FINAL = {"COMPLETED", "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT"}
-console = Console()
+# Piped output is not cut to 80 columns: ids must survive `| grep`.
+console = Console(width=None if sys.stdout.isatty() else 240)
 err_console = Console(stderr=True)
 
 runs_app = typer.Typer(help="Inspect and control runs.", no_args_is_help=True)

@@ -19,6 +19,12 @@ from run_engine.wakeups import WakeUps
 log = logging.getLogger(__name__)
 
 
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 @contextlib.asynccontextmanager
 async def api_context(settings: EngineSettings, *, secret: str | None, public_url: str) -> AsyncIterator[ApiContext]:
     engine = await RunEngine.create(settings)
@@ -38,7 +44,8 @@ async def serve(settings: EngineSettings, *, host: str, port: int, secret: str |
     url = public_url or f"http://{host}:{port}"
     async with api_context(settings, secret=secret, public_url=url) as ctx:
         config = uvicorn.Config(create_app(ctx), host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=1)
+                                lifespan="off", timeout_graceful_shutdown=1,
+                                http="httptools" if _has("httptools") else "h11")
         server = uvicorn.Server(config)
         log.info("run-engine API listening on %s", url)
         await server.serve()

@@ -32,6 +32,15 @@ class ApiContext:
     run_token_ttl_s: int = 24 * 3600
     _envs: TtlCache = field(default_factory=TtlCache)
     _groups: TtlCache = field(default_factory=TtlCache)
+    _run_groups: dict[str, str] = field(default_factory=dict)
+
+    def remember_run_group(self, run_id: str, group_id: str) -> None:
+        if len(self._run_groups) > 100_000:
+            self._run_groups.clear()
+        self._run_groups[run_id] = group_id
+
+    def run_group(self, run_id: str) -> str | None:
+        return self._run_groups.get(run_id)
 
     @property
     def repo(self):  # type: ignore[no-untyped-def]

@@ -88,27 +88,35 @@ async def dequeue(request: Request) -> Response:
             break
         # Woken by an enqueue or a freed slot; the cap re-checks for runs whose back-off ended.
         await ctx.wakeups.wait(group["id"], min(remaining, 1.0))
+    for d in got:
+        ctx.remember_run_group(d.run.id, group["id"])
     return json_response({"runs": [_run_payload(ctx, d.run, d.snapshot) for d in got]})
 
 
-async def _group_run(ctx: ApiContext, request: Request) -> tuple[dict[str, Any], RunRow]:
+async def _group_run_id(ctx: ApiContext, request: Request) -> str:
+    """The run id of the path, if the run belongs to the caller's worker group (404 otherwise).
+    Runs this process handed out are remembered, so the hot path needs no query."""
     group = await ctx.worker_group(request)
-    run = await ctx.engine.get_run(request.path_params["run_id"])
+    run_id: str = request.path_params["run_id"]
+    if ctx.run_group(run_id) == group["id"]:
+        return run_id
+    run = await ctx.engine.get_run(run_id)
     if run is None or run.worker_group_id != group["id"]:
         raise ApiError(404, "not_found", "run not found")
-    return group, run
+    ctx.remember_run_group(run_id, group["id"])
+    return run_id
 
 
 async def latest_snapshot(request: Request) -> Response:
     ctx = _ctx(request)
-    _, run = await _group_run(ctx, request)
-    return json_response({"snapshot": snapshot_object(await ctx.engine.latest_snapshot(run.id))})
+    run_id = await _group_run_id(ctx, request)
+    return json_response({"snapshot": snapshot_object(await ctx.engine.latest_snapshot(run_id))})
 
 
 async def start_attempt(request: Request) -> Response:
     ctx = _ctx(request)
-    _, run = await _group_run(ctx, request)
-    started = await ctx.engine.start_attempt(run.id, request.path_params["snapshot_id"])
+    run_id = await _group_run_id(ctx, request)
+    started = await ctx.engine.start_attempt(run_id, request.path_params["snapshot_id"])
     r = started.run
     return json_response({
         "run": run_object(r), "snapshot": snapshot_object(started.snapshot), "attemptNumber": started.attempt_number,
@@ -121,18 +129,18 @@ async def start_attempt(request: Request) -> Response:
 
 async def complete_attempt(request: Request) -> Response:
     ctx = _ctx(request)
-    _, run = await _group_run(ctx, request)
+    run_id = await _group_run_id(ctx, request)
     req = await body(request, CompleteBody)
     if req.ok:
         limit = ctx.engine.resources.settings.max_payload_bytes
         if req.output is not None and len(orjson.dumps(req.output)) > limit:
             raise ApiError(413, "payload_too_large", f"output: larger than {limit} bytes")
-        outcome = await ctx.engine.complete_attempt(run.id, request.path_params["snapshot_id"], ok=True,
+        outcome = await ctx.engine.complete_attempt(run_id, request.path_params["snapshot_id"], ok=True,
                                                     output=req.output)
     else:
         error = (req.error.model_dump(exclude_none=True) if req.error
                  else {"type": "BUILT_IN_ERROR", "message": "unknown error"})
-        outcome = await ctx.engine.complete_attempt(run.id, request.path_params["snapshot_id"], ok=False,
+        outcome = await ctx.engine.complete_attempt(run_id, request.path_params["snapshot_id"], ok=False,
                                                     error=error, retryable=req.retryable)
     out: dict[str, Any] = {"action": outcome.action, "status": outcome.status.value, "snapshotId": outcome.snapshot_id}
     if outcome.delay_ms is not None:
@@ -142,8 +150,8 @@ async def complete_attempt(request: Request) -> Response:
 
 async def run_heartbeat(request: Request) -> Response:
     ctx = _ctx(request)
-    _, run = await _group_run(ctx, request)
-    await ctx.engine.heartbeat(run.id, request.path_params["snapshot_id"])
+    run_id = await _group_run_id(ctx, request)
+    await ctx.engine.heartbeat(run_id, request.path_params["snapshot_id"])
     return json_response({"ok": True})
 
 

@@ -1,0 +1,112 @@
+"""The CLI as a user types it: client commands against a real server, and `run-engine dev` on the
+embedded default from an empty directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import ROOT, Stack, free_port, stop
+
+
+@pytest.fixture(scope="module")
+def cli_project(stack: Stack) -> Stack:
+    own = stack.project("cli")
+    own.start_supervisor("cli", concurrency=2)
+    own.env = {**own.env, "RUN_ENGINE_API_KEY": own.api_key, "RUN_ENGINE_API_URL": own.url}
+    return own
+
+
+def test_trigger_wait_json_then_runs_commands(cli_project: Stack) -> None:
+    out = cli_project.cli("trigger", "echo", "--payload", '{"a": 1}', "--wait", "--json")
+    run = json.loads(out.stdout)
+    assert run["status"] == "COMPLETED" and run["output"]["payload"] == {"a": 1}
+    listed = json.loads(cli_project.cli("runs", "list", "--json", "--task", "echo").stdout)
+    assert run["id"] in [r["id"] for r in listed["data"]]
+    got = json.loads(cli_project.cli("runs", "get", run["id"], "--json").stdout)
+    assert got["id"] == run["id"]
+    replay = json.loads(cli_project.cli("runs", "replay", run["id"], "--json").stdout)
+    assert cli_project.wait_for(replay["id"])["status"] == "COMPLETED"
+    table = cli_project.cli("runs", "list").stdout
+    assert run["id"] in table and "COMPLETED" in table
+
+
+def test_trigger_wait_of_a_failing_run_exits_nonzero(cli_project: Stack) -> None:
+    out = cli_project.cli("trigger", "aborts", "--wait", "--json", check=False)
+    assert out.returncode == 1 and json.loads(out.stdout)["status"] == "FAILED"
+
+
+def test_queue_and_dlq_commands(cli_project: Stack) -> None:
+    paused = json.loads(cli_project.cli("queues", "pause", "task/sync-echo", "--json").stdout)
+    assert paused["paused"] is True
+    queued = json.loads(cli_project.cli("trigger", "sync-echo", "--payload", "1", "--json").stdout)
+    assert cli_project.run(queued["id"])["status"] == "QUEUED"
+    cancelled = json.loads(cli_project.cli("runs", "cancel", queued["id"], "--json").stdout)
+    assert cancelled == {"id": queued["id"]} and cli_project.run(queued["id"])["status"] == "CANCELED"
+    resumed = json.loads(cli_project.cli("queues", "resume", "task/sync-echo", "--json").stdout)
+    assert resumed["paused"] is False
+    queues = json.loads(cli_project.cli("queues", "list", "--json").stdout)["data"]
+    assert "task/sync-echo" in {q["name"] for q in queues}
+    assert json.loads(cli_project.cli("dlq", "list", "--json").stdout) == {"data": [], "pagination": {"next": None}}
+    assert json.loads(cli_project.cli("dlq", "redrive", "--all", "--json").stdout) == {"redriven": 0}
+
+
+def test_bad_input_and_credentials_give_clear_errors(cli_project: Stack) -> None:
+    bad = cli_project.cli("trigger", "echo", "--payload", "{nope", check=False)
+    assert bad.returncode == 2 and "not JSON" in bad.stderr
+    missing = cli_project.cli("runs", "get", "run_missing", check=False)
+    assert missing.returncode == 1 and "404" in missing.stderr
+    env = {**cli_project.env, "RUN_ENGINE_API_KEY": "tr_dev_wrong"}
+    wrong = subprocess.run([sys.executable, "-m", "run_engine.cli", "runs", "list"], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 1 and "401" in wrong.stderr
+
+
+def test_dev_starts_everything_on_the_embedded_default(tmp_path: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DATABASE_URL", "REDIS_URL", "RUN_ENGINE_SECRET", "RUN_ENGINE_KEY_PREFIX")}
+    env.update({"RUN_ENGINE_REDIS_PORT": "0", "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    log_path = tmp_path / "dev.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "run_engine.cli", "dev", "--port", str(port)],
+                                cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        key = None
+        while key is None:
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            found = re.search(r"API key\s+(tr_dev_\w+)", log_path.read_text())
+            key = found.group(1) if found else None
+            time.sleep(0.1)
+        headers = {"Authorization": f"Bearer {key}"}
+        url = f"http://127.0.0.1:{port}"
+        while True:
+            try:
+                r = httpx.post(f"{url}/api/v1/tasks/hello-world/trigger", json={"payload": {"name": "Ada"}},
+                               headers=headers, timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        run_id = r.json()["id"]
+        while (run := httpx.get(f"{url}/api/v3/runs/{run_id}", headers=headers).json())["status"] != "COMPLETED":
+            assert time.monotonic() < deadline, run
+            time.sleep(0.1)
+        assert run["output"]["message"] == "Hello, Ada!"
+        assert (tmp_path / ".run-engine" / "pgdata" / "PG_VERSION").exists()
+        assert stop(proc, signal.SIGINT, timeout=60) == 0
+        assert "stopped" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
