@@ -134,24 +134,28 @@ class Executor:
     async def _receive(self, *, timeout_s: float | None, max_duration_s: float | None,
                        memory_mb: int | None) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        readable = asyncio.Event()
         fd = self.conn.fileno()
-        loop.add_reader(fd, readable.set)
+        wake: asyncio.Future[None] = loop.create_future()
+
+        def ready() -> None:
+            if not wake.done():
+                wake.set_result(None)
+
+        loop.add_reader(fd, ready)
         started = time.monotonic()
         try:
             while True:
+                # Woken by the pipe, or by a watchdog tick to check duration, memory and liveness.
+                tick = loop.call_later(0.1, ready)
+                await wake
+                tick.cancel()
+                wake = loop.create_future()
                 try:
-                    await asyncio.wait_for(readable.wait(), 0.05)
-                except TimeoutError:
-                    pass
-                if readable.is_set():
-                    readable.clear()
-                    if self.conn.poll():
-                        try:
-                            result: dict[str, Any] = self.conn.recv()
-                            return result
-                        except (EOFError, OSError):
-                            pass  # the process is gone: reported below
+                    if not self.conn.closed and self.conn.poll():
+                        result: dict[str, Any] = self.conn.recv()
+                        return result
+                except (EOFError, OSError):
+                    pass  # the process is gone (or was killed): reported below
                 elapsed = time.monotonic() - started
                 if not self.process.is_alive() or self.conn.closed:
                     self.process.join(1)

@@ -68,7 +68,9 @@ def test_cancel_queued_and_executing_runs(supervised: Stack) -> None:
         running = supervised.trigger("long", {"seconds": 30})
         supervised.wait_for(running, lambda r: r["status"] == "EXECUTING")
         assert c.post(f"/api/v2/runs/{running}/cancel").json() == {"id": running}
-        assert supervised.wait_for(running)["status"] == "CANCELED"
+        # the supervisor learns it from its next heartbeat and kills the executor: well before the
+        # 60 s PENDING_CANCEL timeout would finish the run instead
+        assert supervised.wait_for(running, timeout=20)["status"] == "CANCELED"
         # queued: its queue is paused so it stays queued
         assert c.post("/api/v1/queues/task/sync-echo/pause", json={"action": "pause"}).json()["paused"] is True
         queued = supervised.trigger("sync-echo", 1)
