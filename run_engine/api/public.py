@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime
 from typing import Any
 
@@ -85,7 +86,14 @@ async def trigger(request: Request) -> Response:
     if not task or len(task) > 128:
         raise ApiError(400, "invalid_input", "taskId: must be 1..128 characters")
     req = await body(request, TriggerBody)
-    run = await ctx.engine.trigger(trigger_request(ctx, auth, task, req.payload, req.options, "body"))
+    trigger_req = trigger_request(ctx, auth, task, req.payload, req.options, "body")
+    if trigger_req.parent_run_id:
+        parent = await ctx.engine.get_run(trigger_req.parent_run_id, auth.env_id)
+        if parent is None:
+            raise ApiError(400, "invalid_input", "options.parentRunId: no such run in this environment")
+        trigger_req = dataclasses.replace(trigger_req, root_run_id=parent.root_run_id or parent.id,
+                                          depth=parent.depth + 1)
+    run = await ctx.engine.trigger(trigger_req)
     return json_response({"id": run.id, "isCached": run.is_cached})
 
 

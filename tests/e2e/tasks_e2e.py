@@ -76,3 +76,16 @@ async def limited(payload, ctx):
     await asyncio.sleep(0.3)
     note("end")
     return "ok"
+
+
+@task(id="spawns-child")
+async def spawns_child(payload, ctx):
+    child = await echo.trigger({"from": ctx.run.id})  # with this run's token: a child run
+    return {"child": child.id}
+
+
+@task(id="record")
+def record(payload, ctx):
+    with Path(payload["log"]).open("a") as f:
+        f.write(f"{ctx.run.id} {os.getpid()}\n")
+    return None

@@ -142,3 +142,37 @@ def test_sigterm_drains_in_flight_runs_and_exits_zero(stack: Stack) -> None:
     own.wait_for(run_id, lambda r: r["status"] == "EXECUTING")
     assert stop(sup, signal.SIGTERM) == 0
     assert own.run(run_id)["status"] == "COMPLETED"  # finished before the process exited
+
+
+def test_a_task_triggers_a_child_with_its_run_token(supervised: Stack) -> None:
+    parent = supervised.wait_for(supervised.trigger("spawns-child", {}))
+    assert parent["status"] == "COMPLETED"
+    child = supervised.wait_for(parent["output"]["child"])
+    assert child["status"] == "COMPLETED" and child["output"]["payload"] == {"from": parent["id"]}
+    assert child["relatedRuns"]["parent"] == parent["id"] and child["relatedRuns"]["root"] == parent["id"]
+    assert child["depth"] == 1
+    assert child["id"] in supervised.run(parent["id"])["relatedRuns"]["children"]
+
+
+def test_several_supervisors_each_run_executes_exactly_once(stack: Stack, tmp_path: Path) -> None:
+    own = stack.project("shared-group")
+    for name in ("a", "b", "c"):
+        own.start_supervisor(f"shared-{name}", concurrency=3)
+    log = tmp_path / "record.log"
+    ids = [own.trigger("record", {"log": str(log)}) for _ in range(40)]
+    for run_id in ids:
+        assert own.wait_for(run_id)["status"] == "COMPLETED"
+    lines = log.read_text().split("\n")[:-1]
+    assert sorted(line.split()[0] for line in lines) == sorted(ids)  # each exactly once
+    assert len({line.split()[1] for line in lines}) > 1  # spread over executors
+
+
+def test_self_hosted_worker_group_created_by_cli_serves_its_project(stack: Stack) -> None:
+    own = stack.project("selfhosted")
+    out = own.cli("worker-groups", "create", "gpu-boxes", "--org", "e2e", "--project", "selfhosted",
+                  "--default", "--json")
+    group = json.loads(out.stdout)
+    assert group["name"] == "gpu-boxes" and group["token"].startswith("tr_wgt_")
+    mine = Stack(url=own.url, env=own.env, api_key=own.api_key, token=group["token"], procs=own.procs, logs=own.logs)
+    mine.start_supervisor("gpu", concurrency=1)
+    assert mine.wait_for(mine.trigger("echo", "on my box"))["output"]["payload"] == "on my box"
