@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from run_engine.batching import Batcher
 from run_engine.sdk.tasks import MACHINES, deployment
 from supervisor.executor import ExecutorFailure, ExecutorPool
 
@@ -88,6 +89,9 @@ class Supervisor:
         self.pool = ExecutorPool(config.tasks_module)
         self.http = WorkerApi(config.api_url, config.token, read_timeout_s=config.poll_wait_ms / 1000 + 30,
                               max_connections=config.concurrency * 3 + 10)
+        # Starts and completions of concurrent runs share one request (the engine batches them too).
+        self._starts: Batcher[dict[str, str], dict[str, Any]] = Batcher(self._start_many, max_batch=100)
+        self._completions: Batcher[dict[str, Any], dict[str, Any]] = Batcher(self._complete_many, max_batch=100)
         self._inflight: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
@@ -96,6 +100,22 @@ class Supervisor:
 
     async def _post(self, path: str, json: Any = None) -> Reply:
         return await self.http.post(path, json)
+
+    async def _batch(self, path: str, items: list[Any]) -> list[dict[str, Any]]:
+        try:
+            reply = await self._post(path, {"items": items})
+        except TransportError as exc:
+            return [{"ok": False, "status": 0, "error": {"code": "transport", "message": str(exc)}}] * len(items)
+        if reply.status != 200:
+            return [{"ok": False, "status": reply.status, **(reply.data or {"error": {"message": reply.text}})}] * len(items)
+        results: list[dict[str, Any]] = reply.data["results"]
+        return results
+
+    async def _start_many(self, items: list[dict[str, str]]) -> list[dict[str, Any]]:
+        return await self._batch("/attempts/start", items)
+
+    async def _complete_many(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return await self._batch("/attempts/complete", items)
 
     async def connect(self) -> dict[str, Any]:
         importlib.import_module(self.config.tasks_module)
@@ -191,11 +211,10 @@ class Supervisor:
 
     async def _execute(self, item: dict[str, Any]) -> None:
         run_id = item["run"]["id"]
-        start = await self._post(f"/runs/{run_id}/snapshots/{item['snapshot']['id']}/attempts/start")
-        if start.status != 200:
-            log.info("run %s: not started (%s %s)", run_id, start.status, start.text[:200])
+        started = await self._starts.submit({"runId": run_id, "snapshotId": item["snapshot"]["id"]})
+        if not started["ok"]:
+            log.info("run %s: not started (%s %s)", run_id, started.get("status"), started.get("error"))
             return
-        started = start.data
         snapshot_id = started["snapshot"]["id"]
         cancelled = asyncio.Event()
         executor = await self.pool.acquire()
@@ -217,9 +236,9 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
             self.pool.release(executor)
-        complete = await self._post(f"/runs/{run_id}/snapshots/{snapshot_id}/attempts/complete", result)
-        if complete.status != 200:
-            log.info("run %s: completion refused (%s %s)", run_id, complete.status, complete.text[:200])
+        complete = await self._completions.submit({"runId": run_id, "snapshotId": snapshot_id, **result})
+        if not complete["ok"]:
+            log.info("run %s: completion refused (%s %s)", run_id, complete.get("status"), complete.get("error"))
         self.completed += 1
 
     async def _run_heartbeats(self, run_id: str, snapshot_id: str, cancelled: asyncio.Event, executor: Any) -> None:

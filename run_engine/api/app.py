@@ -36,6 +36,10 @@ _DOC: dict[str, dict[str, tuple[str, type[BaseModel] | None]]] = {
     "/engine/v1/worker-actions/connect": {"post": ("Register a worker and its deployment", models.ConnectBody)},
     "/engine/v1/worker-actions/heartbeat": {"post": ("Worker liveness", models.WorkerHeartbeatBody)},
     "/engine/v1/worker-actions/dequeue": {"post": ("Long-poll for runs", models.DequeueBody)},
+    "/engine/v1/worker-actions/attempts/start": {"post": ("Start many attempts (per-item results)",
+                                                          models.BatchStartBody)},
+    "/engine/v1/worker-actions/attempts/complete": {"post": ("Complete many attempts (per-item results)",
+                                                             models.BatchCompleteBody)},
     "/engine/v1/worker-actions/runs/{runId}/snapshots/latest": {"get": ("Latest snapshot", None)},
     "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/attempts/start": {"post": ("Start an attempt", None)},
     "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/attempts/complete": {

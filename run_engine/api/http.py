@@ -49,33 +49,38 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
                     media_type="application/json", headers=headers)
 
 
-def error_response(status: int, code: str, message: str, extra: dict[str, Any] | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
-    return json_response({"error": {"code": code, "message": message, **(extra or {})}}, status, headers)
+def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] | None]:
+    """Status, ``{"error": …}`` body and headers for an exception (one mapping for the API)."""
+    def err(status: int, code: str, message: str, extra: dict[str, Any] | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], dict[str, str] | None]:
+        return status, {"error": {"code": code, "message": message, **(extra or {})}}, headers
+
+    if isinstance(exc, ApiError):
+        return err(exc.status, exc.code, exc.message, exc.extra, exc.headers)
+    if isinstance(exc, StaleSnapshotError):
+        return err(409, exc.code, str(exc), {
+            "latestSnapshot": {"id": exc.latest_snapshot_id, "executionStatus": exc.latest_status}})
+    if isinstance(exc, NotFoundError):
+        return err(404, "not_found", f"{exc.kind} not found")
+    if isinstance(exc, InvalidTransitionError):
+        return err(409, exc.code, str(exc))
+    if isinstance(exc, ValidationError):
+        return err(400, exc.code, str(exc))
+    if isinstance(exc, LockTimeoutError):
+        return err(503, exc.code, "the run is busy; try again", headers={"Retry-After": "1"})
+    if isinstance(exc, HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return err(exc.status_code, code, str(exc.detail))
+    if isinstance(exc, RunEngineError):
+        return err(500, exc.code, str(exc))
+    return err(500, "internal_error", "internal error")
 
 
 async def handle_exception(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, ApiError):
-        return error_response(exc.status, exc.code, exc.message, exc.extra, exc.headers)
-    if isinstance(exc, StaleSnapshotError):
-        return error_response(409, exc.code, str(exc), {
-            "latestSnapshot": {"id": exc.latest_snapshot_id, "executionStatus": exc.latest_status}})
-    if isinstance(exc, NotFoundError):
-        return error_response(404, "not_found", f"{exc.kind} not found")
-    if isinstance(exc, InvalidTransitionError):
-        return error_response(409, exc.code, str(exc))
-    if isinstance(exc, ValidationError):
-        return error_response(400, exc.code, str(exc))
-    if isinstance(exc, LockTimeoutError):
-        return error_response(503, exc.code, "the run is busy; try again", headers={"Retry-After": "1"})
-    if isinstance(exc, HTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, str(exc.detail))
-    if isinstance(exc, RunEngineError):
-        log.exception("engine error on %s %s", request.method, request.url.path)
-        return error_response(500, exc.code, str(exc))
-    log.exception("unexpected error on %s %s", request.method, request.url.path)
-    return error_response(500, "internal_error", "internal error")
+    status, data, headers = error_payload(exc)
+    if status >= 500:
+        log.error("error on %s %s", request.method, request.url.path, exc_info=exc)
+    return json_response(data, status, headers)
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

@@ -175,3 +175,21 @@ class CompleteBody(_Body):
     outputType: str | None = None
     error: ErrorBody | None = None
     retryable: bool | None = None
+
+
+class RunSnapshotRef(_Body):
+    runId: str = Field(min_length=1, max_length=64)
+    snapshotId: str = Field(min_length=1, max_length=64)
+
+
+class BatchStartBody(_Body):
+    items: list[RunSnapshotRef] = Field(min_length=1, max_length=100)
+
+
+class BatchCompleteItem(CompleteBody):
+    runId: str = Field(min_length=1, max_length=64)
+    snapshotId: str = Field(min_length=1, max_length=64)
+
+
+class BatchCompleteBody(_Body):
+    items: list[BatchCompleteItem] = Field(min_length=1, max_length=100)

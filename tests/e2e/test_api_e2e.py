@@ -208,6 +208,7 @@ PUBLIC = [("POST", "/api/v1/tasks/manual/trigger"), ("POST", "/api/v1/tasks/batc
           ("GET", "/api/v1/queues"), ("GET", "/api/v1/queues/custom-q"), ("GET", "/api/v1/dlq"),
           ("POST", "/api/v1/dlq/redrive"), ("POST", "/api/v1/dlq/run_x/redrive"), ("GET", "/api/v1/batches/batch_x")]
 WORKER = [("POST", f"{W}/connect"), ("POST", f"{W}/dequeue"), ("POST", f"{W}/heartbeat"),
+          ("POST", f"{W}/attempts/start"), ("POST", f"{W}/attempts/complete"),
           ("GET", f"{W}/runs/run_x/snapshots/latest"), ("POST", f"{W}/runs/run_x/snapshots/s/attempts/start"),
           ("POST", f"{W}/runs/run_x/snapshots/s/attempts/complete"), ("POST", f"{W}/runs/run_x/snapshots/s/heartbeat")]
 
@@ -271,3 +272,27 @@ def test_stale_snapshot_is_409_with_the_latest(lonely: Stack) -> None:
         for other in items:
             if other["run"]["id"] != run_id:
                 w.post(f"{W}/runs/{other['run']['id']}/snapshots/{other['snapshot']['id']}/attempts/start")
+
+
+def test_batch_start_and_complete_report_each_item(stack: Stack, lonely: Stack) -> None:
+    ids = [lonely.trigger("manual", i) for i in range(3)]
+    with lonely.worker() as w:
+        items: dict[str, Any] = {}
+        deadline = time.monotonic() + 10
+        while not set(ids) <= set(items):
+            items.update({i["run"]["id"]: i for i in dequeue(w, wait_ms=500)})
+            assert time.monotonic() < deadline
+        refs = [{"runId": i, "snapshotId": items[i]["snapshot"]["id"]} for i in ids]
+        foreign = stack.trigger("echo", "not yours")
+        started = w.post(f"{W}/attempts/start", json={"items": [*refs, {"runId": foreign, "snapshotId": "s"}]}).json()
+        results = started["results"]
+        assert [r["ok"] for r in results] == [True, True, True, False]
+        assert results[3]["status"] == 404 and results[3]["error"]["code"] == "not_found"
+        again = w.post(f"{W}/attempts/start", json={"items": refs[:1]}).json()["results"][0]
+        assert again["status"] == 409 and again["error"]["latestSnapshot"]["executionStatus"] == "EXECUTING"
+        done = w.post(f"{W}/attempts/complete", json={"items": [
+            {"runId": r["run"]["id"], "snapshotId": r["snapshot"]["id"], "ok": True, "output": r["payload"]}
+            for r in results[:3]]}).json()["results"]
+        assert [d["action"] for d in done] == ["finished"] * 3
+        assert w.post(f"{W}/attempts/complete", json={"items": []}).status_code == 400
+    assert [lonely.run(i)["output"] for i in ids] == [0, 1, 2]
