@@ -95,3 +95,16 @@ async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 def unique() -> str:
     """A short random tag for names that must not collide between tests."""
     return secrets.token_hex(4)
+
+
+@pytest.fixture
+def empty_database(database_url: str) -> Iterator[str]:
+    """A new, empty (unmigrated) database on the session's server, dropped afterwards."""
+    params = conninfo_to_dict(database_url)
+    admin = make_conninfo(**{**params, "dbname": "postgres"})
+    name = f"re_empty_{secrets.token_hex(4)}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield make_conninfo(**{**params, "dbname": name})
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

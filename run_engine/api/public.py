@@ -26,7 +26,7 @@ from run_engine.api.serialize import iso, run_object
 from run_engine.db.repository import RunRow
 from run_engine.engine import TriggerRequest
 from run_engine.errors import InvalidTransitionError
-from run_engine.statuses import RunStatus
+from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 
 def _ctx(request: Request) -> ApiContext:
@@ -117,8 +117,7 @@ async def get_batch(request: Request) -> Response:
     runs = await ctx.repo.list_runs(auth.env_id, batches=[batch_id], limit=1000)
     if not runs:
         raise ApiError(404, "not_found", "batch not found")
-    done = all(RunStatus(r.status) in {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELED, RunStatus.CRASHED,
-                                       RunStatus.SYSTEM_FAILURE, RunStatus.EXPIRED, RunStatus.TIMED_OUT} for r in runs)
+    done = all(RunStatus(r.status) in FINAL_RUN_STATUSES for r in runs)
     return json_response({"id": batch_id, "status": "COMPLETED" if done else "PENDING", "runCount": len(runs),
                           "runs": [r.id for r in reversed(runs)]})
 
@@ -142,6 +141,13 @@ def _csv(request: Request, name: str) -> list[str]:
     return [v.strip() for v in raw.split(",") if v.strip()] if raw else []
 
 
+def _page_size(request: Request) -> int:
+    raw = request.query_params.get("page[size]", "25")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
+    return int(raw)
+
+
 def _cursor(run: RunRow) -> str:
     return f"{run.created_at.isoformat()}|{run.id}"
 
@@ -149,9 +155,7 @@ def _cursor(run: RunRow) -> str:
 async def list_runs(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
-    size_raw = request.query_params.get("page[size]", "25")
-    if not size_raw.isdigit() or not 1 <= int(size_raw) <= 100:
-        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
+    size = _page_size(request)
     statuses = _csv(request, "filter[status]")
     for s in statuses:
         if s not in RunStatus.__members__:
@@ -163,7 +167,6 @@ async def list_runs(request: Request) -> Response:
             after = (datetime.fromisoformat(ts), run_id)
         except ValueError:
             raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
-    size = int(size_raw)
     runs = await ctx.repo.list_runs(
         auth.env_id, statuses=statuses, tasks=_csv(request, "filter[taskIdentifier]"), tags=_csv(request, "filter[tag]"),
         queues=_csv(request, "filter[queue]"), batches=_csv(request, "filter[batch]"), limit=size + 1, after=after)
@@ -258,10 +261,7 @@ async def reset_concurrency(request: Request) -> Response:
 async def list_dlq(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
-    size_raw = request.query_params.get("page[size]", "25")
-    if not size_raw.isdigit() or not 1 <= int(size_raw) <= 100:
-        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
-    size = int(size_raw)
+    size = _page_size(request)
     tasks, queues = set(_csv(request, "filter[taskIdentifier]")), set(_csv(request, "filter[queue]"))
     after = request.query_params.get("page[after]")
     data: list[dict[str, Any]] = []

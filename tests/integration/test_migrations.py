@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import secrets
 import threading
-from collections.abc import Iterator
 
 import psycopg
-import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from run_engine.db.migrations import available_migrations, migrate_sync
 
@@ -18,18 +14,6 @@ TABLES = {
     "task_run_waitpoint", "batch_task_run", "task_run_checkpoint", "task_run_journal", "task_schedule",
     "engine_lease", "engine_setting", "schema_migration",
 }
-
-
-@pytest.fixture
-def empty_database(database_url: str) -> Iterator[str]:
-    params = conninfo_to_dict(database_url)
-    admin = make_conninfo(**{**params, "dbname": "postgres"})
-    name = f"re_mig_{secrets.token_hex(4)}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield make_conninfo(**{**params, "dbname": name})
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_migrated_database_has_the_whole_data_model(database_url: str) -> None:
