@@ -159,6 +159,9 @@ class DequeueBody(_Body):
     maxRuns: int = Field(default=1, ge=1, le=100)
     waitMs: int = Field(default=0, ge=0, le=60_000)
     workerInstanceName: str | None = None
+    # extension: also start the attempts (PENDING_EXECUTING → EXECUTING) in the same request;
+    # each item then carries `attempt`, the response of attempts/start
+    startAttempts: bool = False
 
 
 class ErrorBody(_Body):

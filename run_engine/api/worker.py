@@ -101,7 +101,12 @@ async def dequeue(request: Request) -> Response:
         await ctx.wakeups.wait(group["id"], min(remaining, 1.0))
     for d in got:
         ctx.remember_run_group(d.run.id, group["id"])
-    return json_response({"runs": [_run_payload(ctx, d.run, d.snapshot) for d in got]})
+    items = [_run_payload(ctx, d.run, d.snapshot) for d in got]
+    if req.startAttempts and got:
+        started = await _each(got, lambda d: _start(ctx, d.run.id, d.snapshot.id))
+        for item, attempt in zip(items, started, strict=True):
+            item["attempt"] = attempt
+    return json_response({"runs": items})
 
 
 async def _check_group(ctx: ApiContext, group: dict[str, Any], run_id: str) -> str:

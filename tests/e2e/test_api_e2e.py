@@ -296,3 +296,27 @@ def test_batch_start_and_complete_report_each_item(stack: Stack, lonely: Stack) 
         assert [d["action"] for d in done] == ["finished"] * 3
         assert w.post(f"{W}/attempts/complete", json={"items": []}).status_code == 400
     assert [lonely.run(i)["output"] for i in ids] == [0, 1, 2]
+
+
+def test_dequeue_can_start_the_attempts_in_the_same_request(lonely: Stack) -> None:
+    run_id = lonely.trigger("manual", "at once")
+    with lonely.worker() as w:
+        got: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 10
+        while not any(i["run"]["id"] == run_id for i in got):
+            r = w.post(f"{W}/dequeue", json={"maxRuns": 10, "waitMs": 500, "startAttempts": True})
+            got = r.json()["runs"]
+            for other in got:
+                if other["run"]["id"] != run_id and other["attempt"]["ok"]:
+                    a = other["attempt"]
+                    w.post(f"{W}/runs/{a['run']['id']}/snapshots/{a['snapshot']['id']}/attempts/complete",
+                           json={"ok": True, "output": None})
+            assert time.monotonic() < deadline
+        attempt = next(i for i in got if i["run"]["id"] == run_id)["attempt"]
+        assert attempt["ok"] and attempt["attemptNumber"] == 1 and attempt["payload"] == "at once"
+        assert attempt["snapshot"]["executionStatus"] == "EXECUTING"
+        assert lonely.run(run_id)["status"] == "EXECUTING"
+        done = w.post(f"{W}/runs/{run_id}/snapshots/{attempt['snapshot']['id']}/attempts/complete",
+                      json={"ok": True, "output": 42})
+        assert done.json()["action"] == "finished"
+    assert lonely.run(run_id)["output"] == 42
