@@ -127,7 +127,7 @@ class RunAttemptSystem:
             if exc.latest_status == E.PENDING_CANCEL:
                 return await self.finish_cancel_requested(run_id, exc.latest_snapshot_id)
             raise
-        await self._finalize(result, snapshot_id, E.EXECUTING)
+        await self._finalize(result)
         assert result.run is not None and result.snapshot is not None
         self.r.events.emit(RunEvent("run_succeeded", run_id, result.run.environment_id, result.snapshot.id))
         return AttemptOutcome("finished", RunStatus.COMPLETED, result.snapshot.id)
@@ -161,7 +161,7 @@ class RunAttemptSystem:
             operation="retry", description=f"Retrying after attempt {run.attempt_number} failed", error=error,
         )
         assert result.run is not None and result.snapshot is not None
-        await self._ack_attempt_jobs(run_id, snapshot_id, latest.engine_status)
+        await self._ack_attempt_jobs(run_id, snapshot_id)
         available_at = self.r.now_ms() + int(delay_s * 1000)
         await self.r.enqueue_items([self._s.enqueue.item_for(result.run, available_at, reset_deliveries=True)])
         self.r.events.emit(RunEvent("run_failed", run_id, run.environment_id, result.snapshot.id,
@@ -179,13 +179,13 @@ class RunAttemptSystem:
             operation="finish", description=description, set_finished=True, error=error,
         )
         assert result.run is not None and result.snapshot is not None
-        await self._finalize(result, None, None)
+        await self._finalize(result)
         name = {RunStatus.CANCELED: "run_cancelled"}.get(status, "run_failed")
         self.r.events.emit(RunEvent(name, run_id, result.run.environment_id, result.snapshot.id,
                                     {"status": status, "error": error, "final": True}))
         return AttemptOutcome("finished", status, result.snapshot.id)
 
-    async def _finalize(self, result: TransitionResult, snapshot_id: str | None, status: str | None) -> None:
+    async def _finalize(self, result: TransitionResult) -> None:
         """After a run finished: free its queue slots, cancel its timeout jobs."""
         assert result.run is not None and result.snapshot is not None
         previous = result.snapshot.previous_snapshot_id
@@ -193,7 +193,7 @@ class RunAttemptSystem:
         await asyncio.gather(self.r.acks.submit((result.run.environment_id, result.run.id, result.run.worker_group_id)),
                              self.r.change_jobs(cancel))
 
-    async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str, status: str) -> None:
+    async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str) -> None:
         await self.r.change_jobs([heartbeat_job_id(run_id, snapshot_id), max_duration_job_id(run_id, snapshot_id)])
 
     async def finish_cancel_requested(self, run_id: str, pending_cancel_snapshot_id: str) -> AttemptOutcome:
