@@ -36,7 +36,9 @@ async def fill(q: RunQueue, size: int, tag: str) -> None:
         if i % 2:
             batch.append(EnqueueItem(f"{tag}{i}", env, "plain", "wg", NOW + i))
         else:
-            batch.append(EnqueueItem(f"{tag}{i}", env, "keyed", "wg", NOW + i, concurrency_key=f"k{i % 1000}"))
+            batch.append(
+                EnqueueItem(f"{tag}{i}", env, "keyed", "wg", NOW + i, concurrency_key=f"k{i % 1000}")
+            )
         if len(batch) == 1000:
             pending.append(asyncio.ensure_future(q.enqueue(batch, NOW)))
             batch = []
@@ -62,10 +64,10 @@ async def main_async(sizes: list[int], samples: int, redis_url: str) -> dict[int
     client = aioredis.Redis.from_url(redis_url)
     results: dict[int, float] = {}
     print(f"{'queued':>10}{'fill s':>9}{'p50 us':>10}{'p99 us':>10}{'redis MB':>10}")
+    prefix = f"reqd{secrets.token_hex(3)}"
     try:
         for size in sizes:
-            prefix = f"reqd{secrets.token_hex(3)}"
-            q = RunQueue(client, prefix=prefix, shards=1, default_env_limit=10**9)
+            q = RunQueue(client, prefix=f"{prefix}:{size}", shards=1, default_env_limit=10**9)
             await q.load_scripts()
             t = time.perf_counter()
             await fill(q, size, "r")
@@ -75,8 +77,9 @@ async def main_async(sizes: list[int], samples: int, redis_url: str) -> dict[int
             mem = (await client.info("memory"))["used_memory"] / 2**20
             results[size] = median(costs)
             print(f"{size:>10}{fill_s:>9.1f}{median(costs):>10.1f}{pct(costs, 99):>10.1f}{mem:>10.0f}")
-            await delete_prefix(redis_url, prefix)
+            await delete_prefix(redis_url, f"{prefix}:{size}:")
     finally:
+        await delete_prefix(redis_url, prefix)  # also after an interruption
         await client.aclose()
     return results
 

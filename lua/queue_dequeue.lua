@@ -5,6 +5,9 @@
 --   queues of an environment: oldest head (lowest score) first; paused or full ones skipped
 --   keys of a queue: lowest virtual time first; full keys skipped
 -- One run is taken per pass and the choice is made again, so environments and keys interleave.
+-- A blocked env (at its limit), queue (paused or at its limit) or key (at its key limit) is parked:
+-- taken out of the group's indexes until a slot frees or its settings change (see queue_lib), so
+-- later calls never walk past it. A budget of candidates still bounds the work of one call.
 -- KEYS[1] B:delayed
 -- ARGV[1] B, ARGV[2] wg, ARGV[3] now ms, ARGV[4] max runs, ARGV[5] promote limit,
 -- ARGV[6] default env limit, ARGV[7] scan window
@@ -47,7 +50,7 @@ local function pick_key(env, q)
     local ck, kvt = first_free(r .. ':ks', skip_k, env .. '\0' .. q .. '\0')
     if not ck then return nil end
     if key_limit and redis.call('SCARD', qkey(env, q) .. ':k:' .. ck .. ':running') >= key_limit then
-      skip_k[env .. '\0' .. q .. '\0' .. ck] = true
+      park_key(wg, env, q, ck)
     else
       return ck, kvt
     end
@@ -64,7 +67,7 @@ local function pick_queue(env)
     local paused = redis.call('HGET', qm, 'paused') == '1'
     local limit = limit_of(qm, 'limit', nil)
     if paused or (limit and redis.call('SCARD', qkey(env, q) .. ':running') >= limit) then
-      skip_q[env .. '\0' .. q] = true
+      park_queue(wg, env, q)
     else
       local ck, kvt = pick_key(env, q)
       if ck then return q, ck, kvt end
@@ -79,10 +82,13 @@ while #out < max * 7 and budget > 0 do
   if not env then break end
   local env_limit = limit_of(ekey(env) .. ':meta', 'limit', default_env_limit)
   local q, ck, kvt = nil, nil, nil
-  if redis.call('SCARD', ekey(env) .. ':running') < env_limit then q, ck, kvt = pick_queue(env) end
-  if not q then
-    skip_env[env] = true
+  if redis.call('SCARD', ekey(env) .. ':running') >= env_limit then
+    park_env(wg, env)
   else
+    q, ck, kvt = pick_queue(env)
+    if not q then skip_env[env] = true end -- only when the budget ran out
+  end
+  if q then
     local r = rkey(wg, env, q)
     local popped = redis.call('ZPOPMIN', r .. ':k:' .. ck)
     local run, score = popped[1], popped[2]

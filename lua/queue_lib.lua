@@ -17,7 +17,15 @@
 --   B:e:<env>:q:<q>:running           SET   runs holding a queue slot
 --   B:e:<env>:q:<q>:k:<ck>:running    SET   runs holding a key slot
 --   B:e:<env>:dlq                     ZSET  run -> dead at ms
+--   B:e:<env>:parked                  SET   groups in whose index the env is parked (at its limit)
+--   B:e:<env>:q:<q>:parked            SET   groups in whose index the queue is parked (paused / full)
+--   B:e:<env>:q:<q>:k:<ck>:parked     SET   groups in whose index the key is parked (at key limit)
+--   B:e:<env>:q:<q>:pk                SET   keys of the queue with a :parked set
 -- Message states: ready, delayed, held (holds slots), released (suspended), dlq.
+-- Parking: the dequeue takes an env, queue or key it finds blocked out of the group's indexes
+-- (its ready runs stay where they are), so blocked tenants cost nothing to later calls. A freed
+-- slot at that level, a limit change or a resume puts it back (unpark_*), with fair-queuing
+-- virtual time max(its own, the clock): it neither jumps ahead nor loses its place.
 
 local B = ARGV[1]
 
@@ -42,6 +50,7 @@ end
 local function refresh_env(wg, env)
   local g = gkey(wg)
   local active = redis.call('EXISTS', g .. ':e:' .. env .. ':qs') == 1
+    and redis.call('SISMEMBER', ekey(env) .. ':parked', wg) == 0
   local cur = redis.call('ZSCORE', g .. ':envs', env)
   if active and not cur then
     local gvt = tonumber(redis.call('HGET', g .. ':meta', 'vt') or '0')
@@ -60,7 +69,11 @@ local function refresh_queue(wg, env, q)
   local r = rkey(wg, env, q)
   local head = redis.call('ZRANGE', r .. ':heads', 0, 0, 'WITHSCORES')
   local qs = gkey(wg) .. ':e:' .. env .. ':qs'
-  if head[1] then redis.call('ZADD', qs, head[2], q) else redis.call('ZREM', qs, q) end
+  if head[1] and redis.call('SISMEMBER', qkey(env, q) .. ':parked', wg) == 0 then
+    redis.call('ZADD', qs, head[2], q)
+  else
+    redis.call('ZREM', qs, q)
+  end
   refresh_env(wg, env)
 end
 
@@ -70,7 +83,7 @@ local function refresh_key(wg, env, q, ck)
   local kz = r .. ':k:' .. ck
   local head = redis.call('ZRANGE', kz, 0, 0, 'WITHSCORES')
   local cur = redis.call('ZSCORE', r .. ':ks', ck)
-  if head[1] then
+  if head[1] and redis.call('SISMEMBER', qkey(env, q) .. ':k:' .. ck .. ':parked', wg) == 0 then
     redis.call('ZADD', r .. ':heads', head[2], ck)
     if not cur then
       local qvt = tonumber(redis.call('GET', r .. ':vt') or '0')
@@ -94,10 +107,61 @@ local function make_ready(run, m)
   refresh_key(m.wg, m.env, m.queue, m.ck)
 end
 
+-- Parking (see the header): `park_*` take a blocked entry out of group wg's index,
+-- `unpark_*` put it back in every group where it was parked.
+local function park_env(wg, env)
+  redis.call('SADD', ekey(env) .. ':parked', wg)
+  refresh_env(wg, env)
+end
+
+local function park_queue(wg, env, q)
+  redis.call('SADD', qkey(env, q) .. ':parked', wg)
+  refresh_queue(wg, env, q)
+end
+
+local function park_key(wg, env, q, ck)
+  redis.call('SADD', qkey(env, q) .. ':k:' .. ck .. ':parked', wg)
+  redis.call('SADD', qkey(env, q) .. ':pk', ck)
+  refresh_key(wg, env, q, ck)
+end
+
+local function unpark_env(env)
+  local pk = ekey(env) .. ':parked'
+  local wgs = redis.call('SMEMBERS', pk)
+  if #wgs == 0 then return end
+  redis.call('DEL', pk)
+  for _, wg in ipairs(wgs) do refresh_env(wg, env) end
+end
+
+local function unpark_queue(env, q)
+  local pk = qkey(env, q) .. ':parked'
+  local wgs = redis.call('SMEMBERS', pk)
+  if #wgs == 0 then return end
+  redis.call('DEL', pk)
+  for _, wg in ipairs(wgs) do refresh_queue(wg, env, q) end
+end
+
+local function unpark_key(env, q, ck)
+  local pk = qkey(env, q) .. ':k:' .. ck .. ':parked'
+  local wgs = redis.call('SMEMBERS', pk)
+  if #wgs == 0 then return end
+  redis.call('DEL', pk)
+  redis.call('SREM', qkey(env, q) .. ':pk', ck)
+  for _, wg in ipairs(wgs) do refresh_key(wg, env, q, ck) end
+end
+
+local function unpark_keys(env, q)
+  for _, ck in ipairs(redis.call('SMEMBERS', qkey(env, q) .. ':pk')) do unpark_key(env, q, ck) end
+end
+
+-- A held run gives its slots back; whatever was parked at those levels may run again.
 local function free_slots(run, m)
   redis.call('SREM', ekey(m.env) .. ':running', run)
   redis.call('SREM', qkey(m.env, m.queue) .. ':running', run)
   redis.call('SREM', qkey(m.env, m.queue) .. ':k:' .. m.ck .. ':running', run)
+  unpark_key(m.env, m.queue, m.ck)
+  unpark_queue(m.env, m.queue)
+  unpark_env(m.env)
 end
 
 -- Take a message out of wherever it is (ready, delayed, held, dlq); the hash stays.

@@ -26,6 +26,9 @@ class EnqueueItem:
 
 @dataclass(frozen=True, slots=True)
 class DequeuedMessage:
+    """A run handed out by :meth:`RunQueue.dequeue`; it holds a slot at env, queue and key level
+    until it is acked, nacked, released, removed, dead-lettered or enqueued again."""
+
     run_id: str
     env_id: str
     queue: str
@@ -36,8 +39,15 @@ class DequeuedMessage:
     task: str
 
 
+DequeuedRun = DequeuedMessage
+"""The name the design uses for :class:`DequeuedMessage` (the engine has its own ``DequeuedRun``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class NackResult:
+    """What a nack did: ``dead_lettered`` (past ``max_deliveries``) or due again at
+    ``available_at_ms``; ``known`` is False when the queue had no such run."""
+
     dead_lettered: bool
     deliveries: int
     available_at_ms: int | None = None

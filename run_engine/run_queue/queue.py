@@ -63,9 +63,10 @@ class RunQueue:
         self._ack = LuaScript.get("queue_ack")
         self._nack = LuaScript.get("queue_nack")
         self._move = LuaScript.get("queue_move")
+        self._config = LuaScript.get("queue_config")
 
     async def load_scripts(self) -> None:
-        for script in (self._enqueue, self._dequeue, self._ack, self._nack, self._move):
+        for script in (self._enqueue, self._dequeue, self._ack, self._nack, self._move, self._config):
             await script.load(self.redis)
 
     def _shard_args(self, env_id: str) -> tuple[list[str], str]:
@@ -79,13 +80,22 @@ class RunQueue:
         for it in items:
             due = it.available_at_ms if it.available_at_ms is not None else now_ms
             by_shard[self.keys.shard_of(it.env_id)] += [
-                it.run_id, it.env_id, it.queue, it.concurrency_key or "", it.worker_group, it.score_ms,
-                due, it.task, "1" if it.reset_deliveries else "0",
+                it.run_id,
+                it.env_id,
+                it.queue,
+                it.concurrency_key or "",
+                it.worker_group,
+                it.score_ms,
+                due,
+                it.task,
+                "1" if it.reset_deliveries else "0",
             ]
-        await asyncio.gather(*(
-            self._enqueue(self.redis, [self.keys.delayed(shard)], [self.keys.base(shard), now_ms, *args])
-            for shard, args in by_shard.items()
-        ))
+        await asyncio.gather(
+            *(
+                self._enqueue(self.redis, [self.keys.delayed(shard)], [self.keys.base(shard), now_ms, *args])
+                for shard, args in by_shard.items()
+            )
+        )
 
     async def dequeue(self, worker_group: str, max_runs: int, now_ms: int) -> list[DequeuedMessage]:
         """Up to ``max_runs`` runs of ``worker_group``; shards are visited in rotating order."""
@@ -96,17 +106,33 @@ class RunQueue:
             if len(out) >= max_runs:
                 break
             shard = (start + i) % self.keys.shards
-            flat = await self._dequeue(self.redis, [self.keys.delayed(shard)], [
-                self.keys.base(shard), worker_group, now_ms, max_runs - len(out), self.promote_limit,
-                self.default_env_limit, self.scan_window,
-            ])
+            flat = await self._dequeue(
+                self.redis,
+                [self.keys.delayed(shard)],
+                [
+                    self.keys.base(shard),
+                    worker_group,
+                    now_ms,
+                    max_runs - len(out),
+                    self.promote_limit,
+                    self.default_env_limit,
+                    self.scan_window,
+                ],
+            )
             for j in range(0, len(flat), 7):
                 ck = _s(flat[j + 3])
-                out.append(DequeuedMessage(
-                    run_id=_s(flat[j]), env_id=_s(flat[j + 1]), queue=_s(flat[j + 2]),
-                    concurrency_key=ck or None, worker_group=worker_group,
-                    score_ms=float(_s(flat[j + 4])), deliveries=int(flat[j + 5]), task=_s(flat[j + 6]),
-                ))
+                out.append(
+                    DequeuedMessage(
+                        run_id=_s(flat[j]),
+                        env_id=_s(flat[j + 1]),
+                        queue=_s(flat[j + 2]),
+                        concurrency_key=ck or None,
+                        worker_group=worker_group,
+                        score_ms=float(_s(flat[j + 4])),
+                        deliveries=int(flat[j + 5]),
+                        task=_s(flat[j + 6]),
+                    )
+                )
         return out
 
     # --- after a dequeue ------------------------------------------------------------------------
@@ -116,21 +142,37 @@ class RunQueue:
         by_shard: dict[int, list[str]] = defaultdict(list)
         for env_id, run_id in items:
             by_shard[self.keys.shard_of(env_id)].append(run_id)
-        await asyncio.gather(*(
-            self._ack(self.redis, [self.keys.delayed(shard)], [self.keys.base(shard), *runs])
-            for shard, runs in by_shard.items()
-        ))
+        await asyncio.gather(
+            *(
+                self._ack(self.redis, [self.keys.delayed(shard)], [self.keys.base(shard), *runs])
+                for shard, runs in by_shard.items()
+            )
+        )
 
     async def nack(self, env_id: str, run_id: str, now_ms: int, retry_at_ms: int | None = None) -> NackResult:
         keys, base = self._shard_args(env_id)
-        reply = await self._nack(self.redis, keys, [
-            base, run_id, now_ms, self.max_deliveries, "" if retry_at_ms is None else retry_at_ms,
-            self.nack_min_delay_ms, self.nack_max_delay_ms, self.nack_factor, self._rng.random(),
-        ])
+        reply = await self._nack(
+            self.redis,
+            keys,
+            [
+                base,
+                run_id,
+                now_ms,
+                self.max_deliveries,
+                "" if retry_at_ms is None else retry_at_ms,
+                self.nack_min_delay_ms,
+                self.nack_max_delay_ms,
+                self.nack_factor,
+                self._rng.random(),
+            ],
+        )
         if reply[0] == -1:
             return NackResult(dead_lettered=False, deliveries=0, known=False)
-        return NackResult(dead_lettered=reply[0] == 1, deliveries=int(reply[1]),
-                          available_at_ms=None if reply[0] == 1 else int(reply[2]))
+        return NackResult(
+            dead_lettered=reply[0] == 1,
+            deliveries=int(reply[1]),
+            available_at_ms=None if reply[0] == 1 else int(reply[2]),
+        )
 
     async def _one(self, action: str, env_id: str, run_id: str, now_ms: int = 0, reason: str = "") -> bool:
         keys, base = self._shard_args(env_id)
@@ -167,33 +209,28 @@ class RunQueue:
 
     # --- limits, pause, stats -------------------------------------------------------------------
 
-    async def set_env_limit(self, env_id: str, limit: int | None) -> None:
-        meta = f"{self.keys.env(env_id)}:meta"
-        if limit is None:
-            await self.redis.hdel(meta, "limit")
-        else:
-            await self.redis.hset(meta, "limit", limit)
+    async def _configure(self, op: str, env_id: str, queue: str, value: int | None) -> None:
+        keys, base = self._shard_args(env_id)
+        await self._config(self.redis, keys, [base, op, env_id, queue, "" if value is None else value])
 
-    async def _set_queue_field(self, env_id: str, queue: str, field: str, value: int | None) -> None:
-        meta = f"{self.keys.queue(env_id, queue)}:meta"
-        if value is None:
-            await self.redis.hdel(meta, field)
-        else:
-            await self.redis.hset(meta, field, value)
+    async def set_env_limit(self, env_id: str, limit: int | None) -> None:
+        """Concurrency limit of the environment (None: back to ``default_env_limit``)."""
+        await self._configure("env_limit", env_id, "", limit)
 
     async def set_queue_limit(self, env_id: str, queue: str, limit: int | None) -> None:
         """Combined cap over all concurrency keys of the queue (None: only the env limit)."""
-        await self._set_queue_field(env_id, queue, "limit", limit)
+        await self._configure("queue_limit", env_id, queue, limit)
 
     async def set_key_limit(self, env_id: str, queue: str, limit: int | None) -> None:
-        """Cap per concurrency key of the queue."""
-        await self._set_queue_field(env_id, queue, "key_limit", limit)
+        """Cap per concurrency key of the queue (None: no per-key cap)."""
+        await self._configure("key_limit", env_id, queue, limit)
 
     async def pause(self, env_id: str, queue: str) -> None:
-        await self._set_queue_field(env_id, queue, "paused", 1)
+        """Stop handing out the queue's runs (they stay queued; held runs are not affected)."""
+        await self._configure("pause", env_id, queue, None)
 
     async def resume(self, env_id: str, queue: str) -> None:
-        await self._set_queue_field(env_id, queue, "paused", None)
+        await self._configure("resume", env_id, queue, None)
 
     async def queue_stats(self, env_id: str, queue: str) -> QueueStats:
         qk = self.keys.queue(env_id, queue)
@@ -202,8 +239,10 @@ class RunQueue:
         pipe.scard(f"{qk}:running")
         (queued, limit, key_limit, paused), running = await pipe.execute()
         return QueueStats(
-            queued=int(queued or 0), running=int(running),
-            limit=None if limit is None else int(limit), key_limit=None if key_limit is None else int(key_limit),
+            queued=int(queued or 0),
+            running=int(running),
+            limit=None if limit is None else int(limit),
+            key_limit=None if key_limit is None else int(key_limit),
             paused=_s(paused) == "1",
         )
 
@@ -213,8 +252,11 @@ class RunQueue:
         pipe.hmget(f"{ek}:meta", "queued", "limit")
         pipe.scard(f"{ek}:running")
         (queued, limit), running = await pipe.execute()
-        return EnvStats(queued=int(queued or 0), running=int(running),
-                        limit=self.default_env_limit if limit is None else int(limit))
+        return EnvStats(
+            queued=int(queued or 0),
+            running=int(running),
+            limit=self.default_env_limit if limit is None else int(limit),
+        )
 
     async def running_ids(self, env_id: str) -> set[str]:
         return {_s(x) for x in await self.redis.smembers(f"{self.keys.env(env_id)}:running")}

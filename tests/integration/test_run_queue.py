@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from run_engine.run_queue import EnqueueItem, RunQueue
 
@@ -14,8 +17,9 @@ NOW = 1_700_000_000_000
 
 @pytest.fixture
 async def q(redis_client: aioredis.Redis, key_prefix: str, unique: str) -> RunQueue:
-    queue = RunQueue(redis_client, prefix=f"{key_prefix}:q{unique}", shards=2, max_deliveries=3,
-                     default_env_limit=1000)
+    queue = RunQueue(
+        redis_client, prefix=f"{key_prefix}:q{unique}", shards=2, max_deliveries=3, default_env_limit=1000
+    )
     await queue.load_scripts()
     return queue
 
@@ -44,8 +48,10 @@ async def test_a_run_is_only_handed_to_its_own_worker_group(q: RunQueue) -> None
 
 
 async def test_priority_is_a_head_start(q: RunQueue) -> None:
-    await q.enqueue([item("old", score=NOW), item("new", score=NOW + 5000),
-                     item("urgent", score=NOW + 6000 - 10_000)], NOW + 6000)
+    await q.enqueue(
+        [item("old", score=NOW), item("new", score=NOW + 5000), item("urgent", score=NOW + 6000 - 10_000)],
+        NOW + 6000,
+    )
     assert [m.run_id for m in await q.dequeue("wg", 3, NOW + 6000)] == ["urgent", "old", "new"]
 
 
@@ -60,8 +66,11 @@ async def test_env_queue_and_key_limits(q: RunQueue) -> None:
     await q.set_env_limit("envA", 3)
     await q.set_queue_limit("envA", "limited", 2)
     await q.set_key_limit("envA", "keyed", 1)
-    await q.enqueue([item(f"l{i}", queue="limited", score=NOW + i) for i in range(4)]
-                    + [item(f"k{i}", queue="keyed", score=NOW + 10 + i, concurrency_key="same") for i in range(3)], NOW)
+    await q.enqueue(
+        [item(f"l{i}", queue="limited", score=NOW + i) for i in range(4)]
+        + [item(f"k{i}", queue="keyed", score=NOW + 10 + i, concurrency_key="same") for i in range(3)],
+        NOW,
+    )
     got = await q.dequeue("wg", 10, NOW)
     runs = {m.run_id for m in got}
     assert len(got) == 3  # the env limit
@@ -84,7 +93,7 @@ async def test_pause_stops_dequeue_and_resume_restarts_it(q: RunQueue) -> None:
 async def test_env_fairness_small_tenant_is_not_starved(q: RunQueue) -> None:
     big = [item(f"a{i}", env="envBig", score=NOW + i) for i in range(10_000)]
     for start in range(0, len(big), 1000):
-        await q.enqueue(big[start:start + 1000], NOW)
+        await q.enqueue(big[start : start + 1000], NOW)
     # the big tenant has already been served a while
     for _ in range(20):
         got = await q.dequeue("wg", 10, NOW + 20_000)
@@ -102,8 +111,10 @@ async def test_env_fairness_small_tenant_is_not_starved(q: RunQueue) -> None:
 async def test_key_fairness_inside_one_queue(q: RunQueue) -> None:
     big = [item(f"big{i}", concurrency_key="big", score=NOW + i) for i in range(10_000)]
     for start in range(0, len(big), 1000):
-        await q.enqueue(big[start:start + 1000], NOW)
-    await q.enqueue([item(f"small{i}", concurrency_key="small", score=NOW + 20_000 + i) for i in range(10)], NOW)
+        await q.enqueue(big[start : start + 1000], NOW)
+    await q.enqueue(
+        [item(f"small{i}", concurrency_key="small", score=NOW + 20_000 + i) for i in range(10)], NOW
+    )
     order: list[str] = []
     while len(order) < 30:
         got = await q.dequeue("wg", 5, NOW + 30_000)
@@ -203,6 +214,289 @@ async def test_limits_hold_under_many_concurrent_dequeuers(q: RunQueue, redis_ur
         finally:
             await client.aclose()
 
+    async def monitor() -> None:
+        # the running sets in Redis themselves, read while the workers race
+        qk = q.keys.queue("envA", "task/b")
+        while not stop.is_set():
+            pipe = q.redis.pipeline(transaction=False)
+            pipe.scard(f"{q.keys.env('envA')}:running")
+            pipe.scard(f"{q.keys.queue('envA', 'task/a')}:running")
+            for k in range(3):
+                pipe.scard(f"{qk}:k:k{k}:running")
+            env_n, a_n, *key_ns = await pipe.execute()
+            if env_n > 7 or a_n > 5 or max(key_ns) > 2:
+                violations.append(f"running sets over limits: env {env_n}, task/a {a_n}, keys {key_ns}")
+            await asyncio.sleep(0)
+
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(monitor())
     await asyncio.gather(*(worker(i) for i in range(20)))
+    stop.set()
+    await watcher
     assert violations == []
     assert sorted(done) == sorted(i.run_id for i in items)
+
+
+async def test_blocked_tenants_do_not_starve_a_free_one(
+    redis_client: aioredis.Redis, key_prefix: str, unique: str
+) -> None:
+    # 3,000 tenants at their limit (1) with runs still queued, more than one call's candidate
+    # budget: they are parked, so a tenant with free capacity is served at once.
+    q = RunQueue(redis_client, prefix=f"{key_prefix}:s{unique}", shards=1, default_env_limit=1)
+    await q.set_env_limit("zz-free", 100)
+    await q.enqueue([item(f"f{i}", env="zz-free", score=NOW + i) for i in range(10)], NOW)
+    for m in await q.dequeue("wg", 10, NOW):
+        await q.ack([(m.env_id, m.run_id)])
+    envs = [f"t{i:04}" for i in range(3000)]
+    await q.enqueue([item(f"{e}-{n}", env=e, score=NOW + n) for e in envs for n in range(2)], NOW)
+    held = 0
+    for _ in range(20):
+        held += len(await q.dequeue("wg", 3000, NOW))
+    assert held == 3000  # one each, the limit
+    await q.enqueue([item("free-run", env="zz-free", score=NOW + 100)], NOW)
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW)] == ["free-run"]
+    # a freed slot puts a parked tenant back
+    await q.ack([("t0042", "t0042-0")])
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW)] == ["t0042-1"]
+
+
+async def test_raising_a_limit_or_resuming_takes_effect_at_once(q: RunQueue) -> None:
+    await q.set_queue_limit("envA", "task/a", 1)
+    await q.set_key_limit("envA", "keyed", 1)
+    await q.enqueue(
+        [
+            item("a1"),
+            item("a2", score=NOW + 1),
+            item("k1", queue="keyed", concurrency_key="c"),
+            item("k2", queue="keyed", concurrency_key="c"),
+        ],
+        NOW,
+    )
+    assert {m.run_id for m in await q.dequeue("wg", 10, NOW)} == {"a1", "k1"}
+    assert await q.dequeue("wg", 10, NOW) == []
+    await q.set_queue_limit("envA", "task/a", None)
+    await q.set_key_limit("envA", "keyed", 2)
+    assert {m.run_id for m in await q.dequeue("wg", 10, NOW)} == {"a2", "k2"}
+    await q.enqueue([item("p1", queue="paused")], NOW)
+    await q.pause("envA", "paused")
+    assert await q.dequeue("wg", 10, NOW) == []
+    await q.ack([("envA", "a1")])  # a freed slot does not undo a pause
+    assert await q.dequeue("wg", 10, NOW) == []
+    await q.resume("envA", "paused")
+    assert [m.run_id for m in await q.dequeue("wg", 10, NOW)] == ["p1"]
+
+
+async def test_dead_letter_by_the_engine_and_dlq_pages(q: RunQueue) -> None:
+    await q.enqueue([item(f"r{i}", task="t", score=NOW + i) for i in range(5)], NOW)
+    [held] = await q.dequeue("wg", 1, NOW)
+    for i in range(5):
+        await q.dead_letter("envA", f"r{i}", "SYSTEM_FAILURE: gone", NOW + i)
+    assert await q.running_ids("envA") == set()
+    assert (await q.env_stats("envA")).queued == 0
+    first = await q.list_dlq("envA", limit=2)
+    assert [e.run_id for e in first] == ["r0", "r1"]
+    assert (
+        first[0].reason == "SYSTEM_FAILURE: gone" and first[0].dead_at_ms == NOW and first[0].deliveries == 1
+    )
+    rest = await q.list_dlq("envA", limit=10, after="r1")
+    assert [e.run_id for e in rest] == ["r2", "r3", "r4"]
+    assert await q.redrive("envA", "r3", NOW + 10)
+    [m] = await q.dequeue("wg", 5, NOW + 10)
+    assert (m.run_id, m.deliveries) == ("r3", 1)
+    assert held.run_id == "r0"
+
+
+async def test_remove_of_a_held_run_frees_its_slots(q: RunQueue) -> None:
+    await q.set_env_limit("envA", 1)
+    await q.enqueue([item("r1"), item("r2", score=NOW + 1)], NOW)
+    [m] = await q.dequeue("wg", 5, NOW)
+    assert await q.dequeue("wg", 5, NOW) == []
+    assert await q.remove("envA", m.run_id)
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW)] == ["r2"]
+    assert await q.has_messages([("envA", "r1")]) == [False]
+
+
+# --- random sequences with changing settings: parking never strands a run ---------------------
+
+_ENVS, _QUEUES, _KEYS = ("e1", "e2"), ("qa", "qb"), (None, "k1", "k2")
+_limit = st.one_of(st.none(), st.integers(0, 3))
+_enqueue = st.tuples(
+    st.just("enqueue"),
+    st.sampled_from(_ENVS),
+    st.sampled_from(_QUEUES),
+    st.sampled_from(_KEYS),
+    st.sampled_from([0, 0, 0, 500]),
+)
+_dequeue = st.tuples(st.just("dequeue"), st.integers(1, 5))
+# enqueue and dequeue are drawn most often, so that limits are actually reached
+_op = st.one_of(
+    _enqueue,
+    _enqueue,
+    _enqueue,
+    _dequeue,
+    _dequeue,
+    st.tuples(
+        st.just("enqueue"),
+        st.sampled_from(_ENVS),
+        st.sampled_from(_QUEUES),
+        st.sampled_from(_KEYS),
+        st.sampled_from([0, 0, 0, 500]),
+    ),
+    st.tuples(st.just("dequeue"), st.integers(1, 5)),
+    st.tuples(st.sampled_from(["ack", "nack", "release", "remove"]), st.integers(0, 99)),
+    st.tuples(st.just("env_limit"), st.sampled_from(_ENVS), _limit),
+    st.tuples(
+        st.sampled_from(["queue_limit", "key_limit"]),
+        st.sampled_from(_ENVS),
+        st.sampled_from(_QUEUES),
+        _limit,
+    ),
+    st.tuples(st.sampled_from(["pause", "resume"]), st.sampled_from(_ENVS), st.sampled_from(_QUEUES)),
+    st.tuples(st.just("tick"), st.integers(1, 3000)),
+)
+
+
+async def _settings_scenario(
+    redis_url: str,
+    prefix: str,
+    ops: list[tuple],  # type: ignore[type-arg]
+    initial: tuple[int | None, int | None, int | None] = (None, None, None),
+) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    q = RunQueue(client, prefix=prefix, shards=2, max_deliveries=2, default_env_limit=2)
+    attrs: dict[str, tuple[str, str, str | None]] = {}
+    due: dict[str, int] = {}
+    queued: set[str] = set()
+    held: set[str] = set()
+    env_limit: dict[str, int | None] = {}
+    q_limit: dict[tuple[str, str], int | None] = {}
+    k_limit: dict[tuple[str, str], int | None] = {}
+    paused: set[tuple[str, str]] = set()
+    now = NOW
+
+    def count(env: str, name: str | None = None, key: object = ...) -> int:
+        return sum(
+            1
+            for r in held
+            if attrs[r][0] == env
+            and (name is None or attrs[r][1] == name)
+            and (key is ... or attrs[r][2] == key)
+        )
+
+    def blocked(run: str) -> bool:
+        env, name, key = attrs[run]
+        el = env_limit.get(env)
+        ql, kl = q_limit.get((env, name)), k_limit.get((env, name))
+        return (
+            (env, name) in paused
+            or count(env) >= (2 if el is None else el)
+            or (ql is not None and count(env, name) >= ql)
+            or (kl is not None and count(env, name, key) >= kl)
+        )
+
+    try:
+        await q.load_scripts()
+        ops = [
+            *(("env_limit", e, initial[0]) for e in _ENVS),
+            *(
+                (kind, e, name, value)
+                for kind, value in (("queue_limit", initial[1]), ("key_limit", initial[2]))
+                for e in _ENVS
+                for name in _QUEUES
+            ),
+            *ops,
+        ]
+        for n, step in enumerate(ops):
+            kind = step[0]
+            if kind == "enqueue":
+                _, env, name, key, delay = step
+                run = f"r{n}"
+                attrs[run], due[run] = (env, name, key), now + delay
+                await q.enqueue([EnqueueItem(run, env, name, "wg", now + n, now + delay, key)], now)
+                queued.add(run)
+            elif kind == "dequeue":
+                got = await q.dequeue("wg", step[1], now)
+                for m in got:
+                    assert m.run_id in queued and due[m.run_id] <= now, m
+                    env, name, key = attrs[m.run_id]
+                    held.add(m.run_id)
+                    queued.discard(m.run_id)
+                    el, ql, kl = env_limit.get(env), q_limit.get((env, name)), k_limit.get((env, name))
+                    assert count(env) <= (2 if el is None else el)
+                    assert ql is None or count(env, name) <= ql
+                    assert kl is None or count(env, name, key) <= kl
+                    assert (env, name) not in paused
+                if len(got) < step[1]:  # nothing dequeueable may be left behind (parking strands nothing)
+                    stranded = [r for r in queued if due[r] <= now and not blocked(r)]
+                    assert stranded == [], stranded
+            elif kind in ("ack", "nack", "release", "remove") and held:
+                run = sorted(held)[step[1] % len(held)]
+                env = attrs[run][0]
+                held.discard(run)
+                if kind == "ack":
+                    await q.ack([(env, run)])
+                elif kind == "release":
+                    await q.release(env, run)
+                elif kind == "remove":
+                    assert await q.remove(env, run)
+                else:
+                    res = await q.nack(env, run, now)
+                    if not res.dead_lettered:
+                        assert res.available_at_ms is not None
+                        due[run] = res.available_at_ms
+                        queued.add(run)
+            elif kind == "env_limit":
+                env_limit[step[1]] = step[2]
+                await q.set_env_limit(step[1], step[2])
+            elif kind == "queue_limit":
+                q_limit[(step[1], step[2])] = step[3]
+                await q.set_queue_limit(step[1], step[2], step[3])
+            elif kind == "key_limit":
+                k_limit[(step[1], step[2])] = step[3]
+                await q.set_key_limit(step[1], step[2], step[3])
+            elif kind == "pause":
+                paused.add((step[1], step[2]))
+                await q.pause(step[1], step[2])
+            elif kind == "resume":
+                paused.discard((step[1], step[2]))
+                await q.resume(step[1], step[2])
+            elif kind == "tick":
+                now += step[1]
+            for env in _ENVS:
+                assert await q.running_ids(env) == {r for r in held if attrs[r][0] == env}
+                assert (await q.env_stats(env)).queued == len([r for r in queued if attrs[r][0] == env])
+    finally:
+        keys = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=st.lists(_op, min_size=20, max_size=60),
+    initial=st.tuples(
+        st.integers(1, 3), st.one_of(st.none(), st.integers(1, 2)), st.one_of(st.none(), st.just(1))
+    ),
+)
+def test_random_operations_with_changing_settings_keep_every_invariant(
+    redis_url: str,
+    key_prefix: str,
+    ops: list[tuple],  # type: ignore[type-arg]
+    initial: tuple[int | None, int | None, int | None],
+) -> None:
+    asyncio.run(_settings_scenario(redis_url, f"{key_prefix}:h{secrets.token_hex(4)}", ops, initial))
+
+
+async def test_a_freed_slot_puts_a_parked_queue_or_key_back(q: RunQueue) -> None:
+    await q.set_queue_limit("envA", "capped", 1)
+    await q.set_key_limit("envA", "keyed", 1)
+    await q.enqueue(
+        [item(f"c{i}", queue="capped", score=NOW + i) for i in range(2)]
+        + [item(f"k{i}", queue="keyed", concurrency_key="c", score=NOW + i) for i in range(2)],
+        NOW,
+    )
+    assert {m.run_id for m in await q.dequeue("wg", 10, NOW)} == {"c0", "k0"}
+    assert await q.dequeue("wg", 10, NOW) == []
+    await q.ack([("envA", "c0"), ("envA", "k0")])
+    assert {m.run_id for m in await q.dequeue("wg", 10, NOW)} == {"c1", "k1"}

@@ -124,7 +124,7 @@ async def scenario(redis_url: str, prefix: str, limits: tuple[int, int, int], op
         await client.aclose()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(limits=st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 3)),
        ops=st.lists(op, min_size=1, max_size=60))
 def test_queue_invariants_hold_for_random_operation_sequences(

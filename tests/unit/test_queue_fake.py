@@ -36,3 +36,32 @@ async def test_enqueue_dequeue_ack_on_fakeredis() -> None:
     await q.ack([("e", "r1"), ("e", "r2")])
     assert await q.running_ids("e") == set()
     await client.aclose()
+
+
+def test_public_api_is_pinned() -> None:
+    import run_engine.run_queue as rq
+
+    assert sorted(rq.__all__) == [
+        "DequeuedMessage",
+        "DequeuedRun",
+        "DlqEntry",
+        "EnqueueItem",
+        "EnvStats",
+        "NackResult",
+        "QueueKeys",
+        "QueueStats",
+        "RunQueue",
+        "jump_hash",
+    ]
+    assert rq.DequeuedRun is rq.DequeuedMessage
+
+
+async def test_parked_env_comes_back_when_a_slot_frees_on_fakeredis() -> None:
+    client = fakeredis.FakeAsyncRedis()
+    q = RunQueue(client, prefix="u", shards=1, default_env_limit=1)
+    await q.enqueue([EnqueueItem("r1", "e", "q", "wg", 1), EnqueueItem("r2", "e", "q", "wg", 2)], 100)
+    assert [m.run_id for m in await q.dequeue("wg", 5, 100)] == ["r1"]
+    assert await q.dequeue("wg", 5, 100) == []
+    await q.ack([("e", "r1")])
+    assert [m.run_id for m in await q.dequeue("wg", 5, 100)] == ["r2"]
+    await client.aclose()
