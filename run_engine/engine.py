@@ -5,6 +5,7 @@ The facade holds no logic of its own: every method delegates to one system.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from systems.execution_snapshot import HEARTBEAT_JOB
 from systems.registry import Systems
 from systems.resources import SystemResources
 from systems.run_attempt import MAX_DURATION_JOB, AttemptOutcome, StartedAttempt
+from systems.waitpoints import DATETIME_JOB, SWEEP_JOB, SWEEP_JOB_ID, TIMEOUT_JOB, BlockOutcome
 
 __all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome"]
 
@@ -38,7 +40,8 @@ class RunEngine:
         self.events = resources.events
         self.jobs = JobWorker(
             resources.jobs,
-            {HEARTBEAT_JOB: self._on_heartbeat_job, MAX_DURATION_JOB: self._on_max_duration_job},
+            {HEARTBEAT_JOB: self._on_heartbeat_job, MAX_DURATION_JOB: self._on_max_duration_job,
+             DATETIME_JOB: self._on_datetime_job, TIMEOUT_JOB: self._on_timeout_job, SWEEP_JOB: self._on_sweep_job},
             concurrency=resources.settings.job_concurrency,
             poll_interval_s=resources.settings.job_poll_interval_s,
         )
@@ -69,6 +72,7 @@ class RunEngine:
     async def start(self) -> None:
         await self.resources.locker.start()
         if self._run_jobs:
+            await self._schedule_sweep()
             await self.jobs.start()
 
     async def close(self) -> None:
@@ -122,6 +126,32 @@ class RunEngine:
     async def snapshots(self, run_id: str) -> list[Snapshot]:
         return await self.resources.repo.snapshots(run_id)
 
+    # --- waitpoints --------------------------------------------------------------------------
+
+    @property
+    def waitpoints(self):  # type: ignore[no-untyped-def]
+        """The WaitpointSystem: tokens, blocking, continuing, suspending, the journal."""
+        return self.systems.waitpoints
+
+    async def block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
+                    waitpoint_ids: Sequence[str], result: Any = None) -> BlockOutcome:
+        return await self.systems.waitpoints.block(run_id, snapshot_id, sequence=sequence, kind=kind, key=key,
+                                                   waitpoint_ids=waitpoint_ids, result=result)
+
+    async def trigger_and_wait(self, parent_run_id: str, snapshot_id: str, sequence: int,
+                               requests: Sequence[TriggerRequest], *, batch: bool = False) -> tuple[list[str], BlockOutcome]:
+        """Trigger children of an executing run and block it until they finish (one RUN
+        waitpoint, or one BATCH waitpoint for ``batch``); journaled at ``sequence``."""
+        parent = await self.resources.repo.get_run(parent_run_id)
+        if parent is None:
+            raise NotFoundError("run", parent_run_id)
+        children = [dataclasses.replace(r, parent_run_id=parent.id, root_run_id=parent.root_run_id or parent.id,
+                                        depth=parent.depth + 1) for r in requests]
+        return await self.systems.waitpoints.trigger_and_wait(parent, snapshot_id, sequence, children, batch=batch)
+
+    async def suspend(self, run_id: str, snapshot_id: str) -> Snapshot:
+        return await self.systems.waitpoints.suspend(run_id, snapshot_id)
+
     # --- deployments and queues ---------------------------------------------------------------
 
     async def register_deployment(self, *, env_id: str, worker_group_id: str, version: str, content_hash: str,
@@ -155,5 +185,21 @@ class RunEngine:
     async def _on_heartbeat_job(self, job: Job) -> None:
         await self.systems.run_attempt.on_heartbeat_timeout(job.payload["run_id"], job.payload["snapshot_id"])
 
+    async def _on_datetime_job(self, job: Job) -> None:
+        await self.systems.waitpoints.on_datetime(job.payload["waitpoint_id"])
+
+    async def _on_timeout_job(self, job: Job) -> None:
+        await self.systems.waitpoints.on_timeout(job.payload["waitpoint_id"])
+
+    async def _schedule_sweep(self) -> None:
+        interval = self.resources.settings.waitpoint_sweep_interval_s
+        await self.resources.jobs.schedule(SWEEP_JOB_ID, SWEEP_JOB, {}, self.resources.clock.now() + interval)
+
+    async def _on_sweep_job(self, job: Job) -> None:
+        try:
+            await self.systems.waitpoints.sweep(self.resources.settings.batch_creation_grace_s)
+        finally:
+            await self._schedule_sweep()
+
     async def _on_max_duration_job(self, job: Job) -> None:
-        await self.systems.run_attempt.on_max_duration(job.payload["run_id"], job.payload["snapshot_id"])
+        await self.systems.run_attempt.on_max_duration(job.payload["run_id"], job.payload["attempt"])

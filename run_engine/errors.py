@@ -6,6 +6,7 @@ Hierarchy::
     ├── NotFoundError              unknown id (or one of another environment)
     ├── StaleSnapshotError         the caller's snapshot id is no longer the latest (HTTP 409)
     ├── InvalidTransitionError     the run is in a state where the operation is impossible (409/422)
+    ├── DuplicateExecutionError    a journal sequence another execution of the run already wrote (409)
     ├── LockTimeoutError           the run lock could not be taken in time
     ├── ValidationError            bad input (HTTP 400), names the field
     └── ConfigurationError         bad settings, missing embedded server, …
@@ -50,6 +51,15 @@ class InvalidTransitionError(RunEngineError):
         self.run_id = run_id
         self.status = status
         self.operation = operation
+
+
+class DuplicateExecutionError(RunEngineError):
+    code = "duplicate_execution"
+
+    def __init__(self, run_id: str, sequence: int) -> None:
+        super().__init__(f"journal entry {sequence} of run {run_id} was written by another execution: stop")
+        self.run_id = run_id
+        self.sequence = sequence
 
 
 class LockTimeoutError(RunEngineError):

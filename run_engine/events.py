@@ -39,6 +39,9 @@ EVENT_NAMES = (
     "run_dead_lettered",
     "run_redriven",
     "run_pending_version",
+    "run_blocked",
+    "run_suspended",
+    "run_continued",
 )
 
 Handler = Callable[[RunEvent], None]

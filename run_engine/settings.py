@@ -79,7 +79,8 @@ class EngineSettings:
     pending_executing_timeout_s: float = 60.0
     executing_timeout_s: float = 60.0
     executing_with_waitpoints_timeout_s: float = 60.0
-    suspended_timeout_s: float = 600.0
+    waitpoint_sweep_interval_s: float = 5.0
+    batch_creation_grace_s: float = 30.0
     pending_cancel_timeout_s: float = 60.0
     stalled_retry_delay_s: float = 0.25
     max_duration_grace_s: float = 5.0
@@ -96,7 +97,6 @@ class EngineSettings:
             ExecutionStatus.PENDING_EXECUTING: self.pending_executing_timeout_s,
             ExecutionStatus.EXECUTING: self.executing_timeout_s,
             ExecutionStatus.EXECUTING_WITH_WAITPOINTS: self.executing_with_waitpoints_timeout_s,
-            ExecutionStatus.SUSPENDED: self.suspended_timeout_s,
             ExecutionStatus.PENDING_CANCEL: self.pending_cancel_timeout_s,
         }.get(status)
 

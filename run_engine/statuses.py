@@ -69,7 +69,7 @@ EXECUTING = frozenset({E.EXECUTING, E.EXECUTING_WITH_WAITPOINTS})
 IN_QUEUE = frozenset({E.QUEUED, E.QUEUED_EXECUTING})
 #: statuses whose snapshot arms a heartbeat-timeout job
 HEARTBEAT_STATUSES = frozenset(
-    {E.PENDING_EXECUTING, E.EXECUTING, E.EXECUTING_WITH_WAITPOINTS, E.SUSPENDED, E.PENDING_CANCEL}
+    {E.PENDING_EXECUTING, E.EXECUTING, E.EXECUTING_WITH_WAITPOINTS, E.PENDING_CANCEL}
 )
 #: statuses a cancel finishes at once (nothing is running)
 CANCEL_AT_ONCE = frozenset(

@@ -16,7 +16,14 @@ class CancelSystem:
         self.r = resources
 
     async def cancel(self, run_id: str) -> RunStatus:
-        """Cancel a run; a finished run is left as it is. Returns the run's public status after."""
+        """Cancel a run and the children it waits on; a finished run is left as it is. Returns
+        the run's public status after."""
+        status = await self._cancel_one(run_id)
+        for child in await self.r.repo.waiting_children(run_id):
+            await self.cancel(child)
+        return status
+
+    async def _cancel_one(self, run_id: str) -> RunStatus:
         s = self.r.systems
         assert s is not None
         async with self.r.locker.lock("cancel", run_id):

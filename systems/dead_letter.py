@@ -37,12 +37,16 @@ class DeadLetterSystem:
                 set_finished=True, error=DLQ_ERROR,
             )
             await self.r.jobs.ack_many([heartbeat_job_id(run_id, latest.id)])
-            assert result.snapshot is not None
+            assert result.snapshot is not None and result.run is not None
+            if result.run.resume_parent_on_completion:
+                await s.waitpoints.on_runs_finished([result.run])
             self.r.events.emit(RunEvent("run_dead_lettered", run_id, run.environment_id, result.snapshot.id,
                                         {"deliveries": outcome.deliveries}))
             return
+        # A run being restored from a checkpoint goes back as QUEUED_EXECUTING (keeps its checkpoint).
+        back_to = E.QUEUED_EXECUTING if latest.checkpoint_id else E.QUEUED
         result = await s.snapshots.apply(
-            run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=(E.PENDING_EXECUTING,),
+            run_id, back_to, RunStatus.QUEUED, from_statuses=(E.PENDING_EXECUTING,),
             expected_snapshot_id=latest.id, operation="requeue",
             description="Requeued: the attempt did not start in time",
         )

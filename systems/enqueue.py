@@ -41,6 +41,8 @@ class TriggerRequest:
     batch_id: str | None = None
     trigger_function: str = "trigger"
     ttl_s: int | None = None
+    run_id: str | None = None  # given by callers that must know it before the insert
+    resume_parent_on_completion: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +144,7 @@ class EnqueueSystem:
             priority_ms = int(req.priority_s * 1000)
             created = self._queue_timestamp(now)
             run = NewRun(
-                id=new_id("run"),
+                id=req.run_id or new_id("run"),
                 snapshot_id=new_id("snapshot"),
                 environment_id=req.env_id,
                 worker_group_id=env.worker_group_id,
@@ -166,6 +168,7 @@ class EnqueueSystem:
                 depth=req.depth,
                 batch_id=req.batch_id,
                 trigger_function=req.trigger_function,
+                resume_parent_on_completion=req.resume_parent_on_completion,
                 ttl_s=req.ttl_s,
                 queue_timestamp=created,
                 description="Run was created" if runnable else "No deployment has this task yet",

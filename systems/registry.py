@@ -12,6 +12,7 @@ from systems.execution_snapshot import ExecutionSnapshotSystem
 from systems.resources import SystemResources
 from systems.run_attempt import RunAttemptSystem
 from systems.waiting_for_worker import WaitingForWorkerSystem
+from systems.waitpoints import WaitpointSystem
 
 
 @dataclass(eq=False)
@@ -23,6 +24,7 @@ class Systems:
     cancel: CancelSystem
     dead_letter: DeadLetterSystem
     waiting_for_worker: WaitingForWorkerSystem
+    waitpoints: WaitpointSystem
 
     @classmethod
     def build(cls, resources: SystemResources) -> Systems:
@@ -34,6 +36,7 @@ class Systems:
             cancel=CancelSystem(resources),
             dead_letter=DeadLetterSystem(resources),
             waiting_for_worker=WaitingForWorkerSystem(resources),
+            waitpoints=WaitpointSystem(resources),
         )
         resources.systems = systems
         return systems

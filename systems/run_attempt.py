@@ -44,8 +44,9 @@ class AttemptOutcome:
     delay_ms: int | None = None
 
 
-def max_duration_job_id(run_id: str, snapshot_id: str) -> str:
-    return f"maxdur.{run_id}.{snapshot_id}"
+def max_duration_job_id(run_id: str, attempt: int) -> str:
+    """One max-duration job per attempt: it survives the attempt's waits and continuations."""
+    return f"maxdur.{run_id}.{attempt}"
 
 
 class RunAttemptSystem:
@@ -77,13 +78,18 @@ class RunAttemptSystem:
             policy = RetryPolicy.from_json({"max_attempts": run.max_attempts}, policy)
         return policy
 
+    def max_duration_job(self, run: RunRow) -> str:
+        return max_duration_job_id(run.id, run.attempt_number)
+
     async def start_attempt(self, run_id: str, snapshot_id: str, worker_id: str | None = None) -> StartedAttempt:
+        """Start the next attempt of a dequeued run; a run restored from a checkpoint (dequeued
+        after a suspension) resumes its attempt instead, by journal replay."""
         async with self.r.locker.lock("start_attempt", run_id):
             result = await self._s.snapshots.apply(
                 run_id, E.EXECUTING, RunStatus.EXECUTING,
                 from_statuses=(E.PENDING_EXECUTING,), expected_snapshot_id=snapshot_id,
                 operation="start an attempt of", description="Attempt started",
-                attempt_delta=1, set_started=True, worker_id=worker_id,
+                attempt_delta=1, set_started=True, worker_id=worker_id, resume_checkpoint=True,
             )
             assert result.run is not None and result.snapshot is not None
             run, snapshot = result.run, result.snapshot
@@ -95,8 +101,8 @@ class RunAttemptSystem:
                 max_duration = task["max_duration_s"] if task else None
             if max_duration:
                 schedule.append((
-                    max_duration_job_id(run_id, snapshot.id), MAX_DURATION_JOB,
-                    {"run_id": run_id, "snapshot_id": snapshot.id},
+                    self.max_duration_job(run), MAX_DURATION_JOB,
+                    {"run_id": run_id, "attempt": run.attempt_number},
                     self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s,
                 ))
             await self.r.change_jobs(cancel, schedule)
@@ -161,7 +167,7 @@ class RunAttemptSystem:
             operation="retry", description=f"Retrying after attempt {run.attempt_number} failed", error=error,
         )
         assert result.run is not None and result.snapshot is not None
-        await self._ack_attempt_jobs(run_id, snapshot_id)
+        await self._ack_attempt_jobs(run_id, snapshot_id, run.attempt_number)
         available_at = self.r.now_ms() + int(delay_s * 1000)
         await self.r.enqueue_items([self._s.enqueue.item_for(result.run, available_at, reset_deliveries=True)])
         self.r.events.emit(RunEvent("run_failed", run_id, run.environment_id, result.snapshot.id,
@@ -186,15 +192,21 @@ class RunAttemptSystem:
         return AttemptOutcome("finished", status, result.snapshot.id)
 
     async def _finalize(self, result: TransitionResult) -> None:
-        """After a run finished: free its queue slots, cancel its timeout jobs."""
+        """After a run finished: free its queue slots, cancel its timeout jobs, complete the
+        waitpoint a parent may wait on."""
         assert result.run is not None and result.snapshot is not None
+        run = result.run
         previous = result.snapshot.previous_snapshot_id
-        cancel = [heartbeat_job_id(result.run.id, previous), max_duration_job_id(result.run.id, previous)] if previous else []
-        await asyncio.gather(self.r.acks.submit((result.run.environment_id, result.run.id, result.run.worker_group_id)),
+        cancel = [heartbeat_job_id(run.id, previous)] if previous else []
+        if run.attempt_number:
+            cancel.append(self.max_duration_job(run))
+        await asyncio.gather(self.r.acks.submit((run.environment_id, run.id, run.worker_group_id)),
                              self.r.change_jobs(cancel))
+        if run.resume_parent_on_completion:
+            await self._s.waitpoints.on_runs_finished([run])
 
-    async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str) -> None:
-        await self.r.change_jobs([heartbeat_job_id(run_id, snapshot_id), max_duration_job_id(run_id, snapshot_id)])
+    async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str, attempt: int) -> None:
+        await self.r.change_jobs([heartbeat_job_id(run_id, snapshot_id), max_duration_job_id(run_id, attempt)])
 
     async def finish_cancel_requested(self, run_id: str, pending_cancel_snapshot_id: str) -> AttemptOutcome:
         return await self.finish(run_id, RunStatus.CANCELED, expected_snapshot_id=pending_cancel_snapshot_id,
@@ -212,6 +224,10 @@ class RunAttemptSystem:
             status = ExecutionStatus(latest.engine_status)
             if status == E.PENDING_EXECUTING:
                 await self._s.dead_letter.requeue_undelivered(run_id, latest)
+            elif status == E.EXECUTING_WITH_WAITPOINTS:
+                # Its worker went away while the run waited: checkpoint it on the worker's behalf;
+                # it is restored by replay when its waitpoints complete.
+                await self._s.waitpoints.suspend(run_id, snapshot_id)
             elif status in EXECUTING:
                 await self._fail(run_id, snapshot_id,
                                  {"type": "INTERNAL_ERROR", "code": "TASK_RUN_STALLED_EXECUTING",
@@ -220,11 +236,11 @@ class RunAttemptSystem:
             elif status == E.PENDING_CANCEL:
                 await self.finish_cancel_requested(run_id, snapshot_id)
 
-    async def on_max_duration(self, run_id: str, snapshot_id: str) -> None:
+    async def on_max_duration(self, run_id: str, attempt: int) -> None:
         async with self.r.locker.lock("max_duration", run_id):
             latest = await self.r.repo.latest_snapshot(run_id)
-            if latest is None or latest.id != snapshot_id or latest.engine_status not in EXECUTING:
+            if latest is None or latest.attempt_number != attempt or latest.engine_status not in EXECUTING:
                 return
-            await self.finish(run_id, RunStatus.TIMED_OUT, expected_snapshot_id=snapshot_id, from_statuses=EXECUTING,
+            await self.finish(run_id, RunStatus.TIMED_OUT, expected_snapshot_id=latest.id, from_statuses=EXECUTING,
                               error={"type": ERROR_TIMED_OUT, "message": "Run exceeded its maximum duration"},
                               description="Max duration exceeded")

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from run_engine.errors import (
+    DuplicateExecutionError,
     InvalidTransitionError,
     LockTimeoutError,
     NotFoundError,
@@ -62,7 +63,7 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
             "latestSnapshot": {"id": exc.latest_snapshot_id, "executionStatus": exc.latest_status}})
     if isinstance(exc, NotFoundError):
         return err(404, "not_found", f"{exc.kind} not found")
-    if isinstance(exc, InvalidTransitionError):
+    if isinstance(exc, InvalidTransitionError | DuplicateExecutionError):
         return err(409, exc.code, str(exc))
     if isinstance(exc, ValidationError):
         return err(400, exc.code, str(exc))

@@ -19,6 +19,8 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
+from run_engine.db.waitpoints import WaitpointRepository
+
 
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
@@ -76,6 +78,7 @@ class RunRow:
     depth: int
     batch_id: str | None
     trigger_function: str
+    resume_parent_on_completion: bool
     created_at: datetime
     updated_at: datetime
     queued_at: datetime | None
@@ -119,6 +122,11 @@ class Transition:
     output_type: str | None = None
     error: dict[str, Any] | None = None
     worker_id: str | None = None
+    # the snapshot's checkpoint; PENDING_EXECUTING and QUEUED_EXECUTING carry the previous one's
+    checkpoint_id: str | None = None
+    completed_waitpoint_ids: tuple[str, ...] = ()
+    # a start that resumes a checkpointed run (the latest snapshot has one) keeps its attempt
+    resume_checkpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,12 +150,18 @@ WITH input AS (
     SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(
         ord int, run_id text, new_id text, engine_status text, run_status text, froms text,
         expected text, description text, attempt_delta int, set_started bool, set_finished bool,
-        reopen bool, output jsonb, output_type text, error jsonb, worker_id text)
+        reopen bool, output jsonb, output_type text, error jsonb, worker_id text, checkpoint_id text,
+        completed text[], resume bool)
 ), latest AS (
-    SELECT i.*, l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number AS latest_attempt
+    SELECT i.ord, i.run_id, i.new_id, i.engine_status, i.run_status, i.froms, i.expected, i.description,
+           CASE WHEN i.resume AND l.checkpoint_id IS NOT NULL THEN 0 ELSE i.attempt_delta END AS attempt_delta,
+           i.set_started, i.set_finished, i.reopen, i.output, i.output_type, i.error, i.worker_id,
+           i.checkpoint_id, i.completed,
+           l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number AS latest_attempt,
+           l.checkpoint_id AS latest_checkpoint
     FROM input i
     LEFT JOIN LATERAL (
-        SELECT s.id, s.engine_status, s.attempt_number
+        SELECT s.id, s.engine_status, s.attempt_number, s.checkpoint_id
         FROM task_run_execution_snapshot s
         WHERE s.run_id = i.run_id AND s.is_valid
         ORDER BY s.seq DESC
@@ -161,9 +175,12 @@ WITH input AS (
 ), ins AS (
     INSERT INTO task_run_execution_snapshot (
         id, run_id, engine_status, run_status, attempt_number, description,
-        previous_snapshot_id, worker_id, error)
+        previous_snapshot_id, worker_id, error, checkpoint_id, completed_waitpoint_ids)
     SELECT new_id, run_id, engine_status, run_status, latest_attempt + attempt_delta, description,
-           latest_id, worker_id, error
+           latest_id, worker_id, error,
+           CASE WHEN engine_status IN ('PENDING_EXECUTING', 'QUEUED_EXECUTING')
+                THEN coalesce(checkpoint_id, latest_checkpoint) ELSE checkpoint_id END,
+           coalesce(completed, '{}')
     FROM allowed
     ORDER BY ord
     RETURNING *
@@ -243,6 +260,7 @@ class NewRun:
     depth: int = 0
     batch_id: str | None = None
     trigger_function: str = "trigger"
+    resume_parent_on_completion: bool = False
     queue_timestamp: datetime | None = None
     description: str = "Run was created"
 
@@ -257,19 +275,20 @@ WITH input AS (
         idempotency_key_expires_at timestamptz, ttl_s int, delay_until timestamptz, tags text[],
         metadata jsonb, max_attempts int, retry jsonb, max_duration_s int, machine text,
         locked_to_deployment_id text, parent_run_id text, root_run_id text, depth int,
-        batch_id text, trigger_function text, queue_timestamp timestamptz, description text)
+        batch_id text, trigger_function text, resume_parent_on_completion bool,
+        queue_timestamp timestamptz, description text)
 ), runs AS (
     INSERT INTO task_run (
         id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
         concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
         delay_until, tags, metadata, max_attempts, retry, max_duration_s, machine,
         locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
-        queued_at, queue_timestamp)
+        resume_parent_on_completion, queued_at, queue_timestamp)
     SELECT id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
         concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
         delay_until, coalesce(tags, '{}'), metadata, max_attempts, retry, max_duration_s, machine,
         locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
-        CASE WHEN engine_status = 'QUEUED' THEN now() END, coalesce(queue_timestamp, now())
+        coalesce(resume_parent_on_completion, false), CASE WHEN engine_status = 'QUEUED' THEN now() END, coalesce(queue_timestamp, now())
     FROM input
     RETURNING id, created_at
 )
@@ -292,6 +311,7 @@ class Repository:
 
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
+        self.waitpoints = WaitpointRepository(pool)
 
     @classmethod
     async def open(cls, database_url: str, *, min_size: int = 2, max_size: int = 8) -> Repository:
@@ -321,7 +341,8 @@ class Repository:
              "run_status": x.run_status, "froms": ",".join(x.from_statuses), "expected": x.expected_snapshot_id,
              "description": x.description, "attempt_delta": x.attempt_delta, "set_started": x.set_started,
              "set_finished": x.set_finished, "reopen": x.reopen, "output": x.output, "output_type": x.output_type,
-             "error": x.error, "worker_id": x.worker_id}
+             "error": x.error, "worker_id": x.worker_id, "checkpoint_id": x.checkpoint_id,
+             "completed": list(x.completed_waitpoint_ids) or None, "resume": x.resume_checkpoint}
             for i, x in enumerate(transitions)
         ]
         params = {"rows": Jsonb(rows)}
@@ -733,7 +754,16 @@ class Repository:
             assert row is not None
             return str(row[0])
 
-    async def insert_batch(self, batch_id: str, env_id: str, size: int) -> None:
+    async def insert_batch(self, batch_id: str, env_id: str, size: int, parent_run_id: str | None = None) -> None:
         async with self.pool.connection() as conn:
             await conn.execute(
-                "INSERT INTO batch_task_run (id, environment_id, size) VALUES (%s, %s, %s)", (batch_id, env_id, size))
+                "INSERT INTO batch_task_run (id, environment_id, size, parent_run_id) VALUES (%s, %s, %s, %s)",
+                (batch_id, env_id, size, parent_run_id))
+
+    async def waiting_children(self, run_id: str) -> list[str]:
+        """Unfinished children whose completion the run waits for (cancel cascades to them)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT id FROM task_run WHERE parent_run_id = %s AND resume_parent_on_completion
+                     AND finished_at IS NULL""", (run_id,))
+            return [r[0] for r in await cur.fetchall()]

@@ -1,0 +1,339 @@
+"""SQL of waitpoints, blocking, the journal, checkpoints and batches (DESIGN §7).
+
+Blocking and completing never lose a wake-up: ``block`` commits the run's blocking rows and then
+counts the pending waitpoints; ``complete_*`` commits the completion and then reads the blocked
+runs. Whichever commits second sees the other's write, and continuing a run is idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+
+@dataclass(frozen=True, slots=True)
+class Waitpoint:
+    id: str
+    environment_id: str
+    type: str
+    status: str
+    completed_by_run_id: str | None
+    completed_by_batch_id: str | None
+    completed_after: datetime | None
+    completed_at: datetime | None
+    idempotency_key: str | None
+    idempotency_key_expires_at: datetime | None
+    output: Any
+    output_is_error: bool
+    timeout_at: datetime | None
+    tags: list[str]
+    created_at: datetime
+
+
+def _waitpoint(row: dict[str, Any]) -> Waitpoint:
+    return Waitpoint(**{name: row[name] for name in Waitpoint.__slots__})
+
+
+@dataclass(frozen=True, slots=True)
+class NewWaitpoint:
+    id: str
+    environment_id: str
+    type: str
+    completed_by_run_id: str | None = None
+    completed_by_batch_id: str | None = None
+    completed_after: datetime | None = None
+    idempotency_key: str | None = None
+    idempotency_key_expires_at: datetime | None = None
+    timeout_at: datetime | None = None
+    tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    sequence: int
+    kind: str
+    key: str
+    result: Any
+    waitpoint_id: str | None
+    waitpoint_status: str | None = None
+    waitpoint_output: Any = None
+    waitpoint_output_is_error: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """Complete the waitpoint ``id`` (or the RUN waitpoint of ``run_id``) with ``output``."""
+
+    output: Any
+    is_error: bool = False
+    id: str | None = None
+    run_id: str | None = None
+
+
+_INSERT_WAITPOINT = """
+INSERT INTO waitpoint (id, environment_id, type, completed_by_run_id, completed_by_batch_id, completed_after,
+                       idempotency_key, idempotency_key_expires_at, user_provided_idempotency_key, timeout_at, tags)
+SELECT id, environment_id, type, completed_by_run_id, completed_by_batch_id, completed_after,
+       idempotency_key, idempotency_key_expires_at, idempotency_key IS NOT NULL, timeout_at, coalesce(tags, '{}')
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(
+    id text, environment_id text, type text, completed_by_run_id text, completed_by_batch_id text,
+    completed_after timestamptz, idempotency_key text, idempotency_key_expires_at timestamptz,
+    timeout_at timestamptz, tags text[])
+ON CONFLICT (environment_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING *
+"""
+
+_COMPLETE = """
+-- complete pending waitpoints by id or by the run that completes them; first completion wins
+WITH input AS (
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(id text, run_id text, output jsonb, is_error bool)
+)
+UPDATE waitpoint w SET status = 'COMPLETED', completed_at = now(), output = i.output, output_is_error = i.is_error
+FROM input i
+WHERE w.status = 'PENDING'
+  AND ((i.id IS NOT NULL AND w.id = i.id)
+       OR (i.run_id IS NOT NULL AND w.completed_by_run_id = i.run_id AND w.type = 'RUN'))
+RETURNING w.id
+"""
+
+_SWEEP_RUN_WAITPOINTS = """
+-- RUN waitpoints still pending although their run has finished (a crash between the two writes)
+SELECT w.id, r.status, r.output, r.error
+FROM waitpoint w JOIN task_run r ON r.id = w.completed_by_run_id
+WHERE w.status = 'PENDING' AND w.type = 'RUN' AND r.finished_at IS NOT NULL
+LIMIT %(limit)s
+"""
+
+_SWEEP_BATCHES = """
+-- BATCH waitpoints whose children have all finished, or whose batch never got all its runs
+SELECT w.id, b.id AS batch_id, b.size, c.created, c.finished,
+       (c.created < b.size AND b.created_at < now() - make_interval(secs => %(grace_s)s)) AS broken
+FROM waitpoint w
+JOIN batch_task_run b ON b.id = w.completed_by_batch_id
+CROSS JOIN LATERAL (
+    SELECT count(*) AS created, count(*) FILTER (WHERE r.finished_at IS NOT NULL) AS finished
+    FROM task_run r WHERE r.batch_id = b.id
+) c
+WHERE w.status = 'PENDING' AND w.type = 'BATCH'
+  AND (c.finished >= b.size OR (c.created < b.size AND b.created_at < now() - make_interval(secs => %(grace_s)s)))
+LIMIT %(limit)s
+"""
+
+_SWEEP_STUCK_RUNS = """
+-- runs shown as WAITING that no pending waitpoint blocks any more (a lost continuation)
+SELECT r.id FROM task_run r
+WHERE r.status = 'WAITING'
+  AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
+                  WHERE trw.run_id = r.id AND w.status = 'PENDING')
+  AND r.updated_at < now() - make_interval(secs => %(grace_s)s)
+LIMIT %(limit)s
+"""
+
+
+class WaitpointRepository:
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+
+    # --- waitpoints ---------------------------------------------------------------------------
+
+    async def create(self, wp: NewWaitpoint, now: datetime | None = None) -> tuple[Waitpoint, bool]:
+        """Insert ``wp``; with an idempotency key that is taken and not expired (at ``now``),
+        return the existing waitpoint and ``True`` (cached) instead. An expired key is released."""
+        row = {name: _jsonable(getattr(wp, name)) for name in NewWaitpoint.__slots__}
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = conn.cursor(row_factory=dict_row)
+            if wp.idempotency_key is not None:
+                await cur.execute(
+                    """UPDATE waitpoint SET idempotency_key = NULL
+                       WHERE environment_id = %s AND idempotency_key = %s
+                         AND idempotency_key_expires_at <= coalesce(%s, now())""",
+                    (wp.environment_id, wp.idempotency_key, now))
+            await cur.execute(_INSERT_WAITPOINT, {"rows": Jsonb([row])})
+            inserted = await cur.fetchone()
+            if inserted is not None:
+                return _waitpoint(inserted), False
+            await cur.execute("SELECT * FROM waitpoint WHERE environment_id = %s AND idempotency_key = %s",
+                              (wp.environment_id, wp.idempotency_key))
+            existing = await cur.fetchone()
+        assert existing is not None
+        return _waitpoint(existing), True
+
+    async def get(self, waitpoint_id: str, env_id: str | None = None) -> Waitpoint | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM waitpoint WHERE id = %s AND (%s::text IS NULL OR environment_id = %s)",
+                              (waitpoint_id, env_id, env_id))
+            row = await cur.fetchone()
+        return _waitpoint(row) if row else None
+
+    async def list_tokens(self, env_id: str, *, statuses: Sequence[str] = (), timed_out: bool | None = None,
+                          tags: Sequence[str] = (), limit: int = 25, after: tuple[datetime, str] | None = None,
+                          ) -> list[Waitpoint]:
+        """MANUAL waitpoints newest first; ``timed_out`` narrows COMPLETED ones by error output."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM waitpoint
+                   WHERE environment_id = %(env)s AND type = 'MANUAL'
+                     AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s))
+                     AND (%(timed_out)s::bool IS NULL OR status = 'PENDING' OR output_is_error = %(timed_out)s)
+                     AND (%(tags)s::text[] IS NULL OR tags && %(tags)s)
+                     AND (%(after_ts)s::timestamptz IS NULL OR (created_at, id) < (%(after_ts)s, %(after_id)s))
+                   ORDER BY created_at DESC, id DESC LIMIT %(limit)s""",
+                {"env": env_id, "statuses": list(statuses) or None, "timed_out": timed_out,
+                 "tags": list(tags) or None, "after_ts": after[0] if after else None,
+                 "after_id": after[1] if after else None, "limit": limit})
+            return [_waitpoint(r) for r in await cur.fetchall()]
+
+    async def complete(self, completions: Sequence[Completion]) -> list[str]:
+        """Complete pending waitpoints (first completion wins); the ids actually completed."""
+        if not completions:
+            return []
+        rows = [{"id": c.id, "run_id": c.run_id, "output": c.output, "is_error": c.is_error} for c in completions]
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_COMPLETE, {"rows": Jsonb(rows)})
+            return [r[0] for r in await cur.fetchall()]
+
+    async def blocked_runs(self, waitpoint_ids: Sequence[str]) -> list[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT DISTINCT run_id FROM task_run_waitpoint WHERE waitpoint_id = ANY(%s)", (list(waitpoint_ids),))
+            return [r[0] for r in await cur.fetchall()]
+
+    # --- blocking -----------------------------------------------------------------------------
+
+    async def block(self, run_id: str, waitpoint_ids: Sequence[str], journal: JournalEntry | None,
+                    batch_index: int | None = None) -> tuple[JournalEntry | None, int]:
+        """Block ``run_id`` on ``waitpoint_ids`` and journal the wait, in one transaction.
+
+        Returns the journal entry already at that sequence when there was one (a replay re-blocks
+        on it; a different entry means a duplicate execution), and the number of the run's
+        waitpoints still pending, counted after the commit."""
+        async with self.pool.connection() as conn:
+            async with conn.transaction():
+                cur = conn.cursor(row_factory=dict_row)
+                existing = None
+                if journal is not None:
+                    existing = await self._insert_journal(cur, run_id, journal)
+                if existing is None or existing.waitpoint_id in waitpoint_ids:
+                    await cur.execute(
+                        """INSERT INTO task_run_waitpoint (run_id, waitpoint_id, batch_index)
+                           SELECT %s, unnest(%s::text[]), %s ON CONFLICT DO NOTHING""",
+                        (run_id, list(waitpoint_ids), batch_index))
+            pending = await self.pending_count(run_id, conn)
+        return existing, pending
+
+    async def pending_count(self, run_id: str, conn: Any = None) -> int:
+        sql = """SELECT count(*) FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
+                 WHERE trw.run_id = %s AND w.status = 'PENDING'"""
+        if conn is not None:
+            cur = await conn.execute(sql, (run_id,))
+            return int((await cur.fetchone())[0])
+        async with self.pool.connection() as c:
+            cur = await c.execute(sql, (run_id,))
+            return int((await cur.fetchone())[0])
+
+    async def unblock(self, run_id: str) -> list[str]:
+        """Remove the run's blocking rows (it continues); the waitpoint ids it was blocked on."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("DELETE FROM task_run_waitpoint WHERE run_id = %s RETURNING waitpoint_id",
+                                     (run_id,))
+            return [r[0] for r in await cur.fetchall()]
+
+    # --- journal and checkpoints --------------------------------------------------------------
+
+    @staticmethod
+    async def _insert_journal(cur: Any, run_id: str, entry: JournalEntry) -> JournalEntry | None:
+        await cur.execute(
+            """INSERT INTO task_run_journal (run_id, sequence, kind, key, result, waitpoint_id)
+               VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING sequence""",
+            (run_id, entry.sequence, entry.kind, entry.key, Jsonb(entry.result), entry.waitpoint_id))
+        if await cur.fetchone() is not None:
+            return None
+        await cur.execute("SELECT * FROM task_run_journal WHERE run_id = %s AND sequence = %s",
+                          (run_id, entry.sequence))
+        row = await cur.fetchone()
+        return JournalEntry(row["sequence"], row["kind"], row["key"], row["result"], row["waitpoint_id"])
+
+    async def append_journal(self, run_id: str, entry: JournalEntry) -> JournalEntry | None:
+        """Journal a step result; ``None`` when inserted, else the entry that won the race."""
+        async with self.pool.connection() as conn, conn.transaction():
+            return await self._insert_journal(conn.cursor(row_factory=dict_row), run_id, entry)
+
+    async def journal(self, run_id: str, from_sequence: int = 0) -> list[JournalEntry]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT j.sequence, j.kind, j.key, j.result, j.waitpoint_id,
+                          w.status AS waitpoint_status, w.output AS waitpoint_output,
+                          coalesce(w.output_is_error, false) AS waitpoint_output_is_error
+                   FROM task_run_journal j LEFT JOIN waitpoint w ON w.id = j.waitpoint_id
+                   WHERE j.run_id = %s AND j.sequence >= %s ORDER BY j.sequence""", (run_id, from_sequence))
+            return [JournalEntry(**r) for r in await cur.fetchall()]
+
+    async def journal_position(self, run_id: str) -> int:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT coalesce(max(sequence) + 1, 0) FROM task_run_journal WHERE run_id = %s",
+                                     (run_id,))
+            return int((await cur.fetchone())[0])
+
+    async def insert_checkpoint(self, checkpoint_id: str, run_id: str, snapshot_id: str, position: int) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """INSERT INTO task_run_checkpoint (id, run_id, snapshot_id, type, journal_position)
+                   VALUES (%s, %s, %s, 'REPLAY', %s)""", (checkpoint_id, run_id, snapshot_id, position))
+
+    async def run_results(self, run_ids: Sequence[str]) -> dict[str, tuple[str, Any, Any]]:
+        """status, output, error of each run."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT id, status, output, error FROM task_run WHERE id = ANY(%s)",
+                                     (list(run_ids),))
+            return {r[0]: (r[1], r[2], r[3]) for r in await cur.fetchall()}
+
+    # --- batches ------------------------------------------------------------------------------
+
+    async def count_finished_children(self, batch_counts: dict[str, int]) -> list[str]:
+        """Add finished children to their batches; the batches now complete."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """UPDATE batch_task_run b SET completed_count = b.completed_count + i.n,
+                       status = CASE WHEN b.completed_count + i.n >= b.size THEN 'COMPLETED' ELSE b.status END,
+                       completed_at = CASE WHEN b.completed_count + i.n >= b.size THEN now() END
+                   FROM (SELECT unnest(%s::text[]) AS id, unnest(%s::int[]) AS n) i
+                   WHERE b.id = i.id AND b.status = 'PENDING' RETURNING b.id, b.status""",
+                (list(batch_counts), list(batch_counts.values())))
+            return [r[0] for r in await cur.fetchall() if r[1] == "COMPLETED"]
+
+    async def batch_waitpoints(self, batch_ids: Sequence[str]) -> list[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT id FROM waitpoint WHERE completed_by_batch_id = ANY(%s) AND status = 'PENDING'",
+                (list(batch_ids),))
+            return [r[0] for r in await cur.fetchall()]
+
+    # --- the sweeper --------------------------------------------------------------------------
+
+    async def sweep_candidates(self, *, grace_s: float, limit: int = 500) -> dict[str, list[Any]]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_SWEEP_RUN_WAITPOINTS, {"limit": limit})
+            runs = await cur.fetchall()
+            await cur.execute(_SWEEP_BATCHES, {"limit": limit, "grace_s": grace_s})
+            batches = await cur.fetchall()
+            await cur.execute(_SWEEP_STUCK_RUNS, {"limit": limit, "grace_s": grace_s})
+            stuck = [r["id"] for r in await cur.fetchall()]
+        return {"run_waitpoints": runs, "batches": batches, "stuck_runs": stuck}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, tuple):
+        return list(value)
+    return value

@@ -1,0 +1,355 @@
+"""WaitpointSystem: create and complete waitpoints, block runs on them, continue runs whose last
+waitpoint completed, checkpoint (suspend) blocked runs, and sweep what a crash left behind.
+
+A run blocks while EXECUTING (→ EXECUTING_WITH_WAITPOINTS, still in its executor, still holding
+its slot). The supervisor suspends it after a grace period (→ SUSPENDED: REPLAY checkpoint at the
+journal position, slot released). When its waitpoints are all complete it continues: in place
+(→ EXECUTING) or, when suspended, back into the queue at its original place (→ QUEUED_EXECUTING),
+from where the next executor restores it by replaying the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from run_engine.db.repository import RunRow, Snapshot
+from run_engine.db.waitpoints import Completion, JournalEntry, NewWaitpoint, Waitpoint
+from run_engine.errors import DuplicateExecutionError, InvalidTransitionError, StaleSnapshotError
+from run_engine.events import RunEvent
+from run_engine.ids import new_id
+from run_engine.statuses import ExecutionStatus, RunStatus
+from systems.resources import SystemResources
+
+log = logging.getLogger(__name__)
+E = ExecutionStatus
+
+DATETIME_JOB = "waitpoint_datetime"
+TIMEOUT_JOB = "waitpoint_timeout"
+SWEEP_JOB = "waitpoint_sweep"
+SWEEP_JOB_ID = "sweep.waitpoints"
+
+BLOCKED = (E.EXECUTING_WITH_WAITPOINTS, E.SUSPENDED)
+TOKEN_TIMEOUT_ERROR = {"type": "WAITPOINT_TIMEOUT", "message": "The token timed out before it was completed"}
+
+
+@dataclass(frozen=True, slots=True)
+class BlockOutcome:
+    """``blocked``: the run now waits (EXECUTING_WITH_WAITPOINTS); otherwise the wait is over and
+    ``entry`` is its resolved journal entry. ``snapshot`` is the run's latest snapshot."""
+
+    blocked: bool
+    snapshot: Snapshot
+    entry: dict[str, Any] | None = None
+
+
+def run_result(run_id: str, status: str, output: Any, error: Any) -> dict[str, Any]:
+    """What a parent sees of a finished child: ``{ok, id, output}`` or ``{ok: False, id, error}``."""
+    if status == RunStatus.COMPLETED:
+        return {"ok": True, "id": run_id, "output": output}
+    return {"ok": False, "id": run_id,
+            "error": error or {"type": status, "message": f"the run ended {status}"}}
+
+
+class WaitpointSystem:
+    def __init__(self, resources: SystemResources) -> None:
+        self.r = resources
+        self.wp = resources.repo.waitpoints
+
+    @property
+    def _s(self):  # type: ignore[no-untyped-def]
+        assert self.r.systems is not None
+        return self.r.systems
+
+    def _at(self, seconds_from_now: float) -> datetime:
+        return datetime.fromtimestamp(self.r.clock.now() + seconds_from_now, UTC)
+
+    # --- creating -----------------------------------------------------------------------------
+
+    async def create_token(self, env_id: str, *, idempotency_key: str | None = None,
+                           idempotency_key_ttl_s: float | None = None, timeout_s: float | None = None,
+                           tags: Sequence[str] = ()) -> tuple[Waitpoint, bool]:
+        """A MANUAL waitpoint; the same idempotency key returns the same token until the key's TTL
+        (default 30 days) passes. A timeout completes it with an error output."""
+        wp, cached = await self.wp.create(NewWaitpoint(
+            id=new_id("waitpoint"), environment_id=env_id, type="MANUAL", idempotency_key=idempotency_key,
+            idempotency_key_expires_at=self._at(idempotency_key_ttl_s or 30 * 86400) if idempotency_key else None,
+            timeout_at=self._at(timeout_s) if timeout_s is not None else None, tags=tuple(tags)), self._at(0))
+        if not cached and wp.timeout_at is not None:
+            await self.r.change_jobs(schedule=[(f"wpto.{wp.id}", TIMEOUT_JOB, {"waitpoint_id": wp.id},
+                                                wp.timeout_at.timestamp())])
+        return wp, cached
+
+    async def create_datetime(self, env_id: str, at: datetime, *, idempotency_key: str | None = None) -> Waitpoint:
+        """A DATETIME waitpoint, completed by an engine job at ``at``."""
+        wp, cached = await self.wp.create(NewWaitpoint(
+            id=new_id("waitpoint"), environment_id=env_id, type="DATETIME", completed_after=at,
+            idempotency_key=idempotency_key,
+            idempotency_key_expires_at=at + timedelta(days=1) if idempotency_key else None), self._at(0))
+        if not cached:
+            await self.r.change_jobs(schedule=[(f"wpdt.{wp.id}", DATETIME_JOB, {"waitpoint_id": wp.id},
+                                                at.timestamp())])
+        return wp
+
+    # --- completing ---------------------------------------------------------------------------
+
+    async def complete(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False) -> bool:
+        """Complete one waitpoint; False when it was already complete (the first output stays)."""
+        done = await self.complete_many([Completion(output, is_error, id=waitpoint_id)])
+        if done:
+            await self.r.change_jobs(cancel=[f"wpto.{waitpoint_id}", f"wpdt.{waitpoint_id}"])
+        return bool(done)
+
+    async def complete_many(self, completions: Sequence[Completion]) -> list[str]:
+        """Complete waitpoints, then continue every run whose last blocking waitpoint that was;
+        each run is continued once however many of its waitpoints completed here."""
+        done = await self.wp.complete(completions)
+        if done:
+            runs = await self.wp.blocked_runs(done)
+            await asyncio.gather(*(self.try_continue(run_id) for run_id in runs))
+        return done
+
+    async def on_runs_finished(self, runs: Sequence[RunRow]) -> None:
+        """Finished runs complete the waitpoints their parents wait on: a child's RUN waitpoint,
+        or (when the last child of a batch finishes) the batch's BATCH waitpoint."""
+        waited = [r for r in runs if r.resume_parent_on_completion]
+        if not waited:
+            return
+        singles = [r for r in waited if r.batch_id is None]
+        completions = [
+            Completion(r.output if r.status == RunStatus.COMPLETED else (r.error or {"type": r.status}),
+                       r.status != RunStatus.COMPLETED, run_id=r.id)
+            for r in singles
+        ]
+        batches = Counter(r.batch_id for r in waited if r.batch_id is not None)
+        if batches:
+            complete_batches = await self.wp.count_finished_children(dict(batches))
+            if complete_batches:
+                completions += [Completion(None, id=w) for w in await self.wp.batch_waitpoints(complete_batches)]
+        await self.complete_many(completions)
+
+    async def on_datetime(self, waitpoint_id: str) -> None:
+        await self.complete(waitpoint_id)
+
+    async def on_timeout(self, waitpoint_id: str) -> None:
+        await self.complete(waitpoint_id, TOKEN_TIMEOUT_ERROR, is_error=True)
+
+    # --- blocking and continuing --------------------------------------------------------------
+
+    async def block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
+                    waitpoint_ids: Sequence[str], result: Any = None) -> BlockOutcome:
+        """Journal the wait at ``sequence`` and block the executing run on ``waitpoint_ids``."""
+        async with self.r.locker.lock("block", run_id):
+            await self._executing(run_id, snapshot_id, "block")
+            entry = JournalEntry(sequence, kind, key, result, waitpoint_ids[0])
+            existing, pending = await self.wp.block(run_id, waitpoint_ids, entry)
+            if existing is not None and (existing.kind != kind or existing.waitpoint_id not in waitpoint_ids):
+                raise DuplicateExecutionError(run_id, sequence)
+            return await self._blocked(run_id, snapshot_id, sequence, f"{kind} {key}", pending)
+
+    async def _blocked(self, run_id: str, snapshot_id: str, sequence: int, what: str, pending: int) -> BlockOutcome:
+        """The blocking rows are written (caller holds the lock): move the run to
+        EXECUTING_WITH_WAITPOINTS, unless nothing is pending any more."""
+        if pending == 0:
+            await self.wp.unblock(run_id)
+            return BlockOutcome(False, await self._s.snapshots.latest(run_id), await self.resolved_entry(run_id, sequence))
+        result = await self._s.snapshots.apply(
+            run_id, E.EXECUTING_WITH_WAITPOINTS, RunStatus.WAITING, from_statuses=(E.EXECUTING,),
+            expected_snapshot_id=snapshot_id, operation="block", description=f"Waiting ({what})")
+        assert result.snapshot is not None and result.run is not None
+        await self._s.snapshots.after_transition(snapshot_id, E.EXECUTING, result.snapshot)
+        self.r.events.emit(RunEvent("run_blocked", run_id, result.run.environment_id, result.snapshot.id))
+        # A completion that committed before our blocking rows did found nobody to continue.
+        if await self.wp.pending_count(run_id) == 0:
+            continued = await self.try_continue(run_id)
+            if continued is not None:
+                return BlockOutcome(False, continued, await self.resolved_entry(run_id, sequence))
+        return BlockOutcome(True, result.snapshot)
+
+    async def _executing(self, run_id: str, snapshot_id: str, operation: str) -> Snapshot:
+        latest = await self._s.snapshots.latest(run_id)
+        if latest.id != snapshot_id:
+            raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
+        if latest.engine_status != E.EXECUTING:
+            raise InvalidTransitionError(run_id, latest.engine_status, operation)
+        return latest
+
+    async def try_continue(self, run_id: str) -> Snapshot | None:
+        """Continue a blocked run if nothing blocks it any more (idempotent); its new snapshot."""
+        async with self.r.locker.lock("continue", run_id):
+            latest = await self.r.repo.latest_snapshot(run_id)
+            if latest is None or latest.engine_status not in BLOCKED:
+                return None
+            if await self.wp.pending_count(run_id) > 0:
+                return None
+            completed = tuple(await self.wp.unblock(run_id))
+            if latest.engine_status == E.EXECUTING_WITH_WAITPOINTS:
+                result = await self._s.snapshots.apply(
+                    run_id, E.EXECUTING, RunStatus.EXECUTING, from_statuses=(E.EXECUTING_WITH_WAITPOINTS,),
+                    expected_snapshot_id=latest.id, operation="continue", description="Waitpoints completed",
+                    completed_waitpoint_ids=completed)
+                assert result.snapshot is not None
+                await self._s.snapshots.after_transition(latest.id, latest.engine_status, result.snapshot)
+            else:
+                result = await self._s.snapshots.apply(
+                    run_id, E.QUEUED_EXECUTING, RunStatus.QUEUED, from_statuses=(E.SUSPENDED,),
+                    expected_snapshot_id=latest.id, operation="continue",
+                    description="Waitpoints completed: queued to restore", completed_waitpoint_ids=completed)
+                assert result.run is not None and result.snapshot is not None
+                await self.r.enqueues.submit(self._s.enqueue.item_for(result.run, reset_deliveries=True))
+        assert result.run is not None and result.snapshot is not None
+        self.r.events.emit(RunEvent("run_continued", run_id, result.run.environment_id, result.snapshot.id,
+                                    {"status": result.snapshot.engine_status}))
+        return result.snapshot
+
+    async def suspend(self, run_id: str, snapshot_id: str) -> Snapshot:
+        """Checkpoint a blocked run: REPLAY checkpoint at the journal position, SUSPENDED,
+        concurrency released. A stale ``snapshot_id`` (the run moved on) is refused."""
+        async with self.r.locker.lock("suspend", run_id):
+            latest = await self._s.snapshots.latest(run_id)
+            if latest.id != snapshot_id:
+                raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
+            position = await self.wp.journal_position(run_id)
+            checkpoint_id = new_id("checkpoint")
+            await self.wp.insert_checkpoint(checkpoint_id, run_id, snapshot_id, position)
+            result = await self._s.snapshots.apply(
+                run_id, E.SUSPENDED, RunStatus.WAITING, from_statuses=(E.EXECUTING_WITH_WAITPOINTS,),
+                expected_snapshot_id=snapshot_id, operation="suspend", checkpoint_id=checkpoint_id,
+                description=f"Suspended: checkpoint at journal position {position}")
+            run, snapshot = result.run, result.snapshot
+            assert run is not None and snapshot is not None
+            await asyncio.gather(
+                self.r.acks.submit((run.environment_id, run.id, run.worker_group_id)),
+                self._s.snapshots.after_transition(snapshot_id, latest.engine_status, snapshot),
+                self.r.change_jobs(cancel=[self._s.run_attempt.max_duration_job(run)]),
+            )
+            self.r.events.emit(RunEvent("run_suspended", run_id, run.environment_id, snapshot.id,
+                                        {"checkpoint": checkpoint_id}))
+            if await self.wp.pending_count(run_id) == 0:
+                return await self.try_continue(run_id) or snapshot
+        return snapshot
+
+    # --- child runs ---------------------------------------------------------------------------
+
+    async def trigger_and_wait(self, parent: RunRow, snapshot_id: str, sequence: int,
+                               requests: Sequence[Any], *, batch: bool) -> tuple[list[str], BlockOutcome]:
+        """Create child runs and block ``parent`` on them (a RUN waitpoint, or one BATCH waitpoint
+        for a batch), journaled at ``sequence``. A replay of the same call re-blocks on the
+        children it created the first time instead of creating new ones."""
+        journal = {e.sequence: e for e in await self.wp.journal(parent.id, sequence)}
+        kind = "batch" if batch else "child"
+        existing = journal.get(sequence)
+        if existing is not None:
+            if existing.kind != kind or existing.waitpoint_id is None:
+                raise DuplicateExecutionError(parent.id, sequence)
+            run_ids = existing.result["runIds"]
+            return run_ids, await self.block(parent.id, snapshot_id, sequence=sequence, kind=kind,
+                                             key=existing.key, waitpoint_ids=[existing.waitpoint_id],
+                                             result=existing.result)
+        async with self.r.locker.lock("trigger_and_wait", parent.id):
+            await self._executing(parent.id, snapshot_id, "trigger and wait from")
+            run_ids = [new_id("run") for _ in requests]
+            batch_id: str | None = None
+            if batch:
+                batch_id = new_id("batch")
+                await self.r.repo.insert_batch(batch_id, parent.environment_id, len(requests), parent.id)
+                wp, _ = await self.wp.create(NewWaitpoint(
+                    id=new_id("waitpoint"), environment_id=parent.environment_id, type="BATCH",
+                    completed_by_batch_id=batch_id))
+                key = batch_id
+            else:
+                wp, _ = await self.wp.create(NewWaitpoint(
+                    id=new_id("waitpoint"), environment_id=parent.environment_id, type="RUN",
+                    completed_by_run_id=run_ids[0]))
+                key = run_ids[0]
+            # Journal and blocking rows first: should the children's creation fail part-way, the
+            # sweeper finds the batch short of runs and fails the wait instead of leaving it hanging.
+            existing_entry, pending = await self.wp.block(
+                parent.id, [wp.id], JournalEntry(sequence, kind, key, {"runIds": run_ids}, wp.id))
+            if existing_entry is not None:
+                raise DuplicateExecutionError(parent.id, sequence)
+            function = "batchTriggerAndWait" if batch else "triggerAndWait"
+            await self._s.enqueue.trigger_many([
+                dataclasses.replace(req, run_id=rid, batch_id=batch_id or req.batch_id,
+                                    resume_parent_on_completion=True, trigger_function=function)
+                for req, rid in zip(requests, run_ids, strict=True)])
+            return run_ids, await self._blocked(parent.id, snapshot_id, sequence, f"{kind} {key}", pending)
+
+    # --- the journal --------------------------------------------------------------------------
+
+    async def append_journal(self, run_id: str, snapshot_id: str, sequence: int, kind: str, key: str,
+                             result: Any) -> None:
+        """Journal a step's result; a second execution of the same step loses the insert race."""
+        latest = await self._s.snapshots.latest(run_id)
+        if latest.id != snapshot_id:
+            raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
+        existing = await self.wp.append_journal(run_id, JournalEntry(sequence, kind, key, result, None))
+        if existing is not None:
+            raise DuplicateExecutionError(run_id, sequence)
+
+    async def resolved_journal(self, run_id: str, from_sequence: int = 0) -> list[dict[str, Any]]:
+        """The run's journal with each wait's outcome filled in (``resolved`` False while pending)."""
+        entries = await self.wp.journal(run_id, from_sequence)
+        batch_ids = [rid for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"
+                     for rid in e.result["runIds"]]
+        runs = await self.wp.run_results(batch_ids) if batch_ids else {}
+        out = []
+        for e in entries:
+            item: dict[str, Any] = {"sequence": e.sequence, "kind": e.kind, "key": e.key}
+            if e.kind == "step":
+                item.update(resolved=True, result=e.result)
+            elif e.waitpoint_status != "COMPLETED":
+                item.update(resolved=False, waitpointId=e.waitpoint_id)
+            elif e.kind == "wait":
+                item.update(resolved=True, result=None)
+            elif e.kind == "token":
+                item.update(resolved=True, result=(
+                    {"ok": False, "error": e.waitpoint_output} if e.waitpoint_output_is_error
+                    else {"ok": True, "output": e.waitpoint_output}))
+            elif e.kind == "child":
+                item.update(resolved=True, result=(
+                    {"ok": False, "id": e.key, "error": e.waitpoint_output} if e.waitpoint_output_is_error
+                    else {"ok": True, "id": e.key, "output": e.waitpoint_output}))
+            else:  # batch
+                item.update(resolved=True, result=[
+                    run_result(rid, *runs[rid]) if rid in runs
+                    else {"ok": False, "id": rid, "error": {"type": "RUN_NOT_CREATED",
+                                                             "message": "the batch item's run was never created"}}
+                    for rid in e.result["runIds"]])
+            out.append(item)
+        return out
+
+    async def resolved_entry(self, run_id: str, sequence: int) -> dict[str, Any] | None:
+        entries = await self.resolved_journal(run_id, sequence)
+        return entries[0] if entries and entries[0]["sequence"] == sequence else None
+
+    # --- the sweeper --------------------------------------------------------------------------
+
+    async def sweep(self, grace_s: float = 30.0) -> dict[str, int]:
+        """Repair what a crash between two writes left behind: RUN waitpoints of finished runs,
+        batches whose children all finished (or were never all created), blocked runs that
+        nothing blocks any more. Runs every few seconds as an engine job."""
+        found = await self.wp.sweep_candidates(grace_s=grace_s)
+        completions = [Completion(*(
+            (row["output"], False) if row["status"] == RunStatus.COMPLETED
+            else (row["error"] or {"type": row["status"]}, True)), id=row["id"]) for row in found["run_waitpoints"]]
+        for row in found["batches"]:
+            if row["broken"]:
+                completions.append(Completion({"type": "BATCH_INCOMPLETE", "message":
+                                               f"only {row['created']} of the batch's {row['size']} runs were created"},
+                                              True, id=row["id"]))
+            else:
+                completions.append(Completion(None, id=row["id"]))
+        done = await self.complete_many(completions)
+        for run_id in found["stuck_runs"]:
+            await self.try_continue(run_id)
+        if done or found["stuck_runs"]:
+            log.info("waitpoint sweep: completed %d waitpoints, checked %d blocked runs", len(done),
+                     len(found["stuck_runs"]))
+        return {"completed": len(done), "stuck_runs": len(found["stuck_runs"])}

@@ -1,0 +1,214 @@
+"""Waitpoints, blocking, suspension and restore by replay (DESIGN §7), on real PostgreSQL and Redis
+with a fake clock."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from run_engine.engine import TriggerRequest
+from run_engine.errors import DuplicateExecutionError, StaleSnapshotError
+from run_engine.statuses import RunStatus
+
+from .conftest import Harness
+
+
+def req(h: Harness, task: str = "hello", **kw: object) -> TriggerRequest:
+    return TriggerRequest(env_id=h.env.env_id, task_id=task, **kw)  # type: ignore[arg-type]
+
+
+async def started_run(h: Harness, task: str = "hello"):  # type: ignore[no-untyped-def]
+    run = await h.engine.trigger(req(h, task))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    return run, await h.engine.start_attempt(run.id, d.snapshot.id)
+
+
+async def restore(h: Harness, run_id: str):  # type: ignore[no-untyped-def]
+    got = await h.engine.dequeue(h.env.worker_group_id, 10)
+    (d,) = [g for g in got if g.run.id == run_id]
+    assert d.snapshot.engine_status == "PENDING_EXECUTING" and d.snapshot.checkpoint_id is not None
+    return await h.engine.start_attempt(run_id, d.snapshot.id)
+
+
+async def test_token_wait_suspends_releases_the_slot_and_resumes_by_replay(h: Harness) -> None:
+    run, s = await started_run(h)
+    token, cached = await h.engine.waitpoints.create_token(h.env.env_id, timeout_s=3600)
+    assert not cached
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                               waitpoint_ids=[token.id])
+    assert out.blocked and out.snapshot.engine_status == "EXECUTING_WITH_WAITPOINTS"
+    assert (await h.engine.get_run(run.id)).status == "WAITING"  # type: ignore[union-attr]
+    suspended = await h.engine.suspend(run.id, out.snapshot.id)
+    assert suspended.engine_status == "SUSPENDED" and suspended.checkpoint_id
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == set()  # no slot held
+    assert await h.engine.waitpoints.complete(token.id, {"approved": True})
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED_EXECUTING"
+    resumed = await restore(h, run.id)
+    assert resumed.attempt_number == 1 and resumed.snapshot.attempt_number == 1  # same attempt, not a retry
+    journal = await h.engine.waitpoints.resolved_journal(run.id)
+    assert journal == [{"sequence": 0, "kind": "token", "key": token.id, "resolved": True,
+                        "result": {"ok": True, "output": {"approved": True}}}]
+    done = await h.engine.complete_attempt(run.id, resumed.snapshot.id, ok=True, output=1)
+    assert done.status == RunStatus.COMPLETED
+    assert await h.statuses(run.id) == [
+        "QUEUED", "PENDING_EXECUTING", "EXECUTING", "EXECUTING_WITH_WAITPOINTS", "SUSPENDED",
+        "QUEUED_EXECUTING", "PENDING_EXECUTING", "EXECUTING", "FINISHED"]
+    assert h.names(run.id).count("run_continued") == 1
+
+
+async def test_completion_while_still_in_the_executor_continues_in_place(h: Harness) -> None:
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id, waitpoint_ids=[token.id])
+    await h.engine.waitpoints.complete(token.id, "yes")
+    latest = await h.engine.latest_snapshot(run.id)
+    assert latest.engine_status == "EXECUTING" and latest.completed_waitpoint_ids == [token.id]
+    # the checkpoint of the snapshot that moved on is refused
+    with pytest.raises(StaleSnapshotError):
+        await h.engine.suspend(run.id, out.snapshot.id)
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == {run.id}  # kept its slot
+
+
+async def test_already_completed_token_does_not_block(h: Harness) -> None:
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    assert await h.engine.waitpoints.complete(token.id, 1)
+    assert not await h.engine.waitpoints.complete(token.id, 2)  # first completion wins
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id, waitpoint_ids=[token.id])
+    assert not out.blocked and out.snapshot.id == s.snapshot.id
+    assert out.entry is not None and out.entry["result"] == {"ok": True, "output": 1}
+
+
+async def test_datetime_wait_completes_by_engine_job(h: Harness) -> None:
+    run, s = await started_run(h)
+    wp = await h.engine.waitpoints.create_datetime(h.env.env_id, datetime.fromtimestamp(h.clock.now() + 10, UTC))
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="wait", key=wp.id, waitpoint_ids=[wp.id])
+    await h.engine.suspend(run.id, out.snapshot.id)
+    await h.advance(9)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "SUSPENDED"
+    await h.advance(1.5)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED_EXECUTING"
+
+
+async def test_token_timeout_gives_an_error_the_task_can_inspect(h: Harness) -> None:
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id, timeout_s=5)
+    await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id, waitpoint_ids=[token.id])
+    await h.advance(6)
+    (entry,) = await h.engine.waitpoints.resolved_journal(run.id)
+    assert entry["result"]["ok"] is False and entry["result"]["error"]["type"] == "WAITPOINT_TIMEOUT"
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
+    # a completion after the timeout changes nothing
+    assert not await h.engine.waitpoints.complete(token.id, "late")
+
+
+async def test_idempotency_key_returns_the_same_token_until_its_ttl(h: Harness) -> None:
+    a, cached_a = await h.engine.waitpoints.create_token(h.env.env_id, idempotency_key="k", idempotency_key_ttl_s=60)
+    b, cached_b = await h.engine.waitpoints.create_token(h.env.env_id, idempotency_key="k", idempotency_key_ttl_s=60)
+    assert a.id == b.id and not cached_a and cached_b
+    h.clock.advance(61)
+    c, cached_c = await h.engine.waitpoints.create_token(h.env.env_id, idempotency_key="k", idempotency_key_ttl_s=60)
+    assert c.id != a.id and not cached_c
+
+
+async def test_journal_insert_race_stops_a_duplicate_execution(h: Harness) -> None:
+    run, s = await started_run(h)
+    await h.engine.waitpoints.append_journal(run.id, s.snapshot.id, 0, "step", "load", [1, 2])
+    with pytest.raises(DuplicateExecutionError):
+        await h.engine.waitpoints.append_journal(run.id, s.snapshot.id, 0, "step", "load", [1, 2])
+
+
+async def test_trigger_and_wait_resumes_the_parent_with_a_failed_child(h: Harness) -> None:
+    parent, s = await started_run(h)
+    (child_id,), out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0,
+                                                       [req(h, max_attempts=1, payload={"x": 1})])
+    assert out.blocked
+    child = await h.engine.get_run(child_id)
+    assert child is not None and child.parent_run_id == parent.id and child.depth == 1
+    assert child.trigger_function == "triggerAndWait"
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    cs = await h.engine.start_attempt(child_id, d.snapshot.id)
+    await h.engine.complete_attempt(child_id, cs.snapshot.id, ok=False, error={"type": "E", "message": "bad"})
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
+    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    assert entry["result"] == {"ok": False, "id": child_id, "error": {"type": "E", "message": "bad"}}
+    # a replay of the same call re-blocks on the same child instead of creating another
+    latest = await h.engine.latest_snapshot(parent.id)
+    again, out2 = await h.engine.trigger_and_wait(parent.id, latest.id, 0, [req(h)])
+    assert again == [child_id] and not out2.blocked
+
+
+async def test_batch_trigger_and_wait_gives_results_in_item_order(h: Harness) -> None:
+    parent, s = await started_run(h)
+    ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0,
+                                               [req(h, payload=i, max_attempts=1) for i in range(3)], batch=True)
+    assert out.blocked and len(ids) == 3
+    await h.engine.suspend(parent.id, out.snapshot.id)
+    got = await h.engine.dequeue(h.env.worker_group_id, 10)
+    for d in reversed(got):  # finish out of order
+        st = await h.engine.start_attempt(d.run.id, d.snapshot.id)
+        ok = d.run.payload != 1
+        await h.engine.complete_attempt(d.run.id, st.snapshot.id, ok=ok, output=d.run.payload * 10,
+                                        error=None if ok else {"type": "E", "message": "odd"})
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "QUEUED_EXECUTING"
+    await restore(h, parent.id)
+    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    assert entry["result"] == [
+        {"ok": True, "id": ids[0], "output": 0},
+        {"ok": False, "id": ids[1], "error": {"type": "E", "message": "odd"}},
+        {"ok": True, "id": ids[2], "output": 20},
+    ]
+
+
+async def test_cancel_cascades_to_children_and_the_parent_never_resumes(h: Harness) -> None:
+    parent, s = await started_run(h)
+    ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h), req(h)], batch=True)
+    await h.engine.suspend(parent.id, out.snapshot.id)
+    assert await h.engine.cancel(parent.id) == RunStatus.CANCELED
+    for child in ids:
+        assert (await h.engine.get_run(child)).status == "CANCELED"  # type: ignore[union-attr]
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "FINISHED"
+    assert await h.engine.dequeue(h.env.worker_group_id, 10) == []
+
+
+async def test_sweeper_fails_a_batch_whose_runs_were_never_created(h: Harness) -> None:
+    from run_engine.db.waitpoints import NewWaitpoint
+
+    parent, s = await started_run(h)
+    wp_repo = h.engine.resources.repo.waitpoints
+    await h.engine.resources.repo.insert_batch("batch_broken", h.env.env_id, 5, parent.id)
+    wp, _ = await wp_repo.create(NewWaitpoint(id="waitpoint_broken", environment_id=h.env.env_id, type="BATCH",
+                                              completed_by_batch_id="batch_broken"))
+    out = await h.engine.block(parent.id, s.snapshot.id, sequence=0, kind="batch", key="batch_broken",
+                               waitpoint_ids=[wp.id], result={"runIds": ["run_never_1", "run_never_2"]})
+    assert out.blocked
+    assert (await h.engine.waitpoints.sweep(grace_s=3600))["completed"] == 0  # within the grace period
+    assert (await h.engine.waitpoints.sweep(grace_s=0))["completed"] == 1
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
+    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    assert [r["ok"] for r in entry["result"]] == [False, False]
+
+
+async def test_waiting_run_whose_worker_died_is_suspended_not_failed(make_engine) -> None:  # type: ignore[no-untyped-def]
+    h = await make_engine(executing_with_waitpoints_timeout_s=30)
+    await h.deploy({"id": "hello"})
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id, waitpoint_ids=[token.id])
+    await h.advance(31)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "SUSPENDED"
+    await h.engine.waitpoints.complete(token.id, "ok")
+    resumed = await restore(h, run.id)
+    assert resumed.attempt_number == 1
+
+
+async def test_suspended_run_frees_its_queue_for_the_next(h: Harness) -> None:
+    a, sa = await started_run(h, "limited")
+    b = await h.engine.trigger(req(h, "limited"))
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # limit 1: A holds it
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    out = await h.engine.block(a.id, sa.snapshot.id, sequence=0, kind="token", key=token.id, waitpoint_ids=[token.id])
+    await h.engine.suspend(a.id, out.snapshot.id)
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert d.run.id == b.id
