@@ -152,6 +152,9 @@ def supervisor_cmd(
     name: Annotated[str, typer.Option(help="Worker instance name (default host-pid).")] = "",
     heartbeat_interval: Annotated[float, typer.Option(envvar="RUN_ENGINE_HEARTBEAT_INTERVAL_S", help="Seconds between run heartbeats.")] = 20.0,
     env: Annotated[list[str] | None, typer.Option("--env", help="Serve only these environments (slug or id).")] = None,
+    suspend_after: Annotated[float, typer.Option(envvar="RUN_ENGINE_SUSPEND_AFTER_S", min=0,
+                                                 help="Seconds a blocked run waits in its executor before it is "
+                                                      "checkpointed and its executor and slot released.")] = 5.0,
 ) -> None:
     """Serve a worker group: pull its runs and execute them in warm executor processes."""
     import sys
@@ -161,7 +164,7 @@ def supervisor_cmd(
     sys.path.insert(0, os.getcwd())
     run_supervisor(SupervisorConfig(api_url=api_url, token=token, tasks_module=tasks, concurrency=concurrency,
                                     name=name, heartbeat_interval_s=heartbeat_interval,
-                                    environments=tuple(env or ())))
+                                    environments=tuple(env or ()), suspend_after_s=suspend_after))
 
 
 @app.command()

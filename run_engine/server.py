@@ -30,6 +30,9 @@ async def api_context(settings: EngineSettings, *, secret: str | None, public_ur
     engine = await RunEngine.create(settings)
     wakeups = WakeUps(engine.redis, channel=f"{settings.key_prefix}:wake")
     engine.resources.on_work(wakeups.notify)
+    # a supervisor long-polling a waiting run's snapshot wakes when the run continues or is cancelled
+    for name in ("run_continued", "run_cancelled"):
+        engine.events.subscribe(name, lambda e: wakeups.notify(f"run:{e.run_id}"))
     await wakeups.start()
     try:
         secret = await installation_secret(engine.resources.repo, secret)

@@ -10,11 +10,13 @@ limit, or dead, the executor is killed (if need be) and replaced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -40,7 +42,8 @@ def _error_of(exc: BaseException) -> dict[str, Any]:
             "stackTrace": "".join(traceback.format_exception(exc))}
 
 
-async def _run_one(msg: dict[str, Any]) -> dict[str, Any]:
+async def _run_one(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+    from run_engine.sdk import runtime
     from run_engine.sdk.context import AttemptInfo, Context, QueueInfo, RunInfo, TaskInfo
     from run_engine.sdk.errors import AbortTaskRunError
     from run_engine.sdk.tasks import REGISTRY
@@ -53,14 +56,26 @@ async def _run_one(msg: dict[str, Any]) -> dict[str, Any]:
     os.environ["RUN_ENGINE_RUN_TOKEN"] = msg["runToken"]
     ctx = Context(run=RunInfo(msg["runId"], msg.get("tags") or []), attempt=AttemptInfo(msg["attempt"]),
                   task=TaskInfo(task.id), queue=QueueInfo(msg.get("queue", "")))
+    channel = runtime.Channel(conn, asyncio.get_running_loop())
+    token = runtime.activate(runtime.Runtime(channel, msg.get("journal") or []))
     try:
-        output = await task.execute(msg["payload"], ctx)
+        # a task of its own, so that a suspension can cancel it; it inherits the runtime context
+        channel.task = asyncio.ensure_future(task.execute(msg["payload"], ctx))
+        output = await channel.task
+    except asyncio.CancelledError:
+        return {"type": "suspended" if channel.suspended else "abandoned"}
+    except runtime.DuplicateExecution as exc:
+        return {"type": "abandoned", "reason": str(exc)}
     except AbortTaskRunError as exc:
         return {"ok": False, "retryable": False, "error": {**_error_of(exc), "type": "ABORT"}}
     except MemoryError as exc:
         return {"ok": False, "retryable": True, "error": {**_error_of(exc), "type": "TASK_PROCESS_OOM_KILLED"}}
     except Exception as exc:
         return {"ok": False, "retryable": True, "error": _error_of(exc)}
+    finally:
+        channel.close()
+        runtime.activate(None)
+        del token
     try:
         orjson.dumps(output)
     except TypeError as exc:
@@ -81,8 +96,10 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
             return
         if msg.get("type") == "stop":
             return
+        if msg.get("type") != "run":
+            continue  # a late reply or suspend for a run that already ended
         try:
-            result = loop.run_until_complete(_run_one(msg))
+            result = loop.run_until_complete(_run_one(msg, conn))
         finally:
             os.environ.pop("RUN_ENGINE_RUN_TOKEN", None)
         conn.send(result)
@@ -125,14 +142,28 @@ class Executor:
         self.process.join(2)
         self.kill()
 
-    async def run(self, msg: dict[str, Any], *, max_duration_s: float | None, memory_mb: int | None) -> dict[str, Any]:
-        """Run one run; raises :class:`ExecutorFailure` when the process had to die for it."""
+    async def run(self, msg: dict[str, Any], *, max_duration_s: float | None, memory_mb: int | None,
+                  on_call: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Run one run; the task's calls (journal, waits) go to ``on_call``, which answers with
+        :meth:`reply`. Returns the result, ``{"type": "suspended"}`` after :meth:`suspend`, or
+        ``{"type": "abandoned"}``; raises :class:`ExecutorFailure` when the process had to die."""
         self.runs += 1
         self.conn.send(msg)
-        return await self._receive(timeout_s=None, max_duration_s=max_duration_s, memory_mb=memory_mb)
+        return await self._receive(timeout_s=None, max_duration_s=max_duration_s, memory_mb=memory_mb,
+                                   on_call=on_call)
+
+    def reply(self, call_id: int, data: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send({"type": "reply", "id": call_id, **data})
+
+    def suspend(self) -> None:
+        """Ask the running task to stop: its run was checkpointed."""
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send({"type": "suspend"})
 
     async def _receive(self, *, timeout_s: float | None, max_duration_s: float | None,
-                       memory_mb: int | None) -> dict[str, Any]:
+                       memory_mb: int | None, on_call: Callable[[dict[str, Any]], None] | None = None,
+                       ) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         fd = self.conn.fileno()
         wake: asyncio.Future[None] = loop.create_future()
@@ -151,9 +182,12 @@ class Executor:
                 tick.cancel()
                 wake = loop.create_future()
                 try:
-                    if not self.conn.closed and self.conn.poll():
+                    while not self.conn.closed and self.conn.poll():
                         result: dict[str, Any] = self.conn.recv()
-                        return result
+                        if result.get("type") != "call":
+                            return result
+                        if on_call is not None:
+                            on_call(result)
                 except (EOFError, OSError):
                     pass  # the process is gone (or was killed): reported below
                 elapsed = time.monotonic() - started

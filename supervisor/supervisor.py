@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ class SupervisorConfig:
     heartbeat_interval_s: float = 20.0
     poll_wait_ms: int = 10_000
     environments: tuple[str, ...] = ()
+    suspend_after_s: float = 5.0  # a blocked run waits this long in its executor, then is checkpointed
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,15 @@ class WorkerApi:
             data = None
         return Reply(response.status, data, raw[:500].decode(errors="replace"))
 
+    async def get(self, path: str) -> Reply:
+        async with self._client().get(self.base_url + path) as response:
+            raw = await response.read()
+        try:
+            data = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            data = None
+        return Reply(response.status, data, raw[:500].decode(errors="replace"))
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -97,6 +108,7 @@ class Supervisor:
         self._stopping = asyncio.Event()
         self._poll: asyncio.Task[Any] | None = None
         self.completed = 0
+        self.suspended = 0
 
     async def _post(self, path: str, json: Any = None) -> Reply:
         return await self.http.post(path, json)
@@ -219,45 +231,155 @@ class Supervisor:
         if not started["ok"]:
             log.info("run %s: not started (%s %s)", run_id, started.get("status"), started.get("error"))
             return
-        snapshot_id = started["snapshot"]["id"]
-        cancelled = asyncio.Event()
+        state = RunState(run_id, started["snapshot"]["id"])
         executor = await self.pool.acquire()
-        beat = asyncio.create_task(self._run_heartbeats(run_id, snapshot_id, cancelled, executor))
+        beat = asyncio.create_task(self._run_heartbeats(state, executor))
+        calls: set[asyncio.Task[None]] = set()
+
+        def on_call(msg: dict[str, Any]) -> None:
+            task = asyncio.create_task(self._on_call(state, executor, msg))
+            calls.add(task)
+            task.add_done_callback(calls.discard)
+
         msg = {"type": "run", "runId": run_id, "task": started["run"]["taskIdentifier"],
                "payload": started["payload"], "attempt": started["attemptNumber"], "tags": started["run"]["tags"],
-               "queue": started["run"]["queue"], "runToken": started["runToken"], "apiUrl": self.config.api_url}
+               "queue": started["run"]["queue"], "runToken": started["runToken"], "apiUrl": self.config.api_url,
+               "journal": started.get("journal") or []}
         try:
             result = await executor.run(msg, max_duration_s=started.get("maxDuration"),
-                                        memory_mb=MACHINES.get(started.get("machine") or "small-1x"))
+                                        memory_mb=MACHINES.get(started.get("machine") or "small-1x"), on_call=on_call)
         except ExecutorFailure as exc:
             error, retryable = exc.error, exc.retryable
-            if cancelled.is_set():
+            if state.cancelled:
                 error, retryable = {"type": "CANCELED", "message": "Run was cancelled"}, False
             log.info("run %s: %s", run_id, error["message"])
             result = {"ok": False, "error": error, "retryable": retryable}
         finally:
             beat.cancel()
+            for task in list(calls):
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
             self.pool.release(executor)
-        complete = await self._completions.submit({"runId": run_id, "snapshotId": snapshot_id, **result})
+        if result.get("type") == "suspended":
+            self.suspended += 1
+            return  # checkpointed: restored by replay when its waitpoints complete
+        if result.get("type") == "abandoned":
+            # a duplicate execution (or the run moved on): only a cancel is worth reporting
+            log.info("run %s: execution abandoned (%s)", run_id, result.get("reason", "the run moved on"))
+            result = {"ok": False, "error": {"type": "CANCELED", "message": "Run was cancelled"}, "retryable": False}
+            latest = await self._latest(run_id)
+            if latest is None or latest.get("executionStatus") != "PENDING_CANCEL":
+                return
+        complete = await self._completions.submit({"runId": run_id, "snapshotId": state.snapshot_id, **result})
         if not complete["ok"]:
             log.info("run %s: completion refused (%s %s)", run_id, complete.get("status"), complete.get("error"))
         self.completed += 1
 
-    async def _run_heartbeats(self, run_id: str, snapshot_id: str, cancelled: asyncio.Event, executor: Any) -> None:
+    async def _latest(self, run_id: str, after: str | None = None, wait_ms: int = 0) -> dict[str, Any] | None:
+        query = f"?after={after}&waitMs={wait_ms}" if after else ""
+        try:
+            reply = await self.http.get(f"/runs/{run_id}/snapshots/latest{query}")
+        except TransportError:
+            return None
+        return reply.data["snapshot"] if reply.status == 200 else None
+
+    async def _on_call(self, state: RunState, executor: Any, msg: dict[str, Any]) -> None:
+        """A journaled call of the running task: journal a step, or wait (maybe suspending)."""
+        try:
+            if msg["op"] == "journal":
+                reply = await self._post(f"/runs/{state.run_id}/journal", {
+                    "snapshotId": state.snapshot_id, "sequence": msg["sequence"], "kind": "step",
+                    "key": msg["key"], "result": msg["result"]})
+                executor.reply(msg["id"], self._answer(reply, {}))
+            elif msg["op"] == "wait":
+                answer = await self._wait(state, executor, msg)
+                if answer is not None:
+                    executor.reply(msg["id"], answer)
+            else:
+                executor.reply(msg["id"], {"error": f"unknown call {msg['op']!r}"})
+        except TransportError as exc:
+            executor.reply(msg["id"], {"error": f"the engine could not be reached: {exc}"})
+
+    @staticmethod
+    def _answer(reply: Reply, ok: dict[str, Any]) -> dict[str, Any]:
+        if reply.status == 200:
+            return ok
+        error = (reply.data or {}).get("error", {}) if isinstance(reply.data, dict) else {}
+        if reply.status == 409:
+            return {"duplicate": True, "message": error.get("message", reply.text)}
+        return {"error": f"{reply.status} {error.get('message', reply.text)}"}
+
+    async def _wait(self, state: RunState, executor: Any, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Block the run; answer when the wait is over, or suspend the run after the grace period
+        (``None``: the executor is told to stop instead)."""
+        seq, kind = msg["sequence"], msg["kind"]
+        base = f"/runs/{state.run_id}/snapshots/{state.snapshot_id}"
+        if msg.get("waitpointId"):
+            reply = await self._post(f"{base}/waitpoints/{msg['waitpointId']}/wait", {"sequence": seq, "kind": kind})
+        elif kind == "wait":
+            when = {"date": msg["date"]} if msg.get("date") else {"seconds": msg.get("seconds", 0)}
+            reply = await self._post(f"{base}/wait/duration", {"sequence": seq, **when})
+        else:
+            reply = await self._post(f"{base}/trigger", {"sequence": seq, "batch": msg["batch"], "items": msg["items"]})
+        if reply.status != 200:
+            return self._answer(reply, {})
+        data = reply.data
+        state.snapshot_id = data["snapshot"]["id"]
+        if not data["blocked"]:
+            return {"result": data["entry"]["result"]}
+        deadline = time.monotonic() + self.config.suspend_after_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                suspended = await self._post(f"/runs/{state.run_id}/snapshots/{state.snapshot_id}/suspend")
+                if suspended.status == 200:
+                    executor.suspend()
+                    return None
+                deadline = time.monotonic() + self.config.suspend_after_s  # moved on: look at it below
+                remaining = 0
+            latest = await self._latest(state.run_id, state.snapshot_id, int(min(max(remaining, 0), 10) * 1000))
+            if latest is None or latest["id"] == state.snapshot_id:
+                if latest is None:
+                    await asyncio.sleep(0.2)
+                continue
+            if latest["executionStatus"] != "EXECUTING":  # cancelled, or finished meanwhile
+                state.cancelled = latest["executionStatus"] == "PENDING_CANCEL"
+                executor.kill()
+                return None
+            state.snapshot_id = latest["id"]
+            journal = await self.http.get(f"/runs/{state.run_id}/journal?from={seq}")
+            entries = journal.data["journal"] if journal.status == 200 else []
+            if entries and entries[0]["sequence"] == seq and entries[0]["resolved"]:
+                return {"result": entries[0]["result"]}
+            return {"error": f"the wait at journal position {seq} continued without a result"}
+
+    async def _run_heartbeats(self, state: RunState, executor: Any) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
+            snapshot_id = state.snapshot_id
             try:
-                response = await self._post(f"/runs/{run_id}/snapshots/{snapshot_id}/heartbeat")
+                response = await self._post(f"/runs/{state.run_id}/snapshots/{snapshot_id}/heartbeat")
             except TransportError:
                 continue
             if response.status == 409:
                 latest = (response.data or {}).get("error", {}).get("latestSnapshot", {})
-                log.info("run %s moved on to %s: stopping its executor", run_id, latest.get("executionStatus"))
-                cancelled.set()
+                if latest.get("executionStatus") in ("EXECUTING", "EXECUTING_WITH_WAITPOINTS") or \
+                        snapshot_id != state.snapshot_id:
+                    continue  # a wait moved the snapshot on; the waiter picks the new one up
+                log.info("run %s moved on to %s: stopping its executor", state.run_id, latest.get("executionStatus"))
+                state.cancelled = True
                 executor.kill()
                 return
+
+
+@dataclass(eq=False)
+class RunState:
+    """A run in this supervisor's hands: its latest snapshot id changes with each wait."""
+
+    run_id: str
+    snapshot_id: str
+    cancelled: bool = False
 
 
 def run_supervisor(config: SupervisorConfig) -> None:

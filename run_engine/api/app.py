@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from run_engine.api import models, public, worker
+from run_engine.api import models, public, tokens, worker
 from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError, handle_exception, json_response
 from run_engine.errors import RunEngineError
@@ -45,6 +45,24 @@ _DOC: dict[str, dict[str, tuple[str, type[BaseModel] | None]]] = {
     "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/attempts/complete": {
         "post": ("Complete an attempt", models.CompleteBody)},
     "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/heartbeat": {"post": ("Run liveness", None)},
+    "/api/v1/waitpoints/tokens": {"post": ("Create a waitpoint token", models.TokenCreateBody),
+                                  "get": ("List waitpoint tokens", None)},
+    "/api/v1/waitpoints/tokens/{waitpointId}": {"get": ("Get a waitpoint token", None)},
+    "/api/v1/waitpoints/tokens/{waitpointId}/complete": {"post": ("Complete a token", models.TokenCompleteBody)},
+    "/api/v1/waitpoints/tokens/{waitpointId}/callback/{signature}": {
+        "post": ("Complete a token by its signed callback URL (no API key; the body is the output)", None)},
+    "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/wait/duration": {
+        "post": ("Wait for a duration or until a date (DATETIME waitpoint)", models.WaitDurationBody)},
+    "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/waitpoints/{waitpointId}/wait": {
+        "post": ("Block on a token or run waitpoint", models.WaitBody)},
+    "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/trigger": {
+        "post": ("Trigger children and wait for them (RUN or BATCH waitpoint)", models.ChildTriggerBody)},
+    "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/suspend": {
+        "post": ("Checkpoint a blocked run (REPLAY) and release its concurrency", None)},
+    "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/continue": {
+        "post": ("Resume a restored run (same as attempts/start)", None)},
+    "/engine/v1/worker-actions/runs/{runId}/journal": {"post": ("Journal a step result", models.JournalBody),
+                                                       "get": ("The run's journal, waits resolved", None)},
 }
 
 _ERROR_SCHEMA = {"type": "object", "properties": {"error": {"type": "object", "properties": {
@@ -98,7 +116,7 @@ async def openapi(request: Request) -> Response:
 
 def create_app(ctx: ApiContext) -> Starlette:
     app = Starlette(
-        routes=[Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES, *worker.ROUTES],
+        routes=[Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES, *tokens.ROUTES, *worker.ROUTES],
         # Expected errors are answered by ExceptionMiddleware; anything else reaches
         # ServerErrorMiddleware, which answers with the same shape and logs the traceback.
         exception_handlers={ApiError: handle_exception, RunEngineError: handle_exception,

@@ -196,3 +196,65 @@ class BatchCompleteItem(CompleteBody):
 
 class BatchCompleteBody(_Body):
     items: list[BatchCompleteItem] = Field(min_length=1, max_length=100)
+
+
+# --- waitpoints -------------------------------------------------------------------------------
+
+def _duration(v: Any) -> Any:
+    if v is not None:
+        parse_duration_s(v)
+    return v
+
+
+class TokenCreateBody(_Body):
+    idempotencyKey: str | None = Field(default=None, min_length=1, max_length=256)
+    idempotencyKeyTTL: float | str | None = None
+    timeout: float | str | datetime | None = None
+    tags: list[str] = Field(default_factory=list, max_length=10)
+
+    @field_validator("idempotencyKeyTTL")
+    @classmethod
+    def _ttl(cls, v: Any) -> Any:
+        return _duration(v)
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout(cls, v: Any) -> Any:
+        return v if isinstance(v, datetime) else _duration(v)
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v: list[str]) -> list[str]:
+        if any(not t or len(t) > 128 for t in v):
+            raise ValueError("each tag is 1..128 characters")
+        return v
+
+
+class TokenCompleteBody(_Body):
+    data: Any = None
+
+
+class WaitDurationBody(_Body):
+    sequence: int = Field(ge=0, le=1_000_000)
+    seconds: float | None = Field(default=None, ge=0, le=10 * 365 * 86400)
+    date: datetime | None = None
+    idempotencyKey: str | None = Field(default=None, max_length=256)
+
+
+class WaitBody(_Body):
+    sequence: int = Field(ge=0, le=1_000_000)
+    kind: Literal["token", "wait", "child", "batch"] = "token"
+
+
+class ChildTriggerBody(_Body):
+    sequence: int = Field(ge=0, le=1_000_000)
+    batch: bool = False
+    items: list[BatchItem] = Field(min_length=1, max_length=1000)
+
+
+class JournalBody(_Body):
+    snapshotId: str = Field(min_length=1, max_length=64)
+    sequence: int = Field(ge=0, le=1_000_000)
+    kind: Literal["step"] = "step"
+    key: str = Field(min_length=1, max_length=256)
+    result: Any = None

@@ -86,5 +86,7 @@ def snapshot_object(snapshot: Snapshot) -> dict[str, Any]:
         "attemptNumber": snapshot.attempt_number,
         "description": snapshot.description,
         "previousSnapshotId": snapshot.previous_snapshot_id,
+        "checkpointId": snapshot.checkpoint_id,
+        "completedWaitpointIds": snapshot.completed_waitpoint_ids,
         "createdAt": iso(snapshot.created_at),
     }

@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -14,16 +15,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from run_engine.api.context import ApiContext
+from run_engine.api.context import ApiContext, EnvAuth
 from run_engine.api.http import ApiError, body, error_payload, json_response
 from run_engine.api.models import (
     BatchCompleteBody,
     BatchCompleteItem,
     BatchStartBody,
+    ChildTriggerBody,
     CompleteBody,
     ConnectBody,
     DequeueBody,
+    JournalBody,
     RunSnapshotRef,
+    WaitBody,
+    WaitDurationBody,
     WorkerHeartbeatBody,
 )
 from run_engine.api.serialize import run_object, snapshot_object
@@ -126,9 +131,22 @@ async def _group_run_id(ctx: ApiContext, request: Request) -> str:
 
 
 async def latest_snapshot(request: Request) -> Response:
+    """The latest snapshot; with ``after=<snapshot id>&waitMs=N`` it waits (long-poll) until the
+    latest is another one, e.g. a waiting run continued or was cancelled."""
     ctx = _ctx(request)
     run_id = await _group_run_id(ctx, request)
-    return json_response({"snapshot": snapshot_object(await ctx.engine.latest_snapshot(run_id))})
+    after = request.query_params.get("after")
+    raw_wait = request.query_params.get("waitMs", "0")
+    if not raw_wait.isdigit() or int(raw_wait) > 60_000:
+        raise ApiError(400, "invalid_input", "waitMs: must be an integer 0..60000")
+    deadline = time.monotonic() + int(raw_wait) / 1000
+    while True:
+        snapshot = await ctx.engine.latest_snapshot(run_id)
+        remaining = deadline - time.monotonic()
+        if after is None or snapshot.id != after or remaining <= 0:
+            break
+        await ctx.wakeups.wait(f"run:{run_id}", min(remaining, 1.0))
+    return json_response({"snapshot": snapshot_object(snapshot)})
 
 
 async def _start(ctx: ApiContext, run_id: str, snapshot_id: str) -> dict[str, Any]:
@@ -136,7 +154,10 @@ async def _start(ctx: ApiContext, run_id: str, snapshot_id: str) -> dict[str, An
     r = started.run
     return {
         "run": run_object(r), "snapshot": snapshot_object(started.snapshot), "attemptNumber": started.attempt_number,
-        "payload": r.payload, "journal": [], "machine": r.machine or "small-1x",
+        "payload": r.payload, "machine": r.machine or "small-1x",
+        # a first attempt has nothing journaled yet: no query on the hot path
+        "journal": (await ctx.engine.waitpoints.resolved_journal(r.id)
+                    if started.snapshot.checkpoint_id or started.attempt_number > 1 else []),
         "maxDuration": started.max_duration_s, "retry": started.retry.to_json(),
         "runToken": ctx.tokens.mint(r.id, started.attempt_number,
                                     int(ctx.engine.resources.clock.now()) + ctx.run_token_ttl_s),
@@ -216,6 +237,99 @@ async def run_heartbeat(request: Request) -> Response:
     return json_response({"ok": True})
 
 
+# --- waits, suspension, the journal ----------------------------------------------------------
+
+def _block_response(outcome: Any, **extra: Any) -> Response:
+    out = {"blocked": outcome.blocked, "snapshot": snapshot_object(outcome.snapshot), **extra}
+    if outcome.entry is not None:
+        out["entry"] = outcome.entry
+    return json_response(out)
+
+
+async def wait_duration(request: Request) -> Response:
+    ctx = _ctx(request)
+    run_id = await _group_run_id(ctx, request)
+    req = await body(request, WaitDurationBody)
+    run = await ctx.engine.get_run(run_id)
+    assert run is not None
+    if (req.seconds is None) == (req.date is None):
+        raise ApiError(400, "invalid_input", "body: give exactly one of seconds and date")
+    if req.date is not None:
+        at = req.date if req.date.tzinfo else req.date.replace(tzinfo=UTC)
+    else:
+        at = datetime.fromtimestamp(ctx.engine.resources.clock.now() + (req.seconds or 0), UTC)
+    wp = await ctx.engine.waitpoints.create_datetime(run.environment_id, at, idempotency_key=req.idempotencyKey)
+    outcome = await ctx.engine.block(run_id, request.path_params["snapshot_id"], sequence=req.sequence, kind="wait",
+                                     key=wp.id, waitpoint_ids=[wp.id])
+    return _block_response(outcome, waitpointId=wp.id)
+
+
+async def wait_waitpoint(request: Request) -> Response:
+    ctx = _ctx(request)
+    run_id = await _group_run_id(ctx, request)
+    req = await body(request, WaitBody)
+    waitpoint_id = request.path_params["waitpoint_id"]
+    run = await ctx.engine.get_run(run_id)
+    wp = await ctx.repo.waitpoints.get(waitpoint_id, run.environment_id if run else None)
+    if wp is None:
+        raise ApiError(404, "not_found", "waitpoint not found")
+    entry = None
+    if req.kind in ("child", "batch"):  # a replay re-blocking on its children: keep the journaled ids
+        entries = await ctx.repo.waitpoints.journal(run_id, req.sequence)
+        entry = entries[0].result if entries and entries[0].sequence == req.sequence else None
+    outcome = await ctx.engine.block(run_id, request.path_params["snapshot_id"], sequence=req.sequence, kind=req.kind,
+                                     key=wp.completed_by_batch_id or wp.completed_by_run_id or wp.id,
+                                     waitpoint_ids=[wp.id], result=entry)
+    return _block_response(outcome, waitpointId=wp.id)
+
+
+async def trigger_children(request: Request) -> Response:
+    """Trigger children of the run and block it until they finish (triggerAndWait and
+    batchTriggerAndWait): one journal entry, one waitpoint, one insert for all children."""
+    from run_engine.api.public import trigger_request  # the public API's option handling
+
+    ctx = _ctx(request)
+    run_id = await _group_run_id(ctx, request)
+    req = await body(request, ChildTriggerBody)
+    if not req.batch and len(req.items) != 1:
+        raise ApiError(400, "invalid_input", "items: exactly one item unless batch is true")
+    run = await ctx.engine.get_run(run_id)
+    assert run is not None
+    auth = EnvAuth(run.environment_id, "", "", run.worker_group_id, run_id=run.id)
+    requests = [trigger_request(ctx, auth, item.task, item.payload, item.options, f"items.{i}")
+                for i, item in enumerate(req.items)]
+    run_ids, outcome = await ctx.engine.trigger_and_wait(run_id, request.path_params["snapshot_id"], req.sequence,
+                                                         requests, batch=req.batch)
+    return _block_response(outcome, runIds=run_ids)
+
+
+async def suspend(request: Request) -> Response:
+    ctx = _ctx(request)
+    run_id = await _group_run_id(ctx, request)
+    snapshot = await ctx.engine.suspend(run_id, request.path_params["snapshot_id"])
+    return json_response({"snapshot": snapshot_object(snapshot)})
+
+
+async def append_journal(request: Request) -> Response:
+    ctx = _ctx(request)
+    run_id = await _group_run_id(ctx, request)
+    req = await body(request, JournalBody)
+    limit = ctx.engine.resources.settings.max_payload_bytes
+    if req.result is not None and len(orjson.dumps(req.result)) > limit:
+        raise ApiError(413, "payload_too_large", f"result: larger than {limit} bytes")
+    await ctx.engine.waitpoints.append_journal(run_id, req.snapshotId, req.sequence, req.kind, req.key, req.result)
+    return json_response({"ok": True})
+
+
+async def get_journal(request: Request) -> Response:
+    ctx = _ctx(request)
+    run_id = await _group_run_id(ctx, request)
+    raw = request.query_params.get("from", "0")
+    if not raw.isdigit():
+        raise ApiError(400, "invalid_input", "from: must be a non-negative integer")
+    return json_response({"journal": await ctx.engine.waitpoints.resolved_journal(run_id, int(raw))})
+
+
 ROUTES = [
     Route(f"{PREFIX}/connect", connect, methods=["POST"]),
     Route(f"{PREFIX}/heartbeat", heartbeat, methods=["POST"]),
@@ -226,4 +340,12 @@ ROUTES = [
     Route(f"{PREFIX}/runs/{{run_id}}/snapshots/{{snapshot_id}}/attempts/start", start_attempt, methods=["POST"]),
     Route(f"{PREFIX}/runs/{{run_id}}/snapshots/{{snapshot_id}}/attempts/complete", complete_attempt, methods=["POST"]),
     Route(f"{PREFIX}/runs/{{run_id}}/snapshots/{{snapshot_id}}/heartbeat", run_heartbeat, methods=["POST"]),
+    Route(f"{PREFIX}/runs/{{run_id}}/snapshots/{{snapshot_id}}/continue", start_attempt, methods=["POST"]),
+    Route(f"{PREFIX}/runs/{{run_id}}/snapshots/{{snapshot_id}}/suspend", suspend, methods=["POST"]),
+    Route(f"{PREFIX}/runs/{{run_id}}/snapshots/{{snapshot_id}}/wait/duration", wait_duration, methods=["POST"]),
+    Route(f"{PREFIX}/runs/{{run_id}}/snapshots/{{snapshot_id}}/waitpoints/{{waitpoint_id}}/wait", wait_waitpoint,
+          methods=["POST"]),
+    Route(f"{PREFIX}/runs/{{run_id}}/snapshots/{{snapshot_id}}/trigger", trigger_children, methods=["POST"]),
+    Route(f"{PREFIX}/runs/{{run_id}}/journal", append_journal, methods=["POST"]),
+    Route(f"{PREFIX}/runs/{{run_id}}/journal", get_journal, methods=["GET"]),
 ]

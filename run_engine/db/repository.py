@@ -156,7 +156,7 @@ WITH input AS (
     SELECT i.ord, i.run_id, i.new_id, i.engine_status, i.run_status, i.froms, i.expected, i.description,
            CASE WHEN i.resume AND l.checkpoint_id IS NOT NULL THEN 0 ELSE i.attempt_delta END AS attempt_delta,
            i.set_started, i.set_finished, i.reopen, i.output, i.output_type, i.error, i.worker_id,
-           i.checkpoint_id, i.completed,
+           i.checkpoint_id, i.completed, i.resume,
            l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number AS latest_attempt,
            l.checkpoint_id AS latest_checkpoint
     FROM input i
@@ -178,7 +178,7 @@ WITH input AS (
         previous_snapshot_id, worker_id, error, checkpoint_id, completed_waitpoint_ids)
     SELECT new_id, run_id, engine_status, run_status, latest_attempt + attempt_delta, description,
            latest_id, worker_id, error,
-           CASE WHEN engine_status IN ('PENDING_EXECUTING', 'QUEUED_EXECUTING')
+           CASE WHEN engine_status IN ('PENDING_EXECUTING', 'QUEUED_EXECUTING') OR resume
                 THEN coalesce(checkpoint_id, latest_checkpoint) ELSE checkpoint_id END,
            coalesce(completed, '{}')
     FROM allowed

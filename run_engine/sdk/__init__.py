@@ -1,8 +1,12 @@
-"""Task authoring SDK: ``from run_engine.sdk import task, queue, runs, AbortTaskRunError``."""
+"""Task authoring SDK: ``from run_engine.sdk import task, wait, queue, tokens, runs, AbortTaskRunError``."""
 
-from run_engine.sdk import runs
+from run_engine.sdk import runs, tokens
 from run_engine.sdk.context import Context
 from run_engine.sdk.errors import AbortTaskRunError, TaskError
-from run_engine.sdk.tasks import Queue, RunHandle, Task, queue, task
+from run_engine.sdk.runtime import NonDeterminismError
+from run_engine.sdk.tasks import Queue, RunHandle, RunResult, Task, TaskRunFailedError, queue, task
+from run_engine.sdk.waits import WaitpointTimeoutError, WaitResult, wait
 
-__all__ = ["AbortTaskRunError", "Context", "Queue", "RunHandle", "Task", "TaskError", "queue", "runs", "task"]
+__all__ = ["AbortTaskRunError", "Context", "NonDeterminismError", "Queue", "RunHandle", "RunResult", "Task",
+           "TaskError", "TaskRunFailedError", "WaitResult", "WaitpointTimeoutError", "queue", "runs", "task",
+           "tokens", "wait"]

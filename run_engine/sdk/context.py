@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from run_engine.sdk import runtime
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,3 +36,8 @@ class Context:
     attempt: AttemptInfo
     task: TaskInfo
     queue: QueueInfo
+
+    async def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args)`` once for this run: its (JSON) result is journaled, and a replay of the
+        run returns the recorded result instead of calling ``fn`` again. Put side effects here."""
+        return await runtime.require("ctx.step").step(name, fn, *args, **kwargs)

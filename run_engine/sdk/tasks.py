@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from run_engine.sdk import runtime
 from run_engine.sdk.client import request
 
 MACHINES = {"micro": 256, "small-1x": 512, "small-2x": 1024, "medium-1x": 2048, "medium-2x": 4096,
@@ -46,6 +47,34 @@ def queue(name: str, concurrency_limit: int | None = None) -> Queue:
 class RunHandle:
     id: str
     is_cached: bool = False
+
+
+class TaskRunFailedError(Exception):
+    def __init__(self, run_id: str, error: Any) -> None:
+        message = error.get("message", "") if isinstance(error, dict) else str(error)
+        super().__init__(f"run {run_id} failed: {message}")
+        self.run_id = run_id
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """A finished child: ``ok`` with ``output``, or not ok with ``error``. A failed child does not
+    raise in its parent; ``unwrap()`` does, when that is what the parent wants."""
+
+    ok: bool
+    id: str
+    output: Any = None
+    error: Any = None
+
+    def unwrap(self) -> Any:
+        if not self.ok:
+            raise TaskRunFailedError(self.id, self.error)
+        return self.output
+
+    @classmethod
+    def of(cls, data: dict[str, Any]) -> RunResult:
+        return cls(data["ok"], data["id"], data.get("output"), data.get("error"))
 
 
 @dataclass(eq=False)
@@ -86,6 +115,23 @@ class Task:
         data = await request("POST", f"/api/v1/tasks/{self.id}/trigger",
                              json={"payload": payload, "options": options or {}})
         return RunHandle(data["id"], data.get("isCached", False))
+
+    async def trigger_and_wait(self, payload: Any = None, options: dict[str, Any] | None = None) -> RunResult:
+        """From inside a task: trigger a child run and wait for it (a RUN waitpoint); the parent
+        may be suspended meanwhile and is restored by replay."""
+        rt = runtime.require("trigger_and_wait")
+        item = {"task": self.id, "payload": payload, "options": options or {}}
+        return RunResult.of(await rt.wait("child", items=[item], batch=False))
+
+    async def batch_trigger_and_wait(self, payloads: list[Any], options: dict[str, Any] | None = None,
+                                     ) -> list[RunResult]:
+        """From inside a task: one child per payload (up to 1,000, one request), wait for all (a
+        BATCH waitpoint); results in item order."""
+        if not payloads:
+            return []
+        rt = runtime.require("batch_trigger_and_wait")
+        items = [{"task": self.id, "payload": p, "options": options or {}} for p in payloads]
+        return [RunResult.of(r) for r in await rt.wait("batch", items=items, batch=True)]
 
     async def batch_trigger(self, items: list[Any], options: dict[str, Any] | None = None) -> list[RunHandle]:
         """Trigger one run per payload in one request (up to 1,000)."""

@@ -75,6 +75,14 @@ class Stack:
         data: dict[str, Any] = r.json()
         return data
 
+    def snapshot(self, run_id: str) -> dict[str, Any]:
+        """The run's latest execution snapshot (worker API)."""
+        with self.worker() as c:
+            r = c.get(f"/engine/v1/worker-actions/runs/{run_id}/snapshots/latest")
+        assert r.status_code == 200, r.text
+        data: dict[str, Any] = r.json()["snapshot"]
+        return data
+
     def wait_for(self, run_id: str, pred: Callable[[dict[str, Any]], bool] = lambda r: r["status"] in FINAL,
                  timeout: float = 60) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -107,7 +115,7 @@ def stack(database_url: str, redis_url: str, key_prefix: str, tmp_path_factory: 
         "DATABASE_URL": database_url, "REDIS_URL": redis_url, "RUN_ENGINE_KEY_PREFIX": f"{key_prefix}:e2e",
         "RUN_ENGINE_SECRET": "e2e-secret", "RUN_ENGINE_API_URL": f"http://127.0.0.1:{port}",
         "RUN_ENGINE_EXECUTING_TIMEOUT_S": "3", "RUN_ENGINE_PENDING_EXECUTING_TIMEOUT_S": "2",
-        "RUN_ENGINE_MAX_DELIVERIES": "2", "PYTHONPATH": str(ROOT),
+        "RUN_ENGINE_MAX_DELIVERIES": "2", "RUN_ENGINE_SUSPEND_AFTER_S": "0.5", "PYTHONPATH": str(ROOT),
     }
     boot = subprocess.run([sys.executable, "-m", "run_engine.cli", "bootstrap", "--org", "e2e", "--project", "p",
                            "--env", "dev"], env=env, cwd=ROOT, capture_output=True, text=True, check=True, timeout=120)

@@ -89,3 +89,93 @@ def record(payload, ctx):
     with Path(payload["log"]).open("a") as f:
         f.write(f"{ctx.run.id} {os.getpid()}\n")
     return None
+
+
+# --- waits (issue 4) ----------------------------------------------------------------------------
+
+from datetime import datetime  # noqa: E402
+
+from run_engine.sdk import tokens, wait  # noqa: E402
+
+
+def _note(path: str, line: str) -> str:
+    with Path(path).open("a") as f:
+        f.write(line + "\n")
+    return line
+
+
+@task(id="waits-for-token")
+async def waits_for_token(payload, ctx):
+    result = await wait.for_token(payload["token"])
+    return {"ok": result.ok, "output": result.output, "error": result.error}
+
+
+@task(id="creates-token-and-waits")
+async def creates_token_and_waits(payload, ctx):
+    token = await tokens.create(timeout=payload.get("timeout"), tags=[ctx.run.id],
+                                idempotency_key=payload.get("key"))
+    result = await wait.for_token(token)
+    return {"token": token.id, "ok": result.ok, "output": result.output, "error": result.error}
+
+
+@task(id="short-wait")
+async def short_wait(payload, ctx):
+    _note(payload["log"], "start")
+    await wait.for_(seconds=0.05)
+    return "done"
+
+
+@task(id="waits-until")
+async def waits_until(payload, ctx):
+    await wait.until(datetime.fromisoformat(payload["at"]))
+    return time.time()
+
+
+@task(id="steps-through-waits")
+async def steps_through_waits(payload, ctx):
+    log = payload["log"]
+    _note(log, "start")  # not journaled: runs again on every restore
+    a = await ctx.step("a", _note, log, "step a")
+    await wait.for_(seconds=payload.get("seconds", 1.5))
+    b = await ctx.step("b", _note, log, "step b")
+    token = await tokens.create(tags=[ctx.run.id])
+    approval = await wait.for_token(token)
+    c = await ctx.step("c", _note, log, "step c")
+    return {"steps": [a, b, c], "approval": approval.output}
+
+
+@task(id="maybe-fails", retry={"max_attempts": 1})
+async def maybe_fails(payload):
+    if payload % 3 == 0:
+        raise ValueError(f"bad {payload}")
+    return payload * 2
+
+
+@task(id="waits-for-child")
+async def waits_for_child(payload, ctx):
+    result = await maybe_fails.trigger_and_wait(payload["n"])
+    return {"ok": result.ok, "id": result.id, "output": result.output, "error": result.error}
+
+
+@task(id="fans-out")
+async def fans_out(payload, ctx):
+    results = await maybe_fails.batch_trigger_and_wait(list(range(payload["n"])))
+    return [{"ok": r.ok, "id": r.id, "output": r.output, "error": (r.error or {}).get("message")} for r in results]
+
+
+@task(id="waits-for-long-child")
+async def waits_for_long_child(payload, ctx):
+    await long.trigger_and_wait({"seconds": 60})
+    return "should never get here"
+
+
+single_file = queue("e2e-single", concurrency_limit=1)
+
+
+@task(id="waits-in-single-queue", queue=single_file)
+async def waits_in_single_queue(payload, ctx):
+    _note(payload["log"], f"start {payload['name']} {time.time()}")
+    if payload.get("token"):
+        await wait.for_token(payload["token"])
+    _note(payload["log"], f"end {payload['name']} {time.time()}")
+    return payload["name"]

@@ -1,0 +1,152 @@
+"""Waitpoint tokens (API.md): create, get, list, complete, and the signed callback URL that an
+outside system can POST its result to without an API key."""
+
+from __future__ import annotations
+
+import hmac
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from run_engine.api.context import ApiContext
+from run_engine.api.http import ApiError, body, json_response, read_json
+from run_engine.api.models import TokenCompleteBody, TokenCreateBody, parse_duration_s
+from run_engine.api.serialize import iso
+from run_engine.db.waitpoints import Waitpoint
+
+STATUSES = ("WAITING", "COMPLETED", "TIMED_OUT")
+
+
+def _ctx(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.ctx
+    return ctx
+
+
+def callback_url(ctx: ApiContext, waitpoint_id: str) -> str:
+    return f"{ctx.public_url}/api/v1/waitpoints/tokens/{waitpoint_id}/callback/{ctx.tokens.callback_signature(waitpoint_id)}"
+
+
+def token_status(wp: Waitpoint) -> str:
+    if wp.status == "PENDING":
+        return "WAITING"
+    return "TIMED_OUT" if wp.output_is_error else "COMPLETED"
+
+
+def token_object(ctx: ApiContext, wp: Waitpoint) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": wp.id, "status": token_status(wp), "outputIsError": wp.output_is_error,
+                           "tags": wp.tags, "createdAt": iso(wp.created_at), "url": callback_url(ctx, wp.id)}
+    if wp.status == "COMPLETED":
+        out["output"] = wp.output
+        out["completedAt"] = iso(wp.completed_at)
+    if wp.timeout_at is not None:
+        out["timeoutAt"] = iso(wp.timeout_at)
+    if wp.idempotency_key is not None:
+        out["idempotencyKey"] = wp.idempotency_key
+    return out
+
+
+async def create_token(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    req = await body(request, TokenCreateBody, required=False)
+    timeout_s = None
+    if isinstance(req.timeout, datetime):
+        when = req.timeout if req.timeout.tzinfo else req.timeout.replace(tzinfo=UTC)
+        timeout_s = max(0.0, when.timestamp() - ctx.engine.resources.clock.now())
+    elif req.timeout is not None:
+        timeout_s = parse_duration_s(req.timeout)
+    ttl_s = parse_duration_s(req.idempotencyKeyTTL) if req.idempotencyKeyTTL is not None else None
+    wp, cached = await ctx.engine.waitpoints.create_token(
+        auth.env_id, idempotency_key=req.idempotencyKey, idempotency_key_ttl_s=ttl_s, timeout_s=timeout_s,
+        tags=req.tags)
+    return json_response({"id": wp.id, "isCached": cached, "url": callback_url(ctx, wp.id)})
+
+
+async def _own_token(ctx: ApiContext, env_id: str, waitpoint_id: str) -> Waitpoint:
+    wp = await ctx.repo.waitpoints.get(waitpoint_id, env_id)
+    if wp is None or wp.type != "MANUAL":
+        raise ApiError(404, "not_found", "waitpoint token not found")
+    return wp
+
+
+async def get_token(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    return json_response(token_object(ctx, await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"])))
+
+
+async def list_tokens(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    raw = request.query_params.get("page[size]", "25")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
+    size = int(raw)
+    wanted = {s.strip() for s in request.query_params.get("filter[status]", "").split(",") if s.strip()}
+    if bad := wanted - set(STATUSES):
+        raise ApiError(400, "invalid_input", f"filter[status]: unknown status {sorted(bad)[0]!r} "
+                                             f"(one of {', '.join(STATUSES)})")
+    statuses: list[str] = []
+    timed_out: bool | None = None
+    if wanted and wanted != set(STATUSES):
+        if "WAITING" in wanted:
+            statuses.append("PENDING")
+        if wanted & {"COMPLETED", "TIMED_OUT"}:
+            statuses.append("COMPLETED")
+            if len(wanted & {"COMPLETED", "TIMED_OUT"}) == 1:
+                timed_out = "TIMED_OUT" in wanted
+    tags = [t.strip() for t in request.query_params.get("filter[tags]", "").split(",") if t.strip()]
+    after = None
+    if cursor := request.query_params.get("page[after]"):
+        try:
+            ts, wp_id = cursor.split("|", 1)
+            after = (datetime.fromisoformat(ts), wp_id)
+        except ValueError:
+            raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
+    rows = await ctx.repo.waitpoints.list_tokens(auth.env_id, statuses=statuses, timed_out=timed_out, tags=tags,
+                                                 limit=size + 1, after=after)
+    page, more = rows[:size], len(rows) > size
+    next_cursor = f"{page[-1].created_at.isoformat()}|{page[-1].id}" if more and page else None
+    return json_response({"data": [token_object(ctx, w) for w in page], "pagination": {"next": next_cursor}})
+
+
+async def _complete(ctx: ApiContext, wp: Waitpoint, data: Any) -> Response:
+    limit = ctx.engine.resources.settings.max_payload_bytes
+    if data is not None and len(orjson.dumps(data)) > limit:
+        raise ApiError(413, "payload_too_large", f"data: larger than {limit} bytes")
+    await ctx.engine.waitpoints.complete(wp.id, data)
+    return json_response({"success": True})
+
+
+async def complete_token(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    wp = await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"])
+    req = await body(request, TokenCompleteBody, required=False)
+    return await _complete(ctx, wp, req.data)
+
+
+async def callback(request: Request) -> Response:
+    """No API key: the HMAC signature in the path is the credential; the body is the output."""
+    ctx = _ctx(request)
+    waitpoint_id = request.path_params["waitpoint_id"]
+    if not hmac.compare_digest(request.path_params["signature"], ctx.tokens.callback_signature(waitpoint_id)):
+        raise ApiError(401, "unauthorized", "invalid callback signature")
+    wp = await ctx.repo.waitpoints.get(waitpoint_id)
+    if wp is None or wp.type != "MANUAL":
+        raise ApiError(404, "not_found", "waitpoint token not found")
+    data = await read_json(request, required=False)
+    return await _complete(ctx, wp, data)
+
+
+ROUTES = [
+    Route("/api/v1/waitpoints/tokens", create_token, methods=["POST"]),
+    Route("/api/v1/waitpoints/tokens", list_tokens, methods=["GET"]),
+    Route("/api/v1/waitpoints/tokens/{waitpoint_id}", get_token, methods=["GET"]),
+    Route("/api/v1/waitpoints/tokens/{waitpoint_id}/complete", complete_token, methods=["POST"]),
+    Route("/api/v1/waitpoints/tokens/{waitpoint_id}/callback/{signature}", callback, methods=["POST"]),
+]

@@ -1,0 +1,138 @@
+"""The executor's side of one running attempt: journal replay and calls to the supervisor.
+
+Every journaled call of a task (``ctx.step``, ``wait.*``, ``tokens.create``, ``trigger_and_wait``)
+takes the next sequence number. When the journal the attempt started with has an entry at that
+number, the call returns the recorded result at once: this is how a run restored from a
+checkpoint (or retried) continues where it stopped. Otherwise the call does its work and the
+supervisor journals it through the worker API; a unique (run, sequence) makes a duplicate
+execution lose that insert race and stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import itertools
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import orjson
+
+
+class DuplicateExecution(BaseException):  # noqa: N818 - not an error the task should catch
+    """Another execution of this run already journaled this call: stop without completing."""
+
+
+class NonDeterminismError(Exception):
+    """The task made a different journaled call than the journal recorded at this position."""
+
+
+_call_ids = itertools.count(1)  # unique across the runs of one executor process
+
+
+class Channel:
+    """Requests from the task to the supervisor over the executor's pipe, replies matched by id;
+    a ``suspend`` message cancels the running task."""
+
+    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop) -> None:
+        self.conn = conn
+        self.loop = loop
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.task: asyncio.Task[Any] | None = None
+        self.suspended = False
+        loop.add_reader(conn.fileno(), self._readable)
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.conn.fileno())
+        for fut in self._waiting.values():
+            fut.cancel()
+
+    def _readable(self) -> None:
+        try:
+            while self.conn.poll():
+                msg = self.conn.recv()
+                if msg.get("type") == "reply":
+                    fut = self._waiting.pop(msg["id"], None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                elif msg.get("type") == "suspend":
+                    self.suspended = True
+                    if self.task is not None:
+                        self.task.cancel()
+        except (EOFError, OSError):
+            if self.task is not None:
+                self.task.cancel()
+
+    async def call(self, op: str, **data: Any) -> dict[str, Any]:
+        call_id = next(_call_ids)
+        fut: asyncio.Future[dict[str, Any]] = self.loop.create_future()
+        self._waiting[call_id] = fut
+        self.conn.send({"type": "call", "id": call_id, "op": op, **data})
+        reply = await fut
+        if reply.get("duplicate"):
+            raise DuplicateExecution(reply.get("message", "duplicate execution"))
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply
+
+
+class Runtime:
+    def __init__(self, channel: Channel, journal: list[dict[str, Any]]) -> None:
+        self.channel = channel
+        self.journal = {e["sequence"]: e for e in journal}
+        self._next = 0
+
+    def take(self, kind: str, key: str | None) -> tuple[int, dict[str, Any] | None]:
+        seq = self._next
+        self._next += 1
+        entry = self.journal.get(seq)
+        if entry is not None and (entry["kind"] != kind or (key is not None and entry["key"] != key)):
+            raise NonDeterminismError(
+                f"journal position {seq} holds {entry['kind']} {entry['key']!r} but the task now calls "
+                f"{kind} {key!r}: task code must make the same journaled calls in the same order")
+        return seq, entry
+
+    async def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        seq, entry = self.take("step", name)
+        if entry is not None:
+            return entry["result"]
+        result = fn(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        try:
+            orjson.dumps(result)
+        except TypeError as exc:
+            raise TypeError(f"step {name!r} returned {type(result).__name__}, which is not JSON: {exc}") from None
+        await self.channel.call("journal", sequence=seq, key=name, result=result)
+        return result
+
+    async def wait(self, kind: str, **request: Any) -> Any:
+        """A journaled wait: replayed when resolved, re-blocked on its waitpoint when journaled but
+        still pending, else asked of the supervisor (which may suspend the run meanwhile)."""
+        seq, entry = self.take(kind, None)
+        if entry is not None:
+            if entry["resolved"]:
+                return entry["result"]
+            request = {"waitpointId": entry["waitpointId"]}
+        reply = await self.channel.call("wait", sequence=seq, kind=kind, **request)
+        return reply["result"]
+
+
+_current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("run_engine_runtime", default=None)
+
+
+def current() -> Runtime | None:
+    return _current.get()
+
+
+def require(what: str) -> Runtime:
+    rt = _current.get()
+    if rt is None:
+        raise RuntimeError(f"{what} can only be used inside a running task")
+    return rt
+
+
+def activate(rt: Runtime | None) -> contextvars.Token[Runtime | None]:
+    return _current.set(rt)

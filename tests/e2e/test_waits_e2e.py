@@ -1,0 +1,201 @@
+"""Waits end to end (issue 4): real server and supervisors, HTTP only. The supervisors suspend a
+blocked run after 0.5 s (RUN_ENGINE_SUSPEND_AFTER_S in the e2e stack)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from .conftest import Stack, stop
+
+
+@pytest.fixture(scope="module")
+def waiting(stack: Stack) -> Stack:
+    own = stack.project("waits")
+    own.start_supervisor("waiter", concurrency=6)
+    return own
+
+
+def create_token(s: Stack, **body: Any) -> dict[str, Any]:
+    with s.client() as c:
+        r = c.post("/api/v1/waitpoints/tokens", json=body)
+    assert r.status_code == 200, r.text
+    data: dict[str, Any] = r.json()
+    return data
+
+
+def get_token(s: Stack, token_id: str) -> dict[str, Any]:
+    with s.client() as c:
+        r = c.get(f"/api/v1/waitpoints/tokens/{token_id}")
+    assert r.status_code == 200, r.text
+    data: dict[str, Any] = r.json()
+    return data
+
+
+def complete_token(s: Stack, token_id: str, data: Any) -> None:
+    with s.client() as c:
+        r = c.post(f"/api/v1/waitpoints/tokens/{token_id}/complete", json={"data": data})
+    assert r.status_code == 200 and r.json() == {"success": True}, r.text
+
+
+def until_suspended(s: Stack, run_id: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while s.snapshot(run_id)["executionStatus"] != "SUSPENDED":
+        assert time.monotonic() < deadline, f"run {run_id} not suspended: {s.snapshot(run_id)}"
+        time.sleep(0.05)
+
+
+def test_token_completed_by_api_resumes_a_suspended_run(waiting: Stack) -> None:
+    token = create_token(waiting, timeout="1h", tags=["e2e"])
+    assert token["url"].startswith(waiting.url) and not token["isCached"]
+    run_id = waiting.trigger("waits-for-token", {"token": token["id"]})
+    until_suspended(waiting, run_id)
+    assert waiting.run(run_id)["status"] == "WAITING" and waiting.run(run_id)["isWaiting"]
+    assert get_token(waiting, token["id"])["status"] == "WAITING"
+    complete_token(waiting, token["id"], {"approved": True})
+    complete_token(waiting, token["id"], {"approved": False})  # the first completion wins
+    run = waiting.wait_for(run_id)
+    assert run["status"] == "COMPLETED", run
+    assert run["output"] == {"ok": True, "output": {"approved": True}, "error": None}
+    assert run["attemptCount"] == 1  # restored, not retried
+    t = get_token(waiting, token["id"])
+    assert t["status"] == "COMPLETED" and t["output"] == {"approved": True} and t["completedAt"]
+
+
+def test_token_completed_by_callback_url_without_an_api_key(waiting: Stack) -> None:
+    token = create_token(waiting)
+    run_id = waiting.trigger("waits-for-token", {"token": token["id"]})
+    waiting.wait_for(run_id, lambda r: r["status"] == "WAITING")
+    forged = token["url"].rsplit("/", 1)[0] + "/not-the-signature"
+    assert httpx.post(forged, json={"x": 1}).status_code == 401
+    r = httpx.post(token["url"], json={"from": "outside"})
+    assert r.status_code == 200 and r.json() == {"success": True}
+    run = waiting.wait_for(run_id)
+    assert run["output"]["output"] == {"from": "outside"}
+
+
+def test_token_timeout_gives_the_task_an_error_it_can_inspect(waiting: Stack) -> None:
+    run_id = waiting.trigger("creates-token-and-waits", {"timeout": 1})
+    run = waiting.wait_for(run_id)
+    assert run["status"] == "COMPLETED", run
+    assert run["output"]["ok"] is False and run["output"]["error"]["type"] == "WAITPOINT_TIMEOUT"
+    assert get_token(waiting, run["output"]["token"])["status"] == "TIMED_OUT"
+    with waiting.client() as c:
+        listed = c.get("/api/v1/waitpoints/tokens", params={"filter[status]": "TIMED_OUT",
+                                                            "filter[tags]": run_id}).json()["data"]
+    assert [t["id"] for t in listed] == [run["output"]["token"]]
+
+
+def test_idempotent_token_creation(waiting: Stack) -> None:
+    a = create_token(waiting, idempotencyKey="approve-42", idempotencyKeyTTL="1h")
+    b = create_token(waiting, idempotencyKey="approve-42", idempotencyKeyTTL="1h")
+    assert a["id"] == b["id"] and not a["isCached"] and b["isCached"]
+    assert get_token(waiting, a["id"])["idempotencyKey"] == "approve-42"
+    with waiting.client() as c:
+        bad = c.post("/api/v1/waitpoints/tokens", json={"timeout": "soon"})
+    assert bad.status_code == 400 and "timeout" in bad.json()["error"]["message"]
+
+
+def test_short_wait_continues_in_process_and_wait_until_a_date(waiting: Stack, tmp_path: Path) -> None:
+    log = tmp_path / "short.log"
+    run = waiting.wait_for(waiting.trigger("short-wait", {"log": str(log)}))
+    assert run["status"] == "COMPLETED"
+    assert log.read_text().splitlines() == ["start"]  # never suspended, so never restored
+    at = datetime.now(UTC) + timedelta(seconds=2)
+    until = waiting.wait_for(waiting.trigger("waits-until", {"at": at.isoformat()}))
+    assert until["status"] == "COMPLETED" and until["output"] >= at.timestamp()
+
+
+def test_steps_run_exactly_once_through_suspensions_and_replays(waiting: Stack, tmp_path: Path) -> None:
+    log = tmp_path / "steps.log"
+    run_id = waiting.trigger("steps-through-waits", {"log": str(log), "seconds": 1.5})
+    # the task creates its token (journaled) after the timed wait; find it by its tag
+    deadline = time.monotonic() + 30
+    while True:
+        with waiting.client() as c:
+            tokens = c.get("/api/v1/waitpoints/tokens", params={"filter[tags]": run_id}).json()["data"]
+        if tokens and waiting.snapshot(run_id)["executionStatus"] == "SUSPENDED":
+            break
+        assert time.monotonic() < deadline, "the run never suspended on its token"
+        time.sleep(0.1)
+    assert len(tokens) == 1
+    complete_token(waiting, tokens[0]["id"], "yes")
+    run = waiting.wait_for(run_id)
+    assert run["status"] == "COMPLETED", run
+    assert run["output"] == {"steps": ["step a", "step b", "step c"], "approval": "yes"}
+    lines = log.read_text().splitlines()
+    assert [line for line in lines if line.startswith("step")] == ["step a", "step b", "step c"]  # each once
+    assert lines.count("start") == 3  # run from the top three times: first, after the timer, after the token
+    assert run["attemptCount"] == 1
+
+
+def test_trigger_and_wait_of_a_failing_child_does_not_raise(waiting: Stack) -> None:
+    run = waiting.wait_for(waiting.trigger("waits-for-child", {"n": 3}))
+    assert run["status"] == "COMPLETED", run
+    out = run["output"]
+    assert out["ok"] is False and out["error"]["message"] == "bad 3"
+    child = waiting.run(out["id"])
+    assert child["status"] == "FAILED" and child["triggerFunction"] == "triggerAndWait"
+    assert child["relatedRuns"]["parent"] == run["id"] and child["depth"] == 1
+    ok = waiting.wait_for(waiting.trigger("waits-for-child", {"n": 4}))
+    assert ok["output"]["ok"] is True and ok["output"]["output"] == 8
+
+
+def test_batch_trigger_and_wait_of_100_items_in_order(waiting: Stack) -> None:
+    run = waiting.wait_for(waiting.trigger("fans-out", {"n": 100}), timeout=120)
+    assert run["status"] == "COMPLETED", run
+    results = run["output"]
+    assert len(results) == 100
+    for i, r in enumerate(results):
+        if i % 3 == 0:
+            assert r["ok"] is False and r["error"] == f"bad {i}", (i, r)
+        else:
+            assert r["ok"] is True and r["output"] == i * 2, (i, r)
+    assert len({r["id"] for r in results}) == 100
+
+
+def test_cancel_cascades_to_the_child_a_run_waits_on(waiting: Stack) -> None:
+    parent_id = waiting.trigger("waits-for-long-child", {})
+    until_suspended(waiting, parent_id)
+    with waiting.client() as c:
+        children = c.get("/api/v1/runs", params={"filter[taskIdentifier]": "long"}).json()["data"]
+        child_id = next(r["id"] for r in children if r["status"] in ("QUEUED", "EXECUTING", "DEQUEUED"))
+        assert c.post(f"/api/v2/runs/{parent_id}/cancel").status_code == 200
+    assert waiting.wait_for(parent_id)["status"] == "CANCELED"
+    assert waiting.wait_for(child_id, timeout=30)["status"] == "CANCELED"
+
+
+def test_a_suspended_run_holds_no_slot_of_its_queue(waiting: Stack, tmp_path: Path) -> None:
+    log = tmp_path / "single.log"
+    token = create_token(waiting)
+    a = waiting.trigger("waits-in-single-queue", {"log": str(log), "name": "A", "token": token["id"]})
+    until_suspended(waiting, a)
+    b = waiting.trigger("waits-in-single-queue", {"log": str(log), "name": "B"})
+    assert waiting.wait_for(b, timeout=30)["status"] == "COMPLETED"
+    assert waiting.run(a)["status"] == "WAITING"
+    complete_token(waiting, token["id"], None)
+    assert waiting.wait_for(a)["status"] == "COMPLETED"
+    events = [line.split()[:2] for line in log.read_text().splitlines()]
+    assert events.index(["end", "B"]) < events.index(["end", "A"])
+
+
+def test_killing_the_supervisor_while_runs_are_suspended_loses_nothing(stack: Stack) -> None:
+    own = stack.project("waits-kill")
+    doomed = own.start_supervisor("doomed-waiter", concurrency=4)
+    tokens = [create_token(own)["id"] for _ in range(6)]
+    runs = [own.trigger("waits-for-token", {"token": t}) for t in tokens]
+    for run_id in runs:
+        until_suspended(own, run_id)
+    stop(doomed, signal.SIGKILL)
+    for i, t in enumerate(tokens):
+        complete_token(own, t, i)
+    own.start_supervisor("rescuer-waiter", concurrency=4)
+    for i, run_id in enumerate(runs):
+        run = own.wait_for(run_id)
+        assert run["status"] == "COMPLETED" and run["output"]["output"] == i, run
