@@ -21,6 +21,7 @@ err_console = Console(stderr=True)
 runs_app = typer.Typer(help="Inspect and control runs.", no_args_is_help=True)
 queues_app = typer.Typer(help="Inspect and control queues.", no_args_is_help=True)
 dlq_app = typer.Typer(help="The dead-letter queue.", no_args_is_help=True)
+tokens_app = typer.Typer(help="Waitpoint tokens that runs wait on.", no_args_is_help=True)
 
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 ApiUrl = Annotated[str, typer.Option(envvar="RUN_ENGINE_API_URL", help="run-engine server URL.")]
@@ -197,8 +198,53 @@ def dlq_redrive(
         raise typer.Exit(2)
 
 
+@tokens_app.command("create")
+def tokens_create(
+    timeout: Annotated[str | None, typer.Option(help="Time out after this long (e.g. 30s, 1h).")] = None,
+    idempotency_key: Annotated[str | None, typer.Option(help="Same key, same token (until its TTL).")] = None,
+    idempotency_key_ttl: Annotated[str | None, typer.Option(help="How long the key holds (default 30d).")] = None,
+    tag: Annotated[list[str] | None, typer.Option("--tag", help="A tag (repeatable).")] = None,
+    api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False,
+) -> None:
+    """Create a token; prints its id and the callback URL an outside system can POST to."""
+    body = {k: v for k, v in {"timeout": timeout, "idempotencyKey": idempotency_key,
+                               "idempotencyKeyTTL": idempotency_key_ttl, "tags": tag}.items() if v is not None}
+    created = _call(api_url, api_key, "POST", "/api/v1/waitpoints/tokens", json=body)
+    cached = " (existing token for this idempotency key)" if created["isCached"] else ""
+    _emit(created, as_json, text=f"token [bold]{created['id']}[/bold]{cached}\ncallback URL: {created['url']}")
+
+
+@tokens_app.command("complete")
+def tokens_complete(
+    token_id: str,
+    data: Annotated[str, typer.Option(help="JSON output the waiting runs receive.")] = "null",
+    api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False,
+) -> None:
+    """Complete a token: every run waiting on it continues with DATA."""
+    try:
+        output = json.loads(data)
+    except json.JSONDecodeError as exc:
+        err_console.print(f"[red]--data is not JSON: {exc}[/red]")
+        raise typer.Exit(2) from None
+    result = _call(api_url, api_key, "POST", f"/api/v1/waitpoints/tokens/{token_id}/complete", json={"data": output})
+    _emit(result, as_json, text=f"completed [bold]{token_id}[/bold]")
+
+
+@tokens_app.command("get")
+def tokens_get(token_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
+               as_json: AsJson = False) -> None:
+    """Show a token: status (WAITING, COMPLETED, TIMED_OUT) and output."""
+    token = _call(api_url, api_key, "GET", f"/api/v1/waitpoints/tokens/{token_id}")
+    table = Table("field", "value")
+    for key in ("id", "status", "output", "completedAt", "timeoutAt", "tags", "idempotencyKey", "url"):
+        if key in token:
+            table.add_row(key, json.dumps(token[key]) if key in ("output", "tags") else str(token[key]))
+    _emit(token, as_json, table=table)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(trigger)
     app.add_typer(runs_app, name="runs")
     app.add_typer(queues_app, name="queues")
     app.add_typer(dlq_app, name="dlq")
+    app.add_typer(tokens_app, name="tokens")

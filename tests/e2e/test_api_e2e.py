@@ -175,6 +175,10 @@ BODY_ENDPOINTS = [
     ("POST", "/api/v1/queues/custom-q/pause", {"action": "stop"}, "action"),
     ("POST", "/api/v1/queues/custom-q/concurrency/override", {"concurrencyLimit": "x"}, "concurrencyLimit"),
     ("POST", "/api/v1/queues/custom-q/concurrency/override", {}, "concurrencyLimit"),
+    ("POST", "/api/v1/waitpoints/tokens", {"timeout": "soon"}, "timeout"),
+    ("POST", "/api/v1/waitpoints/tokens", {"idempotencyKeyTTL": -5}, "idempotencyKeyTTL"),
+    ("POST", "/api/v1/waitpoints/tokens", {"tags": ["x"] * 11}, "tags"),
+    ("POST", "/api/v1/waitpoints/tokens", {"tags": [""]}, "tags"),
 ]
 
 
@@ -191,7 +195,7 @@ def test_wrong_or_missing_fields_are_400_naming_the_field(lonely: Stack, method:
 
 
 JSON_ENDPOINTS = ["/api/v1/tasks/manual/trigger", "/api/v1/tasks/batch", "/api/v1/queues/custom-q/pause",
-                  "/api/v1/queues/custom-q/concurrency/override", "/api/v1/dlq/redrive"]
+                  "/api/v1/queues/custom-q/concurrency/override", "/api/v1/dlq/redrive", "/api/v1/waitpoints/tokens"]
 
 
 @pytest.mark.parametrize("path", JSON_ENDPOINTS)
@@ -206,11 +210,17 @@ def test_malformed_json_is_400(lonely: Stack, path: str) -> None:
 PUBLIC = [("POST", "/api/v1/tasks/manual/trigger"), ("POST", "/api/v1/tasks/batch"), ("GET", "/api/v1/runs"),
           ("GET", "/api/v3/runs/run_x"), ("POST", "/api/v2/runs/run_x/cancel"), ("POST", "/api/v1/runs/run_x/replay"),
           ("GET", "/api/v1/queues"), ("GET", "/api/v1/queues/custom-q"), ("GET", "/api/v1/dlq"),
-          ("POST", "/api/v1/dlq/redrive"), ("POST", "/api/v1/dlq/run_x/redrive"), ("GET", "/api/v1/batches/batch_x")]
+          ("POST", "/api/v1/dlq/redrive"), ("POST", "/api/v1/dlq/run_x/redrive"), ("GET", "/api/v1/batches/batch_x"),
+          ("POST", "/api/v1/waitpoints/tokens"), ("GET", "/api/v1/waitpoints/tokens"),
+          ("GET", "/api/v1/waitpoints/tokens/waitpoint_x"), ("POST", "/api/v1/waitpoints/tokens/waitpoint_x/complete")]
 WORKER = [("POST", f"{W}/connect"), ("POST", f"{W}/dequeue"), ("POST", f"{W}/heartbeat"),
           ("POST", f"{W}/attempts/start"), ("POST", f"{W}/attempts/complete"),
           ("GET", f"{W}/runs/run_x/snapshots/latest"), ("POST", f"{W}/runs/run_x/snapshots/s/attempts/start"),
-          ("POST", f"{W}/runs/run_x/snapshots/s/attempts/complete"), ("POST", f"{W}/runs/run_x/snapshots/s/heartbeat")]
+          ("POST", f"{W}/runs/run_x/snapshots/s/attempts/complete"), ("POST", f"{W}/runs/run_x/snapshots/s/heartbeat"),
+          ("POST", f"{W}/runs/run_x/snapshots/s/suspend"), ("POST", f"{W}/runs/run_x/snapshots/s/continue"),
+          ("POST", f"{W}/runs/run_x/snapshots/s/wait/duration"), ("POST", f"{W}/runs/run_x/snapshots/s/trigger"),
+          ("POST", f"{W}/runs/run_x/snapshots/s/waitpoints/w/wait"), ("POST", f"{W}/runs/run_x/journal"),
+          ("GET", f"{W}/runs/run_x/journal")]
 
 
 @pytest.mark.parametrize(("method", "path"), PUBLIC + WORKER)
@@ -237,7 +247,29 @@ def test_unknown_ids_and_other_environments_ids_are_404(stack: Stack, lonely: St
     with lonely.worker() as w:
         r = w.get(f"{W}/runs/{theirs}/snapshots/latest")
         assert r.status_code == 404
+        for path, body in ((f"{W}/runs/{theirs}/journal", {"snapshotId": "s", "sequence": 0, "key": "k"}),
+                           (f"{W}/runs/{theirs}/snapshots/s/suspend", None),
+                           (f"{W}/runs/{theirs}/snapshots/s/wait/duration", {"sequence": 0, "seconds": 1})):
+            assert w.post(path, json=body).status_code == 404, path
+    theirs_token = create_token_for(stack)
+    with lonely.client() as c:
+        for method, path in (("GET", f"/api/v1/waitpoints/tokens/{theirs_token}"),
+                             ("POST", f"/api/v1/waitpoints/tokens/{theirs_token}/complete"),
+                             ("GET", "/api/v1/waitpoints/tokens/waitpoint_nope")):
+            r = c.request(method, path, json={})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (path, r.text)
+    with stack.client() as c:
+        assert c.get(f"/api/v1/waitpoints/tokens/{theirs_token}").json()["status"] == "WAITING"
+        r = c.post("/api/v1/waitpoints/tokens/waitpoint_nope/callback/sig", json=1)
+        assert r.status_code == 401  # the signature is checked first: ids are not probed
     assert stack.run(theirs)["status"] != "CANCELED"  # untouched by the other tenant's calls
+
+
+def create_token_for(s: Stack) -> str:
+    with s.client() as c:
+        r = c.post("/api/v1/waitpoints/tokens", json={})
+    assert r.status_code == 200, r.text
+    return str(r.json()["id"])
 
 
 def test_oversize_payload_and_request_are_413(lonely: Stack) -> None:

@@ -45,6 +45,22 @@ def test_trigger_wait_of_a_failing_run_exits_nonzero(cli_project: Stack) -> None
     assert out.returncode == 1 and json.loads(out.stdout)["status"] == "FAILED"
 
 
+def test_tokens_commands_release_a_waiting_run(cli_project: Stack) -> None:
+    token = json.loads(cli_project.cli("tokens", "create", "--timeout", "1h", "--tag", "cli", "--json").stdout)
+    assert token["url"] and not token["isCached"]
+    run_id = cli_project.trigger("waits-for-token", {"token": token["id"]})
+    cli_project.wait_for(run_id, lambda r: r["status"] == "WAITING")
+    done = cli_project.cli("tokens", "complete", token["id"], "--data", '{"ok": 1}')
+    assert token["id"] in done.stdout
+    assert cli_project.wait_for(run_id)["output"]["output"] == {"ok": 1}
+    shown = json.loads(cli_project.cli("tokens", "get", token["id"], "--json").stdout)
+    assert shown["status"] == "COMPLETED"
+    bad = cli_project.cli("tokens", "complete", token["id"], "--data", "{nope", check=False)
+    assert bad.returncode == 2 and "--data is not JSON" in bad.stderr
+    missing = cli_project.cli("tokens", "get", "waitpoint_nope", check=False)
+    assert missing.returncode == 1 and "404" in missing.stderr
+
+
 def test_queue_and_dlq_commands(cli_project: Stack) -> None:
     paused = json.loads(cli_project.cli("queues", "pause", "task/sync-echo", "--json").stdout)
     assert paused["paused"] is True
