@@ -6,3 +6,11 @@ from run_engine.sdk import task
 @task(id="noop")
 async def noop(payload):
     return None
+
+
+@task(id="wait-token")
+async def wait_token(payload):
+    from run_engine.sdk import wait
+
+    result = await wait.for_token(payload["token"])
+    return {"got": result.output}

@@ -11,7 +11,7 @@ import os
 import random
 import time
 
-from run_engine.sdk import AbortTaskRunError, queue, task
+from run_engine.sdk import AbortTaskRunError, queue, task, tokens, wait
 
 reports = queue("reports", concurrency_limit=2)
 
@@ -44,3 +44,21 @@ def abort(payload: dict) -> None:
 def slow(payload: dict) -> dict:
     time.sleep(float((payload or {}).get("seconds", 5)))
     return {"slept": payload.get("seconds", 5) if payload else 5, "pid": os.getpid()}
+
+
+@task(id="approval")
+async def approval(payload: dict, ctx) -> dict:
+    """Waits for a person: complete the token it prints with `run-engine tokens complete ID --data '"yes"'`."""
+    token = await tokens.create(timeout=(payload or {}).get("timeout", "1h"), tags=[ctx.run.id])
+    print(f"run {ctx.run.id} waits for token {token.id} (or POST to {token.url})", flush=True)
+    answer = await wait.for_token(token)
+    greeting = await ctx.step("greet", lambda: f"approved: {answer.output}" if answer.ok else "timed out")
+    return {"approved": answer.ok, "answer": answer.output, "greeting": greeting}
+
+
+@task(id="fan-out")
+async def fan_out(payload: dict, ctx) -> dict:
+    """Runs `hello-world` for every name and waits for all of them."""
+    names = (payload or {}).get("names", ["Ada", "Grace", "Edsger"])
+    results = await hello_world.batch_trigger_and_wait([{"name": n} for n in names])
+    return {"messages": [r.output["message"] if r.ok else r.error for r in results]}

@@ -1,0 +1,177 @@
+"""Waits: many runs each waiting on its own token, against a real `run-engine server` and supervisor.
+
+    python bench/waits.py [--runs 10000] [--concurrency 32] [--suspend-after 0.1]
+
+1. creates one token per run, then batch-triggers the runs (1,000 per request); each run waits on
+   its token, and the supervisor suspends it after `--suspend-after` seconds;
+2. once every run is suspended, prints the executor processes alive, the runs holding an executor
+   and the concurrency slots in use (target: none held);
+3. completes every token over HTTP and waits until every run has been restored by replay and
+   completed. Last line: ``waits resumed/s: <n>`` (runs completed per second in step 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database  # noqa: E402
+from bench.http_e2e import free_port  # noqa: E402
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def count(database_url: str, sql: str) -> int:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(sql).fetchone()
+    return int(row[0]) if row else 0
+
+
+async def in_parallel(n: int, clients: int, one) -> list:  # type: ignore[no-untyped-def]
+    results: list = [None] * n
+    items = iter(range(n))
+
+    async def worker() -> None:
+        for i in items:
+            results[i] = await one(i)
+
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return results
+
+
+async def until(predicate, what: str, timeout_s: float, every_s: float = 0.5) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    last = -1.0
+    while not predicate():
+        now = time.perf_counter() - start
+        if now > timeout_s:
+            raise SystemExit(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        if now - last >= 5:
+            last = now
+            print(f"  … {what}: {now:.0f}s", flush=True)
+        await asyncio.sleep(every_s)
+    return time.perf_counter() - start
+
+
+async def bench(args: argparse.Namespace, url: str, key: str, database_url: str, supervisor_pid: int) -> float:
+    n = args.runs
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                                 limits=httpx.Limits(max_connections=args.clients + 4)) as client:
+        async def create(i: int) -> str:
+            r = await client.post("/api/v1/waitpoints/tokens", json={"tags": ["bench"]})
+            r.raise_for_status()
+            return str(r.json()["id"])
+
+        t0 = time.perf_counter()
+        tokens = await in_parallel(n, args.clients, create)
+        print(f"created {n} tokens in {time.perf_counter() - t0:.1f}s", flush=True)
+
+        t0 = time.perf_counter()
+        for start in range(0, n, 1000):
+            items = [{"task": "wait-token", "payload": {"token": t}} for t in tokens[start:start + 1000]]
+            r = await client.post("/api/v1/tasks/batch", json={"items": items})
+            r.raise_for_status()
+        await until(lambda: count(database_url, "SELECT count(DISTINCT run_id) FROM task_run_checkpoint") >= n,
+                    "all runs suspended", args.timeout)
+        suspend_s = time.perf_counter() - t0
+        print(f"triggered {n} runs; all waiting and suspended after {suspend_s:.1f}s ({n / suspend_s:.0f} runs/s)")
+
+        queue = (await client.get("/api/v1/queues/task/wait-token")).json()
+        waiting = count(database_url, "SELECT count(*) FROM task_run WHERE status = 'WAITING'")
+        executors = len(children_of(supervisor_pid))
+        print(f"while all {waiting} runs wait: executor processes alive {executors} (idle in the pool), "
+              f"runs holding an executor or slot {queue['running']}, concurrency slots in use {queue['running']}")
+
+        done_before = count(database_url, "SELECT count(*) FROM task_run WHERE status = 'COMPLETED'")
+        assert done_before == 0, done_before
+
+        async def complete(i: int) -> None:
+            r = await client.post(f"/api/v1/waitpoints/tokens/{tokens[i]}/complete", json={"data": i})
+            r.raise_for_status()
+
+        t0 = time.perf_counter()
+        await in_parallel(n, args.clients, complete)
+        completed_tokens_s = time.perf_counter() - t0
+        await until(lambda: count(database_url, "SELECT count(*) FROM task_run WHERE status = 'COMPLETED'") >= n,
+                    "all runs resumed and completed", args.timeout, every_s=0.2)
+        resume_s = time.perf_counter() - t0
+        wrong = count(database_url, "SELECT count(*) FROM task_run WHERE status = 'COMPLETED' "
+                                    "AND (output->>'got')::int IS NULL")
+        restored = count(database_url, "SELECT count(*) FROM task_run WHERE attempt_number = 1")
+    print(f"completed {n} tokens in {completed_tokens_s:.1f}s; all {n} runs resumed by replay and completed "
+          f"{resume_s:.1f}s after the first completion (outputs missing: {wrong}; still attempt 1: {restored})")
+    return n / resume_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10_000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--suspend-after", type=float, default=0.1)
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+    redis_url = os.environ.get("REDIS_URL", DEFAULT_REDIS)
+    prefix = f"rewait{secrets.token_hex(3)}"
+    port = free_port()
+    with fresh_database() as database_url:
+        env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "RUN_ENGINE_KEY_PREFIX": prefix,
+               "RUN_ENGINE_SECRET": "bench", "PYTHONPATH": str(ROOT), "RUN_ENGINE_LOG_LEVEL": "WARNING",
+               "RUN_ENGINE_ENV_CONCURRENCY": "1000", "RUN_ENGINE_SUSPEND_AFTER_S": str(args.suspend_after)}
+        cli = [sys.executable, "-m", "run_engine.cli"]
+        creds = json.loads(subprocess.run([*cli, "bootstrap", "--org", "bench", "--project", "waits"], env=env,
+                                          capture_output=True, text=True, check=True).stdout)
+        url = f"http://127.0.0.1:{port}"
+        procs = [subprocess.Popen([*cli, "server", "--port", str(port)], env=env)]
+        try:
+            supervisor = subprocess.Popen([*cli, "supervisor", "--token", creds["workerGroupToken"], "--tasks",
+                                           "bench.tasks_http", "--api-url", url, "--concurrency",
+                                           str(args.concurrency)], env=env, cwd=ROOT)
+            procs.append(supervisor)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit("server did not start")
+                time.sleep(0.1)
+            print(f"runs: {args.runs}  supervisor concurrency: {args.concurrency}  "
+                  f"suspend after: {args.suspend_after}s  HTTP clients: {args.clients}", flush=True)
+            rate = asyncio.run(bench(args, url, creds["apiKey"], database_url, supervisor.pid))
+        finally:
+            for p in reversed(procs):
+                p.terminate()
+                p.wait(30)
+            asyncio.run(delete_prefix(redis_url, prefix))
+    print(f"waits resumed/s: {rate:.0f}")
+
+
+if __name__ == "__main__":
+    main()
