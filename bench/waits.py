@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database  # noqa: E402
-from bench.http_e2e import free_port  # noqa: E402
+from bench.http_e2e import RawClient, free_port  # noqa: E402
 
 
 def children_of(pid: int) -> list[int]:
@@ -51,13 +51,23 @@ def count(database_url: str, sql: str) -> int:
     return int(row[0]) if row else 0
 
 
-async def in_parallel(n: int, clients: int, one) -> list:  # type: ignore[no-untyped-def]
-    results: list = [None] * n
-    items = iter(range(n))
+async def post_all(url: str, key: str, bodies: list[tuple[str, bytes]], clients: int) -> list[bytes]:
+    """POST every (path, body) with `clients` keep-alive connections (the cheap client of
+    bench/http_e2e.py: on two cores the load generator competes with what it measures)."""
+    host, port = url.removeprefix("http://").split(":")
+    results: list[bytes] = [b""] * len(bodies)
+    items = iter(range(len(bodies)))
 
     async def worker() -> None:
-        for i in items:
-            results[i] = await one(i)
+        client = RawClient(host, int(port), key)
+        try:
+            for i in items:
+                status, body = await client.post(*bodies[i])
+                if status != 200:
+                    raise RuntimeError(f"{bodies[i][0]} answered {status}: {body[:200]!r}")
+                results[i] = body
+        finally:
+            await client.close()
 
     await asyncio.gather(*(worker() for _ in range(clients)))
     return results
@@ -81,13 +91,9 @@ async def bench(args: argparse.Namespace, url: str, key: str, database_url: str,
     n = args.runs
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120,
                                  limits=httpx.Limits(max_connections=args.clients + 4)) as client:
-        async def create(i: int) -> str:
-            r = await client.post("/api/v1/waitpoints/tokens", json={"tags": ["bench"]})
-            r.raise_for_status()
-            return str(r.json()["id"])
-
         t0 = time.perf_counter()
-        tokens = await in_parallel(n, args.clients, create)
+        created = await post_all(url, key, [("/api/v1/waitpoints/tokens", b'{"tags": ["bench"]}')] * n, args.clients)
+        tokens = [json.loads(body)["id"] for body in created]
         print(f"created {n} tokens in {time.perf_counter() - t0:.1f}s", flush=True)
 
         t0 = time.perf_counter()
@@ -109,12 +115,9 @@ async def bench(args: argparse.Namespace, url: str, key: str, database_url: str,
         done_before = count(database_url, "SELECT count(*) FROM task_run WHERE status = 'COMPLETED'")
         assert done_before == 0, done_before
 
-        async def complete(i: int) -> None:
-            r = await client.post(f"/api/v1/waitpoints/tokens/{tokens[i]}/complete", json={"data": i})
-            r.raise_for_status()
-
+        bodies = [(f"/api/v1/waitpoints/tokens/{t}/complete", b'{"data": %d}' % i) for i, t in enumerate(tokens)]
         t0 = time.perf_counter()
-        await in_parallel(n, args.clients, complete)
+        await post_all(url, key, bodies, args.clients)
         completed_tokens_s = time.perf_counter() - t0
         await until(lambda: count(database_url, "SELECT count(*) FROM task_run WHERE status = 'COMPLETED'") >= n,
                     "all runs resumed and completed", args.timeout, every_s=0.2)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from run_engine.batching import Batcher
 from run_engine.db.repository import RunRow, Snapshot
 from run_engine.db.waitpoints import Completion, JournalEntry, NewWaitpoint, Waitpoint
 from run_engine.errors import DuplicateExecutionError, InvalidTransitionError, StaleSnapshotError
@@ -61,6 +62,9 @@ class WaitpointSystem:
     def __init__(self, resources: SystemResources) -> None:
         self.r = resources
         self.wp = resources.repo.waitpoints
+        # Concurrent completions (API calls, timeouts, finished children) share one UPDATE and
+        # one look-up of the runs they unblock.
+        self._completions: Batcher[Completion, tuple[bool, list[str]]] = Batcher(self._complete_batch)
 
     @property
     def _s(self):  # type: ignore[no-untyped-def]
@@ -101,17 +105,25 @@ class WaitpointSystem:
 
     async def complete(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False) -> bool:
         """Complete one waitpoint; False when it was already complete (the first output stays)."""
-        done = await self.complete_many([Completion(output, is_error, id=waitpoint_id)])
-        if done:
-            await self.r.change_jobs(cancel=[f"wpto.{waitpoint_id}", f"wpdt.{waitpoint_id}"])
-        return bool(done)
+        completed, runs = await self._completions.submit(Completion(output, is_error, id=waitpoint_id))
+        if completed:
+            await asyncio.gather(self.r.change_jobs(cancel=[f"wpto.{waitpoint_id}", f"wpdt.{waitpoint_id}"]),
+                                 *(self.try_continue(run_id) for run_id in runs))
+        return completed
+
+    async def _complete_batch(self, completions: list[Completion]) -> list[tuple[bool, list[str]]]:
+        done = set(await self.wp.complete(completions))
+        blocked: dict[str, list[str]] = {}
+        for waitpoint_id, run_id in await self.wp.blocked_runs(list(done)) if done else []:
+            blocked.setdefault(waitpoint_id, []).append(run_id)
+        return [(c.id in done, blocked.get(c.id or "", [])) for c in completions]
 
     async def complete_many(self, completions: Sequence[Completion]) -> list[str]:
         """Complete waitpoints, then continue every run whose last blocking waitpoint that was;
         each run is continued once however many of its waitpoints completed here."""
         done = await self.wp.complete(completions)
         if done:
-            runs = await self.wp.blocked_runs(done)
+            runs = {run_id for _, run_id in await self.wp.blocked_runs(done)}
             await asyncio.gather(*(self.try_continue(run_id) for run_id in runs))
         return done
 
@@ -183,23 +195,21 @@ class WaitpointSystem:
     async def try_continue(self, run_id: str) -> Snapshot | None:
         """Continue a blocked run if nothing blocks it any more (idempotent); its new snapshot."""
         async with self.r.locker.lock("continue", run_id):
-            latest = await self.r.repo.latest_snapshot(run_id)
-            if latest is None or latest.engine_status not in BLOCKED:
-                return None
-            if await self.wp.pending_count(run_id) > 0:
+            latest_id, latest_status, pending = await self.wp.blocking_state(run_id)
+            if latest_id is None or latest_status not in BLOCKED or pending > 0:
                 return None
             completed = tuple(await self.wp.unblock(run_id))
-            if latest.engine_status == E.EXECUTING_WITH_WAITPOINTS:
+            if latest_status == E.EXECUTING_WITH_WAITPOINTS:
                 result = await self._s.snapshots.apply(
                     run_id, E.EXECUTING, RunStatus.EXECUTING, from_statuses=(E.EXECUTING_WITH_WAITPOINTS,),
-                    expected_snapshot_id=latest.id, operation="continue", description="Waitpoints completed",
+                    expected_snapshot_id=latest_id, operation="continue", description="Waitpoints completed",
                     completed_waitpoint_ids=completed)
                 assert result.snapshot is not None
-                await self._s.snapshots.after_transition(latest.id, latest.engine_status, result.snapshot)
+                await self._s.snapshots.after_transition(latest_id, latest_status, result.snapshot)
             else:
                 result = await self._s.snapshots.apply(
                     run_id, E.QUEUED_EXECUTING, RunStatus.QUEUED, from_statuses=(E.SUSPENDED,),
-                    expected_snapshot_id=latest.id, operation="continue",
+                    expected_snapshot_id=latest_id, operation="continue",
                     description="Waitpoints completed: queued to restore", completed_waitpoint_ids=completed)
                 assert result.run is not None and result.snapshot is not None
                 await self.r.enqueues.submit(self._s.enqueue.item_for(result.run, reset_deliveries=True))

@@ -200,11 +200,13 @@ class WaitpointRepository:
             cur = await conn.execute(_COMPLETE, {"rows": Jsonb(rows)})
             return [r[0] for r in await cur.fetchall()]
 
-    async def blocked_runs(self, waitpoint_ids: Sequence[str]) -> list[str]:
+    async def blocked_runs(self, waitpoint_ids: Sequence[str]) -> list[tuple[str, str]]:
+        """(waitpoint id, run id) of every run blocked on one of ``waitpoint_ids``."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                "SELECT DISTINCT run_id FROM task_run_waitpoint WHERE waitpoint_id = ANY(%s)", (list(waitpoint_ids),))
-            return [r[0] for r in await cur.fetchall()]
+                "SELECT waitpoint_id, run_id FROM task_run_waitpoint WHERE waitpoint_id = ANY(%s)",
+                (list(waitpoint_ids),))
+            return [(r[0], r[1]) for r in await cur.fetchall()]
 
     # --- blocking -----------------------------------------------------------------------------
 
@@ -238,6 +240,21 @@ class WaitpointRepository:
         async with self.pool.connection() as c:
             cur = await c.execute(sql, (run_id,))
             return int((await cur.fetchone())[0])
+
+    async def blocking_state(self, run_id: str) -> tuple[str | None, str | None, int]:
+        """Latest valid snapshot id and status of the run, and its pending waitpoints: one query."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT s.id, s.engine_status,
+                          (SELECT count(*) FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
+                           WHERE trw.run_id = %(run)s AND w.status = 'PENDING')
+                   FROM (SELECT 1) one
+                   LEFT JOIN LATERAL (SELECT id, engine_status FROM task_run_execution_snapshot
+                                      WHERE run_id = %(run)s AND is_valid ORDER BY seq DESC LIMIT 1) s ON true""",
+                {"run": run_id})
+            row = await cur.fetchone()
+        assert row is not None
+        return row[0], row[1], int(row[2])
 
     async def unblock(self, run_id: str) -> list[str]:
         """Remove the run's blocking rows (it continues); the waitpoint ids it was blocked on."""

@@ -212,3 +212,16 @@ async def test_suspended_run_frees_its_queue_for_the_next(h: Harness) -> None:
     await h.engine.suspend(a.id, out.snapshot.id)
     (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
     assert d.run.id == b.id
+
+
+async def test_a_resumed_run_keeps_its_place_in_the_queue(h: Harness) -> None:
+    older, s = await started_run(h, "limited")
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    out = await h.engine.block(older.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                               waitpoint_ids=[token.id])
+    await h.engine.suspend(older.id, out.snapshot.id)
+    h.clock.advance(1)
+    newer = [await h.engine.trigger(req(h, "limited")) for _ in range(3)]
+    await h.engine.waitpoints.complete(token.id, "go")  # queued again, behind nothing newer
+    (first,) = await h.engine.dequeue(h.env.worker_group_id, 5)  # limit 1
+    assert first.run.id == older.id and first.run.id not in {n.id for n in newer}
