@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -22,7 +23,7 @@ from run_engine.run_queue import RunQueue
 from run_engine.settings import EngineSettings
 from run_engine.statuses import RunStatus
 from systems.dequeue import DequeuedRun
-from systems.enqueue import TriggeredRun, TriggerRequest
+from systems.enqueue import DELAYED_JOB, TTL_JOB, TriggeredRun, TriggerRequest
 from systems.execution_snapshot import HEARTBEAT_JOB
 from systems.registry import Systems
 from systems.resources import SystemResources
@@ -41,7 +42,8 @@ class RunEngine:
         self.jobs = JobWorker(
             resources.jobs,
             {HEARTBEAT_JOB: self._on_heartbeat_job, MAX_DURATION_JOB: self._on_max_duration_job,
-             DATETIME_JOB: self._on_datetime_job, TIMEOUT_JOB: self._on_timeout_job, SWEEP_JOB: self._on_sweep_job},
+             DATETIME_JOB: self._on_datetime_job, TIMEOUT_JOB: self._on_timeout_job, SWEEP_JOB: self._on_sweep_job,
+             DELAYED_JOB: self._on_delayed_job, TTL_JOB: self._on_ttl_job},
             concurrency=resources.settings.job_concurrency,
             poll_interval_s=resources.settings.job_poll_interval_s,
         )
@@ -114,6 +116,9 @@ class RunEngine:
     async def cancel(self, run_id: str) -> RunStatus:
         return await self.systems.cancel.cancel(run_id)
 
+    async def reschedule(self, env_id: str, run_id: str, delay_until: datetime) -> RunRow:
+        return await self.systems.delayed.reschedule(run_id, env_id, delay_until)
+
     async def redrive(self, env_id: str, run_id: str) -> str:
         return await self.systems.dead_letter.redrive(env_id, run_id)
 
@@ -184,6 +189,12 @@ class RunEngine:
 
     async def _on_heartbeat_job(self, job: Job) -> None:
         await self.systems.run_attempt.on_heartbeat_timeout(job.payload["run_id"], job.payload["snapshot_id"])
+
+    async def _on_delayed_job(self, job: Job) -> None:
+        await self.systems.delayed.enqueue_delayed(job.payload["run_id"])
+
+    async def _on_ttl_job(self, job: Job) -> None:
+        await self.systems.delayed.expire(job.payload["run_id"])
 
     async def _on_datetime_job(self, job: Job) -> None:
         await self.systems.waitpoints.on_datetime(job.payload["waitpoint_id"])

@@ -85,6 +85,8 @@ class EngineSettings:
     stalled_retry_delay_s: float = 0.25
     max_duration_grace_s: float = 5.0
     env_concurrency: int = 100
+    max_metadata_bytes: int = 256 * 1024
+    max_ttl_s: float | None = None  # every run expires if not started within this (a run's ttl may be shorter)
     max_payload_bytes: int = 3 * MiB
     default_retry: RetryPolicy = field(default_factory=RetryPolicy)
     db_pool_min: int = 2
@@ -114,6 +116,7 @@ class EngineSettings:
             "env_concurrency": "RUN_ENGINE_ENV_CONCURRENCY",
             "max_payload_bytes": "RUN_ENGINE_MAX_PAYLOAD_BYTES",
             "queue_shards": "RUN_ENGINE_QUEUE_SHARDS",
+            "max_ttl_s": "RUN_ENGINE_MAX_TTL_S",
         }
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, Any] = {}
@@ -121,9 +124,9 @@ class EngineSettings:
             raw = env.get(var)
             if raw is None or raw == "":
                 continue
-            kind = types[attr]
+            kind = str(types[attr]).removeprefix("<class '")  # "int", "float", "float | None", …
             try:
-                values[attr] = int(raw) if kind in ("int", int) else float(raw) if kind in ("float", float) else raw
+                values[attr] = int(raw) if kind.startswith("int") else float(raw) if kind.startswith("float") else raw
             except ValueError as exc:
                 raise ConfigurationError(f"{var}={raw!r} is not a number") from exc
         values.update(overrides)

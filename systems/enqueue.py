@@ -16,6 +16,10 @@ from run_engine.run_queue import EnqueueItem
 from run_engine.statuses import ExecutionStatus, RunStatus
 from systems.resources import SystemResources
 
+DELAYED_JOB = "enqueue_delayed"
+TTL_JOB = "expire_ttl"
+DEFAULT_IDEMPOTENCY_TTL_S = 30 * 86400
+
 
 @dataclass(frozen=True, slots=True)
 class TriggerRequest:
@@ -40,9 +44,12 @@ class TriggerRequest:
     depth: int = 0
     batch_id: str | None = None
     trigger_function: str = "trigger"
-    ttl_s: int | None = None
+    ttl_s: float | None = None
     run_id: str | None = None  # given by callers that must know it before the insert
     resume_parent_on_completion: bool = False
+    delay_until: datetime | None = None
+    idempotency_key: str | None = None
+    idempotency_key_ttl_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +134,18 @@ class EnqueueSystem:
             await self.mirror_queue(row)
 
     async def trigger_many(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
-        """Create runs: one insert for all of them, then one enqueue for those that can run."""
+        """Create runs: one insert for all of them, then one enqueue for those that can run.
+
+        A request whose idempotency key (environment, task, key) is held by a run whose key has
+        not expired gets that run back (``is_cached``) and creates nothing. Delayed runs are
+        DELAYED until an engine job enqueues them; runs with a TTL get an engine job that expires
+        them if they have not started by then."""
         now = self.r.clock.now()
         new_runs: list[NewRun] = []
         items: list[EnqueueItem] = []
         results: list[TriggeredRun] = []
+        jobs: list[tuple[str, str, dict[str, Any], float]] = []
+        keyed: dict[str, list[tuple[str, str]]] = {}
         for req in requests:
             self._validate(req)
             env = await self.environment(req.env_id)
@@ -139,12 +153,27 @@ class EnqueueSystem:
             queue = req.queue or task.queue or f"task/{req.task_id}"
             await self._ensure_queue(req.env_id, queue, req.queue_concurrency_limit)
             runnable = task.deployment_id is not None
-            engine_status = ExecutionStatus.QUEUED if runnable else ExecutionStatus.PENDING_VERSION
-            status = RunStatus.QUEUED if runnable else RunStatus.PENDING_VERSION
+            delayed = req.delay_until is not None and req.delay_until.timestamp() > now
+            if delayed:
+                engine_status, status = ExecutionStatus.DELAYED, RunStatus.DELAYED
+            elif runnable:
+                engine_status, status = ExecutionStatus.QUEUED, RunStatus.QUEUED
+            else:
+                engine_status, status = ExecutionStatus.PENDING_VERSION, RunStatus.PENDING_VERSION
             priority_ms = int(req.priority_s * 1000)
-            created = self._queue_timestamp(now)
+            # a delayed run takes its place in the queue when it becomes due, not when triggered
+            created = req.delay_until if delayed and req.delay_until else self._queue_timestamp(now)
+            ttl_s = self._ttl(req.ttl_s)
+            run_id = req.run_id or new_id("run")
+            if delayed and req.delay_until is not None:
+                jobs.append((f"delay.{run_id}", DELAYED_JOB, {"run_id": run_id}, req.delay_until.timestamp()))
+            if ttl_s is not None:
+                start = req.delay_until.timestamp() if delayed and req.delay_until else now
+                jobs.append((f"ttl.{run_id}", TTL_JOB, {"run_id": run_id}, start + ttl_s))
+            if req.idempotency_key is not None:
+                keyed.setdefault(req.env_id, []).append((req.task_id, req.idempotency_key))
             run = NewRun(
-                id=req.run_id or new_id("run"),
+                id=run_id,
                 snapshot_id=new_id("snapshot"),
                 environment_id=req.env_id,
                 worker_group_id=env.worker_group_id,
@@ -169,30 +198,74 @@ class EnqueueSystem:
                 batch_id=req.batch_id,
                 trigger_function=req.trigger_function,
                 resume_parent_on_completion=req.resume_parent_on_completion,
-                ttl_s=req.ttl_s,
+                ttl_s=None if ttl_s is None else int(ttl_s),
+                delay_until=req.delay_until if delayed else None,
+                idempotency_key=req.idempotency_key,
+                idempotency_key_expires_at=(
+                    datetime.fromtimestamp(now + (req.idempotency_key_ttl_s or DEFAULT_IDEMPOTENCY_TTL_S), UTC)
+                    if req.idempotency_key is not None else None),
                 queue_timestamp=created,
-                description="Run was created" if runnable else "No deployment has this task yet",
+                description=("Delayed until " + created.isoformat()) if delayed
+                else "Run was created" if runnable else "No deployment has this task yet",
             )
             new_runs.append(run)
-            if runnable:
+            if status == RunStatus.QUEUED:
                 items.append(self.queue_item(run.id, req.env_id, queue, env.worker_group_id,
                                              created.timestamp() * 1000, priority_ms, req.concurrency_key,
                                              req.task_id))
             results.append(TriggeredRun(run.id, status, run.snapshot_id, queue))
+        for env_id, keys in keyed.items():
+            await self.r.repo.release_expired_idempotency_keys(env_id, keys, datetime.fromtimestamp(now, UTC))
         if len(new_runs) == 1:
-            await self.r.inserts.submit(new_runs[0])
+            inserted = {new_runs[0].id} if await self.r.inserts.submit(new_runs[0]) else set()
         else:
-            await self.r.repo.insert_runs(new_runs)
+            inserted = await self.r.repo.insert_runs(new_runs)
+        if len(inserted) < len(new_runs):
+            results, items, jobs, new_runs = await self._cached(requests, new_runs, results, inserted, items, jobs)
+        if jobs:
+            await self.r.change_jobs(schedule=jobs)
         if len(items) == 1:
             await self.r.enqueues.submit(items[0])
         elif items:
             await self.r.enqueue_items(items)
-        for run, result in zip(new_runs, results, strict=True):
+        for run, result in zip(new_runs, results, strict=False):
+            if result.is_cached:
+                continue
             self.r.events.emit(RunEvent("run_created", run.id, run.environment_id, run.snapshot_id,
                                         {"status": result.status, "task": run.task_identifier}))
             if result.status == RunStatus.PENDING_VERSION:
                 self.r.events.emit(RunEvent("run_pending_version", run.id, run.environment_id, run.snapshot_id))
         return results
+
+    async def _cached(self, requests: Sequence[TriggerRequest], new_runs: list[NewRun], results: list[TriggeredRun],
+                      inserted: set[str], items: list[EnqueueItem], jobs: list[Any],
+                      ) -> tuple[list[TriggeredRun], list[EnqueueItem], list[Any], list[NewRun]]:
+        """Requests whose idempotency key was taken: answer with the run that holds it, and
+        enqueue or schedule nothing for them."""
+        lost = [(req, run) for req, run in zip(requests, new_runs, strict=True) if run.id not in inserted]
+        existing: dict[tuple[str, str, str], RunRow] = {}
+        for env_id in {req.env_id for req, _ in lost}:
+            found = await self.r.repo.runs_by_idempotency_key(
+                env_id, [(req.task_id, req.idempotency_key or "") for req, _ in lost if req.env_id == env_id])
+            existing.update({(env_id, *k): v for k, v in found.items()})
+        out: list[TriggeredRun] = []
+        for req, run, result in zip(requests, new_runs, results, strict=True):
+            if run.id in inserted:
+                out.append(result)
+                continue
+            holder = existing.get((req.env_id, req.task_id, req.idempotency_key or ""))
+            if holder is None:  # released between our insert and this look-up: very unlikely; say so
+                raise ValidationError("options.idempotencyKey", "the key changed hands concurrently; retry")
+            out.append(TriggeredRun(holder.id, RunStatus(holder.status), "", holder.queue, is_cached=True))
+        keep = {r.id for r in new_runs if r.id in inserted}
+        return (out, [i for i in items if i.run_id in keep], [j for j in jobs if j[2]["run_id"] in keep],
+                new_runs)
+
+    def _ttl(self, ttl_s: float | None) -> float | None:
+        cap = self.r.settings.max_ttl_s
+        if ttl_s is None:
+            return cap
+        return ttl_s if cap is None else min(ttl_s, cap)
 
     def _queue_timestamp(self, now: float) -> datetime:
         """``now`` with microseconds, strictly increasing in this process, so that runs

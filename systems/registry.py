@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from systems.cancel import CancelSystem
 from systems.dead_letter import DeadLetterSystem
+from systems.delayed_runs import DelayedRunSystem
 from systems.dequeue import DequeueSystem
 from systems.enqueue import EnqueueSystem
 from systems.execution_snapshot import ExecutionSnapshotSystem
@@ -25,6 +26,7 @@ class Systems:
     dead_letter: DeadLetterSystem
     waiting_for_worker: WaitingForWorkerSystem
     waitpoints: WaitpointSystem
+    delayed: DelayedRunSystem
 
     @classmethod
     def build(cls, resources: SystemResources) -> Systems:
@@ -37,6 +39,7 @@ class Systems:
             dead_letter=DeadLetterSystem(resources),
             waiting_for_worker=WaitingForWorkerSystem(resources),
             waitpoints=WaitpointSystem(resources),
+            delayed=DelayedRunSystem(resources),
         )
         resources.systems = systems
         return systems

@@ -44,7 +44,7 @@ class SystemResources:
     def __post_init__(self) -> None:
         # Group commit: concurrent state changes share one statement / one Lua call.
         self.transitions: Batcher[Transition, TransitionResult] = Batcher(self.repo.transition_many)
-        self.inserts: Batcher[NewRun, None] = Batcher(self._insert_runs)
+        self.inserts: Batcher[NewRun, bool] = Batcher(self._insert_runs)
         self.enqueues: Batcher[EnqueueItem, None] = Batcher(self._enqueue)
         self.acks: Batcher[tuple[str, str, str], None] = Batcher(self._ack)  # env, run, worker group
         self._work_listeners: list[Callable[[str], None]] = []
@@ -56,9 +56,9 @@ class SystemResources:
     async def transition(self, transition: Transition) -> TransitionResult:
         return await self.transitions.submit(transition)
 
-    async def _insert_runs(self, runs: list[NewRun]) -> list[None]:
-        await self.repo.insert_runs(runs)
-        return [None] * len(runs)
+    async def _insert_runs(self, runs: list[NewRun]) -> list[bool]:
+        inserted = await self.repo.insert_runs(runs)
+        return [r.id in inserted for r in runs]
 
     async def change_jobs(self, cancel: Sequence[str] = (), schedule: Sequence[JobSpec] = ()) -> None:
         """Cancel and (re)schedule engine jobs; concurrent callers share one Redis call."""

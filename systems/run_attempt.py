@@ -94,6 +94,8 @@ class RunAttemptSystem:
             assert result.run is not None and result.snapshot is not None
             run, snapshot = result.run, result.snapshot
             cancel, schedule = self._s.snapshots.rearm(snapshot_id, E.PENDING_EXECUTING, snapshot)
+            if run.ttl_s is not None and run.attempt_number == 1:
+                cancel.append(f"ttl.{run_id}")  # started in time: the TTL no longer applies
             policy = await self.retry_policy(run)
             max_duration = run.max_duration_s
             if max_duration is None:

@@ -45,6 +45,10 @@ _DOC: dict[str, dict[str, tuple[str, type[BaseModel] | None]]] = {
     "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/attempts/complete": {
         "post": ("Complete an attempt", models.CompleteBody)},
     "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/heartbeat": {"post": ("Run liveness", None)},
+    "/api/v1/runs/{runId}/reschedule": {"post": ("Reschedule a delayed run (422 unless DELAYED)",
+                                                 models.RescheduleBody)},
+    "/api/v1/runs/{runId}/metadata": {"put": ("Replace a run's metadata", models.MetadataBody)},
+    "/api/v1/runs/{runId}/tags": {"post": ("Add tags to a run (at most 10)", models.TagsBody)},
     "/api/v1/waitpoints/tokens": {"post": ("Create a waitpoint token", models.TokenCreateBody),
                                   "get": ("List waitpoint tokens", None)},
     "/api/v1/waitpoints/tokens/{waitpointId}": {"get": ("Get a waitpoint token", None)},
@@ -85,7 +89,8 @@ def openapi_document() -> dict[str, Any]:
                         "schema": {"$ref": "#/components/schemas/Error"}}}}
                     for code, text in ((400, "invalid input"), (401, "missing or bad credentials"),
                                        (403, "credentials of another scope"), (404, "unknown id"),
-                                       (409, "conflict"), (413, "payload too large"))}},
+                                       (409, "conflict"), (413, "payload too large"),
+                                       (422, "impossible in the current state"), (429, "rate limited"))}},
             }
             if model is not None:
                 schema = model.model_json_schema(ref_template="#/components/schemas/{model}")

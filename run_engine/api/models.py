@@ -4,7 +4,7 @@ fields are ignored so that Trigger.dev's SDK can call run-engine."""
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -28,6 +28,19 @@ def parse_duration_s(value: float | int | str) -> float:
     if seconds < 0:
         raise ValueError("must not be negative")
     return seconds
+
+
+def parse_when(value: float | int | str | datetime, now: float) -> datetime:
+    """A delay as a duration (seconds, "30s", "15m", …) from ``now`` or an ISO 8601 date (UTC if naive)."""
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    if isinstance(value, str) and not _DURATION.match(value):
+        try:
+            when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            raise ValueError("must be a duration like '30s', '15m', '2h', '1d' or an ISO 8601 date") from None
+        return when if when.tzinfo else when.replace(tzinfo=UTC)
+    return datetime.fromtimestamp(now + parse_duration_s(value), UTC)
 
 
 class _Body(BaseModel):
@@ -100,6 +113,13 @@ class TriggerOptions(_Body):
             parse_duration_s(v)
         return v
 
+    @field_validator("delay")
+    @classmethod
+    def _delay(cls, v: float | int | str | datetime | None) -> float | int | str | datetime | None:
+        if v is not None:
+            parse_when(v, 0)
+        return v
+
 
 class TriggerBody(_Body):
     payload: Any = None
@@ -110,6 +130,34 @@ class BatchItem(_Body):
     task: str = Field(min_length=1, max_length=128)
     payload: Any = None
     options: TriggerOptions | None = None
+
+
+class RescheduleBody(_Body):
+    delay: float | int | str | datetime
+
+    @field_validator("delay")
+    @classmethod
+    def _delay(cls, v: float | int | str | datetime) -> float | int | str | datetime:
+        parse_when(v, 0)
+        return v
+
+
+class MetadataBody(_Body):
+    metadata: dict[str, Any]
+
+
+class TagsBody(_Body):
+    tags: list[str] | str = Field(min_length=1)
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, v: list[str] | str) -> list[str]:
+        tags = [v] if isinstance(v, str) else v
+        if len(tags) > 10:
+            raise ValueError("at most 10 tags")
+        if any(not t or len(t) > 128 for t in tags):
+            raise ValueError("each tag must be 1..128 characters")
+        return tags
 
 
 class BatchBody(_Body):

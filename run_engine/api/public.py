@@ -16,11 +16,15 @@ from run_engine.api.http import ApiError, body, json_response
 from run_engine.api.models import (
     BatchBody,
     ConcurrencyBody,
+    MetadataBody,
     PauseBody,
     RedriveAllBody,
+    RescheduleBody,
+    TagsBody,
     TriggerBody,
     TriggerOptions,
     parse_duration_s,
+    parse_when,
 )
 from run_engine.api.serialize import iso, run_object
 from run_engine.db.repository import RunRow
@@ -75,7 +79,10 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
         max_attempts=o.maxAttempts, retry=retry,
         max_duration_s=None if o.maxDuration is None else int(o.maxDuration), machine=o.machine,
         parent_run_id=o.parentRunId or auth.run_id, batch_id=batch_id, trigger_function=trigger_function,
-        ttl_s=None if o.ttl is None else int(parse_duration_s(o.ttl)),
+        ttl_s=None if o.ttl is None else parse_duration_s(o.ttl),
+        delay_until=None if o.delay is None else parse_when(o.delay, ctx.engine.resources.clock.now()),
+        idempotency_key=o.idempotencyKey,
+        idempotency_key_ttl_s=None if o.idempotencyKeyTTL is None else parse_duration_s(o.idempotencyKeyTTL),
     )
 
 
@@ -320,6 +327,43 @@ async def redrive_all(request: Request) -> Response:
     return json_response({"redriven": count})
 
 
+async def reschedule_run(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    run = await _own_run(ctx, auth, request.path_params["run_id"])
+    req = await body(request, RescheduleBody)
+    when = parse_when(req.delay, ctx.engine.resources.clock.now())
+    try:
+        fresh = await ctx.engine.reschedule(auth.env_id, run.id, when)
+    except InvalidTransitionError:
+        raise ApiError(422, "not_delayed", f"run {run.id} is {run.status}: only a DELAYED run can be "
+                                           "rescheduled") from None
+    return json_response(run_object(fresh))
+
+
+async def update_metadata(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    run = await _own_run(ctx, auth, request.path_params["run_id"])
+    req = await body(request, MetadataBody)
+    limit = ctx.engine.resources.settings.max_metadata_bytes
+    if len(orjson.dumps(req.metadata)) > limit:
+        raise ApiError(413, "payload_too_large", f"metadata: larger than {limit} bytes")
+    await ctx.repo.set_metadata(run.id, req.metadata)
+    return json_response({"metadata": req.metadata})
+
+
+async def add_tags(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    run = await _own_run(ctx, auth, request.path_params["run_id"])
+    req = await body(request, TagsBody)
+    tags = await ctx.repo.add_tags(run.id, list(req.tags), 10)
+    if tags is None:
+        raise ApiError(422, "too_many_tags", "a run has at most 10 tags")
+    return json_response({"tags": tags})
+
+
 ROUTES = [
     Route("/api/v1/tasks/batch", batch_trigger, methods=["POST"]),
     Route("/api/v1/tasks/{task_id}/trigger", trigger, methods=["POST"]),
@@ -328,6 +372,9 @@ ROUTES = [
     Route("/api/v1/runs", list_runs, methods=["GET"]),
     Route("/api/v2/runs/{run_id}/cancel", cancel_run, methods=["POST"]),
     Route("/api/v1/runs/{run_id}/replay", replay_run, methods=["POST"]),
+    Route("/api/v1/runs/{run_id}/reschedule", reschedule_run, methods=["POST"]),
+    Route("/api/v1/runs/{run_id}/metadata", update_metadata, methods=["PUT"]),
+    Route("/api/v1/runs/{run_id}/tags", add_tags, methods=["POST"]),
     Route("/api/v1/queues", list_queues, methods=["GET"]),
     Route("/api/v1/queues/{name:path}/pause", pause_queue, methods=["POST"]),
     Route("/api/v1/queues/{name:path}/concurrency/override", override_concurrency, methods=["POST"]),

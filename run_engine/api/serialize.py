@@ -44,7 +44,7 @@ def run_object(run: RunRow, *, children: list[str] | None = None) -> dict[str, A
         "idempotencyKey": run.idempotency_key,
         "ttl": run.ttl_s,
         "delayedUntil": iso(run.delay_until),
-        "expiredAt": None,
+        "expiredAt": iso(run.finished_at) if status == RunStatus.EXPIRED else None,
         "createdAt": iso(run.created_at),
         "updatedAt": iso(run.updated_at),
         "startedAt": iso(run.started_at),

@@ -290,11 +290,13 @@ WITH input AS (
         locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
         coalesce(resume_parent_on_completion, false), CASE WHEN engine_status = 'QUEUED' THEN now() END, coalesce(queue_timestamp, now())
     FROM input
+    ON CONFLICT (environment_id, task_identifier, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, created_at
 )
 INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, description)
 SELECT i.snapshot_id, i.id, i.engine_status, i.status, i.description
 FROM input i JOIN runs r ON r.id = i.id
+RETURNING run_id
 """
 
 
@@ -330,10 +332,58 @@ class Repository:
 
     # --- runs -------------------------------------------------------------------------------
 
-    async def insert_runs(self, runs: Sequence[NewRun]) -> None:
+    async def insert_runs(self, runs: Sequence[NewRun]) -> set[str]:
+        """Insert runs with their first snapshots; the ids inserted. A run whose idempotency key
+        (environment, task, key) is taken is skipped: see :meth:`runs_by_idempotency_key`."""
         rows = [{name: _jsonable(getattr(r, name)) for name in NewRun.__slots__} for r in runs]
         async with self.pool.connection() as conn:
-            await conn.execute(_INSERT_RUNS_SQL, {"rows": Jsonb(rows)})
+            cur = await conn.execute(_INSERT_RUNS_SQL, {"rows": Jsonb(rows)})
+            return {r[0] for r in await cur.fetchall()}
+
+    async def release_expired_idempotency_keys(self, env_id: str, keys: Sequence[tuple[str, str]],
+                                               now: datetime) -> None:
+        """Free (task, key) pairs whose runs' idempotency TTL has passed, so a new run may take them."""
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """UPDATE task_run r SET idempotency_key = NULL
+                   FROM (SELECT unnest(%s::text[]) AS task, unnest(%s::text[]) AS key) k
+                   WHERE r.environment_id = %s AND r.task_identifier = k.task AND r.idempotency_key = k.key
+                     AND r.idempotency_key_expires_at <= %s""",
+                ([t for t, _ in keys], [k for _, k in keys], env_id, now))
+
+    async def runs_by_idempotency_key(self, env_id: str, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], RunRow]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT r.* FROM task_run r
+                   JOIN (SELECT unnest(%s::text[]) AS task, unnest(%s::text[]) AS key) k
+                     ON r.task_identifier = k.task AND r.idempotency_key = k.key
+                   WHERE r.environment_id = %s""",
+                ([t for t, _ in keys], [k for _, k in keys], env_id))
+            return {(r["task_identifier"], r["idempotency_key"]): _run(r) for r in await cur.fetchall()}
+
+    async def set_metadata(self, run_id: str, metadata: Any) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE task_run SET metadata = %s, updated_at = now() WHERE id = %s",
+                               (Jsonb(metadata), run_id))
+
+    async def add_tags(self, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
+        """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """UPDATE task_run SET tags = merged.tags, updated_at = now()
+                   FROM (SELECT array(SELECT t FROM unnest(r.tags || %s::text[]) WITH ORDINALITY u(t, n)
+                                      GROUP BY t ORDER BY min(n)) AS tags
+                         FROM task_run r WHERE r.id = %s) merged
+                   WHERE id = %s AND cardinality(merged.tags) <= %s
+                   RETURNING task_run.tags""", (list(tags), run_id, run_id, limit))
+            row = await cur.fetchone()
+        return list(row[0]) if row else None
+
+    async def set_delay_until(self, run_id: str, when: datetime) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE task_run SET delay_until = %s, queue_timestamp = %s, updated_at = now() "
+                               "WHERE id = %s", (when, when, run_id))
 
     async def transition_many(self, transitions: Sequence[Transition]) -> list[TransitionResult]:
         rows = [
@@ -593,7 +643,7 @@ class Repository:
             return cur.rowcount > 0
 
     async def assign_deployment(self, run_ids: Sequence[str], deployment_id: str, queue_of: dict[str, str]) -> None:
-        """Lock PENDING_VERSION runs to the deployment that can run them; runs that were put in
+        """Lock PENDING_VERSION (or due DELAYED) runs to the deployment that can run them; runs put in
         their task's default queue move to the queue the deployment declares for the task."""
         async with self.pool.connection() as conn:
             await conn.execute(
@@ -601,7 +651,7 @@ class Repository:
                        queue = CASE WHEN r.queue = 'task/' || r.task_identifier
                                     THEN coalesce((%(queues)s::jsonb) ->> r.task_identifier, r.queue)
                                     ELSE r.queue END
-                   WHERE r.id = ANY(%(ids)s) AND r.status = 'PENDING_VERSION'""",
+                   WHERE r.id = ANY(%(ids)s) AND r.status IN ('PENDING_VERSION', 'DELAYED')""",
                 {"dep": deployment_id, "queues": Jsonb(queue_of), "ids": list(run_ids)},
             )
 

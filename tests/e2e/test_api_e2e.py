@@ -169,6 +169,9 @@ BODY_ENDPOINTS = [
     ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"priority": -1}}, "options.priority"),
     ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"ttl": "soon"}}, "options.ttl"),
     ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"queue": "a:b"}}, "options.queue"),
+    ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"delay": "whenever"}}, "options.delay"),
+    ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"idempotencyKeyTTL": "x"}},
+     "options.idempotencyKeyTTL"),
     ("POST", "/api/v1/tasks/batch", {"items": []}, "items"),
     ("POST", "/api/v1/tasks/batch", {"items": [{"payload": 1}]}, "items.0.task"),
     ("POST", "/api/v1/tasks/batch", {"items": [{"task": "manual"}] * 1001}, "items"),
@@ -212,6 +215,8 @@ PUBLIC = [("POST", "/api/v1/tasks/manual/trigger"), ("POST", "/api/v1/tasks/batc
           ("GET", "/api/v1/queues"), ("GET", "/api/v1/queues/custom-q"), ("GET", "/api/v1/dlq"),
           ("POST", "/api/v1/dlq/redrive"), ("POST", "/api/v1/dlq/run_x/redrive"), ("GET", "/api/v1/batches/batch_x"),
           ("POST", "/api/v1/waitpoints/tokens"), ("GET", "/api/v1/waitpoints/tokens"),
+          ("POST", "/api/v1/runs/run_x/reschedule"), ("PUT", "/api/v1/runs/run_x/metadata"),
+          ("POST", "/api/v1/runs/run_x/tags"),
           ("GET", "/api/v1/waitpoints/tokens/waitpoint_x"), ("POST", "/api/v1/waitpoints/tokens/waitpoint_x/complete")]
 WORKER = [("POST", f"{W}/connect"), ("POST", f"{W}/dequeue"), ("POST", f"{W}/heartbeat"),
           ("POST", f"{W}/attempts/start"), ("POST", f"{W}/attempts/complete"),
@@ -240,8 +245,10 @@ def test_unknown_ids_and_other_environments_ids_are_404(stack: Stack, lonely: St
     with lonely.client() as c:
         for run_id in ("run_doesnotexist", theirs):
             for method, path in (("GET", f"/api/v3/runs/{run_id}"), ("POST", f"/api/v2/runs/{run_id}/cancel"),
-                                 ("POST", f"/api/v1/runs/{run_id}/replay"), ("POST", f"/api/v1/dlq/{run_id}/redrive")):
-                r = c.request(method, path)
+                                 ("POST", f"/api/v1/runs/{run_id}/replay"), ("POST", f"/api/v1/dlq/{run_id}/redrive"),
+                                 ("POST", f"/api/v1/runs/{run_id}/reschedule"),
+                                 ("PUT", f"/api/v1/runs/{run_id}/metadata"), ("POST", f"/api/v1/runs/{run_id}/tags")):
+                r = c.request(method, path, json={"delay": "1s", "metadata": {}, "tags": ["t"]})
                 assert r.status_code == 404, (method, path, r.text)
                 assert r.json()["error"]["code"] == "not_found"
     with lonely.worker() as w:

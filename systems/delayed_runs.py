@@ -1,0 +1,96 @@
+"""DelayedRunSystem and TTL: a delayed run waits as DELAYED until its engine job (``delay.<run>``)
+enqueues it; ``reschedule`` moves that date. A run with a TTL that has not started by then ends
+EXPIRED (``ttl.<run>``); a retry or a resumed run is never expired (it has started once)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from run_engine.db.repository import RunRow
+from run_engine.errors import InvalidTransitionError, NotFoundError
+from run_engine.events import RunEvent
+from run_engine.statuses import ExecutionStatus, RunStatus
+from systems.enqueue import DELAYED_JOB, TTL_JOB
+from systems.resources import SystemResources
+
+E = ExecutionStatus
+#: statuses a TTL expires: never started, not running
+EXPIRABLE = (E.QUEUED, E.DELAYED, E.PENDING_VERSION)
+
+
+class DelayedRunSystem:
+    def __init__(self, resources: SystemResources) -> None:
+        self.r = resources
+
+    @property
+    def _s(self):  # type: ignore[no-untyped-def]
+        assert self.r.systems is not None
+        return self.r.systems
+
+    async def enqueue_delayed(self, run_id: str) -> None:
+        """The delay is over: QUEUED (or PENDING_VERSION when no deployment has the task yet)."""
+        async with self.r.locker.lock("enqueue_delayed", run_id):
+            latest = await self.r.repo.latest_snapshot(run_id)
+            run = await self.r.repo.get_run(run_id)
+            if latest is None or run is None or latest.engine_status != E.DELAYED:
+                return  # cancelled, expired or already enqueued
+            if run.delay_until is not None and run.delay_until.timestamp() > self.r.clock.now() + 0.001:
+                return  # rescheduled later; its job was moved with it
+            if run.locked_to_deployment_id is None:
+                env = await self._s.enqueue.environment(run.environment_id)
+                task = await self._s.enqueue._task(run.environment_id, env.worker_group_id, run.task_identifier)
+                if task.deployment_id is not None:
+                    await self.r.repo.assign_deployment([run_id], task.deployment_id,
+                                                        {run.task_identifier: task.queue or run.queue})
+                    run = await self.r.repo.get_run(run_id)
+                    assert run is not None
+            if run.locked_to_deployment_id is None:
+                await self._s.snapshots.apply(
+                    run_id, E.PENDING_VERSION, RunStatus.PENDING_VERSION, from_statuses=(E.DELAYED,),
+                    expected_snapshot_id=latest.id, operation="enqueue",
+                    description="Delay over; no deployment has this task yet")
+                return
+            result = await self._s.snapshots.apply(
+                run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=(E.DELAYED,), expected_snapshot_id=latest.id,
+                operation="enqueue", description="Delay over")
+            assert result.run is not None and result.snapshot is not None
+            await self.r.enqueues.submit(self._s.enqueue.item_for(result.run))
+        self.r.events.emit(RunEvent("run_requeued", run_id, run.environment_id, result.snapshot.id,
+                                    {"reason": "delay"}))
+
+    async def reschedule(self, run_id: str, env_id: str, delay_until: datetime) -> RunRow:
+        """Move a DELAYED run's date (and its TTL with it); InvalidTransitionError otherwise."""
+        async with self.r.locker.lock("reschedule", run_id):
+            run = await self.r.repo.get_run(run_id, env_id)
+            if run is None:
+                raise NotFoundError("run", run_id)
+            latest = await self._s.snapshots.latest(run_id)
+            if latest.engine_status != E.DELAYED:
+                raise InvalidTransitionError(run_id, latest.engine_status, "reschedule")
+            await self.r.repo.set_delay_until(run_id, delay_until)
+            await self._s.snapshots.apply(
+                run_id, E.DELAYED, RunStatus.DELAYED, from_statuses=(E.DELAYED,), expected_snapshot_id=latest.id,
+                operation="reschedule", description=f"Rescheduled to {delay_until.isoformat()}")
+            jobs = [(f"delay.{run_id}", DELAYED_JOB, {"run_id": run_id}, delay_until.timestamp())]
+            if run.ttl_s is not None:
+                jobs.append((f"ttl.{run_id}", TTL_JOB, {"run_id": run_id}, delay_until.timestamp() + run.ttl_s))
+            await self.r.change_jobs(schedule=jobs)
+            fresh = await self.r.repo.get_run(run_id)
+        assert fresh is not None
+        return fresh
+
+    async def expire(self, run_id: str) -> bool:
+        """The TTL passed: a run that never started ends EXPIRED (its parent's wait, if any, ends
+        with that error). True if it expired."""
+        async with self.r.locker.lock("expire", run_id):
+            latest = await self.r.repo.latest_snapshot(run_id)
+            if latest is None or latest.engine_status not in EXPIRABLE or latest.attempt_number > 0:
+                return False
+            run = await self.r.repo.get_run(run_id)
+            assert run is not None
+            await self.r.queue.remove(run.environment_id, run_id)
+            await self._s.run_attempt.finish(
+                run_id, RunStatus.EXPIRED, expected_snapshot_id=latest.id, from_statuses=EXPIRABLE,
+                description="TTL passed before the run started",
+                error={"type": "EXPIRED", "message": f"the run was not started within its TTL of {run.ttl_s}s"})
+        return True

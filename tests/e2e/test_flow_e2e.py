@@ -1,0 +1,90 @@
+"""Flow control over HTTP (issue 5): delay and reschedule, TTL, idempotency keys, priority, tags and
+metadata. Real server and supervisor."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from .conftest import Stack
+
+
+@pytest.fixture(scope="module")
+def flow(stack: Stack) -> Stack:
+    own = stack.project("flow")
+    own.start_supervisor("flow", concurrency=4)
+    return own
+
+
+def test_delay_then_reschedule_and_422_once_it_is_not_delayed(flow: Stack) -> None:
+    run_id = flow.trigger("echo", {"d": 1}, delay="1h", tags=["delayed"])
+    run = flow.run(run_id)
+    assert run["status"] == "DELAYED" and run["isQueued"] and run["delayedUntil"]
+    soon = (datetime.now(UTC) + timedelta(seconds=1)).isoformat()
+    with flow.client() as c:
+        r = c.post(f"/api/v1/runs/{run_id}/reschedule", json={"delay": soon})
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "DELAYED" and r.json()["delayedUntil"].startswith(soon[:19])
+    done = flow.wait_for(run_id)
+    assert done["status"] == "COMPLETED"
+    with flow.client() as c:
+        r = c.post(f"/api/v1/runs/{run_id}/reschedule", json={"delay": "10s"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "not_delayed"
+        bad = c.post(f"/api/v1/runs/{run_id}/reschedule", json={"delay": "tomorrowish"})
+        assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("delay")
+        assert c.post("/api/v1/runs/run_nope/reschedule", json={"delay": "1s"}).status_code == 404
+
+
+def test_ttl_expires_a_run_that_cannot_start(flow: Stack) -> None:
+    with flow.client() as c:
+        assert c.post("/api/v1/queues/task/sync-echo/pause", json={"action": "pause"}).status_code == 200
+    try:
+        run = flow.wait_for(flow.trigger("sync-echo", 1, ttl="1s"), timeout=30)
+    finally:
+        with flow.client() as c:
+            c.post("/api/v1/queues/task/sync-echo/pause", json={"action": "resume"})
+    assert run["status"] == "EXPIRED" and run["isFailed"] and run["expiredAt"]
+    assert run["error"]["type"] == "EXPIRED"
+
+
+def test_fifty_concurrent_triggers_with_one_idempotency_key_make_one_run(flow: Stack) -> None:
+    def one(_: int) -> dict:
+        with flow.client() as c:
+            r = c.post("/api/v1/tasks/echo/trigger", json={"payload": 1, "options": {"idempotencyKey": "k-50"}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(50)))
+    assert len({r["id"] for r in results}) == 1
+    assert sum(not r["isCached"] for r in results) == 1
+    run = flow.wait_for(results[0]["id"])
+    assert run["status"] == "COMPLETED" and run["idempotencyKey"] == "k-50"
+    with flow.client() as c:
+        batch = c.post("/api/v1/tasks/batch", json={"items": [
+            {"task": "echo", "payload": 2, "options": {"idempotencyKey": "k-50"}},
+            {"task": "echo", "payload": 3, "options": {"idempotencyKey": "k-batch"}}]}).json()
+    assert batch["runs"][0] == {"id": results[0]["id"], "taskIdentifier": "echo", "isCached": True}
+    assert batch["runs"][1]["isCached"] is False
+
+
+def test_priority_tags_and_metadata(flow: Stack) -> None:
+    run_id = flow.trigger("echo", 1, priority=30, tags=["a", "b"], metadata={"step": 1})
+    with flow.client() as c:
+        run = c.get(f"/api/v3/runs/{run_id}").json()
+        assert run["priority"] == 30 and run["tags"] == ["a", "b"] and run["metadata"] == {"step": 1}
+        r = c.put(f"/api/v1/runs/{run_id}/metadata", json={"metadata": {"step": 2, "of": 3}})
+        assert r.status_code == 200 and r.json() == {"metadata": {"step": 2, "of": 3}}
+        r = c.post(f"/api/v1/runs/{run_id}/tags", json={"tags": ["b", "c"]})
+        assert r.status_code == 200 and r.json() == {"tags": ["a", "b", "c"]}
+        too_many = c.post(f"/api/v1/runs/{run_id}/tags", json={"tags": [f"t{i}" for i in range(8)]})
+        assert too_many.status_code == 422
+        assert c.post(f"/api/v1/runs/{run_id}/tags", json={"tags": ["x" * 129]}).status_code == 400
+        huge = c.put(f"/api/v1/runs/{run_id}/metadata", json={"metadata": {"blob": "x" * 300_000}})
+        assert huge.status_code == 413
+        run = c.get(f"/api/v3/runs/{run_id}").json()
+        assert run["metadata"] == {"step": 2, "of": 3} and run["tags"] == ["a", "b", "c"]
+        tagged = c.get("/api/v1/runs", params={"filter[tag]": "c"}).json()["data"]
+        assert [r["id"] for r in tagged] == [run_id]

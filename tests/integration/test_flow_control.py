@@ -1,0 +1,140 @@
+"""Delays, reschedule, TTL and idempotency keys (issue 5), on real PostgreSQL and Redis with a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+
+from run_engine.engine import TriggerRequest
+from run_engine.errors import InvalidTransitionError
+from run_engine.statuses import RunStatus
+
+from .conftest import Harness
+
+
+def req(h: Harness, task: str = "hello", **kw: object) -> TriggerRequest:
+    return TriggerRequest(env_id=h.env.env_id, task_id=task, **kw)  # type: ignore[arg-type]
+
+
+def at(h: Harness, seconds: float) -> datetime:
+    return datetime.fromtimestamp(h.clock.now() + seconds, UTC)
+
+
+async def test_delayed_run_is_enqueued_when_due(h: Harness) -> None:
+    run = await h.engine.trigger(req(h, delay_until=at(h, 60)))
+    assert run.status == RunStatus.DELAYED
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.delay_until is not None
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+    await h.advance(59)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "DELAYED"
+    await h.advance(1.5)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED"
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert d.run.id == run.id
+    assert await h.statuses(run.id) == ["DELAYED", "QUEUED", "PENDING_EXECUTING"]
+
+
+async def test_delayed_run_takes_its_place_when_due_not_when_triggered(h: Harness) -> None:
+    delayed = await h.engine.trigger(req(h, "limited", delay_until=at(h, 10)))
+    h.clock.advance(5)
+    early = await h.engine.trigger(req(h, "limited"))
+    await h.advance(6)
+    later = await h.engine.trigger(req(h, "limited"))
+    order = []
+    for _ in range(3):
+        (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+        order.append(d.run.id)
+        s = await h.engine.start_attempt(d.run.id, d.snapshot.id)
+        await h.engine.complete_attempt(d.run.id, s.snapshot.id, ok=True)
+    assert order == [early.id, delayed.id, later.id]
+
+
+async def test_reschedule_moves_the_date_and_refuses_runs_that_are_not_delayed(h: Harness) -> None:
+    run = await h.engine.trigger(req(h, delay_until=at(h, 10)))
+    row = await h.engine.reschedule(h.env.env_id, run.id, at(h, 100))
+    assert row.delay_until is not None and row.delay_until.timestamp() == pytest.approx(h.clock.now() + 100)
+    await h.advance(20)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "DELAYED"
+    await h.advance(81)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED"
+    with pytest.raises(InvalidTransitionError):
+        await h.engine.reschedule(h.env.env_id, run.id, at(h, 10))
+
+
+async def test_delayed_run_of_a_task_without_deployment_waits_for_one(h: Harness) -> None:
+    run = await h.engine.trigger(req(h, "not-deployed", delay_until=at(h, 5)))
+    await h.advance(6)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "PENDING_VERSION"
+    await h.deploy({"id": "hello"}, {"id": "not-deployed"}, version="2")
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED"
+
+
+async def test_ttl_expires_a_run_that_did_not_start_and_resumes_its_waiting_parent(h: Harness) -> None:
+    await h.engine.pause_queue(h.env.env_id, "task/hello")
+    lonely = await h.engine.trigger(req(h, ttl_s=30))
+    await h.advance(31)
+    row = await h.engine.get_run(lonely.id)
+    assert row is not None and row.status == "EXPIRED" and row.error["type"] == "EXPIRED"  # type: ignore[index]
+    assert await h.engine.resources.queue.has_messages([(h.env.env_id, lonely.id)]) == [False]  # out of the queue
+    # a parent waiting on a child that expires resumes with the child's error
+    await h.engine.resume_queue(h.env.env_id, "task/hello")
+    parent = await h.engine.trigger(req(h, "limited"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    s = await h.engine.start_attempt(parent.id, d.snapshot.id)
+    await h.engine.pause_queue(h.env.env_id, "task/hello")
+    (child,), out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h, ttl_s=10)])
+    assert out.blocked
+    await h.advance(11)
+    assert (await h.engine.get_run(child)).status == "EXPIRED"  # type: ignore[union-attr]
+    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    assert entry["result"]["ok"] is False and entry["result"]["error"]["type"] == "EXPIRED"
+
+
+async def test_a_started_run_and_its_retries_never_expire(h: Harness) -> None:
+    run = await h.engine.trigger(req(h, ttl_s=5))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    out = await h.engine.complete_attempt(run.id, s.snapshot.id, ok=False, error={"type": "E", "message": "x"})
+    assert out.action == "retry"  # back in the queue, QUEUED again
+    await h.advance(10)
+    assert (await h.engine.get_run(run.id)).status == "QUEUED"  # type: ignore[union-attr]
+    assert not await h.engine.systems.delayed.expire(run.id)
+
+
+async def test_max_ttl_setting_caps_every_run(make_engine) -> None:  # type: ignore[no-untyped-def]
+    h = await make_engine(max_ttl_s=20)
+    await h.deploy({"id": "hello"})
+    await h.engine.pause_queue(h.env.env_id, "task/hello")
+    capped = await h.engine.trigger(req(h, ttl_s=3600))
+    default = await h.engine.trigger(req(h))
+    await h.advance(21)
+    for run in (capped, default):
+        assert (await h.engine.get_run(run.id)).status == "EXPIRED"  # type: ignore[union-attr]
+
+
+async def test_idempotency_key_returns_the_existing_run_until_its_ttl(h: Harness) -> None:
+    first = await h.engine.trigger(req(h, idempotency_key="order-1", idempotency_key_ttl_s=60))
+    again = await h.engine.trigger(req(h, idempotency_key="order-1", idempotency_key_ttl_s=60))
+    assert not first.is_cached and again.is_cached and again.id == first.id
+    other_task = await h.engine.trigger(req(h, "limited", idempotency_key="order-1"))
+    assert not other_task.is_cached  # keys are per task
+    h.clock.advance(61)
+    fresh = await h.engine.trigger(req(h, idempotency_key="order-1", idempotency_key_ttl_s=60))
+    assert not fresh.is_cached and fresh.id != first.id
+    # only the uncached runs were enqueued
+    got = await h.engine.dequeue(h.env.worker_group_id, 10)
+    assert sorted(d.run.id for d in got) == sorted([first.id, other_task.id, fresh.id])
+
+
+async def test_concurrent_triggers_with_one_key_create_one_run(h: Harness) -> None:
+    results = await asyncio.gather(*(h.engine.trigger(req(h, idempotency_key="same")) for _ in range(50)))
+    assert len({r.id for r in results}) == 1
+    assert sum(not r.is_cached for r in results) == 1
+    batch = await h.engine.trigger_many([req(h, idempotency_key="same"), req(h, idempotency_key="new"),
+                                         req(h, idempotency_key="new")])
+    assert batch[0].id == results[0].id and batch[0].is_cached
+    assert batch[1].id == batch[2].id and not batch[1].is_cached and batch[2].is_cached
+    assert len(await h.engine.dequeue(h.env.worker_group_id, 10)) == 2
