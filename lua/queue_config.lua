@@ -4,7 +4,8 @@
 -- lowering one or pausing takes effect at the next dequeue, which parks what it finds blocked).
 -- KEYS[1] B:delayed (declares the shard's slot)
 -- ARGV[1] B, ARGV[2] op, ARGV[3] env, ARGV[4] queue ('' for env_limit), ARGV[5] value ('' = unset)
---   ops: env_limit | queue_limit | key_limit | pause | resume
+--   ops: env_limit | queue_limit | key_limit | pause | resume | rate_limit (value "T,tau": emission
+--   interval and burst tolerance in ms, '' = none)
 -- returns: 1
 local op, env, q, value = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 
@@ -21,6 +22,15 @@ elseif op == 'queue_limit' then
 elseif op == 'key_limit' then
   put(qkey(env, q) .. ':meta', 'key_limit')
   unpark_keys(env, q)
+elseif op == 'rate_limit' then
+  local qm = qkey(env, q) .. ':meta'
+  if value == '' then
+    redis.call('HDEL', qm, 'rate_t', 'rate_tau', 'tat')
+  else
+    local t, tau = string.match(value, '^(%d+),(%d+)$')
+    if not t then return redis.error_reply('rate_limit value must be "T,tau"') end
+    redis.call('HSET', qm, 'rate_t', t, 'rate_tau', tau)
+  end
 elseif op == 'pause' then
   redis.call('HSET', qkey(env, q) .. ':meta', 'paused', 1)
 elseif op == 'resume' then

@@ -8,10 +8,14 @@
 -- A blocked env (at its limit), queue (paused or at its limit) or key (at its key limit) is parked:
 -- taken out of the group's indexes until a slot frees or its settings change (see queue_lib), so
 -- later calls never walk past it. A budget of candidates still bounds the work of one call.
+-- A queue with a rate limit (GCRA: emission interval `rate_t` ms, burst tolerance `rate_tau` ms,
+-- theoretical arrival time `tat`) is skipped, not parked, while it is ahead of its rate: time alone
+-- frees it; the earliest such time is returned so that a long-poll can wake for it.
 -- KEYS[1] B:delayed
 -- ARGV[1] B, ARGV[2] wg, ARGV[3] now ms, ARGV[4] max runs, ARGV[5] promote limit,
 -- ARGV[6] default env limit, ARGV[7] scan window
--- returns: flat array of 7 fields per run: run, env, queue, ck, score, deliveries, task
+-- returns: flat array of 7 fields per run: run, env, queue, ck, score, deliveries, task; then,
+-- if a rate-limited queue was skipped, one more element: the earliest ms it may hand out a run
 local wg, now, max = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local default_env_limit, window = tonumber(ARGV[6]), tonumber(ARGV[7])
 promote(now, tonumber(ARGV[5]))
@@ -19,6 +23,7 @@ promote(now, tonumber(ARGV[5]))
 local g = gkey(wg)
 local out = {}
 local skip_env, skip_q, skip_k = {}, {}, {}
+local rate_next = nil -- earliest time a skipped rate-limited queue may serve again
 local budget = 2000 -- bounds the work of one call whatever the shape of the backlog
 
 local function limit_of(hkey, field, default)
@@ -64,13 +69,25 @@ local function pick_queue(env)
     local q = first_free(qs, skip_q, env .. '\0')
     if not q then return nil end
     local qm = qkey(env, q) .. ':meta'
-    local paused = redis.call('HGET', qm, 'paused') == '1'
-    local limit = limit_of(qm, 'limit', nil)
+    local meta = redis.call('HMGET', qm, 'paused', 'limit', 'rate_t', 'rate_tau', 'tat')
+    local paused = meta[1] == '1'
+    local limit = tonumber(meta[2])
+    local rate_t, tat = tonumber(meta[3]), nil
+    if rate_t then
+      tat = math.max(tonumber(meta[5]) or 0, now)
+      local allowed_at = tat - (tonumber(meta[4]) or 0)
+      if allowed_at > now then
+        if not rate_next or allowed_at < rate_next then rate_next = allowed_at end
+        tat = false
+      end
+    end
     if paused or (limit and redis.call('SCARD', qkey(env, q) .. ':running') >= limit) then
       park_queue(wg, env, q)
+    elseif tat == false then
+      skip_q[env .. '\0' .. q] = true -- ahead of its rate
     else
       local ck, kvt = pick_key(env, q)
-      if ck then return q, ck, kvt end
+      if ck then return q, ck, kvt, tat and (tat + rate_t) end
       skip_q[env .. '\0' .. q] = true
     end
   end
@@ -81,11 +98,11 @@ while #out < max * 7 and budget > 0 do
   local env, evt = first_free(g .. ':envs', skip_env, '')
   if not env then break end
   local env_limit = limit_of(ekey(env) .. ':meta', 'limit', default_env_limit)
-  local q, ck, kvt = nil, nil, nil
+  local q, ck, kvt, next_tat = nil, nil, nil, nil
   if redis.call('SCARD', ekey(env) .. ':running') >= env_limit then
     park_env(wg, env)
   else
-    q, ck, kvt = pick_queue(env)
+    q, ck, kvt, next_tat = pick_queue(env)
     if not q then skip_env[env] = true end -- only when the budget ran out
   end
   if q then
@@ -105,8 +122,10 @@ while #out < max * 7 and budget > 0 do
     if kvt > tonumber(redis.call('GET', r .. ':vt') or '0') then redis.call('SET', r .. ':vt', kvt) end
     redis.call('ZADD', g .. ':envs', 'XX', evt + 1, env)
     if evt > tonumber(redis.call('HGET', g .. ':meta', 'vt') or '0') then redis.call('HSET', g .. ':meta', 'vt', evt) end
+    if next_tat then redis.call('HSET', qkey(env, q) .. ':meta', 'tat', next_tat) end
     refresh_key(wg, env, q, ck)
     for _, v in ipairs({run, env, q, ck, score, deliveries, task}) do out[#out + 1] = v end
   end
 end
+if rate_next then out[#out + 1] = tostring(rate_next) end
 return out

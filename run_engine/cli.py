@@ -72,7 +72,8 @@ def server(
         _run(serve(_settings(svc.database_url, svc.redis_url), host=host, port=port, secret=secret))
 
 
-async def _bootstrap(database_url: str, redis_url: str, org: str, project: str, env: str, secret: str | None):  # type: ignore[no-untyped-def]
+async def _bootstrap(database_url: str, redis_url: str, org: str, project: str, env: str, secret: str | None,  # type: ignore[no-untyped-def]
+                     max_queue_length: int | None = None):
     from run_engine.db.repository import Repository
     from run_engine.tenancy import ensure_environment, installation_secret
 
@@ -80,8 +81,11 @@ async def _bootstrap(database_url: str, redis_url: str, org: str, project: str, 
     repo = await Repository.open(database_url, min_size=1, max_size=2)
     try:
         key = await installation_secret(repo, secret)
-        return await ensure_environment(repo, secret=key, org=org, project=project, env=env,
-                                        concurrency_limit=settings.env_concurrency)
+        created = await ensure_environment(repo, secret=key, org=org, project=project, env=env,
+                                           concurrency_limit=settings.env_concurrency)
+        if max_queue_length is not None:
+            await repo.set_env_max_queue_length(created.env_id, max_queue_length or None)
+        return created
     finally:
         await repo.close()
 
@@ -93,13 +97,15 @@ def bootstrap(
     env: Annotated[str, typer.Option(help="Environment slug: dev, staging or prod.")] = "dev",
     api_url: Annotated[str, typer.Option(envvar="RUN_ENGINE_API_URL", help="URL printed as apiUrl.")] = "http://127.0.0.1:3030",
     secret: Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET", help="Key for derived secrets.")] = None,
+    max_queue_length: Annotated[int | None, typer.Option(min=0, help="Most runs the environment may have queued; "
+                                                         "triggers over it get 429 (0 = no limit).")] = None,
     data_dir: DataDir = None,
 ) -> None:
     """Create what is missing of org → project → environment (+ the project's worker group) and
     print JSON {apiKey, workerGroupToken, apiUrl}."""
     with services(data_dir) as svc:
         migrate_sync(svc.database_url)
-        e = asyncio.run(_bootstrap(svc.database_url, svc.redis_url, org, project, env, secret))
+        e = asyncio.run(_bootstrap(svc.database_url, svc.redis_url, org, project, env, secret, max_queue_length))
     typer.echo(json.dumps({"apiKey": e.api_key, "workerGroupToken": e.worker_group_token, "apiUrl": api_url,
                            "environmentId": e.env_id, "projectId": e.project_id, "workerGroupId": e.worker_group_id}))
 

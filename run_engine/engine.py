@@ -19,7 +19,7 @@ from run_engine.events import EventBus
 from run_engine.ids import new_id
 from run_engine.jobs import Job, JobQueue, JobWorker
 from run_engine.locking import RunLocker
-from run_engine.run_queue import RunQueue
+from run_engine.run_queue import Handed, RunQueue
 from run_engine.settings import EngineSettings
 from run_engine.statuses import RunStatus
 from systems.dequeue import DequeuedRun
@@ -99,7 +99,7 @@ class RunEngine:
         await self.resources.repo.insert_batch(batch_id, env_id, len(requests))
         return await self.systems.enqueue.trigger_many(requests)
 
-    async def dequeue(self, worker_group_id: str, max_runs: int = 1, worker_id: str | None = None) -> list[DequeuedRun]:
+    async def dequeue(self, worker_group_id: str, max_runs: int = 1, worker_id: str | None = None) -> Handed:
         return await self.systems.dequeue.dequeue(worker_group_id, max_runs, worker_id)
 
     async def start_attempt(self, run_id: str, snapshot_id: str, worker_id: str | None = None) -> StartedAttempt:

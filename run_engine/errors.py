@@ -7,6 +7,7 @@ Hierarchy::
     ├── StaleSnapshotError         the caller's snapshot id is no longer the latest (HTTP 409)
     ├── InvalidTransitionError     the run is in a state where the operation is impossible (409/422)
     ├── DuplicateExecutionError    a journal sequence another execution of the run already wrote (409)
+    ├── QueueFullError             the environment's queue is at its maximum length (HTTP 429)
     ├── LockTimeoutError           the run lock could not be taken in time
     ├── ValidationError            bad input (HTTP 400), names the field
     └── ConfigurationError         bad settings, missing embedded server, …
@@ -60,6 +61,17 @@ class DuplicateExecutionError(RunEngineError):
         super().__init__(f"journal entry {sequence} of run {run_id} was written by another execution: stop")
         self.run_id = run_id
         self.sequence = sequence
+
+
+class QueueFullError(RunEngineError):
+    code = "queue_full"
+
+    def __init__(self, env_id: str, queued: int, adding: int, limit: int) -> None:
+        super().__init__(f"the environment has {queued} runs queued and its maximum queue length is {limit}: "
+                         f"{adding} more would exceed it; retry when runs have started")
+        self.env_id = env_id
+        self.queued = queued
+        self.limit = limit
 
 
 class LockTimeoutError(RunEngineError):

@@ -86,6 +86,7 @@ class EngineSettings:
     max_duration_grace_s: float = 5.0
     env_concurrency: int = 100
     max_metadata_bytes: int = 256 * 1024
+    max_queue_length: int | None = None  # per environment, unless the environment sets its own
     max_ttl_s: float | None = None  # every run expires if not started within this (a run's ttl may be shorter)
     max_payload_bytes: int = 3 * MiB
     default_retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -117,6 +118,7 @@ class EngineSettings:
             "max_payload_bytes": "RUN_ENGINE_MAX_PAYLOAD_BYTES",
             "queue_shards": "RUN_ENGINE_QUEUE_SHARDS",
             "max_ttl_s": "RUN_ENGINE_MAX_TTL_S",
+            "max_queue_length": "RUN_ENGINE_MAX_QUEUE_LENGTH",
         }
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, Any] = {}

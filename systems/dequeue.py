@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from run_engine.db.repository import RunRow, Snapshot, Transition
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
+from run_engine.run_queue import Handed
 from run_engine.statuses import DEQUEUEABLE, ExecutionStatus, RunStatus
 from systems.execution_snapshot import HEARTBEAT_JOB, heartbeat_job_id
 from systems.resources import SystemResources
@@ -25,11 +26,13 @@ class DequeueSystem:
     def __init__(self, resources: SystemResources) -> None:
         self.r = resources
 
-    async def dequeue(self, worker_group_id: str, max_runs: int, worker_id: str | None = None) -> list[DequeuedRun]:
+    async def dequeue(self, worker_group_id: str, max_runs: int, worker_id: str | None = None) -> Handed:
+        """Up to ``max_runs`` runs as :class:`DequeuedRun`; the result's ``retry_at_ms`` says when a
+        rate-limited queue of the group may serve again."""
         assert self.r.systems is not None
         messages = await self.r.queue.dequeue(worker_group_id, max_runs, self.r.now_ms())
         if not messages:
-            return []
+            return messages
         run_ids = [m.run_id for m in messages]
         froms = tuple(DEQUEUEABLE)
         async with self.r.locker.lock("dequeue", *run_ids):
@@ -67,4 +70,6 @@ class DequeueSystem:
             )
         for d in dequeued:
             self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.environment_id, d.snapshot.id))
-        return dequeued
+        out = Handed(dequeued)
+        out.retry_at_ms = messages.retry_at_ms
+        return out

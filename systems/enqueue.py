@@ -9,10 +9,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from run_engine.db.repository import NewRun, RunRow
-from run_engine.errors import NotFoundError, ValidationError
+from run_engine.errors import NotFoundError, QueueFullError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
-from run_engine.run_queue import EnqueueItem
+from run_engine.run_queue import EnqueueItem, RateLimit
 from run_engine.statuses import ExecutionStatus, RunStatus
 from systems.resources import SystemResources
 
@@ -65,6 +65,7 @@ class TriggeredRun:
 class _EnvInfo:
     worker_group_id: str
     concurrency_limit: int
+    max_queue_length: int | None = None
     fetched_at: float = field(default_factory=time.monotonic)
 
 
@@ -96,7 +97,8 @@ class EnqueueSystem:
             row = await self.r.repo.environment(env_id)
             if row is None:
                 raise NotFoundError("environment", env_id)
-            fresh = _EnvInfo(row["default_worker_group_id"], row["concurrency_limit"])
+            fresh = _EnvInfo(row["default_worker_group_id"], row["concurrency_limit"],
+                             row.get("max_queue_length") or self.r.settings.max_queue_length)
             if info is None or info.concurrency_limit != fresh.concurrency_limit:
                 await self.r.queue.set_env_limit(env_id, fresh.concurrency_limit)
             self._envs[env_id] = info = fresh
@@ -124,6 +126,9 @@ class EnqueueSystem:
         limit = row["concurrency_limit_override"]
         await self.r.queue.set_queue_limit(env_id, name, row["concurrency_limit"] if limit is None else limit)
         await self.r.queue.set_key_limit(env_id, name, row["concurrency_key_limit"])
+        rate = row.get("rate_limit")
+        await self.r.queue.set_rate_limit(env_id, name, RateLimit(rate["limit"], rate["periodMs"], rate.get("burst", 1))
+                                          if rate else None)
         if row["paused"]:
             await self.r.queue.pause(env_id, name)
         else:
@@ -214,6 +219,7 @@ class EnqueueSystem:
                                              created.timestamp() * 1000, priority_ms, req.concurrency_key,
                                              req.task_id))
             results.append(TriggeredRun(run.id, status, run.snapshot_id, queue))
+        await self._check_queue_length(items)
         for env_id, keys in keyed.items():
             await self.r.repo.release_expired_idempotency_keys(env_id, keys, datetime.fromtimestamp(now, UTC))
         if len(new_runs) == 1:
@@ -260,6 +266,20 @@ class EnqueueSystem:
         keep = {r.id for r in new_runs if r.id in inserted}
         return (out, [i for i in items if i.run_id in keep], [j for j in jobs if j[2]["run_id"] in keep],
                 new_runs)
+
+    async def _check_queue_length(self, items: Sequence[EnqueueItem]) -> None:
+        """Refuse the whole call if it would take an environment past its maximum queue length (a
+        soft limit: concurrent triggers may overshoot it by what they add at the same moment)."""
+        adding: dict[str, int] = {}
+        for item in items:
+            adding[item.env_id] = adding.get(item.env_id, 0) + 1
+        for env_id, n in adding.items():
+            limit = self._envs[env_id].max_queue_length if env_id in self._envs else None
+            if limit is None:
+                continue
+            queued = (await self.r.queue.env_stats(env_id)).queued
+            if queued + n > limit:
+                raise QueueFullError(env_id, queued, n, limit)
 
     def _ttl(self, ttl_s: float | None) -> float | None:
         cap = self.r.settings.max_ttl_s

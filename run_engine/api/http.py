@@ -23,6 +23,7 @@ from run_engine.errors import (
     InvalidTransitionError,
     LockTimeoutError,
     NotFoundError,
+    QueueFullError,
     RunEngineError,
     StaleSnapshotError,
     ValidationError,
@@ -67,6 +68,8 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
         return err(409, exc.code, str(exc))
     if isinstance(exc, ValidationError):
         return err(400, exc.code, str(exc))
+    if isinstance(exc, QueueFullError):
+        return err(429, exc.code, str(exc), headers={"Retry-After": "1"})
     if isinstance(exc, LockTimeoutError):
         return err(503, exc.code, "the run is busy; try again", headers={"Retry-After": "1"})
     if isinstance(exc, HTTPException):

@@ -47,9 +47,28 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
+class RateLimitOption(_Body):
+    """``limit`` runs per ``period`` (a duration), at most ``burst`` of them back to back."""
+
+    limit: int = Field(ge=1, le=1_000_000)
+    period: float | int | str = 1
+    burst: int = Field(default=1, ge=1, le=1_000_000)
+
+    @field_validator("period")
+    @classmethod
+    def _period(cls, v: float | int | str) -> float | int | str:
+        if parse_duration_s(v) <= 0:
+            raise ValueError("must be longer than 0")
+        return v
+
+    def stored(self) -> dict[str, int]:
+        return {"limit": self.limit, "periodMs": int(parse_duration_s(self.period) * 1000), "burst": self.burst}
+
+
 class QueueOption(_Body):
     name: str = Field(min_length=1, max_length=128)
     concurrencyLimit: int | None = Field(default=None, ge=0, le=100_000)
+    rateLimit: RateLimitOption | None = None
 
     @field_validator("name")
     @classmethod

@@ -209,7 +209,8 @@ async def _queue_object(ctx: ApiContext, row: dict[str, Any]) -> dict[str, Any]:
     limit = row["concurrency_limit_override"] if row["concurrency_limit_override"] is not None else row["concurrency_limit"]
     return {"id": row["id"], "name": row["name"], "type": row["type"], "running": stats.running,
             "queued": stats.queued, "concurrencyLimit": limit, "paused": row["paused"],
-            "concurrencyLimitOverridden": row["concurrency_limit_override"] is not None}
+            "concurrencyLimitOverridden": row["concurrency_limit_override"] is not None,
+            "rateLimit": row.get("rate_limit")}
 
 
 async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str) -> dict[str, Any]:

@@ -49,7 +49,8 @@ async def connect(request: Request) -> Response:
     req = await body(request, ConnectBody)
     await ctx.repo.upsert_worker_instance(new_id("wi"), group["id"], req.workerInstanceName)
     tasks = [t.model_dump(exclude_none=True) for t in req.deployment.tasks]
-    queues = [q.model_dump(exclude_none=True) for q in req.deployment.queues]
+    queues = [{**q.model_dump(exclude_none=True), **({"rateLimit": q.rateLimit.stored()} if q.rateLimit else {})}
+              for q in req.deployment.queues]
     ids = [t["id"] for t in tasks]
     if len(set(ids)) != len(ids):
         raise ApiError(400, "invalid_input", "deployment.tasks: task ids must be unique")
@@ -102,8 +103,12 @@ async def dequeue(request: Request) -> Response:
         remaining = deadline - time.monotonic()
         if got or remaining <= 0:
             break
-        # Woken by an enqueue or a freed slot; the cap re-checks for runs whose back-off ended.
-        await ctx.wakeups.wait(group["id"], min(remaining, 1.0))
+        # Woken by an enqueue or a freed slot; the cap re-checks for runs whose back-off ended,
+        # and a rate-limited queue says when it may serve again.
+        cap = 1.0
+        if got.retry_at_ms is not None:
+            cap = max(0.002, min(cap, got.retry_at_ms / 1000 - ctx.engine.resources.clock.now()))
+        await ctx.wakeups.wait(group["id"], min(remaining, cap))
     for d in got:
         ctx.remember_run_group(d.run.id, group["id"])
     items = [_run_payload(ctx, d.run, d.snapshot) for d in got]

@@ -362,6 +362,10 @@ class Repository:
                 ([t for t, _ in keys], [k for _, k in keys], env_id))
             return {(r["task_identifier"], r["idempotency_key"]): _run(r) for r in await cur.fetchall()}
 
+    async def set_env_max_queue_length(self, env_id: str, limit: int | None) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE runtime_environment SET max_queue_length = %s WHERE id = %s", (limit, env_id))
+
     async def set_metadata(self, run_id: str, metadata: Any) -> None:
         async with self.pool.connection() as conn:
             await conn.execute("UPDATE task_run SET metadata = %s, updated_at = now() WHERE id = %s",
@@ -585,10 +589,12 @@ class Repository:
                 await conn.execute("UPDATE deployment SET is_current = true WHERE id = %s", (dep_id,))
             for queue, queue_id in zip(queues, queue_ids, strict=True):
                 await conn.execute(
-                    """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit)
-                       VALUES (%s, %s, %s, %s, %s)
-                       ON CONFLICT (environment_id, name) DO UPDATE SET concurrency_limit = EXCLUDED.concurrency_limit""",
-                    (queue_id, env_id, queue["name"], queue.get("type", "task"), queue.get("concurrencyLimit")),
+                    """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit, rate_limit)
+                       VALUES (%s, %s, %s, %s, %s, %s)
+                       ON CONFLICT (environment_id, name) DO UPDATE
+                           SET concurrency_limit = EXCLUDED.concurrency_limit, rate_limit = EXCLUDED.rate_limit""",
+                    (queue_id, env_id, queue["name"], queue.get("type", "task"), queue.get("concurrencyLimit"),
+                     Jsonb(queue["rateLimit"]) if queue.get("rateLimit") else None),
                 )
         return dep_id, created
 

@@ -9,8 +9,10 @@ from run_engine.run_queue.models import (
     DlqEntry,
     EnqueueItem,
     EnvStats,
+    Handed,
     NackResult,
     QueueStats,
+    RateLimit,
 )
 from run_engine.run_queue.queue import RunQueue
 
@@ -20,9 +22,11 @@ __all__ = [
     "DlqEntry",
     "EnqueueItem",
     "EnvStats",
+    "Handed",
     "NackResult",
     "QueueKeys",
     "QueueStats",
+    "RateLimit",
     "RunQueue",
     "jump_hash",
 ]

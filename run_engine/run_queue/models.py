@@ -24,6 +24,27 @@ class EnqueueItem:
     reset_deliveries: bool = False
 
 
+class Handed(list):  # type: ignore[type-arg]
+    """What a dequeue returns: the runs handed out (a list), and ``retry_at_ms``, the earliest time
+    a queue skipped for its rate limit may hand out a run again (None if none was)."""
+
+    retry_at_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    """GCRA: ``limit`` runs per ``period_ms``, up to ``burst`` of them at once."""
+
+    limit: int
+    period_ms: int
+    burst: int = 1
+
+    def gcra(self) -> tuple[int, int]:
+        """Emission interval and burst tolerance, in ms."""
+        interval = max(1, self.period_ms // self.limit)
+        return interval, interval * (self.burst - 1)
+
+
 @dataclass(frozen=True, slots=True)
 class DequeuedMessage:
     """A run handed out by :meth:`RunQueue.dequeue`; it holds a slot at env, queue and key level

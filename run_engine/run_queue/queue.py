@@ -20,8 +20,10 @@ from run_engine.run_queue.models import (
     DlqEntry,
     EnqueueItem,
     EnvStats,
+    Handed,
     NackResult,
     QueueStats,
+    RateLimit,
 )
 
 
@@ -97,9 +99,10 @@ class RunQueue:
             )
         )
 
-    async def dequeue(self, worker_group: str, max_runs: int, now_ms: int) -> list[DequeuedMessage]:
-        """Up to ``max_runs`` runs of ``worker_group``; shards are visited in rotating order."""
-        out: list[DequeuedMessage] = []
+    async def dequeue(self, worker_group: str, max_runs: int, now_ms: int) -> Handed:
+        """Up to ``max_runs`` runs of ``worker_group``; shards are visited in rotating order.
+        ``retry_at_ms`` of the result says when a rate-limited queue may serve again."""
+        out = Handed()
         start = self._next_shard
         self._next_shard = (self._next_shard + 1) % self.keys.shards
         for i in range(self.keys.shards):
@@ -119,6 +122,9 @@ class RunQueue:
                     self.scan_window,
                 ],
             )
+            if len(flat) % 7 == 1:  # a rate-limited queue was skipped: when it may serve again
+                at = int(float(_s(flat.pop())))
+                out.retry_at_ms = at if out.retry_at_ms is None else min(out.retry_at_ms, at)
             for j in range(0, len(flat), 7):
                 ck = _s(flat[j + 3])
                 out.append(
@@ -224,6 +230,12 @@ class RunQueue:
     async def set_key_limit(self, env_id: str, queue: str, limit: int | None) -> None:
         """Cap per concurrency key of the queue (None: no per-key cap)."""
         await self._configure("key_limit", env_id, queue, limit)
+
+    async def set_rate_limit(self, env_id: str, queue: str, rate: RateLimit | None) -> None:
+        """A GCRA rate limit on handing out the queue's runs (None: no rate limit)."""
+        keys, base = self._shard_args(env_id)
+        value = "" if rate is None else ",".join(str(x) for x in rate.gcra())
+        await self._config(self.redis, keys, [base, "rate_limit", env_id, queue, value])
 
     async def pause(self, env_id: str, queue: str) -> None:
         """Stop handing out the queue's runs (they stay queued; held runs are not affected)."""

@@ -26,19 +26,25 @@ QUEUES: dict[str, Queue] = {}
 class Queue:
     name: str
     concurrency_limit: int | None = None
+    rate_limit: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name}
         if self.concurrency_limit is not None:
             out["concurrencyLimit"] = self.concurrency_limit
+        if self.rate_limit is not None:
+            out["rateLimit"] = self.rate_limit
         return out
 
 
-def queue(name: str, concurrency_limit: int | None = None) -> Queue:
-    """Declare a queue shared by tasks; ``concurrency_limit`` caps its runs at once."""
+def queue(name: str, concurrency_limit: int | None = None, rate_limit: dict[str, Any] | None = None) -> Queue:
+    """Declare a queue shared by tasks; ``concurrency_limit`` caps its runs at once, ``rate_limit``
+    (``{"limit": 10, "period": "1s", "burst": 1}``) how many may start per period."""
     if not name or ":" in name:
         raise ValueError("queue names are non-empty and contain no ':'")
-    q = Queue(name, concurrency_limit)
+    if rate_limit is not None and not (isinstance(rate_limit.get("limit"), int) and rate_limit["limit"] >= 1):
+        raise ValueError("rate_limit needs an integer 'limit' >= 1 (and optionally 'period', 'burst')")
+    q = Queue(name, concurrency_limit, rate_limit)
     QUEUES[name] = q
     return q
 

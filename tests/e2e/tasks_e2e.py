@@ -179,3 +179,12 @@ async def waits_in_single_queue(payload, ctx):
         await wait.for_token(payload["token"])
     _note(payload["log"], f"end {payload['name']} {time.time()}")
     return payload["name"]
+
+
+rated = queue("e2e-rated", rate_limit={"limit": 10, "period": "1s"})
+
+
+@task(id="rated", queue=rated)
+def rated_task(payload, ctx):
+    _note(payload["log"], f"{time.time()}")
+    return None

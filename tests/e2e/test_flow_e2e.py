@@ -4,6 +4,7 @@ metadata. Real server and supervisor."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -88,3 +89,47 @@ def test_priority_tags_and_metadata(flow: Stack) -> None:
         assert run["metadata"] == {"step": 2, "of": 3} and run["tags"] == ["a", "b", "c"]
         tagged = c.get("/api/v1/runs", params={"filter[tag]": "c"}).json()["data"]
         assert [r["id"] for r in tagged] == [run_id]
+
+
+def test_rate_limit_of_ten_per_second_holds_over_five_seconds(flow: Stack, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = tmp_path / "rated.log"
+    with flow.client() as c:
+        queue = c.get("/api/v1/queues/e2e-rated").json()
+        assert queue["rateLimit"] == {"limit": 10, "periodMs": 1000, "burst": 1}
+        r = c.post("/api/v1/tasks/batch", json={"items": [{"task": "rated", "payload": {"log": str(log)}}] * 60})
+        assert r.status_code == 200, r.text
+        ids = [x["id"] for x in r.json()["runs"]]
+    for run_id in ids:
+        assert flow.wait_for(run_id, timeout=60)["status"] == "COMPLETED"
+    starts = sorted(float(line) for line in log.read_text().split())
+    assert len(starts) == 60
+    first = starts[0]
+    # at most 10 starts in any one-second window (one more allowed for start-up jitter), and at
+    # most 10 per second over the first five seconds
+    for i, t in enumerate(starts):
+        assert sum(1 for u in starts[i:] if u < t + 1.0) <= 11, starts
+    assert sum(1 for t in starts if t < first + 5.0) <= 52, starts
+
+
+def test_maximum_queue_length_answers_429(stack: Stack) -> None:
+    import json
+
+    full = stack.project("flow-full")
+    creds = json.loads(full.cli("bootstrap", "--org", "e2e", "--project", "flow-full", "--env", "dev",
+                                "--max-queue-length", "3").stdout)
+    assert creds["apiKey"] == full.api_key
+    full.start_supervisor("flow-full", concurrency=1)
+    with full.client() as c:
+        deadline = time.monotonic() + 30
+        while c.post("/api/v1/queues/task/echo/pause", json={"action": "pause"}).status_code != 200:
+            assert time.monotonic() < deadline, "the supervisor never registered its queues"
+            time.sleep(0.1)
+        for i in range(3):
+            assert c.post("/api/v1/tasks/echo/trigger", json={"payload": i}).status_code == 200
+        r = c.post("/api/v1/tasks/echo/trigger", json={"payload": 4})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        err = r.json()["error"]
+        assert err["code"] == "queue_full" and "maximum queue length is 3" in err["message"]
+        r = c.post("/api/v1/tasks/batch", json={"items": [{"task": "echo", "payload": 1}]})
+        assert r.status_code == 429
+        assert len(c.get("/api/v1/runs").json()["data"]) == 3  # nothing written for refused triggers

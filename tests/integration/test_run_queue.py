@@ -500,3 +500,25 @@ async def test_a_freed_slot_puts_a_parked_queue_or_key_back(q: RunQueue) -> None
     assert await q.dequeue("wg", 10, NOW) == []
     await q.ack([("envA", "c0"), ("envA", "k0")])
     assert {m.run_id for m in await q.dequeue("wg", 10, NOW)} == {"c1", "k1"}
+
+
+async def test_rate_limit_spaces_runs_and_allows_bursts(q: RunQueue) -> None:
+    from run_engine.run_queue import RateLimit
+
+    await q.set_rate_limit("envA", "task/a", RateLimit(limit=10, period_ms=1000, burst=3))
+    await q.enqueue([item(f"r{i}", score=NOW + i) for i in range(20)], NOW)
+    got = await q.dequeue("wg", 20, NOW)
+    assert [m.run_id for m in got] == ["r0", "r1", "r2"]  # the burst
+    assert got.retry_at_ms == NOW + 100  # one more every 100 ms
+    assert list(await q.dequeue("wg", 20, NOW + 99)) == []
+    assert [m.run_id for m in await q.dequeue("wg", 20, NOW + 100)] == ["r3"]
+    # steady polling: with r3, exactly 10 runs in the second [NOW + 100, NOW + 1100)
+    handed = []
+    for t in range(101, 1100, 10):
+        handed += [m.run_id for m in await q.dequeue("wg", 20, NOW + t)]
+    assert handed == [f"r{i}" for i in range(4, 13)]
+    # other queues of the env are not held back by the rate-limited one
+    await q.enqueue([item("other", queue="task/b", score=NOW + 50)], NOW + 1095)
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW + 1095)] == ["other"]  # task/a is not due
+    await q.set_rate_limit("envA", "task/a", None)
+    assert len(await q.dequeue("wg", 20, NOW + 1102)) == 7  # r13..r19 at once

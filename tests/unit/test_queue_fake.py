@@ -47,13 +47,28 @@ def test_public_api_is_pinned() -> None:
         "DlqEntry",
         "EnqueueItem",
         "EnvStats",
+        "Handed",
         "NackResult",
         "QueueKeys",
         "QueueStats",
+        "RateLimit",
         "RunQueue",
         "jump_hash",
     ]
     assert rq.DequeuedRun is rq.DequeuedMessage
+
+
+async def test_rate_limit_on_fakeredis() -> None:
+    from run_engine.run_queue import RateLimit
+
+    client = fakeredis.FakeAsyncRedis()
+    q = RunQueue(client, prefix="u", shards=1)
+    await q.set_rate_limit("e", "q", RateLimit(limit=2, period_ms=1000))
+    await q.enqueue([EnqueueItem(f"r{i}", "e", "q", "wg", i) for i in range(3)], 100)
+    got = await q.dequeue("wg", 5, 100)
+    assert [m.run_id for m in got] == ["r0"] and got.retry_at_ms == 600
+    assert [m.run_id for m in await q.dequeue("wg", 5, 600)] == ["r1"]
+    await client.aclose()
 
 
 async def test_parked_env_comes_back_when_a_slot_frees_on_fakeredis() -> None:
