@@ -18,6 +18,7 @@ from run_engine.errors import NotFoundError
 from run_engine.events import EventBus
 from run_engine.ids import new_id
 from run_engine.jobs import Job, JobQueue, JobWorker
+from run_engine.leader import LeaderLease
 from run_engine.locking import RunLocker
 from run_engine.run_queue import Handed, RunQueue
 from run_engine.settings import EngineSettings
@@ -48,6 +49,10 @@ class RunEngine:
             poll_interval_s=resources.settings.job_poll_interval_s,
         )
         self._run_jobs = run_jobs
+        s = resources.settings
+        self.leader = LeaderLease(resources.repo, ttl_s=s.lease_ttl_s, renew_s=s.lease_renew_s)
+        self.leader.add_duty("reconcile", s.reconcile_interval_s, self.systems.reconciler.reconcile)
+        self.leader.add_duty("retention", s.retention_interval_s, self.systems.reconciler.retention)
 
     @classmethod
     async def create(
@@ -76,8 +81,10 @@ class RunEngine:
         if self._run_jobs:
             await self._schedule_sweep()
             await self.jobs.start()
+            await self.leader.start()
 
     async def close(self) -> None:
+        await self.leader.stop()
         await self.jobs.stop()
         await self.resources.locker.stop()
         await self.resources.repo.close()

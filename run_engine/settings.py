@@ -87,6 +87,13 @@ class EngineSettings:
     env_concurrency: int = 100
     max_metadata_bytes: int = 256 * 1024
     max_queue_length: int | None = None  # per environment, unless the environment sets its own
+    lease_ttl_s: float = 30.0  # leader lease: held this long, renewed every lease_renew_s
+    lease_renew_s: float = 15.0
+    reconcile_interval_s: float = 10.0
+    reconcile_grace_s: float = 30.0  # runs touched more recently are left to the ordinary path
+    retention_days: float = 30.0  # finished runs older than this are deleted (0: keep forever)
+    retention_batch: int = 1000
+    retention_interval_s: float = 300.0
     max_ttl_s: float | None = None  # every run expires if not started within this (a run's ttl may be shorter)
     max_payload_bytes: int = 3 * MiB
     default_retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -94,6 +101,10 @@ class EngineSettings:
     db_pool_max: int = 8
     job_concurrency: int = 20
     job_poll_interval_s: float = 0.05
+
+    @property
+    def retention_s(self) -> float | None:
+        return self.retention_days * 86400 if self.retention_days > 0 else None
 
     def heartbeat_timeout_s(self, status: ExecutionStatus) -> float | None:
         return {
@@ -119,6 +130,11 @@ class EngineSettings:
             "queue_shards": "RUN_ENGINE_QUEUE_SHARDS",
             "max_ttl_s": "RUN_ENGINE_MAX_TTL_S",
             "max_queue_length": "RUN_ENGINE_MAX_QUEUE_LENGTH",
+            "retention_days": "RUN_ENGINE_RETENTION_DAYS",
+            "lease_ttl_s": "RUN_ENGINE_LEASE_TTL_S",
+            "lease_renew_s": "RUN_ENGINE_LEASE_RENEW_S",
+            "reconcile_interval_s": "RUN_ENGINE_RECONCILE_INTERVAL_S",
+            "reconcile_grace_s": "RUN_ENGINE_RECONCILE_GRACE_S",
         }
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, Any] = {}

@@ -10,6 +10,7 @@ from systems.delayed_runs import DelayedRunSystem
 from systems.dequeue import DequeueSystem
 from systems.enqueue import EnqueueSystem
 from systems.execution_snapshot import ExecutionSnapshotSystem
+from systems.reconciler import Reconciler
 from systems.resources import SystemResources
 from systems.run_attempt import RunAttemptSystem
 from systems.waiting_for_worker import WaitingForWorkerSystem
@@ -27,6 +28,7 @@ class Systems:
     waiting_for_worker: WaitingForWorkerSystem
     waitpoints: WaitpointSystem
     delayed: DelayedRunSystem
+    reconciler: Reconciler
 
     @classmethod
     def build(cls, resources: SystemResources) -> Systems:
@@ -40,6 +42,7 @@ class Systems:
             waiting_for_worker=WaitingForWorkerSystem(resources),
             waitpoints=WaitpointSystem(resources),
             delayed=DelayedRunSystem(resources),
+            reconciler=Reconciler(resources),
         )
         resources.systems = systems
         return systems

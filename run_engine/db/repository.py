@@ -362,6 +362,87 @@ class Repository:
                 ([t for t, _ in keys], [k for _, k in keys], env_id))
             return {(r["task_identifier"], r["idempotency_key"]): _run(r) for r in await cur.fetchall()}
 
+    # --- leader lease, reconciler, retention ---------------------------------------------------
+
+    async def acquire_lease(self, name: str, holder: str, ttl_s: float) -> tuple[bool, float]:
+        """Take the lease if free or expired, or extend it if ours (dex). Returns (held, seconds
+        until the current holder's lease expires)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """INSERT INTO engine_lease AS l (name, holder, acquired_at, expires_at)
+                   VALUES (%(name)s, %(holder)s, now(), now() + make_interval(secs => %(ttl)s))
+                   ON CONFLICT (name) DO UPDATE
+                       SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at,
+                           acquired_at = CASE WHEN l.holder = EXCLUDED.holder THEN l.acquired_at ELSE now() END
+                       WHERE l.holder = EXCLUDED.holder OR l.expires_at < now()
+                   RETURNING holder""", {"name": name, "holder": holder, "ttl": ttl_s})
+            if await cur.fetchone() is not None:
+                return True, ttl_s
+            cur = await conn.execute(
+                "SELECT extract(epoch FROM expires_at - now()) FROM engine_lease WHERE name = %s", (name,))
+            row = await cur.fetchone()
+        return False, max(0.0, float(row[0])) if row else 0.0
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("DELETE FROM engine_lease WHERE name = %s AND holder = %s", (name, holder))
+
+    async def lease_holder(self, name: str) -> str | None:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT holder FROM engine_lease WHERE name = %s AND expires_at > now()", (name,))
+            row = await cur.fetchone()
+        return row[0] if row else None
+
+    async def queued_runs_page(self, after_id: str, older_than_s: float, limit: int) -> list[RunRow]:
+        """Runs the API shows as QUEUED (latest snapshot QUEUED or QUEUED_EXECUTING), untouched for
+        ``older_than_s``, by id after ``after_id``."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM task_run
+                   WHERE status = 'QUEUED' AND id > %s AND updated_at < now() - make_interval(secs => %s)
+                   ORDER BY id LIMIT %s""", (after_id, older_than_s, limit))
+            return [_run(r) for r in await cur.fetchall()]
+
+    async def due_delayed_runs(self, older_than_s: float, limit: int) -> list[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT id FROM task_run WHERE status = 'DELAYED'
+                   AND delay_until < now() - make_interval(secs => %s) ORDER BY delay_until LIMIT %s""",
+                (older_than_s, limit))
+            return [r[0] for r in await cur.fetchall()]
+
+    async def environment_ids(self) -> list[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT id FROM runtime_environment ORDER BY id")
+            return [r[0] for r in await cur.fetchall()]
+
+    async def slot_holders(self, run_ids: Sequence[str]) -> dict[str, str]:
+        """run id → latest execution status, for runs that may hold a queue slot."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT r.id, s.engine_status FROM task_run r
+                   CROSS JOIN LATERAL (SELECT engine_status FROM task_run_execution_snapshot
+                                       WHERE run_id = r.id AND is_valid ORDER BY seq DESC LIMIT 1) s
+                   WHERE r.id = ANY(%s)""", (list(run_ids),))
+            return {r[0]: r[1] for r in await cur.fetchall()}
+
+    async def delete_finished_before(self, age_s: float, limit: int) -> int:
+        """Delete up to ``limit`` runs finished more than ``age_s`` ago (their snapshots, journals,
+        checkpoints and blocking rows go with them) and the completed waitpoints as old."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """WITH doomed AS (SELECT id FROM task_run WHERE finished_at < now() - make_interval(secs => %s)
+                                   ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED)
+                   DELETE FROM task_run WHERE id IN (SELECT id FROM doomed)""", (age_s, limit))
+            runs = cur.rowcount
+            cur = await conn.execute(
+                """WITH doomed AS (SELECT id FROM waitpoint WHERE status = 'COMPLETED'
+                                     AND completed_at < now() - make_interval(secs => %s)
+                                   LIMIT %s FOR UPDATE SKIP LOCKED)
+                   DELETE FROM waitpoint WHERE id IN (SELECT id FROM doomed)""", (age_s, limit))
+            return runs + cur.rowcount
+
     async def set_env_max_queue_length(self, env_id: str, limit: int | None) -> None:
         async with self.pool.connection() as conn:
             await conn.execute("UPDATE runtime_environment SET max_queue_length = %s WHERE id = %s", (limit, env_id))

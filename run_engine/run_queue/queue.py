@@ -50,6 +50,7 @@ class RunQueue:
         rng: random.Random | None = None,
     ) -> None:
         self.redis = redis
+        self.prefix = prefix
         self.keys = QueueKeys(prefix, shards)
         self.max_deliveries = max_deliveries
         self.nack_min_delay_ms = nack_min_delay_ms
@@ -272,6 +273,22 @@ class RunQueue:
 
     async def running_ids(self, env_id: str) -> set[str]:
         return {_s(x) for x in await self.redis.smembers(f"{self.keys.env(env_id)}:running")}
+
+    async def has_epoch(self) -> bool:
+        """False when Redis lost the queue's data (a flush or a restart without persistence): the
+        reconciler then restores settings and runs from PostgreSQL and calls :meth:`mark_epoch`."""
+        return bool(await self.redis.exists(f"{self.prefix}:epoch"))
+
+    async def mark_epoch(self) -> None:
+        await self.redis.set(f"{self.prefix}:epoch", "1")
+
+    async def message_states(self, items: Sequence[tuple[str, str]]) -> list[str | None]:
+        """Each run's message state (``ready``, ``delayed``, ``held``, ``released``, ``dlq``) or None
+        when the queue does not know the run."""
+        pipe = self.redis.pipeline(transaction=False)
+        for env_id, run_id in items:
+            pipe.hget(self.keys.message(env_id, run_id), "state")
+        return [None if x is None else _s(x) for x in await pipe.execute()] if items else []
 
     async def has_messages(self, items: Sequence[tuple[str, str]]) -> list[bool]:
         pipe = self.redis.pipeline(transaction=False)

@@ -1,0 +1,94 @@
+"""Leader lease (the dex technique): one row per lease name in the UNLOGGED ``engine_lease`` table.
+A candidate takes the lease when it is free or expired and its holder extends it; time is
+PostgreSQL's, so the candidates' clocks do not matter. Work that must run once per cluster
+(reconciler, retention, schedule planning) runs only on the holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+from run_engine.db.repository import Repository
+from run_engine.ids import new_id
+
+log = logging.getLogger(__name__)
+
+Duty = tuple[str, float, Callable[[], Awaitable[object]]]  # name, interval s, coroutine function
+
+
+class LeaderLease:
+    def __init__(self, repo: Repository, *, name: str = "engine", ttl_s: float = 30.0, renew_s: float = 15.0,
+                 holder: str | None = None) -> None:
+        self.repo = repo
+        self.name = name
+        self.ttl_s = ttl_s
+        self.renew_s = renew_s
+        self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{new_id('lease')[-6:]}"
+        self.is_leader = False
+        self._duties: list[Duty] = []
+        self._last_run: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._duty_task: asyncio.Task[None] | None = None
+
+    def add_duty(self, name: str, interval_s: float, fn: Callable[[], Awaitable[object]]) -> None:
+        """Run ``fn`` every ``interval_s`` while this process leads."""
+        self._duties.append((name, interval_s, fn))
+
+    async def try_acquire(self) -> float:
+        """Take or extend the lease; returns seconds until it is worth trying again."""
+        held, expires_in = await self.repo.acquire_lease(self.name, self.holder, self.ttl_s)
+        if held != self.is_leader:
+            log.info("%s %s the %r lease", self.holder, "took" if held else "lost", self.name)
+        self.is_leader = held
+        if held:
+            return self.renew_s
+        # someone else holds it: try again as soon as it can have expired, at most every renew_s
+        return max(0.05, min(self.renew_s, expires_in + 0.05))
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                wait = await self.try_acquire()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("lease %r: could not reach PostgreSQL", self.name, exc_info=True)
+                self.is_leader = False
+                wait = 1.0
+            if self.is_leader and (self._duty_task is None or self._duty_task.done()):
+                self._duty_task = asyncio.create_task(self._run_duties())
+            await asyncio.sleep(wait)
+
+    async def _run_duties(self) -> None:
+        now = time.monotonic()
+        for name, interval, fn in self._duties:
+            if now - self._last_run.get(name, -1e9) < interval or not self.is_leader:
+                continue
+            self._last_run[name] = now
+            try:
+                await fn()
+            except Exception:
+                log.exception("leader duty %s failed", name)
+
+    async def stop(self) -> None:
+        """Stop campaigning and give the lease up at once (another process takes it next try)."""
+        for task in (self._task, self._duty_task):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._task = self._duty_task = None
+        if self.is_leader:
+            with contextlib.suppress(Exception):
+                await self.repo.release_lease(self.name, self.holder)
+        self.is_leader = False

@@ -1,0 +1,127 @@
+"""The leader's housekeeping on real PostgreSQL and Redis: reconciling the queue with PostgreSQL
+(after FLUSHALL, a lost dequeue, a lost ack, a lost delay job) and retention."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from run_engine.clock import FakeClock
+from run_engine.embedded import EmbeddedRedis
+from run_engine.engine import RunEngine, TriggerRequest
+from run_engine.settings import EngineSettings
+from run_engine.tenancy import ensure_environment
+
+from .conftest import Harness
+
+
+@pytest.fixture
+async def private(database_url: str, unique: str) -> AsyncIterator[Harness]:
+    """An engine on its own embedded Redis server, so that FLUSHALL harms nobody else."""
+    server = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="re-flush-")))
+    url = server.start()
+    engine = await RunEngine.create(EngineSettings(database_url=database_url, redis_url=url,
+                                                   key_prefix=f"flush{unique}", env_concurrency=200),
+                                    clock=FakeClock(), run_jobs=False)
+    env = await ensure_environment(engine.resources.repo, secret="s", org=f"org-flush-{unique}", project="p", env="dev")
+    h = Harness(engine, engine.resources.clock, env)  # type: ignore[arg-type]
+    await h.deploy({"id": "hello"}, {"id": "limited", "queue": "limited"},
+                   queues=[{"name": "limited", "concurrencyLimit": 1}])
+    try:
+        yield h
+    finally:
+        await engine.close()
+        server.stop()
+
+
+async def test_flushall_with_1000_queued_runs_loses_none(private: Harness) -> None:
+    h = private
+    ids = []
+    for _ in range(10):
+        ids += [r.id for r in await h.engine.trigger_many(
+            [TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i) for i in range(100)])]
+    await h.engine.pause_queue(h.env.env_id, "limited")
+    await h.engine.redis.flushall()
+    assert await h.engine.dequeue(h.env.worker_group_id, 10) == []
+    report = await h.engine.systems.reconciler.reconcile(grace_s=-1)
+    # (the session's database is shared: other tests' queued runs come back into this Redis too)
+    assert report.requeued_missing >= 1000 and report.settings_restored >= 1
+    assert (await h.engine.resources.queue.queue_stats(h.env.env_id, "limited")).paused  # settings restored
+    done: set[str] = set()
+    while len(done) < 1000:
+        got = await h.engine.dequeue(h.env.worker_group_id, 100)
+        assert got, f"only {len(done)} of 1000 came back"
+        started = await asyncio.gather(*(h.engine.start_attempt(d.run.id, d.snapshot.id) for d in got))
+        await asyncio.gather(*(h.engine.complete_attempt(s.run.id, s.snapshot.id, ok=True) for s in started))
+        done |= {d.run.id for d in got}
+    assert done == set(ids)
+    assert (await h.engine.systems.reconciler.reconcile(grace_s=-1)).requeued_missing == 0  # nothing left
+
+
+async def test_a_dequeue_lost_before_postgres_saw_it_is_made_ready_again(private: Harness) -> None:
+    h = private
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    # the queue hands the run out, but the process dies before writing PENDING_EXECUTING
+    assert [m.run_id for m in await h.engine.resources.queue.dequeue(h.env.worker_group_id, 5, h.engine.resources.now_ms())] == [run.id]
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+    report = await h.engine.systems.reconciler.reconcile(grace_s=-1)
+    assert report.requeued_stuck == 1
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert d.run.id == run.id
+
+
+async def test_a_slot_held_by_a_finished_run_is_freed(private: Harness) -> None:
+    h = private
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
+    # the ack was lost: the queue still holds the run's slot
+    q = h.engine.resources.queue
+    item = h.engine.systems.enqueue.item_for(await h.engine.get_run(run.id))  # type: ignore[arg-type]
+    await q.enqueue([item], h.engine.resources.now_ms())
+    await q.dequeue(h.env.worker_group_id, 5, h.engine.resources.now_ms())
+    assert await q.running_ids(h.env.env_id) == {run.id}
+    nxt = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # limit 1, taken by the ghost
+    assert (await h.engine.systems.reconciler.reconcile(grace_s=-1)).slots_freed == 1
+    (d2,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert d2.run.id == nxt.id
+
+
+async def test_a_delayed_run_whose_job_was_lost_is_enqueued(private: Harness) -> None:
+    h = private
+    when = datetime.fromtimestamp(h.engine.resources.clock.now() + 5, UTC)
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", delay_until=when))
+    await h.engine.redis.flushall()
+    h.clock.advance(6)
+    await h.engine.run_due_jobs()
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "DELAYED"  # the job is gone
+    report = await h.engine.systems.reconciler.reconcile(grace_s=-60)
+    assert report.delayed_enqueued == 1
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert d.run.id == run.id
+
+
+async def test_retention_deletes_old_finished_runs_with_their_history(make_engine) -> None:  # type: ignore[no-untyped-def]
+    h = await make_engine(retention_days=1e-9, retention_batch=500)  # everything finished is "old"
+    await h.deploy({"id": "hello"})
+    finished = []
+    for _ in range(5):
+        run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+        (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+        s = await h.engine.start_attempt(run.id, d.snapshot.id)
+        await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
+        finished.append(run.id)
+    alive = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    await asyncio.sleep(0.01)
+    assert await h.engine.systems.reconciler.retention() >= 5
+    for run_id in finished:
+        assert await h.engine.get_run(run_id) is None
+        assert await h.engine.snapshots(run_id) == []
+    assert await h.engine.get_run(alive.id) is not None
