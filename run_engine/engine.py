@@ -82,8 +82,10 @@ class RunEngine:
             await self._schedule_sweep()
             await self.jobs.start()
             await self.leader.start()
+            await self.systems.schedules.start()
 
     async def close(self) -> None:
+        await self.systems.schedules.stop()
         await self.leader.stop()
         await self.jobs.stop()
         await self.resources.locker.stop()

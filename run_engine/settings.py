@@ -94,6 +94,8 @@ class EngineSettings:
     retention_days: float = 30.0  # finished runs older than this are deleted (0: keep forever)
     retention_batch: int = 1000
     retention_interval_s: float = 300.0
+    schedule_poll_s: float = 1.0  # how often each engine process looks for due cron ticks
+    schedule_jitter_s: float = 1.0  # random wait after a tick before firing it (spreads the herd)
     max_ttl_s: float | None = None  # every run expires if not started within this (a run's ttl may be shorter)
     max_payload_bytes: int = 3 * MiB
     default_retry: RetryPolicy = field(default_factory=RetryPolicy)

@@ -13,6 +13,7 @@ from systems.execution_snapshot import ExecutionSnapshotSystem
 from systems.reconciler import Reconciler
 from systems.resources import SystemResources
 from systems.run_attempt import RunAttemptSystem
+from systems.schedules import ScheduleSystem
 from systems.waiting_for_worker import WaitingForWorkerSystem
 from systems.waitpoints import WaitpointSystem
 
@@ -29,6 +30,7 @@ class Systems:
     waitpoints: WaitpointSystem
     delayed: DelayedRunSystem
     reconciler: Reconciler
+    schedules: ScheduleSystem
 
     @classmethod
     def build(cls, resources: SystemResources) -> Systems:
@@ -43,6 +45,7 @@ class Systems:
             waitpoints=WaitpointSystem(resources),
             delayed=DelayedRunSystem(resources),
             reconciler=Reconciler(resources),
+            schedules=ScheduleSystem(resources),
         )
         resources.systems = systems
         return systems

@@ -40,6 +40,7 @@ class WaitingForWorkerSystem:
         )
         await s.enqueue.mirror_queues(env_id)
         s.enqueue.invalidate()
+        await s.schedules.sync_declarative(env_id, list(tasks))
         waiting = await self.r.repo.pending_version_runs(env_id, worker_group_id, [t["id"] for t in task_list])
         queue_of = {t["id"]: t["queue"] for t in task_list}
         enqueued = 0

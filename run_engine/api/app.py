@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from run_engine.api import models, public, tokens, worker
+from run_engine.api import models, public, schedules, tokens, worker
 from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError, handle_exception, json_response
 from run_engine.errors import RunEngineError
@@ -49,6 +49,11 @@ _DOC: dict[str, dict[str, tuple[str, type[BaseModel] | None]]] = {
                                                  models.RescheduleBody)},
     "/api/v1/runs/{runId}/metadata": {"put": ("Replace a run's metadata", models.MetadataBody)},
     "/api/v1/runs/{runId}/tags": {"post": ("Add tags to a run (at most 10)", models.TagsBody)},
+    "/api/v1/schedules": {"post": ("Create a cron schedule (the same deduplicationKey updates it)", models.ScheduleBody),
+                          "get": ("List schedules", None)},
+    "/api/v1/schedules/{scheduleId}": {"get": ("Get a schedule", None), "delete": ("Delete a schedule", None)},
+    "/api/v1/schedules/{scheduleId}/activate": {"post": ("Activate a schedule", None)},
+    "/api/v1/schedules/{scheduleId}/deactivate": {"post": ("Deactivate a schedule", None)},
     "/api/v1/waitpoints/tokens": {"post": ("Create a waitpoint token", models.TokenCreateBody),
                                   "get": ("List waitpoint tokens", None)},
     "/api/v1/waitpoints/tokens/{waitpointId}": {"get": ("Get a waitpoint token", None)},
@@ -121,7 +126,7 @@ async def openapi(request: Request) -> Response:
 
 def create_app(ctx: ApiContext) -> Starlette:
     app = Starlette(
-        routes=[Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES, *tokens.ROUTES, *worker.ROUTES],
+        routes=[Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *worker.ROUTES],
         # Expected errors are answered by ExceptionMiddleware; anything else reaches
         # ServerErrorMiddleware, which answers with the same shape and logs the traceback.
         exception_handlers={ApiError: handle_exception, RunEngineError: handle_exception,

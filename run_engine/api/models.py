@@ -198,8 +198,14 @@ class RedriveAllBody(_Body):
 
 # --- worker API -------------------------------------------------------------------------------
 
+class CronDecl(_Body):
+    pattern: str = Field(min_length=1, max_length=100)
+    timezone: str | None = Field(default=None, max_length=64)
+
+
 class TaskDecl(_Body):
     id: str = Field(min_length=1, max_length=128)
+    cron: str | CronDecl | None = None
     queue: str | None = Field(default=None, max_length=128)
     retry: dict[str, Any] | None = None
     maxDuration: int | None = Field(default=None, gt=0)
@@ -263,6 +269,16 @@ class BatchCompleteItem(CompleteBody):
 
 class BatchCompleteBody(_Body):
     items: list[BatchCompleteItem] = Field(min_length=1, max_length=100)
+
+
+# --- schedules --------------------------------------------------------------------------------
+
+class ScheduleBody(_Body):
+    task: str = Field(min_length=1, max_length=128)
+    cron: str = Field(min_length=1, max_length=100)
+    timezone: str = Field(default="UTC", min_length=1, max_length=64)
+    externalId: str | None = Field(default=None, max_length=256)
+    deduplicationKey: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 # --- waitpoints -------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from run_engine.api.models import (
     WorkerHeartbeatBody,
 )
 from run_engine.api.serialize import run_object, snapshot_object
+from run_engine.cron import Cron, CronError
 from run_engine.db.repository import RunRow
 from run_engine.ids import new_id
 
@@ -51,6 +52,13 @@ async def connect(request: Request) -> Response:
     tasks = [t.model_dump(exclude_none=True) for t in req.deployment.tasks]
     queues = [{**q.model_dump(exclude_none=True), **({"rateLimit": q.rateLimit.stored()} if q.rateLimit else {})}
               for q in req.deployment.queues]
+    for i, t in enumerate(tasks):
+        if t.get("cron"):
+            spec = t["cron"] if isinstance(t["cron"], dict) else {"pattern": t["cron"]}
+            try:
+                Cron.parse(spec["pattern"]).next_after(datetime.now(UTC), spec.get("timezone") or "UTC")
+            except CronError as exc:
+                raise ApiError(400, "invalid_input", f"deployment.tasks.{i}.cron: {exc}") from None
     ids = [t["id"] for t in tasks]
     if len(set(ids)) != len(ids):
         raise ApiError(400, "invalid_input", "deployment.tasks: task ids must be unique")

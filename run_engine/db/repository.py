@@ -362,6 +362,85 @@ class Repository:
                 ([t for t, _ in keys], [k for _, k in keys], env_id))
             return {(r["task_identifier"], r["idempotency_key"]): _run(r) for r in await cur.fetchall()}
 
+    # --- schedules ------------------------------------------------------------------------------
+
+    async def upsert_schedule(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Insert a schedule, or update the one with the same (environment, deduplication key)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """INSERT INTO task_schedule (id, environment_id, task_identifier, cron, timezone, external_id,
+                                              deduplication_key, active, next_run_at, type)
+                   VALUES (%(id)s, %(environment_id)s, %(task_identifier)s, %(cron)s, %(timezone)s, %(external_id)s,
+                           %(deduplication_key)s, true, %(next_run_at)s, %(type)s)
+                   ON CONFLICT (environment_id, deduplication_key) WHERE deduplication_key IS NOT NULL DO UPDATE
+                       SET task_identifier = EXCLUDED.task_identifier, cron = EXCLUDED.cron,
+                           timezone = EXCLUDED.timezone, external_id = EXCLUDED.external_id,
+                           next_run_at = CASE WHEN task_schedule.cron = EXCLUDED.cron
+                                               AND task_schedule.timezone = EXCLUDED.timezone
+                                              THEN task_schedule.next_run_at ELSE EXCLUDED.next_run_at END,
+                           updated_at = now()
+                   RETURNING *""", row)
+            out = await cur.fetchone()
+        assert out is not None
+        return out
+
+    async def get_schedule(self, schedule_id: str, env_id: str | None = None) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_schedule WHERE id = %s AND (%s::text IS NULL OR environment_id = %s)",
+                              (schedule_id, env_id, env_id))
+            return await cur.fetchone()
+
+    async def list_schedules(self, env_id: str, limit: int, after: tuple[datetime, str] | None) -> list[dict[str, Any]]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM task_schedule WHERE environment_id = %(env)s
+                     AND (%(ts)s::timestamptz IS NULL OR (created_at, id) < (%(ts)s, %(id)s))
+                   ORDER BY created_at DESC, id DESC LIMIT %(limit)s""",
+                {"env": env_id, "ts": after[0] if after else None, "id": after[1] if after else None, "limit": limit})
+            return list(await cur.fetchall())
+
+    async def delete_schedule(self, schedule_id: str, env_id: str) -> bool:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("DELETE FROM task_schedule WHERE id = %s AND environment_id = %s",
+                                     (schedule_id, env_id))
+            return cur.rowcount > 0
+
+    async def set_schedule_active(self, schedule_id: str, env_id: str, active: bool,
+                                  next_run_at: datetime | None) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """UPDATE task_schedule SET active = %s, next_run_at = %s, updated_at = now()
+                   WHERE id = %s AND environment_id = %s RETURNING *""",
+                (active, next_run_at, schedule_id, env_id))
+            return await cur.fetchone()
+
+    async def delete_declarative_schedules(self, env_id: str, keep: Sequence[str]) -> None:
+        """Remove the declarative schedules of tasks that no longer declare a cron."""
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """DELETE FROM task_schedule WHERE environment_id = %s AND type = 'DECLARATIVE'
+                     AND NOT (deduplication_key = ANY(%s))""", (env_id, list(keep)))
+
+    async def due_schedules(self, now: datetime, limit: int) -> list[dict[str, Any]]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                "SELECT * FROM task_schedule WHERE active AND next_run_at <= %s ORDER BY next_run_at LIMIT %s",
+                (now, limit))
+            return list(await cur.fetchall())
+
+    async def advance_schedule(self, schedule_id: str, fired_at: datetime, next_run_at: datetime) -> bool:
+        """Move the schedule past ``fired_at`` (only if nobody did yet): compare-and-set."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """UPDATE task_schedule SET last_run_at = %s, next_run_at = %s
+                   WHERE id = %s AND next_run_at = %s""", (fired_at, next_run_at, schedule_id, fired_at))
+            return cur.rowcount > 0
+
     # --- leader lease, reconciler, retention ---------------------------------------------------
 
     async def acquire_lease(self, name: str, holder: str, ttl_s: float) -> tuple[bool, float]:

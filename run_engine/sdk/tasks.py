@@ -91,6 +91,7 @@ class Task:
     retry: dict[str, Any] | None = None
     max_duration: int | None = None
     machine: str | None = None
+    cron: str | dict[str, str] | None = None
     wants_ctx: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +108,8 @@ class Task:
             out["maxDuration"] = self.max_duration
         if self.machine:
             out["machine"] = self.machine
+        if self.cron:
+            out["cron"] = self.cron
         return out
 
     async def execute(self, payload: Any, ctx: Any) -> Any:
@@ -149,8 +152,12 @@ class Task:
 def task(
     fn: Callable[..., Any] | None = None, *, id: str | None = None, queue: Queue | None = None,  # noqa: A002
     retry: dict[str, Any] | None = None, max_duration: int | None = None, machine: str | None = None,
+    cron: str | dict[str, str] | None = None,
 ) -> Any:
     """Declare a task: ``@task`` or ``@task(id=..., queue=..., retry=..., max_duration=..., machine=...)``.
+
+    ``cron`` (``"0 * * * *"`` or ``{"pattern": ..., "timezone": "Europe/Paris"}``) runs the task on
+    that schedule in every environment the deployment serves (a declarative schedule).
 
     The function takes ``(payload)`` or ``(payload, ctx)``; it may be async or sync. Its return
     value must be JSON.
@@ -160,7 +167,7 @@ def task(
 
     def wrap(f: Callable[..., Any]) -> Task:
         t = Task(id=id or f.__name__.replace("_", "-"), fn=f, queue=queue, retry=retry,
-                 max_duration=max_duration, machine=machine)
+                 max_duration=max_duration, machine=machine, cron=cron)
         if t.id in REGISTRY and REGISTRY[t.id].fn is not f:
             raise ValueError(f"two tasks have the id {t.id!r}")
         REGISTRY[t.id] = t

@@ -133,3 +133,57 @@ def test_maximum_queue_length_answers_429(stack: Stack) -> None:
         r = c.post("/api/v1/tasks/batch", json={"items": [{"task": "echo", "payload": 1}]})
         assert r.status_code == 429
         assert len(c.get("/api/v1/runs").json()["data"]) == 3  # nothing written for refused triggers
+
+
+def test_two_engine_processes_create_one_run_per_cron_tick(flow: Stack) -> None:
+    import subprocess
+    import sys
+
+    from .conftest import ROOT, free_port, stop
+
+    port = free_port()
+    second = subprocess.Popen([sys.executable, "-m", "run_engine.cli", "server", "--port", str(port)], env=flow.env,
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and second.poll() is None, "second server did not start"
+            time.sleep(0.1)
+        with flow.client() as c:
+            bad = c.post("/api/v1/schedules", json={"task": "echo", "cron": "every second"})
+            assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("cron")
+            bad = c.post("/api/v1/schedules", json={"task": "echo", "cron": "* * * * *", "timezone": "Mars/Base"})
+            assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("timezone")
+            sched = c.post("/api/v1/schedules", json={"task": "echo", "cron": "* * * * * *",  # every second
+                                                      "externalId": "tenant-7", "deduplicationKey": "e2e-tick"})
+            assert sched.status_code == 200, sched.text
+            sid = sched.json()["id"]
+            assert sched.json()["active"] and sched.json()["nextRun"] and sched.json()["type"] == "IMPERATIVE"
+
+            def runs() -> list[dict]:
+                return c.get("/api/v1/runs", params={"filter[tag]": f"schedule:{sid}", "page[size]": "100"}).json()["data"]
+
+            deadline = time.monotonic() + 60
+            while len(runs()) < 5:
+                assert time.monotonic() < deadline, "the schedule did not fire"
+                time.sleep(0.2)
+            off = c.post(f"/api/v1/schedules/{sid}/deactivate")
+            assert off.status_code == 200 and off.json()["active"] is False
+            time.sleep(2.5)  # let ticks that were being fired land (uniqueness does not depend on it)
+            fired = runs()
+            ticks = [r["payload"]["timestamp"] for r in fired]
+            assert len(ticks) == len(set(ticks)) >= 5, ticks  # one run per tick, never two
+            assert all(r["payload"]["externalId"] == "tenant-7" for r in fired)
+            assert c.get(f"/api/v1/schedules/{sid}").json()["lastRun"]
+            assert sid in [s["id"] for s in c.get("/api/v1/schedules").json()["data"]]
+            assert c.request("DELETE", f"/api/v1/schedules/{sid}").status_code == 200
+            assert c.get(f"/api/v1/schedules/{sid}").status_code == 404
+    finally:
+        stop(second)

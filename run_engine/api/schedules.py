@@ -1,0 +1,104 @@
+"""Cron schedules (API.md): create (or update by deduplication key), list, get, delete, activate,
+deactivate. Declarative schedules come from the tasks' ``cron`` in a deployment."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from run_engine.api.context import ApiContext
+from run_engine.api.http import ApiError, body, json_response
+from run_engine.api.models import ScheduleBody
+from run_engine.api.serialize import iso
+
+
+def _ctx(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.ctx
+    return ctx
+
+
+def schedule_object(row: dict[str, Any]) -> dict[str, Any]:
+    return {"id": row["id"], "task": row["task_identifier"], "type": row["type"], "active": row["active"],
+            "cron": row["cron"], "timezone": row["timezone"], "externalId": row["external_id"],
+            "deduplicationKey": row["deduplication_key"], "nextRun": iso(row["next_run_at"]),
+            "lastRun": iso(row["last_run_at"]), "createdAt": iso(row["created_at"])}
+
+
+async def create_schedule(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    req = await body(request, ScheduleBody)
+    row = await ctx.engine.systems.schedules.upsert(
+        auth.env_id, task=req.task, cron=req.cron, timezone=req.timezone, external_id=req.externalId,
+        deduplication_key=req.deduplicationKey)
+    return json_response(schedule_object(row))
+
+
+async def list_schedules(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    raw = request.query_params.get("page[size]", "25")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
+    size = int(raw)
+    after = None
+    if cursor := request.query_params.get("page[after]"):
+        try:
+            ts, sid = cursor.split("|", 1)
+            after = (datetime.fromisoformat(ts), sid)
+        except ValueError:
+            raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
+    rows = await ctx.repo.list_schedules(auth.env_id, size + 1, after)
+    page, more = rows[:size], len(rows) > size
+    nxt = f"{page[-1]['created_at'].isoformat()}|{page[-1]['id']}" if more and page else None
+    return json_response({"data": [schedule_object(r) for r in page], "pagination": {"next": nxt}})
+
+
+async def _own(ctx: ApiContext, env_id: str, schedule_id: str) -> dict[str, Any]:
+    row = await ctx.repo.get_schedule(schedule_id, env_id)
+    if row is None:
+        raise ApiError(404, "not_found", "schedule not found")
+    return row
+
+
+async def get_schedule(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    return json_response(schedule_object(await _own(ctx, auth.env_id, request.path_params["schedule_id"])))
+
+
+async def delete_schedule(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    row = await _own(ctx, auth.env_id, request.path_params["schedule_id"])
+    await ctx.repo.delete_schedule(row["id"], auth.env_id)
+    return json_response({"id": row["id"], "deleted": True})
+
+
+async def _set_active(request: Request, active: bool) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    row = await _own(ctx, auth.env_id, request.path_params["schedule_id"])
+    return json_response(schedule_object(await ctx.engine.systems.schedules.set_active(auth.env_id, row["id"], active)))
+
+
+async def activate(request: Request) -> Response:
+    return await _set_active(request, True)
+
+
+async def deactivate(request: Request) -> Response:
+    return await _set_active(request, False)
+
+
+ROUTES = [
+    Route("/api/v1/schedules", create_schedule, methods=["POST"]),
+    Route("/api/v1/schedules", list_schedules, methods=["GET"]),
+    Route("/api/v1/schedules/{schedule_id}", get_schedule, methods=["GET"]),
+    Route("/api/v1/schedules/{schedule_id}", delete_schedule, methods=["DELETE"]),
+    Route("/api/v1/schedules/{schedule_id}/activate", activate, methods=["POST"]),
+    Route("/api/v1/schedules/{schedule_id}/deactivate", deactivate, methods=["POST"]),
+]

@@ -1,0 +1,145 @@
+"""ScheduleSystem: cron schedules, imperative (API) and declarative (``@task(cron=...)``).
+
+Every engine process plans (the DBOS technique, seeds/002): a schedule's tick is fired as a run
+whose idempotency key is (schedule, tick), so however many processes fire the same tick, exactly
+one run is created. Each process waits a random jitter after the tick and first reads whether the
+tick was already fired, which turns the herd of writes into mostly reads; then it moves the
+schedule to its next tick with a compare-and-set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from run_engine.cron import Cron, CronError
+from run_engine.errors import NotFoundError, ValidationError
+from run_engine.ids import new_id
+from systems.enqueue import TriggerRequest
+from systems.resources import SystemResources
+
+log = logging.getLogger(__name__)
+DECLARATIVE_PREFIX = "declarative:"
+
+
+def schedule_key(schedule_id: str, tick: datetime) -> str:
+    return f"schedule:{schedule_id}:{tick.astimezone(UTC).isoformat()}"
+
+
+class ScheduleSystem:
+    def __init__(self, resources: SystemResources) -> None:
+        self.r = resources
+        self._task: asyncio.Task[None] | None = None
+        self._firing: set[tuple[str, datetime]] = set()
+
+    @property
+    def _s(self):  # type: ignore[no-untyped-def]
+        assert self.r.systems is not None
+        return self.r.systems
+
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self.r.clock.now(), UTC)
+
+    @staticmethod
+    def next_tick(cron: str, timezone: str, after: datetime) -> datetime:
+        try:
+            return Cron.parse(cron).next_after(after, timezone)
+        except CronError as exc:
+            field = "timezone" if "timezone" in str(exc) else "cron"
+            raise ValidationError(field, str(exc)) from None
+
+    async def upsert(self, env_id: str, *, task: str, cron: str, timezone: str = "UTC", external_id: str | None = None,
+                     deduplication_key: str | None = None, kind: str = "IMPERATIVE") -> dict[str, Any]:
+        """Create a schedule; the same deduplication key updates the existing one instead."""
+        if not task or len(task) > 128:
+            raise ValidationError("task", "must be 1..128 characters")
+        next_run = self.next_tick(cron, timezone, self._now())
+        return await self.r.repo.upsert_schedule({
+            "id": new_id("sched"), "environment_id": env_id, "task_identifier": task, "cron": cron,
+            "timezone": timezone, "external_id": external_id, "deduplication_key": deduplication_key,
+            "next_run_at": next_run, "type": kind})
+
+    async def set_active(self, env_id: str, schedule_id: str, active: bool) -> dict[str, Any]:
+        row = await self.r.repo.get_schedule(schedule_id, env_id)
+        if row is None:
+            raise NotFoundError("schedule", schedule_id)
+        next_run = self.next_tick(row["cron"], row["timezone"], self._now()) if active else None
+        updated = await self.r.repo.set_schedule_active(schedule_id, env_id, active, next_run)
+        assert updated is not None
+        return updated
+
+    async def sync_declarative(self, env_id: str, tasks: list[dict[str, Any]]) -> None:
+        """A deployment's ``cron`` declarations become its environment's declarative schedules."""
+        keep = []
+        for t in tasks:
+            cron = t.get("cron")
+            if not cron:
+                continue
+            spec = cron if isinstance(cron, dict) else {"pattern": cron}
+            key = DECLARATIVE_PREFIX + t["id"]
+            keep.append(key)
+            await self.upsert(env_id, task=t["id"], cron=spec["pattern"], timezone=spec.get("timezone") or "UTC",
+                              deduplication_key=key, kind="DECLARATIVE")
+        await self.r.repo.delete_declarative_schedules(env_id, keep)
+
+    # --- firing -------------------------------------------------------------------------------
+
+    async def fire_due(self, jitter_s: float | None = None) -> int:
+        """Fire every due tick once (after a random jitter); the number of runs this call created."""
+        jitter = self.r.settings.schedule_jitter_s if jitter_s is None else jitter_s
+        due = await self.r.repo.due_schedules(self._now(), 200)
+        fresh = [row for row in due if (row["id"], row["next_run_at"]) not in self._firing]
+        if not fresh:
+            return 0
+        created = await asyncio.gather(*(self._fire(row, jitter) for row in fresh))
+        return sum(created)
+
+    async def _fire(self, row: dict[str, Any], jitter: float) -> int:
+        tick: datetime = row["next_run_at"]
+        mark = (row["id"], tick)
+        self._firing.add(mark)
+        try:
+            if jitter > 0:
+                await asyncio.sleep(self.r.rng.uniform(0, jitter))
+            current = await self.r.repo.get_schedule(row["id"])
+            if current is None or not current["active"] or current["next_run_at"] != tick:
+                return 0  # fired by another process meanwhile (a read, not a write), or changed
+            payload = {"scheduleId": row["id"], "type": row["type"], "timestamp": tick.isoformat(),
+                       "lastTimestamp": row["last_run_at"].isoformat() if row["last_run_at"] else None,
+                       "timezone": row["timezone"], "externalId": row["external_id"]}
+            run = await self._s.enqueue.trigger_many([TriggerRequest(
+                env_id=row["environment_id"], task_id=row["task_identifier"], payload=payload,
+                idempotency_key=schedule_key(row["id"], tick), idempotency_key_ttl_s=30 * 86400,
+                trigger_function="trigger", tags=(f"schedule:{row['id']}",))])
+            after = max(tick, self._now())  # a schedule that fell behind resumes from now, not every missed tick
+            await self.r.repo.advance_schedule(row["id"], tick, self.next_tick(row["cron"], row["timezone"], after))
+            return 0 if run[0].is_cached else 1
+        except Exception:
+            log.exception("schedule %s: could not fire the tick of %s", row["id"], tick)
+            return 0
+        finally:
+            self._firing.discard(mark)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.fire_due()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("schedule planner failed; retrying", exc_info=True)
+            await asyncio.sleep(self.r.settings.schedule_poll_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
