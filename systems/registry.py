@@ -10,6 +10,7 @@ from systems.delayed_runs import DelayedRunSystem
 from systems.dequeue import DequeueSystem
 from systems.enqueue import EnqueueSystem
 from systems.execution_snapshot import ExecutionSnapshotSystem
+from systems.explain import ExplainSystem
 from systems.reconciler import Reconciler
 from systems.resources import SystemResources
 from systems.run_attempt import RunAttemptSystem
@@ -31,6 +32,7 @@ class Systems:
     delayed: DelayedRunSystem
     reconciler: Reconciler
     schedules: ScheduleSystem
+    explain: ExplainSystem
 
     @classmethod
     def build(cls, resources: SystemResources) -> Systems:
@@ -46,6 +48,7 @@ class Systems:
             delayed=DelayedRunSystem(resources),
             reconciler=Reconciler(resources),
             schedules=ScheduleSystem(resources),
+            explain=ExplainSystem(resources),
         )
         resources.systems = systems
         return systems

@@ -47,6 +47,7 @@ _DOC: dict[str, dict[str, tuple[str, type[BaseModel] | None]]] = {
     "/engine/v1/worker-actions/runs/{runId}/snapshots/{snapshotId}/heartbeat": {"post": ("Run liveness", None)},
     "/api/v1/runs/{runId}/reschedule": {"post": ("Reschedule a delayed run (422 unless DELAYED)",
                                                  models.RescheduleBody)},
+    "/api/v1/runs/{runId}/explain": {"get": ("Why a QUEUED or DELAYED run has not started", None)},
     "/api/v1/runs/{runId}/metadata": {"put": ("Replace a run's metadata", models.MetadataBody)},
     "/api/v1/runs/{runId}/tags": {"post": ("Add tags to a run (at most 10)", models.TagsBody)},
     "/api/v1/schedules": {"post": ("Create a cron schedule (the same deduplicationKey updates it)", models.ScheduleBody),

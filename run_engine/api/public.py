@@ -342,6 +342,13 @@ async def reschedule_run(request: Request) -> Response:
     return json_response(run_object(fresh))
 
 
+async def explain_run(request: Request) -> Response:
+    """Why a QUEUED or DELAYED run has not started, with the numbers."""
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    return json_response(await ctx.engine.systems.explain.explain(auth.env_id, request.path_params["run_id"]))
+
+
 async def update_metadata(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -374,6 +381,7 @@ ROUTES = [
     Route("/api/v2/runs/{run_id}/cancel", cancel_run, methods=["POST"]),
     Route("/api/v1/runs/{run_id}/replay", replay_run, methods=["POST"]),
     Route("/api/v1/runs/{run_id}/reschedule", reschedule_run, methods=["POST"]),
+    Route("/api/v1/runs/{run_id}/explain", explain_run, methods=["GET"]),
     Route("/api/v1/runs/{run_id}/metadata", update_metadata, methods=["PUT"]),
     Route("/api/v1/runs/{run_id}/tags", add_tags, methods=["POST"]),
     Route("/api/v1/queues", list_queues, methods=["GET"]),

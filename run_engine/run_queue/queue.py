@@ -274,6 +274,28 @@ class RunQueue:
     async def running_ids(self, env_id: str) -> set[str]:
         return {_s(x) for x in await self.redis.smembers(f"{self.keys.env(env_id)}:running")}
 
+    async def inspect(self, env_id: str, run_id: str) -> dict[str, object] | None:
+        """What the queue knows about a run and what could hold it back (for "explain"): its
+        message, the env's and the queue's limits and slots in use, its key's, the queue's pause and
+        rate-limit state, and how many runs of its key are ahead of it. None if unknown."""
+        msg = {_s(k): _s(v) for k, v in (await self.redis.hgetall(self.keys.message(env_id, run_id))).items()}
+        if not msg:
+            return None
+        ek, qk = self.keys.env(env_id), self.keys.queue(env_id, msg["queue"])
+        ck = msg.get("ck", "")
+        ready = f"{self.keys.base_for(env_id)}:g:{msg.get('wg', '')}:e:{env_id}:q:{msg['queue']}:k:{ck}"
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(f"{ek}:meta", "limit")
+        pipe.scard(f"{ek}:running")
+        pipe.hgetall(f"{qk}:meta")
+        pipe.scard(f"{qk}:running")
+        pipe.scard(f"{qk}:k:{ck}:running")
+        pipe.zrank(ready, run_id)
+        env_limit, env_running, qmeta, q_running, k_running, ahead = await pipe.execute()
+        return {"message": msg, "env_limit": self.default_env_limit if env_limit is None else int(env_limit),
+                "env_running": int(env_running), "queue_meta": {_s(k): _s(v) for k, v in qmeta.items()},
+                "queue_running": int(q_running), "key_running": int(k_running), "ahead": ahead}
+
     async def has_epoch(self) -> bool:
         """False when Redis lost the queue's data (a flush or a restart without persistence): the
         reconciler then restores settings and runs from PostgreSQL and calls :meth:`mark_epoch`."""

@@ -216,7 +216,8 @@ PUBLIC = [("POST", "/api/v1/tasks/manual/trigger"), ("POST", "/api/v1/tasks/batc
           ("POST", "/api/v1/dlq/redrive"), ("POST", "/api/v1/dlq/run_x/redrive"), ("GET", "/api/v1/batches/batch_x"),
           ("POST", "/api/v1/waitpoints/tokens"), ("GET", "/api/v1/waitpoints/tokens"),
           ("POST", "/api/v1/runs/run_x/reschedule"), ("PUT", "/api/v1/runs/run_x/metadata"),
-          ("POST", "/api/v1/runs/run_x/tags"),
+          ("POST", "/api/v1/runs/run_x/tags"), ("GET", "/api/v1/runs/run_x/explain"),
+          ("POST", "/api/v1/schedules"), ("GET", "/api/v1/schedules"), ("GET", "/api/v1/schedules/sched_x"),
           ("GET", "/api/v1/waitpoints/tokens/waitpoint_x"), ("POST", "/api/v1/waitpoints/tokens/waitpoint_x/complete")]
 WORKER = [("POST", f"{W}/connect"), ("POST", f"{W}/dequeue"), ("POST", f"{W}/heartbeat"),
           ("POST", f"{W}/attempts/start"), ("POST", f"{W}/attempts/complete"),
@@ -247,7 +248,8 @@ def test_unknown_ids_and_other_environments_ids_are_404(stack: Stack, lonely: St
             for method, path in (("GET", f"/api/v3/runs/{run_id}"), ("POST", f"/api/v2/runs/{run_id}/cancel"),
                                  ("POST", f"/api/v1/runs/{run_id}/replay"), ("POST", f"/api/v1/dlq/{run_id}/redrive"),
                                  ("POST", f"/api/v1/runs/{run_id}/reschedule"),
-                                 ("PUT", f"/api/v1/runs/{run_id}/metadata"), ("POST", f"/api/v1/runs/{run_id}/tags")):
+                                 ("PUT", f"/api/v1/runs/{run_id}/metadata"), ("POST", f"/api/v1/runs/{run_id}/tags"),
+                                 ("GET", f"/api/v1/runs/{run_id}/explain")):
                 r = c.request(method, path, json={"delay": "1s", "metadata": {}, "tags": ["t"]})
                 assert r.status_code == 404, (method, path, r.text)
                 assert r.json()["error"]["code"] == "not_found"

@@ -23,6 +23,9 @@ def test_delay_then_reschedule_and_422_once_it_is_not_delayed(flow: Stack) -> No
     run_id = flow.trigger("echo", {"d": 1}, delay="1h", tags=["delayed"])
     run = flow.run(run_id)
     assert run["status"] == "DELAYED" and run["isQueued"] and run["delayedUntil"]
+    with flow.client() as c:
+        why = c.get(f"/api/v1/runs/{run_id}/explain").json()
+    assert why["reasons"][0]["code"] == "DELAYED" and why["summary"].startswith("delayed: not due until")
     soon = (datetime.now(UTC) + timedelta(seconds=1)).isoformat()
     with flow.client() as c:
         r = c.post(f"/api/v1/runs/{run_id}/reschedule", json={"delay": soon})
