@@ -11,6 +11,7 @@ import uvicorn
 from run_engine.api.app import create_app
 from run_engine.api.context import ApiContext
 from run_engine.engine import RunEngine
+from run_engine.realtime import RealtimeHub
 from run_engine.run_tokens import RunTokens
 from run_engine.settings import EngineSettings
 from run_engine.tenancy import installation_secret
@@ -34,10 +35,15 @@ async def api_context(settings: EngineSettings, *, secret: str | None, public_ur
     for name in ("run_continued", "run_cancelled"):
         engine.events.subscribe(name, lambda e: wakeups.notify(f"run:{e.run_id}"))
     await wakeups.start()
+    realtime = RealtimeHub(engine.redis, prefix=settings.key_prefix)
+    engine.events.subscribe("*", realtime.on_event)
+    await realtime.start()
     try:
         secret = await installation_secret(engine.resources.repo, secret)
-        yield ApiContext(engine=engine, tokens=RunTokens(secret), wakeups=wakeups, public_url=public_url)
+        yield ApiContext(engine=engine, tokens=RunTokens(secret), wakeups=wakeups, public_url=public_url,
+                         realtime=realtime)
     finally:
+        await realtime.stop()
         await wakeups.stop()
         await engine.close()
 

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from run_engine.api import models, public, schedules, tokens, worker
+from run_engine.api import models, public, schedules, stream, tokens, worker
 from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError, handle_exception, json_response
 from run_engine.errors import RunEngineError
@@ -55,6 +55,7 @@ _DOC: dict[str, dict[str, tuple[str, type[BaseModel] | None]]] = {
     "/api/v1/schedules/{scheduleId}": {"get": ("Get a schedule", None), "delete": ("Delete a schedule", None)},
     "/api/v1/schedules/{scheduleId}/activate": {"post": ("Activate a schedule", None)},
     "/api/v1/schedules/{scheduleId}/deactivate": {"post": ("Deactivate a schedule", None)},
+    "/realtime/v1/runs/{runId}": {"get": ("Server-Sent Events: the run object on every status change", None)},
     "/api/v1/waitpoints/tokens": {"post": ("Create a waitpoint token", models.TokenCreateBody),
                                   "get": ("List waitpoint tokens", None)},
     "/api/v1/waitpoints/tokens/{waitpointId}": {"get": ("Get a waitpoint token", None)},
@@ -127,7 +128,8 @@ async def openapi(request: Request) -> Response:
 
 def create_app(ctx: ApiContext) -> Starlette:
     app = Starlette(
-        routes=[Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *worker.ROUTES],
+        routes=[Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES,
+                *worker.ROUTES],
         # Expected errors are answered by ExceptionMiddleware; anything else reaches
         # ServerErrorMiddleware, which answers with the same shape and logs the traceback.
         exception_handlers={ApiError: handle_exception, RunEngineError: handle_exception,

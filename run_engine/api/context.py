@@ -9,6 +9,7 @@ from starlette.requests import Request
 
 from run_engine.api.http import ApiError, TtlCache, bearer
 from run_engine.engine import RunEngine
+from run_engine.realtime import RealtimeHub
 from run_engine.run_tokens import RunTokens
 from run_engine.tenancy import hash_secret
 from run_engine.wakeups import WakeUps
@@ -29,6 +30,7 @@ class ApiContext:
     tokens: RunTokens
     wakeups: WakeUps
     public_url: str
+    realtime: RealtimeHub | None = None
     run_token_ttl_s: int = 24 * 3600
     _envs: TtlCache = field(default_factory=TtlCache)
     _groups: TtlCache = field(default_factory=TtlCache)

@@ -138,55 +138,104 @@ def test_maximum_queue_length_answers_429(stack: Stack) -> None:
         assert len(c.get("/api/v1/runs").json()["data"]) == 3  # nothing written for refused triggers
 
 
-def test_two_engine_processes_create_one_run_per_cron_tick(flow: Stack) -> None:
+@pytest.fixture(scope="module")
+def second_server(flow: Stack):  # type: ignore[no-untyped-def]
+    """A second `run-engine server` process on the same database and Redis: another engine."""
     import subprocess
     import sys
+
+    import httpx
 
     from .conftest import ROOT, free_port, stop
 
     port = free_port()
-    second = subprocess.Popen([sys.executable, "-m", "run_engine.cli", "server", "--port", str(port)], env=flow.env,
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        import httpx
+    proc = subprocess.Popen([sys.executable, "-m", "run_engine.cli", "server", "--port", str(port)], env=flow.env,
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, "second server did not start"
+        time.sleep(0.1)
+    yield url
+    stop(proc)
+
+
+def test_two_engine_processes_create_one_run_per_cron_tick(flow: Stack, second_server: str) -> None:
+    with flow.client() as c:
+        bad = c.post("/api/v1/schedules", json={"task": "echo", "cron": "every second"})
+        assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("cron")
+        bad = c.post("/api/v1/schedules", json={"task": "echo", "cron": "* * * * *", "timezone": "Mars/Base"})
+        assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("timezone")
+        sched = c.post("/api/v1/schedules", json={"task": "echo", "cron": "* * * * * *",  # every second
+                                                  "externalId": "tenant-7", "deduplicationKey": "e2e-tick"})
+        assert sched.status_code == 200, sched.text
+        sid = sched.json()["id"]
+        assert sched.json()["active"] and sched.json()["nextRun"] and sched.json()["type"] == "IMPERATIVE"
+
+        def runs() -> list[dict]:
+            return c.get("/api/v1/runs", params={"filter[tag]": f"schedule:{sid}", "page[size]": "100"}).json()["data"]
 
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and second.poll() is None, "second server did not start"
-            time.sleep(0.1)
-        with flow.client() as c:
-            bad = c.post("/api/v1/schedules", json={"task": "echo", "cron": "every second"})
-            assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("cron")
-            bad = c.post("/api/v1/schedules", json={"task": "echo", "cron": "* * * * *", "timezone": "Mars/Base"})
-            assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("timezone")
-            sched = c.post("/api/v1/schedules", json={"task": "echo", "cron": "* * * * * *",  # every second
-                                                      "externalId": "tenant-7", "deduplicationKey": "e2e-tick"})
-            assert sched.status_code == 200, sched.text
-            sid = sched.json()["id"]
-            assert sched.json()["active"] and sched.json()["nextRun"] and sched.json()["type"] == "IMPERATIVE"
+        while len(runs()) < 5:
+            assert time.monotonic() < deadline, "the schedule did not fire"
+            time.sleep(0.2)
+        off = c.post(f"/api/v1/schedules/{sid}/deactivate")
+        assert off.status_code == 200 and off.json()["active"] is False
+        time.sleep(2.5)  # let ticks that were being fired land (uniqueness does not depend on it)
+        fired = runs()
+        ticks = [r["payload"]["timestamp"] for r in fired]
+        assert len(ticks) == len(set(ticks)) >= 5, ticks  # one run per tick, never two
+        assert all(r["payload"]["externalId"] == "tenant-7" for r in fired)
+        assert c.get(f"/api/v1/schedules/{sid}").json()["lastRun"]
+        assert sid in [s["id"] for s in c.get("/api/v1/schedules").json()["data"]]
+        assert c.request("DELETE", f"/api/v1/schedules/{sid}").status_code == 200
+        assert c.get(f"/api/v1/schedules/{sid}").status_code == 404
 
-            def runs() -> list[dict]:
-                return c.get("/api/v1/runs", params={"filter[tag]": f"schedule:{sid}", "page[size]": "100"}).json()["data"]
 
-            deadline = time.monotonic() + 60
-            while len(runs()) < 5:
-                assert time.monotonic() < deadline, "the schedule did not fire"
-                time.sleep(0.2)
-            off = c.post(f"/api/v1/schedules/{sid}/deactivate")
-            assert off.status_code == 200 and off.json()["active"] is False
-            time.sleep(2.5)  # let ticks that were being fired land (uniqueness does not depend on it)
-            fired = runs()
-            ticks = [r["payload"]["timestamp"] for r in fired]
-            assert len(ticks) == len(set(ticks)) >= 5, ticks  # one run per tick, never two
-            assert all(r["payload"]["externalId"] == "tenant-7" for r in fired)
-            assert c.get(f"/api/v1/schedules/{sid}").json()["lastRun"]
-            assert sid in [s["id"] for s in c.get("/api/v1/schedules").json()["data"]]
-            assert c.request("DELETE", f"/api/v1/schedules/{sid}").status_code == 200
-            assert c.get(f"/api/v1/schedules/{sid}").status_code == 404
-    finally:
-        stop(second)
+def test_sse_client_of_another_server_process_sees_queued_executing_completed(flow: Stack,
+                                                                              second_server: str) -> None:
+    import json
+    import threading
+
+    import httpx
+
+    with flow.client() as c:
+        assert c.post("/api/v1/queues/task/long/pause", json={"action": "pause"}).status_code == 200
+    run_id = flow.trigger("long", {"seconds": 1})
+    seen: list[str] = []
+    closed = threading.Event()
+
+    def listen() -> None:
+        headers = {"Authorization": f"Bearer {flow.api_key}"}
+        with httpx.stream("GET", f"{second_server}/realtime/v1/runs/{run_id}", headers=headers, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            event = None
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: ") and event == "run":
+                    data = json.loads(line[6:])
+                    assert data["id"] == run_id
+                    seen.append(data["status"])
+        closed.set()
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not seen:
+        assert time.monotonic() < deadline, "no first event"
+        time.sleep(0.05)
+    with flow.client() as c:
+        assert c.post("/api/v1/queues/task/long/pause", json={"action": "resume"}).status_code == 200
+    assert closed.wait(60), f"stream not closed after the run finished: {seen}"
+    assert seen[0] == "QUEUED" and seen[-1] == "COMPLETED" and "EXECUTING" in seen, seen
+    assert seen.index("EXECUTING") < seen.index("COMPLETED") and len(seen) == len(set(seen))
+    with httpx.Client() as c:
+        assert c.get(f"{second_server}/realtime/v1/runs/{run_id}").status_code == 401
+        other = c.get(f"{second_server}/realtime/v1/runs/run_nope", headers={"Authorization": f"Bearer {flow.api_key}"})
+        assert other.status_code == 404

@@ -1,0 +1,70 @@
+"""``GET /realtime/v1/runs/{runId}``: Server-Sent Events, ``event: run`` with the run object on
+every status change, closed after the terminal one. Changes made by any server process arrive
+through :class:`run_engine.realtime.RealtimeHub`; the run is also re-read every few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from run_engine.api.context import ApiContext
+from run_engine.api.http import ApiError
+from run_engine.api.serialize import run_object
+from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
+
+RECHECK_S = 2.0
+KEEPALIVE_S = 15.0
+
+
+def _ctx(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.ctx
+    return ctx
+
+
+def _event(data: dict[str, object]) -> bytes:
+    return b"event: run\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+async def run_stream(request: Request) -> Response:
+    ctx = _ctx(request)
+    auth = await ctx.env_auth(request)
+    run_id = request.path_params["run_id"]
+    if await ctx.engine.get_run(run_id, auth.env_id) is None:
+        raise ApiError(404, "not_found", "run not found")
+    hub = ctx.realtime
+    if hub is None:
+        raise ApiError(503, "unavailable", "realtime is not running in this process")
+
+    async def events() -> AsyncIterator[bytes]:
+        async with hub.watch(run_id) as changed:
+            last_status = None
+            idle = 0.0
+            while True:
+                run = await ctx.engine.get_run(run_id, auth.env_id)
+                if run is None:  # deleted by retention meanwhile
+                    return
+                if run.status != last_status:
+                    last_status = run.status
+                    idle = 0.0
+                    yield _event(run_object(run))
+                    if RunStatus(run.status) in FINAL_RUN_STATUSES:
+                        return
+                changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), RECHECK_S)
+                idle += RECHECK_S if not changed.is_set() else 0.0
+                if idle >= KEEPALIVE_S:
+                    idle = 0.0
+                    yield b": keep-alive\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+ROUTES = [Route("/realtime/v1/runs/{run_id}", run_stream, methods=["GET"])]

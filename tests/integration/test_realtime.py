@@ -1,0 +1,63 @@
+"""RealtimeHub across two "processes" (two hubs on one Redis): a watched run's changes published by
+one reach the watcher on the other; unwatched runs publish nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+
+from run_engine.events import RunEvent
+from run_engine.realtime import RealtimeHub
+
+
+async def _until(predicate, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def test_a_change_on_one_process_wakes_the_watcher_on_another(redis_url: str, key_prefix: str,
+                                                                    unique: str) -> None:
+    ra, rb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
+    engine_side, sse_side = RealtimeHub(ra, prefix=f"{key_prefix}:{unique}"), RealtimeHub(rb, prefix=f"{key_prefix}:{unique}")
+    await engine_side.start()
+    await sse_side.start()
+    published: list[str] = []
+    real_publish = ra.publish
+
+    async def spy(channel, message):  # type: ignore[no-untyped-def]
+        if channel == engine_side.channel:
+            published.append(message)
+        return await real_publish(channel, message)
+
+    ra.publish = spy  # type: ignore[method-assign]
+    try:
+        async def subscribers() -> int:
+            counts = dict(await ra.pubsub_numsub(engine_side.ctl, engine_side.channel))
+            return min(int(n) for n in counts.values())
+
+        deadline = time.monotonic() + 10
+        while await subscribers() < 2:  # both hubs listen on both channels
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        engine_side.on_event(RunEvent("run_dequeued", "run_unwatched", "env"))
+        await asyncio.sleep(0.1)
+        assert published == []  # nobody watches it: no PUBLISH at all
+        async with sse_side.watch("run_w") as changed:
+            await _until(lambda: "run_w" in engine_side._watched)  # the announcement arrived
+            engine_side.on_event(RunEvent("attempt_started", "run_w", "env"))
+            await asyncio.wait_for(changed.wait(), 10)
+        assert published == ["run_w"]
+        # a process started later learns the watched runs from the hash
+        late = RealtimeHub(ra, prefix=f"{key_prefix}:{unique}")
+        await late.start()
+        assert "run_w" in late._watched
+        await late.stop()
+    finally:
+        for hub in (engine_side, sse_side):
+            await hub.stop()
+        await ra.aclose()
+        await rb.aclose()
