@@ -34,12 +34,15 @@ class Batcher(Generic[T, R]):
     async def submit(self, item: T) -> R:
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
-        if self._in_flight < self._max_in_flight:
+        self._spawn_drain()
+        return await future
+
+    def _spawn_drain(self) -> None:
+        if self._pending and self._in_flight < self._max_in_flight:
             self._in_flight += 1
             task = asyncio.create_task(self._drain())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return await future
 
     async def _drain(self) -> None:
         try:
@@ -49,6 +52,8 @@ class Batcher(Generic[T, R]):
                 del self._pending[: self._max_batch]
                 try:
                     results = await self._flush([item for item, _ in batch])
+                    if len(results) != len(batch):
+                        raise RuntimeError(f"batch flush returned {len(results)} results for {len(batch)} items")
                 except BaseException as exc:  # propagate to every caller of the batch
                     for _, future in batch:
                         if not future.done():
@@ -61,3 +66,6 @@ class Batcher(Generic[T, R]):
                         future.set_result(result)
         finally:
             self._in_flight -= 1
+            # A drain stopped by cancellation must not strand the items queued behind its batch:
+            # their callers wait on futures that only a drain resolves.
+            self._spawn_drain()

@@ -44,3 +44,36 @@ async def test_a_failed_flush_fails_its_callers_only() -> None:
     assert results[:3] == [0, 1, 2] and isinstance(results[3], RuntimeError) and results[4] == 4
     with pytest.raises(RuntimeError):
         await batcher.submit(3)
+
+
+async def test_a_flush_with_the_wrong_number_of_results_fails_its_callers_instead_of_hanging() -> None:
+    async def flush(items: list[int]) -> list[int]:
+        return items[:-1]
+
+    batcher: Batcher[int, int] = Batcher(flush, max_in_flight=1)
+    results = await asyncio.wait_for(asyncio.gather(*(batcher.submit(i) for i in range(3)), return_exceptions=True), 5)
+    assert all(isinstance(r, RuntimeError) and "2 results for 3 items" in str(r) for r in results)
+
+
+async def test_items_queued_behind_a_cancelled_drain_are_still_flushed() -> None:
+    started = asyncio.Event()
+    calls: list[list[int]] = []
+
+    async def flush(items: list[int]) -> list[int]:
+        calls.append(items)
+        if len(calls) == 1:
+            started.set()
+            await asyncio.sleep(3600)  # the first flush hangs until its drain is cancelled
+        return [i * 2 for i in items]
+
+    batcher: Batcher[int, int] = Batcher(flush, max_in_flight=1)
+    first = asyncio.ensure_future(batcher.submit(1))
+    await started.wait()
+    later = [asyncio.ensure_future(batcher.submit(i)) for i in (2, 3)]  # queued behind the busy drain
+    await asyncio.sleep(0)
+    for task in list(batcher._tasks):
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert await asyncio.wait_for(asyncio.gather(*later), 5) == [4, 6]
+    assert calls[1] == [2, 3]
