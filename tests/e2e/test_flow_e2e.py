@@ -94,6 +94,27 @@ def test_priority_tags_and_metadata(flow: Stack) -> None:
         assert [r["id"] for r in tagged] == [run_id]
 
 
+def test_run_list_filters_by_status_task_and_queue(flow: Stack) -> None:
+    delayed = flow.trigger("echo", 1, delay="1h", tags=["lf"])
+    done = flow.trigger("sync-echo", 2, tags=["lf"])
+    assert flow.wait_for(done)["status"] == "COMPLETED"
+    with flow.client() as c:
+        def ids(**params: str) -> list[str]:
+            r = c.get("/api/v1/runs", params={"filter[tag]": "lf", **{f"filter[{k}]": v for k, v in params.items()}})
+            assert r.status_code == 200, r.text
+            return [x["id"] for x in r.json()["data"]]
+
+        queue_of_done = c.get(f"/api/v3/runs/{done}").json()["queue"]
+        assert ids(status="DELAYED") == [delayed]
+        assert ids(status="COMPLETED,DELAYED") == [done, delayed]
+        assert ids(taskIdentifier="sync-echo") == [done]
+        assert ids(queue=queue_of_done) == [done]
+        assert ids(status="FAILED") == []
+        bad = c.get("/api/v1/runs", params={"filter[status]": "SLEEPY"})
+        assert bad.status_code == 400 and "SLEEPY" in bad.json()["error"]["message"]
+        assert c.post(f"/api/v2/runs/{delayed}/cancel").status_code == 200
+
+
 def test_rate_limit_of_ten_per_second_holds_over_five_seconds(flow: Stack, tmp_path) -> None:  # type: ignore[no-untyped-def]
     log = tmp_path / "rated.log"
     with flow.client() as c:
