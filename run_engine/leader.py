@@ -70,15 +70,19 @@ class LeaderLease:
             await asyncio.sleep(wait)
 
     async def _run_duties(self) -> None:
-        now = time.monotonic()
-        for name, interval, fn in self._duties:
-            if now - self._last_run.get(name, -1e9) < interval or not self.is_leader:
-                continue
-            self._last_run[name] = now
-            try:
-                await fn()
-            except Exception:
-                log.exception("leader duty %s failed", name)
+        """Run each duty on its own interval for as long as this process leads."""
+        while self.is_leader:
+            for name, interval, fn in self._duties:
+                if time.monotonic() - self._last_run.get(name, -1e9) < interval or not self.is_leader:
+                    continue
+                self._last_run[name] = time.monotonic()
+                try:
+                    await fn()
+                except Exception:
+                    log.exception("leader duty %s failed", name)
+            now = time.monotonic()
+            due = [self._last_run[name] + interval - now for name, interval, _ in self._duties]
+            await asyncio.sleep(min([1.0, *due]) if due else 1.0)
 
     async def stop(self) -> None:
         """Stop campaigning and give the lease up at once (another process takes it next try)."""

@@ -72,3 +72,32 @@ def test_one_leader_failover_after_a_kill_and_release_on_shutdown(database_url: 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+async def test_duties_keep_their_own_interval_between_lease_renewals(database_url: str, unique: str) -> None:
+    import asyncio
+
+    from run_engine.db.repository import Repository
+    from run_engine.leader import LeaderLease
+
+    repo = await Repository.open(database_url, min_size=1, max_size=2)
+    lease = LeaderLease(repo, name=f"duty-{unique}", ttl_s=60, renew_s=30)  # renews once in this test
+    calls: list[float] = []
+
+    async def duty() -> None:
+        calls.append(time.monotonic())
+
+    lease.add_duty("often", 0.1, duty)
+    await lease.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(calls) < 5:  # before the fix a duty ran once per renewal: once in 30 s here
+            assert time.monotonic() < deadline, f"the duty ran {len(calls)} times"
+            await asyncio.sleep(0.05)
+        assert lease.is_leader
+    finally:
+        await lease.stop()
+        await repo.close()
+    stopped = len(calls)
+    await asyncio.sleep(0.3)
+    assert len(calls) == stopped  # stopping the lease stops its duties
