@@ -67,5 +67,8 @@ class Batcher(Generic[T, R]):
         finally:
             self._in_flight -= 1
             # A drain stopped by cancellation must not strand the items queued behind its batch:
-            # their callers wait on futures that only a drain resolves.
-            self._spawn_drain()
+            # their callers wait on futures that only a drain resolves. Items whose callers are
+            # gone (cancelled too, as at shutdown) need no drain.
+            if self._pending:
+                self._pending = [entry for entry in self._pending if not entry[1].done()]
+                self._spawn_drain()

@@ -81,8 +81,8 @@ class LeaderLease:
                 except Exception:
                     log.exception("leader duty %s failed", name)
             now = time.monotonic()
-            due = [self._last_run[name] + interval - now for name, interval, _ in self._duties]
-            await asyncio.sleep(min([1.0, *due]) if due else 1.0)
+            due = [self._last_run.get(name, now) + interval - now for name, interval, _ in self._duties]
+            await asyncio.sleep(min([1.0, *due]))
 
     async def stop(self) -> None:
         """Stop campaigning and give the lease up at once (another process takes it next try)."""

@@ -77,3 +77,24 @@ async def test_items_queued_behind_a_cancelled_drain_are_still_flushed() -> None
         await first
     assert await asyncio.wait_for(asyncio.gather(*later), 5) == [4, 6]
     assert calls[1] == [2, 3]
+
+
+async def test_a_cancelled_drain_whose_queued_callers_are_gone_starts_no_new_drain() -> None:
+    started = asyncio.Event()
+
+    async def flush(items: list[int]) -> list[int]:
+        started.set()
+        await asyncio.sleep(3600)
+        return items
+
+    batcher: Batcher[int, int] = Batcher(flush, max_in_flight=1)
+    first = asyncio.ensure_future(batcher.submit(1))
+    await started.wait()
+    queued = asyncio.ensure_future(batcher.submit(2))
+    await asyncio.sleep(0)
+    queued.cancel()  # as at shutdown: every caller is cancelled, then the drain
+    for task in list(batcher._tasks):
+        task.cancel()
+    await asyncio.gather(first, queued, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert batcher._tasks == set() and batcher._pending == [] and batcher._in_flight == 0
