@@ -110,9 +110,9 @@ async def started_at(client: httpx.AsyncClient, ids: set[str]) -> dict[str, floa
             params["page[after]"] = after
         page = (await client.get("/api/v1/runs", params=params)).json()
         for run in page["data"]:
-            if run["id"] in ids and run["startedAt"]:
+            if run["id"] in ids and run.get("startedAt"):
                 out[run["id"]] = datetime.fromisoformat(run["startedAt"].replace("Z", "+00:00")).timestamp()
-        after = page["pagination"]["next"]
+        after = page["pagination"].get("next")
         if not after:
             return out
 
@@ -152,7 +152,7 @@ def main() -> None:
     port = free_port()
     with fresh_database() as database_url:
         env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "RUN_ENGINE_KEY_PREFIX": prefix,
-               "RUN_ENGINE_SECRET": "bench", "PYTHONPATH": str(ROOT), "RUN_ENGINE_LOG_LEVEL": "WARNING",
+               "RUN_ENGINE_SECRET": "bench-secret-not-for-production", "PYTHONPATH": str(ROOT), "RUN_ENGINE_LOG_LEVEL": "WARNING",
                "RUN_ENGINE_ENV_CONCURRENCY": "1000"}
         cli = [sys.executable, "-m", "run_engine.cli"]
         creds = json.loads(subprocess.run([*cli, "bootstrap", "--org", "bench", "--project", "http"], env=env,

@@ -11,9 +11,11 @@
 -- A queue with a rate limit (GCRA: emission interval `rate_t` ms, burst tolerance `rate_tau` ms,
 -- theoretical arrival time `tat`) is skipped, not parked, while it is ahead of its rate: time alone
 -- frees it; the earliest such time is returned so that a long-poll can wake for it.
+-- With environments given (ARGV[8..]), only their runs are handed out (a supervisor narrowed to
+-- environments, or holding an environment's token): they are looked up in the group's index.
 -- KEYS[1] B:delayed
 -- ARGV[1] B, ARGV[2] wg, ARGV[3] now ms, ARGV[4] max runs, ARGV[5] promote limit,
--- ARGV[6] default env limit, ARGV[7] scan window
+-- ARGV[6] default env limit, ARGV[7] scan window, ARGV[8..] only these environments (optional)
 -- returns: flat array of 7 fields per run: run, env, queue, ck, score, deliveries, task; then,
 -- if a rate-limited queue was skipped, one more element: the earliest ms it may hand out a run
 local wg, now, max = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -21,6 +23,8 @@ local default_env_limit, window = tonumber(ARGV[6]), tonumber(ARGV[7])
 promote(now, tonumber(ARGV[5]))
 
 local g = gkey(wg)
+local only = {}
+for i = 8, #ARGV do only[#only + 1] = ARGV[i] end
 local out = {}
 local skip_env, skip_q, skip_k = {}, {}, {}
 local rate_next = nil -- earliest time a skipped rate-limited queue may serve again
@@ -94,8 +98,22 @@ local function pick_queue(env)
   return nil
 end
 
+-- the environment with the lowest virtual time among those allowed
+local function pick_env()
+  if #only == 0 then return first_free(g .. ':envs', skip_env, '') end
+  local best, best_vt = nil, nil
+  for _, e in ipairs(only) do
+    budget = budget - 1
+    if not skip_env[e] then
+      local vt = redis.call('ZSCORE', g .. ':envs', e)
+      if vt and (not best or tonumber(vt) < best_vt) then best, best_vt = e, tonumber(vt) end
+    end
+  end
+  return best, best_vt
+end
+
 while #out < max * 7 and budget > 0 do
-  local env, evt = first_free(g .. ':envs', skip_env, '')
+  local env, evt = pick_env()
   if not env then break end
   local env_limit = limit_of(ekey(env) .. ':meta', 'limit', default_env_limit)
   local q, ck, kvt, next_tat = nil, nil, nil, nil
@@ -105,11 +123,19 @@ while #out < max * 7 and budget > 0 do
     q, ck, kvt, next_tat = pick_queue(env)
     if not q then skip_env[env] = true end -- only when the budget ran out
   end
+  local r = q and rkey(wg, env, q)
+  local popped = q and redis.call('ZPOPMIN', r .. ':k:' .. ck)
+  local run, score = popped and popped[1], popped and popped[2]
+  local mk = run and (B .. ':msg:' .. run)
+  if q and (not run or redis.call('TYPE', mk).ok ~= 'hash') then
+    -- an index entry with no ready run, or a run without its message: nothing to hand out. Drop
+    -- it and choose again (never fail the call: writes made before an error would stay). A run
+    -- popped here is found by the reconciler (PostgreSQL still has it QUEUED).
+    if run then count_queued(env, q, -1) end
+    refresh_key(wg, env, q, ck)
+    q = nil
+  end
   if q then
-    local r = rkey(wg, env, q)
-    local popped = redis.call('ZPOPMIN', r .. ':k:' .. ck)
-    local run, score = popped[1], popped[2]
-    local mk = B .. ':msg:' .. run
     local deliveries = redis.call('HINCRBY', mk, 'deliveries', 1)
     redis.call('HSET', mk, 'state', 'held')
     local task = redis.call('HGET', mk, 'task') or ''

@@ -4,8 +4,10 @@
 --   remove       anywhere -> gone (cancel, expire)
 --   dead_letter  anywhere -> the environment's DLQ, with a reason
 --   redrive      DLQ -> ready now, deliveries reset to 0
+--   giveback     held -> ready again at ARGV[5] (due ms), its slots freed and the delivery undone:
+--                the worker that took it cannot run its task (a rolling deploy), another may
 -- KEYS[1] B:delayed
--- ARGV[1] B, ARGV[2] action, ARGV[3] run, ARGV[4] now ms, ARGV[5] reason (dead_letter)
+-- ARGV[1] B, ARGV[2] action, ARGV[3] run, ARGV[4] now ms, ARGV[5] reason (dead_letter) or due ms (giveback)
 -- returns: 1 when the run was there to move (for redrive: was in the DLQ), else 0
 local action, run, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local mk = B .. ':msg:' .. run
@@ -28,6 +30,11 @@ elseif action == 'redrive' then
   redis.call('HSET', mk, 'deliveries', 0)
   redis.call('HDEL', mk, 'reason', 'dead_at')
   attach(run, m, now, now)
+elseif action == 'giveback' then
+  if m.state ~= 'held' then return 0 end
+  free_slots(run, m)
+  if m.deliveries > 0 then redis.call('HINCRBY', mk, 'deliveries', -1) end
+  attach(run, m, tonumber(ARGV[5]), now)
 else
   return redis.error_reply('unknown action ' .. action)
 end

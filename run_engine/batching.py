@@ -4,6 +4,11 @@ Many coroutines call :meth:`Batcher.submit` at about the same time; the batcher 
 ``flush`` as one list once the event loop yields, with at most ``max_in_flight`` flushes running
 at once, so a busy engine sends one statement or one Lua call for many runs while an idle one adds
 no delay.
+
+A batch carries the items of many callers, often of many tenants, so one bad item must not fail
+the others: when a flush of several items raises, the batch is split in halves and each half is
+flushed again, down to single items, and only the callers whose items fail on their own get the
+error (``split=False`` turns this off for flushes that are not safe to repeat).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ class Batcher(Generic[T, R]):
         *,
         max_batch: int = 200,
         max_in_flight: int = 4,
+        split: bool = True,
     ) -> None:
         self._flush = flush
+        self._split = split
         self._max_batch = max_batch
         self._max_in_flight = max_in_flight
         self._pending: list[tuple[T, asyncio.Future[R]]] = []
@@ -50,20 +57,7 @@ class Batcher(Generic[T, R]):
             while self._pending:
                 batch = self._pending[: self._max_batch]
                 del self._pending[: self._max_batch]
-                try:
-                    results = await self._flush([item for item, _ in batch])
-                    if len(results) != len(batch):
-                        raise RuntimeError(f"batch flush returned {len(results)} results for {len(batch)} items")
-                except BaseException as exc:  # propagate to every caller of the batch
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    if not isinstance(exc, Exception):
-                        raise
-                    continue
-                for (_, future), result in zip(batch, results, strict=True):
-                    if not future.done():
-                        future.set_result(result)
+                await self._settle(batch)
         finally:
             self._in_flight -= 1
             # A drain stopped by cancellation must not strand the items queued behind its batch:
@@ -72,3 +66,28 @@ class Batcher(Generic[T, R]):
             if self._pending:
                 self._pending = [entry for entry in self._pending if not entry[1].done()]
                 self._spawn_drain()
+
+    async def _settle(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
+        """Flush ``batch`` and resolve its callers; on an error, split it (see the module doc)."""
+        try:
+            results = await self._flush([item for item, _ in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"batch flush returned {len(results)} results for {len(batch)} items")
+        except Exception as exc:
+            if self._split and len(batch) > 1:
+                middle = len(batch) // 2
+                await self._settle(batch[:middle])
+                await self._settle(batch[middle:])
+                return
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        except BaseException as exc:  # cancelled: every caller of the batch learns it, then it propagates
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            raise
+        for (_, future), result in zip(batch, results, strict=True):
+            if not future.done():
+                future.set_result(result)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from run_engine import logs
 from run_engine.cli_client import register as register_client_commands
 from run_engine.db.migrations import migrate_sync
 from run_engine.services import services
@@ -18,10 +18,15 @@ from run_engine.services import services
 app = typer.Typer(help="run-engine: trigger, queue and run background tasks.", no_args_is_help=True)
 worker_groups = typer.Typer(help="Self-hosted worker groups.", no_args_is_help=True)
 app.add_typer(worker_groups, name="worker-groups")
+keys = typer.Typer(help="Rotate API keys and worker group tokens.", no_args_is_help=True)
+app.add_typer(keys, name="keys")
 register_client_commands(app)
 
 DataDir = Annotated[Path | None, typer.Option(help="Where embedded servers keep their data (default .run-engine/).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+JsonLogs = Annotated[bool, typer.Option("--json", help="Logs as one JSON object per line (as RUN_ENGINE_LOG_FORMAT=json).")]
+Secret = Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET", show_default=False,
+                                            help="Installation secret: every key and token is derived from it.")]
 
 
 @app.callback()
@@ -44,6 +49,18 @@ def _settings(database_url: str, redis_url: str):  # type: ignore[no-untyped-def
     return EngineSettings.from_env(database_url=database_url, redis_url=redis_url)
 
 
+def _secret(configured: str | None, data_dir: Path, *, generate: bool = False) -> str:
+    """The installation secret, or a clear message and exit 2 (never a traceback)."""
+    from run_engine.errors import ConfigurationError
+    from run_engine.tenancy import resolve_secret
+
+    try:
+        return resolve_secret(configured, data_dir, generate=generate)
+    except ConfigurationError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def migrate(data_dir: DataDir = None, as_json: AsJson = False) -> None:
     """Apply pending database migrations (idempotent; safe when several processes start at once)."""
@@ -61,27 +78,31 @@ def migrate(data_dir: DataDir = None, as_json: AsJson = False) -> None:
 def server(
     port: Annotated[int, typer.Option(envvar="RUN_ENGINE_PORT", help="Port to listen on.")] = 3030,
     host: Annotated[str, typer.Option(envvar="RUN_ENGINE_HOST", help="Address to listen on.")] = "127.0.0.1",
-    secret: Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET", help="Key for run tokens.")] = None,
+    secret: Secret = None,
     data_dir: DataDir = None,
+    json_logs: JsonLogs = False,
 ) -> None:
     """Run the API server (public + worker API) with the engine and its background jobs."""
-    from run_engine.server import serve
+    from run_engine.server import Shutdown, serve
 
+    if json_logs:
+        logs.configure(json=True)
+    shutdown = Shutdown().install()  # SIGINT/SIGTERM from here on: a graceful stop and exit 0, whenever they come
     with services(data_dir) as svc:
+        key = _secret(secret, svc.data_dir)
         migrate_sync(svc.database_url)
-        _run(serve(_settings(svc.database_url, svc.redis_url), host=host, port=port, secret=secret))
+        _run(serve(_settings(svc.database_url, svc.redis_url), host=host, port=port, secret=key, shutdown=shutdown))
 
 
-async def _bootstrap(database_url: str, redis_url: str, org: str, project: str, env: str, secret: str | None,  # type: ignore[no-untyped-def]
+async def _bootstrap(database_url: str, redis_url: str, org: str, project: str, env: str, secret: str,  # type: ignore[no-untyped-def]
                      max_queue_length: int | None = None):
     from run_engine.db.repository import Repository
-    from run_engine.tenancy import ensure_environment, installation_secret
+    from run_engine.tenancy import ensure_environment
 
     settings = _settings(database_url, redis_url)
     repo = await Repository.open(database_url, min_size=1, max_size=2)
     try:
-        key = await installation_secret(repo, secret)
-        created = await ensure_environment(repo, secret=key, org=org, project=project, env=env,
+        created = await ensure_environment(repo, secret=secret, org=org, project=project, env=env,
                                            concurrency_limit=settings.env_concurrency)
         if max_queue_length is not None:
             await repo.set_env_max_queue_length(created.env_id, max_queue_length or None)
@@ -90,30 +111,93 @@ async def _bootstrap(database_url: str, redis_url: str, org: str, project: str, 
         await repo.close()
 
 
+def _credentials(e, api_url: str) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return {"apiKey": e.api_key, "workerGroupToken": e.worker_group_token, "apiUrl": api_url,
+            "environmentId": e.env_id, "projectId": e.project_id, "workerGroupId": e.worker_group_id,
+            "environmentWorkerGroupToken": e.env_worker_group_token}
+
+
 @app.command()
 def bootstrap(
     org: Annotated[str, typer.Option(help="Organization slug.")] = "dev",
     project: Annotated[str, typer.Option(help="Project slug.")] = "dev",
     env: Annotated[str, typer.Option(help="Environment slug: dev, staging or prod.")] = "dev",
     api_url: Annotated[str, typer.Option(envvar="RUN_ENGINE_API_URL", help="URL printed as apiUrl.")] = "http://127.0.0.1:3030",
-    secret: Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET", help="Key for derived secrets.")] = None,
+    secret: Secret = None,
     max_queue_length: Annotated[int | None, typer.Option(min=0, help="Most runs the environment may have queued; "
                                                          "triggers over it get 429 (0 = no limit).")] = None,
     data_dir: DataDir = None,
+    as_json: AsJson = False,
 ) -> None:
     """Create what is missing of org → project → environment (+ the project's worker group) and
-    print JSON {apiKey, workerGroupToken, apiUrl}."""
+    print JSON {apiKey, workerGroupToken, environmentWorkerGroupToken, apiUrl, ...} (always JSON;
+    --json is accepted like every command's)."""
+    del as_json
     with services(data_dir) as svc:
+        key = _secret(secret, svc.data_dir)
         migrate_sync(svc.database_url)
-        e = asyncio.run(_bootstrap(svc.database_url, svc.redis_url, org, project, env, secret, max_queue_length))
-    typer.echo(json.dumps({"apiKey": e.api_key, "workerGroupToken": e.worker_group_token, "apiUrl": api_url,
-                           "environmentId": e.env_id, "projectId": e.project_id, "workerGroupId": e.worker_group_id}))
+        e = asyncio.run(_bootstrap(svc.database_url, svc.redis_url, org, project, env, key, max_queue_length))
+    typer.echo(json.dumps(_credentials(e, api_url)))
+
+
+async def _rotate(database_url: str, secret: str, org: str, project: str, env: str | None,
+                  worker_group: str | None) -> dict[str, str]:
+    from run_engine.db.repository import Repository
+    from run_engine.tenancy import rotate_api_key, rotate_worker_group_token
+
+    repo = await Repository.open(database_url, min_size=1, max_size=2)
+    try:
+        proj = await repo.project_by_slug(org, project)
+        env_row = await repo.environment_by_slugs(org, project, env) if env else None
+        if proj is None or (env and env_row is None):
+            raise typer.BadParameter(f"no environment {org}/{project}/{env}; run `run-engine bootstrap` first")
+        if worker_group is None:
+            assert env_row is not None
+            return {"environmentId": env_row["id"],
+                    "apiKey": await rotate_api_key(repo, secret=secret, env_id=env_row["id"])}
+        group = await repo.worker_group_by_name(proj["id"], worker_group)
+        if group is None:
+            raise typer.BadParameter(f"no worker group {worker_group!r} in {org}/{project}")
+        token = await rotate_worker_group_token(repo, secret=secret, group_id=group["id"],
+                                                env_id=env_row["id"] if env_row else None)
+        out = {"workerGroupId": group["id"], "workerGroupToken": token}
+        if env_row is not None:
+            out["environmentId"] = env_row["id"]
+        return out
+    finally:
+        await repo.close()
+
+
+@keys.command("rotate")
+def keys_rotate(
+    env: Annotated[str | None, typer.Option(help="Environment slug whose API key to rotate.")] = None,
+    org: Annotated[str, typer.Option(help="Organization slug.")] = "dev",
+    project: Annotated[str, typer.Option(help="Project slug.")] = "dev",
+    worker_group: Annotated[str | None, typer.Option(
+        help="Rotate this worker group's token instead (with --env: its token for that environment).")] = None,
+    secret: Secret = None,
+    data_dir: DataDir = None,
+    as_json: AsJson = False,
+) -> None:
+    """Replace a key: the environment's API key (--env), or a worker group's token (--worker-group).
+    The new one is printed; the old one is refused from now on (servers cache keys up to 5 s)."""
+    if env is None and worker_group is None:
+        typer.echo("error: give --env (rotate its API key) or --worker-group (rotate its token)", err=True)
+        raise typer.Exit(2)
+    with services(data_dir) as svc:
+        key = _secret(secret, svc.data_dir)
+        migrate_sync(svc.database_url)
+        out = asyncio.run(_rotate(svc.database_url, key, org, project, env, worker_group))
+    if as_json:
+        typer.echo(json.dumps(out))
+    else:
+        typer.echo(out.get("apiKey") or out["workerGroupToken"])
 
 
 async def _create_group(database_url: str, name: str, org: str, project: str | None, default: bool,
-                        secret: str | None) -> tuple[str, str]:
+                        secret: str) -> tuple[str, str]:
     from run_engine.db.repository import Repository
-    from run_engine.tenancy import create_worker_group, installation_secret
+    from run_engine.tenancy import create_worker_group
 
     repo = await Repository.open(database_url, min_size=1, max_size=2)
     try:
@@ -123,8 +207,8 @@ async def _create_group(database_url: str, name: str, org: str, project: str | N
             if row is None:
                 raise typer.BadParameter(f"no project {org}/{project}; run `run-engine bootstrap` first")
             project_id = row["id"]
-        return await create_worker_group(repo, secret=await installation_secret(repo, secret), name=name,
-                                         project_id=project_id, make_default=default)
+        return await create_worker_group(repo, secret=secret, name=name, project_id=project_id,
+                                         make_default=default)
     finally:
         await repo.close()
 
@@ -135,14 +219,15 @@ def worker_groups_create(
     org: Annotated[str, typer.Option(help="Organization slug of the project.")] = "dev",
     project: Annotated[str | None, typer.Option(help="Project slug (none: a shared group).")] = "dev",
     default: Annotated[bool, typer.Option("--default", help="Make it the default group of the project.")] = False,
-    secret: Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET")] = None,
+    secret: Secret = None,
     data_dir: DataDir = None,
     as_json: AsJson = False,
 ) -> None:
     """Create a self-hosted worker group and print its token."""
     with services(data_dir) as svc:
+        key = _secret(secret, svc.data_dir)
         migrate_sync(svc.database_url)
-        group_id, token = asyncio.run(_create_group(svc.database_url, name, org, project, default, secret))
+        group_id, token = asyncio.run(_create_group(svc.database_url, name, org, project, default, key))
     if as_json:
         typer.echo(json.dumps({"id": group_id, "name": name, "token": token}))
     else:
@@ -161,10 +246,13 @@ def supervisor_cmd(
     suspend_after: Annotated[float, typer.Option(envvar="RUN_ENGINE_SUSPEND_AFTER_S", min=0,
                                                  help="Seconds a blocked run waits in its executor before it is "
                                                       "checkpointed and its executor and slot released.")] = 5.0,
+    json_logs: JsonLogs = False,
 ) -> None:
     """Serve a worker group: pull its runs and execute them in warm executor processes."""
     import sys
 
+    if json_logs:
+        logs.configure(json=True)
     from supervisor.supervisor import SupervisorConfig, run_supervisor
 
     sys.path.insert(0, os.getcwd())
@@ -179,6 +267,8 @@ def dev(
     port: Annotated[int, typer.Option(envvar="RUN_ENGINE_PORT", help="API port.")] = 3030,
     concurrency: Annotated[int, typer.Option(min=1, help="Runs at once on the local supervisor.")] = 4,
     data_dir: DataDir = None,
+    json_logs: Annotated[bool, typer.Option("--json", help="Print the credentials as one JSON line and log "
+                                                           "as JSON lines.")] = False,
 ) -> None:
     """Everything on one machine: embedded PostgreSQL and Redis (unless DATABASE_URL / REDIS_URL
     are set), migrations, a dev environment, the API server and one supervisor. Ctrl-C stops all."""
@@ -188,21 +278,36 @@ def dev(
 
     from rich.console import Console
 
-    from run_engine.server import serve
+    from run_engine.server import Shutdown, serve
 
+    if json_logs:
+        logs.configure(json=True)
     console = Console()
     url = f"http://127.0.0.1:{port}"
-    secret = os.environ.get("RUN_ENGINE_SECRET")
-    console.print("starting run-engine dev…")
+    if not json_logs:
+        console.print("starting run-engine dev…")
+    shutdown = Shutdown().install()  # Ctrl-C at any moment from here on stops everything, once
     with services(data_dir) as svc:
+        # dev may generate its own secret, kept (0600) in the data folder; production sets RUN_ENGINE_SECRET
+        secret = _secret(os.environ.get("RUN_ENGINE_SECRET"), svc.data_dir, generate=True)
         migrate_sync(svc.database_url)
         creds = asyncio.run(_bootstrap(svc.database_url, svc.redis_url, "dev", "dev", "dev", secret))
         sys.path.insert(0, os.getcwd())
+        if shutdown.requested:
+            return
         supervisor = subprocess.Popen(
-            [sys.executable, "-m", "run_engine.cli", "supervisor", "--token", creds.worker_group_token,
-             "--tasks", tasks, "--api-url", url, "--concurrency", str(concurrency), "--name", "dev"],
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])})
-        console.print(f"""
+            [sys.executable, "-m", "run_engine.cli", "supervisor",  # the token by environment: not in `ps`
+             "--tasks", tasks, "--api-url", url, "--concurrency", str(concurrency), "--name", "dev",
+             *(["--json"] if json_logs else [])],
+            env={**os.environ, "RUN_ENGINE_WORKER_TOKEN": creds.worker_group_token,
+                 "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])})
+
+        def announce() -> None:  # once the API answers
+            if json_logs:
+                typer.echo(json.dumps({"event": "up", **_credentials(creds, url), "tasks": tasks,
+                                       "embedded": svc.embedded}))
+                return
+            console.print(f"""
 [bold green]run-engine dev is up[/bold green]   ({'embedded' if svc.embedded else 'configured'} PostgreSQL + Redis)
   API URL   {url}
   API key   {creds.api_key}
@@ -214,9 +319,11 @@ def dev(
        -d '{{"payload": {{"name": "Ada"}}}}'
 
 Ctrl-C stops everything.""", highlight=False)
+
         try:
-            _run(serve(_settings(svc.database_url, svc.redis_url), host="127.0.0.1", port=port, secret=secret))
-        except KeyboardInterrupt:
+            _run(serve(_settings(svc.database_url, svc.redis_url), host="127.0.0.1", port=port, secret=secret,
+                       shutdown=shutdown, on_started=announce))
+        except KeyboardInterrupt:  # a second Ctrl-C
             pass
         finally:
             if supervisor.poll() is None:
@@ -225,13 +332,12 @@ Ctrl-C stops everything.""", highlight=False)
                     supervisor.wait(30)
                 except subprocess.TimeoutExpired:
                     supervisor.kill()
-        console.print("stopped")
+        if not json_logs:
+            console.print("stopped")
 
 
 def main() -> None:
-    logging.basicConfig(level=os.environ.get("RUN_ENGINE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logs.configure()
     app()
 
 

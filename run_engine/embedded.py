@@ -51,7 +51,9 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             REDIS_SERVER_PATH, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.data_dir),
+            # an append-only file, synced every second: the queue, the locks' state and the engine
+            # jobs survive a Ctrl-C or a crash of `run-engine dev` (the reconciler rebuilds the rest)
+            "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.data_dir),
             "--logfile", str(self.data_dir / "redis.log"),
         ]
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)

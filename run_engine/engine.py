@@ -5,6 +5,7 @@ The facade holds no logic of its own: every method delegates to one system.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 from datetime import datetime
@@ -52,6 +53,7 @@ class RunEngine:
         s = resources.settings
         self.leader = LeaderLease(resources.repo, ttl_s=s.lease_ttl_s, renew_s=s.lease_renew_s)
         self.leader.add_duty("reconcile", s.reconcile_interval_s, self.systems.reconciler.reconcile)
+        self.leader.add_duty("rearm jobs", s.rearm_interval_s, self.systems.reconciler.rearm_jobs)
         self.leader.add_duty("retention", s.retention_interval_s, self.systems.reconciler.retention)
 
     @classmethod
@@ -64,16 +66,25 @@ class RunEngine:
         # A blocking pool: under a burst callers wait for a connection instead of failing.
         pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=64, timeout=30)
         redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
-        repo = await Repository.open(settings.database_url, min_size=settings.db_pool_min, max_size=settings.db_pool_max)
+        try:
+            repo = await Repository.open(settings.database_url, min_size=settings.db_pool_min,
+                                         max_size=settings.db_pool_max)
+        except BaseException:
+            await redis.aclose()
+            raise
         queue = RunQueue(redis, prefix=f"{settings.key_prefix}:q", shards=settings.queue_shards,
                          max_deliveries=settings.max_deliveries, default_env_limit=settings.env_concurrency)
-        await queue.load_scripts()
         locker = RunLocker([redis], prefix=f"{settings.key_prefix}:lock")
         jobs = JobQueue(redis, prefix=f"{settings.key_prefix}:jobs", clock=clock)
         resources = SystemResources(repo=repo, queue=queue, locker=locker, jobs=jobs, events=EventBus(),
                                     clock=clock, settings=settings)
         engine = cls(resources, redis, run_jobs=run_jobs)
-        await engine.start()
+        try:
+            await queue.load_scripts()
+            await engine.start()
+        except BaseException:  # a failed or cancelled start (Ctrl-C at start-up) leaves nothing running
+            await asyncio.shield(engine.close())
+            raise
         return engine
 
     async def start(self) -> None:
@@ -108,8 +119,11 @@ class RunEngine:
         await self.resources.repo.insert_batch(batch_id, env_id, len(requests))
         return await self.systems.enqueue.trigger_many(requests)
 
-    async def dequeue(self, worker_group_id: str, max_runs: int = 1, worker_id: str | None = None) -> Handed:
-        return await self.systems.dequeue.dequeue(worker_group_id, max_runs, worker_id)
+    async def dequeue(self, worker_group_id: str, max_runs: int = 1, worker_id: str | None = None,
+                      environments: Sequence[str] = (), deployments: Sequence[str] = ()) -> Handed:
+        """Runs of the group for a worker (only of ``environments`` when given; only of tasks its
+        ``deployments`` have when given)."""
+        return await self.systems.dequeue.dequeue(worker_group_id, max_runs, worker_id, environments, deployments)
 
     async def start_attempt(self, run_id: str, snapshot_id: str, worker_id: str | None = None) -> StartedAttempt:
         return await self.systems.run_attempt.start_attempt(run_id, snapshot_id, worker_id)

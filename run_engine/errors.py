@@ -7,6 +7,7 @@ Hierarchy::
     ├── StaleSnapshotError         the caller's snapshot id is no longer the latest (HTTP 409)
     ├── InvalidTransitionError     the run is in a state where the operation is impossible (409/422)
     ├── DuplicateExecutionError    a journal sequence another execution of the run already wrote (409)
+    ├── ConflictError              the request contradicts what exists (HTTP 409)
     ├── QueueFullError             the environment's queue is at its maximum length (HTTP 429)
     ├── LockTimeoutError           the run lock could not be taken in time
     ├── ValidationError            bad input (HTTP 400), names the field
@@ -61,6 +62,14 @@ class DuplicateExecutionError(RunEngineError):
         super().__init__(f"journal entry {sequence} of run {run_id} was written by another execution: stop")
         self.run_id = run_id
         self.sequence = sequence
+
+
+class ConflictError(RunEngineError):
+    code = "conflict"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 class QueueFullError(RunEngineError):

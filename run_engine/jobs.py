@@ -14,7 +14,6 @@ Keys: ``<prefix>:{jobs}:due`` (ZSET id → run-at ms), ``:items`` (HASH id → J
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -26,6 +25,7 @@ from redis.asyncio import Redis
 
 from run_engine.clock import Clock
 from run_engine.lua_scripts import LuaScript
+from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,15 @@ class JobQueue:
         return bool(await self._settle(self.redis, keys, [
             job.id, job.token, "retry", _encode(job.kind, job.payload, attempt, job.token, error), self._ms(run_at)]))
 
+    async def missing(self, job_ids: Sequence[str]) -> list[str]:
+        """Those of ``job_ids`` that are not scheduled (one pipelined round trip)."""
+        if not job_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.zscore(self.due_key, job_id)
+        return [j for j, score in zip(job_ids, await pipe.execute(), strict=True) if score is None]
+
     async def get(self, job_id: str) -> tuple[Job, float] | None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hget(self.items_key, job_id)
@@ -173,6 +182,7 @@ class JobWorker:
         self.visibility_s = visibility_s
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
+        self._stopping = False
 
     async def _run(self, job: Job) -> None:
         handler = self.handlers.get(job.kind)
@@ -197,7 +207,7 @@ class JobWorker:
             total += len(jobs)
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             free = self.concurrency - len(self._running)
             try:
                 jobs = await self.queue.claim(free, self.visibility_s) if free > 0 else []
@@ -213,13 +223,12 @@ class JobWorker:
 
     async def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._loop())
+            self._stopping = False
+            self._task = asyncio.create_task(self._loop(), name="engine-jobs")
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        self._stopping = True
+        await stop_task(task)
         if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+            await asyncio.wait(self._running, timeout=30)

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from run_engine.db.repository import Repository
 from run_engine.ids import new_id
+from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class LeaderLease:
         self._last_run: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._duty_task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def add_duty(self, name: str, interval_s: float, fn: Callable[[], Awaitable[object]]) -> None:
         """Run ``fn`` every ``interval_s`` while this process leads."""
@@ -53,10 +55,11 @@ class LeaderLease:
 
     async def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._loop())
+            self._stopping = False
+            self._task = asyncio.create_task(self._loop(), name="leader-lease")
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 wait = await self.try_acquire()
             except asyncio.CancelledError:
@@ -71,7 +74,7 @@ class LeaderLease:
 
     async def _run_duties(self) -> None:
         """Run each duty on its own interval for as long as this process leads."""
-        while self.is_leader:
+        while self.is_leader and not self._stopping:
             for name, interval, fn in self._duties:
                 if time.monotonic() - self._last_run.get(name, -1e9) < interval or not self.is_leader:
                     continue
@@ -86,11 +89,9 @@ class LeaderLease:
 
     async def stop(self) -> None:
         """Stop campaigning and give the lease up at once (another process takes it next try)."""
+        self._stopping = True
         for task in (self._task, self._duty_task):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await stop_task(task)
         self._task = self._duty_task = None
         if self.is_leader:
             with contextlib.suppress(Exception):

@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 from run_engine.batching import Batcher
 from run_engine.errors import LockTimeoutError
 from run_engine.lua_scripts import LuaScript
+from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,7 +81,7 @@ class RunLocker:
         self._acquire_script = LuaScript.get("lock_acquire")
         self._release_script = LuaScript.get("lock_release")
         self._extend_script = LuaScript.get("lock_extend")
-        self._acquirer: Batcher[LockHandle, bool] = Batcher(self._acquire_batch, max_batch=500)
+        self._acquirer: Batcher[LockHandle, bool] = Batcher(self._acquire_batch, max_batch=500, split=False)
         self._releaser: Batcher[LockHandle, None] = Batcher(self._release_batch, max_batch=500)
         self._active: set[LockHandle] = set()
         self._extender: asyncio.Task[None] | None = None
@@ -112,10 +113,7 @@ class RunLocker:
 
     async def stop(self) -> None:
         task, self._extender = self._extender, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         for handle in list(self._active):
             await self._release(handle)
 

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from redis.asyncio import Redis
 
 from run_engine.events import RunEvent
+from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
 WATCH_TTL_S = 60.0
@@ -101,12 +102,17 @@ class RealtimeHub:
         self._listener = asyncio.create_task(self._listen())
 
     async def _listen(self) -> None:
-        while True:
+        while self._listener is not None:
             try:
                 pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self.ctl, self.channel)
                 try:
-                    async for message in pubsub.listen():
+                    # get_message with a timeout, not listen(): a stop is seen within a second even
+                    # when redis-py swallows the cancel (it can, mid-connect)
+                    while self._listener is not None:
+                        message = await pubsub.get_message(timeout=1.0)
+                        if not message:
+                            continue
                         channel = message.get("channel")
                         data = message.get("data")
                         if not isinstance(data, bytes):
@@ -123,13 +129,12 @@ class RealtimeHub:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                if self._listener is None:
+                    return
                 log.warning("realtime subscription lost; resubscribing", exc_info=True)
                 await asyncio.sleep(0.5)
 
     async def stop(self) -> None:
-        for task in (self._listener, self._flush):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        self._listener = None
+        listener, self._listener = self._listener, None  # the listen loop ends when it sees None
+        for task in (listener, self._flush):
+            await stop_task(task)

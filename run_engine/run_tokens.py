@@ -42,7 +42,7 @@ class RunTokens:
             claims = RunTokenClaims(run_id, int(attempt), int(expires))
         except ValueError:
             return None
-        if not hmac.compare_digest(signature, self._sign(f"{run_id}.{attempt}.{expires}")):
+        if not self.same(signature, self._sign(f"{run_id}.{attempt}.{expires}")):
             return None
         if claims.expires_at < now:
             return None
@@ -50,3 +50,12 @@ class RunTokens:
 
     def callback_signature(self, waitpoint_id: str) -> str:
         return self._sign(f"callback.{waitpoint_id}")
+
+    def callback_ok(self, waitpoint_id: str, signature: str) -> bool:
+        return self.same(signature, self.callback_signature(waitpoint_id))
+
+    @staticmethod
+    def same(given: str, expected: str) -> bool:
+        """Constant-time comparison that also takes non-ASCII input (``hmac.compare_digest`` raises
+        TypeError on a non-ASCII ``str``)."""
+        return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())

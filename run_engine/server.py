@@ -2,59 +2,180 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import uvicorn
 
 from run_engine.api.app import create_app
 from run_engine.api.context import ApiContext
 from run_engine.engine import RunEngine
+from run_engine.ratelimit import ConnectionCaps, RequestLimiter
 from run_engine.realtime import RealtimeHub
 from run_engine.run_tokens import RunTokens
 from run_engine.settings import EngineSettings
-from run_engine.tenancy import installation_secret
 from run_engine.wakeups import WakeUps
 
 log = logging.getLogger(__name__)
 
 
-def _has(module: str) -> bool:
-    import importlib.util
+#: the request line and headers together; more is answered 431 and the connection closed
+MAX_HEAD_BYTES = 64 * 1024
 
-    return importlib.util.find_spec(module) is not None
+
+def _http_protocol() -> type | str:
+    """uvicorn's httptools protocol with a bound on the request head: httptools alone buffers
+    headers of any size, so a client could hold megabytes of the server's memory per request."""
+    try:
+        import httptools
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return "h11"  # h11 bounds the head itself (h11_max_incomplete_event_size)
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        _head = 0
+        _too_large = False
+
+        def on_message_begin(self) -> None:
+            self._head = 0
+            self._too_large = False
+            super().on_message_begin()
+
+        def _count(self, n: int) -> None:
+            self._head += n
+            if self._head > MAX_HEAD_BYTES:
+                self._too_large = True
+                raise httptools.HttpParserError("request head too large")
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._too_large:
+                super().send_400_response(msg)
+                return
+            body = (b'{"error":{"code":"request_header_too_large","message":"the request line and headers '
+                    b'are larger than %d bytes"}}' % MAX_HEAD_BYTES)
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
+
+    return BoundedHttpToolsProtocol
 
 
 @contextlib.asynccontextmanager
-async def api_context(settings: EngineSettings, *, secret: str | None, public_url: str) -> AsyncIterator[ApiContext]:
+async def api_context(settings: EngineSettings, *, secret: str, public_url: str) -> AsyncIterator[ApiContext]:
+    """The engine and everything the API needs; ``secret`` is the installation secret
+    (:func:`run_engine.tenancy.resolve_secret`)."""
     engine = await RunEngine.create(settings)
     wakeups = WakeUps(engine.redis, channel=f"{settings.key_prefix}:wake")
-    engine.resources.on_work(wakeups.notify)
-    # a supervisor long-polling a waiting run's snapshot wakes when the run continues or is cancelled
-    for name in ("run_continued", "run_cancelled"):
-        engine.events.subscribe(name, lambda e: wakeups.notify(f"run:{e.run_id}"))
-    await wakeups.start()
     realtime = RealtimeHub(engine.redis, prefix=settings.key_prefix)
-    engine.events.subscribe("*", realtime.on_event)
-    await realtime.start()
     try:
-        secret = await installation_secret(engine.resources.repo, secret)
+        engine.resources.on_work(wakeups.notify)
+        # a supervisor long-polling a waiting run's snapshot wakes when the run continues or is cancelled
+        for name in ("run_continued", "run_cancelled"):
+            engine.events.subscribe(name, lambda e: wakeups.notify(f"run:{e.run_id}"))
+        await wakeups.start()
+        engine.events.subscribe("*", realtime.on_event)
+        await realtime.start()
+        limiter = RequestLimiter(engine.redis, prefix=settings.key_prefix, rate_per_s=settings.api_rate_limit,
+                                 burst=settings.api_rate_burst)
+        caps = ConnectionCaps({"streams": settings.max_streams_per_key,
+                               "long-polls": settings.max_long_polls_per_token})
         yield ApiContext(engine=engine, tokens=RunTokens(secret), wakeups=wakeups, public_url=public_url,
-                         realtime=realtime)
-    finally:
-        await realtime.stop()
-        await wakeups.stop()
-        await engine.close()
+                         realtime=realtime, limiter=limiter, caps=caps)
+    finally:  # shielded: a second Ctrl-C must not leave connections and tasks behind
+        await asyncio.shield(_close(engine, wakeups, realtime))
 
 
-async def serve(settings: EngineSettings, *, host: str, port: int, secret: str | None,
-                public_url: str | None = None) -> None:
+async def _close(engine: RunEngine, wakeups: WakeUps, realtime: RealtimeHub) -> None:
+    await realtime.stop()
+    await wakeups.stop()
+    await engine.close()
+
+
+class Shutdown:
+    """SIGINT and SIGTERM at any moment of start-up or serving mean one graceful stop; a second
+    SIGINT stops at once. Installed by the commands before they start anything, so that no signal
+    falls between two handlers (the asyncio runner's and uvicorn's) and is lost."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._server: uvicorn.Server | None = None
+        self._starting: asyncio.Task[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def install(self) -> Shutdown:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.info("stopping (%s)", signal.Signals(signum).name)
+        if self._server is not None:
+            self._server.should_exit = True
+        elif self._starting is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._starting.cancel)  # waiting for PostgreSQL, say
+
+    def starting(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._starting = asyncio.current_task()
+
+    def serving(self, server: uvicorn.Server) -> None:
+        self._starting = None
+        self._server = server
+        server.should_exit = self.requested
+
+
+async def serve(settings: EngineSettings, *, host: str, port: int, secret: str, public_url: str | None = None,
+                shutdown: Shutdown | None = None, on_started: Callable[[], None] | None = None) -> None:
+    """The API until ``shutdown`` is requested (or the task is cancelled); ``on_started`` is
+    called once the port is listening."""
     url = public_url or f"http://{host}:{port}"
-    async with api_context(settings, secret=secret, public_url=url) as ctx:
-        config = uvicorn.Config(create_app(ctx), host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=1,
-                                http="httptools" if _has("httptools") else "h11")
-        server = uvicorn.Server(config)
+    shutdown = shutdown or Shutdown()
+    shutdown.starting()
+    try:
+        async with api_context(settings, secret=secret, public_url=url) as ctx:
+            task = asyncio.current_task()
+            if shutdown.requested or (task is not None and task.cancelling()):
+                return  # stopped while starting (a library may have swallowed the cancel: 3.11's wait_for can)
+            config = uvicorn.Config(create_app(ctx), host=host, port=port, log_level="warning", access_log=False,
+                                    log_config=None, lifespan="off", timeout_graceful_shutdown=1,
+                                    http=_http_protocol())
+            server = uvicorn.Server(config)
+            shutdown.serving(server)
+            serving = asyncio.ensure_future(server.serve())
+            try:
+                await asyncio.shield(_announce(server, serving, url, on_started))
+                await asyncio.shield(serving)
+            except asyncio.CancelledError:
+                # cancelled by an embedding program: uvicorn ignores a cancel while it starts, so
+                # ask it to stop the way its own signal handler does
+                server.should_exit = True
+                await serving
+                raise
+    except asyncio.CancelledError:
+        if not shutdown.requested:
+            raise  # a signal's cancel ends start-up quietly; any other cancel propagates
+
+
+async def _announce(server: uvicorn.Server, serving: asyncio.Future[None], url: str,
+                    on_started: Callable[[], None] | None) -> None:
+    while not server.started and not serving.done():  # noqa: ASYNC110 (uvicorn has a flag, no event)
+        await asyncio.sleep(0.02)
+    if server.started:
         log.info("run-engine API listening on %s", url)
-        await server.serve()
+        if on_started is not None:
+            on_started()

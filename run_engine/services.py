@@ -20,6 +20,7 @@ class Services:
     database_url: str
     redis_url: str
     embedded: bool
+    data_dir: Path = DEFAULT_DATA_DIR
 
 
 @contextlib.contextmanager
@@ -38,7 +39,7 @@ def services(data_dir: Path | None = None, environ: dict[str, str] | None = None
         if not redis_url:
             rd = EmbeddedRedis(data_dir / "redis", port=int(env.get("RUN_ENGINE_REDIS_PORT", EMBEDDED_REDIS_PORT)))
             redis_url = rd.start()
-        yield Services(database_url, redis_url, embedded=pg is not None or rd is not None)
+        yield Services(database_url, redis_url, embedded=pg is not None or rd is not None, data_dir=data_dir)
     finally:
         if rd is not None:
             rd.stop()

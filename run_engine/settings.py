@@ -57,6 +57,10 @@ class RetryPolicy:
             for key in keys:
                 if key in data and data[key] is not None:
                     changes[attr] = data[key]
+        # a minimum above the inherited maximum raises the maximum (a trigger's 20 s minimum over
+        # the default 10 s maximum must not make every later attempt fail to compute its policy)
+        if "max_timeout_s" not in changes and changes.get("min_timeout_s", 0) > base.max_timeout_s:
+            changes["max_timeout_s"] = changes["min_timeout_s"]
         return replace(base, **changes)
 
     def to_json(self) -> dict[str, Any]:
@@ -91,6 +95,7 @@ class EngineSettings:
     lease_renew_s: float = 15.0
     reconcile_interval_s: float = 10.0
     reconcile_grace_s: float = 30.0  # runs touched more recently are left to the ordinary path
+    rearm_interval_s: float = 60.0  # how often the leader looks for engine jobs that are missing
     retention_days: float = 30.0  # finished runs older than this are deleted (0: keep forever)
     retention_batch: int = 1000
     retention_interval_s: float = 300.0
@@ -98,6 +103,10 @@ class EngineSettings:
     schedule_jitter_s: float = 1.0  # random wait after a tick before firing it (spreads the herd)
     max_ttl_s: float | None = None  # every run expires if not started within this (a run's ttl may be shorter)
     max_payload_bytes: int = 3 * MiB
+    api_rate_limit: float | None = 2000.0  # requests/s per API key or worker token (None or 0: off)
+    api_rate_burst: int | None = None  # requests allowed back to back (default: one second's worth)
+    max_streams_per_key: int = 100  # open realtime streams per environment, per server process
+    max_long_polls_per_token: int = 1000  # open long-polls per worker token, per server process
     default_retry: RetryPolicy = field(default_factory=RetryPolicy)
     db_pool_min: int = 2
     db_pool_max: int = 8
@@ -137,6 +146,10 @@ class EngineSettings:
             "lease_renew_s": "RUN_ENGINE_LEASE_RENEW_S",
             "reconcile_interval_s": "RUN_ENGINE_RECONCILE_INTERVAL_S",
             "reconcile_grace_s": "RUN_ENGINE_RECONCILE_GRACE_S",
+            "api_rate_limit": "RUN_ENGINE_API_RATE_LIMIT",
+            "api_rate_burst": "RUN_ENGINE_API_RATE_BURST",
+            "max_streams_per_key": "RUN_ENGINE_MAX_STREAMS_PER_KEY",
+            "max_long_polls_per_token": "RUN_ENGINE_MAX_LONG_POLLS_PER_TOKEN",
         }
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, Any] = {}

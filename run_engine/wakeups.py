@@ -9,10 +9,13 @@ message only costs a bounded wait, never a lost run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import hashlib
 import logging
+import time
 
 from redis.asyncio import Redis
+
+from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +25,11 @@ class WakeUps:
         self.redis = redis
         self.channel = channel
         self._events: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, int] = {}  # waiters per key, so an idle key's event is dropped
         self._pending: set[str] = set()
         self._flush: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
+        self._released: dict[str, float] = {}  # worker instance -> when it said it is stopping
 
     def _event(self, group: str) -> asyncio.Event:
         event = self._events.get(group)
@@ -52,43 +57,81 @@ class WakeUps:
         except Exception:  # waiters fall back to their bounded wait
             log.warning("could not publish wake-ups", exc_info=True)
 
+    def release(self, instance: str, group: str) -> None:
+        """A worker instance is stopping: its long-polls here and elsewhere end without runs."""
+        key = self._instance_key(instance)
+        self._mark_released(key)
+        self._wake_local(group)
+        self._pending.add(f"!{key}")
+        self._pending.add(group)
+        if self._flush is None or self._flush.done():
+            self._flush = asyncio.get_running_loop().create_task(self._publish())
+
+    @staticmethod
+    def _instance_key(instance: str) -> str:  # names may hold any character, a comma too
+        return hashlib.blake2b(instance.encode(), digest_size=12).hexdigest()
+
+    def _mark_released(self, key: str) -> None:
+        now = time.monotonic()
+        if len(self._released) > 1000:  # marks only matter for the polls open at the time
+            self._released = {k: t for k, t in self._released.items() if now - t < 120}
+        self._released[key] = now
+
+    def released(self, instance: str, *, since: float) -> bool:
+        """Whether ``instance`` said it is stopping after ``since`` (a monotonic time)."""
+        at = self._released.get(self._instance_key(instance))
+        return at is not None and at >= since
+
     async def wait(self, group: str, timeout_s: float) -> bool:
         """Wait until ``group`` may have work, at most ``timeout_s``; True if woken."""
         if timeout_s <= 0:
             return False
+        event = self._event(group)
+        self._waiters[group] = self._waiters.get(group, 0) + 1
         try:
-            await asyncio.wait_for(self._event(group).wait(), timeout_s)
+            await asyncio.wait_for(event.wait(), timeout_s)
             return True
         except TimeoutError:
             return False
+        finally:
+            left = self._waiters.pop(group) - 1
+            if left:
+                self._waiters[group] = left
+            elif self._events.get(group) is event:
+                del self._events[group]  # nobody waits on it: keys of runs never woken do not pile up
 
     async def start(self) -> None:
         if self._listener is None:
             self._listener = asyncio.create_task(self._listen())
 
     async def _listen(self) -> None:
-        while True:
+        while self._listener is not None:
             try:
                 pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self.channel)
                 try:
-                    async for message in pubsub.listen():
-                        data = message.get("data")
+                    # get_message with a timeout, not listen(): a stop is seen within a second even
+                    # when redis-py swallows the cancel (it can, mid-connect)
+                    while self._listener is not None:
+                        message = await pubsub.get_message(timeout=1.0)
+                        data = message.get("data") if message else None
                         if isinstance(data, bytes):
                             for group in data.decode().split(","):
-                                self._wake_local(group)
+                                if group.startswith("!"):
+                                    self._mark_released(group[1:])
+                                else:
+                                    self._wake_local(group)
                 finally:
                     await pubsub.aclose()
             except asyncio.CancelledError:
                 raise
             except Exception:
+                if self._listener is None:
+                    return
                 log.warning("wake-up subscription lost; resubscribing", exc_info=True)
                 await asyncio.sleep(0.5)
 
     async def stop(self) -> None:
-        for task in (self._listener, self._flush):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        self._listener = None
+        listener, self._listener = self._listener, None  # the listen loop ends when it sees None
+        for task in (listener, self._flush):
+            await stop_task(task)

@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import logging
 import multiprocessing as mp
 import os
+import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -22,6 +25,7 @@ from typing import Any
 
 import orjson
 
+log = logging.getLogger("run_engine.supervisor")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -102,12 +106,36 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
             result = loop.run_until_complete(_run_one(msg, conn))
         finally:
             os.environ.pop("RUN_ENGINE_RUN_TOKEN", None)
+            cancel_leftovers(loop)
         conn.send(result)
+
+
+def cancel_leftovers(loop: asyncio.AbstractEventLoop, grace_s: float = 1.0) -> int:
+    """Cancel the tasks a run left behind (background tasks its code started and never awaited):
+    in a reused executor they would otherwise run on during the next run, possibly another
+    environment's, and see its run token. Returns how many there were."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending, timeout=grace_s))
+    return len(pending)
 
 
 # --- the supervisor's side ----------------------------------------------------------------------
 
+_GONE = object()  # the reader's last word: the pipe is closed (the process exited or was killed)
+
+
 class Executor:
+    """One warm executor process, seen from the supervisor's event loop.
+
+    The pipe is read and written by two threads with blocking I/O, never by the loop: a loop's
+    reader callback (uvloop sets the fd non-blocking) could see a multi-megabyte message half
+    there and tear it, and a blocking write would stall every other run. The reader hands each
+    whole message to the loop; the writer sends in order. Nothing is dropped silently: a failed
+    write is logged and the executor treated as dead."""
+
     def __init__(self, tasks_module: str) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -115,6 +143,34 @@ class Executor:
         self.process.start()
         child.close()
         self.runs = 0
+        self._loop = asyncio.get_running_loop()
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._broken: BaseException | None = None
+        threading.Thread(target=self._read, name=f"executor-{self.process.pid}-read", daemon=True).start()
+        threading.Thread(target=self._write, name=f"executor-{self.process.pid}-write", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.conn.recv()
+                self._loop.call_soon_threadsafe(self._inbox.put_nowait, msg)
+        except (EOFError, OSError, RuntimeError):  # RuntimeError: the loop closed at shutdown
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._inbox.put_nowait, _GONE)
+
+    def _write(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError) as exc:
+                self._broken = exc
+                log.warning("executor %s: a message of type %s could not be sent (%s); the executor is "
+                            "treated as dead", self.process.pid, msg.get("type"), exc)
+                return
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        self._outbox.put(msg)
 
     async def ready(self, timeout_s: float = 60) -> None:
         msg = await self._receive(timeout_s=timeout_s, max_duration_s=None, memory_mb=None)
@@ -132,15 +188,17 @@ class Executor:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5)
+        self._outbox.put(None)
         self.conn.close()
 
     def stop(self) -> None:
-        try:
-            self.conn.send({"type": "stop"})
-        except OSError:
-            pass
+        self._send({"type": "stop"})
         self.process.join(2)
         self.kill()
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive() and not self.conn.closed and self._broken is None
 
     async def run(self, msg: dict[str, Any], *, max_duration_s: float | None, memory_mb: int | None,
                   on_call: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -148,68 +206,53 @@ class Executor:
         :meth:`reply`. Returns the result, ``{"type": "suspended"}`` after :meth:`suspend`, or
         ``{"type": "abandoned"}``; raises :class:`ExecutorFailure` when the process had to die."""
         self.runs += 1
-        self.conn.send(msg)
+        self._send(msg)
         return await self._receive(timeout_s=None, max_duration_s=max_duration_s, memory_mb=memory_mb,
                                    on_call=on_call)
 
     def reply(self, call_id: int, data: dict[str, Any]) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.conn.send({"type": "reply", "id": call_id, **data})
+        self._send({"type": "reply", "id": call_id, **data})
 
     def suspend(self) -> None:
         """Ask the running task to stop: its run was checkpointed."""
-        with contextlib.suppress(OSError, ValueError):
-            self.conn.send({"type": "suspend"})
+        self._send({"type": "suspend"})
 
     async def _receive(self, *, timeout_s: float | None, max_duration_s: float | None,
                        memory_mb: int | None, on_call: Callable[[dict[str, Any]], None] | None = None,
                        ) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        fd = self.conn.fileno()
-        wake: asyncio.Future[None] = loop.create_future()
-
-        def ready() -> None:
-            if not wake.done():
-                wake.set_result(None)
-
-        loop.add_reader(fd, ready)
         started = time.monotonic()
-        try:
-            while True:
-                # Woken by the pipe, or by a watchdog tick to check duration, memory and liveness.
-                tick = loop.call_later(0.1, ready)
-                await wake
-                tick.cancel()
-                wake = loop.create_future()
-                try:
-                    while not self.conn.closed and self.conn.poll():
-                        result: dict[str, Any] = self.conn.recv()
-                        if result.get("type") != "call":
-                            return result
-                        if on_call is not None:
-                            on_call(result)
-                except (EOFError, OSError):
-                    pass  # the process is gone (or was killed): reported below
-                elapsed = time.monotonic() - started
-                if not self.process.is_alive() or self.conn.closed:
-                    self.process.join(1)
-                    code = self.process.exitcode
-                    raise ExecutorFailure({"type": "TASK_PROCESS_EXITED",
-                                           "message": f"the executor process exited with code {code}"})
-                if max_duration_s is not None and elapsed > max_duration_s:
-                    self.kill()
-                    raise ExecutorFailure({"type": "MAX_DURATION_EXCEEDED",
-                                           "message": f"the run exceeded its max duration of {max_duration_s:g}s"},
-                                          retryable=False)
-                if memory_mb is not None and self.rss_mb() > memory_mb:
-                    self.kill()
-                    raise ExecutorFailure({"type": "TASK_PROCESS_OOM_KILLED",
-                                           "message": f"the run used more than its {memory_mb} MiB of memory"})
-                if timeout_s is not None and elapsed > timeout_s:
-                    self.kill()
-                    raise RuntimeError("executor did not start in time")
-        finally:
-            loop.remove_reader(fd)
+        while True:
+            # a message, or a watchdog tick to check duration, memory and liveness
+            try:
+                msg = await asyncio.wait_for(self._inbox.get(), 0.1)
+            except TimeoutError:
+                msg = None
+            if msg is not None and msg is not _GONE:
+                if msg.get("type") != "call":
+                    return dict(msg)
+                if on_call is not None:
+                    on_call(msg)
+                continue
+            elapsed = time.monotonic() - started
+            if msg is _GONE or not self.alive:
+                if self.process.is_alive():
+                    self.process.kill()
+                self.process.join(1)
+                code = self.process.exitcode
+                raise ExecutorFailure({"type": "TASK_PROCESS_EXITED",
+                                       "message": f"the executor process exited with code {code}"})
+            if max_duration_s is not None and elapsed > max_duration_s:
+                self.kill()
+                raise ExecutorFailure({"type": "MAX_DURATION_EXCEEDED",
+                                       "message": f"the run exceeded its max duration of {max_duration_s:g}s"},
+                                      retryable=False)
+            if memory_mb is not None and self.rss_mb() > memory_mb:
+                self.kill()
+                raise ExecutorFailure({"type": "TASK_PROCESS_OOM_KILLED",
+                                       "message": f"the run used more than its {memory_mb} MiB of memory"})
+            if timeout_s is not None and elapsed > timeout_s:
+                self.kill()
+                raise RuntimeError("executor did not start in time")
 
 
 class ExecutorPool:
@@ -223,7 +266,7 @@ class ExecutorPool:
     async def acquire(self) -> Executor:
         while self._idle:
             ex = self._idle.pop()
-            if ex.process.is_alive():
+            if ex.alive:
                 return ex
             ex.kill()
         ex = Executor(self.tasks_module)
@@ -232,7 +275,7 @@ class ExecutorPool:
         return ex
 
     def release(self, ex: Executor) -> None:
-        if ex.process.is_alive() and not ex.conn.closed:
+        if ex.alive:
             self._idle.append(ex)
         else:
             ex.kill()

@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import logging
 import os
+import random
 import signal
 import socket
 import time
@@ -39,6 +40,7 @@ class SupervisorConfig:
     poll_wait_ms: int = 10_000
     environments: tuple[str, ...] = ()
     suspend_after_s: float = 5.0  # a blocked run waits this long in its executor, then is checkpointed
+    completion_retry_s: float = 600.0  # how long a completion is retried while the engine cannot take it
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,8 @@ class WorkerApi:
 
 
 TransportError = (aiohttp.ClientError, TimeoutError, OSError)
+#: answers after which a request is worth repeating (0: the engine could not be reached)
+RETRY_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
 
 
 class Supervisor:
@@ -107,8 +111,11 @@ class Supervisor:
         self._slots = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
         self._poll: asyncio.Task[Any] | None = None
+        self._release: asyncio.Task[None] | None = None
         self.completed = 0
         self.suspended = 0
+        self._environments: list[str] = []
+        self._deployments: list[str] = []
 
     async def _post(self, path: str, json: Any = None) -> Reply:
         return await self.http.post(path, json)
@@ -145,17 +152,31 @@ class Supervisor:
         if response.status != 200:
             raise SystemExit(f"connect failed: {response.status} {response.text}")
         data: dict[str, Any] = response.data
+        if self.config.environments:  # --env: only these environments' runs are dequeued
+            self._environments = [d["environmentId"] for d in data["deployments"]]
+        # only runs of tasks this worker has (a rolling deploy: older or newer workers on the group)
+        self._deployments = [d["deploymentId"] for d in data["deployments"]]
         log.info("connected as %s: deployment %s (version %s), %d tasks", self.name, data["deploymentId"],
                  data["version"], len(body["deployment"]["tasks"]))
         return data
 
     def stop(self) -> None:
-        """Stop polling; in-flight runs finish (SIGTERM)."""
-        if not self._stopping.is_set():
-            log.info("stopping: draining %d in-flight runs", len(self._inflight))
+        """Stop polling; in-flight runs finish (SIGTERM). An open long-poll is not cancelled: the
+        engine may be handing it runs at this very moment, which would then wait for a heartbeat
+        timeout. The engine is told instead, and the poll answers at once (with any runs it got,
+        which are drained like the others)."""
+        if self._stopping.is_set():
+            return
+        log.info("stopping: draining %d in-flight runs", len(self._inflight))
         self._stopping.set()
         if self._poll is not None:
-            self._poll.cancel()
+            self._release = asyncio.get_running_loop().create_task(self._say_stopping())
+
+    async def _say_stopping(self) -> None:
+        try:
+            await asyncio.wait_for(self._post("/heartbeat", {"workerInstanceName": self.name, "stopping": True}), 5)
+        except TransportError:
+            log.info("could not tell the engine this worker stops; its poll ends by itself")
 
     async def run(self) -> None:
         await self.connect()
@@ -168,6 +189,10 @@ class Supervisor:
                 while free < self.config.concurrency and not self._slots.locked():
                     await self._slots.acquire()
                     free += 1
+                if self._stopping.is_set():  # stopped while every slot was busy
+                    for _ in range(free):
+                        self._slots.release()
+                    break
                 runs = await self._dequeue(free)
                 for item in runs:
                     task = asyncio.create_task(self._handle(item))
@@ -181,6 +206,8 @@ class Supervisor:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
+            if self._release is not None:
+                await self._release
             self.pool.close()
             await self.http.close()
         log.info("stopped after %d runs", self.completed)
@@ -190,7 +217,8 @@ class Supervisor:
         # per run); each run comes back with its `attempt`.
         self._poll = asyncio.create_task(self._post("/dequeue", {
             "maxRuns": max_runs, "waitMs": self.config.poll_wait_ms, "workerInstanceName": self.name,
-            "startAttempts": True}))
+            "startAttempts": True, "deployments": self._deployments,
+            **({"environments": self._environments} if self._environments else {})}))
         try:
             response = await self._poll
         except asyncio.CancelledError:
@@ -271,10 +299,39 @@ class Supervisor:
             latest = await self._latest(run_id)
             if latest is None or latest.get("executionStatus") != "PENDING_CANCEL":
                 return
-        complete = await self._completions.submit({"runId": run_id, "snapshotId": state.snapshot_id, **result})
+        # heartbeats go on while the completion is retried: a short outage must not stall the run
+        beat = asyncio.create_task(self._run_heartbeats(state, None))
+        try:
+            complete = await self._complete(run_id, {"runId": run_id, "snapshotId": state.snapshot_id, **result})
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
         if not complete["ok"]:
             log.info("run %s: completion refused (%s %s)", run_id, complete.get("status"), complete.get("error"))
         self.completed += 1
+
+    async def _complete(self, run_id: str, item: dict[str, Any]) -> dict[str, Any]:
+        """Report an attempt's result until the server answers it. Repeating is safe: a completion
+        that got through before its answer was lost is refused as stale (409), and nothing runs
+        twice. Gives up (logged) after ``completion_retry_s``."""
+        deadline = time.monotonic() + self.config.completion_retry_s
+        delay = 0.2
+        while True:
+            answer = await self._completions.submit(item)
+            status = 200 if answer["ok"] else answer.get("status", 0)
+            if status not in RETRY_STATUSES:
+                if status == 409:
+                    log.info("run %s: the completion was already taken (or the run moved on)", run_id)
+                return answer
+            if time.monotonic() + delay > deadline:
+                log.error("run %s: the engine did not take its completion for %.0f s; giving up (the run's "
+                          "heartbeat timeout retries it)", run_id, self.config.completion_retry_s)
+                return answer
+            log.warning("run %s: completion not taken (%s); retrying in %.1f s", run_id, status or "unreachable",
+                        delay)
+            await asyncio.sleep(delay * (1 + random.random() / 2))
+            delay = min(delay * 2, 5.0)
 
     async def _latest(self, run_id: str, after: str | None = None, wait_ms: int = 0) -> dict[str, Any] | None:
         query = f"?after={after}&waitMs={wait_ms}" if after else ""
@@ -354,7 +411,8 @@ class Supervisor:
                 return {"result": entries[0]["result"]}
             return {"error": f"the wait at journal position {seq} continued without a result"}
 
-    async def _run_heartbeats(self, state: RunState, executor: Any) -> None:
+    async def _run_heartbeats(self, state: RunState, executor: Any | None) -> None:
+        """Heartbeat the run; when it moved on (cancelled), kill its executor (None: nothing runs)."""
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             snapshot_id = state.snapshot_id
@@ -367,6 +425,8 @@ class Supervisor:
                 if latest.get("executionStatus") in ("EXECUTING", "EXECUTING_WITH_WAITPOINTS") or \
                         snapshot_id != state.snapshot_id:
                     continue  # a wait moved the snapshot on; the waiter picks the new one up
+                if executor is None:
+                    return
                 log.info("run %s moved on to %s: stopping its executor", state.run_id, latest.get("executionStatus"))
                 state.cancelled = True
                 executor.kill()

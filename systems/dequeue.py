@@ -1,18 +1,26 @@
 """DequeueSystem: take runs off the queue for a worker group and mark them PENDING_EXECUTING.
 
-One Lua call takes up to ``max_runs`` runs; one lock call and one statement move them all."""
+One Lua call takes up to ``max_runs`` runs; one lock call and one statement move them all. A
+worker that says which deployments it runs is only handed runs of tasks those have: during a
+rolling deploy an old worker gives a new task's run back (another worker takes it), and a run of a
+task that no current deployment has waits as PENDING_VERSION. A run is never failed for it."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from run_engine.db.repository import RunRow, Snapshot, Transition
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.run_queue import Handed
+from run_engine.run_queue.models import DequeuedMessage
 from run_engine.statuses import DEQUEUEABLE, ExecutionStatus, RunStatus
 from systems.execution_snapshot import HEARTBEAT_JOB, heartbeat_job_id
 from systems.resources import SystemResources
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,12 +33,21 @@ class DequeuedRun:
 class DequeueSystem:
     def __init__(self, resources: SystemResources) -> None:
         self.r = resources
+        self._deployments: dict[str, tuple[str, frozenset[str]]] = {}
 
-    async def dequeue(self, worker_group_id: str, max_runs: int, worker_id: str | None = None) -> Handed:
-        """Up to ``max_runs`` runs as :class:`DequeuedRun`; the result's ``retry_at_ms`` says when a
-        rate-limited queue of the group may serve again."""
+    GIVE_BACK_MS = 500  # a run given back is ready again this much later (the others' turn first)
+
+    async def dequeue(self, worker_group_id: str, max_runs: int, worker_id: str | None = None,
+                      environments: Sequence[str] = (), deployments: Sequence[str] = ()) -> Handed:
+        """Up to ``max_runs`` runs as :class:`DequeuedRun` (only of ``environments`` when given, only
+        of tasks the worker's ``deployments`` have when given); the result's ``retry_at_ms`` says
+        when a rate-limited queue of the group may serve again."""
         assert self.r.systems is not None
-        messages = await self.r.queue.dequeue(worker_group_id, max_runs, self.r.now_ms())
+        messages = await self.r.queue.dequeue(worker_group_id, max_runs, self.r.now_ms(), environments)
+        if messages and deployments:
+            retry_at = messages.retry_at_ms
+            messages = Handed(await self._runnable(messages, worker_group_id, deployments))
+            messages.retry_at_ms = retry_at
         if not messages:
             return messages
         run_ids = [m.run_id for m in messages]
@@ -73,3 +90,52 @@ class DequeueSystem:
         out = Handed(dequeued)
         out.retry_at_ms = messages.retry_at_ms
         return out
+
+    async def _tasks_of(self, deployments: Sequence[str]) -> dict[str, frozenset[str]]:
+        """environment id → the tasks the worker's deployments have there (deployments never change)."""
+        missing = [d for d in deployments if d not in self._deployments]
+        if missing:
+            if len(self._deployments) > 10_000:
+                self._deployments.clear()
+            self._deployments.update(await self.r.repo.deployment_tasks(missing))
+        out: dict[str, frozenset[str]] = {}
+        for d in deployments:
+            if d in self._deployments:
+                env_id, tasks = self._deployments[d]
+                out[env_id] = out.get(env_id, frozenset()) | tasks
+        return out
+
+    async def _runnable(self, messages: Sequence[DequeuedMessage], worker_group_id: str,
+                        deployments: Sequence[str]) -> list[DequeuedMessage]:
+        tasks = await self._tasks_of(deployments)
+        keep, foreign = [], []
+        for m in messages:
+            (foreign if m.env_id in tasks and m.task not in tasks[m.env_id] else keep).append(m)
+        for m in foreign:
+            try:
+                await self._not_for_this_worker(m, worker_group_id)
+            except Exception:  # it stays held: the reconciler makes it ready again
+                log.exception("run %s: could not give it back", m.run_id)
+        return keep
+
+    async def _not_for_this_worker(self, m: DequeuedMessage, worker_group_id: str) -> None:
+        """A run of a task the worker lacks: back to the queue for another worker, or, when the
+        current deployment lacks the task too, PENDING_VERSION until one has it."""
+        now = self.r.now_ms()
+        current = await self._s.enqueue.current_task(m.env_id, worker_group_id, m.task)
+        if current.deployment_id is None:
+            async with self.r.locker.lock("pending_version", m.run_id):
+                (result,) = await self.r.repo.transition_many([Transition(
+                    run_id=m.run_id, new_snapshot_id=new_id("snapshot"), engine_status=ExecutionStatus.PENDING_VERSION,
+                    run_status=RunStatus.PENDING_VERSION, from_statuses=(ExecutionStatus.QUEUED,),
+                    description=f"No current deployment has the task {m.task!r}")])
+                if result.applied:
+                    await self.r.queue.remove(m.env_id, m.run_id)
+                    return
+        await self.r.queue.give_back(m.env_id, m.run_id, now, now + self.GIVE_BACK_MS)
+        self.r.work_available([worker_group_id])
+
+    @property
+    def _s(self):  # type: ignore[no-untyped-def]
+        assert self.r.systems is not None
+        return self.r.systems

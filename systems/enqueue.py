@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from run_engine.run_queue import EnqueueItem, RateLimit
 from run_engine.statuses import ExecutionStatus, RunStatus
 from systems.resources import SystemResources
 
+log = logging.getLogger(__name__)
 DELAYED_JOB = "enqueue_delayed"
 TTL_JOB = "expire_ttl"
 DEFAULT_IDEMPOTENCY_TTL_S = 30 * 86400
@@ -76,15 +78,24 @@ class _TaskInfo:
     fetched_at: float = field(default_factory=time.monotonic)
 
 
+def _remember(cache: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
+    """Put ``key`` in a bounded cache, forgetting the oldest entry when it is full: task ids and
+    queue names are chosen by tenants, so the caches must not grow with what they send."""
+    if key not in cache and len(cache) >= limit:
+        del cache[next(iter(cache))]
+    cache[key] = value
+
+
 class EnqueueSystem:
     # Deployments and limits change rarely; a short cache keeps the trigger path to one write.
     CACHE_TTL_S = 2.0
+    CACHE_SIZE = 10_000
 
     def __init__(self, resources: SystemResources) -> None:
         self.r = resources
         self._envs: dict[str, _EnvInfo] = {}
         self._tasks: dict[tuple[str, str, str], _TaskInfo] = {}
-        self._queues: set[tuple[str, str]] = set()
+        self._queues: dict[tuple[str, str], None] = {}
         self._last_micros = 0
 
     def invalidate(self) -> None:
@@ -101,8 +112,13 @@ class EnqueueSystem:
                              row.get("max_queue_length") or self.r.settings.max_queue_length)
             if info is None or info.concurrency_limit != fresh.concurrency_limit:
                 await self.r.queue.set_env_limit(env_id, fresh.concurrency_limit)
-            self._envs[env_id] = info = fresh
+            info = fresh
+            _remember(self._envs, env_id, info, self.CACHE_SIZE)
         return info
+
+    async def current_task(self, env_id: str, worker_group_id: str, task_id: str) -> _TaskInfo:
+        """The task as the current deployment of (env, group) has it (``deployment_id`` None: none has)."""
+        return await self._task(env_id, worker_group_id, task_id)
 
     async def _task(self, env_id: str, worker_group_id: str, task_id: str) -> _TaskInfo:
         key = (env_id, worker_group_id, task_id)
@@ -110,7 +126,7 @@ class EnqueueSystem:
         if info is None or time.monotonic() - info.fetched_at > self.CACHE_TTL_S:
             row = await self.r.repo.current_task(env_id, worker_group_id, task_id)
             info = _TaskInfo(row["deployment_id"], row["queue_name"]) if row else _TaskInfo(None, None)
-            self._tasks[key] = info
+            _remember(self._tasks, key, info, self.CACHE_SIZE)
         return info
 
     async def _ensure_queue(self, env_id: str, name: str, limit: int | None) -> None:
@@ -118,7 +134,7 @@ class EnqueueSystem:
             return
         row = await self.r.repo.ensure_queue(new_id("queue"), env_id, name, limit)
         await self.mirror_queue(row)
-        self._queues.add((env_id, name))
+        _remember(self._queues, (env_id, name), None, self.CACHE_SIZE)
 
     async def mirror_queue(self, row: dict[str, Any]) -> None:
         """Copy a task_queue row's effective limit (override, else deployed) and pause flag to Redis."""
@@ -228,12 +244,19 @@ class EnqueueSystem:
             inserted = await self.r.repo.insert_runs(new_runs)
         if len(inserted) < len(new_runs):
             results, items, jobs, new_runs = await self._cached(requests, new_runs, results, inserted, items, jobs)
-        if jobs:
-            await self.r.change_jobs(schedule=jobs)
-        if len(items) == 1:
-            await self.r.enqueues.submit(items[0])
-        elif items:
-            await self.r.enqueue_items(items)
+        try:
+            if jobs:
+                await self.r.change_jobs(schedule=jobs)
+            if len(items) == 1:
+                await self.r.enqueues.submit(items[0])
+            elif items:
+                await self.r.enqueue_items(items)
+        except Exception:
+            # The runs are stored (PostgreSQL is the record); answering with an error now would
+            # make a retrying client create them twice. The reconciler enqueues QUEUED runs that
+            # the queue does not know, and due DELAYED runs whose job is missing.
+            log.warning("runs %s stored but not (all) enqueued; the reconciler will enqueue them",
+                        [r.id for r in new_runs][:10], exc_info=True)
         for run, result in zip(new_runs, results, strict=False):
             if result.is_cached:
                 continue
@@ -314,8 +337,8 @@ class EnqueueSystem:
     def _validate(self, req: TriggerRequest) -> None:
         if not req.task_id or len(req.task_id) > 128:
             raise ValidationError("taskId", "must be 1..128 characters")
-        if req.queue is not None and (not req.queue or ":" in req.queue or len(req.queue) > 128):
-            raise ValidationError("options.queue", "must be 1..128 characters without ':'")
+        if req.queue is not None and (not req.queue or len(req.queue) > 128):
+            raise ValidationError("options.queue", "must be 1..128 characters")
         if req.priority_s < 0:
             raise ValidationError("options.priority", "must be >= 0")
         if req.max_attempts is not None and req.max_attempts < 1:

@@ -92,7 +92,12 @@ class ExecutionSnapshotSystem:
         snapshot_status = latest.engine_status
         if latest.id != snapshot_id:
             raise StaleSnapshotError(run_id, snapshot_id, latest.id, snapshot_status)
-        # The latest snapshot has no heartbeat job (e.g. FINISHED, QUEUED): nothing to extend.
+        # The latest snapshot has no heartbeat job: FINISHED or QUEUED (nothing to extend), or its
+        # job was lost (a Redis flush or restart, a process that died between the write and the
+        # job): arm it again, or nothing would ever notice the worker die.
+        if self.r.settings.heartbeat_timeout_s(ExecutionStatus(snapshot_status)) is not None:
+            _, schedule = self.rearm(None, None, latest)
+            await self.r.change_jobs(schedule=schedule)
 
     def _deadline_unknown(self) -> float:
         # A heartbeat extends by the longest timeout of the statuses a worker heartbeats in;

@@ -5,6 +5,8 @@ PostgreSQL is the system of record; the Redis queue is rebuilt from it when they
   (a Redis restart or flush) is enqueued again at its original place;
 * such a run the queue holds as handed out although PostgreSQL never saw the dequeue (the process
   died between the two) is made ready again;
+* such a run whose message says ready or delayed but which is in no set ("lost": a script that
+  failed half-way) is enqueued again;
 * a DELAYED run whose date passed long ago (its engine job was lost with Redis) is enqueued;
 * a slot held by a run that is finished or suspended (its ack was lost) is freed.
 Retention deletes finished runs (with their snapshots, journals and checkpoints) and completed
@@ -17,8 +19,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from run_engine.db.repository import RunRow, Snapshot
 from run_engine.statuses import ExecutionStatus
-from systems.resources import SystemResources
+from systems.enqueue import DELAYED_JOB, TTL_JOB
+from systems.resources import JobSpec, SystemResources
+from systems.run_attempt import MAX_DURATION_JOB, max_duration_job_id
+from systems.waitpoints import DATETIME_JOB, SWEEP_JOB, SWEEP_JOB_ID, TIMEOUT_JOB
 
 log = logging.getLogger(__name__)
 E = ExecutionStatus
@@ -34,6 +40,7 @@ class ReconcileReport:
     delayed_enqueued: int = 0
     slots_freed: int = 0
     settings_restored: int = 0
+    jobs_rearmed: int = 0
 
 
 class Reconciler:
@@ -49,21 +56,33 @@ class Reconciler:
 
     async def reconcile(self, grace_s: float | None = None) -> ReconcileReport:
         """One pass; ``grace_s`` (default the setting) skips runs touched more recently than that,
-        which an ordinary enqueue or dequeue may still be finishing."""
+        which an ordinary enqueue or dequeue may still be finishing. Each step and each run is
+        repaired on its own: one that fails is logged and the pass goes on."""
         grace = self.r.settings.reconcile_grace_s if grace_s is None else grace_s
         report = ReconcileReport()
         if not await self.r.queue.has_epoch():
             # Redis lost its data (or is new): limits, pauses and rate limits first, then the runs
+            # and the engine jobs (timeouts, timers) of everything not finished
             report.settings_restored = await self._restore_settings()
+            report.jobs_rearmed = await self.rearm_jobs(grace)
             await self.r.queue.mark_epoch()
-        await self._queued_runs(grace, report)
-        for run_id in await self.r.repo.due_delayed_runs(grace, self.PAGE):
-            await self._s.delayed.enqueue_delayed(run_id)
-            report.delayed_enqueued += 1
-        await self._slots(report)
-        if report.requeued_missing or report.requeued_stuck or report.delayed_enqueued or report.slots_freed:
+        for step in (self._queued_runs(grace, report), self._delayed_runs(grace, report), self._slots(report)):
+            try:
+                await step
+            except Exception:
+                log.exception("reconciler: a step failed; the others went on")
+        if (report.requeued_missing or report.requeued_stuck or report.delayed_enqueued or report.slots_freed
+                or report.jobs_rearmed):
             log.warning("reconciler repaired the queue: %s", report)
         return report
+
+    async def _delayed_runs(self, grace: float, report: ReconcileReport) -> None:
+        for run_id in await self.r.repo.due_delayed_runs(grace, self.PAGE):
+            try:
+                await self._s.delayed.enqueue_delayed(run_id)
+                report.delayed_enqueued += 1
+            except Exception:
+                log.exception("reconciler: could not enqueue delayed run %s", run_id)
 
     async def _restore_settings(self) -> int:
         envs = await self.r.repo.environment_ids()
@@ -81,17 +100,24 @@ class Reconciler:
             if not runs:
                 return
             after = runs[-1].id
-            states = await self.r.queue.message_states([(r.environment_id, r.id) for r in runs])
-            suspect = [(run, state) for run, state in zip(runs, states, strict=True) if state in (None, "held")]
+            states = await self.r.queue.placements([(r.environment_id, r.id) for r in runs])
+            suspect = [(run, state) for run, state in zip(runs, states, strict=True)
+                       if state in (None, "held", "lost")]
+            if broken := [run.id for run, state in zip(runs, states, strict=True) if state == "broken"]:
+                log.error("reconciler: the queue messages of runs %s cannot be read (not hashes)", broken[:20])
             if suspect:
-                await asyncio.gather(*(self._requeue(run, state, report) for run, state in suspect))
+                outcomes = await asyncio.gather(*(self._requeue(run, state, report) for run, state in suspect),
+                                                return_exceptions=True)
+                for (run, _), outcome in zip(suspect, outcomes, strict=True):
+                    if isinstance(outcome, Exception):
+                        log.error("reconciler: could not requeue run %s: %r", run.id, outcome)
 
     async def _requeue(self, run, state, report: ReconcileReport) -> None:  # type: ignore[no-untyped-def]
         async with self.r.locker.lock("reconcile", run.id):
             latest = await self.r.repo.latest_snapshot(run.id)
             if latest is None or latest.engine_status not in (E.QUEUED, E.QUEUED_EXECUTING):
                 return  # moved on meanwhile
-            current = (await self.r.queue.message_states([(run.environment_id, run.id)]))[0]
+            current = (await self.r.queue.placements([(run.environment_id, run.id)]))[0]
             if current != state:
                 return
             await self.r.enqueue_items([self._s.enqueue.item_for(run, reset_deliveries=state is None)])
@@ -102,14 +128,90 @@ class Reconciler:
 
     async def _slots(self, report: ReconcileReport) -> None:
         for env_id in await self.r.repo.environment_ids():
-            holding = sorted(await self.r.queue.running_ids(env_id))
-            for start in range(0, len(holding), self.PAGE):
-                page = holding[start:start + self.PAGE]
-                statuses = await self.r.repo.slot_holders(page)
-                stale = [rid for rid in page if statuses.get(rid) not in HOLDS_SLOT]
-                if stale:
-                    await self.r.queue.ack([(env_id, rid) for rid in stale])
-                    report.slots_freed += len(stale)
+            try:
+                await self._env_slots(env_id, report)
+            except Exception:
+                log.exception("reconciler: could not check the slots of environment %s", env_id)
+
+    async def _env_slots(self, env_id: str, report: ReconcileReport) -> None:
+        holding = sorted(await self.r.queue.running_ids(env_id))
+        for start in range(0, len(holding), self.PAGE):
+            page = holding[start:start + self.PAGE]
+            statuses = await self.r.repo.slot_holders(page)
+            stale = [rid for rid in page if statuses.get(rid) not in HOLDS_SLOT]
+            if stale:
+                await self.r.queue.ack([(env_id, rid) for rid in stale])
+                report.slots_freed += len(stale)
+
+    async def rearm_jobs(self, grace_s: float | None = None) -> int:
+        """Schedule again every engine job that a run or waitpoint not yet finished needs and that
+        Redis does not hold (lost to a flush, a restart without persistence, or a process that died
+        between its PostgreSQL write and the job): heartbeat timeouts and max durations of held
+        runs, delays and TTLs of runs not started, dates and timeouts of waitpoints, the sweeper.
+        Fixed job ids make this idempotent. Returns how many were scheduled."""
+        grace = self.r.settings.reconcile_grace_s if grace_s is None else grace_s
+        now = self.r.clock.now()
+        total = 0
+        total += await self._schedule_missing(  # the sweeper re-arms itself, from the first one on
+            [(SWEEP_JOB_ID, SWEEP_JOB, {}, now + self.r.settings.waitpoint_sweep_interval_s)])
+        after = ""
+        while page := await self.r.repo.active_runs_page(after, grace, self.PAGE):
+            after = page[-1][0].id
+            wanted: list[JobSpec] = []
+            for run, snapshot in page:
+                try:
+                    wanted += await self._held_run_jobs(run, snapshot, now)
+                except Exception:
+                    log.exception("reconciler: could not work out the jobs of run %s", run.id)
+            total += await self._schedule_missing(wanted)
+        after = ""
+        while runs := await self.r.repo.not_started_runs_page(after, self.PAGE):
+            after = runs[-1].id
+            wanted = []
+            for run in runs:
+                if run.status == "DELAYED" and run.delay_until is not None:
+                    wanted.append((f"delay.{run.id}", DELAYED_JOB, {"run_id": run.id}, run.delay_until.timestamp()))
+                if run.ttl_s is not None and run.attempt_number == 0:
+                    start = run.delay_until or run.created_at
+                    wanted.append((f"ttl.{run.id}", TTL_JOB, {"run_id": run.id}, start.timestamp() + run.ttl_s))
+            total += await self._schedule_missing(wanted)
+        after = ""
+        while waitpoints := await self.r.repo.waitpoints.timed_waitpoints_page(after, self.PAGE):
+            after = waitpoints[-1][0]
+            wanted = []
+            for wp_id, kind, completed_after, timeout_at in waitpoints:
+                if kind == "DATETIME" and completed_after is not None:
+                    wanted.append((f"wpdt.{wp_id}", DATETIME_JOB, {"waitpoint_id": wp_id}, completed_after.timestamp()))
+                if timeout_at is not None:
+                    wanted.append((f"wpto.{wp_id}", TIMEOUT_JOB, {"waitpoint_id": wp_id}, timeout_at.timestamp()))
+            total += await self._schedule_missing(wanted)
+        if total:
+            log.warning("reconciler: re-armed %d lost engine jobs", total)
+        return total
+
+    async def _held_run_jobs(self, run: RunRow, snapshot: Snapshot, now: float) -> list[JobSpec]:
+        status = ExecutionStatus(snapshot.engine_status)
+        wanted: list[JobSpec] = []
+        if self.r.settings.heartbeat_timeout_s(status) is not None:
+            wanted += self._s.snapshots.rearm(None, None, snapshot)[1]
+        if status in (E.EXECUTING, E.EXECUTING_WITH_WAITPOINTS, E.PENDING_CANCEL):
+            max_duration = run.max_duration_s
+            if max_duration is None:
+                task = await self._s.run_attempt.deployment_task(run)
+                max_duration = task["max_duration_s"] if task else None
+            if max_duration:
+                # the attempt began at or before its latest snapshot: never later than this
+                deadline = max(now, snapshot.created_at.timestamp() + max_duration
+                               + self.r.settings.max_duration_grace_s)
+                wanted.append((max_duration_job_id(run.id, run.attempt_number), MAX_DURATION_JOB,
+                               {"run_id": run.id, "attempt": run.attempt_number}, deadline))
+        return wanted
+
+    async def _schedule_missing(self, wanted: list[JobSpec]) -> int:
+        missing = set(await self.r.jobs.missing([j[0] for j in wanted]))
+        if missing:
+            await self.r.change_jobs(schedule=[j for j in wanted if j[0] in missing])
+        return len(missing)
 
     async def retention(self) -> int:
         """Delete what finished more than ``retention_s`` ago, a batch at a time."""

@@ -10,7 +10,6 @@ schedule to its next tick with a compare-and-set.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from datetime import UTC, datetime
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from run_engine.cron import Cron, CronError
 from run_engine.errors import NotFoundError, ValidationError
 from run_engine.ids import new_id
+from run_engine.tasks import stop_task
 from systems.enqueue import TriggerRequest
 from systems.resources import SystemResources
 
@@ -128,7 +128,7 @@ class ScheduleSystem:
             self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
-        while True:
+        while self._task is not None:
             try:
                 await self.fire_due()
             except asyncio.CancelledError:
@@ -138,8 +138,5 @@ class ScheduleSystem:
             await asyncio.sleep(self.r.settings.schedule_poll_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None  # the loop ends when it sees None
+        await stop_task(task)

@@ -285,11 +285,44 @@ class WaitpointSystem:
             if existing_entry is not None:
                 raise DuplicateExecutionError(parent.id, sequence)
             function = "batchTriggerAndWait" if batch else "triggerAndWait"
-            await self._s.enqueue.trigger_many([
-                dataclasses.replace(req, run_id=rid, batch_id=batch_id or req.batch_id,
-                                    resume_parent_on_completion=True, trigger_function=function)
-                for req, rid in zip(requests, run_ids, strict=True)])
+            try:
+                triggered = await self._s.enqueue.trigger_many([
+                    dataclasses.replace(req, run_id=rid, batch_id=batch_id or req.batch_id,
+                                        resume_parent_on_completion=True, trigger_function=function)
+                    for req, rid in zip(requests, run_ids, strict=True)])
+            except Exception as exc:
+                # The wait is journaled but its children do not exist: fail the wait now, so that the
+                # parent (retried or replayed) gets the error instead of waiting for ever.
+                # (the parent is not blocked yet and this task holds its lock: complete, do not continue)
+                await self.wp.complete([Completion({"type": "CHILD_TRIGGER_FAILED", "message":
+                                                    f"the child run(s) could not be created: {exc}"},
+                                                   True, id=wp.id)])
+                raise
+            taken = {rid: t for rid, t in zip(run_ids, triggered, strict=True) if t.is_cached}
+            if taken:
+                run_ids, key = await self._wait_on_existing(parent.id, sequence, kind, wp.id, run_ids, key,
+                                                            taken, batch_id)
+                pending = await self.wp.pending_count(parent.id)
             return run_ids, await self._blocked(parent.id, snapshot_id, sequence, f"{kind} {key}", pending)
+
+    async def _wait_on_existing(self, parent_id: str, sequence: int, kind: str, waitpoint_id: str,
+                                run_ids: list[str], key: str, taken: dict[str, Any],
+                                batch_id: str | None) -> tuple[list[str], str]:
+        """Children whose idempotency key returned an existing run: the parent waits on that run.
+        The journal and (for a single child) the RUN waitpoint name it; if it has finished already
+        the waitpoint completes now, else the run's finish or the sweeper completes it."""
+        run_ids = [taken[rid].id if rid in taken else rid for rid in run_ids]
+        if batch_id is None:
+            key = run_ids[0]
+            await self.wp.repoint(parent_id, sequence, waitpoint_id, key, {"runIds": run_ids})
+            holder = await self.r.repo.get_run(key)
+            if holder is not None and holder.finished_at is not None:  # the parent is not blocked yet
+                failed = holder.status != RunStatus.COMPLETED
+                await self.wp.complete([Completion((holder.error or {"type": holder.status}) if failed
+                                                   else holder.output, failed, id=waitpoint_id)])
+        else:  # the batch completes with the runs it created; results come from the runs named here
+            await self.wp.repoint(parent_id, sequence, None, key, {"runIds": run_ids}, batch_shrink=(batch_id, len(taken)))
+        return run_ids, key
 
     # --- the journal --------------------------------------------------------------------------
 
@@ -349,6 +382,8 @@ class WaitpointSystem:
         completions = [Completion(*(
             (row["output"], False) if row["status"] == RunStatus.COMPLETED
             else (row["error"] or {"type": row["status"]}, True)), id=row["id"]) for row in found["run_waitpoints"]]
+        completions += [Completion({"type": "CHILD_TRIGGER_FAILED", "message": "the child run was never created"},
+                                   True, id=wp_id) for wp_id in found["orphaned"]]
         for row in found["batches"]:
             if row["broken"]:
                 completions.append(Completion({"type": "BATCH_INCOMPLETE", "message":

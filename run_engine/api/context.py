@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 
 from run_engine.api.http import ApiError, TtlCache, bearer
+from run_engine.api.inputs import looks_like_id
 from run_engine.engine import RunEngine
+from run_engine.ratelimit import ConnectionCaps, RequestLimiter, TooMany
 from run_engine.realtime import RealtimeHub
 from run_engine.run_tokens import RunTokens
 from run_engine.tenancy import hash_secret
 from run_engine.wakeups import WakeUps
+
+#: what a run token may do (API.md, "Run tokens"); every other public call answers 403
+RUN_TOKEN_SCOPE = ("trigger children, create, read and complete waitpoint tokens, update its own run's metadata "
+                   "and tags, and read its own run and the runs it triggered")
+#: public statuses in which a run's attempt is live (its executor may call with the run token)
+_LIVE = frozenset({"EXECUTING", "WAITING"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +32,12 @@ class EnvAuth:
     org_id: str
     worker_group_id: str
     run_id: str | None = None  # set when a run token (an executor) made the call
+    attempt: int | None = None
+
+    @property
+    def bucket(self) -> str:
+        """The credential's share of the limits: the environment (its key and its runs' tokens)."""
+        return f"env:{self.env_id}"
 
 
 @dataclass(eq=False)
@@ -31,36 +47,48 @@ class ApiContext:
     wakeups: WakeUps
     public_url: str
     realtime: RealtimeHub | None = None
+    limiter: RequestLimiter | None = None
+    caps: ConnectionCaps = field(default_factory=lambda: ConnectionCaps({}))
     run_token_ttl_s: int = 24 * 3600
     _envs: TtlCache = field(default_factory=TtlCache)
     _groups: TtlCache = field(default_factory=TtlCache)
-    _run_groups: dict[str, str] = field(default_factory=dict)
+    _run_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
 
-    def remember_run_group(self, run_id: str, group_id: str) -> None:
+    def remember_run_group(self, run_id: str, group_id: str, env_id: str) -> None:
         if len(self._run_groups) > 100_000:
             self._run_groups.clear()
-        self._run_groups[run_id] = group_id
+        self._run_groups[run_id] = (group_id, env_id)
 
-    def run_group(self, run_id: str) -> str | None:
+    def run_group(self, run_id: str) -> tuple[str, str] | None:
+        """(worker group, environment) of a run this process handed out."""
         return self._run_groups.get(run_id)
 
     @property
     def repo(self):  # type: ignore[no-untyped-def]
         return self.engine.resources.repo
 
-    async def env_auth(self, request: Request) -> EnvAuth:
-        """The environment of an environment secret key, or of the run of a run token."""
+    async def env_auth(self, request: Request, *, run_token: bool = False) -> EnvAuth:
+        """The environment of an environment secret key, or of the run of a run token. A run token
+        is accepted only where the handler allows it (``run_token``; 403 elsewhere) and only while
+        its attempt is live: the run is EXECUTING or WAITING in that attempt (401 after)."""
         token = bearer(request)
         if token.startswith("rt_"):
             claims = self.tokens.verify(token, self.engine.resources.clock.now())
             if claims is None:
                 raise ApiError(401, "unauthorized", "invalid or expired run token")
-            run = await self.engine.get_run(claims.run_id)
+            if not run_token:
+                raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
+            run = await self.engine.get_run(claims.run_id) if looks_like_id(claims.run_id, "run") else None
             if run is None:
                 raise ApiError(401, "unauthorized", "invalid run token")
+            if run.attempt_number != claims.attempt or run.status not in _LIVE:
+                raise ApiError(401, "unauthorized", f"the run token's attempt {claims.attempt} has ended "
+                                                    f"(the run is {run.status}, attempt {run.attempt_number})")
             env = await self._env_by_id(run.environment_id)
-            return EnvAuth(env["id"], env["project_id"], env["organization_id"], env["default_worker_group_id"],
-                           run_id=run.id)
+            auth = EnvAuth(env["id"], env["project_id"], env["organization_id"], env["default_worker_group_id"],
+                           run_id=run.id, attempt=claims.attempt)
+            await self._limit(auth.bucket)
+            return auth
         key_hash = hash_secret(token)
         env = self._envs.get(key_hash)
         if env is None:
@@ -70,7 +98,38 @@ class ApiContext:
                     raise ApiError(403, "forbidden", "a worker group token cannot call the public API")
                 raise ApiError(401, "unauthorized", "invalid API key")
             self._envs.put(key_hash, env)
-        return EnvAuth(env["id"], env["project_id"], env["organization_id"], env["default_worker_group_id"])
+        auth = EnvAuth(env["id"], env["project_id"], env["organization_id"], env["default_worker_group_id"])
+        await self._limit(auth.bucket)
+        return auth
+
+    async def _limit(self, bucket: str) -> None:
+        if self.limiter is not None and (wait_s := await self.limiter.retry_after_s(bucket)) is not None:
+            raise ApiError(429, "rate_limited", f"too many requests with this credential; retry in {wait_s} s",
+                           headers={"Retry-After": str(wait_s)})
+
+    @contextlib.contextmanager
+    def hold(self, kind: str, bucket: str) -> Iterator[None]:
+        """Count an open long-poll or stream of a credential; 429 over its cap."""
+        try:
+            with self.caps.hold(kind, bucket):
+                yield
+        except TooMany as exc:
+            raise ApiError(429, "too_many_open", str(exc), headers={"Retry-After": "1"}) from None
+
+    def acquire(self, kind: str, bucket: str) -> Callable[[], None]:
+        """Like :meth:`hold` for a response that outlives the handler (a stream): returns the
+        release, which may be called more than once."""
+        cm = self.hold(kind, bucket)
+        cm.__enter__()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                cm.__exit__(None, None, None)
+
+        return release
 
     async def _env_by_id(self, env_id: str) -> dict[str, Any]:
         env = self._envs.get(env_id)
@@ -84,6 +143,8 @@ class ApiContext:
 
     async def worker_group(self, request: Request) -> dict[str, Any]:
         token = bearer(request)
+        if token.startswith("rt_") and self.tokens.verify(token, self.engine.resources.clock.now()) is not None:
+            raise ApiError(403, "forbidden", "a run token cannot call the worker API")
         token_hash = hash_secret(token)
         group = self._groups.get(token_hash)
         if group is None:
@@ -93,4 +154,11 @@ class ApiContext:
                     raise ApiError(403, "forbidden", "an environment API key cannot call the worker API")
                 raise ApiError(401, "unauthorized", "invalid worker group token")
             self._groups.put(token_hash, group)
+        await self._limit(worker_bucket(group))
         return group
+
+
+def worker_bucket(group: dict[str, Any]) -> str:
+    """A worker token's share of the limits: its group (and environment, for a scoped token)."""
+    scoped = group.get("scoped_environment_id")
+    return f"wg:{group['id']}" + (f":{scoped}" if scoped else "")

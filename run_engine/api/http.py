@@ -18,7 +18,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from run_engine.api.inputs import needs_scan, unstorable
 from run_engine.errors import (
+    ConflictError,
     DuplicateExecutionError,
     InvalidTransitionError,
     LockTimeoutError,
@@ -64,7 +66,7 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
             "latestSnapshot": {"id": exc.latest_snapshot_id, "executionStatus": exc.latest_status}})
     if isinstance(exc, NotFoundError):
         return err(404, "not_found", f"{exc.kind} not found")
-    if isinstance(exc, InvalidTransitionError | DuplicateExecutionError):
+    if isinstance(exc, InvalidTransitionError | DuplicateExecutionError | ConflictError):
         return err(409, exc.code, str(exc))
     if isinstance(exc, ValidationError):
         return err(400, exc.code, str(exc))
@@ -83,8 +85,14 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
 async def handle_exception(request: Request, exc: Exception) -> Response:
     status, data, headers = error_payload(exc)
     if status >= 500:
-        log.error("error on %s %s", request.method, request.url.path, exc_info=exc)
+        log.error("error on %s %s", request.method, redact(request.url.path), exc_info=exc)
     return json_response(data, status, headers)
+
+
+def redact(path: str) -> str:
+    """A path as it may be logged: a callback URL's signature is a credential."""
+    head, sep, _ = path.partition("/callback/")
+    return f"{head}{sep}[redacted]" if sep else path
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
@@ -92,7 +100,10 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "body"
 
 
-async def read_json(request: Request, *, limit: int = MAX_REQUEST_BYTES, required: bool = True) -> Any:
+async def read_json(request: Request, *, limit: int = MAX_REQUEST_BYTES, required: bool = True,
+                    scan: bool = True) -> Any:
+    """The request's JSON body: 413 over ``limit``, 400 when malformed, and (with ``scan``) 400 for
+    a value that cannot be stored (NUL, too deep: :mod:`run_engine.api.inputs`), naming the field."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "payload_too_large", f"request body is larger than {limit} bytes")
@@ -106,9 +117,12 @@ async def read_json(request: Request, *, limit: int = MAX_REQUEST_BYTES, require
             raise ApiError(400, "invalid_input", "body: a JSON body is required")
         return None
     try:
-        return orjson.loads(body)
+        data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, "invalid_input", f"body: malformed JSON ({exc})") from None
+    if scan and needs_scan(body) and (problem := unstorable(data)) is not None:
+        raise ApiError(400, "invalid_input", problem.removeprefix("body."))
+    return data
 
 
 def validate(model: type[M], data: Any) -> M:
@@ -121,8 +135,8 @@ def validate(model: type[M], data: Any) -> M:
         raise ApiError(400, "invalid_input", f"{_field_path(first['loc'])}: {first['msg']}") from None
 
 
-async def body(request: Request, model: type[M], *, required: bool = True) -> M:
-    data = await read_json(request, required=required)
+async def body(request: Request, model: type[M], *, required: bool = True, scan: bool = True) -> M:
+    data = await read_json(request, required=required, scan=scan)
     return validate(model, {} if data is None else data)
 
 

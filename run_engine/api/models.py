@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MACHINES = ("micro", "small-1x", "small-2x", "medium-1x", "medium-2x", "large-1x", "large-2x")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+#: the longest duration the API takes (delays, TTLs, timeouts, max duration, priority): 10 years
+MAX_DURATION_S = 10 * 365 * 86400
 
 
 def parse_duration_s(value: float | int | str) -> float:
@@ -25,22 +27,41 @@ def parse_duration_s(value: float | int | str) -> float:
         if not match:
             raise ValueError("must be a number of seconds or a string like '30s', '15m', '2h', '1d'")
         seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
-    if seconds < 0:
+    if not seconds >= 0:
         raise ValueError("must not be negative")
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"must be at most {MAX_DURATION_S} seconds (10 years)")
     return seconds
 
 
 def parse_when(value: float | int | str | datetime, now: float) -> datetime:
     """A delay as a duration (seconds, "30s", "15m", …) from ``now`` or an ISO 8601 date (UTC if naive)."""
     if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=UTC)
+        return utc(value)
     if isinstance(value, str) and not _DURATION.match(value):
-        try:
-            when = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            raise ValueError("must be a duration like '30s', '15m', '2h', '1d' or an ISO 8601 date") from None
-        return when if when.tzinfo else when.replace(tzinfo=UTC)
+        return parse_date(value)
     return datetime.fromtimestamp(now + parse_duration_s(value), UTC)
+
+
+def parse_date(value: str) -> datetime:
+    """An ISO 8601 date (UTC if naive)."""
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError("must be a duration like '30s', '15m', '2h', '1d' or an ISO 8601 date") from None
+    return utc(when)
+
+
+def utc(when: datetime) -> datetime:
+    """A date in UTC (naive dates are taken as UTC). Any offset a client may write is accepted,
+    but only dates that exist in UTC between the years 1 and 9999 (PostgreSQL refuses offsets
+    beyond ±16 h, so dates are never stored with the client's offset)."""
+    if when.tzinfo is None:
+        return when.replace(tzinfo=UTC)
+    try:
+        return when.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("is outside the years 1..9999 in UTC") from None
 
 
 class _Body(BaseModel):
@@ -70,20 +91,20 @@ class QueueOption(_Body):
     concurrencyLimit: int | None = Field(default=None, ge=0, le=100_000)
     rateLimit: RateLimitOption | None = None
 
-    @field_validator("name")
-    @classmethod
-    def _no_colon(cls, v: str) -> str:
-        if ":" in v:
-            raise ValueError("must not contain ':'")
-        return v
-
 
 class RetryOption(_Body):
     maxAttempts: int | None = Field(default=None, ge=1, le=250)
     factor: float | None = Field(default=None, ge=1, le=100)
-    minTimeoutInMs: int | None = Field(default=None, ge=0)
-    maxTimeoutInMs: int | None = Field(default=None, ge=0)
+    minTimeoutInMs: int | None = Field(default=None, ge=0, le=MAX_DURATION_S * 1000)
+    maxTimeoutInMs: int | None = Field(default=None, ge=0, le=MAX_DURATION_S * 1000)
     randomize: bool | None = None
+
+    @model_validator(mode="after")
+    def _order(self) -> RetryOption:
+        if self.minTimeoutInMs is not None and self.maxTimeoutInMs is not None \
+                and self.maxTimeoutInMs < self.minTimeoutInMs:
+            raise ValueError("maxTimeoutInMs must be >= minTimeoutInMs")
+        return self
 
 
 class TriggerOptions(_Body):
@@ -93,16 +114,16 @@ class TriggerOptions(_Body):
     idempotencyKeyTTL: float | int | str | None = None
     delay: float | int | str | datetime | None = None
     ttl: float | int | str | None = None
-    priority: float | None = Field(default=None, ge=0)
+    priority: float | None = Field(default=None, ge=0, le=MAX_DURATION_S)
     tags: list[str] | str | None = None
     metadata: dict[str, Any] | None = None
     maxAttempts: int | None = Field(default=None, ge=1, le=250)
-    maxDuration: float | None = Field(default=None, gt=0)
+    maxDuration: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
     machine: Literal[MACHINES] | None = None  # type: ignore[valid-type]
-    lockToVersion: str | None = None
-    parentRunId: str | None = None
+    lockToVersion: str | None = Field(default=None, max_length=128)
+    parentRunId: str | None = Field(default=None, max_length=128)
     resumeParentOnCompletion: bool | None = None
-    payloadType: str | None = None
+    payloadType: str | None = Field(default=None, max_length=128)
     retry: RetryOption | None = None
 
     @field_validator("tags")
@@ -121,8 +142,8 @@ class TriggerOptions(_Body):
     @field_validator("queue")
     @classmethod
     def _queue_name(cls, v: QueueOption | str | None) -> QueueOption | str | None:
-        if isinstance(v, str) and (not v or ":" in v or len(v) > 128):
-            raise ValueError("must be 1..128 characters without ':'")
+        if isinstance(v, str) and (not v or len(v) > 128):
+            raise ValueError("must be 1..128 characters")
         return v
 
     @field_validator("ttl", "idempotencyKeyTTL")
@@ -137,7 +158,7 @@ class TriggerOptions(_Body):
     def _delay(cls, v: float | int | str | datetime | None) -> float | int | str | datetime | None:
         if v is not None:
             parse_when(v, 0)
-        return v
+        return utc(v) if isinstance(v, datetime) else v
 
 
 class TriggerBody(_Body):
@@ -158,7 +179,7 @@ class RescheduleBody(_Body):
     @classmethod
     def _delay(cls, v: float | int | str | datetime) -> float | int | str | datetime:
         parse_when(v, 0)
-        return v
+        return utc(v) if isinstance(v, datetime) else v
 
 
 class MetadataBody(_Body):
@@ -205,33 +226,65 @@ class CronDecl(_Body):
 
 class TaskDecl(_Body):
     id: str = Field(min_length=1, max_length=128)
-    cron: str | CronDecl | None = None
-    queue: str | None = Field(default=None, max_length=128)
+    cron: Annotated[str, Field(max_length=100)] | CronDecl | None = None
+    queue: str | None = Field(default=None, min_length=1, max_length=128)
     retry: dict[str, Any] | None = None
-    maxDuration: int | None = Field(default=None, gt=0)
+    maxDuration: int | None = Field(default=None, gt=0, le=MAX_DURATION_S)
     machine: Literal[MACHINES] | None = None  # type: ignore[valid-type]
+
+    @field_validator("retry")
+    @classmethod
+    def _retry(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A retry policy the engine can use (checked now, not when a run's attempt fails)."""
+        if v is None:
+            return v
+        from run_engine.settings import RetryPolicy
+
+        numbers = {k: x for k, x in v.items() if k != "randomize"}
+        if any(isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x <= MAX_DURATION_S
+               for x in numbers.values() if x is not None):
+            raise ValueError(f"values must be numbers from 0 to {MAX_DURATION_S}")
+        try:
+            RetryPolicy.from_json(v, RetryPolicy(max_timeout_s=MAX_DURATION_S))
+        except Exception as exc:  # the policy's own checks (ValidationError, TypeError)
+            raise ValueError(str(exc)) from None
+        return v
 
 
 class DeploymentDecl(_Body):
     tasks: list[TaskDecl] = Field(min_length=1, max_length=5000)
     queues: list[QueueOption] = Field(default_factory=list, max_length=5000)
-    version: str | None = None
+    version: str | None = Field(default=None, min_length=1, max_length=128)
+
+    @field_validator("queues")
+    @classmethod
+    def _unique(cls, v: list[QueueOption]) -> list[QueueOption]:
+        names = [q.name for q in v]
+        if len(set(names)) != len(names):
+            raise ValueError("queue names must be unique")
+        return v
 
 
 class ConnectBody(_Body):
     workerInstanceName: str = Field(min_length=1, max_length=256)
     deployment: DeploymentDecl
-    environments: list[str] | None = None
+    environments: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=100)
 
 
 class WorkerHeartbeatBody(_Body):
     workerInstanceName: str = Field(min_length=1, max_length=256)
+    # a stopping worker: its open long-poll answers at once without handing it runs
+    stopping: bool = False
 
 
 class DequeueBody(_Body):
     maxRuns: int = Field(default=1, ge=1, le=100)
     waitMs: int = Field(default=0, ge=0, le=60_000)
-    workerInstanceName: str | None = None
+    workerInstanceName: str | None = Field(default=None, max_length=256)
+    # extension: only runs of these environments (ids); a supervisor started with --env sends them
+    environments: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=100)
+    # extension: the deployments (ids from connect) the worker runs: only runs of their tasks
+    deployments: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=100)
     # extension: also start the attempts (PENDING_EXECUTING → EXECUTING) in the same request;
     # each item then carries `attempt`, the response of attempts/start
     startAttempts: bool = False
@@ -303,7 +356,14 @@ class TokenCreateBody(_Body):
     @field_validator("timeout")
     @classmethod
     def _timeout(cls, v: Any) -> Any:
-        return v if isinstance(v, datetime) else _duration(v)
+        """A duration ("1h", seconds) or an ISO 8601 date."""
+        if v is None:
+            return v
+        if isinstance(v, datetime):
+            return utc(v)
+        if isinstance(v, str) and not _DURATION.match(v):
+            return parse_date(v)
+        return _duration(v)
 
     @field_validator("tags")
     @classmethod
@@ -321,6 +381,11 @@ class WaitDurationBody(_Body):
     sequence: int = Field(ge=0, le=1_000_000)
     seconds: float | None = Field(default=None, ge=0, le=10 * 365 * 86400)
     date: datetime | None = None
+
+    @field_validator("date")
+    @classmethod
+    def _date(cls, v: datetime | None) -> datetime | None:
+        return None if v is None else utc(v)
     idempotencyKey: str | None = Field(default=None, max_length=256)
 
 

@@ -11,8 +11,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from run_engine.api.context import ApiContext, EnvAuth
+from run_engine.api import schemas as S
+from run_engine.api.context import RUN_TOKEN_SCOPE, ApiContext, EnvAuth
 from run_engine.api.http import ApiError, body, json_response
+from run_engine.api.inputs import looks_like_id, unstorable
 from run_engine.api.models import (
     BatchBody,
     ConcurrencyBody,
@@ -26,7 +28,8 @@ from run_engine.api.models import (
     parse_duration_s,
     parse_when,
 )
-from run_engine.api.serialize import iso, run_object
+from run_engine.api.openapi import PAGE, Query, csv, operation
+from run_engine.api.serialize import iso, pagination, run_object
 from run_engine.db.repository import RunRow
 from run_engine.engine import TriggerRequest
 from run_engine.errors import InvalidTransitionError
@@ -47,6 +50,8 @@ def _decode_payload(payload: Any, payload_type: str | None, field: str) -> Any:
             raise ApiError(400, "invalid_input", f"{field}: not valid JSON for payloadType {payload_type}") from None
         if payload_type == "application/super+json" and isinstance(decoded, dict) and "json" in decoded:
             decoded = decoded["json"]
+        if (problem := unstorable(decoded, field)) is not None:
+            raise ApiError(400, "invalid_input", problem)
         return decoded
     return payload
 
@@ -57,12 +62,23 @@ def _check_size(ctx: ApiContext, value: Any, field: str) -> None:
         raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
 
 
+def _parent(given: str | None, auth: EnvAuth, field: str) -> str | None:
+    """The parent of a triggered run: the run of the caller's run token (a child), or the
+    ``parentRunId`` an API key names. A run token cannot name another run as the parent."""
+    if auth.run_id is not None:
+        if given not in (None, auth.run_id):
+            raise ApiError(403, "forbidden", f"{field}: a run token triggers children of its own run only")
+        return auth.run_id
+    return given
+
+
 def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, options: TriggerOptions | None,
                     field: str, *, batch_id: str | None = None, trigger_function: str = "trigger") -> TriggerRequest:
     o = options or TriggerOptions()
-    payload = _decode_payload(payload, o.payloadType, f"{field}.payload")
-    _check_size(ctx, payload, f"{field}.payload")
-    _check_size(ctx, o.metadata, f"{field}.options.metadata")
+    at = "" if field == "body" else f"{field}."  # field paths as the client wrote them
+    payload = _decode_payload(payload, o.payloadType, f"{at}payload")
+    _check_size(ctx, payload, f"{at}payload")
+    _check_size(ctx, o.metadata, f"{at}options.metadata")
     queue_name = o.queue.name if o.queue is not None and not isinstance(o.queue, str) else o.queue
     queue_limit = o.queue.concurrencyLimit if o.queue is not None and not isinstance(o.queue, str) else None
     retry = None
@@ -78,7 +94,8 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
         priority_s=o.priority or 0.0, tags=tuple(o.tags or ()), metadata=o.metadata,
         max_attempts=o.maxAttempts, retry=retry,
         max_duration_s=None if o.maxDuration is None else int(o.maxDuration), machine=o.machine,
-        parent_run_id=o.parentRunId or auth.run_id, batch_id=batch_id, trigger_function=trigger_function,
+        parent_run_id=_parent(o.parentRunId, auth, f"{at}options.parentRunId"), batch_id=batch_id,
+        trigger_function=trigger_function,
         ttl_s=None if o.ttl is None else parse_duration_s(o.ttl),
         delay_until=None if o.delay is None else parse_when(o.delay, ctx.engine.resources.clock.now()),
         idempotency_key=o.idempotencyKey,
@@ -86,66 +103,91 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
     )
 
 
+@operation("Trigger a run", S.Triggered, body=TriggerBody, security="apiKeyOrRunToken")
 async def trigger(request: Request) -> Response:
     ctx = _ctx(request)
-    auth = await ctx.env_auth(request)
+    auth = await ctx.env_auth(request, run_token=True)
     task = request.path_params["task_id"]
     if not task or len(task) > 128:
         raise ApiError(400, "invalid_input", "taskId: must be 1..128 characters")
     req = await body(request, TriggerBody)
-    trigger_req = trigger_request(ctx, auth, task, req.payload, req.options, "body")
-    if trigger_req.parent_run_id:
-        parent = await ctx.engine.get_run(trigger_req.parent_run_id, auth.env_id)
-        if parent is None:
-            raise ApiError(400, "invalid_input", "options.parentRunId: no such run in this environment")
-        trigger_req = dataclasses.replace(trigger_req, root_run_id=parent.root_run_id or parent.id,
-                                          depth=parent.depth + 1)
+    trigger_req = await _with_parent(ctx, auth, trigger_request(ctx, auth, task, req.payload, req.options, "body"),
+                                     "options.parentRunId", {})
     run = await ctx.engine.trigger(trigger_req)
     return json_response({"id": run.id, "isCached": run.is_cached})
 
 
+async def _with_parent(ctx: ApiContext, auth: EnvAuth, req: TriggerRequest, field: str,
+                       seen: dict[str, RunRow]) -> TriggerRequest:
+    """The request with its parent's root and depth; the parent must be a run of the caller's
+    environment (400 otherwise: a run of another tenant is never named a parent)."""
+    if not req.parent_run_id:
+        return req
+    parent = seen.get(req.parent_run_id)
+    if parent is None:
+        found = (await ctx.engine.get_run(req.parent_run_id, auth.env_id)
+                 if looks_like_id(req.parent_run_id, "run") else None)
+        if found is None:
+            raise ApiError(400, "invalid_input", f"{field}: no such run in this environment")
+        parent = seen[req.parent_run_id] = found
+    return dataclasses.replace(req, root_run_id=parent.root_run_id or parent.id, depth=parent.depth + 1)
+
+
+@operation("Trigger a batch of runs (1..1000 items)", S.BatchTriggered, body=BatchBody, security="apiKeyOrRunToken")
 async def batch_trigger(request: Request) -> Response:
     ctx = _ctx(request)
-    auth = await ctx.env_auth(request)
+    auth = await ctx.env_auth(request, run_token=True)
     req = await body(request, BatchBody)
     batch_id = ctx.engine.new_batch_id()
-    requests = [trigger_request(ctx, auth, item.task, item.payload, item.options, f"items.{i}",
-                                batch_id=batch_id, trigger_function="batchTrigger")
+    parents: dict[str, RunRow] = {}
+    requests = [await _with_parent(ctx, auth, trigger_request(ctx, auth, item.task, item.payload, item.options,
+                                                              f"items.{i}", batch_id=batch_id,
+                                                              trigger_function="batchTrigger"),
+                                   f"items.{i}.options.parentRunId", parents)
                 for i, item in enumerate(req.items)]
     runs = await ctx.engine.trigger_batch(auth.env_id, batch_id, requests)
     return json_response({"id": batch_id, "runs": [
         {"id": r.id, "taskIdentifier": q.task_id, "isCached": r.is_cached} for r, q in zip(runs, requests, strict=True)]})
 
 
+@operation("Get a batch", S.Batch, security="apiKeyOrRunToken")
 async def get_batch(request: Request) -> Response:
     ctx = _ctx(request)
-    auth = await ctx.env_auth(request)
+    auth = await ctx.env_auth(request, run_token=True)
     batch_id = request.path_params["batch_id"]
-    runs = await ctx.repo.list_runs(auth.env_id, batches=[batch_id], limit=1000)
+    runs = await ctx.repo.list_runs(auth.env_id, batches=[batch_id], limit=1000) if looks_like_id(batch_id, "batch") else []
     if not runs:
         raise ApiError(404, "not_found", "batch not found")
+    if auth.run_id is not None and any(r.parent_run_id != auth.run_id for r in runs):
+        raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     done = all(RunStatus(r.status) in FINAL_RUN_STATUSES for r in runs)
     return json_response({"id": batch_id, "status": "COMPLETED" if done else "PENDING", "runCount": len(runs),
                           "runs": [r.id for r in reversed(runs)]})
 
 
 async def _own_run(ctx: ApiContext, auth: EnvAuth, run_id: str) -> RunRow:
-    run = await ctx.engine.get_run(run_id, auth.env_id)
+    run = await ctx.engine.get_run(run_id, auth.env_id) if looks_like_id(run_id, "run") else None
     if run is None:
         raise ApiError(404, "not_found", "run not found")
     return run
 
 
+@operation("Get a run", S.Run, security="apiKeyOrRunToken")
 async def get_run(request: Request) -> Response:
     ctx = _ctx(request)
-    auth = await ctx.env_auth(request)
+    auth = await ctx.env_auth(request, run_token=True)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
+    if auth.run_id is not None and auth.run_id not in (run.id, run.parent_run_id):
+        raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     return json_response(run_object(run, children=await ctx.repo.child_runs(run.id)))
 
 
 def _csv(request: Request, name: str) -> list[str]:
     raw = request.query_params.get(name)
-    return [v.strip() for v in raw.split(",") if v.strip()] if raw else []
+    values = [v.strip() for v in raw.split(",") if v.strip()] if raw else []
+    if len(values) > 100 or any(len(v) > 256 for v in values):
+        raise ApiError(400, "invalid_input", f"{name}: at most 100 values of at most 256 characters")
+    return values
 
 
 def _page_size(request: Request) -> int:
@@ -159,6 +201,7 @@ def _cursor(run: RunRow) -> str:
     return f"{run.created_at.isoformat()}|{run.id}"
 
 
+@operation("List runs, newest first", S.RunList, query=(csv("filter[status]"), csv("filter[taskIdentifier]"), csv("filter[tag]"), csv("filter[queue]"), csv("filter[batch]"), *PAGE))
 async def list_runs(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -179,9 +222,10 @@ async def list_runs(request: Request) -> Response:
         queues=_csv(request, "filter[queue]"), batches=_csv(request, "filter[batch]"), limit=size + 1, after=after)
     page, more = runs[:size], len(runs) > size
     return json_response({"data": [run_object(r) for r in page],
-                          "pagination": {"next": _cursor(page[-1]) if more and page else None}})
+                          "pagination": pagination(_cursor(page[-1]) if more and page else None)})
 
 
+@operation("Cancel a run (and the children it waits on); no-op when finished", S.RunId)
 async def cancel_run(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -190,6 +234,7 @@ async def cancel_run(request: Request) -> Response:
     return json_response({"id": run.id})
 
 
+@operation("Replay a run: a new run with the same task, payload and options", S.RunId)
 async def replay_run(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -220,18 +265,21 @@ async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str) -> dict[str, Any
     return row
 
 
+@operation("List queues", S.QueueList)
 async def list_queues(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
     return json_response({"data": [await _queue_object(ctx, r) for r in await ctx.repo.list_queues(auth.env_id)]})
 
 
+@operation("Get a queue", S.Queue)
 async def get_queue(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
     return json_response(await _queue_object(ctx, await _queue_row(ctx, auth, request.path_params["name"])))
 
 
+@operation("Pause or resume a queue", S.Queue, body=PauseBody)
 async def pause_queue(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -245,6 +293,7 @@ async def pause_queue(request: Request) -> Response:
     return json_response(await _queue_object(ctx, await _queue_row(ctx, auth, name)))
 
 
+@operation("Override the concurrency limit", S.Queue, body=ConcurrencyBody)
 async def override_concurrency(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -255,6 +304,7 @@ async def override_concurrency(request: Request) -> Response:
     return json_response(await _queue_object(ctx, row))
 
 
+@operation("Reset the concurrency limit to the deployed one", S.Queue)
 async def reset_concurrency(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -266,6 +316,7 @@ async def reset_concurrency(request: Request) -> Response:
 
 # --- DLQ ----------------------------------------------------------------------------------------
 
+@operation("List dead-lettered runs", S.DlqList, query=(Query("filter[taskIdentifier]", {"type": "string", "maxLength": 4096}), Query("filter[queue]", {"type": "string", "maxLength": 4096}), *PAGE))
 async def list_dlq(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -289,7 +340,7 @@ async def list_dlq(request: Request) -> Response:
         if more or len(entries) < 100:
             break
         after = entries[-1].run_id
-    return json_response({"data": data, "pagination": {"next": data[-1]["run"]["id"] if more and data else None}})
+    return json_response({"data": data, "pagination": pagination(data[-1]["run"]["id"] if more and data else None)})
 
 
 def _ms(ms: int) -> datetime:
@@ -298,6 +349,7 @@ def _ms(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, UTC)
 
 
+@operation("Redrive one dead-lettered run", S.RunId)
 async def redrive_one(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -309,6 +361,7 @@ async def redrive_one(request: Request) -> Response:
     return json_response({"id": run.id})
 
 
+@operation("Redrive every matching dead-lettered run", S.Redriven, body=RedriveAllBody, body_required=False)
 async def redrive_all(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -328,6 +381,7 @@ async def redrive_all(request: Request) -> Response:
     return json_response({"redriven": count})
 
 
+@operation("Reschedule a delayed run (422 unless DELAYED)", S.Run, body=RescheduleBody)
 async def reschedule_run(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -342,6 +396,7 @@ async def reschedule_run(request: Request) -> Response:
     return json_response(run_object(fresh))
 
 
+@operation("Why a QUEUED or DELAYED run has not started", S.Explanation)
 async def explain_run(request: Request) -> Response:
     """Why a QUEUED or DELAYED run has not started, with the numbers."""
     ctx = _ctx(request)
@@ -349,10 +404,13 @@ async def explain_run(request: Request) -> Response:
     return json_response(await ctx.engine.systems.explain.explain(auth.env_id, request.path_params["run_id"]))
 
 
+@operation("Replace a run's metadata", S.MetadataOut, body=MetadataBody, security="apiKeyOrRunToken")
 async def update_metadata(request: Request) -> Response:
     ctx = _ctx(request)
-    auth = await ctx.env_auth(request)
+    auth = await ctx.env_auth(request, run_token=True)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
+    if auth.run_id is not None and auth.run_id != run.id:
+        raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     req = await body(request, MetadataBody)
     limit = ctx.engine.resources.settings.max_metadata_bytes
     if len(orjson.dumps(req.metadata)) > limit:
@@ -361,10 +419,13 @@ async def update_metadata(request: Request) -> Response:
     return json_response({"metadata": req.metadata})
 
 
+@operation("Add tags to a run (at most 10)", S.TagsOut, body=TagsBody, security="apiKeyOrRunToken")
 async def add_tags(request: Request) -> Response:
     ctx = _ctx(request)
-    auth = await ctx.env_auth(request)
+    auth = await ctx.env_auth(request, run_token=True)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
+    if auth.run_id is not None and auth.run_id != run.id:
+        raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     req = await body(request, TagsBody)
     tags = await ctx.repo.add_tags(run.id, list(req.tags), 10)
     if tags is None:

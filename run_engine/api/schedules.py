@@ -10,10 +10,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from run_engine.api import schemas as S
 from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError, body, json_response
+from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import ScheduleBody
-from run_engine.api.serialize import iso
+from run_engine.api.openapi import PAGE, operation
+from run_engine.api.serialize import iso, pagination
 
 
 def _ctx(request: Request) -> ApiContext:
@@ -28,6 +31,7 @@ def schedule_object(row: dict[str, Any]) -> dict[str, Any]:
             "lastRun": iso(row["last_run_at"]), "createdAt": iso(row["created_at"])}
 
 
+@operation("Create a cron schedule (the same deduplicationKey updates it)", S.Schedule, body=ScheduleBody)
 async def create_schedule(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -38,6 +42,7 @@ async def create_schedule(request: Request) -> Response:
     return json_response(schedule_object(row))
 
 
+@operation("List schedules", S.ScheduleList, query=PAGE)
 async def list_schedules(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -55,22 +60,24 @@ async def list_schedules(request: Request) -> Response:
     rows = await ctx.repo.list_schedules(auth.env_id, size + 1, after)
     page, more = rows[:size], len(rows) > size
     nxt = f"{page[-1]['created_at'].isoformat()}|{page[-1]['id']}" if more and page else None
-    return json_response({"data": [schedule_object(r) for r in page], "pagination": {"next": nxt}})
+    return json_response({"data": [schedule_object(r) for r in page], "pagination": pagination(nxt)})
 
 
 async def _own(ctx: ApiContext, env_id: str, schedule_id: str) -> dict[str, Any]:
-    row = await ctx.repo.get_schedule(schedule_id, env_id)
+    row = await ctx.repo.get_schedule(schedule_id, env_id) if looks_like_id(schedule_id, "sched") else None
     if row is None:
         raise ApiError(404, "not_found", "schedule not found")
     return row
 
 
+@operation("Get a schedule", S.Schedule)
 async def get_schedule(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
     return json_response(schedule_object(await _own(ctx, auth.env_id, request.path_params["schedule_id"])))
 
 
+@operation("Delete a schedule", S.ScheduleDeleted)
 async def delete_schedule(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -86,10 +93,12 @@ async def _set_active(request: Request, active: bool) -> Response:
     return json_response(schedule_object(await ctx.engine.systems.schedules.set_active(auth.env_id, row["id"], active)))
 
 
+@operation("Activate a schedule", S.Schedule)
 async def activate(request: Request) -> Response:
     return await _set_active(request, True)
 
 
+@operation("Deactivate a schedule", S.Schedule)
 async def deactivate(request: Request) -> Response:
     return await _set_active(request, False)
 

@@ -13,8 +13,23 @@ EXECUTING = {RunStatus.EXECUTING, RunStatus.DEQUEUED}
 FAILED = {RunStatus.FAILED, RunStatus.CRASHED, RunStatus.SYSTEM_FAILURE, RunStatus.EXPIRED, RunStatus.TIMED_OUT}
 
 
+#: fields of the run object that are left out when they have no value (API.md: never null)
+_OPTIONAL = ("concurrencyKey", "idempotencyKey", "ttl", "delayedUntil", "expiredAt", "startedAt", "finishedAt",
+             "batchId", "version", "maxAttempts", "maxDuration", "machine")
+
+
 def iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat().replace("+00:00", "Z")
+
+
+def duration(seconds: int | None) -> str | None:
+    """``600`` → ``"10m"``: the largest unit that divides it exactly (Trigger.dev's ttl form)."""
+    if seconds is None:
+        return None
+    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
 
 
 def run_object(run: RunRow, *, children: list[str] | None = None) -> dict[str, Any]:
@@ -42,7 +57,7 @@ def run_object(run: RunRow, *, children: list[str] | None = None) -> dict[str, A
         "concurrencyKey": run.concurrency_key,
         "priority": run.priority_ms / 1000,
         "idempotencyKey": run.idempotency_key,
-        "ttl": run.ttl_s,
+        "ttl": duration(run.ttl_s),
         "delayedUntil": iso(run.delay_until),
         "expiredAt": iso(run.finished_at) if status == RunStatus.EXPIRED else None,
         "createdAt": iso(run.created_at),
@@ -55,18 +70,29 @@ def run_object(run: RunRow, *, children: list[str] | None = None) -> dict[str, A
         "batchId": run.batch_id,
         "depth": run.depth,
         "triggerFunction": run.trigger_function,
-        "relatedRuns": {"root": run.root_run_id, "parent": run.parent_run_id, "children": children or []},
+        "relatedRuns": {"children": children or [],
+                        **({"root": run.root_run_id} if run.root_run_id else {}),
+                        **({"parent": run.parent_run_id} if run.parent_run_id else {})},
         "version": None,
         "maxAttempts": run.max_attempts,
         "maxDuration": run.max_duration_s,
         "machine": run.machine,
     }
+    for key in _OPTIONAL:
+        if obj[key] is None:
+            del obj[key]
     if status == RunStatus.COMPLETED:
         obj["output"] = run.output
-        obj["outputType"] = run.output_type
+        if run.output_type is not None:
+            obj["outputType"] = run.output_type
     if run.error is not None and status in FAILED | {RunStatus.CANCELED} or (run.error and status in QUEUED):
         obj["error"] = _error(run.error)
     return obj
+
+
+def pagination(next_cursor: str | None) -> dict[str, str]:
+    """``{"next": cursor}``, or ``{}`` on the last page (API.md: left out, never null)."""
+    return {"next": next_cursor} if next_cursor else {}
 
 
 def _error(error: dict[str, Any]) -> dict[str, Any]:

@@ -9,16 +9,19 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import orjson
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError
+from run_engine.api.inputs import looks_like_id
+from run_engine.api.openapi import operation
 from run_engine.api.serialize import run_object
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
-RECHECK_S = 2.0
+RECHECK_S = 10.0  # a safety net only: changes arrive through RealtimeHub at once
 KEEPALIVE_S = 15.0
 
 
@@ -31,39 +34,45 @@ def _event(data: dict[str, object]) -> bytes:
     return b"event: run\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
+@operation("Server-Sent Events: the run object on every status change", None, media="text/event-stream")
 async def run_stream(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
     run_id = request.path_params["run_id"]
-    if await ctx.engine.get_run(run_id, auth.env_id) is None:
+    if not looks_like_id(run_id, "run") or await ctx.engine.get_run(run_id, auth.env_id) is None:
         raise ApiError(404, "not_found", "run not found")
     hub = ctx.realtime
     if hub is None:
         raise ApiError(503, "unavailable", "realtime is not running in this process")
+    # counted against the credential's cap (429 over it) until the stream ends, however it ends
+    release = ctx.acquire("streams", auth.bucket)
 
     async def events() -> AsyncIterator[bytes]:
-        async with hub.watch(run_id) as changed:
-            last_status = None
-            idle = 0.0
-            while True:
-                run = await ctx.engine.get_run(run_id, auth.env_id)
-                if run is None:  # deleted by retention meanwhile
-                    return
-                if run.status != last_status:
-                    last_status = run.status
-                    idle = 0.0
-                    yield _event(run_object(run))
-                    if RunStatus(run.status) in FINAL_RUN_STATUSES:
+        try:
+            async with hub.watch(run_id) as changed:
+                last_status = None
+                idle = 0.0
+                while True:
+                    run = await ctx.engine.get_run(run_id, auth.env_id)
+                    if run is None:  # deleted by retention meanwhile
                         return
-                changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), RECHECK_S)
-                idle += RECHECK_S if not changed.is_set() else 0.0
-                if idle >= KEEPALIVE_S:
-                    idle = 0.0
-                    yield b": keep-alive\n\n"
+                    if run.status != last_status:
+                        last_status = run.status
+                        idle = 0.0
+                        yield _event(run_object(run))
+                        if RunStatus(run.status) in FINAL_RUN_STATUSES:
+                            return
+                    changed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), RECHECK_S)
+                    idle += RECHECK_S if not changed.is_set() else 0.0
+                    if idle >= KEEPALIVE_S:
+                        idle = 0.0
+                        yield b": keep-alive\n\n"
+        finally:
+            release()
 
-    return StreamingResponse(events(), media_type="text/event-stream",
+    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(release),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

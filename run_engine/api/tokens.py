@@ -3,7 +3,6 @@ outside system can POST its result to without an API key."""
 
 from __future__ import annotations
 
-import hmac
 from datetime import UTC, datetime
 from typing import Any
 
@@ -12,10 +11,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from run_engine.api import schemas as S
 from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError, body, json_response, read_json
+from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import TokenCompleteBody, TokenCreateBody, parse_duration_s
-from run_engine.api.serialize import iso
+from run_engine.api.openapi import PAGE, Query, operation
+from run_engine.api.serialize import iso, pagination
 from run_engine.db.waitpoints import Waitpoint
 
 STATUSES = ("WAITING", "COMPLETED", "TIMED_OUT")
@@ -49,9 +51,10 @@ def token_object(ctx: ApiContext, wp: Waitpoint) -> dict[str, Any]:
     return out
 
 
+@operation("Create a waitpoint token", S.TokenCreated, body=TokenCreateBody, body_required=False, security="apiKeyOrRunToken")
 async def create_token(request: Request) -> Response:
     ctx = _ctx(request)
-    auth = await ctx.env_auth(request)
+    auth = await ctx.env_auth(request, run_token=True)
     req = await body(request, TokenCreateBody, required=False)
     timeout_s = None
     if isinstance(req.timeout, datetime):
@@ -67,18 +70,20 @@ async def create_token(request: Request) -> Response:
 
 
 async def _own_token(ctx: ApiContext, env_id: str, waitpoint_id: str) -> Waitpoint:
-    wp = await ctx.repo.waitpoints.get(waitpoint_id, env_id)
+    wp = await ctx.repo.waitpoints.get(waitpoint_id, env_id) if looks_like_id(waitpoint_id, "waitpoint") else None
     if wp is None or wp.type != "MANUAL":
         raise ApiError(404, "not_found", "waitpoint token not found")
     return wp
 
 
+@operation("Get a waitpoint token", S.Token, security="apiKeyOrRunToken")
 async def get_token(request: Request) -> Response:
     ctx = _ctx(request)
-    auth = await ctx.env_auth(request)
+    auth = await ctx.env_auth(request, run_token=True)
     return json_response(token_object(ctx, await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"])))
 
 
+@operation("List waitpoint tokens", S.TokenList, query=(Query("filter[status]", {"type": "string", "maxLength": 64}), Query("filter[tags]", {"type": "string", "maxLength": 4096}), *PAGE))
 async def list_tokens(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
@@ -111,7 +116,7 @@ async def list_tokens(request: Request) -> Response:
                                                  limit=size + 1, after=after)
     page, more = rows[:size], len(rows) > size
     next_cursor = f"{page[-1].created_at.isoformat()}|{page[-1].id}" if more and page else None
-    return json_response({"data": [token_object(ctx, w) for w in page], "pagination": {"next": next_cursor}})
+    return json_response({"data": [token_object(ctx, w) for w in page], "pagination": pagination(next_cursor)})
 
 
 async def _complete(ctx: ApiContext, wp: Waitpoint, data: Any) -> Response:
@@ -122,21 +127,23 @@ async def _complete(ctx: ApiContext, wp: Waitpoint, data: Any) -> Response:
     return json_response({"success": True})
 
 
+@operation("Complete a token (the first completion wins)", S.Success, body=TokenCompleteBody, body_required=False, security="apiKeyOrRunToken")
 async def complete_token(request: Request) -> Response:
     ctx = _ctx(request)
-    auth = await ctx.env_auth(request)
+    auth = await ctx.env_auth(request, run_token=True)
     wp = await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"])
     req = await body(request, TokenCompleteBody, required=False)
     return await _complete(ctx, wp, req.data)
 
 
+@operation("Complete a token by its signed callback URL (no API key; the body is the output)", S.Success, security="none", any_body=True, body_required=False)
 async def callback(request: Request) -> Response:
     """No API key: the HMAC signature in the path is the credential; the body is the output."""
     ctx = _ctx(request)
     waitpoint_id = request.path_params["waitpoint_id"]
-    if not hmac.compare_digest(request.path_params["signature"], ctx.tokens.callback_signature(waitpoint_id)):
+    if not ctx.tokens.callback_ok(waitpoint_id, request.path_params["signature"]):
         raise ApiError(401, "unauthorized", "invalid callback signature")
-    wp = await ctx.repo.waitpoints.get(waitpoint_id)
+    wp = await ctx.repo.waitpoints.get(waitpoint_id) if looks_like_id(waitpoint_id, "waitpoint") else None
     if wp is None or wp.type != "MANUAL":
         raise ApiError(404, "not_found", "waitpoint token not found")
     data = await read_json(request, required=False)

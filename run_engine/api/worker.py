@@ -15,8 +15,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from run_engine.api.context import ApiContext, EnvAuth
+from run_engine.api import schemas as S
+from run_engine.api.context import ApiContext, EnvAuth, worker_bucket
 from run_engine.api.http import ApiError, body, error_payload, json_response
+from run_engine.api.inputs import looks_like_id, needs_scan, unstorable
 from run_engine.api.models import (
     BatchCompleteBody,
     BatchCompleteItem,
@@ -31,6 +33,7 @@ from run_engine.api.models import (
     WaitDurationBody,
     WorkerHeartbeatBody,
 )
+from run_engine.api.openapi import Query, operation
 from run_engine.api.serialize import run_object, snapshot_object
 from run_engine.cron import Cron, CronError
 from run_engine.db.repository import RunRow
@@ -44,6 +47,7 @@ def _ctx(request: Request) -> ApiContext:
     return ctx
 
 
+@operation("Register a worker and its deployment", S.Connected, body=ConnectBody, security="workerToken")
 async def connect(request: Request) -> Response:
     ctx = _ctx(request)
     group = await ctx.worker_group(request)
@@ -65,6 +69,8 @@ async def connect(request: Request) -> Response:
     content_hash = hashlib.sha256(orjson.dumps({"tasks": tasks, "queues": queues}, option=orjson.OPT_SORT_KEYS)).hexdigest()
     version = req.deployment.version or content_hash[:12]
     envs = await ctx.repo.environments_of_worker_group(group["id"])
+    if group.get("scoped_environment_id"):  # an environment's token serves that environment only
+        envs = [e for e in envs if e["id"] == group["scoped_environment_id"]]
     if req.environments:
         wanted = set(req.environments)
         envs = [e for e in envs if e["id"] in wanted or e["slug"] in wanted]
@@ -80,10 +86,13 @@ async def connect(request: Request) -> Response:
                           "workerGroupId": group["id"], "deployments": deployments})
 
 
+@operation("Worker liveness", S.Ok, body=WorkerHeartbeatBody, security="workerToken")
 async def heartbeat(request: Request) -> Response:
     ctx = _ctx(request)
     group = await ctx.worker_group(request)
     req = await body(request, WorkerHeartbeatBody)
+    if req.stopping:
+        ctx.wakeups.release(f"{group['id']}/{req.workerInstanceName}", group["id"])
     if not await ctx.repo.touch_worker_instance(group["id"], req.workerInstanceName):
         await ctx.repo.upsert_worker_instance(new_id("wi"), group["id"], req.workerInstanceName)
     return json_response({"ok": True})
@@ -101,24 +110,39 @@ def _run_payload(ctx: ApiContext, run: RunRow, snapshot: Any) -> dict[str, Any]:
     }
 
 
+@operation("Long-poll for runs", S.DequeueOut, body=DequeueBody, body_required=False, security="workerToken")
 async def dequeue(request: Request) -> Response:
     ctx = _ctx(request)
     group = await ctx.worker_group(request)
     req = await body(request, DequeueBody, required=False)
-    deadline = time.monotonic() + req.waitMs / 1000
-    while True:
-        got = await ctx.engine.dequeue(group["id"], req.maxRuns, req.workerInstanceName)
-        remaining = deadline - time.monotonic()
-        if got or remaining <= 0:
-            break
-        # Woken by an enqueue or a freed slot; the cap re-checks for runs whose back-off ended,
-        # and a rate-limited queue says when it may serve again.
-        cap = 1.0
-        if got.retry_at_ms is not None:
-            cap = max(0.002, min(cap, got.retry_at_ms / 1000 - ctx.engine.resources.clock.now()))
-        await ctx.wakeups.wait(group["id"], min(remaining, cap))
+    environments = list(req.environments or ())
+    if scoped := group.get("scoped_environment_id"):
+        if environments and environments != [scoped]:
+            raise ApiError(403, "forbidden", f"this token serves environment {scoped} only")
+        environments = [scoped]
+    began = time.monotonic()
+    deadline = began + req.waitMs / 1000
+    instance = f"{group['id']}/{req.workerInstanceName}"
+    got = await ctx.engine.dequeue(group["id"], req.maxRuns, req.workerInstanceName, environments,
+                                   req.deployments or ())
+    if not got and req.waitMs:
+        with ctx.hold("long-polls", worker_bucket(group)):
+            while True:
+                remaining = deadline - time.monotonic()
+                if got or remaining <= 0:
+                    break
+                # Woken by an enqueue or a freed slot; the cap re-checks for runs whose back-off
+                # ended, and a rate-limited queue says when it may serve again.
+                cap = 1.0
+                if got.retry_at_ms is not None:
+                    cap = max(0.002, min(cap, got.retry_at_ms / 1000 - ctx.engine.resources.clock.now()))
+                await ctx.wakeups.wait(group["id"], min(remaining, cap))
+                if ctx.wakeups.released(instance, since=began) or await request.is_disconnected():
+                    break  # the worker is stopping or gone: runs handed out now would wait for a timeout
+                got = await ctx.engine.dequeue(group["id"], req.maxRuns, req.workerInstanceName, environments,
+                                               req.deployments or ())
     for d in got:
-        ctx.remember_run_group(d.run.id, group["id"])
+        ctx.remember_run_group(d.run.id, group["id"], d.run.environment_id)
     items = [_run_payload(ctx, d.run, d.snapshot) for d in got]
     if req.startAttempts and got:
         started = await _each(got, lambda d: _start(ctx, d.run.id, d.snapshot.id))
@@ -128,14 +152,19 @@ async def dequeue(request: Request) -> Response:
 
 
 async def _check_group(ctx: ApiContext, group: dict[str, Any], run_id: str) -> str:
-    """``run_id`` if the run belongs to the caller's worker group (404 otherwise). Runs this
-    process handed out are remembered, so the hot path needs no query."""
-    if ctx.run_group(run_id) == group["id"]:
-        return run_id
-    run = await ctx.engine.get_run(run_id)
-    if run is None or run.worker_group_id != group["id"]:
+    """``run_id`` if the run belongs to the caller's worker group (and, for an environment's
+    token, to that environment); 404 otherwise. Runs this process handed out are remembered, so
+    the hot path needs no query."""
+    owner = ctx.run_group(run_id)
+    if owner is None:
+        run = await ctx.engine.get_run(run_id) if looks_like_id(run_id, "run") else None
+        if run is None:
+            raise ApiError(404, "not_found", "run not found")
+        owner = (run.worker_group_id, run.environment_id)
+        ctx.remember_run_group(run_id, *owner)
+    scoped = group.get("scoped_environment_id")
+    if owner[0] != group["id"] or (scoped and owner[1] != scoped):
         raise ApiError(404, "not_found", "run not found")
-    ctx.remember_run_group(run_id, group["id"])
     return run_id
 
 
@@ -143,22 +172,24 @@ async def _group_run_id(ctx: ApiContext, request: Request) -> str:
     return await _check_group(ctx, await ctx.worker_group(request), request.path_params["run_id"])
 
 
+@operation("Latest snapshot; with after and waitMs, waits for another", S.SnapshotOut, query=(Query("after", {"type": "string", "maxLength": 256}), Query("waitMs", {"type": "integer", "minimum": 0, "maximum": 60000})), security="workerToken")
 async def latest_snapshot(request: Request) -> Response:
     """The latest snapshot; with ``after=<snapshot id>&waitMs=N`` it waits (long-poll) until the
     latest is another one, e.g. a waiting run continued or was cancelled."""
     ctx = _ctx(request)
-    run_id = await _group_run_id(ctx, request)
+    group = await ctx.worker_group(request)
+    run_id = await _check_group(ctx, group, request.path_params["run_id"])
     after = request.query_params.get("after")
     raw_wait = request.query_params.get("waitMs", "0")
     if not raw_wait.isdigit() or int(raw_wait) > 60_000:
         raise ApiError(400, "invalid_input", "waitMs: must be an integer 0..60000")
     deadline = time.monotonic() + int(raw_wait) / 1000
-    while True:
-        snapshot = await ctx.engine.latest_snapshot(run_id)
-        remaining = deadline - time.monotonic()
-        if after is None or snapshot.id != after or remaining <= 0:
-            break
-        await ctx.wakeups.wait(f"run:{run_id}", min(remaining, 1.0))
+    snapshot = await ctx.engine.latest_snapshot(run_id)
+    if after is not None and snapshot.id == after and int(raw_wait):
+        with ctx.hold("long-polls", worker_bucket(group)):
+            while snapshot.id == after and (remaining := deadline - time.monotonic()) > 0:
+                await ctx.wakeups.wait(f"run:{run_id}", min(remaining, 1.0))
+                snapshot = await ctx.engine.latest_snapshot(run_id)
     return json_response({"snapshot": snapshot_object(snapshot)})
 
 
@@ -177,14 +208,33 @@ async def _start(ctx: ApiContext, run_id: str, snapshot_id: str) -> dict[str, An
     }
 
 
-async def _complete(ctx: ApiContext, run_id: str, snapshot_id: str, req: CompleteBody) -> dict[str, Any]:
+def _storable_error(error: dict[str, Any]) -> dict[str, Any]:
+    """An attempt's error as it can be stored: NUL characters in its strings become U+FFFD (an
+    error is for reading; refusing it would leave the run executing)."""
+    return {k: v.replace("\x00", "\ufffd") if isinstance(v, str) else v for k, v in error.items()}
+
+
+async def _complete(ctx: ApiContext, run_id: str, snapshot_id: str, req: CompleteBody,
+                    field: str = "output") -> dict[str, Any]:
+    problem = None
     if req.ok:
+        try:
+            raw = orjson.dumps(req.output)
+            problem = unstorable(req.output, field) if needs_scan(raw) else None
+        except orjson.JSONEncodeError:  # nested too deep for orjson
+            problem = unstorable(req.output, field) or f"{field}: cannot be serialised"
+    if req.ok and problem is None:
         limit = ctx.engine.resources.settings.max_payload_bytes
-        if req.output is not None and len(orjson.dumps(req.output)) > limit:
-            raise ApiError(413, "payload_too_large", f"output: larger than {limit} bytes")
+        if len(raw) > limit:
+            raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
         outcome = await ctx.engine.complete_attempt(run_id, snapshot_id, ok=True, output=req.output)
+    elif problem is not None:
+        # The task succeeded with an output that cannot be stored: the run fails with a clear
+        # error (retrying would produce the same output) instead of staying EXECUTING.
+        outcome = await ctx.engine.complete_attempt(run_id, snapshot_id, ok=False, retryable=False, error={
+            "type": "OUTPUT_NOT_STORABLE", "name": "OutputNotStorable", "message": f"the task's {problem}"})
     else:
-        error = (req.error.model_dump(exclude_none=True) if req.error
+        error = (_storable_error(req.error.model_dump(exclude_none=True)) if req.error
                  else {"type": "BUILT_IN_ERROR", "message": "unknown error"})
         outcome = await ctx.engine.complete_attempt(run_id, snapshot_id, ok=False, error=error,
                                                     retryable=req.retryable)
@@ -194,16 +244,18 @@ async def _complete(ctx: ApiContext, run_id: str, snapshot_id: str, req: Complet
     return out
 
 
+@operation("Start (or, after a restore, continue) an attempt", S.Started, security="workerToken")
 async def start_attempt(request: Request) -> Response:
     ctx = _ctx(request)
     run_id = await _group_run_id(ctx, request)
     return json_response(await _start(ctx, run_id, request.path_params["snapshot_id"]))
 
 
+@operation("Complete an attempt", S.Completed, body=CompleteBody, security="workerToken")
 async def complete_attempt(request: Request) -> Response:
     ctx = _ctx(request)
     run_id = await _group_run_id(ctx, request)
-    req = await body(request, CompleteBody)
+    req = await body(request, CompleteBody, scan=False)  # an unstorable output fails the run: _complete
     return json_response(await _complete(ctx, run_id, request.path_params["snapshot_id"], req))
 
 
@@ -219,6 +271,7 @@ async def _each(items: list[Any], one: Callable[[Any], Awaitable[dict[str, Any]]
     return list(await asyncio.gather(*(guarded(i) for i in items)))
 
 
+@operation("Start many attempts (per-item results)", S.ItemResults, body=BatchStartBody, security="workerToken")
 async def start_attempts(request: Request) -> Response:
     """Start many attempts in one request (a supervisor under load)."""
     ctx = _ctx(request)
@@ -231,18 +284,22 @@ async def start_attempts(request: Request) -> Response:
     return json_response({"results": await _each(req.items, one)})
 
 
+@operation("Complete many attempts (per-item results)", S.ItemResults, body=BatchCompleteBody, security="workerToken")
 async def complete_attempts(request: Request) -> Response:
     """Complete many attempts in one request."""
     ctx = _ctx(request)
     group = await ctx.worker_group(request)
-    req = await body(request, BatchCompleteBody)
+    req = await body(request, BatchCompleteBody, scan=False)  # checked per item: one bad output fails one run
 
-    async def one(item: BatchCompleteItem) -> dict[str, Any]:
-        return await _complete(ctx, await _check_group(ctx, group, item.runId), item.snapshotId, item)
+    async def one(pair: tuple[int, BatchCompleteItem]) -> dict[str, Any]:
+        i, item = pair
+        return await _complete(ctx, await _check_group(ctx, group, item.runId), item.snapshotId, item,
+                               f"items.{i}.output")
 
-    return json_response({"results": await _each(req.items, one)})
+    return json_response({"results": await _each(list(enumerate(req.items)), one)})
 
 
+@operation("Run liveness", S.Ok, security="workerToken")
 async def run_heartbeat(request: Request) -> Response:
     ctx = _ctx(request)
     run_id = await _group_run_id(ctx, request)
@@ -259,6 +316,7 @@ def _block_response(outcome: Any, **extra: Any) -> Response:
     return json_response(out)
 
 
+@operation("Wait for a duration or until a date (DATETIME waitpoint)", S.Blocked, body=WaitDurationBody, security="workerToken")
 async def wait_duration(request: Request) -> Response:
     ctx = _ctx(request)
     run_id = await _group_run_id(ctx, request)
@@ -277,6 +335,7 @@ async def wait_duration(request: Request) -> Response:
     return _block_response(outcome, waitpointId=wp.id)
 
 
+@operation("Block on a token or run waitpoint", S.Blocked, body=WaitBody, security="workerToken")
 async def wait_waitpoint(request: Request) -> Response:
     ctx = _ctx(request)
     run_id = await _group_run_id(ctx, request)
@@ -296,6 +355,7 @@ async def wait_waitpoint(request: Request) -> Response:
     return _block_response(outcome, waitpointId=wp.id)
 
 
+@operation("Trigger children and wait for them (RUN or BATCH waitpoint)", S.Blocked, body=ChildTriggerBody, security="workerToken")
 async def trigger_children(request: Request) -> Response:
     """Trigger children of the run and block it until they finish (triggerAndWait and
     batchTriggerAndWait): one journal entry, one waitpoint, one insert for all children."""
@@ -316,6 +376,7 @@ async def trigger_children(request: Request) -> Response:
     return _block_response(outcome, runIds=run_ids)
 
 
+@operation("Checkpoint a blocked run (REPLAY) and release its concurrency", S.SnapshotOut, security="workerToken")
 async def suspend(request: Request) -> Response:
     ctx = _ctx(request)
     run_id = await _group_run_id(ctx, request)
@@ -323,6 +384,7 @@ async def suspend(request: Request) -> Response:
     return json_response({"snapshot": snapshot_object(snapshot)})
 
 
+@operation("Journal a step result", S.Ok, body=JournalBody, security="workerToken")
 async def append_journal(request: Request) -> Response:
     ctx = _ctx(request)
     run_id = await _group_run_id(ctx, request)
@@ -334,6 +396,7 @@ async def append_journal(request: Request) -> Response:
     return json_response({"ok": True})
 
 
+@operation("The run's journal, waits resolved", S.JournalOut, query=(Query("from", {"type": "integer", "minimum": 0}),), security="workerToken")
 async def get_journal(request: Request) -> Response:
     ctx = _ctx(request)
     run_id = await _group_run_id(ctx, request)

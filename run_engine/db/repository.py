@@ -8,6 +8,7 @@ is one round trip and one commit, however many runs a batch carries.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,6 +21,7 @@ from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.waitpoints import WaitpointRepository
+from run_engine.errors import ConflictError
 
 
 def _dumps(obj: Any) -> str:
@@ -271,7 +273,7 @@ WITH input AS (
     SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(
         id text, snapshot_id text, environment_id text, worker_group_id text, task_identifier text,
         payload jsonb, payload_type text, status text, engine_status text, queue text,
-        concurrency_key text, priority_ms int, idempotency_key text,
+        concurrency_key text, priority_ms bigint, idempotency_key text,
         idempotency_key_expires_at timestamptz, ttl_s int, delay_until timestamptz, tags text[],
         metadata jsonb, max_attempts int, retry jsonb, max_duration_s int, machine text,
         locked_to_deployment_id text, parent_run_id text, root_run_id text, depth int,
@@ -324,7 +326,11 @@ class Repository:
             kwargs={"autocommit": True, "prepare_threshold": 0},
             open=False,
         )
-        await pool.open(wait=True, timeout=30)
+        try:
+            await pool.open(wait=True, timeout=30)
+        except BaseException:  # cancelled or unreachable: no pool workers left behind
+            await asyncio.shield(pool.close())
+            raise
         return cls(pool)
 
     async def close(self) -> None:
@@ -471,6 +477,31 @@ class Repository:
             cur = await conn.execute("SELECT holder FROM engine_lease WHERE name = %s AND expires_at > now()", (name,))
             row = await cur.fetchone()
         return row[0] if row else None
+
+    async def active_runs_page(self, after_id: str, older_than_s: float, limit: int) -> list[tuple[RunRow, Snapshot]]:
+        """Runs a worker holds or that wait (DEQUEUED, EXECUTING, WAITING), untouched for
+        ``older_than_s``, with their latest snapshot, by id after ``after_id``."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT to_jsonb(r.*) AS run, to_jsonb(s.*) AS snapshot FROM task_run r
+                   CROSS JOIN LATERAL (SELECT * FROM task_run_execution_snapshot
+                                       WHERE run_id = r.id AND is_valid ORDER BY seq DESC LIMIT 1) s
+                   WHERE r.status IN ('DEQUEUED', 'EXECUTING', 'WAITING') AND r.id > %s
+                     AND r.updated_at < now() - make_interval(secs => %s)
+                   ORDER BY r.id LIMIT %s""", (after_id, older_than_s, limit))
+            return [(_run_from_json(row["run"]), _snapshot_from_json(row["snapshot"])) for row in await cur.fetchall()]
+
+    async def not_started_runs_page(self, after_id: str, limit: int) -> list[RunRow]:
+        """DELAYED runs, and runs with a TTL that have not started (their engine jobs)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM task_run
+                   WHERE id > %s AND (status = 'DELAYED' OR (ttl_s IS NOT NULL AND attempt_number = 0
+                         AND status IN ('QUEUED', 'PENDING_VERSION')))
+                   ORDER BY id LIMIT %s""", (after_id, limit))
+            return [_run(r) for r in await cur.fetchall()]
 
     async def queued_runs_page(self, after_id: str, older_than_s: float, limit: int) -> list[RunRow]:
         """Runs the API shows as QUEUED (latest snapshot QUEUED or QUEUED_EXECUTING), untouched for
@@ -662,14 +693,15 @@ class Repository:
             assert project is not None
             wg = await (
                 await conn.execute(
-                    "SELECT id FROM worker_group WHERE project_id = %s AND name = 'main'", (project[0],)
+                    "SELECT id, token_generation FROM worker_group WHERE project_id = %s AND name = 'main'",
+                    (project[0],)
                 )
             ).fetchone()
             if wg is None:
                 wg = await (
                     await conn.execute(
                         """INSERT INTO worker_group (id, name, project_id, token_hash, master_queue)
-                           VALUES (%s, 'main', %s, %s, %s) RETURNING id""",
+                           VALUES (%s, 'main', %s, %s, %s) RETURNING id, token_generation""",
                         (ids["worker_group"], project[0], worker_group_token_hash, ids["worker_group"]),
                     )
                 ).fetchone()
@@ -680,7 +712,7 @@ class Repository:
                            (id, project_id, type, slug, api_key_hash, concurrency_limit, default_worker_group_id)
                        VALUES (%s, %s, %s, %s, %s, %s, %s)
                        ON CONFLICT (project_id, slug) DO UPDATE SET slug = EXCLUDED.slug
-                       RETURNING id, concurrency_limit""",
+                       RETURNING id, concurrency_limit, api_key_generation, type""",
                     (ids["env"], project[0], env_type, env_slug, api_key_hash, concurrency_limit, wg[0]),
                 )
             ).fetchone()
@@ -689,8 +721,11 @@ class Repository:
             "org": org[0],
             "project": project[0],
             "worker_group": wg[0],
+            "token_generation": wg[1],
             "env": env[0],
             "concurrency_limit": str(env[1]),
+            "api_key_generation": env[2],
+            "env_type": env[3],
         }
 
     async def environment(self, env_id: str) -> dict[str, Any] | None:
@@ -725,6 +760,11 @@ class Repository:
             ).fetchone()
             created = existing is None
             dep_id = deployment_id if existing is None else existing[0]
+            if created and await (await conn.execute(
+                    "SELECT 1 FROM deployment WHERE environment_id = %s AND worker_group_id = %s AND version = %s",
+                    (env_id, worker_group_id, version))).fetchone():
+                raise ConflictError("deployment.version", f"version {version!r} is already deployed with other "
+                                                          "tasks; give this deployment a new version")
             await conn.execute(
                 "UPDATE deployment SET is_current = false WHERE environment_id = %s AND worker_group_id = %s AND is_current AND id <> %s",
                 (env_id, worker_group_id, dep_id),
@@ -770,6 +810,14 @@ class Repository:
                 (env_id, worker_group_id, task_id),
             )
             return await cur.fetchone()
+
+    async def deployment_tasks(self, deployment_ids: Sequence[str]) -> dict[str, tuple[str, frozenset[str]]]:
+        """deployment id → (environment id, the tasks it has)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT deployment_id, environment_id, array_agg(task_identifier) FROM deployment_task
+                   WHERE deployment_id = ANY(%s) GROUP BY deployment_id, environment_id""", (list(deployment_ids),))
+            return {r[0]: (r[1], frozenset(r[2])) for r in await cur.fetchall()}
 
     async def deployment_task(self, deployment_id: str, task_id: str) -> dict[str, Any] | None:
         async with self.pool.connection() as conn:
@@ -834,9 +882,61 @@ class Repository:
             return await cur.fetchone()
 
     async def worker_group_by_token_hash(self, token_hash: str) -> dict[str, Any] | None:
+        """The worker group of a token, with ``scoped_environment_id``: the one environment an
+        environment-scoped token serves, or None for the group's own token."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute("SELECT * FROM worker_group WHERE token_hash = %s", (token_hash,))
+            await cur.execute(
+                """SELECT g.*, NULL::text AS scoped_environment_id FROM worker_group g WHERE g.token_hash = %(h)s
+                   UNION ALL
+                   SELECT g.*, t.environment_id FROM worker_group_env_token t
+                   JOIN worker_group g ON g.id = t.worker_group_id WHERE t.token_hash = %(h)s
+                   LIMIT 1""", {"h": token_hash})
+            return await cur.fetchone()
+
+    async def env_worker_token_generation(self, group_id: str, env_id: str) -> int:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                "SELECT generation FROM worker_group_env_token WHERE worker_group_id = %s AND environment_id = %s",
+                (group_id, env_id))).fetchone()
+            return int(row[0]) if row else 0
+
+    async def set_env_worker_token(self, group_id: str, env_id: str, generation: int, token_hash: str) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """INSERT INTO worker_group_env_token (worker_group_id, environment_id, generation, token_hash)
+                   VALUES (%s, %s, %s, %s)
+                   ON CONFLICT (worker_group_id, environment_id) DO UPDATE
+                       SET generation = EXCLUDED.generation, token_hash = EXCLUDED.token_hash""",
+                (group_id, env_id, generation, token_hash))
+
+    async def bump_api_key_generation(self, env_id: str) -> tuple[int, str] | None:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                """UPDATE runtime_environment SET api_key_generation = api_key_generation + 1
+                   WHERE id = %s RETURNING api_key_generation, type""", (env_id,))).fetchone()
+            return (int(row[0]), str(row[1])) if row else None
+
+    async def bump_worker_group_token_generation(self, group_id: str) -> int | None:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                "UPDATE worker_group SET token_generation = token_generation + 1 WHERE id = %s "
+                "RETURNING token_generation", (group_id,))).fetchone()
+            return int(row[0]) if row else None
+
+    async def environment_by_slugs(self, org_slug: str, project_slug: str, env_slug: str) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT e.* FROM runtime_environment e JOIN project p ON p.id = e.project_id
+                   JOIN organization o ON o.id = p.organization_id
+                   WHERE o.slug = %s AND p.slug = %s AND e.slug = %s""", (org_slug, project_slug, env_slug))
+            return await cur.fetchone()
+
+    async def worker_group_by_name(self, project_id: str, name: str) -> dict[str, Any] | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM worker_group WHERE project_id = %s AND name = %s", (project_id, name))
             return await cur.fetchone()
 
     async def environments_of_worker_group(self, worker_group_id: str) -> list[dict[str, Any]]:
@@ -955,20 +1055,6 @@ class Repository:
                 (limit, env_id, name),
             )
             return await cur.fetchone()
-
-    async def get_setting(self, key: str) -> str | None:
-        async with self.pool.connection() as conn:
-            row = await (await conn.execute("SELECT value FROM engine_setting WHERE key = %s", (key,))).fetchone()
-            return None if row is None else str(row[0])
-
-    async def ensure_setting(self, key: str, value: str) -> str:
-        """Store ``value`` unless the key has one already; return the stored value."""
-        async with self.pool.connection() as conn:
-            await conn.execute(
-                "INSERT INTO engine_setting (key, value) VALUES (%s, %s) ON CONFLICT (key) DO NOTHING", (key, value))
-            row = await (await conn.execute("SELECT value FROM engine_setting WHERE key = %s", (key,))).fetchone()
-            assert row is not None
-            return str(row[0])
 
     async def insert_batch(self, batch_id: str, env_id: str, size: int, parent_run_id: str | None = None) -> None:
         async with self.pool.connection() as conn:

@@ -110,6 +110,15 @@ WHERE w.status = 'PENDING' AND w.type = 'RUN' AND r.finished_at IS NOT NULL
 LIMIT %(limit)s
 """
 
+_SWEEP_ORPHANED_RUN_WAITPOINTS = """
+-- RUN waitpoints whose run was never created (the process died, or the insert failed, between the
+-- parent's journal entry and its child)
+SELECT w.id FROM waitpoint w
+WHERE w.status = 'PENDING' AND w.type = 'RUN' AND w.created_at < now() - make_interval(secs => %(grace_s)s)
+  AND NOT EXISTS (SELECT 1 FROM task_run r WHERE r.id = w.completed_by_run_id)
+LIMIT %(limit)s
+"""
+
 _SWEEP_BATCHES = """
 -- BATCH waitpoints whose children have all finished, or whose batch never got all its runs
 SELECT w.id, b.id AS batch_id, b.size, c.created, c.finished,
@@ -231,6 +240,20 @@ class WaitpointRepository:
             pending = await self.pending_count(run_id, conn)
         return existing, pending
 
+    async def repoint(self, run_id: str, sequence: int, waitpoint_id: str | None, key: str, result: Any,
+                      batch_shrink: tuple[str, int] | None = None) -> None:
+        """After a child's idempotency key returned an existing run: the journal entry (and the RUN
+        waitpoint, or the batch's size) name what the parent really waits on. One transaction."""
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute("UPDATE task_run_journal SET key = %s, result = %s WHERE run_id = %s AND sequence = %s",
+                               (key, Jsonb(result), run_id, sequence))
+            if waitpoint_id is not None:
+                await conn.execute("UPDATE waitpoint SET completed_by_run_id = %s WHERE id = %s AND status = 'PENDING'",
+                                   (key, waitpoint_id))
+            if batch_shrink is not None:
+                await conn.execute("UPDATE batch_task_run SET size = size - %s WHERE id = %s",
+                                   (batch_shrink[1], batch_shrink[0]))
+
     async def pending_count(self, run_id: str, conn: Any = None) -> int:
         sql = """SELECT count(*) FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
                  WHERE trw.run_id = %s AND w.status = 'PENDING'"""
@@ -300,6 +323,17 @@ class WaitpointRepository:
                                      (run_id,))
             return int((await cur.fetchone())[0])
 
+    async def timed_waitpoints_page(self, after_id: str, limit: int) -> list[tuple[str, str, datetime | None,
+                                                                                datetime | None]]:
+        """Pending waitpoints an engine job completes: (id, type, completed_after, timeout_at)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT id, type, completed_after, timeout_at FROM waitpoint
+                   WHERE status = 'PENDING' AND id > %s
+                     AND ((type = 'DATETIME' AND completed_after IS NOT NULL) OR timeout_at IS NOT NULL)
+                   ORDER BY id LIMIT %s""", (after_id, limit))
+            return [(r[0], r[1], r[2], r[3]) for r in await cur.fetchall()]
+
     async def insert_checkpoint(self, checkpoint_id: str, run_id: str, snapshot_id: str, position: int) -> None:
         async with self.pool.connection() as conn:
             await conn.execute(
@@ -345,7 +379,9 @@ class WaitpointRepository:
             batches = await cur.fetchall()
             await cur.execute(_SWEEP_STUCK_RUNS, {"limit": limit, "grace_s": grace_s})
             stuck = [r["id"] for r in await cur.fetchall()]
-        return {"run_waitpoints": runs, "batches": batches, "stuck_runs": stuck}
+            await cur.execute(_SWEEP_ORPHANED_RUN_WAITPOINTS, {"limit": limit, "grace_s": grace_s})
+            orphans = [r["id"] for r in await cur.fetchall()]
+        return {"run_waitpoints": runs, "batches": batches, "stuck_runs": stuck, "orphaned": orphans}
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,10 +1,36 @@
 """The one producer of run-queue keys. Every key of an environment carries the hash tag of its
-shard, ``{rq:N}`` with N = jump-hash(env, shards), so each script touches one cluster slot."""
+shard, ``{rq:N}`` with N = jump-hash(env, shards), so each script touches one cluster slot.
+
+Names chosen by users (queue names, concurrency keys; environment and worker-group ids too,
+though we make those) are **encoded** before they become part of a key: ``%`` → ``%25``, ``:`` →
+``%3A``, NUL → ``%00``. An encoded name never contains the ``:`` that separates the parts of a
+key, so each key maps back to exactly one (kind, env, queue, key) and no name can make one tenant's
+key another key's kind or another tenant's key. The Lua scripts only ever see encoded names (the
+message hash stores them encoded); :class:`RunQueue` decodes what it hands back.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import lru_cache
+
+_ESCAPES = {"%": "%25", ":": "%3A", "\x00": "%00"}
+_UNESCAPES = {v: k for k, v in _ESCAPES.items()}
+_ESCAPED = re.compile("%25|%3A|%00")
+
+
+def encode_name(name: str) -> str:
+    """``name`` as it may appear inside a key (injective, no ``:``)."""
+    if "%" not in name and ":" not in name and "\x00" not in name:
+        return name  # the usual case costs three scans
+    return "".join(_ESCAPES.get(c, c) for c in name)
+
+
+def decode_name(encoded: str) -> str:
+    if "%" not in encoded:
+        return encoded
+    return _ESCAPED.sub(lambda m: _UNESCAPES[m.group(0)], encoded)
 
 
 def jump_hash(key: int, buckets: int) -> int:
@@ -44,10 +70,19 @@ class QueueKeys:
         return f"{self.base(shard)}:delayed"
 
     def message(self, env_id: str, run_id: str) -> str:
-        return f"{self.base_for(env_id)}:msg:{run_id}"
+        return f"{self.base_for(env_id)}:msg:{encode_name(run_id)}"
 
     def env(self, env_id: str) -> str:
-        return f"{self.base_for(env_id)}:e:{env_id}"
+        return f"{self.base_for(env_id)}:e:{encode_name(env_id)}"
 
     def queue(self, env_id: str, queue: str) -> str:
-        return f"{self.env(env_id)}:q:{queue}"
+        return f"{self.env(env_id)}:q:{encode_name(queue)}"
+
+    def key(self, env_id: str, queue: str, concurrency_key: str | None) -> str:
+        """The slot set prefix of one concurrency key (``""`` without a key)."""
+        return f"{self.queue(env_id, queue)}:k:{encode_name(concurrency_key or '')}"
+
+    def ready(self, env_id: str, worker_group: str, queue: str, concurrency_key: str | None) -> str:
+        """The ready set of one concurrency key of a queue in a worker group's index."""
+        return (f"{self.base_for(env_id)}:g:{encode_name(worker_group)}:e:{encode_name(env_id)}"
+                f":q:{encode_name(queue)}:k:{encode_name(concurrency_key or '')}")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from redis.asyncio import Redis
 
 from run_engine.lua_scripts import LuaScript
-from run_engine.run_queue.keys import QueueKeys
+from run_engine.run_queue.keys import QueueKeys, decode_name, encode_name
 from run_engine.run_queue.models import (
     DequeuedMessage,
     DlqEntry,
@@ -31,6 +31,11 @@ def _s(value: bytes | str | None) -> str:
     if value is None:
         return ""
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _name(value: bytes | str | None) -> str:
+    """A name the scripts hand back (stored encoded: see :mod:`run_engine.run_queue.keys`)."""
+    return decode_name(_s(value))
 
 
 class RunQueue:
@@ -83,11 +88,11 @@ class RunQueue:
         for it in items:
             due = it.available_at_ms if it.available_at_ms is not None else now_ms
             by_shard[self.keys.shard_of(it.env_id)] += [
-                it.run_id,
-                it.env_id,
-                it.queue,
-                it.concurrency_key or "",
-                it.worker_group,
+                encode_name(it.run_id),
+                encode_name(it.env_id),
+                encode_name(it.queue),
+                encode_name(it.concurrency_key or ""),
+                encode_name(it.worker_group),
                 it.score_ms,
                 due,
                 it.task,
@@ -100,39 +105,47 @@ class RunQueue:
             )
         )
 
-    async def dequeue(self, worker_group: str, max_runs: int, now_ms: int) -> Handed:
-        """Up to ``max_runs`` runs of ``worker_group``; shards are visited in rotating order.
-        ``retry_at_ms`` of the result says when a rate-limited queue may serve again."""
+    async def dequeue(self, worker_group: str, max_runs: int, now_ms: int,
+                      environments: Sequence[str] = ()) -> Handed:
+        """Up to ``max_runs`` runs of ``worker_group`` (only of ``environments`` when given);
+        shards are visited in rotating order. ``retry_at_ms`` of the result says when a
+        rate-limited queue may serve again."""
         out = Handed()
         start = self._next_shard
         self._next_shard = (self._next_shard + 1) % self.keys.shards
+        only: dict[int, list[str]] = defaultdict(list)
+        for env_id in environments:
+            only[self.keys.shard_of(env_id)].append(encode_name(env_id))
         for i in range(self.keys.shards):
             if len(out) >= max_runs:
                 break
             shard = (start + i) % self.keys.shards
+            if environments and shard not in only:
+                continue
             flat = await self._dequeue(
                 self.redis,
                 [self.keys.delayed(shard)],
                 [
                     self.keys.base(shard),
-                    worker_group,
+                    encode_name(worker_group),
                     now_ms,
                     max_runs - len(out),
                     self.promote_limit,
                     self.default_env_limit,
                     self.scan_window,
+                    *only.get(shard, ()),
                 ],
             )
             if len(flat) % 7 == 1:  # a rate-limited queue was skipped: when it may serve again
                 at = int(float(_s(flat.pop())))
                 out.retry_at_ms = at if out.retry_at_ms is None else min(out.retry_at_ms, at)
             for j in range(0, len(flat), 7):
-                ck = _s(flat[j + 3])
+                ck = _name(flat[j + 3])
                 out.append(
                     DequeuedMessage(
-                        run_id=_s(flat[j]),
-                        env_id=_s(flat[j + 1]),
-                        queue=_s(flat[j + 2]),
+                        run_id=_name(flat[j]),
+                        env_id=_name(flat[j + 1]),
+                        queue=_name(flat[j + 2]),
                         concurrency_key=ck or None,
                         worker_group=worker_group,
                         score_ms=float(_s(flat[j + 4])),
@@ -148,7 +161,7 @@ class RunQueue:
         """``(env_id, run_id)`` pairs are done: free their slots and forget them."""
         by_shard: dict[int, list[str]] = defaultdict(list)
         for env_id, run_id in items:
-            by_shard[self.keys.shard_of(env_id)].append(run_id)
+            by_shard[self.keys.shard_of(env_id)].append(encode_name(run_id))
         await asyncio.gather(
             *(
                 self._ack(self.redis, [self.keys.delayed(shard)], [self.keys.base(shard), *runs])
@@ -163,7 +176,7 @@ class RunQueue:
             keys,
             [
                 base,
-                run_id,
+                encode_name(run_id),
                 now_ms,
                 self.max_deliveries,
                 "" if retry_at_ms is None else retry_at_ms,
@@ -183,7 +196,7 @@ class RunQueue:
 
     async def _one(self, action: str, env_id: str, run_id: str, now_ms: int = 0, reason: str = "") -> bool:
         keys, base = self._shard_args(env_id)
-        return bool(await self._move(self.redis, keys, [base, action, run_id, now_ms, reason]))
+        return bool(await self._move(self.redis, keys, [base, action, encode_name(run_id), now_ms, reason]))
 
     async def release(self, env_id: str, run_id: str) -> None:
         await self._one("release", env_id, run_id)
@@ -194,6 +207,12 @@ class RunQueue:
     async def dead_letter(self, env_id: str, run_id: str, reason: str, now_ms: int) -> None:
         await self._one("dead_letter", env_id, run_id, now_ms, reason)
 
+    async def give_back(self, env_id: str, run_id: str, now_ms: int, due_ms: int) -> bool:
+        """Put a held run back (ready at ``due_ms``, its place kept, the delivery undone): the
+        worker that took it cannot run it."""
+        keys, base = self._shard_args(env_id)
+        return bool(await self._move(self.redis, keys, [base, "giveback", encode_name(run_id), now_ms, due_ms]))
+
     async def redrive(self, env_id: str, run_id: str, now_ms: int) -> bool:
         return await self._one("redrive", env_id, run_id, now_ms)
 
@@ -202,15 +221,15 @@ class RunQueue:
         dlq = f"{self.keys.env(env_id)}:dlq"
         start = 0
         if after is not None:
-            rank = await self.redis.zrank(dlq, after)
+            rank = await self.redis.zrank(dlq, encode_name(after))
             start = 0 if rank is None else rank + 1
         entries = await self.redis.zrange(dlq, start, start + limit - 1, withscores=True)
         pipe = self.redis.pipeline(transaction=False)
         for run, _ in entries:
-            pipe.hmget(self.keys.message(env_id, _s(run)), "queue", "task", "reason", "deliveries")
+            pipe.hmget(self.keys.message(env_id, _name(run)), "queue", "task", "reason", "deliveries")
         fields = await pipe.execute() if entries else []
         return [
-            DlqEntry(_s(run), _s(f[0]), _s(f[1]), _s(f[2]), int(score), int(f[3] or 0))
+            DlqEntry(_name(run), _name(f[0]), _s(f[1]), _s(f[2]), int(score), int(f[3] or 0))
             for (run, score), f in zip(entries, fields, strict=True)
         ]
 
@@ -218,7 +237,8 @@ class RunQueue:
 
     async def _configure(self, op: str, env_id: str, queue: str, value: int | None) -> None:
         keys, base = self._shard_args(env_id)
-        await self._config(self.redis, keys, [base, op, env_id, queue, "" if value is None else value])
+        await self._config(self.redis, keys, [base, op, encode_name(env_id), encode_name(queue),
+                                              "" if value is None else value])
 
     async def set_env_limit(self, env_id: str, limit: int | None) -> None:
         """Concurrency limit of the environment (None: back to ``default_env_limit``)."""
@@ -236,7 +256,7 @@ class RunQueue:
         """A GCRA rate limit on handing out the queue's runs (None: no rate limit)."""
         keys, base = self._shard_args(env_id)
         value = "" if rate is None else ",".join(str(x) for x in rate.gcra())
-        await self._config(self.redis, keys, [base, "rate_limit", env_id, queue, value])
+        await self._config(self.redis, keys, [base, "rate_limit", encode_name(env_id), encode_name(queue), value])
 
     async def pause(self, env_id: str, queue: str) -> None:
         """Stop handing out the queue's runs (they stay queued; held runs are not affected)."""
@@ -272,7 +292,7 @@ class RunQueue:
         )
 
     async def running_ids(self, env_id: str) -> set[str]:
-        return {_s(x) for x in await self.redis.smembers(f"{self.keys.env(env_id)}:running")}
+        return {_name(x) for x in await self.redis.smembers(f"{self.keys.env(env_id)}:running")}
 
     async def inspect(self, env_id: str, run_id: str) -> dict[str, object] | None:
         """What the queue knows about a run and what could hold it back (for "explain"): its
@@ -281,16 +301,18 @@ class RunQueue:
         msg = {_s(k): _s(v) for k, v in (await self.redis.hgetall(self.keys.message(env_id, run_id))).items()}
         if not msg:
             return None
+        for name in ("env", "queue", "ck", "wg"):
+            msg[name] = decode_name(msg.get(name, ""))
         ek, qk = self.keys.env(env_id), self.keys.queue(env_id, msg["queue"])
-        ck = msg.get("ck", "")
-        ready = f"{self.keys.base_for(env_id)}:g:{msg.get('wg', '')}:e:{env_id}:q:{msg['queue']}:k:{ck}"
+        ck = msg["ck"]
+        ready = self.keys.ready(env_id, msg["wg"], msg["queue"], ck)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hget(f"{ek}:meta", "limit")
         pipe.scard(f"{ek}:running")
         pipe.hgetall(f"{qk}:meta")
         pipe.scard(f"{qk}:running")
-        pipe.scard(f"{qk}:k:{ck}:running")
-        pipe.zrank(ready, run_id)
+        pipe.scard(f"{self.keys.key(env_id, msg['queue'], ck)}:running")
+        pipe.zrank(ready, encode_name(run_id))
         env_limit, env_running, qmeta, q_running, k_running, ahead = await pipe.execute()
         return {"message": msg, "env_limit": self.default_env_limit if env_limit is None else int(env_limit),
                 "env_running": int(env_running), "queue_meta": {_s(k): _s(v) for k, v in qmeta.items()},
@@ -311,6 +333,36 @@ class RunQueue:
         for env_id, run_id in items:
             pipe.hget(self.keys.message(env_id, run_id), "state")
         return [None if x is None else _s(x) for x in await pipe.execute()] if items else []
+
+    async def placements(self, items: Sequence[tuple[str, str]]) -> list[str | None]:
+        """Like :meth:`message_states`, but ``"lost"`` for a run whose message says ``ready`` or
+        ``delayed`` while the run is not in that set (a dequeue that failed half-way, a partial
+        flush): the reconciler puts such runs back; ``"broken"`` when the message cannot be read.
+        Two pipelined round trips."""
+        if not items:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for env_id, run_id in items:
+            pipe.hmget(self.keys.message(env_id, run_id), "state", "wg", "queue", "ck")
+        # one unreadable message (not a hash) must not hide the others: it is reported "broken"
+        rows = [[b"broken", None, None, None] if isinstance(row, Exception) else row
+                for row in await pipe.execute(raise_on_error=False)]
+        pipe = self.redis.pipeline(transaction=False)
+        checked: list[int] = []
+        for i, ((env_id, run_id), (state, wg, queue, ck)) in enumerate(zip(items, rows, strict=True)):
+            if _s(state) == "ready":
+                pipe.zscore(self.keys.ready(env_id, _name(wg), _name(queue), _name(ck)), encode_name(run_id))
+            elif _s(state) == "delayed":
+                pipe.zscore(self.keys.delayed(self.keys.shard_of(env_id)), encode_name(run_id))
+            else:
+                continue
+            checked.append(i)
+        out = [None if row[0] is None else _s(row[0]) for row in rows]
+        if checked:
+            for i, score in zip(checked, await pipe.execute(), strict=True):
+                if score is None:
+                    out[i] = "lost"
+        return out
 
     async def has_messages(self, items: Sequence[tuple[str, str]]) -> list[bool]:
         pipe = self.redis.pipeline(transaction=False)

@@ -14,6 +14,7 @@ import asyncio
 import contextvars
 import inspect
 import itertools
+import os
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -43,6 +44,9 @@ class Channel:
         self.task: asyncio.Task[Any] | None = None
         self.suspended = False
         loop.add_reader(conn.fileno(), self._readable)
+        # a loop may make the fd non-blocking (uvloop does): a multi-megabyte message must be read
+        # and written whole, never torn by EAGAIN half-way
+        os.set_blocking(conn.fileno(), True)
 
     def close(self) -> None:
         self.loop.remove_reader(self.conn.fileno())

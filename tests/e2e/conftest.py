@@ -95,6 +95,26 @@ class Stack:
             time.sleep(0.05)
 
 
+def start_server(env: dict[str, str], log: Path, port: int | None = None,
+                 **overrides: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """Another `run-engine server` process on the same database and Redis (with settings of its own)."""
+    port = port or free_port()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "run_engine.cli", "server", "--port", str(port)],
+                                env={**env, **overrides}, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return url, proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server did not start: {log.read_text()}")
+        time.sleep(0.05)
+
+
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20) -> int | None:
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -113,7 +133,7 @@ def stack(database_url: str, redis_url: str, key_prefix: str, tmp_path_factory: 
     env = {
         **os.environ,
         "DATABASE_URL": database_url, "REDIS_URL": redis_url, "RUN_ENGINE_KEY_PREFIX": f"{key_prefix}:e2e",
-        "RUN_ENGINE_SECRET": "e2e-secret", "RUN_ENGINE_API_URL": f"http://127.0.0.1:{port}",
+        "RUN_ENGINE_SECRET": "e2e-secret-not-for-production", "RUN_ENGINE_API_URL": f"http://127.0.0.1:{port}",
         "RUN_ENGINE_EXECUTING_TIMEOUT_S": "3", "RUN_ENGINE_PENDING_EXECUTING_TIMEOUT_S": "2",
         "RUN_ENGINE_MAX_DELIVERIES": "2", "RUN_ENGINE_SUSPEND_AFTER_S": "0.5", "PYTHONPATH": str(ROOT),
     }

@@ -163,6 +163,14 @@ async def fans_out(payload, ctx):
     return [{"ok": r.ok, "id": r.id, "output": r.output, "error": (r.error or {}).get("message")} for r in results]
 
 
+@task(id="fans-out-big")
+async def fans_out_big(payload, ctx):
+    """Megabytes both ways over the executor's pipe: 1,000 items of 2 KB out, their outputs back."""
+    results = await echo.batch_trigger_and_wait([{"i": i, "pad": "p" * 2000} for i in range(payload["n"])])
+    return {"count": len(results), "ok": all(r.ok for r in results),
+            "sum": sum(r.output["payload"]["i"] for r in results if r.ok)}
+
+
 @task(id="waits-for-long-child")
 async def waits_for_long_child(payload, ctx):
     await long.trigger_and_wait({"seconds": 60})

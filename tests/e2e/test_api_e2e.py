@@ -123,7 +123,7 @@ def test_list_runs_paginates_newest_first(lonely: Stack) -> None:
             params = {"filter[tag]": "page", "page[size]": "2", **({"page[after]": after} if after else {})}
             page = c.get("/api/v1/runs", params=params).json()
             seen += [r["id"] for r in page["data"]]
-            after = page["pagination"]["next"]
+            after = page["pagination"].get("next")
             if not after:
                 break
     assert seen == list(reversed(ids))
@@ -168,7 +168,7 @@ BODY_ENDPOINTS = [
     ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"tags": ["x"] * 11}}, "options.tags"),
     ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"priority": -1}}, "options.priority"),
     ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"ttl": "soon"}}, "options.ttl"),
-    ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"queue": "a:b"}}, "options.queue"),
+    ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"queue": ""}}, "options.queue"),
     ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"delay": "whenever"}}, "options.delay"),
     ("POST", "/api/v1/tasks/manual/trigger", {"payload": 1, "options": {"idempotencyKeyTTL": "x"}},
      "options.idempotencyKeyTTL"),

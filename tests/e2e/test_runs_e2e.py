@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import pytest
@@ -142,6 +144,49 @@ def test_sigterm_drains_in_flight_runs_and_exits_zero(stack: Stack) -> None:
     own.wait_for(run_id, lambda r: r["status"] == "EXECUTING")
     assert stop(sup, signal.SIGTERM) == 0
     assert own.run(run_id)["status"] == "COMPLETED"  # finished before the process exited
+
+
+def test_sigterm_drains_runs_handed_to_the_open_poll(stack: Stack) -> None:
+    """Runs handed out while the supervisor stops are run, not left for a heartbeat timeout."""
+    own = stack.project("drain-poll")
+    triggered: list[str] = []
+    for round_ in range(5):  # a SIGTERM at different moments of the poll
+        sup = own.start_supervisor(f"drain-poll-{round_}", concurrency=4)
+        runs = [own.trigger("long", {"seconds": 0.3}) for _ in range(3)]
+        triggered += runs
+        own.wait_for(runs[0], lambda r: r["status"] in ("EXECUTING", "COMPLETED"))
+        assert stop(sup, signal.SIGTERM) == 0
+        for run_id in runs:
+            run = own.run(run_id)
+            # handed out: finished before the process exited (never stranded EXECUTING); else still queued
+            assert run["status"] in ("COMPLETED", "QUEUED"), run
+    own.start_supervisor("drain-poll-last", concurrency=4)
+    finished = [own.wait_for(run_id) for run_id in triggered]
+    assert [(r["status"], r["attemptCount"]) for r in finished] == [("COMPLETED", 1)] * len(triggered)
+
+
+def test_a_stopping_worker_ends_its_long_poll_without_runs(stack: Stack) -> None:
+    own = stack.project("stop-poll")
+    with own.worker() as w:
+        assert w.post("/engine/v1/worker-actions/connect", json={"workerInstanceName": "p", "deployment": {
+            "tasks": [{"id": "echo"}]}}).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            poll = pool.submit(w.post, "/engine/v1/worker-actions/dequeue",
+                               json={"workerInstanceName": "p", "maxRuns": 5, "waitMs": 60_000}, timeout=120)
+            deadline = time.monotonic() + 30
+            while not poll.done() and time.monotonic() < deadline:  # until the engine has seen the poll
+                assert w.post("/engine/v1/worker-actions/heartbeat",
+                              json={"workerInstanceName": "p", "stopping": True}).status_code == 200
+                try:
+                    answer = poll.result(timeout=1.0)
+                except FutureTimeout:
+                    continue
+            answer = poll.result(timeout=0)
+        assert answer.status_code == 200 and answer.json() == {"runs": []}
+        # a new poll of the same worker is not ended by the old mark
+        run_id = own.trigger("echo", 1)
+        got = w.post("/engine/v1/worker-actions/dequeue", json={"workerInstanceName": "p", "waitMs": 5000}).json()
+        assert [r["run"]["id"] for r in got["runs"]] == [run_id]
 
 
 def test_a_task_triggers_a_child_with_its_run_token(supervised: Stack) -> None:

@@ -160,6 +160,14 @@ def test_batch_trigger_and_wait_of_100_items_in_order(waiting: Stack) -> None:
     assert len({r["id"] for r in results}) == 100
 
 
+def test_a_batch_of_a_thousand_2kb_items_crosses_the_executor_pipe(waiting: Stack) -> None:
+    """Issue 11: the 2 MB call was torn on the supervisor's non-blocking pipe and the parent stayed
+    EXECUTING for good; the 2 MB of results come back the same way."""
+    run = waiting.wait_for(waiting.trigger("fans-out-big", {"n": 1000}), timeout=240)
+    assert run["status"] == "COMPLETED", run
+    assert run["output"] == {"count": 1000, "ok": True, "sum": sum(range(1000))}
+
+
 def test_cancel_cascades_to_the_child_a_run_waits_on(waiting: Stack) -> None:
     parent_id = waiting.trigger("waits-for-long-child", {})
     until_suspended(waiting, parent_id)

@@ -34,3 +34,30 @@ def test_embedded_servers_start_migrate_and_stop(tmp_path: Path) -> None:
 def test_configured_servers_are_used_as_they_are(database_url: str, redis_url: str) -> None:
     with services(environ={"DATABASE_URL": database_url, "REDIS_URL": redis_url}) as svc:
         assert (svc.database_url, svc.redis_url, svc.embedded) == (database_url, redis_url, False)
+
+
+def test_the_embedded_redis_keeps_its_data_across_a_restart_and_a_kill(tmp_path: Path) -> None:
+    """What `run-engine dev` had in Redis (queue, engine jobs) is still there after Ctrl-C or a
+    crash: the embedded server writes an append-only file (issue 11)."""
+    from run_engine.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    client = redis.Redis.from_url(server.start())
+    client.set("survives-stop", "1")
+    client.close()
+    server.stop()
+    server = EmbeddedRedis(tmp_path / "redis")
+    client = redis.Redis.from_url(server.start())
+    assert client.get("survives-stop") == b"1"
+    client.set("survives-kill", "2")  # in the append-only file (the kernel's) before the reply
+    assert server._proc is not None
+    server._proc.kill()
+    server._proc.wait()
+    client.close()
+    server = EmbeddedRedis(tmp_path / "redis")
+    client = redis.Redis.from_url(server.start())
+    try:
+        assert client.get("survives-kill") == b"2"
+    finally:
+        client.close()
+        server.stop()

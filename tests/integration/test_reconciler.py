@@ -125,3 +125,47 @@ async def test_retention_deletes_old_finished_runs_with_their_history(make_engin
         assert await h.engine.get_run(run_id) is None
         assert await h.engine.snapshots(run_id) == []
     assert await h.engine.get_run(alive.id) is not None
+
+
+async def test_lost_engine_jobs_are_rearmed_and_fire(private: Harness) -> None:
+    """Issue 11: after a flush a token's timeout, an executing run's heartbeat timeout and max
+    duration, a delayed run's date, a TTL and the waitpoint sweeper were gone for good."""
+    h = private
+    await h.deploy({"id": "hello"}, {"id": "bounded", "maxDuration": 30}, version="2")
+    engine, jobs = h.engine, h.engine.resources.jobs
+    executing = await engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="bounded"))
+    (d,) = await engine.dequeue(h.env.worker_group_id, 1)
+    started = await engine.start_attempt(executing.id, d.snapshot.id)
+    token, _ = await engine.waitpoints.create_token(h.env.env_id, timeout_s=4)
+    delayed = await engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", ttl_s=300,
+                                                  delay_until=datetime.fromtimestamp(h.clock.now() + 60, UTC)))
+    expected = [f"hb.{executing.id}.{started.snapshot.id}", f"maxdur.{executing.id}.1", f"wpto.{token.id}",
+                f"delay.{delayed.id}", f"ttl.{delayed.id}", "sweep.waitpoints"]
+    await engine._schedule_sweep()
+    assert await jobs.missing(expected) == []
+    await engine.redis.flushall()
+    assert await jobs.missing(expected) == expected
+
+    report = await engine.systems.reconciler.reconcile(grace_s=0)  # the epoch is gone: re-arm everything
+    assert report.jobs_rearmed >= len(expected)
+    assert await jobs.missing(expected) == []
+    assert await engine.systems.reconciler.rearm_jobs(grace_s=0) == 0  # idempotent
+
+    await h.advance(5)  # the token's timeout fires
+    got = await engine.resources.repo.waitpoints.get(token.id)
+    assert got is not None and got.status == "COMPLETED" and got.output_is_error
+    await h.advance(61)  # the executing run's worker is gone: the heartbeat timeout fires; the delay is due
+    statuses = await h.statuses(executing.id)
+    assert statuses[-1] != "EXECUTING", statuses
+    assert (await engine.get_run(delayed.id)).status == "QUEUED"  # type: ignore[union-attr]
+
+
+async def test_a_heartbeat_rearms_a_lost_timeout_job(h: Harness) -> None:
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(run.id, d.snapshot.id)
+    job = f"hb.{run.id}.{started.snapshot.id}"
+    await h.engine.resources.jobs.ack(job)  # as if lost
+    assert await h.engine.resources.jobs.missing([job]) == [job]
+    await h.engine.heartbeat(run.id, started.snapshot.id)
+    assert await h.engine.resources.jobs.missing([job]) == []

@@ -225,3 +225,63 @@ async def test_a_resumed_run_keeps_its_place_in_the_queue(h: Harness) -> None:
     await h.engine.waitpoints.complete(token.id, "go")  # queued again, behind nothing newer
     (first,) = await h.engine.dequeue(h.env.worker_group_id, 5)  # limit 1
     assert first.run.id == older.id and first.run.id not in {n.id for n in newer}
+
+
+async def test_a_child_that_could_not_be_created_fails_the_wait_instead_of_hanging(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 11: the journal entry was written, the child's creation failed, and every replay
+    blocked the parent on a waitpoint of a run that never existed."""
+    parent, s = await started_run(h)
+
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("postgres went away")
+
+    monkeypatch.setattr(h.engine.systems.enqueue, "trigger_many", broken)
+    with pytest.raises(ConnectionError):
+        await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h)])
+    monkeypatch.undo()
+    latest = await h.engine.latest_snapshot(parent.id)
+    _, again = await h.engine.trigger_and_wait(parent.id, latest.id, 0, [req(h)])  # the retry's replay
+    assert not again.blocked
+    assert again.entry is not None and again.entry["result"]["ok"] is False
+    assert again.entry["result"]["error"]["type"] == "CHILD_TRIGGER_FAILED"
+
+
+async def test_the_sweeper_fails_a_wait_on_a_child_that_was_never_created(h: Harness) -> None:
+    from run_engine.db.waitpoints import JournalEntry, NewWaitpoint
+
+    parent, s = await started_run(h)
+    wp, _ = await h.engine.resources.repo.waitpoints.create(NewWaitpoint(
+        id="waitpoint_orphan" + parent.id[-8:], environment_id=h.env.env_id, type="RUN",
+        completed_by_run_id="run_neverexisted"))
+    # as a process that died between the parent's journal entry and the child's insert leaves it
+    await h.engine.resources.repo.waitpoints.block(
+        parent.id, [wp.id], JournalEntry(0, "child", "run_neverexisted", {"runIds": ["run_neverexisted"]}, wp.id))
+    await h.engine.waitpoints.sweep(grace_s=0)
+    got = await h.engine.resources.repo.waitpoints.get(wp.id)
+    assert got is not None and got.status == "COMPLETED" and got.output_is_error
+
+
+@pytest.mark.parametrize("finished", [True, False])
+async def test_trigger_and_wait_with_a_taken_idempotency_key_waits_on_the_existing_run(
+        h: Harness, finished: bool) -> None:
+    """Issue 11: the waitpoint was made for a child id that never existed when the key returned
+    another run, and the parent hung."""
+    parent, s = await started_run(h)
+    holder = await h.engine.trigger(req(h, payload="first", idempotency_key="once"))
+    if finished:
+        (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+        st = await h.engine.start_attempt(holder.id, d.snapshot.id)
+        await h.engine.complete_attempt(holder.id, st.snapshot.id, ok=True, output={"done": 1})
+    ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h, idempotency_key="once")])
+    assert ids == [holder.id]
+    if not finished:
+        assert out.blocked
+        got = await h.engine.dequeue(h.env.worker_group_id, 5)
+        (d,) = [g for g in got if g.run.id == holder.id]
+        st = await h.engine.start_attempt(holder.id, d.snapshot.id)
+        await h.engine.complete_attempt(holder.id, st.snapshot.id, ok=True, output={"done": 1})
+        await h.engine.waitpoints.sweep(grace_s=0)  # the holder was not triggered to wait: the sweeper completes
+    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    assert entry["result"] == {"ok": True, "id": holder.id, "output": {"done": 1}}
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"

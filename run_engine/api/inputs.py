@@ -1,0 +1,107 @@
+"""What the server refuses before anything is written (API.md, "Errors" and "Limits").
+
+PostgreSQL cannot store the NUL character in ``text`` or ``jsonb``, and orjson (which serialises
+every JSON column) refuses nesting deeper than 254 levels. Both would fail a whole grouped
+statement, so they are caught here, per request, with the field named:
+
+* a string (or object key) containing NUL (JSON ``\\u0000``) anywhere in a body → 400;
+* JSON nested deeper than :data:`MAX_DEPTH` → 400;
+* NUL in a path or query string → 400 (the :class:`RejectUnstorable` middleware).
+
+The checks cost nothing on ordinary bodies: a body is walked only if its raw bytes contain the
+``\\u0000`` escape, or more brackets than :data:`MAX_DEPTH` (so that it could be that deep).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+MAX_DEPTH = 100
+_NUL_ESCAPE = b"\\u0000"
+
+
+def unstorable(value: Any, path: str = "body") -> str | None:
+    """The first reason ``value`` cannot be stored, as ``"<field path>: <why>"``, or None."""
+    stack: list[tuple[Any, str, int]] = [(value, path, 1)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return f"{where}: contains the NUL character (\\u0000), which run-engine cannot store"
+        elif isinstance(item, dict | list):
+            if depth > MAX_DEPTH:
+                return f"{where}: JSON is nested more than {MAX_DEPTH} levels deep"
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    if "\x00" in key:
+                        return f"{where}: an object key contains the NUL character (\\u0000), which run-engine cannot store"
+                    stack.append((child, f"{where}.{key}", depth + 1))
+            else:
+                stack.extend((child, f"{where}.{i}", depth + 1) for i, child in enumerate(item))
+    return None
+
+
+def needs_scan(raw: bytes) -> bool:
+    """Whether a JSON body could hold a NUL or be too deep (cheap C-speed byte searches)."""
+    return _NUL_ESCAPE in raw or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH
+
+
+def first_nul(*values: Any) -> str | None:
+    """The first of ``values`` (plain strings, or ``(name, value)`` pairs) that holds NUL."""
+    for v in values:
+        name, s = v if isinstance(v, tuple) else ("value", v)
+        if isinstance(s, str) and "\x00" in s:
+            return name
+    return None
+
+
+# --- ids in paths ---------------------------------------------------------------------------------
+
+_ID = re.compile(r"^[a-z]{2,16}_[a-z0-9]{1,64}$")
+
+
+def looks_like_id(value: str, prefix: str) -> bool:
+    """Whether ``value`` has the shape of an id we made with ``prefix`` (``run``, ``waitpoint``…).
+    Anything else is answered 404 at once, without a query."""
+    return value.startswith(prefix + "_") and _ID.match(value) is not None
+
+
+# --- the middleware ---------------------------------------------------------------------------
+
+class RejectUnstorable:
+    """400 for a request whose path or query string holds NUL (``%00``) or bytes that are not
+    UTF-8, before any route sees it: such a value can never name anything we store."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            problem = self._problem(scope)
+            if problem is not None:
+                from run_engine.api.http import json_response
+
+                response = json_response({"error": {"code": "invalid_input", "message": problem}}, 400)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _problem(scope: Scope) -> str | None:
+        raw_path: bytes = scope.get("raw_path") or scope.get("path", "").encode("utf-8", "surrogateescape")
+        query: bytes = scope.get("query_string", b"")
+        for part, raw in (("path", raw_path), ("query", query)):
+            if not raw:
+                continue
+            decoded = unquote_to_bytes(raw.replace(b"+", b" ") if part == "query" else raw)
+            if b"\x00" in decoded:
+                return f"{part}: contains the NUL character (%00)"
+            try:
+                decoded.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"{part}: is not valid UTF-8 once percent-decoded"
+        return None

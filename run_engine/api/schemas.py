@@ -1,0 +1,319 @@
+"""Response bodies of the HTTP API, as the OpenAPI document describes them (API.md).
+
+These models document; the handlers build plain dicts. The fuzzing test (schemathesis, in CI)
+checks every response against them, so they cannot drift from what the server sends. Objects
+allow fields beyond those listed (the API adds fields freely); a field that may be left out is
+not ``required``, and ``null`` is allowed only where the server sends it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RUN_STATUSES = ("PENDING_VERSION", "DELAYED", "QUEUED", "DEQUEUED", "EXECUTING", "WAITING", "COMPLETED",
+                "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT")
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Out):
+    code: str
+    message: str
+
+
+class Error(_Out):
+    """Every error: ``{"error": {"code", "message"}}``."""
+
+    error: ErrorDetail
+
+
+class Pagination(_Out):
+    next: str = Field(default="", description="cursor of the next page; left out on the last page")
+
+
+class RunError(_Out):
+    type: str
+    message: str
+    name: str = ""
+    stackTrace: str = ""
+
+
+class RelatedRuns(_Out):
+    root: str = ""
+    parent: str = ""
+    children: list[str] = Field(default_factory=list)
+
+
+class Run(_Out):
+    """The run object (a superset of Trigger.dev's RetrieveRunResponse)."""
+
+    id: str
+    taskIdentifier: str
+    status: Literal[RUN_STATUSES]  # type: ignore[valid-type]
+    isQueued: bool
+    isExecuting: bool
+    isWaiting: bool
+    isCompleted: bool
+    isSuccess: bool
+    isFailed: bool
+    isCancelled: bool
+    isTest: bool
+    payload: Any
+    output: Any = None
+    error: RunError | None = None
+    attemptCount: int
+    tags: list[str]
+    metadata: dict[str, Any]
+    queue: str
+    concurrencyKey: str = ""
+    priority: float
+    idempotencyKey: str = ""
+    ttl: str = Field(default="", description="a duration such as '10m'")
+    delayedUntil: str = ""
+    expiredAt: str = ""
+    createdAt: str
+    updatedAt: str
+    startedAt: str = ""
+    finishedAt: str = ""
+    durationMs: int
+    costInCents: float
+    baseCostInCents: float
+    batchId: str = ""
+    depth: int
+    triggerFunction: str
+    relatedRuns: RelatedRuns
+    version: str = ""
+
+
+class RunList(_Out):
+    data: list[Run]
+    pagination: Pagination
+
+
+class Triggered(_Out):
+    id: str
+    isCached: bool
+
+
+class BatchRun(_Out):
+    id: str
+    taskIdentifier: str
+    isCached: bool
+
+
+class BatchTriggered(_Out):
+    id: str
+    runs: list[BatchRun]
+
+
+class Batch(_Out):
+    id: str
+    status: Literal["PENDING", "COMPLETED"]
+    runCount: int
+    runs: list[str]
+
+
+class RunId(_Out):
+    id: str
+
+
+class Reason(_Out):
+    code: str
+    message: str
+
+
+class Explanation(_Out):
+    id: str
+    status: str
+    executionStatus: str | None
+    reasons: list[Reason]
+    summary: str
+
+
+class MetadataOut(_Out):
+    metadata: dict[str, Any]
+
+
+class TagsOut(_Out):
+    tags: list[str]
+
+
+class Queue(_Out):
+    id: str
+    name: str
+    type: Literal["task", "custom"]
+    running: int
+    queued: int
+    concurrencyLimit: int | None
+    paused: bool
+
+
+class QueueList(_Out):
+    data: list[Queue]
+
+
+class DlqEntry(_Out):
+    run: Run
+    reason: str
+    deadAt: str
+    deliveries: int
+
+
+class DlqList(_Out):
+    data: list[DlqEntry]
+    pagination: Pagination
+
+
+class Redriven(_Out):
+    redriven: int
+
+
+class TokenCreated(_Out):
+    id: str
+    isCached: bool
+    url: str
+
+
+class Token(_Out):
+    id: str
+    status: Literal["WAITING", "COMPLETED", "TIMED_OUT"]
+    output: Any = None
+    outputIsError: bool
+    completedAt: str = ""
+    timeoutAt: str = ""
+    tags: list[str]
+    idempotencyKey: str = ""
+
+
+class TokenList(_Out):
+    data: list[Token]
+    pagination: Pagination
+
+
+class Success(_Out):
+    success: bool
+
+
+class Schedule(_Out):
+    id: str
+    task: str
+    type: Literal["IMPERATIVE", "DECLARATIVE"]
+    active: bool
+    cron: str
+    timezone: str
+    externalId: str | None
+    deduplicationKey: str | None
+    nextRun: str | None
+    lastRun: str | None
+    createdAt: str
+
+
+class ScheduleList(_Out):
+    data: list[Schedule]
+    pagination: Pagination
+
+
+class ScheduleDeleted(_Out):
+    id: str
+    deleted: bool
+
+
+# --- worker API ------------------------------------------------------------------------------
+
+class Snapshot(_Out):
+    id: str
+    runId: str
+    executionStatus: str
+    runStatus: str
+    attemptNumber: int
+    description: str
+    previousSnapshotId: str | None
+    checkpointId: str | None
+    completedWaitpointIds: list[str]
+    createdAt: str
+
+
+class SnapshotOut(_Out):
+    snapshot: Snapshot
+
+
+class Deployment(_Out):
+    environmentId: str
+    deploymentId: str
+    pendingRunsEnqueued: int
+
+
+class Connected(_Out):
+    deploymentId: str
+    version: str
+    workerGroupId: str
+    deployments: list[Deployment]
+
+
+class Ok(_Out):
+    ok: bool
+
+
+class Started(_Out):
+    run: Run
+    snapshot: Snapshot
+    attemptNumber: int
+    payload: Any
+    journal: list[dict[str, Any]]
+    machine: str
+    runToken: str
+
+
+class DequeuedRun(_Out):
+    id: str
+    taskIdentifier: str
+    queue: str
+    environmentId: str
+    attemptNumber: int
+
+
+class Dequeued(_Out):
+    run: DequeuedRun
+    snapshot: Snapshot
+    runToken: str
+    attempt: dict[str, Any] = Field(default_factory=dict, description="with startAttempts: the attempt's start, "
+                                                                      "or ok false with an error")
+
+
+class DequeueOut(_Out):
+    runs: list[Dequeued]
+
+
+class ItemResult(_Out):
+    ok: bool
+    status: int = 200
+    error: ErrorDetail | None = None
+
+
+class ItemResults(_Out):
+    results: list[ItemResult]
+
+
+class Completed(_Out):
+    action: Literal["finished", "retry"]
+    status: str
+    snapshotId: str
+    delayMs: int = 0
+
+
+class Blocked(_Out):
+    blocked: bool
+    snapshot: Snapshot
+    entry: dict[str, Any] = Field(default_factory=dict)
+
+
+class JournalOut(_Out):
+    journal: list[dict[str, Any]]
+
+
+class Health(_Out):
+    ok: bool

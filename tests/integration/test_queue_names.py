@@ -1,0 +1,87 @@
+"""Names chosen by tenants can never collide with another key (issue 10): queue names, task ids
+and concurrency keys are encoded into Redis keys, and a dequeue never fails or half-moves a run."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from run_engine.run_queue import EnqueueItem, RunQueue
+
+NOW = 1_700_000_000_000
+
+
+@pytest.fixture
+async def q(redis_client: aioredis.Redis, key_prefix: str, unique: str) -> RunQueue:
+    queue = RunQueue(redis_client, prefix=f"{key_prefix}:n{unique}", shards=1, max_deliveries=3,
+                     default_env_limit=1000)
+    await queue.load_scripts()
+    return queue
+
+
+async def _drain(q: RunQueue, group: str = "wg") -> list[tuple[str, str, str | None]]:
+    out = []
+    while True:
+        got = await q.dequeue(group, 10, NOW)
+        if not got:
+            return out
+        out += [(m.run_id, m.queue, m.concurrency_key) for m in got]
+        await q.ack([(m.env_id, m.run_id) for m in got])
+
+
+async def test_the_issue_10_collision_no_longer_stops_the_group(q: RunQueue) -> None:
+    """Tasks `a:k:y` and `a` and a run keyed `y:vt` once made one key both the ready set of one
+    queue and the virtual clock of another: every dequeue of the group failed from then on."""
+    await q.enqueue([EnqueueItem("r1", "envP", "task/a:k:y", "wg", NOW)], NOW)
+    assert [m.run_id for m in await q.dequeue("wg", 1, NOW)] == ["r1"]  # sets the queue's virtual clock
+    await q.enqueue([EnqueueItem("r2", "envP", "task/a", "wg", NOW + 1, concurrency_key="y:vt"),
+                     EnqueueItem("r3", "envP", "task/a:k:y", "wg", NOW + 2),
+                     EnqueueItem("r4", "envProd", "task/a", "wg", NOW + 3)], NOW)
+    got = await _drain(q)
+    assert sorted(got) == [("r2", "task/a", "y:vt"), ("r3", "task/a:k:y", None), ("r4", "task/a", None)]
+
+
+@pytest.mark.parametrize(("queue", "key"), [
+    ("q:with:colons", "k:with:colons"), ("%3A", "%"), ("per%cent", "%25"), ("e:x:q:y", ":"),
+    ("ünï/cødé", "🔑"), ("{braces}", "{rq:0}"), ("task/a", ""),
+])
+async def test_any_name_round_trips_through_every_operation(q: RunQueue, queue: str, key: str) -> None:
+    await q.set_queue_limit("envN", queue, 1)
+    await q.set_key_limit("envN", queue, 1)
+    await q.enqueue([EnqueueItem("n1", "envN", queue, "wg", NOW, concurrency_key=key or None),
+                     EnqueueItem("n2", "envN", queue, "wg", NOW + 1, concurrency_key=key or None)], NOW)
+    assert (await q.queue_stats("envN", queue)).queued == 2
+    [first] = await q.dequeue("wg", 10, NOW)  # the queue limit of 1 holds the second back
+    assert (first.run_id, first.queue, first.concurrency_key) == ("n1", queue, key or None)
+    facts = await q.inspect("envN", "n2")
+    assert facts is not None and facts["message"]["queue"] == queue and facts["ahead"] == 0
+    assert facts["queue_running"] == 1 and facts["key_running"] == 1
+    await q.dead_letter("envN", "n1", "test", NOW)
+    [entry] = await q.list_dlq("envN")
+    assert (entry.run_id, entry.queue) == ("n1", queue)
+    assert await q.redrive("envN", "n1", NOW)
+    await q.pause("envN", queue)
+    assert await q.dequeue("wg", 10, NOW) == []
+    await q.resume("envN", queue)
+    assert sorted(r for r, _, _ in await _drain(q)) == ["n1", "n2"]
+    assert (await q.queue_stats("envN", queue)).queued == 0
+
+
+async def test_a_dequeue_skips_a_broken_entry_instead_of_failing(q: RunQueue) -> None:
+    await q.enqueue([EnqueueItem(f"b{i}", "envB", "task/b", "wg", NOW + i) for i in range(3)], NOW)
+    await q.redis.delete(q.keys.message("envB", "b0"))
+    await q.redis.set(q.keys.message("envB", "b0"), "not a hash")  # as a foreign key would have been
+    got = await _drain(q)
+    assert [r for r, _, _ in got] == ["b1", "b2"]
+    # b0 was taken out of its ready set; its message is no hash: the reconciler sees it as not placed
+    await q.redis.delete(q.keys.message("envB", "b0"))
+    assert await q.placements([("envB", "b0")]) == [None]
+
+
+async def test_placements_find_runs_lost_from_their_set(q: RunQueue) -> None:
+    await q.enqueue([EnqueueItem("p1", "envL", "task/l", "wg", NOW), EnqueueItem("p2", "envL", "task/l", "wg", NOW),
+                     EnqueueItem("p3", "envL", "task/l", "wg", NOW, available_at_ms=NOW + 60_000)], NOW)
+    await q.redis.zrem(q.keys.ready("envL", "wg", "task/l", None), "p1")  # as a failed script would leave it
+    await q.redis.zrem(q.keys.delayed(0), "p3")
+    assert await q.placements([("envL", "p1"), ("envL", "p2"), ("envL", "p3"), ("envL", "nope")]) == \
+        ["lost", "ready", "lost", None]

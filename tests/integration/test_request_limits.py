@@ -1,0 +1,66 @@
+"""The API's request rate limit (GCRA in Redis, one Lua call for concurrent requests) and the
+per-credential caps on open long-lived requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from run_engine.ratelimit import ConnectionCaps, RequestLimiter, TooMany
+
+
+async def test_a_bucket_gets_its_burst_then_waits_and_others_are_untouched(
+        redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:
+    limiter = RequestLimiter(redis_client, prefix=f"{key_prefix}:{unique}", rate_per_s=10, burst=5)
+    answers = await asyncio.gather(*(limiter.retry_after_s("env:a") for _ in range(8)))
+    assert answers[:5] == [None] * 5 and all(a is not None and a >= 1 for a in answers[5:])
+    assert await limiter.retry_after_s("env:b") is None  # another credential's budget
+    await asyncio.sleep(0.25)  # two emission intervals later: two more
+    assert [await limiter.retry_after_s("env:a") for _ in range(3)][:2] == [None, None]
+
+
+async def test_no_rate_means_no_limit_and_a_redis_failure_lets_requests_through(
+        redis_client: aioredis.Redis, key_prefix: str) -> None:
+    off = RequestLimiter(redis_client, prefix=key_prefix, rate_per_s=0)
+    assert all([await off.retry_after_s("x") is None for _ in range(100)])
+    broken = aioredis.Redis.from_url("redis://127.0.0.1:1/0")  # nothing listens there
+    limiter = RequestLimiter(broken, prefix=key_prefix, rate_per_s=1, burst=1)
+    assert [await limiter.retry_after_s("x") for _ in range(3)] == [None, None, None]
+    await broken.aclose()
+
+
+def test_caps_count_open_requests_per_credential() -> None:
+    caps = ConnectionCaps({"streams": 2})
+    with caps.hold("streams", "env:a"), caps.hold("streams", "env:a"):
+        with pytest.raises(TooMany):
+            with caps.hold("streams", "env:a"):
+                pass
+        with caps.hold("streams", "env:b"):  # another credential
+            assert caps.open("streams", "env:b") == 1
+        assert caps.open("streams", "env:a") == 2
+    assert caps.open("streams", "env:a") == 0 and caps._open == {}
+
+
+async def test_grants_spend_locally_and_the_limit_holds(redis_client: aioredis.Redis, key_prefix: str,
+                                                        unique: str) -> None:
+    limiter = RequestLimiter(redis_client, prefix=f"{key_prefix}:{unique}", rate_per_s=500, burst=50)
+    assert limiter.grant == 10
+    calls = 0
+    decide = limiter._decide
+
+    async def counting(keys: list[str]) -> list[int]:
+        nonlocal calls
+        calls += 1
+        return await decide(keys)
+
+    limiter._decide = counting  # type: ignore[method-assign]
+    limiter._batcher._flush = counting
+    allowed = 0
+    for _ in range(30):  # one after another: grants of 10 spent locally
+        allowed += await limiter.retry_after_s("env:g") is None
+    assert allowed == 30 and calls <= 4
+    burst = await asyncio.gather(*(limiter.retry_after_s("env:g") for _ in range(200)))
+    granted = sum(a is None for a in burst)
+    assert 10 <= granted <= 50 and granted < 200  # never more than the bucket holds

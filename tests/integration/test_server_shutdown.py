@@ -1,0 +1,47 @@
+"""A stop asked for at any moment of the server's start-up or serving ends it cleanly: nothing
+left running, no signal lost (a Ctrl-C right after `run-engine dev` printed its credentials used
+to be lost, and the process ran on)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+
+import pytest
+
+from run_engine.server import Shutdown, serve
+from run_engine.settings import EngineSettings
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.01, 0.03, 0.1, 0.3, 1.0])
+async def test_a_signal_at_any_moment_stops_the_server(database_url: str, redis_url: str, key_prefix: str,
+                                                       delay_s: float) -> None:
+    settings = EngineSettings(database_url=database_url, redis_url=redis_url, key_prefix=f"{key_prefix}:shutdown")
+    shutdown = Shutdown()  # not installed: the test delivers the signal to it by hand
+    before = {t for t in asyncio.all_tasks()}
+    serving = asyncio.create_task(serve(settings, host="127.0.0.1", port=_free_port(), secret="s", shutdown=shutdown))
+    await asyncio.sleep(delay_s)
+    shutdown._on_signal(signal.SIGTERM, None)
+    await asyncio.wait_for(serving, 30)  # returns, without raising
+    left = {t for t in asyncio.all_tasks() if t not in before and not t.done()} - {asyncio.current_task()}
+    assert not left, left
+    assert shutdown.requested
+
+
+async def test_a_cancel_from_an_embedding_program_propagates(database_url: str, redis_url: str,
+                                                            key_prefix: str) -> None:
+    settings = EngineSettings(database_url=database_url, redis_url=redis_url, key_prefix=f"{key_prefix}:shutdown")
+    started = asyncio.Event()
+    serving = asyncio.create_task(serve(settings, host="127.0.0.1", port=_free_port(), secret="s",
+                                        on_started=started.set))
+    await asyncio.wait_for(started.wait(), 30)
+    serving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(serving, 30)

@@ -1,0 +1,26 @@
+"""Tasks for tests/unit/test_executor_pipe.py: messages of several megabytes both ways."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from run_engine.sdk import task
+
+
+@task(id="big-output")
+async def big_output(payload: dict[str, Any], ctx: Any) -> str:
+    return "o" * payload["size"]
+
+
+@task(id="big-step")
+async def big_step(payload: dict[str, Any], ctx: Any) -> int:
+    """A journaled step whose result travels to the supervisor (or is replayed from the journal)."""
+    result = await ctx.step("big", lambda: "s" * payload["size"])
+    return len(result)
+
+
+@task(id="many-items")
+async def many_items(payload: dict[str, Any], ctx: Any) -> int:
+    items = [{"n": i, "pad": "p" * 2000} for i in range(payload["count"])]
+    result = await ctx.step("items", lambda: items)
+    return len(result)

@@ -1,0 +1,55 @@
+"""A reused executor starts each run clean: background tasks of the previous run are cancelled
+before the next run (which may be another environment's) begins."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+
+from run_engine.sdk import task
+from supervisor.executor import _run_one, cancel_leftovers
+
+seen_tokens: list[str | None] = []
+
+
+@task(id="leaves-a-background-task")
+async def leaves_a_background_task(payload: object, ctx: object) -> str:
+    async def spy() -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            seen_tokens.append(os.environ.get("RUN_ENGINE_RUN_TOKEN"))
+
+    asyncio.get_running_loop().create_task(spy())  # never awaited
+    await asyncio.sleep(0.05)
+    return "done"
+
+
+@task(id="plain")
+async def plain(payload: object, ctx: object) -> str:
+    await asyncio.sleep(0.1)
+    return "ok"
+
+
+def _msg(task_id: str, token: str) -> dict[str, object]:
+    return {"type": "run", "runId": "run_x", "task": task_id, "payload": None, "attempt": 1, "tags": [],
+            "queue": "q", "runToken": token, "apiUrl": "http://127.0.0.1:1", "journal": []}
+
+
+def test_background_tasks_of_one_run_do_not_see_the_next_run() -> None:
+    parent, child = mp.Pipe()
+    loop = asyncio.new_event_loop()
+    try:
+        os.environ["RUN_ENGINE_RUN_TOKEN"] = "rt_first"
+        assert loop.run_until_complete(_run_one(_msg("leaves-a-background-task", "rt_first"), child))["ok"]
+        assert cancel_leftovers(loop) == 1
+        seen_tokens.clear()
+        os.environ["RUN_ENGINE_RUN_TOKEN"] = "rt_second"
+        assert loop.run_until_complete(_run_one(_msg("plain", "rt_second"), child))["ok"]
+        assert seen_tokens == []  # the spy of the first run never ran during the second
+        assert cancel_leftovers(loop) == 0
+    finally:
+        os.environ.pop("RUN_ENGINE_RUN_TOKEN", None)
+        loop.close()
+        parent.close()
+        child.close()
