@@ -63,8 +63,10 @@ class RunEngine:
         """Connect to PostgreSQL and Redis (``settings.database_url`` / ``redis_url``) and start
         the background job worker unless ``run_jobs`` is False (tests drive it step by step)."""
         clock = clock or SystemClock()
-        # A blocking pool: under a burst callers wait for a connection instead of failing.
-        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=64, timeout=30)
+        # A blocking pool: under a burst callers wait for a connection instead of failing; a
+        # connect gives up after 5 s (Redis down: the API answers 503, never hangs).
+        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=64, timeout=30,
+                                                        socket_connect_timeout=5)
         redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
         try:
             repo = await Repository.open(settings.database_url, min_size=settings.db_pool_min,

@@ -128,10 +128,10 @@ class RealtimeHub:
                     await pubsub.aclose()
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 if self._listener is None:
                     return
-                log.warning("realtime subscription lost; resubscribing", exc_info=True)
+                log.warning("realtime subscription lost (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
 
     async def stop(self) -> None:

@@ -125,10 +125,10 @@ class WakeUps:
                     await pubsub.aclose()
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
                 if self._listener is None:
                     return
-                log.warning("wake-up subscription lost; resubscribing", exc_info=True)
+                log.warning("wake-up subscription lost (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
 
     async def stop(self) -> None:

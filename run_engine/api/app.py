@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -11,7 +13,7 @@ from starlette.routing import Route
 
 from run_engine.api import public, schedules, stream, tokens, worker
 from run_engine.api.context import ApiContext
-from run_engine.api.http import ApiError, handle_exception, json_response
+from run_engine.api.http import DEPENDENCY_ERRORS, ApiError, handle_exception, json_response
 from run_engine.api.inputs import RejectUnstorable
 from run_engine.api.openapi import openapi_document, operation
 from run_engine.api.schemas import Health
@@ -20,9 +22,18 @@ from run_engine.errors import RunEngineError
 
 @operation("Health: the server and its dependencies", Health, security="none")
 async def healthz(request: Request) -> Response:
+    """200 when PostgreSQL and Redis both answer within 2 s, else 503 naming the one that does not."""
     ctx: ApiContext = request.app.state.ctx
-    await ctx.engine.redis.ping()
-    return json_response({"ok": True})
+    checks = {"postgres": ctx.engine.resources.repo.ping(), "redis": ctx.engine.redis.ping()}
+    answers = await asyncio.gather(*(asyncio.wait_for(c, 2.0) for c in checks.values()), return_exceptions=True)
+    state = {name: "down" if isinstance(a, BaseException) else "up" for name, a in zip(checks, answers, strict=True)}
+    down = [name for name, s in state.items() if s == "down"]
+    if not down:
+        return json_response({"ok": True, "dependencies": state})
+    names = {"postgres": "PostgreSQL", "redis": "Redis"}
+    return json_response({"ok": False, "dependencies": state, "error": {
+        "code": "service_unavailable", "message": " and ".join(names[d] for d in down) + " unavailable",
+        "dependency": down[0]}}, 503, headers={"Retry-After": "2"})
 
 
 @operation("This document", None, security="none")
@@ -40,8 +51,10 @@ def create_app(ctx: ApiContext) -> Starlette:
         middleware=[Middleware(RejectUnstorable)],
         # Expected errors are answered by ExceptionMiddleware; anything else reaches
         # ServerErrorMiddleware, which answers with the same shape and logs the traceback.
+        # A dependency that cannot be reached is expected too (503), not a server error.
         exception_handlers={ApiError: handle_exception, RunEngineError: handle_exception,
-                            HTTPException: handle_exception, Exception: handle_exception},
+                            HTTPException: handle_exception, **dict.fromkeys(DEPENDENCY_ERRORS, handle_exception),
+                            Exception: handle_exception},
     )
     app.state.ctx = ctx
     return app

@@ -12,8 +12,11 @@ import time
 from typing import Any, TypeVar
 
 import orjson
+import psycopg
+from psycopg_pool import PoolClosed, PoolTimeout
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticError
+from redis import exceptions as redis_errors
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -74,6 +77,10 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
         return err(429, exc.code, str(exc), headers={"Retry-After": "1"})
     if isinstance(exc, LockTimeoutError):
         return err(503, exc.code, "the run is busy; try again", headers={"Retry-After": "1"})
+    if (dependency := unavailable_dependency(exc)) is not None:
+        name = {"postgres": "PostgreSQL", "redis": "Redis"}[dependency]
+        return err(503, "service_unavailable", f"{name} is unavailable; try again",
+                   {"dependency": dependency}, headers={"Retry-After": "2"})
     if isinstance(exc, HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return err(exc.status_code, code, str(exc.detail))
@@ -82,9 +89,26 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
     return err(500, "internal_error", "internal error")
 
 
+POSTGRES_DOWN = (psycopg.OperationalError, PoolTimeout, PoolClosed)
+REDIS_DOWN = (redis_errors.ConnectionError, redis_errors.TimeoutError)
+DEPENDENCY_ERRORS = (*POSTGRES_DOWN, *REDIS_DOWN)
+
+
+def unavailable_dependency(exc: BaseException) -> str | None:
+    """"postgres" or "redis" when ``exc`` says that one cannot be reached (or is shutting down,
+    or loading), else None."""
+    if isinstance(exc, POSTGRES_DOWN):
+        return "postgres"
+    if isinstance(exc, REDIS_DOWN):
+        return "redis"
+    return None
+
+
 async def handle_exception(request: Request, exc: Exception) -> Response:
     status, data, headers = error_payload(exc)
-    if status >= 500:
+    if status == 503 and data["error"]["code"] == "service_unavailable":
+        log.warning("%s %s: %s (%s)", request.method, redact(request.url.path), data["error"]["message"], exc)
+    elif status >= 500:
         log.error("error on %s %s", request.method, redact(request.url.path), exc_info=exc)
     return json_response(data, status, headers)
 

@@ -107,6 +107,7 @@ def openapi_document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
         responses = {"200": ok}
         if op.security != "none" or op.body is not None or op.any_body or params:
             responses.update({str(code): {"description": text, **error} for code, text in ERRORS.items()})
+        responses.setdefault("503", {"description": ERRORS[503], **error})  # any call, PostgreSQL or Redis down
         entry: dict[str, Any] = {"summary": op.summary, "operationId": route.name,
                                  "security": SECURITY[op.security], "parameters": params, "responses": responses}
         if op.body is not None or op.any_body:

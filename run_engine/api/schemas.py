@@ -315,5 +315,11 @@ class JournalOut(_Out):
     journal: list[dict[str, Any]]
 
 
+class Dependencies(_Out):
+    postgres: Literal["up", "down"]
+    redis: Literal["up", "down"]
+
+
 class Health(_Out):
     ok: bool
+    dependencies: Dependencies

@@ -318,12 +318,17 @@ class Repository:
         self.waitpoints = WaitpointRepository(pool)
 
     @classmethod
-    async def open(cls, database_url: str, *, min_size: int = 2, max_size: int = 8) -> Repository:
+    async def open(cls, database_url: str, *, min_size: int = 2, max_size: int = 8,
+                   acquire_timeout_s: float = 10.0) -> Repository:
+        """A pool of ``max_size`` connections. A caller waits at most ``acquire_timeout_s`` for
+        one (PostgreSQL down: PoolTimeout, answered 503 by the API, never a hang), and a new
+        connection gives up after 5 s (a host that drops packets)."""
         pool = AsyncConnectionPool(
             database_url,
             min_size=min_size,
             max_size=max_size,
-            kwargs={"autocommit": True, "prepare_threshold": 0},
+            kwargs={"autocommit": True, "prepare_threshold": 0, "connect_timeout": 5},
+            timeout=acquire_timeout_s,
             open=False,
         )
         try:
@@ -335,6 +340,10 @@ class Repository:
 
     async def close(self) -> None:
         await self.pool.close()
+
+    async def ping(self) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("SELECT 1")
 
     # --- runs -------------------------------------------------------------------------------
 

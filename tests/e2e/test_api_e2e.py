@@ -153,7 +153,7 @@ def test_openapi_and_health(stack: Stack) -> None:
     doc = httpx.get(f"{stack.url}/openapi.json").json()
     assert doc["openapi"].startswith("3.") and "/api/v1/tasks/{taskId}/trigger" in doc["paths"]
     assert "TriggerBody" in doc["components"]["schemas"]
-    assert httpx.get(f"{stack.url}/healthz").json() == {"ok": True}
+    assert httpx.get(f"{stack.url}/healthz").json() == {"ok": True, "dependencies": {"postgres": "up", "redis": "up"}}
 
 
 # --- bad input ----------------------------------------------------------------------------------
