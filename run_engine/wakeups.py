@@ -75,6 +75,8 @@ class WakeUps:
         now = time.monotonic()
         if len(self._released) > 1000:  # marks only matter for the polls open at the time
             self._released = {k: t for k, t in self._released.items() if now - t < 120}
+            if len(self._released) > 10_000:  # a flood of names: forgetting costs a poll its full wait, no more
+                self._released.clear()
         self._released[key] = now
 
     def released(self, instance: str, *, since: float) -> bool:
