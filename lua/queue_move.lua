@@ -4,6 +4,7 @@
 --   remove       anywhere -> gone (cancel, expire)
 --   dead_letter  anywhere -> the environment's DLQ, with a reason
 --   redrive      DLQ -> ready now, deliveries reset to 0
+--   forget_dead  DLQ -> gone (its run was deleted, or left the DLQ another way); nothing elsewhere
 --   giveback     held -> ready again at ARGV[5] (due ms), its slots freed and the delivery undone:
 --                the worker that took it cannot run its task (a rolling deploy), another may
 -- KEYS[1] B:delayed
@@ -18,6 +19,10 @@ if action == 'release' then
   free_slots(run, m)
   redis.call('HSET', mk, 'state', 'released')
 elseif action == 'remove' then
+  detach(run, m)
+  redis.call('DEL', mk)
+elseif action == 'forget_dead' then
+  if m.state ~= 'dlq' then return 0 end
   detach(run, m)
   redis.call('DEL', mk)
 elseif action == 'dead_letter' then

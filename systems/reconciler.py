@@ -9,8 +9,9 @@ PostgreSQL is the system of record; the Redis queue is rebuilt from it when they
   failed half-way) is enqueued again;
 * a DELAYED run whose date passed long ago (its engine job was lost with Redis) is enqueued;
 * a slot held by a run that is finished or suspended (its ack was lost) is freed.
-Retention deletes finished runs (with their snapshots, journals and checkpoints) and completed
-waitpoints older than the configured age, in batches.
+Retention deletes finished runs (with their snapshots, journals and checkpoints, and first what
+Redis holds of them: a DLQ entry, a message) and completed waitpoints that no journal still names,
+older than the configured age, in batches.
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ class Reconciler:
             return 0
         total = 0
         while True:
-            deleted = await self.r.repo.delete_finished_before(age, self.r.settings.retention_batch)
+            deleted = await self.r.repo.delete_finished_before(age, self.r.settings.retention_batch,
+                                                               self.r.queue.remove_many)
             total += deleted
             if deleted < self.r.settings.retention_batch:
                 break

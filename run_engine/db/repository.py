@@ -9,7 +9,7 @@ is one round trip and one commit, however many runs a batch carries.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -546,21 +546,31 @@ class Repository:
                    WHERE r.id = ANY(%s)""", (list(run_ids),))
             return {r[0]: r[1] for r in await cur.fetchall()}
 
-    async def delete_finished_before(self, age_s: float, limit: int) -> int:
+    async def delete_finished_before(self, age_s: float, limit: int,
+                                     forget: Callable[[list[tuple[str, str]]], Awaitable[None]]) -> int:
         """Delete up to ``limit`` runs finished more than ``age_s`` ago (their snapshots, journals,
-        checkpoints and blocking rows go with them) and the completed waitpoints as old."""
+        checkpoints and blocking rows go with them) and as many completed waitpoints as old that no
+        journal or blocking row still needs. ``forget((env_id, run_id) ...)`` is awaited with the
+        doomed runs locked and before their rows go: it removes what Redis holds of them (a DLQ
+        entry, a message), so a crash in between leaves runs that are still whole, never Redis
+        entries of runs that are gone."""
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(
+                """SELECT id, environment_id FROM task_run WHERE finished_at < now() - make_interval(secs => %s)
+                   ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED""", (age_s, limit))
+            doomed = [(env_id, run_id) for run_id, env_id in await cur.fetchall()]
+            if doomed:
+                await forget(doomed)
+                await conn.execute("DELETE FROM task_run WHERE id = ANY(%s)", ([run_id for _, run_id in doomed],))
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """WITH doomed AS (SELECT id FROM task_run WHERE finished_at < now() - make_interval(secs => %s)
-                                   ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED)
-                   DELETE FROM task_run WHERE id IN (SELECT id FROM doomed)""", (age_s, limit))
-            runs = cur.rowcount
-            cur = await conn.execute(
-                """WITH doomed AS (SELECT id FROM waitpoint WHERE status = 'COMPLETED'
+                """WITH doomed AS (SELECT id FROM waitpoint w WHERE status = 'COMPLETED'
                                      AND completed_at < now() - make_interval(secs => %s)
+                                     AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
+                                     AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)
                                    LIMIT %s FOR UPDATE SKIP LOCKED)
                    DELETE FROM waitpoint WHERE id IN (SELECT id FROM doomed)""", (age_s, limit))
-            return runs + cur.rowcount
+            return len(doomed) + cur.rowcount
 
     async def set_env_max_queue_length(self, env_id: str, limit: int | None) -> None:
         async with self.pool.connection() as conn:

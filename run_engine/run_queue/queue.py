@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from run_engine.lua_scripts import LuaScript
 from run_engine.run_queue.keys import QueueKeys, decode_name, encode_name
@@ -204,6 +205,29 @@ class RunQueue:
     async def remove(self, env_id: str, run_id: str) -> bool:
         return await self._one("remove", env_id, run_id)
 
+    async def forget_dead(self, env_id: str, run_id: str) -> bool:
+        """Drop a DLQ entry (only if the run is still there: never a run redriven meanwhile)."""
+        return await self._one("forget_dead", env_id, run_id)
+
+    async def remove_many(self, items: Sequence[tuple[str, str]]) -> None:
+        """Forget ``(env_id, run_id)`` runs wherever the queue holds them (a queue, the DLQ, a slot):
+        their rows are being deleted. One pipeline for all."""
+        if not items:
+            return
+
+        async def send() -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            for env_id, run_id in items:
+                keys, base = self._shard_args(env_id)
+                self._move.queue_in(pipe, keys, [base, "remove", encode_name(run_id), 0, ""])
+            await pipe.execute()
+
+        try:
+            await send()
+        except NoScriptError:  # Redis restarted since the scripts were loaded
+            await self._move.load(self.redis)
+            await send()
+
     async def dead_letter(self, env_id: str, run_id: str, reason: str, now_ms: int) -> None:
         await self._one("dead_letter", env_id, run_id, now_ms, reason)
 
@@ -216,14 +240,27 @@ class RunQueue:
     async def redrive(self, env_id: str, run_id: str, now_ms: int) -> bool:
         return await self._one("redrive", env_id, run_id, now_ms)
 
-    async def list_dlq(self, env_id: str, limit: int = 100, after: str | None = None) -> list[DlqEntry]:
-        """Dead-lettered runs, oldest first; ``after`` is the last run id of the previous page."""
+    async def list_dlq(self, env_id: str, limit: int = 100, after: str | DlqEntry | None = None) -> list[DlqEntry]:
+        """Dead-lettered runs, oldest first. ``after`` is the last entry of the previous page (the
+        page goes on from its place even if it left the DLQ meanwhile) or its run id (from the
+        start if that run is not in the DLQ any more)."""
         dlq = f"{self.keys.env(env_id)}:dlq"
-        start = 0
-        if after is not None:
-            rank = await self.redis.zrank(dlq, encode_name(after))
-            start = 0 if rank is None else rank + 1
-        entries = await self.redis.zrange(dlq, start, start + limit - 1, withscores=True)
+        if after is None:
+            entries = await self.redis.zrange(dlq, 0, limit - 1, withscores=True)
+        else:
+            if isinstance(after, str):
+                score = await self.redis.zscore(dlq, encode_name(after))
+                place = None if score is None else (int(score), encode_name(after))
+            else:
+                place = (after.dead_at_ms, encode_name(after.run_id))
+            if place is None:
+                entries = await self.redis.zrange(dlq, 0, limit - 1, withscores=True)
+            else:  # the entries that tie with it on time (ordered by member), then the later ones
+                ties = await self.redis.zrangebyscore(dlq, place[0], place[0], withscores=True)
+                entries = [(m, sc) for m, sc in ties if _s(m) > place[1]][:limit]
+                if len(entries) < limit:
+                    entries += await self.redis.zrangebyscore(dlq, f"({place[0]}", "+inf", start=0,
+                                                              num=limit - len(entries), withscores=True)
         pipe = self.redis.pipeline(transaction=False)
         for run, _ in entries:
             pipe.hmget(self.keys.message(env_id, _name(run)), "queue", "task", "reason", "deliveries")

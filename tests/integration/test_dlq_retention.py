@@ -1,0 +1,126 @@
+"""Retention and the dead-letter queue agree (issue 11): deleted runs leave nothing in Redis, the
+DLQ pages past entries that do not match, and a completed waitpoint a live run's journal names is
+kept. Through the HTTP routes in process (ASGI), on real PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from run_engine.api.app import create_app
+from run_engine.api.context import ApiContext
+from run_engine.engine import TriggerRequest
+from run_engine.run_tokens import RunTokens
+from run_engine.wakeups import WakeUps
+
+from .conftest import Harness
+
+
+async def dead_letter(h: Harness, task: str, n: int) -> list[str]:
+    """``n`` runs of ``task`` dead-lettered (max_deliveries=1: one undelivered dequeue each), in
+    rounds of up to 100 (the environment's concurrency)."""
+    ids: list[str] = []
+    while len(ids) < n:
+        k = min(100, n - len(ids))
+        runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id=task, payload=i)
+                                            for i in range(k)])
+        got = await h.engine.dequeue(h.env.worker_group_id, 100)
+        assert {d.run.id for d in got} == {r.id for r in runs}
+        await h.advance(61)  # PENDING_EXECUTING timed out: past the delivery limit → DLQ
+        for run in runs:
+            assert (await h.engine.get_run(run.id)).status == "SYSTEM_FAILURE"  # type: ignore[union-attr]
+        ids += sorted(r.id for r in runs)  # one time of death: the DLQ orders them by id
+    return ids
+
+
+@pytest.fixture
+async def dlq(make_engine) -> AsyncIterator[tuple[Harness, httpx.AsyncClient]]:  # type: ignore[no-untyped-def]
+    h: Harness = await make_engine(max_deliveries=1)
+    await h.deploy({"id": "hello"}, {"id": "other"})
+    ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"),
+                     wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"),
+                     public_url="http://t")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://t",
+                                 headers={"Authorization": f"Bearer {h.env.api_key}"}) as client:
+        yield h, client
+
+
+async def test_redrive_all_with_a_filter_pages_past_the_first_hundred(dlq: tuple[Harness, httpx.AsyncClient]) -> None:
+    h, client = dlq
+    await dead_letter(h, "other", 130)
+    wanted = await dead_letter(h, "hello", 5)  # behind 130 entries that do not match
+    listed = (await client.get("/api/v1/dlq", params={"filter[taskIdentifier]": "hello"})).json()["data"]
+    assert [e["run"]["id"] for e in listed] == wanted
+    r = await client.post("/api/v1/dlq/redrive", json={"taskIdentifier": "hello"})
+    assert r.status_code == 200 and r.json() == {"redriven": 5}
+    assert {(await h.engine.get_run(i)).status for i in wanted} == {"QUEUED"}  # type: ignore[union-attr]
+    assert len(await h.engine.resources.queue.list_dlq(h.env.env_id, limit=1000)) == 130
+
+
+async def test_dlq_pages_stay_in_place_when_entries_leave(dlq: tuple[Harness, httpx.AsyncClient]) -> None:
+    h, client = dlq
+    ids = await dead_letter(h, "other", 12)
+    queue = h.engine.resources.queue
+    first = await queue.list_dlq(h.env.env_id, limit=5)
+    assert [e.run_id for e in first] == ids[:5]
+    await h.engine.redrive(h.env.env_id, ids[4])  # the cursor's own entry leaves the DLQ
+    second = await queue.list_dlq(h.env.env_id, limit=5, after=first[-1])
+    assert [e.run_id for e in second] == ids[5:10]
+    page = (await client.get("/api/v1/dlq", params={"page[size]": 5})).json()
+    assert [e["run"]["id"] for e in page["data"]] == ids[:4] + [ids[5]]
+    nxt = (await client.get("/api/v1/dlq", params={"page[size]": 5, "page[after]": page["pagination"]["next"]})).json()
+    assert [e["run"]["id"] for e in nxt["data"]] == ids[6:11]
+
+
+async def test_retention_removes_what_redis_holds_of_deleted_runs(make_engine) -> None:  # type: ignore[no-untyped-def]
+    h: Harness = await make_engine(max_deliveries=1, retention_days=1e-9)
+    await h.deploy({"id": "hello"})
+    ids = await dead_letter(h, "hello", 3)
+    assert len(await h.engine.resources.queue.list_dlq(h.env.env_id)) == 3
+    assert await h.engine.systems.reconciler.retention() >= 3
+    assert await h.engine.get_run(ids[0]) is None
+    assert await h.engine.resources.queue.list_dlq(h.env.env_id) == []
+    for run_id in ids:
+        assert await h.engine.resources.queue.inspect(h.env.env_id, run_id) is None  # message gone too
+
+
+async def test_dlq_entries_of_runs_deleted_earlier_are_dropped_not_404(dlq: tuple[Harness, httpx.AsyncClient]) -> None:
+    """Entries left by a retention that did not clean Redis (an older version, or a crash)."""
+    h, client = dlq
+    ids = await dead_letter(h, "hello", 4)
+
+    async def delete_rows(run_id: str) -> None:
+        async with h.engine.resources.repo.pool.connection() as conn:
+            await conn.execute("DELETE FROM task_run WHERE id = %s", (run_id,))
+
+    await delete_rows(ids[0])
+    listed = (await client.get("/api/v1/dlq")).json()["data"]
+    assert [e["run"]["id"] for e in listed] == ids[1:]
+    assert [e.run_id for e in await h.engine.resources.queue.list_dlq(h.env.env_id)] == ids[1:]
+    await delete_rows(ids[1])
+    r = await client.post("/api/v1/dlq/redrive")
+    assert r.status_code == 200 and r.json() == {"redriven": 2}
+    assert await h.engine.resources.queue.list_dlq(h.env.env_id) == []
+
+
+async def test_retention_keeps_a_completed_waitpoint_a_live_journal_names(make_engine) -> None:  # type: ignore[no-untyped-def]
+    h: Harness = await make_engine(retention_days=1e-9)
+    await h.deploy({"id": "hello"})
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id, timeout_s=3600)
+    loose, _ = await h.engine.waitpoints.create_token(h.env.env_id, timeout_s=3600)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                               waitpoint_ids=[token.id])
+    assert out.blocked
+    assert await h.engine.waitpoints.complete(token.id, {"approved": True})
+    assert await h.engine.waitpoints.complete(loose.id, "nobody waits")
+    await h.engine.systems.reconciler.retention()
+    assert await h.engine.resources.repo.waitpoints.get(loose.id) is None  # completed and unneeded: gone
+    assert await h.engine.resources.repo.waitpoints.get(token.id) is not None
+    journal = await h.engine.waitpoints.resolved_journal(run.id)
+    assert journal == [{"sequence": 0, "kind": "token", "key": token.id, "resolved": True,
+                        "result": {"ok": True, "output": {"approved": True}}}]
