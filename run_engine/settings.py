@@ -96,6 +96,7 @@ class EngineSettings:
     reconcile_interval_s: float = 10.0
     reconcile_grace_s: float = 30.0  # runs touched more recently are left to the ordinary path
     rearm_interval_s: float = 60.0  # how often the leader looks for engine jobs that are missing
+    reconcile_budget: int = 2000  # rows each reconciler scan reads per pass, going on where it stopped
     retention_days: float = 30.0  # finished runs older than this are deleted (0: keep forever)
     retention_batch: int = 1000
     retention_interval_s: float = 300.0
@@ -146,6 +147,7 @@ class EngineSettings:
             "lease_renew_s": "RUN_ENGINE_LEASE_RENEW_S",
             "reconcile_interval_s": "RUN_ENGINE_RECONCILE_INTERVAL_S",
             "reconcile_grace_s": "RUN_ENGINE_RECONCILE_GRACE_S",
+            "reconcile_budget": "RUN_ENGINE_RECONCILE_BUDGET",
             "api_rate_limit": "RUN_ENGINE_API_RATE_LIMIT",
             "api_rate_burst": "RUN_ENGINE_API_RATE_BURST",
             "max_streams_per_key": "RUN_ENGINE_MAX_STREAMS_PER_KEY",

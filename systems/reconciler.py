@@ -9,6 +9,9 @@ PostgreSQL is the system of record; the Redis queue is rebuilt from it when they
   failed half-way) is enqueued again;
 * a DELAYED run whose date passed long ago (its engine job was lost with Redis) is enqueued;
 * a slot held by a run that is finished or suspended (its ack was lost) is freed.
+Each scan reads at most ``reconcile_budget`` rows a pass and goes on where the previous pass
+stopped (wrapping at the end), so a pass costs the same whatever the backlog; after Redis lost its
+data a pass reads everything at once.
 Retention deletes finished runs (with their snapshots, journals and checkpoints, and first what
 Redis holds of them: a DLQ entry, a message) and completed waitpoints that no journal still names,
 older than the configured age, in batches.
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from run_engine.db.repository import RunRow, Snapshot
 from run_engine.statuses import ExecutionStatus
@@ -28,6 +33,7 @@ from systems.run_attempt import MAX_DURATION_JOB, max_duration_job_id
 from systems.waitpoints import DATETIME_JOB, SWEEP_JOB, SWEEP_JOB_ID, TIMEOUT_JOB
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 E = ExecutionStatus
 #: execution statuses in which a run legitimately holds a queue slot
 HOLDS_SLOT = frozenset({E.PENDING_EXECUTING, E.EXECUTING, E.EXECUTING_WITH_WAITPOINTS, E.PENDING_CANCEL,
@@ -42,6 +48,7 @@ class ReconcileReport:
     slots_freed: int = 0
     settings_restored: int = 0
     jobs_rearmed: int = 0
+    scanned: int = 0  # QUEUED runs read
 
 
 class Reconciler:
@@ -49,25 +56,48 @@ class Reconciler:
 
     def __init__(self, resources: SystemResources) -> None:
         self.r = resources
+        self._cursors: dict[str, str] = {}  # scan → the last id read (leader-local: a new leader starts over)
+
+    async def _pages(self, scan: str, fetch: Callable[[str, int], Awaitable[Sequence[T]]],
+                     key: Callable[[T], str], full: bool) -> AsyncIterator[Sequence[T]]:
+        """Pages of ``scan`` from where its previous pass stopped, up to the budget (``full``: all
+        of it, from the start). ``fetch(after_id, limit)`` reads a page ordered by id."""
+        budget = None if full else max(1, self.r.settings.reconcile_budget)
+        after = "" if full else self._cursors.get(scan, "")
+        read = 0
+        while budget is None or read < budget:
+            limit = self.PAGE if budget is None else min(self.PAGE, budget - read)
+            page = await fetch(after, limit)
+            read += len(page)
+            end = len(page) < limit
+            after = "" if end else key(page[-1])
+            if not full:
+                self._cursors[scan] = after  # before the page is worked: a page that fails is not retried for ever
+            if page:
+                yield page
+            if end:
+                return
 
     @property
     def _s(self):  # type: ignore[no-untyped-def]
         assert self.r.systems is not None
         return self.r.systems
 
-    async def reconcile(self, grace_s: float | None = None) -> ReconcileReport:
+    async def reconcile(self, grace_s: float | None = None, *, full: bool = False) -> ReconcileReport:
         """One pass; ``grace_s`` (default the setting) skips runs touched more recently than that,
-        which an ordinary enqueue or dequeue may still be finishing. Each step and each run is
-        repaired on its own: one that fails is logged and the pass goes on."""
+        which an ordinary enqueue or dequeue may still be finishing; ``full`` reads every QUEUED run
+        instead of the next ``reconcile_budget`` of them. Each step and each run is repaired on its
+        own: one that fails is logged and the pass goes on."""
         grace = self.r.settings.reconcile_grace_s if grace_s is None else grace_s
         report = ReconcileReport()
         if not await self.r.queue.has_epoch():
             # Redis lost its data (or is new): limits, pauses and rate limits first, then the runs
-            # and the engine jobs (timeouts, timers) of everything not finished
+            # and the engine jobs (timeouts, timers) of everything not finished, all of them now
             report.settings_restored = await self._restore_settings()
-            report.jobs_rearmed = await self.rearm_jobs(grace)
+            report.jobs_rearmed = await self.rearm_jobs(grace, full=True)
             await self.r.queue.mark_epoch()
-        for step in (self._queued_runs(grace, report), self._delayed_runs(grace, report), self._slots(report)):
+            full = True
+        for step in (self._queued_runs(grace, report, full), self._delayed_runs(grace, report), self._slots(report)):
             try:
                 await step
             except Exception:
@@ -94,13 +124,12 @@ class Reconciler:
             await self._s.enqueue.mirror_queues(env_id)
         return len(envs)
 
-    async def _queued_runs(self, grace: float, report: ReconcileReport) -> None:
-        after = ""
-        while True:
-            runs = await self.r.repo.queued_runs_page(after, grace, self.PAGE)
-            if not runs:
-                return
-            after = runs[-1].id
+    async def _queued_runs(self, grace: float, report: ReconcileReport, full: bool) -> None:
+        async def fetch(after: str, limit: int) -> list[RunRow]:
+            return await self.r.repo.queued_runs_page(after, grace, limit)
+
+        async for runs in self._pages("queued", fetch, _run_id, full):
+            report.scanned += len(runs)
             states = await self.r.queue.placements([(r.environment_id, r.id) for r in runs])
             suspect = [(run, state) for run, state in zip(runs, states, strict=True)
                        if state in (None, "held", "lost")]
@@ -144,20 +173,22 @@ class Reconciler:
                 await self.r.queue.ack([(env_id, rid) for rid in stale])
                 report.slots_freed += len(stale)
 
-    async def rearm_jobs(self, grace_s: float | None = None) -> int:
+    async def rearm_jobs(self, grace_s: float | None = None, *, full: bool = False) -> int:
         """Schedule again every engine job that a run or waitpoint not yet finished needs and that
         Redis does not hold (lost to a flush, a restart without persistence, or a process that died
         between its PostgreSQL write and the job): heartbeat timeouts and max durations of held
         runs, delays and TTLs of runs not started, dates and timeouts of waitpoints, the sweeper.
-        Fixed job ids make this idempotent. Returns how many were scheduled."""
+        Each of the three scans reads the next ``reconcile_budget`` rows (``full``: all). Fixed job
+        ids make this idempotent. Returns how many were scheduled."""
         grace = self.r.settings.reconcile_grace_s if grace_s is None else grace_s
         now = self.r.clock.now()
         total = 0
         total += await self._schedule_missing(  # the sweeper re-arms itself, from the first one on
             [(SWEEP_JOB_ID, SWEEP_JOB, {}, now + self.r.settings.waitpoint_sweep_interval_s)])
-        after = ""
-        while page := await self.r.repo.active_runs_page(after, grace, self.PAGE):
-            after = page[-1][0].id
+        async def active(after: str, limit: int) -> list[tuple[RunRow, Snapshot]]:
+            return await self.r.repo.active_runs_page(after, grace, limit)
+
+        async for page in self._pages("active", active, lambda row: row[0].id, full):
             wanted: list[JobSpec] = []
             for run, snapshot in page:
                 try:
@@ -165,9 +196,7 @@ class Reconciler:
                 except Exception:
                     log.exception("reconciler: could not work out the jobs of run %s", run.id)
             total += await self._schedule_missing(wanted)
-        after = ""
-        while runs := await self.r.repo.not_started_runs_page(after, self.PAGE):
-            after = runs[-1].id
+        async for runs in self._pages("not started", self.r.repo.not_started_runs_page, _run_id, full):
             wanted = []
             for run in runs:
                 if run.status == "DELAYED" and run.delay_until is not None:
@@ -176,9 +205,8 @@ class Reconciler:
                     start = run.delay_until or run.created_at
                     wanted.append((f"ttl.{run.id}", TTL_JOB, {"run_id": run.id}, start.timestamp() + run.ttl_s))
             total += await self._schedule_missing(wanted)
-        after = ""
-        while waitpoints := await self.r.repo.waitpoints.timed_waitpoints_page(after, self.PAGE):
-            after = waitpoints[-1][0]
+        async for waitpoints in self._pages("timed waitpoints", self.r.repo.waitpoints.timed_waitpoints_page,
+                                            lambda row: row[0], full):
             wanted = []
             for wp_id, kind, completed_after, timeout_at in waitpoints:
                 if kind == "DATETIME" and completed_after is not None:
@@ -230,3 +258,7 @@ class Reconciler:
         if total:
             log.info("retention: deleted %d rows older than %.0f s", total, age)
         return total
+
+
+def _run_id(run: RunRow) -> str:
+    return run.id

@@ -62,7 +62,7 @@ async def test_a_poisoned_enqueue_fails_nobody_and_the_reconciler_enqueues_the_r
     assert isinstance(outcome[0], Exception) and outcome[1:] == [None] * 20
 
     await queue.redis.delete(queue.keys.message(h.env.env_id, poisoned))
-    report = await h.engine.systems.reconciler.reconcile(grace_s=0)
+    report = await h.engine.systems.reconciler.reconcile(grace_s=0, full=True)
     assert report.requeued_missing >= 1
     assert await queue.message_states([(h.env.env_id, poisoned)]) == ["ready"]
 
@@ -103,7 +103,7 @@ async def test_the_reconciler_repairs_lost_runs_and_survives_one_it_cannot_repai
     assert await queue.placements([(h.env.env_id, a.id), (h.env.env_id, b.id)]) == ["lost", "lost"]
     await queue.redis.delete(queue.keys.message(h.env.env_id, a.id))
     await queue.redis.set(queue.keys.message(h.env.env_id, a.id), "broken")  # a cannot be enqueued
-    report = await h.engine.systems.reconciler.reconcile(grace_s=0)
+    report = await h.engine.systems.reconciler.reconcile(grace_s=0, full=True)
     assert report.requeued_stuck >= 1
     assert await queue.placements([(h.env.env_id, b.id)]) == ["ready"]
     got = await h.engine.dequeue(wg, 10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,7 +49,7 @@ async def test_flushall_with_1000_queued_runs_loses_none(private: Harness) -> No
     await h.engine.pause_queue(h.env.env_id, "limited")
     await h.engine.redis.flushall()
     assert await h.engine.dequeue(h.env.worker_group_id, 10) == []
-    report = await h.engine.systems.reconciler.reconcile(grace_s=-1)
+    report = await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
     # (the session's database is shared: other tests' queued runs come back into this Redis too)
     assert report.requeued_missing >= 1000 and report.settings_restored >= 1
     assert (await h.engine.resources.queue.queue_stats(h.env.env_id, "limited")).paused  # settings restored
@@ -60,7 +61,7 @@ async def test_flushall_with_1000_queued_runs_loses_none(private: Harness) -> No
         await asyncio.gather(*(h.engine.complete_attempt(s.run.id, s.snapshot.id, ok=True) for s in started))
         done |= {d.run.id for d in got}
     assert done == set(ids)
-    assert (await h.engine.systems.reconciler.reconcile(grace_s=-1)).requeued_missing == 0  # nothing left
+    assert (await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)).requeued_missing == 0  # nothing left
 
 
 async def test_a_dequeue_lost_before_postgres_saw_it_is_made_ready_again(private: Harness) -> None:
@@ -69,7 +70,7 @@ async def test_a_dequeue_lost_before_postgres_saw_it_is_made_ready_again(private
     # the queue hands the run out, but the process dies before writing PENDING_EXECUTING
     assert [m.run_id for m in await h.engine.resources.queue.dequeue(h.env.worker_group_id, 5, h.engine.resources.now_ms())] == [run.id]
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
-    report = await h.engine.systems.reconciler.reconcile(grace_s=-1)
+    report = await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
     assert report.requeued_stuck == 1
     (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
     assert d.run.id == run.id
@@ -89,7 +90,7 @@ async def test_a_slot_held_by_a_finished_run_is_freed(private: Harness) -> None:
     assert await q.running_ids(h.env.env_id) == {run.id}
     nxt = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # limit 1, taken by the ghost
-    assert (await h.engine.systems.reconciler.reconcile(grace_s=-1)).slots_freed == 1
+    assert (await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)).slots_freed == 1
     (d2,) = await h.engine.dequeue(h.env.worker_group_id, 5)
     assert d2.run.id == nxt.id
 
@@ -149,7 +150,7 @@ async def test_lost_engine_jobs_are_rearmed_and_fire(private: Harness) -> None:
     report = await engine.systems.reconciler.reconcile(grace_s=0)  # the epoch is gone: re-arm everything
     assert report.jobs_rearmed >= len(expected)
     assert await jobs.missing(expected) == []
-    assert await engine.systems.reconciler.rearm_jobs(grace_s=0) == 0  # idempotent
+    assert await engine.systems.reconciler.rearm_jobs(grace_s=0, full=True) == 0  # idempotent
 
     await h.advance(5)  # the token's timeout fires
     got = await engine.resources.repo.waitpoints.get(token.id)
@@ -169,3 +170,29 @@ async def test_a_heartbeat_rearms_a_lost_timeout_job(h: Harness) -> None:
     assert await h.engine.resources.jobs.missing([job]) == [job]
     await h.engine.heartbeat(run.id, started.snapshot.id)
     assert await h.engine.resources.jobs.missing([job]) == []
+
+
+async def test_a_pass_reads_its_budget_and_the_next_goes_on_where_it_stopped(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """The scan is incremental: a pass costs the same whatever the backlog, and passes in turn
+    cover every QUEUED run (the database is shared: other tests' runs are in the scan too)."""
+    h = await make_engine(reconcile_budget=10)
+    await h.deploy({"id": "hello"})
+    reconciler = h.engine.systems.reconciler
+    await reconciler.reconcile(grace_s=-1)  # Redis had no epoch: a full pass, which marks it
+    runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
+                                        for i in range(25)])
+    queue = h.engine.resources.queue
+    await queue.remove_many([(h.env.env_id, r.id) for r in runs])  # lost from Redis
+    missing = sorted(r.id for r in runs)
+    passes = 0
+    deadline = time.monotonic() + 120
+    while missing:
+        report = await reconciler.reconcile(grace_s=-1)
+        assert report.scanned <= 10
+        passes += 1
+        placed = await queue.placements([(h.env.env_id, rid) for rid in missing])
+        missing = [rid for rid, where in zip(missing, placed, strict=True) if where is None]
+        assert time.monotonic() < deadline, f"{len(missing)} still missing after {passes} passes"
+    assert passes >= 3  # 25 runs, at most 10 read a pass
+    got = await h.engine.dequeue(h.env.worker_group_id, 100)
+    assert {r.id for r in runs} <= {d.run.id for d in got}
