@@ -24,6 +24,7 @@ import orjson
 from redis.asyncio import Redis
 
 from run_engine.clock import Clock
+from run_engine.dependencies import log_failure
 from run_engine.lua_scripts import LuaScript
 from run_engine.tasks import stop_task
 
@@ -191,10 +192,14 @@ class JobWorker:
                 raise LookupError(f"no handler for job kind {job.kind!r}")
             await handler(job)
         except Exception as exc:
-            log.exception("engine job %s (%s) failed", job.id, job.kind)
-            await self.queue.fail(job, f"{type(exc).__name__}: {exc}")
+            log_failure(log, exc, "engine job %s (%s) failed", job.id, job.kind)
+            settle = self.queue.fail(job, f"{type(exc).__name__}: {exc}")
         else:
-            await self.queue.complete(job)
+            settle = self.queue.complete(job)
+        try:
+            await settle
+        except Exception as exc:  # its lease runs out and it is delivered again
+            log_failure(log, exc, "engine job %s (%s) could not be settled", job.id, job.kind)
 
     async def run_due_once(self) -> int:
         """Claim and run every job due now; returns how many ran."""
@@ -207,13 +212,20 @@ class JobWorker:
             total += len(jobs)
 
     async def _loop(self) -> None:
+        backoff = 0.0
         while not self._stopping:
             free = self.concurrency - len(self._running)
             try:
                 jobs = await self.queue.claim(free, self.visibility_s) if free > 0 else []
-            except Exception:  # Redis away: keep trying, the jobs are still there
-                log.exception("claiming engine jobs failed")
-                jobs = []
+                if backoff:
+                    log.info("claiming engine jobs works again")
+                    backoff = 0.0
+            except Exception as exc:  # Redis away: keep trying (backing off), the jobs are still there
+                if not backoff:
+                    log_failure(log, exc, "claiming engine jobs failed")
+                backoff = min(2.0, max(0.1, backoff * 2))
+                await asyncio.sleep(backoff)
+                continue
             for job in jobs:
                 task = asyncio.create_task(self._run(job))
                 self._running.add(task)

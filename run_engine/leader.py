@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from run_engine.db.repository import Repository
+from run_engine.dependencies import log_failure
 from run_engine.ids import new_id
 from run_engine.tasks import stop_task
 
@@ -64,8 +65,8 @@ class LeaderLease:
                 wait = await self.try_acquire()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.warning("lease %r: could not reach PostgreSQL", self.name, exc_info=True)
+            except Exception as exc:
+                log_failure(log, exc, "lease %r: could not be taken or renewed", self.name)
                 self.is_leader = False
                 wait = 1.0
             if self.is_leader and (self._duty_task is None or self._duty_task.done()):
@@ -81,8 +82,8 @@ class LeaderLease:
                 self._last_run[name] = time.monotonic()
                 try:
                     await fn()
-                except Exception:
-                    log.exception("leader duty %s failed", name)
+                except Exception as exc:
+                    log_failure(log, exc, "leader duty %s failed", name)
             now = time.monotonic()
             due = [self._last_run.get(name, now) + interval - now for name, interval, _ in self._duties]
             await asyncio.sleep(min([1.0, *due]))

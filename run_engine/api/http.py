@@ -12,16 +12,14 @@ import time
 from typing import Any, TypeVar
 
 import orjson
-import psycopg
-from psycopg_pool import PoolClosed, PoolTimeout
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticError
-from redis import exceptions as redis_errors
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
 from run_engine.api.inputs import needs_scan, unstorable
+from run_engine.dependencies import DEPENDENCY_ERRORS, unavailable_dependency  # noqa: F401 (re-exported)
 from run_engine.errors import (
     ConflictError,
     DuplicateExecutionError,
@@ -89,19 +87,6 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
     return err(500, "internal_error", "internal error")
 
 
-POSTGRES_DOWN = (psycopg.OperationalError, PoolTimeout, PoolClosed)
-REDIS_DOWN = (redis_errors.ConnectionError, redis_errors.TimeoutError)
-DEPENDENCY_ERRORS = (*POSTGRES_DOWN, *REDIS_DOWN)
-
-
-def unavailable_dependency(exc: BaseException) -> str | None:
-    """"postgres" or "redis" when ``exc`` says that one cannot be reached (or is shutting down,
-    or loading), else None."""
-    if isinstance(exc, POSTGRES_DOWN):
-        return "postgres"
-    if isinstance(exc, REDIS_DOWN):
-        return "redis"
-    return None
 
 
 async def handle_exception(request: Request, exc: Exception) -> Response:
