@@ -277,14 +277,14 @@ def plan(seed: int, runs: int) -> list[Spec]:
 
 
 def expected(spec: Spec, run: dict[str, Any]) -> tuple[set[str], Any]:
-    """The statuses a run may end in, and its output when COMPLETED (``...``: checked elsewhere)."""
+    """The statuses a run may end in, and its output when COMPLETED."""
     n = spec.n
     if spec.kind == "ttl":
         return {"COMPLETED", "EXPIRED"}, n * 2
     if spec.kind == "cancel":
         return {"COMPLETED", "CANCELED"}, n * 2
     out: Any = {"plain": n * 2, "flaky": n * 2, "delayed": n * 2, "parent": n * 2 + 1,
-                "fanout": 6 * n + 6, "token": {"n": n}, "steps": ...}[spec.kind]
+                "fanout": 6 * n + 6, "token": {"n": n}, "steps": None}[spec.kind]  # steps: the journal's
     return {"COMPLETED"}, out
 
 
@@ -483,26 +483,27 @@ async def all_runs(api: Api) -> dict[str, dict[str, Any]]:
             return runs
 
 
-async def check(inst: Installation, api: Api, specs: list[Spec]) -> Verdict:
+@dataclass
+class Observed:
+    """What the checks read back after the drain."""
+    first: dict[str, dict[str, Any]]  # run id → run object over the API
+    second: dict[str, dict[str, Any]]  # the same, read again a few seconds later
+    ledger: dict[str, list[dict[str, Any]]]  # run id → the tasks' ledger lines
+    finished_at: dict[str, float | None]  # run id → finished_at (epoch s) in PostgreSQL
+    finished_twice: list[str]  # runs with more than one FINISHED snapshot
+    steps: dict[tuple[str, str], tuple[Any, float]]  # (run id, step key) → (journaled result, recorded at)
+    slots_held: dict[str, int]  # queue → running, where not 0
+
+
+def judge(specs: list[Spec], o: Observed) -> Verdict:
     v = Verdict()
-    first = await all_runs(api)
-    await asyncio.sleep(5)
-    second = await all_runs(api)  # a terminal status never changes afterwards
-    ledger = read_ledger(inst.base / "ledger.jsonl")
-    with psycopg.connect(inst.pg.url) as conn:
-        finished = dict(conn.execute("SELECT id, extract(epoch FROM finished_at) FROM task_run").fetchall())
-        twice = [r[0] for r in conn.execute(
-            """SELECT run_id FROM task_run_execution_snapshot WHERE engine_status = 'FINISHED' AND is_valid
-               GROUP BY run_id HAVING count(*) > 1""").fetchall()]
-        journal = conn.execute(
-            "SELECT run_id, key, result, extract(epoch FROM created_at) FROM task_run_journal WHERE kind = 'step'"
-        ).fetchall()
-    v.duplicated += [f"{r}: finished twice (two FINISHED snapshots)" for r in twice]
+    v.duplicated += [f"{r}: finished twice (two FINISHED snapshots)" for r in o.finished_twice]
+    ours = {s.run_id for s in specs}
     for spec in specs:
         if spec.error:
             (v.duplicated if "idempotency" in spec.error else v.lost).append(f"#{spec.i} {spec.kind}: {spec.error}")
             continue
-        run = second.get(spec.run_id or "")
+        run = o.second.get(spec.run_id or "")
         if run is None:
             v.lost.append(f"#{spec.i} {spec.kind}: {spec.run_id} accepted but not found")
             continue
@@ -510,45 +511,60 @@ async def check(inst: Installation, api: Api, specs: list[Spec]) -> Verdict:
             v.stuck.append(f"{run['id']} {spec.kind}: {run['status']}")
             continue
         statuses, output = expected(spec, run)
+        if spec.kind == "steps":
+            output = [o.steps.get((run["id"], k), (None, 0.0))[0] for k in ("a", "b")]
         if run["status"] not in statuses:
             v.wrong.append(f"{run['id']} {spec.kind}: {run['status']} {run.get('error')}")
-        elif run["status"] == "COMPLETED" and output is not ... and run.get("output") != output:
+        elif run["status"] == "COMPLETED" and run.get("output") != output:
             v.wrong.append(f"{run['id']} {spec.kind}: output {run.get('output')!r}, expected {output!r}")
-    for run_id, run in second.items():
-        before = first.get(run_id)
+    for run_id, run in o.second.items():
+        before = o.first.get(run_id)
         if before and before["status"] in FINAL and before["status"] != run["status"]:
             v.duplicated.append(f"{run_id}: terminal {before['status']} became {run['status']}")
-        if run["status"] not in FINAL and run_id not in {s.run_id for s in specs}:
-            v.stuck.append(f"{run_id} (a child) {run['taskIdentifier']}: {run['status']}")
-        end = finished.get(run_id)
-        for entry in ledger.get(run_id, []):
-            if entry["e"] == "begin" and end is not None and entry["t"] > float(end) + SLACK_S:
-                v.duplicated.append(f"{run_id}: attempt {entry['attempt']} began {entry['t'] - float(end):.1f}s "
+        if run["status"] not in FINAL and run_id not in ours:
+            v.stuck.append(f"{run_id} (a child) {run.get('taskIdentifier')}: {run['status']}")
+        end = o.finished_at.get(run_id)
+        for entry in o.ledger.get(run_id, []):
+            if entry["e"] == "begin" and end is not None and entry["t"] > end + SLACK_S:
+                v.duplicated.append(f"{run_id}: attempt {entry.get('attempt')} began {entry['t'] - end:.1f}s "
                                     "after the run finished")
-    steps_by_key = {(r, k): (res, float(t)) for r, k, res, t in journal}
-    for (run_id, key), (result, recorded_at) in steps_by_key.items():
-        runs_of_step = [e for e in ledger.get(run_id, []) if e["e"] == "step" and e.get("key") == key]
-        if result not in {e["tok"] for e in runs_of_step}:
+    for (run_id, key), (result, recorded_at) in o.steps.items():
+        bodies = [e for e in o.ledger.get(run_id, []) if e["e"] == "step" and e.get("key") == key]
+        if result not in {e["tok"] for e in bodies}:
             v.wrong.append(f"{run_id}: step {key} journaled {result!r}, which no execution of its body returned")
-        for e in runs_of_step:
+        for e in bodies:
             if e["t"] > recorded_at + SLACK_S:
                 v.duplicated.append(f"{run_id}: step {key} body ran {e['t'] - recorded_at:.1f}s after its result "
                                     "was recorded")
-    for spec in specs:
-        run = second.get(spec.run_id or "")
-        if spec.kind == "steps" and run and run["status"] == "COMPLETED":
-            want = [steps_by_key.get((run["id"], k), (None, 0))[0] for k in ("a", "b")]
-            if run.get("output") != want:
-                v.wrong.append(f"{run['id']} steps: output {run.get('output')} but journal {want}")
+    v.stuck += [f"queue {name}: {n} slots held" for name, n in o.slots_held.items()]
+    return v
+
+
+async def observe(inst: Installation, api: Api) -> Observed:
+    first = await all_runs(api)
+    await asyncio.sleep(5)
+    second = await all_runs(api)  # a terminal status never changes afterwards
+    with psycopg.connect(inst.pg.url) as conn:
+        finished = {r[0]: (float(r[1]) if r[1] is not None else None) for r in conn.execute(
+            "SELECT id, extract(epoch FROM finished_at) FROM task_run").fetchall()}
+        twice = [r[0] for r in conn.execute(
+            """SELECT run_id FROM task_run_execution_snapshot WHERE engine_status = 'FINISHED' AND is_valid
+               GROUP BY run_id HAVING count(*) > 1""").fetchall()]
+        steps = {(r[0], r[1]): (r[2], float(r[3])) for r in conn.execute(
+            "SELECT run_id, key, result, extract(epoch FROM created_at) FROM task_run_journal WHERE kind = 'step'"
+        ).fetchall()}
     queues = (await api.call("GET", "/api/v1/queues")).json()["data"]
-    v.stuck += [f"queue {q['name']}: {q['running']} slots held" for q in queues if q["running"]]
+    return Observed(first, second, read_ledger(inst.base / "ledger.jsonl"), finished, twice, steps,
+                    {q["name"]: q["running"] for q in queues if q["running"]})
+
+
+async def explain(api: Api, v: Verdict) -> None:
     for line in v.stuck[:20]:
         run_id = line.split()[0]
         if run_id.startswith("run_"):
             with contextlib.suppress(RuntimeError):
                 why = (await api.call("GET", f"/api/v1/runs/{run_id}/explain", deadline_s=30)).json()
                 print(f"  explain {run_id}: {json.dumps(why)[:400]}")
-    return v
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -578,7 +594,8 @@ async def run(args: argparse.Namespace) -> int:
                 break
             await asyncio.sleep(2)
         drained = time.monotonic() - last_fault
-        verdict = await check(inst, api, specs)
+        verdict = judge(specs, await observe(inst, api))
+        await explain(api, verdict)
         by_kind = Counter(s.kind for s in specs)
         print()
         print("fault kind        injected")

@@ -39,8 +39,10 @@ async def run(args: argparse.Namespace, database_url: str, redis_url: str) -> fl
     try:
         env = await ensure_environment(engine.resources.repo, secret="bench", org="bench", project="bench",
                                        concurrency_limit=args.concurrency)
-        await engine.register_deployment(env_id=env.env_id, worker_group_id=env.worker_group_id, version="1",
-                                         content_hash="bench", tasks=[{"id": "noop"}])
+        dep_id, _ = await engine.register_deployment(env_id=env.env_id, worker_group_id=env.worker_group_id,
+                                                     version="1", content_hash="bench", tasks=[{"id": "noop"}])
+        # a supervisor names its deployment when it dequeues (the rolling-deploy filter)
+        deployments = [dep_id] if args.deployment_filter else []
         lat: dict[str, list[float]] = {"trigger": [], "dequeue": [], "start": [], "complete": []}
         done = 0
         produced = asyncio.Event()
@@ -66,7 +68,7 @@ async def run(args: argparse.Namespace, database_url: str, redis_url: str) -> fl
             idle = 0.001
             while done < args.runs:
                 t = time.perf_counter()
-                got = await engine.dequeue(env.worker_group_id, args.batch)
+                got = await engine.dequeue(env.worker_group_id, args.batch, deployments=deployments)
                 if not got:
                     if produced.is_set() and done >= args.runs:
                         return
@@ -111,6 +113,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=1000)
     parser.add_argument("--pool", type=int, default=8)
+    parser.add_argument("--deployment-filter", action=argparse.BooleanOptionalAction, default=True,
+                        help="dequeue as a supervisor does, naming its deployment (only its tasks' runs)")
     args = parser.parse_args()
     redis_url = os.environ.get("REDIS_URL", DEFAULT_REDIS)
     with fresh_database() as database_url:

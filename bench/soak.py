@@ -1,0 +1,157 @@
+"""Soak: a long steady load with waits and retries in the mix, watching every process for leaks.
+
+    python bench/soak.py [--minutes 30] [--rate 0] [--seed 1]
+
+The installation of bench/chaos.py (embedded PostgreSQL and Redis, two servers, three
+supervisors) without faults. It first measures the rate it can sustain (plain runs as fast as they
+complete, 30 s) and then triggers the chaos mix (plain, retried, journaled steps around waits,
+tokens completed from outside, trigger_and_wait and batch parents, delayed, TTL, cancels) at half of
+it (``--rate`` to set it). Each minute it samples the resident memory and open file descriptors of
+every process and prints them. At the end every run must have finished (the chaos checks run too).
+Last line: ``soak rss growth %: N``, the growth of the run-engine processes' memory (servers,
+supervisors, executors) between minute 5 and the end (target ≤ 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.chaos import Api, Installation, Spec, drive, explain, judge, observe, plan, start_installation  # noqa: E402
+
+GROUPS = ("servers", "supervisors", "executors", "redis", "postgres")
+
+
+def processes(inst: Installation) -> dict[str, list[psutil.Process]]:
+    def of(pid: int | None, children: bool = False) -> list[psutil.Process]:
+        if pid is None:
+            return []
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            return [p, *p.children(recursive=True)] if children else [p]
+        return []
+
+    pg_pid = inst.pg._pid()
+    return {
+        "servers": [p for s in inst.servers for p in of(s.proc.pid if s.proc else None)],
+        "supervisors": [p for s in inst.supervisors for p in of(s.proc.pid if s.proc else None)],
+        "executors": [c for s in inst.supervisors for c in s.children()],
+        "redis": of(inst.redis._proc.pid if inst.redis._proc else None),
+        "postgres": of(pg_pid, children=True),
+    }
+
+
+def sample(inst: Installation) -> dict[str, tuple[float, int, int]]:
+    """group → (RSS MB, open fds, processes)."""
+    out = {}
+    for group, procs in processes(inst).items():
+        rss = fds = n = 0
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                rss += p.memory_info().rss
+                fds += p.num_fds()
+                n += 1
+        out[group] = (rss / 2**20, fds, n)
+    return out
+
+
+async def calibrate(api: Api, seconds: float) -> float:
+    """Plain runs as fast as they complete: runs finished per second."""
+    specs = [Spec(i, "plain", i, f"calibrate-{i}", {"idempotencyKey": f"calibrate-{i}"}) for i in range(100_000)]
+    stop = time.monotonic() + seconds
+    sent = 0
+    sem = asyncio.Semaphore(64)
+
+    async def one(spec: Spec) -> None:
+        async with sem:
+            r = await api.call("POST", "/api/v1/tasks/chaos-plain/trigger",
+                               {"payload": {"n": spec.n, "sleep": 0}, "options": spec.options})
+            spec.run_id = r.json()["id"]
+
+    t0 = time.monotonic()
+    pending: set[asyncio.Task[None]] = set()
+    while time.monotonic() < stop:
+        while len(pending) < 64:
+            pending.add(asyncio.create_task(one(specs[sent])))
+            sent += 1
+        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.gather(*pending)
+    ids = [s.run_id for s in specs[:sent]]
+    while True:  # until everything triggered has finished
+        r = await api.call("GET", "/api/v1/runs", params={"filter[status]": "QUEUED,EXECUTING,DEQUEUED",
+                                                          "filter[taskIdentifier]": "chaos-plain", "page[size]": "1"})
+        if not r.json()["data"]:
+            break
+        await asyncio.sleep(0.5)
+    return len(ids) / (time.monotonic() - t0)
+
+
+async def run(args: argparse.Namespace) -> float:
+    base = Path(tempfile.mkdtemp(prefix="soak-"))
+    inst = await asyncio.get_running_loop().run_in_executor(None, start_installation, base, args.executors)
+    api = Api(inst, random.Random(args.seed))
+    try:
+        rate = args.rate
+        if not rate:
+            measured = await calibrate(api, 30)
+            rate = measured / 2
+            print(f"sustained {measured:.0f} plain runs/s: soaking at {rate:.0f}/s (the chaos mix)", flush=True)
+        specs = plan(args.seed, int(rate * args.minutes * 60))
+        load = asyncio.create_task(drive(api, specs, rate))
+        print(f"{'min':>4} " + " ".join(f"{g + ' MB':>15} {'fds':>5}" for g in GROUPS), flush=True)
+        samples: list[dict[str, tuple[float, int, int]]] = []
+        t0 = time.monotonic()
+        for minute in range(args.minutes + 1):
+            await asyncio.sleep(max(0.0, t0 + minute * 60 - time.monotonic()))
+            s = sample(inst)
+            samples.append(s)
+            print(f"{minute:>4} " + " ".join(f"{s[g][0]:>15.1f} {s[g][1]:>5}" for g in GROUPS), flush=True)
+        await load
+        verdict = judge(specs, await observe(inst, api))
+        await explain(api, verdict)
+        print(f"runs {len(specs)}: lost {len(verdict.lost)}, duplicated {len(verdict.duplicated)}, "
+              f"stuck {len(verdict.stuck)}, wrong {len(verdict.wrong)}")
+        for line in (verdict.lost + verdict.duplicated + verdict.stuck + verdict.wrong)[:20]:
+            print(f"  {line}")
+
+        def engine_rss(s: dict[str, tuple[float, int, int]]) -> float:
+            return sum(s[g][0] for g in ("servers", "supervisors", "executors"))
+
+        start = samples[min(5, len(samples) - 1)]
+        growth = (engine_rss(samples[-1]) / engine_rss(start) - 1) * 100
+        fds = sum(samples[-1][g][1] for g in ("servers", "supervisors", "executors")) - \
+            sum(start[g][1] for g in ("servers", "supervisors", "executors"))
+        print(f"run-engine processes: {engine_rss(start):.0f} MB at minute {min(5, len(samples) - 1)}, "
+              f"{engine_rss(samples[-1]):.0f} MB at the end; open fds {fds:+d}")
+        print(f"soak rss growth %: {growth:.1f}", flush=True)
+        return growth
+    finally:
+        await api.close()
+        inst.stop()
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=int, default=30)
+    parser.add_argument("--rate", type=float, default=0.0, help="triggers per second (0: half the measured rate)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--executors", type=int, default=6, help="per supervisor")
+    parser.add_argument("--keep", action="store_true")
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
