@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -24,6 +24,7 @@ from run_engine.locking import RunLocker
 from run_engine.run_queue import Handed, RunQueue
 from run_engine.settings import EngineSettings
 from run_engine.statuses import RunStatus
+from systems.dead_letter import DeadRun
 from systems.dequeue import DequeuedRun
 from systems.enqueue import DELAYED_JOB, TTL_JOB, TriggeredRun, TriggerRequest
 from systems.execution_snapshot import HEARTBEAT_JOB
@@ -32,7 +33,7 @@ from systems.resources import SystemResources
 from systems.run_attempt import MAX_DURATION_JOB, AttemptOutcome, StartedAttempt
 from systems.waitpoints import DATETIME_JOB, SWEEP_JOB, SWEEP_JOB_ID, TIMEOUT_JOB, BlockOutcome
 
-__all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome"]
+__all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome"]
 
 
 class RunEngine:
@@ -146,6 +147,13 @@ class RunEngine:
 
     async def redrive(self, env_id: str, run_id: str) -> str:
         return await self.systems.dead_letter.redrive(env_id, run_id)
+
+    async def redrive_all(self, env_id: str, tasks: Collection[str] = (), queues: Collection[str] = ()) -> int:
+        return await self.systems.dead_letter.redrive_all(env_id, tasks, queues)
+
+    async def list_dead(self, env_id: str, size: int, after: str | None = None, tasks: Collection[str] = (),
+                        queues: Collection[str] = ()) -> tuple[list[DeadRun], bool]:
+        return await self.systems.dead_letter.list_dead(env_id, size, after, tasks, queues)
 
     async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
         return await self.resources.repo.get_run(run_id, env_id)

@@ -4,9 +4,13 @@ Redrive puts it back in its queue directly."""
 
 from __future__ import annotations
 
-from run_engine.db.repository import Snapshot
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from run_engine.db.repository import RunRow, Snapshot
 from run_engine.errors import InvalidTransitionError, NotFoundError
 from run_engine.events import RunEvent
+from run_engine.run_queue.models import DlqEntry
 from run_engine.statuses import ExecutionStatus, RunStatus
 from systems.execution_snapshot import heartbeat_job_id
 from systems.resources import SystemResources
@@ -19,7 +23,15 @@ DLQ_ERROR = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class DeadRun:
+    run: RunRow
+    entry: DlqEntry
+
+
 class DeadLetterSystem:
+    PAGE = 100
+
     def __init__(self, resources: SystemResources) -> None:
         self.r = resources
 
@@ -76,3 +88,54 @@ class DeadLetterSystem:
                 await self.r.enqueue_items([s.enqueue.item_for(result.run, reset_deliveries=True)])
         self.r.events.emit(RunEvent("run_redriven", run_id, env_id, result.snapshot.id))
         return result.snapshot.id
+
+    @staticmethod
+    def _matches(e: DlqEntry, tasks: Collection[str], queues: Collection[str]) -> bool:
+        return (not tasks or e.task in tasks) and (not queues or e.queue in queues)
+
+    async def list_dead(self, env_id: str, size: int, after: str | None = None, tasks: Collection[str] = (),
+                        queues: Collection[str] = ()) -> tuple[list[DeadRun], bool]:
+        """Up to ``size`` dead-lettered runs matching the filters (empty: all), oldest first, after
+        the run id ``after``; and whether more follow. An entry whose run is gone (deleted by
+        retention before its entry was) is dropped on the way."""
+        queue = self.r.queue
+        cursor: str | DlqEntry | None = after
+        found: list[DeadRun] = []
+        while True:
+            entries = await queue.list_dlq(env_id, limit=self.PAGE, after=cursor)
+            for e in entries:
+                if not self._matches(e, tasks, queues):
+                    continue
+                if len(found) == size:
+                    return found, True
+                run = await self.r.repo.get_run(e.run_id, env_id)
+                if run is None:
+                    await queue.forget_dead(env_id, e.run_id)
+                else:
+                    found.append(DeadRun(run, e))
+            if len(entries) < self.PAGE:
+                return found, False
+            cursor = entries[-1]  # its place, even if it left the DLQ meanwhile
+
+    async def redrive_all(self, env_id: str, tasks: Collection[str] = (), queues: Collection[str] = ()) -> int:
+        """Redrive every matching dead-lettered run, through the whole DLQ however many entries do
+        not match; returns how many went back to their queues."""
+        queue = self.r.queue
+        count = 0
+        cursor: DlqEntry | None = None
+        while True:
+            entries = await queue.list_dlq(env_id, limit=self.PAGE, after=cursor)
+            for e in entries:
+                if not self._matches(e, tasks, queues):
+                    continue
+                try:
+                    await self.redrive(env_id, e.run_id)
+                    count += 1
+                except (NotFoundError, InvalidTransitionError):
+                    # deleted by retention before its entry was, or it left the DLQ another way
+                    # meanwhile: drop the entry if it is still there
+                    await queue.forget_dead(env_id, e.run_id)
+            if len(entries) < self.PAGE:
+                return count
+            cursor = entries[-1]
+

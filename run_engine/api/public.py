@@ -32,8 +32,7 @@ from run_engine.api.openapi import PAGE, Query, csv, operation
 from run_engine.api.serialize import iso, pagination, run_object
 from run_engine.db.repository import RunRow
 from run_engine.engine import TriggerRequest
-from run_engine.errors import InvalidTransitionError, NotFoundError
-from run_engine.run_queue.models import DlqEntry
+from run_engine.errors import InvalidTransitionError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 
@@ -323,27 +322,10 @@ async def list_dlq(request: Request) -> Response:
     auth = await ctx.env_auth(request)
     size = _page_size(request)
     tasks, queues = set(_csv(request, "filter[taskIdentifier]")), set(_csv(request, "filter[queue]"))
-    after: str | DlqEntry | None = request.query_params.get("page[after]")
-    data: list[dict[str, Any]] = []
-    more = False
-    while True:
-        entries = await ctx.engine.resources.queue.list_dlq(auth.env_id, limit=100, after=after)
-        for e in entries:
-            if (tasks and e.task not in tasks) or (queues and e.queue not in queues):
-                continue
-            if len(data) == size:
-                more = True
-                break
-            run = await ctx.engine.get_run(e.run_id, auth.env_id)
-            if run is None:  # deleted by retention before its entry was: forget the entry
-                await ctx.engine.resources.queue.forget_dead(auth.env_id, e.run_id)
-            else:
-                data.append({"run": run_object(run), "reason": e.reason, "deadAt": iso(_ms(e.dead_at_ms)),
-                             "deliveries": e.deliveries})
-        if more or len(entries) < 100:
-            break
-        after = entries[-1]
-    return json_response({"data": data, "pagination": pagination(data[-1]["run"]["id"] if more and data else None)})
+    dead, more = await ctx.engine.list_dead(auth.env_id, size, request.query_params.get("page[after]"), tasks, queues)
+    data = [{"run": run_object(d.run), "reason": d.entry.reason, "deadAt": iso(_ms(d.entry.dead_at_ms)),
+             "deliveries": d.entry.deliveries} for d in dead]
+    return json_response({"data": data, "pagination": pagination(dead[-1].run.id if more and dead else None)})
 
 
 def _ms(ms: int) -> datetime:
@@ -369,24 +351,8 @@ async def redrive_all(request: Request) -> Response:
     ctx = _ctx(request)
     auth = await ctx.env_auth(request)
     req = await body(request, RedriveAllBody, required=False)
-    queue = ctx.engine.resources.queue
-    count = 0
-    after: DlqEntry | None = None  # the last entry seen
-    while True:
-        entries = await queue.list_dlq(auth.env_id, limit=100, after=after)
-        for e in entries:
-            if req.taskIdentifier in (None, e.task) and req.queue in (None, e.queue):
-                try:
-                    await ctx.engine.redrive(auth.env_id, e.run_id)
-                    count += 1
-                except (NotFoundError, InvalidTransitionError):
-                    # deleted by retention before its entry was, or it left the DLQ another way
-                    # meanwhile: drop the entry if it is still there
-                    await queue.forget_dead(auth.env_id, e.run_id)
-        if entries:
-            after = entries[-1]
-        if len(entries) < 100:
-            break
+    count = await ctx.engine.redrive_all(auth.env_id, [req.taskIdentifier] if req.taskIdentifier is not None else (),
+                                         [req.queue] if req.queue is not None else ())
     return json_response({"redriven": count})
 
 
