@@ -24,14 +24,14 @@ from run_engine.locking import RunLocker
 from run_engine.run_queue import Handed, RunQueue
 from run_engine.settings import EngineSettings
 from run_engine.statuses import RunStatus
+from systems import engine_jobs as J
 from systems.dead_letter import DeadRun
 from systems.dequeue import DequeuedRun
-from systems.enqueue import DELAYED_JOB, TTL_JOB, TriggeredRun, TriggerRequest
-from systems.execution_snapshot import HEARTBEAT_JOB
+from systems.enqueue import TriggeredRun, TriggerRequest
 from systems.registry import Systems
 from systems.resources import SystemResources
-from systems.run_attempt import MAX_DURATION_JOB, AttemptOutcome, StartedAttempt
-from systems.waitpoints import DATETIME_JOB, SWEEP_JOB, SWEEP_JOB_ID, TIMEOUT_JOB, BlockOutcome
+from systems.run_attempt import AttemptOutcome, StartedAttempt
+from systems.waitpoints import BlockOutcome
 
 __all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome"]
 
@@ -44,9 +44,9 @@ class RunEngine:
         self.events = resources.events
         self.jobs = JobWorker(
             resources.jobs,
-            {HEARTBEAT_JOB: self._on_heartbeat_job, MAX_DURATION_JOB: self._on_max_duration_job,
-             DATETIME_JOB: self._on_datetime_job, TIMEOUT_JOB: self._on_timeout_job, SWEEP_JOB: self._on_sweep_job,
-             DELAYED_JOB: self._on_delayed_job, TTL_JOB: self._on_ttl_job},
+            {J.HEARTBEAT: self._on_heartbeat_job, J.MAX_DURATION: self._on_max_duration_job,
+             J.WAITPOINT_DATETIME: self._on_datetime_job, J.WAITPOINT_TIMEOUT: self._on_timeout_job,
+             J.WAITPOINT_SWEEP: self._on_sweep_job, J.DELAYED: self._on_delayed_job, J.TTL: self._on_ttl_job},
             concurrency=resources.settings.job_concurrency,
             poll_interval_s=resources.settings.job_poll_interval_s,
         )
@@ -237,7 +237,7 @@ class RunEngine:
 
     async def _schedule_sweep(self) -> None:
         interval = self.resources.settings.waitpoint_sweep_interval_s
-        await self.resources.jobs.schedule(SWEEP_JOB_ID, SWEEP_JOB, {}, self.resources.clock.now() + interval)
+        await self.resources.jobs.schedule(*J.sweep(self.resources.clock.now() + interval))
 
     async def _on_sweep_job(self, job: Job) -> None:
         try:

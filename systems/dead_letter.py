@@ -12,7 +12,7 @@ from run_engine.errors import InvalidTransitionError, NotFoundError
 from run_engine.events import RunEvent
 from run_engine.run_queue.models import DlqEntry
 from run_engine.statuses import ExecutionStatus, RunStatus
-from systems.execution_snapshot import heartbeat_job_id
+from systems import engine_jobs
 from systems.resources import SystemResources
 
 E = ExecutionStatus
@@ -48,7 +48,7 @@ class DeadLetterSystem:
                 expected_snapshot_id=latest.id, operation="dead-letter", description="Moved to the DLQ",
                 set_finished=True, error=DLQ_ERROR,
             )
-            await self.r.jobs.ack_many([heartbeat_job_id(run_id, latest.id)])
+            await self.r.jobs.ack_many([engine_jobs.heartbeat_id(run_id, latest.id)])
             assert result.snapshot is not None and result.run is not None
             if result.run.resume_parent_on_completion:
                 await s.waitpoints.on_runs_finished([result.run])
@@ -62,7 +62,7 @@ class DeadLetterSystem:
             expected_snapshot_id=latest.id, operation="requeue",
             description="Requeued: the attempt did not start in time",
         )
-        await self.r.jobs.ack_many([heartbeat_job_id(run_id, latest.id)])
+        await self.r.jobs.ack_many([engine_jobs.heartbeat_id(run_id, latest.id)])
         assert result.snapshot is not None
         self.r.events.emit(RunEvent("run_requeued", run_id, run.environment_id, result.snapshot.id,
                                     {"deliveries": outcome.deliveries}))

@@ -10,7 +10,7 @@ from run_engine.db.repository import RunRow
 from run_engine.errors import InvalidTransitionError, NotFoundError
 from run_engine.events import RunEvent
 from run_engine.statuses import ExecutionStatus, RunStatus
-from systems.enqueue import DELAYED_JOB, TTL_JOB
+from systems import engine_jobs
 from systems.resources import SystemResources
 
 E = ExecutionStatus
@@ -71,9 +71,9 @@ class DelayedRunSystem:
             await self._s.snapshots.apply(
                 run_id, E.DELAYED, RunStatus.DELAYED, from_statuses=(E.DELAYED,), expected_snapshot_id=latest.id,
                 operation="reschedule", description=f"Rescheduled to {delay_until.isoformat()}")
-            jobs = [(f"delay.{run_id}", DELAYED_JOB, {"run_id": run_id}, delay_until.timestamp())]
+            jobs = [engine_jobs.delayed(run_id, delay_until.timestamp())]
             if run.ttl_s is not None:
-                jobs.append((f"ttl.{run_id}", TTL_JOB, {"run_id": run_id}, delay_until.timestamp() + run.ttl_s))
+                jobs.append(engine_jobs.ttl(run_id, delay_until.timestamp() + run.ttl_s))
             await self.r.change_jobs(schedule=jobs)
             fresh = await self.r.repo.get_run(run_id)
         assert fresh is not None

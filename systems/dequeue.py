@@ -17,7 +17,7 @@ from run_engine.ids import new_id
 from run_engine.run_queue import Handed
 from run_engine.run_queue.models import DequeuedMessage
 from run_engine.statuses import DEQUEUEABLE, ExecutionStatus, RunStatus
-from systems.execution_snapshot import HEARTBEAT_JOB, heartbeat_job_id
+from systems import engine_jobs
 from systems.resources import SystemResources
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,7 @@ class DequeueSystem:
             timeout = self.r.settings.pending_executing_timeout_s
             await self.r.jobs.schedule_many(
                 [
-                    (heartbeat_job_id(d.run.id, d.snapshot.id), HEARTBEAT_JOB,
-                     {"run_id": d.run.id, "snapshot_id": d.snapshot.id}, self.r.clock.now() + timeout)
+                    engine_jobs.heartbeat(d.run.id, d.snapshot.id, self.r.clock.now() + timeout)
                     for d in dequeued
                 ]
             )

@@ -15,11 +15,10 @@ from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.run_queue import EnqueueItem, RateLimit
 from run_engine.statuses import ExecutionStatus, RunStatus
+from systems import engine_jobs
 from systems.resources import SystemResources
 
 log = logging.getLogger(__name__)
-DELAYED_JOB = "enqueue_delayed"
-TTL_JOB = "expire_ttl"
 DEFAULT_IDEMPOTENCY_TTL_S = 30 * 86400
 
 
@@ -187,10 +186,10 @@ class EnqueueSystem:
             ttl_s = self._ttl(req.ttl_s)
             run_id = req.run_id or new_id("run")
             if delayed and req.delay_until is not None:
-                jobs.append((f"delay.{run_id}", DELAYED_JOB, {"run_id": run_id}, req.delay_until.timestamp()))
+                jobs.append(engine_jobs.delayed(run_id, req.delay_until.timestamp()))
             if ttl_s is not None:
                 start = req.delay_until.timestamp() if delayed and req.delay_until else now
-                jobs.append((f"ttl.{run_id}", TTL_JOB, {"run_id": run_id}, start + ttl_s))
+                jobs.append(engine_jobs.ttl(run_id, start + ttl_s))
             if req.idempotency_key is not None:
                 keyed.setdefault(req.env_id, []).append((req.task_id, req.idempotency_key))
             run = NewRun(

@@ -7,13 +7,9 @@ from run_engine.db.repository import Snapshot, Transition, TransitionResult
 from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError
 from run_engine.ids import new_id
 from run_engine.statuses import ExecutionStatus, RunStatus
-from systems.resources import JobSpec, SystemResources
-
-HEARTBEAT_JOB = "heartbeat_timeout"
-
-
-def heartbeat_job_id(run_id: str, snapshot_id: str) -> str:
-    return f"hb.{run_id}.{snapshot_id}"
+from systems import engine_jobs
+from systems.engine_jobs import JobSpec
+from systems.resources import SystemResources
 
 
 class ExecutionSnapshotSystem:
@@ -69,21 +65,16 @@ class ExecutionSnapshotSystem:
         cancel: list[str] = []
         schedule: list[JobSpec] = []
         if previous_snapshot_id and previous_status and self.r.settings.heartbeat_timeout_s(ExecutionStatus(previous_status)):
-            cancel.append(heartbeat_job_id(snapshot.run_id, previous_snapshot_id))
+            cancel.append(engine_jobs.heartbeat_id(snapshot.run_id, previous_snapshot_id))
         timeout = self.r.settings.heartbeat_timeout_s(ExecutionStatus(snapshot.engine_status))
         if timeout is not None:
-            schedule.append((
-                heartbeat_job_id(snapshot.run_id, snapshot.id),
-                HEARTBEAT_JOB,
-                {"run_id": snapshot.run_id, "snapshot_id": snapshot.id},
-                self.r.clock.now() + timeout,
-            ))
+            schedule.append(engine_jobs.heartbeat(snapshot.run_id, snapshot.id, self.r.clock.now() + timeout))
         return cancel, schedule
 
     async def heartbeat(self, run_id: str, snapshot_id: str) -> None:
         """Push back the run's timeout; no lock, no PostgreSQL write. A heartbeat for a snapshot
         that is no longer the latest raises :class:`StaleSnapshotError`."""
-        moved = await self.r.jobs.reschedule(heartbeat_job_id(run_id, snapshot_id), self._deadline_unknown())
+        moved = await self.r.jobs.reschedule(engine_jobs.heartbeat_id(run_id, snapshot_id), self._deadline_unknown())
         if moved:
             return
         latest = await self.r.repo.latest_snapshot(run_id)

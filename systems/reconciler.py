@@ -27,10 +27,9 @@ from typing import TypeVar
 
 from run_engine.db.repository import RunRow, Snapshot
 from run_engine.statuses import ExecutionStatus
-from systems.enqueue import DELAYED_JOB, TTL_JOB
-from systems.resources import JobSpec, SystemResources
-from systems.run_attempt import MAX_DURATION_JOB, max_duration_job_id
-from systems.waitpoints import DATETIME_JOB, SWEEP_JOB, SWEEP_JOB_ID, TIMEOUT_JOB
+from systems import engine_jobs
+from systems.engine_jobs import JobSpec
+from systems.resources import SystemResources
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -184,7 +183,7 @@ class Reconciler:
         now = self.r.clock.now()
         total = 0
         total += await self._schedule_missing(  # the sweeper re-arms itself, from the first one on
-            [(SWEEP_JOB_ID, SWEEP_JOB, {}, now + self.r.settings.waitpoint_sweep_interval_s)])
+            [engine_jobs.sweep(now + self.r.settings.waitpoint_sweep_interval_s)])
         async def active(after: str, limit: int) -> list[tuple[RunRow, Snapshot]]:
             return await self.r.repo.active_runs_page(after, grace, limit)
 
@@ -200,19 +199,19 @@ class Reconciler:
             wanted = []
             for run in runs:
                 if run.status == "DELAYED" and run.delay_until is not None:
-                    wanted.append((f"delay.{run.id}", DELAYED_JOB, {"run_id": run.id}, run.delay_until.timestamp()))
+                    wanted.append(engine_jobs.delayed(run.id, run.delay_until.timestamp()))
                 if run.ttl_s is not None and run.attempt_number == 0:
                     start = run.delay_until or run.created_at
-                    wanted.append((f"ttl.{run.id}", TTL_JOB, {"run_id": run.id}, start.timestamp() + run.ttl_s))
+                    wanted.append(engine_jobs.ttl(run.id, start.timestamp() + run.ttl_s))
             total += await self._schedule_missing(wanted)
         async for waitpoints in self._pages("timed waitpoints", self.r.repo.waitpoints.timed_waitpoints_page,
                                             lambda row: row[0], full):
             wanted = []
             for wp_id, kind, completed_after, timeout_at in waitpoints:
                 if kind == "DATETIME" and completed_after is not None:
-                    wanted.append((f"wpdt.{wp_id}", DATETIME_JOB, {"waitpoint_id": wp_id}, completed_after.timestamp()))
+                    wanted.append(engine_jobs.waitpoint_datetime(wp_id, completed_after.timestamp()))
                 if timeout_at is not None:
-                    wanted.append((f"wpto.{wp_id}", TIMEOUT_JOB, {"waitpoint_id": wp_id}, timeout_at.timestamp()))
+                    wanted.append(engine_jobs.waitpoint_timeout(wp_id, timeout_at.timestamp()))
             total += await self._schedule_missing(wanted)
         if total:
             log.warning("reconciler: re-armed %d lost engine jobs", total)
@@ -232,8 +231,7 @@ class Reconciler:
                 # the attempt began at or before its latest snapshot: never later than this
                 deadline = max(now, snapshot.created_at.timestamp() + max_duration
                                + self.r.settings.max_duration_grace_s)
-                wanted.append((max_duration_job_id(run.id, run.attempt_number), MAX_DURATION_JOB,
-                               {"run_id": run.id, "attempt": run.attempt_number}, deadline))
+                wanted.append(engine_jobs.max_duration(run.id, run.attempt_number, deadline))
         return wanted
 
     async def _schedule_missing(self, wanted: list[JobSpec]) -> int:

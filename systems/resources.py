@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from run_engine.batching import Batcher
 from run_engine.clock import Clock
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from systems.registry import Systems
 
 
-JobSpec = tuple[str, str, dict[str, Any], float]  # id, kind, payload, run-at
+from systems.engine_jobs import JobSpec
 
 
 @dataclass(frozen=True, slots=True)

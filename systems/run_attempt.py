@@ -14,11 +14,10 @@ from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapsh
 from run_engine.events import RunEvent
 from run_engine.settings import RetryPolicy
 from run_engine.statuses import EXECUTING, ExecutionStatus, RunStatus
-from systems.execution_snapshot import heartbeat_job_id
+from systems import engine_jobs
 from systems.resources import SystemResources
 
 E = ExecutionStatus
-MAX_DURATION_JOB = "max_duration"
 
 #: error ``type`` values with a fixed meaning
 ERROR_TIMED_OUT = "MAX_DURATION_EXCEEDED"
@@ -44,9 +43,6 @@ class AttemptOutcome:
     delay_ms: int | None = None
 
 
-def max_duration_job_id(run_id: str, attempt: int) -> str:
-    """One max-duration job per attempt: it survives the attempt's waits and continuations."""
-    return f"maxdur.{run_id}.{attempt}"
 
 
 class RunAttemptSystem:
@@ -78,9 +74,6 @@ class RunAttemptSystem:
             policy = RetryPolicy.from_json({"max_attempts": run.max_attempts}, policy)
         return policy
 
-    def max_duration_job(self, run: RunRow) -> str:
-        return max_duration_job_id(run.id, run.attempt_number)
-
     async def start_attempt(self, run_id: str, snapshot_id: str, worker_id: str | None = None) -> StartedAttempt:
         """Start the next attempt of a dequeued run; a run restored from a checkpoint (dequeued
         after a suspension) resumes its attempt instead, by journal replay."""
@@ -95,18 +88,16 @@ class RunAttemptSystem:
             run, snapshot = result.run, result.snapshot
             cancel, schedule = self._s.snapshots.rearm(snapshot_id, E.PENDING_EXECUTING, snapshot)
             if run.ttl_s is not None and run.attempt_number == 1:
-                cancel.append(f"ttl.{run_id}")  # started in time: the TTL no longer applies
+                cancel.append(engine_jobs.ttl_id(run_id))  # started in time: the TTL no longer applies
             policy = await self.retry_policy(run)
             max_duration = run.max_duration_s
             if max_duration is None:
                 task = await self.deployment_task(run)
                 max_duration = task["max_duration_s"] if task else None
             if max_duration:
-                schedule.append((
-                    self.max_duration_job(run), MAX_DURATION_JOB,
-                    {"run_id": run_id, "attempt": run.attempt_number},
-                    self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s,
-                ))
+                # one job per attempt: it survives the attempt's waits and continuations
+                schedule.append(engine_jobs.max_duration(
+                    run_id, run.attempt_number, self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s))
             await self.r.change_jobs(cancel, schedule)
         self.r.events.emit(RunEvent("attempt_started", run_id, run.environment_id, snapshot.id,
                                     {"attempt": run.attempt_number}))
@@ -199,16 +190,16 @@ class RunAttemptSystem:
         assert result.run is not None and result.snapshot is not None
         run = result.run
         previous = result.snapshot.previous_snapshot_id
-        cancel = [heartbeat_job_id(run.id, previous)] if previous else []
+        cancel = [engine_jobs.heartbeat_id(run.id, previous)] if previous else []
         if run.attempt_number:
-            cancel.append(self.max_duration_job(run))
+            cancel.append(engine_jobs.max_duration_id(run.id, run.attempt_number))
         await asyncio.gather(self.r.acks.submit((run.environment_id, run.id, run.worker_group_id)),
                              self.r.change_jobs(cancel))
         if run.resume_parent_on_completion:
             await self._s.waitpoints.on_runs_finished([run])
 
     async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str, attempt: int) -> None:
-        await self.r.change_jobs([heartbeat_job_id(run_id, snapshot_id), max_duration_job_id(run_id, attempt)])
+        await self.r.change_jobs([engine_jobs.heartbeat_id(run_id, snapshot_id), engine_jobs.max_duration_id(run_id, attempt)])
 
     async def finish_cancel_requested(self, run_id: str, pending_cancel_snapshot_id: str) -> AttemptOutcome:
         return await self.finish(run_id, RunStatus.CANCELED, expected_snapshot_id=pending_cancel_snapshot_id,

@@ -26,15 +26,12 @@ from run_engine.errors import DuplicateExecutionError, InvalidTransitionError, S
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.statuses import ExecutionStatus, RunStatus
+from systems import engine_jobs
 from systems.resources import SystemResources
 
 log = logging.getLogger(__name__)
 E = ExecutionStatus
 
-DATETIME_JOB = "waitpoint_datetime"
-TIMEOUT_JOB = "waitpoint_timeout"
-SWEEP_JOB = "waitpoint_sweep"
-SWEEP_JOB_ID = "sweep.waitpoints"
 
 BLOCKED = (E.EXECUTING_WITH_WAITPOINTS, E.SUSPENDED)
 TOKEN_TIMEOUT_ERROR = {"type": "WAITPOINT_TIMEOUT", "message": "The token timed out before it was completed"}
@@ -86,8 +83,7 @@ class WaitpointSystem:
             idempotency_key_expires_at=self._at(idempotency_key_ttl_s or 30 * 86400) if idempotency_key else None,
             timeout_at=self._at(timeout_s) if timeout_s is not None else None, tags=tuple(tags)), self._at(0))
         if not cached and wp.timeout_at is not None:
-            await self.r.change_jobs(schedule=[(f"wpto.{wp.id}", TIMEOUT_JOB, {"waitpoint_id": wp.id},
-                                                wp.timeout_at.timestamp())])
+            await self.r.change_jobs(schedule=[engine_jobs.waitpoint_timeout(wp.id, wp.timeout_at.timestamp())])
         return wp, cached
 
     async def create_datetime(self, env_id: str, at: datetime, *, idempotency_key: str | None = None) -> Waitpoint:
@@ -97,8 +93,7 @@ class WaitpointSystem:
             idempotency_key=idempotency_key,
             idempotency_key_expires_at=at + timedelta(days=1) if idempotency_key else None), self._at(0))
         if not cached:
-            await self.r.change_jobs(schedule=[(f"wpdt.{wp.id}", DATETIME_JOB, {"waitpoint_id": wp.id},
-                                                at.timestamp())])
+            await self.r.change_jobs(schedule=[engine_jobs.waitpoint_datetime(wp.id, at.timestamp())])
         return wp
 
     # --- completing ---------------------------------------------------------------------------
@@ -107,7 +102,8 @@ class WaitpointSystem:
         """Complete one waitpoint; False when it was already complete (the first output stays)."""
         completed, runs = await self._completions.submit(Completion(output, is_error, id=waitpoint_id))
         if completed:
-            await asyncio.gather(self.r.change_jobs(cancel=[f"wpto.{waitpoint_id}", f"wpdt.{waitpoint_id}"]),
+            await asyncio.gather(self.r.change_jobs(cancel=[engine_jobs.waitpoint_timeout_id(waitpoint_id),
+                                                              engine_jobs.waitpoint_datetime_id(waitpoint_id)]),
                                  *(self.try_continue(run_id) for run_id in runs))
         return completed
 
@@ -237,7 +233,7 @@ class WaitpointSystem:
             await asyncio.gather(
                 self.r.acks.submit((run.environment_id, run.id, run.worker_group_id)),
                 self._s.snapshots.after_transition(snapshot_id, latest.engine_status, snapshot),
-                self.r.change_jobs(cancel=[self._s.run_attempt.max_duration_job(run)]),
+                self.r.change_jobs(cancel=[engine_jobs.max_duration_id(run.id, run.attempt_number)]),
             )
             self.r.events.emit(RunEvent("run_suspended", run_id, run.environment_id, snapshot.id,
                                         {"checkpoint": checkpoint_id}))

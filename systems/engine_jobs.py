@@ -1,0 +1,75 @@
+"""The catalogue of engine jobs: every kind, how its fixed id is built and its payload.
+
+A job's id is fixed by what it is about (a run, a snapshot, an attempt, a waitpoint), so that
+scheduling it again replaces it (debouncing) and the reconciler can ask Redis whether it is there.
+Each builder returns a :data:`JobSpec` ready for ``SystemResources.change_jobs``; the engine maps
+each kind to its handler (``RunEngine``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+JobSpec = tuple[str, str, dict[str, Any], float]  # id, kind, payload, run-at (epoch s)
+
+HEARTBEAT = "heartbeat_timeout"  # a held run's heartbeat timed out (payload: run_id, snapshot_id)
+MAX_DURATION = "max_duration"  # an attempt ran past its task's maxDuration (run_id, attempt)
+DELAYED = "enqueue_delayed"  # a DELAYED run is due (run_id)
+TTL = "expire_ttl"  # a run not started within its TTL expires (run_id)
+WAITPOINT_DATETIME = "waitpoint_datetime"  # a DATETIME waitpoint is due (waitpoint_id)
+WAITPOINT_TIMEOUT = "waitpoint_timeout"  # a waitpoint with a timeout timed out (waitpoint_id)
+WAITPOINT_SWEEP = "waitpoint_sweep"  # the sweeper: RUN/BATCH waitpoints whose completion was lost
+SWEEP_ID = "sweep.waitpoints"
+
+KINDS = (HEARTBEAT, MAX_DURATION, DELAYED, TTL, WAITPOINT_DATETIME, WAITPOINT_TIMEOUT, WAITPOINT_SWEEP)
+
+
+def heartbeat_id(run_id: str, snapshot_id: str) -> str:
+    return f"hb.{run_id}.{snapshot_id}"
+
+
+def heartbeat(run_id: str, snapshot_id: str, at: float) -> JobSpec:
+    return heartbeat_id(run_id, snapshot_id), HEARTBEAT, {"run_id": run_id, "snapshot_id": snapshot_id}, at
+
+
+def max_duration_id(run_id: str, attempt: int) -> str:
+    return f"maxdur.{run_id}.{attempt}"
+
+
+def max_duration(run_id: str, attempt: int, at: float) -> JobSpec:
+    return max_duration_id(run_id, attempt), MAX_DURATION, {"run_id": run_id, "attempt": attempt}, at
+
+
+def delayed_id(run_id: str) -> str:
+    return f"delay.{run_id}"
+
+
+def delayed(run_id: str, at: float) -> JobSpec:
+    return delayed_id(run_id), DELAYED, {"run_id": run_id}, at
+
+
+def ttl_id(run_id: str) -> str:
+    return f"ttl.{run_id}"
+
+
+def ttl(run_id: str, at: float) -> JobSpec:
+    return ttl_id(run_id), TTL, {"run_id": run_id}, at
+
+
+def waitpoint_datetime_id(waitpoint_id: str) -> str:
+    return f"wpdt.{waitpoint_id}"
+
+
+def waitpoint_datetime(waitpoint_id: str, at: float) -> JobSpec:
+    return waitpoint_datetime_id(waitpoint_id), WAITPOINT_DATETIME, {"waitpoint_id": waitpoint_id}, at
+
+
+def waitpoint_timeout_id(waitpoint_id: str) -> str:
+    return f"wpto.{waitpoint_id}"
+
+
+def waitpoint_timeout(waitpoint_id: str, at: float) -> JobSpec:
+    return waitpoint_timeout_id(waitpoint_id), WAITPOINT_TIMEOUT, {"waitpoint_id": waitpoint_id}, at
+
+
+def sweep(at: float) -> JobSpec:
+    return SWEEP_ID, WAITPOINT_SWEEP, {}, at
