@@ -1,7 +1,11 @@
 """Lua scripts from ``lua/*.lua``: loaded once, called by SHA, reloaded on NOSCRIPT.
 
-One :class:`LuaScript` per file. Callers pass every key in ``keys`` (built by a key producer), so
-a script touches only keys it was given and, with hash tags, one cluster slot.
+One :class:`LuaScript` per file; a file may start with ``-- include: <lib>`` to share helpers.
+The lock, job and rate-limit scripts are given every key they touch in ``KEYS``. The run-queue
+scripts are given one key of their shard in ``KEYS`` and the shard's base (``<prefix>:{rq:N}``) in
+``ARGV[1]``, and build the other keys from it, as ``lua/queue_lib.lua`` lays them out
+(``run_engine/run_queue/keys.py`` builds the same names; a test checks they agree): every one of them
+carries the shard's hash tag, so a script touches one cluster slot, the slot of its declared key.
 """
 
 from __future__ import annotations

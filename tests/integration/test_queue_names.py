@@ -7,6 +7,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from run_engine.run_queue import EnqueueItem, RunQueue
+from run_engine.run_queue.keys import encode_name
 
 NOW = 1_700_000_000_000
 
@@ -85,3 +86,29 @@ async def test_placements_find_runs_lost_from_their_set(q: RunQueue) -> None:
     await q.redis.zrem(q.keys.delayed(0), "p3")
     assert await q.placements([("envL", "p1"), ("envL", "p2"), ("envL", "p3"), ("envL", "nope")]) == \
         ["lost", "ready", "lost", None]
+
+
+async def test_the_scripts_write_the_keys_that_queue_keys_builds(q: RunQueue) -> None:
+    """run_queue/keys.py and lua/queue_lib.lua agree on the key layout: each key the scripts
+    write for a run is the one QueueKeys builds (names with every escaped character included), and
+    every key of the prefix is one of them or a group index key."""
+    env, queue, ck, wg, run = "env:%a", "task/q:%\x00x", "c:k%", "wg:1", "run:1"
+    k = q.keys
+    await q.enqueue([EnqueueItem(run, env, queue, wg, NOW, concurrency_key=ck)], NOW)
+    redis = q.redis
+    assert await redis.hget(k.message(env, run), "state") in (b"ready", "ready")
+    assert await redis.zscore(k.ready(env, wg, queue, ck), encode_name(run)) is not None
+    assert int(await redis.hget(f"{k.env(env)}:meta", "queued")) == 1
+    assert int(await redis.hget(f"{k.queue(env, queue)}:meta", "queued")) == 1
+    (m,) = await q.dequeue(wg, 1, NOW)
+    assert m.run_id == run and m.queue == queue and m.concurrency_key == ck and m.env_id == env
+    for slots in (f"{k.env(env)}:running", f"{k.queue(env, queue)}:running", f"{k.key(env, queue, ck)}:running"):
+        assert await redis.sismember(slots, encode_name(run)), slots
+    assert await q.running_ids(env) == {run}
+    await q.dead_letter(env, run, "test", NOW)
+    assert await redis.zscore(f"{k.env(env)}:dlq", encode_name(run)) is not None
+    base = k.base_for(env)
+    known = (k.message(env, run), k.delayed(k.shard_of(env)), k.env(env), f"{base}:g:{encode_name(wg)}")
+    async for key in redis.scan_iter(match=f"{q.prefix}:*"):
+        name = key.decode() if isinstance(key, bytes) else key
+        assert name.startswith(known), name
