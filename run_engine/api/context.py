@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 
 from run_engine.api.http import ApiError, TtlCache, bearer
@@ -53,6 +54,14 @@ class ApiContext:
     _envs: TtlCache = field(default_factory=TtlCache)
     _groups: TtlCache = field(default_factory=TtlCache)
     _run_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def check_size(self, value: Any, field: str, encoded: bytes | None = None) -> None:
+        """413 when ``value`` (or its JSON ``encoded`` already) is over the payload limit."""
+        if value is None:
+            return
+        limit = self.engine.resources.settings.max_payload_bytes
+        if len(encoded if encoded is not None else orjson.dumps(value)) > limit:
+            raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
 
     def remember_run_group(self, run_id: str, group_id: str, env_id: str) -> None:
         if len(self._run_groups) > 100_000:
@@ -162,3 +171,10 @@ def worker_bucket(group: dict[str, Any]) -> str:
     """A worker token's share of the limits: its group (and environment, for a scoped token)."""
     scoped = group.get("scoped_environment_id")
     return f"wg:{group['id']}" + (f":{scoped}" if scoped else "")
+
+
+def ctx_of(request: Request) -> ApiContext:
+    """The API context of the app serving ``request``."""
+    ctx: ApiContext = request.app.state.ctx
+    return ctx
+

@@ -12,7 +12,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from run_engine.api import schemas as S
-from run_engine.api.context import RUN_TOKEN_SCOPE, ApiContext, EnvAuth
+from run_engine.api.context import RUN_TOKEN_SCOPE, ApiContext, EnvAuth, ctx_of
 from run_engine.api.http import ApiError, body, json_response
 from run_engine.api.inputs import looks_like_id, unstorable
 from run_engine.api.models import (
@@ -36,11 +36,6 @@ from run_engine.errors import InvalidTransitionError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 
-def _ctx(request: Request) -> ApiContext:
-    ctx: ApiContext = request.app.state.ctx
-    return ctx
-
-
 def _decode_payload(payload: Any, payload_type: str | None, field: str) -> Any:
     """Trigger.dev's SDK sends JSON (or superjson) payloads as strings: decode them."""
     if isinstance(payload, str) and payload_type in ("application/json", "application/super+json"):
@@ -54,12 +49,6 @@ def _decode_payload(payload: Any, payload_type: str | None, field: str) -> Any:
             raise ApiError(400, "invalid_input", problem)
         return decoded
     return payload
-
-
-def _check_size(ctx: ApiContext, value: Any, field: str) -> None:
-    limit = ctx.engine.resources.settings.max_payload_bytes
-    if value is not None and len(orjson.dumps(value)) > limit:
-        raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
 
 
 def _parent(given: str | None, auth: EnvAuth, field: str) -> str | None:
@@ -77,8 +66,8 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
     o = options or TriggerOptions()
     at = "" if field == "body" else f"{field}."  # field paths as the client wrote them
     payload = _decode_payload(payload, o.payloadType, f"{at}payload")
-    _check_size(ctx, payload, f"{at}payload")
-    _check_size(ctx, o.metadata, f"{at}options.metadata")
+    ctx.check_size(payload, f"{at}payload")
+    ctx.check_size(o.metadata, f"{at}options.metadata")
     queue_name = o.queue.name if o.queue is not None and not isinstance(o.queue, str) else o.queue
     queue_limit = o.queue.concurrencyLimit if o.queue is not None and not isinstance(o.queue, str) else None
     retry = None
@@ -105,7 +94,7 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
 
 @operation("Trigger a run", S.Triggered, body=TriggerBody, security="apiKeyOrRunToken")
 async def trigger(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     task = request.path_params["task_id"]
     if not task or len(task) > 128:
@@ -135,7 +124,7 @@ async def _with_parent(ctx: ApiContext, auth: EnvAuth, req: TriggerRequest, fiel
 
 @operation("Trigger a batch of runs (1..1000 items)", S.BatchTriggered, body=BatchBody, security="apiKeyOrRunToken")
 async def batch_trigger(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     req = await body(request, BatchBody)
     batch_id = ctx.engine.new_batch_id()
@@ -152,7 +141,7 @@ async def batch_trigger(request: Request) -> Response:
 
 @operation("Get a batch", S.Batch, security="apiKeyOrRunToken")
 async def get_batch(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     batch_id = request.path_params["batch_id"]
     runs = await ctx.repo.list_runs(auth.env_id, batches=[batch_id], limit=1000) if looks_like_id(batch_id, "batch") else []
@@ -174,7 +163,7 @@ async def _own_run(ctx: ApiContext, auth: EnvAuth, run_id: str) -> RunRow:
 
 @operation("Get a run", S.Run, security="apiKeyOrRunToken")
 async def get_run(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     if auth.run_id is not None and auth.run_id not in (run.id, run.parent_run_id):
@@ -203,7 +192,7 @@ def _cursor(run: RunRow) -> str:
 
 @operation("List runs, newest first", S.RunList, query=(csv("filter[status]"), csv("filter[taskIdentifier]"), csv("filter[tag]"), csv("filter[queue]"), csv("filter[batch]"), *PAGE))
 async def list_runs(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     size = _page_size(request)
     statuses = _csv(request, "filter[status]")
@@ -227,7 +216,7 @@ async def list_runs(request: Request) -> Response:
 
 @operation("Cancel a run (and the children it waits on); no-op when finished", S.RunId)
 async def cancel_run(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     await ctx.engine.cancel(run.id)
@@ -236,7 +225,7 @@ async def cancel_run(request: Request) -> Response:
 
 @operation("Replay a run: a new run with the same task, payload and options", S.RunId)
 async def replay_run(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     new = await ctx.engine.trigger(TriggerRequest(
@@ -267,21 +256,21 @@ async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str) -> dict[str, Any
 
 @operation("List queues", S.QueueList)
 async def list_queues(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     return json_response({"data": [await _queue_object(ctx, r) for r in await ctx.repo.list_queues(auth.env_id)]})
 
 
 @operation("Get a queue", S.Queue)
 async def get_queue(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     return json_response(await _queue_object(ctx, await _queue_row(ctx, auth, request.path_params["name"])))
 
 
 @operation("Pause or resume a queue", S.Queue, body=PauseBody)
 async def pause_queue(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     name = request.path_params["name"]
     await _queue_row(ctx, auth, name)
@@ -295,7 +284,7 @@ async def pause_queue(request: Request) -> Response:
 
 @operation("Override the concurrency limit", S.Queue, body=ConcurrencyBody)
 async def override_concurrency(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     name = request.path_params["name"]
     await _queue_row(ctx, auth, name)
@@ -306,7 +295,7 @@ async def override_concurrency(request: Request) -> Response:
 
 @operation("Reset the concurrency limit to the deployed one", S.Queue)
 async def reset_concurrency(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     name = request.path_params["name"]
     await _queue_row(ctx, auth, name)
@@ -318,7 +307,7 @@ async def reset_concurrency(request: Request) -> Response:
 
 @operation("List dead-lettered runs", S.DlqList, query=(Query("filter[taskIdentifier]", {"type": "string", "maxLength": 4096}), Query("filter[queue]", {"type": "string", "maxLength": 4096}), *PAGE))
 async def list_dlq(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     size = _page_size(request)
     tasks, queues = set(_csv(request, "filter[taskIdentifier]")), set(_csv(request, "filter[queue]"))
@@ -336,7 +325,7 @@ def _ms(ms: int) -> datetime:
 
 @operation("Redrive one dead-lettered run", S.RunId)
 async def redrive_one(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     try:
@@ -348,7 +337,7 @@ async def redrive_one(request: Request) -> Response:
 
 @operation("Redrive every matching dead-lettered run", S.Redriven, body=RedriveAllBody, body_required=False)
 async def redrive_all(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     req = await body(request, RedriveAllBody, required=False)
     count = await ctx.engine.redrive_all(auth.env_id, [req.taskIdentifier] if req.taskIdentifier is not None else (),
@@ -358,7 +347,7 @@ async def redrive_all(request: Request) -> Response:
 
 @operation("Reschedule a delayed run (422 unless DELAYED)", S.Run, body=RescheduleBody)
 async def reschedule_run(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     req = await body(request, RescheduleBody)
@@ -374,14 +363,14 @@ async def reschedule_run(request: Request) -> Response:
 @operation("Why a QUEUED or DELAYED run has not started", S.Explanation)
 async def explain_run(request: Request) -> Response:
     """Why a QUEUED or DELAYED run has not started, with the numbers."""
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     return json_response(await ctx.engine.systems.explain.explain(auth.env_id, request.path_params["run_id"]))
 
 
 @operation("Replace a run's metadata", S.MetadataOut, body=MetadataBody, security="apiKeyOrRunToken")
 async def update_metadata(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     if auth.run_id is not None and auth.run_id != run.id:
@@ -396,7 +385,7 @@ async def update_metadata(request: Request) -> Response:
 
 @operation("Add tags to a run (at most 10)", S.TagsOut, body=TagsBody, security="apiKeyOrRunToken")
 async def add_tags(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     if auth.run_id is not None and auth.run_id != run.id:

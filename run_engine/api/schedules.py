@@ -11,17 +11,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from run_engine.api import schemas as S
-from run_engine.api.context import ApiContext
+from run_engine.api.context import ApiContext, ctx_of
 from run_engine.api.http import ApiError, body, json_response
 from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import ScheduleBody
 from run_engine.api.openapi import PAGE, operation
 from run_engine.api.serialize import iso, pagination
-
-
-def _ctx(request: Request) -> ApiContext:
-    ctx: ApiContext = request.app.state.ctx
-    return ctx
 
 
 def schedule_object(row: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +28,7 @@ def schedule_object(row: dict[str, Any]) -> dict[str, Any]:
 
 @operation("Create a cron schedule (the same deduplicationKey updates it)", S.Schedule, body=ScheduleBody)
 async def create_schedule(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     req = await body(request, ScheduleBody)
     row = await ctx.engine.systems.schedules.upsert(
@@ -44,7 +39,7 @@ async def create_schedule(request: Request) -> Response:
 
 @operation("List schedules", S.ScheduleList, query=PAGE)
 async def list_schedules(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     raw = request.query_params.get("page[size]", "25")
     if not raw.isdigit() or not 1 <= int(raw) <= 100:
@@ -72,14 +67,14 @@ async def _own(ctx: ApiContext, env_id: str, schedule_id: str) -> dict[str, Any]
 
 @operation("Get a schedule", S.Schedule)
 async def get_schedule(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     return json_response(schedule_object(await _own(ctx, auth.env_id, request.path_params["schedule_id"])))
 
 
 @operation("Delete a schedule", S.ScheduleDeleted)
 async def delete_schedule(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     row = await _own(ctx, auth.env_id, request.path_params["schedule_id"])
     await ctx.repo.delete_schedule(row["id"], auth.env_id)
@@ -87,7 +82,7 @@ async def delete_schedule(request: Request) -> Response:
 
 
 async def _set_active(request: Request, active: bool) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     row = await _own(ctx, auth.env_id, request.path_params["schedule_id"])
     return json_response(schedule_object(await ctx.engine.systems.schedules.set_active(auth.env_id, row["id"], active)))

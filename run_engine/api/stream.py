@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from run_engine.api.context import ApiContext
+from run_engine.api.context import ctx_of
 from run_engine.api.http import ApiError
 from run_engine.api.inputs import looks_like_id
 from run_engine.api.openapi import operation
@@ -25,18 +25,13 @@ RECHECK_S = 10.0  # a safety net only: changes arrive through RealtimeHub at onc
 KEEPALIVE_S = 15.0
 
 
-def _ctx(request: Request) -> ApiContext:
-    ctx: ApiContext = request.app.state.ctx
-    return ctx
-
-
 def _event(data: dict[str, object]) -> bytes:
     return b"event: run\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 @operation("Server-Sent Events: the run object on every status change", None, media="text/event-stream")
 async def run_stream(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     run_id = request.path_params["run_id"]
     if not looks_like_id(run_id, "run") or await ctx.engine.get_run(run_id, auth.env_id) is None:

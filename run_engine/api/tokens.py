@@ -6,13 +6,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from run_engine.api import schemas as S
-from run_engine.api.context import ApiContext
+from run_engine.api.context import ApiContext, ctx_of
 from run_engine.api.http import ApiError, body, json_response, read_json
 from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import TokenCompleteBody, TokenCreateBody, parse_duration_s
@@ -21,11 +20,6 @@ from run_engine.api.serialize import iso, pagination
 from run_engine.db.waitpoints import Waitpoint
 
 STATUSES = ("WAITING", "COMPLETED", "TIMED_OUT")
-
-
-def _ctx(request: Request) -> ApiContext:
-    ctx: ApiContext = request.app.state.ctx
-    return ctx
 
 
 def callback_url(ctx: ApiContext, waitpoint_id: str) -> str:
@@ -53,7 +47,7 @@ def token_object(ctx: ApiContext, wp: Waitpoint) -> dict[str, Any]:
 
 @operation("Create a waitpoint token", S.TokenCreated, body=TokenCreateBody, body_required=False, security="apiKeyOrRunToken")
 async def create_token(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     req = await body(request, TokenCreateBody, required=False)
     timeout_s = None
@@ -78,14 +72,14 @@ async def _own_token(ctx: ApiContext, env_id: str, waitpoint_id: str) -> Waitpoi
 
 @operation("Get a waitpoint token", S.Token, security="apiKeyOrRunToken")
 async def get_token(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     return json_response(token_object(ctx, await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"])))
 
 
 @operation("List waitpoint tokens", S.TokenList, query=(Query("filter[status]", {"type": "string", "maxLength": 64}), Query("filter[tags]", {"type": "string", "maxLength": 4096}), *PAGE))
 async def list_tokens(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     raw = request.query_params.get("page[size]", "25")
     if not raw.isdigit() or not 1 <= int(raw) <= 100:
@@ -120,16 +114,14 @@ async def list_tokens(request: Request) -> Response:
 
 
 async def _complete(ctx: ApiContext, wp: Waitpoint, data: Any) -> Response:
-    limit = ctx.engine.resources.settings.max_payload_bytes
-    if data is not None and len(orjson.dumps(data)) > limit:
-        raise ApiError(413, "payload_too_large", f"data: larger than {limit} bytes")
+    ctx.check_size(data, "data")
     await ctx.engine.waitpoints.complete(wp.id, data)
     return json_response({"success": True})
 
 
 @operation("Complete a token (the first completion wins)", S.Success, body=TokenCompleteBody, body_required=False, security="apiKeyOrRunToken")
 async def complete_token(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     wp = await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"])
     req = await body(request, TokenCompleteBody, required=False)
@@ -139,7 +131,7 @@ async def complete_token(request: Request) -> Response:
 @operation("Complete a token by its signed callback URL (no API key; the body is the output)", S.Success, security="none", any_body=True, body_required=False)
 async def callback(request: Request) -> Response:
     """No API key: the HMAC signature in the path is the credential; the body is the output."""
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     waitpoint_id = request.path_params["waitpoint_id"]
     if not ctx.tokens.callback_ok(waitpoint_id, request.path_params["signature"]):
         raise ApiError(401, "unauthorized", "invalid callback signature")

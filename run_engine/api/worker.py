@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from run_engine.api import schemas as S
-from run_engine.api.context import ApiContext, EnvAuth, worker_bucket
+from run_engine.api.context import ApiContext, EnvAuth, ctx_of, worker_bucket
 from run_engine.api.http import ApiError, body, error_payload, json_response
 from run_engine.api.inputs import looks_like_id, needs_scan, unstorable
 from run_engine.api.models import (
@@ -42,14 +42,9 @@ from run_engine.ids import new_id
 PREFIX = "/engine/v1/worker-actions"
 
 
-def _ctx(request: Request) -> ApiContext:
-    ctx: ApiContext = request.app.state.ctx
-    return ctx
-
-
 @operation("Register a worker and its deployment", S.Connected, body=ConnectBody, security="workerToken")
 async def connect(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, ConnectBody)
     await ctx.repo.upsert_worker_instance(new_id("wi"), group["id"], req.workerInstanceName)
@@ -88,7 +83,7 @@ async def connect(request: Request) -> Response:
 
 @operation("Worker liveness", S.Ok, body=WorkerHeartbeatBody, security="workerToken")
 async def heartbeat(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, WorkerHeartbeatBody)
     if req.stopping:
@@ -112,7 +107,7 @@ def _run_payload(ctx: ApiContext, run: RunRow, snapshot: Any) -> dict[str, Any]:
 
 @operation("Long-poll for runs", S.DequeueOut, body=DequeueBody, body_required=False, security="workerToken")
 async def dequeue(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, DequeueBody, required=False)
     environments = list(req.environments or ())
@@ -176,7 +171,7 @@ async def _group_run_id(ctx: ApiContext, request: Request) -> str:
 async def latest_snapshot(request: Request) -> Response:
     """The latest snapshot; with ``after=<snapshot id>&waitMs=N`` it waits (long-poll) until the
     latest is another one, e.g. a waiting run continued or was cancelled."""
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     run_id = await _check_group(ctx, group, request.path_params["run_id"])
     after = request.query_params.get("after")
@@ -224,9 +219,7 @@ async def _complete(ctx: ApiContext, run_id: str, snapshot_id: str, req: Complet
         except orjson.JSONEncodeError:  # nested too deep for orjson
             problem = unstorable(req.output, field) or f"{field}: cannot be serialised"
     if req.ok and problem is None:
-        limit = ctx.engine.resources.settings.max_payload_bytes
-        if len(raw) > limit:
-            raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
+        ctx.check_size(req.output, field, raw)
         outcome = await ctx.engine.complete_attempt(run_id, snapshot_id, ok=True, output=req.output)
     elif problem is not None:
         # The task succeeded with an output that cannot be stored: the run fails with a clear
@@ -246,14 +239,14 @@ async def _complete(ctx: ApiContext, run_id: str, snapshot_id: str, req: Complet
 
 @operation("Start (or, after a restore, continue) an attempt", S.Started, security="workerToken")
 async def start_attempt(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
     return json_response(await _start(ctx, run_id, request.path_params["snapshot_id"]))
 
 
 @operation("Complete an attempt", S.Completed, body=CompleteBody, security="workerToken")
 async def complete_attempt(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
     req = await body(request, CompleteBody, scan=False)  # an unstorable output fails the run: _complete
     return json_response(await _complete(ctx, run_id, request.path_params["snapshot_id"], req))
@@ -274,7 +267,7 @@ async def _each(items: list[Any], one: Callable[[Any], Awaitable[dict[str, Any]]
 @operation("Start many attempts (per-item results)", S.ItemResults, body=BatchStartBody, security="workerToken")
 async def start_attempts(request: Request) -> Response:
     """Start many attempts in one request (a supervisor under load)."""
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, BatchStartBody)
 
@@ -287,7 +280,7 @@ async def start_attempts(request: Request) -> Response:
 @operation("Complete many attempts (per-item results)", S.ItemResults, body=BatchCompleteBody, security="workerToken")
 async def complete_attempts(request: Request) -> Response:
     """Complete many attempts in one request."""
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, BatchCompleteBody, scan=False)  # checked per item: one bad output fails one run
 
@@ -301,7 +294,7 @@ async def complete_attempts(request: Request) -> Response:
 
 @operation("Run liveness", S.Ok, security="workerToken")
 async def run_heartbeat(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
     await ctx.engine.heartbeat(run_id, request.path_params["snapshot_id"])
     return json_response({"ok": True})
@@ -318,7 +311,7 @@ def _block_response(outcome: Any, **extra: Any) -> Response:
 
 @operation("Wait for a duration or until a date (DATETIME waitpoint)", S.Blocked, body=WaitDurationBody, security="workerToken")
 async def wait_duration(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
     req = await body(request, WaitDurationBody)
     run = await ctx.engine.get_run(run_id)
@@ -337,7 +330,7 @@ async def wait_duration(request: Request) -> Response:
 
 @operation("Block on a token or run waitpoint", S.Blocked, body=WaitBody, security="workerToken")
 async def wait_waitpoint(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
     req = await body(request, WaitBody)
     waitpoint_id = request.path_params["waitpoint_id"]
@@ -361,7 +354,7 @@ async def trigger_children(request: Request) -> Response:
     batchTriggerAndWait): one journal entry, one waitpoint, one insert for all children."""
     from run_engine.api.public import trigger_request  # the public API's option handling
 
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
     req = await body(request, ChildTriggerBody)
     if not req.batch and len(req.items) != 1:
@@ -378,7 +371,7 @@ async def trigger_children(request: Request) -> Response:
 
 @operation("Checkpoint a blocked run (REPLAY) and release its concurrency", S.SnapshotOut, security="workerToken")
 async def suspend(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
     snapshot = await ctx.engine.suspend(run_id, request.path_params["snapshot_id"])
     return json_response({"snapshot": snapshot_object(snapshot)})
@@ -386,19 +379,17 @@ async def suspend(request: Request) -> Response:
 
 @operation("Journal a step result", S.Ok, body=JournalBody, security="workerToken")
 async def append_journal(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
     req = await body(request, JournalBody)
-    limit = ctx.engine.resources.settings.max_payload_bytes
-    if req.result is not None and len(orjson.dumps(req.result)) > limit:
-        raise ApiError(413, "payload_too_large", f"result: larger than {limit} bytes")
+    ctx.check_size(req.result, "result")
     await ctx.engine.waitpoints.append_journal(run_id, req.snapshotId, req.sequence, req.kind, req.key, req.result)
     return json_response({"ok": True})
 
 
 @operation("The run's journal, waits resolved", S.JournalOut, query=(Query("from", {"type": "integer", "minimum": 0}),), security="workerToken")
 async def get_journal(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
     raw = request.query_params.get("from", "0")
     if not raw.isdigit():
