@@ -3,11 +3,12 @@
     python bench/soak.py [--minutes 30] [--rate 0] [--seed 1]
 
 The installation of bench/chaos.py (embedded PostgreSQL and Redis, two servers, three
-supervisors) without faults. It first measures the rate it can sustain (plain runs as fast as they
-complete, 30 s) and then triggers the chaos mix (plain, retried, journaled steps around waits,
-tokens completed from outside, trigger_and_wait and batch parents, delayed, TTL, cancels) at half of
-it (``--rate`` to set it). Each minute it samples the resident memory and open file descriptors of
-every process and prints them. At the end every run must have finished (the chaos checks run too).
+supervisors) without faults, and its mix of runs (plain, retried, journaled steps around waits,
+tokens completed from outside, trigger_and_wait and batch parents, delayed, TTL, cancels). It first
+measures the mix's capacity (2,000 runs sent as fast as they are accepted, runs/s until the last
+finished), then triggers the mix at half of it (``--rate`` to set it). Each minute it samples the
+resident memory and open file descriptors of every process and prints them. At the end every run
+must have finished (the chaos checks run too).
 Last line: ``soak rss growth %: N``, the growth of the run-engine processes' memory (servers,
 supervisors, executors) between minute 5 and the end (target ≤ 10).
 """
@@ -28,7 +29,17 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.chaos import Api, Installation, Spec, drive, explain, judge, observe, plan, start_installation  # noqa: E402
+from bench.chaos import (  # noqa: E402
+    Api,
+    Installation,
+    drive,
+    explain,
+    judge,
+    observe,
+    plan,
+    start_installation,
+    unfinished,
+)
 
 GROUPS = ("servers", "supervisors", "executors", "redis", "postgres")
 
@@ -66,35 +77,24 @@ def sample(inst: Installation) -> dict[str, tuple[float, int, int]]:
     return out
 
 
-async def calibrate(api: Api, seconds: float) -> float:
-    """Plain runs as fast as they complete: runs finished per second."""
-    specs = [Spec(i, "plain", i, f"calibrate-{i}", {"idempotencyKey": f"calibrate-{i}"}) for i in range(100_000)]
-    stop = time.monotonic() + seconds
-    sent = 0
-    sem = asyncio.Semaphore(64)
+async def finished_all(inst: Installation, timeout_s: float) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await loop.run_in_executor(None, unfinished, inst.pg.url) == 0:
+            return True
+        await asyncio.sleep(1)
+    return False
 
-    async def one(spec: Spec) -> None:
-        async with sem:
-            r = await api.call("POST", "/api/v1/tasks/chaos-plain/trigger",
-                               {"payload": {"n": spec.n, "sleep": 0}, "options": spec.options})
-            spec.run_id = r.json()["id"]
 
+async def calibrate(inst: Installation, api: Api, seed: int, runs: int) -> float:
+    """The mix's capacity: ``runs`` of it sent as fast as they are accepted, runs finished per
+    second until the last one finished."""
     t0 = time.monotonic()
-    pending: set[asyncio.Task[None]] = set()
-    while time.monotonic() < stop:
-        while len(pending) < 64:
-            pending.add(asyncio.create_task(one(specs[sent])))
-            sent += 1
-        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-    await asyncio.gather(*pending)
-    ids = [s.run_id for s in specs[:sent]]
-    while True:  # until everything triggered has finished
-        r = await api.call("GET", "/api/v1/runs", params={"filter[status]": "QUEUED,EXECUTING,DEQUEUED",
-                                                          "filter[taskIdentifier]": "chaos-plain", "page[size]": "1"})
-        if not r.json()["data"]:
-            break
-        await asyncio.sleep(0.5)
-    return len(ids) / (time.monotonic() - t0)
+    await drive(api, plan(seed, runs), rate=10_000)
+    if not await finished_all(inst, 600):
+        raise SystemExit("calibration runs did not finish within 10 minutes")
+    return runs / (time.monotonic() - t0)
 
 
 async def run(args: argparse.Namespace) -> float:
@@ -104,9 +104,9 @@ async def run(args: argparse.Namespace) -> float:
     try:
         rate = args.rate
         if not rate:
-            measured = await calibrate(api, 30)
+            measured = await calibrate(inst, api, args.seed + 1000, args.calibration_runs)
             rate = measured / 2
-            print(f"sustained {measured:.0f} plain runs/s: soaking at {rate:.0f}/s (the chaos mix)", flush=True)
+            print(f"the mix runs at {measured:.0f} runs/s at most: soaking at {rate:.0f}/s", flush=True)
         specs = plan(args.seed, int(rate * args.minutes * 60))
         load = asyncio.create_task(drive(api, specs, rate))
         print(f"{'min':>4} " + " ".join(f"{g + ' MB':>15} {'fds':>5}" for g in GROUPS), flush=True)
@@ -118,6 +118,8 @@ async def run(args: argparse.Namespace) -> float:
             samples.append(s)
             print(f"{minute:>4} " + " ".join(f"{s[g][0]:>15.1f} {s[g][1]:>5}" for g in GROUPS), flush=True)
         await load
+        if not await finished_all(inst, 600):
+            print("runs still not finished 10 minutes after the load ended")
         verdict = judge(specs, await observe(inst, api))
         await explain(api, verdict)
         print(f"runs {len(specs)}: lost {len(verdict.lost)}, duplicated {len(verdict.duplicated)}, "
@@ -148,6 +150,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=int, default=30)
     parser.add_argument("--rate", type=float, default=0.0, help="triggers per second (0: half the measured rate)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--calibration-runs", type=int, default=2000)
     parser.add_argument("--executors", type=int, default=6, help="per supervisor")
     parser.add_argument("--keep", action="store_true")
     asyncio.run(run(parser.parse_args()))

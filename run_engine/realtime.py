@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from redis.asyncio import Redis
 
 from run_engine.events import RunEvent
+from run_engine.pubsub import Subscription
 from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class RealtimeHub:
         self._local: dict[str, set[asyncio.Event]] = {}
         self._pending: set[str] = set()
         self._flush: asyncio.Task[None] | None = None
-        self._listener: asyncio.Task[None] | None = None
+        self._subscription = Subscription(redis, [self.ctl, self.channel], self._on_message, "realtime")
 
     # --- the engine's side: publish changes of watched runs -------------------------------------
 
@@ -89,7 +90,7 @@ class RealtimeHub:
             await self._announce(run_id)
 
     async def start(self) -> None:
-        if self._listener is not None:
+        if self._subscription.running:
             return
         with contextlib.suppress(Exception):
             now = time.time()
@@ -99,42 +100,17 @@ class RealtimeHub:
                     self._watched[run.decode() if isinstance(run, bytes) else run] = time.monotonic() + left
                 else:
                     await self.redis.hdel(self.watch_key, run)
-        self._listener = asyncio.create_task(self._listen())
+        self._subscription.start()
 
-    async def _listen(self) -> None:
-        while self._listener is not None:
-            try:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self.ctl, self.channel)
-                try:
-                    # get_message with a timeout, not listen(): a stop is seen within a second even
-                    # when redis-py swallows the cancel (it can, mid-connect)
-                    while self._listener is not None:
-                        message = await pubsub.get_message(timeout=1.0)
-                        if not message:
-                            continue
-                        channel = message.get("channel")
-                        data = message.get("data")
-                        if not isinstance(data, bytes):
-                            continue
-                        if channel in (self.ctl, self.ctl.encode()):
-                            run_id, ttl = data.decode().split(" ", 1)
-                            self._watched[run_id] = time.monotonic() + float(ttl)
-                        else:
-                            for run_id in data.decode().split(","):
-                                for event in self._local.get(run_id, ()):
-                                    event.set()
-                finally:
-                    await pubsub.aclose()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if self._listener is None:
-                    return
-                log.warning("realtime subscription lost (%s); resubscribing", exc)
-                await asyncio.sleep(0.5)
+    def _on_message(self, channel: str, data: str) -> None:
+        if channel == self.ctl:
+            run_id, ttl = data.split(" ", 1)
+            self._watched[run_id] = time.monotonic() + float(ttl)
+        else:
+            for run_id in data.split(","):
+                for event in self._local.get(run_id, ()):
+                    event.set()
 
     async def stop(self) -> None:
-        listener, self._listener = self._listener, None  # the listen loop ends when it sees None
-        for task in (listener, self._flush):
-            await stop_task(task)
+        await self._subscription.stop()
+        await stop_task(self._flush)

@@ -15,6 +15,7 @@ import time
 
 from redis.asyncio import Redis
 
+from run_engine.pubsub import Subscription
 from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ class WakeUps:
         self._waiters: dict[str, int] = {}  # waiters per key, so an idle key's event is dropped
         self._pending: set[str] = set()
         self._flush: asyncio.Task[None] | None = None
-        self._listener: asyncio.Task[None] | None = None
+        self._subscription = Subscription(redis, [channel], self._on_message, "wake-up")
         self._released: dict[str, float] = {}  # worker instance -> when it said it is stopping
 
     def _event(self, group: str) -> asyncio.Event:
@@ -103,37 +104,15 @@ class WakeUps:
                 del self._events[group]  # nobody waits on it: keys of runs never woken do not pile up
 
     async def start(self) -> None:
-        if self._listener is None:
-            self._listener = asyncio.create_task(self._listen())
+        self._subscription.start()
 
-    async def _listen(self) -> None:
-        while self._listener is not None:
-            try:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self.channel)
-                try:
-                    # get_message with a timeout, not listen(): a stop is seen within a second even
-                    # when redis-py swallows the cancel (it can, mid-connect)
-                    while self._listener is not None:
-                        message = await pubsub.get_message(timeout=1.0)
-                        data = message.get("data") if message else None
-                        if isinstance(data, bytes):
-                            for group in data.decode().split(","):
-                                if group.startswith("!"):
-                                    self._mark_released(group[1:])
-                                else:
-                                    self._wake_local(group)
-                finally:
-                    await pubsub.aclose()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if self._listener is None:
-                    return
-                log.warning("wake-up subscription lost (%s); resubscribing", exc)
-                await asyncio.sleep(0.5)
+    def _on_message(self, channel: str, data: str) -> None:
+        for group in data.split(","):
+            if group.startswith("!"):
+                self._mark_released(group[1:])
+            else:
+                self._wake_local(group)
 
     async def stop(self) -> None:
-        listener, self._listener = self._listener, None  # the listen loop ends when it sees None
-        for task in (listener, self._flush):
-            await stop_task(task)
+        await self._subscription.stop()
+        await stop_task(self._flush)
