@@ -80,15 +80,15 @@ async def ensure_environment(
         worker_group_token_hash=hash_secret(worker_group_token_for(secret, ids["worker_group"])),
         concurrency_limit=concurrency_limit, ids=ids,
     )
-    api_key = api_key_for(secret, got["env"], got["env_type"], got["api_key_generation"])
-    token = worker_group_token_for(secret, got["worker_group"], got["token_generation"])
+    api_key = api_key_for(secret, got.env_id, got.env_type, got.api_key_generation)
+    token = worker_group_token_for(secret, got.worker_group_id, got.token_generation)
     # Keys of rows made under another secret are re-derived, so the printed ones always work.
-    await repo.rotate_api_key(got["env"], hash_secret(api_key))
-    await repo.rotate_worker_group_token(got["worker_group"], hash_secret(token))
-    generation = await repo.env_worker_token_generation(got["worker_group"], got["env"])
-    env_token = env_worker_group_token_for(secret, got["worker_group"], got["env"], generation)
-    await repo.set_env_worker_token(got["worker_group"], got["env"], generation, hash_secret(env_token))
-    return Environment(got["org"], got["project"], got["env"], got["worker_group"], api_key, token, env_token)
+    await repo.rotate_api_key(got.env_id, hash_secret(api_key))
+    await repo.rotate_worker_group_token(got.worker_group_id, hash_secret(token))
+    generation = await repo.env_worker_token_generation(got.worker_group_id, got.env_id)
+    env_token = env_worker_group_token_for(secret, got.worker_group_id, got.env_id, generation)
+    await repo.set_env_worker_token(got.worker_group_id, got.env_id, generation, hash_secret(env_token))
+    return Environment(got.org_id, got.project_id, got.env_id, got.worker_group_id, api_key, token, env_token)
 
 
 async def rotate_api_key(repo: Repository, *, secret: str, env_id: str) -> str:

@@ -3,17 +3,25 @@ worker reports back (or its heartbeat times out)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from run_engine.events import RunEvent
 from run_engine.statuses import CANCEL_AT_ONCE, EXECUTING, ExecutionStatus, RunStatus
 from systems.resources import SystemResources
+
+if TYPE_CHECKING:
+    from systems.execution_snapshot import ExecutionSnapshotSystem
+    from systems.run_attempt import RunAttemptSystem
 
 E = ExecutionStatus
 CANCEL_ERROR = {"type": "CANCELED", "message": "Run was cancelled"}
 
 
 class CancelSystem:
-    def __init__(self, resources: SystemResources) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, run_attempt: RunAttemptSystem) -> None:
         self.r = resources
+        self.snapshots = snapshots
+        self.run_attempt = run_attempt
 
     async def cancel(self, run_id: str) -> RunStatus:
         """Cancel a run and the children it waits on; a finished run is left as it is. Returns
@@ -24,10 +32,8 @@ class CancelSystem:
         return status
 
     async def _cancel_one(self, run_id: str) -> RunStatus:
-        s = self.r.systems
-        assert s is not None
         async with self.r.locker.lock("cancel", run_id):
-            latest = await s.snapshots.latest(run_id)
+            latest = await self.snapshots.latest(run_id)
             status = ExecutionStatus(latest.engine_status)
             if status == E.FINISHED or status == E.PENDING_CANCEL:
                 return RunStatus(latest.run_status)
@@ -36,19 +42,19 @@ class CancelSystem:
                 assert run is not None
                 # Out of the queue first: a cancelled run must never be handed out again.
                 await self.r.queue.remove(run.environment_id, run_id)
-                outcome = await s.run_attempt.finish(
+                outcome = await self.run_attempt.finish(
                     run_id, RunStatus.CANCELED, error=CANCEL_ERROR, expected_snapshot_id=latest.id,
                     from_statuses=(status,), description=f"Cancelled while {status}",
                 )
                 return outcome.status
             if status in EXECUTING:
-                result = await s.snapshots.apply(
+                result = await self.snapshots.apply(
                     run_id, E.PENDING_CANCEL, RunStatus.EXECUTING, from_statuses=(status,),
                     expected_snapshot_id=latest.id, operation="cancel",
                     description="Cancel requested while executing",
                 )
                 assert result.snapshot is not None and result.run is not None
-                await s.snapshots.after_transition(latest.id, status, result.snapshot)
+                await self.snapshots.after_transition(latest.id, status, result.snapshot)
                 self.r.events.emit(RunEvent("run_cancelled", run_id, result.run.environment_id, result.snapshot.id,
                                             {"status": "PENDING_CANCEL", "final": False}))
                 return RunStatus.EXECUTING

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from run_engine.db.repository import RunRow, Snapshot
 from run_engine.errors import InvalidTransitionError, NotFoundError
@@ -14,6 +15,11 @@ from run_engine.run_queue.models import DlqEntry
 from run_engine.statuses import ExecutionStatus, RunStatus
 from systems import engine_jobs
 from systems.resources import SystemResources
+
+if TYPE_CHECKING:
+    from systems.enqueue import EnqueueSystem
+    from systems.execution_snapshot import ExecutionSnapshotSystem
+    from systems.waitpoints import WaitpointSystem
 
 E = ExecutionStatus
 DLQ_ERROR = {
@@ -32,18 +38,19 @@ class DeadRun:
 class DeadLetterSystem:
     PAGE = 100
 
-    def __init__(self, resources: SystemResources) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem, waitpoints: WaitpointSystem) -> None:
         self.r = resources
+        self.snapshots = snapshots
+        self.enqueue = enqueue
+        self.waitpoints = waitpoints
 
     async def requeue_undelivered(self, run_id: str, latest: Snapshot) -> None:
         """PENDING_EXECUTING timed out (caller holds the lock): nack, or DLQ past the limit."""
-        s = self.r.systems
-        assert s is not None
         run = await self.r.repo.get_run(run_id)
         assert run is not None
         outcome = await self.r.queue.nack(run.environment_id, run_id, self.r.now_ms())
         if outcome.dead_lettered:
-            result = await s.snapshots.apply(
+            result = await self.snapshots.apply(
                 run_id, E.FINISHED, RunStatus.SYSTEM_FAILURE, from_statuses=(E.PENDING_EXECUTING,),
                 expected_snapshot_id=latest.id, operation="dead-letter", description="Moved to the DLQ",
                 set_finished=True, error=DLQ_ERROR,
@@ -51,13 +58,13 @@ class DeadLetterSystem:
             await self.r.jobs.ack_many([engine_jobs.heartbeat_id(run_id, latest.id)])
             assert result.snapshot is not None and result.run is not None
             if result.run.resume_parent_on_completion:
-                await s.waitpoints.on_runs_finished([result.run])
+                await self.waitpoints.on_runs_finished([result.run])
             self.r.events.emit(RunEvent("run_dead_lettered", run_id, run.environment_id, result.snapshot.id,
                                         {"deliveries": outcome.deliveries}))
             return
         # A run being restored from a checkpoint goes back as QUEUED_EXECUTING (keeps its checkpoint).
         back_to = E.QUEUED_EXECUTING if latest.checkpoint_id else E.QUEUED
-        result = await s.snapshots.apply(
+        result = await self.snapshots.apply(
             run_id, back_to, RunStatus.QUEUED, from_statuses=(E.PENDING_EXECUTING,),
             expected_snapshot_id=latest.id, operation="requeue",
             description="Requeued: the attempt did not start in time",
@@ -69,23 +76,21 @@ class DeadLetterSystem:
 
     async def redrive(self, env_id: str, run_id: str) -> str:
         """Move a dead-lettered run back into its queue: QUEUED with a fresh delivery count."""
-        s = self.r.systems
-        assert s is not None
         async with self.r.locker.lock("redrive", run_id):
             run = await self.r.repo.get_run(run_id, env_id)
             if run is None:
                 raise NotFoundError("run", run_id)
-            latest = await s.snapshots.latest(run_id)
+            latest = await self.snapshots.latest(run_id)
             if latest.engine_status != E.FINISHED or run.status != RunStatus.SYSTEM_FAILURE:
                 raise InvalidTransitionError(run_id, latest.engine_status, "redrive")
-            result = await s.snapshots.apply(
+            result = await self.snapshots.apply(
                 run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=(E.FINISHED,), expected_snapshot_id=latest.id,
                 operation="redrive", description="Redriven from the DLQ", reopen=True,
             )
             assert result.snapshot is not None and result.run is not None
             if not await self.r.queue.redrive(env_id, run_id, self.r.now_ms()):
                 # The DLQ entry is gone (e.g. Redis was flushed): enqueue it afresh.
-                await self.r.enqueue_items([s.enqueue.item_for(result.run, reset_deliveries=True)])
+                await self.r.enqueue_items([self.enqueue.item_for(result.run, reset_deliveries=True)])
         self.r.events.emit(RunEvent("run_redriven", run_id, env_id, result.snapshot.id))
         return result.snapshot.id
 

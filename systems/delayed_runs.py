@@ -5,6 +5,7 @@ EXPIRED (``ttl.<run>``); a retry or a resumed run is never expired (it has start
 from __future__ import annotations
 
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from run_engine.db.repository import RunRow
 from run_engine.errors import InvalidTransitionError, NotFoundError
@@ -13,19 +14,22 @@ from run_engine.statuses import ExecutionStatus, RunStatus
 from systems import engine_jobs
 from systems.resources import SystemResources
 
+if TYPE_CHECKING:
+    from systems.enqueue import EnqueueSystem
+    from systems.execution_snapshot import ExecutionSnapshotSystem
+    from systems.run_attempt import RunAttemptSystem
+
 E = ExecutionStatus
 #: statuses a TTL expires: never started, not running
 EXPIRABLE = (E.QUEUED, E.DELAYED, E.PENDING_VERSION)
 
 
 class DelayedRunSystem:
-    def __init__(self, resources: SystemResources) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem, run_attempt: RunAttemptSystem) -> None:
         self.r = resources
-
-    @property
-    def _s(self):  # type: ignore[no-untyped-def]
-        assert self.r.systems is not None
-        return self.r.systems
+        self.snapshots = snapshots
+        self.enqueue = enqueue
+        self.run_attempt = run_attempt
 
     async def enqueue_delayed(self, run_id: str) -> None:
         """The delay is over: QUEUED (or PENDING_VERSION when no deployment has the task yet)."""
@@ -37,24 +41,24 @@ class DelayedRunSystem:
             if run.delay_until is not None and run.delay_until.timestamp() > self.r.clock.now() + 0.001:
                 return  # rescheduled later; its job was moved with it
             if run.locked_to_deployment_id is None:
-                env = await self._s.enqueue.environment(run.environment_id)
-                task = await self._s.enqueue._task(run.environment_id, env.worker_group_id, run.task_identifier)
+                env = await self.enqueue.environment(run.environment_id)
+                task = await self.enqueue._task(run.environment_id, env.worker_group_id, run.task_identifier)
                 if task.deployment_id is not None:
                     await self.r.repo.assign_deployment([run_id], task.deployment_id,
                                                         {run.task_identifier: task.queue or run.queue})
                     run = await self.r.repo.get_run(run_id)
                     assert run is not None
             if run.locked_to_deployment_id is None:
-                await self._s.snapshots.apply(
+                await self.snapshots.apply(
                     run_id, E.PENDING_VERSION, RunStatus.PENDING_VERSION, from_statuses=(E.DELAYED,),
                     expected_snapshot_id=latest.id, operation="enqueue",
                     description="Delay over; no deployment has this task yet")
                 return
-            result = await self._s.snapshots.apply(
+            result = await self.snapshots.apply(
                 run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=(E.DELAYED,), expected_snapshot_id=latest.id,
                 operation="enqueue", description="Delay over")
             assert result.run is not None and result.snapshot is not None
-            await self.r.enqueues.submit(self._s.enqueue.item_for(result.run))
+            await self.r.enqueues.submit(self.enqueue.item_for(result.run))
         self.r.events.emit(RunEvent("run_requeued", run_id, run.environment_id, result.snapshot.id,
                                     {"reason": "delay"}))
 
@@ -64,11 +68,11 @@ class DelayedRunSystem:
             run = await self.r.repo.get_run(run_id, env_id)
             if run is None:
                 raise NotFoundError("run", run_id)
-            latest = await self._s.snapshots.latest(run_id)
+            latest = await self.snapshots.latest(run_id)
             if latest.engine_status != E.DELAYED:
                 raise InvalidTransitionError(run_id, latest.engine_status, "reschedule")
             await self.r.repo.set_delay_until(run_id, delay_until)
-            await self._s.snapshots.apply(
+            await self.snapshots.apply(
                 run_id, E.DELAYED, RunStatus.DELAYED, from_statuses=(E.DELAYED,), expected_snapshot_id=latest.id,
                 operation="reschedule", description=f"Rescheduled to {delay_until.isoformat()}")
             jobs = [engine_jobs.delayed(run_id, delay_until.timestamp())]
@@ -89,7 +93,7 @@ class DelayedRunSystem:
             run = await self.r.repo.get_run(run_id)
             assert run is not None
             await self.r.queue.remove(run.environment_id, run_id)
-            await self._s.run_attempt.finish(
+            await self.run_attempt.finish(
                 run_id, RunStatus.EXPIRED, expected_snapshot_id=latest.id, from_statuses=EXPIRABLE,
                 description="TTL passed before the run started",
                 error={"type": "EXPIRED", "message": f"the run was not started within its TTL of {run.ttl_s}s"})

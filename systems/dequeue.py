@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from run_engine.db.repository import RunRow, Snapshot, Transition
 from run_engine.events import RunEvent
@@ -19,6 +20,9 @@ from run_engine.run_queue.models import DequeuedMessage
 from run_engine.statuses import DEQUEUEABLE, ExecutionStatus, RunStatus
 from systems import engine_jobs
 from systems.resources import SystemResources
+
+if TYPE_CHECKING:
+    from systems.enqueue import EnqueueSystem
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +35,9 @@ class DequeuedRun:
 
 
 class DequeueSystem:
-    def __init__(self, resources: SystemResources) -> None:
+    def __init__(self, resources: SystemResources, *, enqueue: EnqueueSystem) -> None:
         self.r = resources
+        self.enqueue = enqueue
         self._deployments: dict[str, tuple[str, frozenset[str]]] = {}
 
     GIVE_BACK_MS = 500  # a run given back is ready again this much later (the others' turn first)
@@ -42,7 +47,6 @@ class DequeueSystem:
         """Up to ``max_runs`` runs as :class:`DequeuedRun` (only of ``environments`` when given, only
         of tasks the worker's ``deployments`` have when given); the result's ``retry_at_ms`` says
         when a rate-limited queue of the group may serve again."""
-        assert self.r.systems is not None
         messages = await self.r.queue.dequeue(worker_group_id, max_runs, self.r.now_ms(), environments)
         if messages and deployments:
             retry_at = messages.retry_at_ms
@@ -107,7 +111,8 @@ class DequeueSystem:
     async def _runnable(self, messages: Sequence[DequeuedMessage], worker_group_id: str,
                         deployments: Sequence[str]) -> list[DequeuedMessage]:
         tasks = await self._tasks_of(deployments)
-        keep, foreign = [], []
+        keep: list[DequeuedMessage] = []
+        foreign: list[DequeuedMessage] = []
         for m in messages:
             (foreign if m.env_id in tasks and m.task not in tasks[m.env_id] else keep).append(m)
         for m in foreign:
@@ -121,7 +126,7 @@ class DequeueSystem:
         """A run of a task the worker lacks: back to the queue for another worker, or, when the
         current deployment lacks the task too, PENDING_VERSION until one has it."""
         now = self.r.now_ms()
-        current = await self._s.enqueue.current_task(m.env_id, worker_group_id, m.task)
+        current = await self.enqueue.current_task(m.env_id, worker_group_id, m.task)
         if current.deployment_id is None:
             async with self.r.locker.lock("pending_version", m.run_id):
                 (result,) = await self.r.repo.transition_many([Transition(
@@ -136,5 +141,4 @@ class DequeueSystem:
 
     @property
     def _s(self):  # type: ignore[no-untyped-def]
-        assert self.r.systems is not None
         return self.r.systems

@@ -23,13 +23,19 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from run_engine.db.repository import RunRow, Snapshot
 from run_engine.statuses import ExecutionStatus
 from systems import engine_jobs
 from systems.engine_jobs import JobSpec
 from systems.resources import SystemResources
+
+if TYPE_CHECKING:
+    from systems.delayed_runs import DelayedRunSystem
+    from systems.enqueue import EnqueueSystem
+    from systems.execution_snapshot import ExecutionSnapshotSystem
+    from systems.run_attempt import RunAttemptSystem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,8 +59,12 @@ class ReconcileReport:
 class Reconciler:
     PAGE = 500
 
-    def __init__(self, resources: SystemResources) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem, run_attempt: RunAttemptSystem, delayed: DelayedRunSystem) -> None:
         self.r = resources
+        self.snapshots = snapshots
+        self.enqueue = enqueue
+        self.run_attempt = run_attempt
+        self.delayed = delayed
         self._cursors: dict[str, str] = {}  # scan → the last id read (leader-local: a new leader starts over)
 
     async def _pages(self, scan: str, fetch: Callable[[str, int], Awaitable[Sequence[T]]],
@@ -76,11 +86,6 @@ class Reconciler:
                 yield page
             if end:
                 return
-
-    @property
-    def _s(self):  # type: ignore[no-untyped-def]
-        assert self.r.systems is not None
-        return self.r.systems
 
     async def reconcile(self, grace_s: float | None = None, *, full: bool = False) -> ReconcileReport:
         """One pass; ``grace_s`` (default the setting) skips runs touched more recently than that,
@@ -109,7 +114,7 @@ class Reconciler:
     async def _delayed_runs(self, grace: float, report: ReconcileReport) -> None:
         for run_id in await self.r.repo.due_delayed_runs(grace, self.PAGE):
             try:
-                await self._s.delayed.enqueue_delayed(run_id)
+                await self.delayed.enqueue_delayed(run_id)
                 report.delayed_enqueued += 1
             except Exception:
                 log.exception("reconciler: could not enqueue delayed run %s", run_id)
@@ -120,7 +125,7 @@ class Reconciler:
             row = await self.r.repo.environment(env_id)
             if row is not None:
                 await self.r.queue.set_env_limit(env_id, row["concurrency_limit"])
-            await self._s.enqueue.mirror_queues(env_id)
+            await self.enqueue.mirror_queues(env_id)
         return len(envs)
 
     async def _queued_runs(self, grace: float, report: ReconcileReport, full: bool) -> None:
@@ -149,7 +154,7 @@ class Reconciler:
             current = (await self.r.queue.placements([(run.environment_id, run.id)]))[0]
             if current != state:
                 return
-            await self.r.enqueue_items([self._s.enqueue.item_for(run, reset_deliveries=state is None)])
+            await self.r.enqueue_items([self.enqueue.item_for(run, reset_deliveries=state is None)])
         if state is None:
             report.requeued_missing += 1
         else:
@@ -221,11 +226,11 @@ class Reconciler:
         status = ExecutionStatus(snapshot.engine_status)
         wanted: list[JobSpec] = []
         if self.r.settings.heartbeat_timeout_s(status) is not None:
-            wanted += self._s.snapshots.rearm(None, None, snapshot)[1]
+            wanted += self.snapshots.rearm(None, None, snapshot)[1]
         if status in (E.EXECUTING, E.EXECUTING_WITH_WAITPOINTS, E.PENDING_CANCEL):
             max_duration = run.max_duration_s
             if max_duration is None:
-                task = await self._s.run_attempt.deployment_task(run)
+                task = await self.run_attempt.deployment_task(run)
                 max_duration = task["max_duration_s"] if task else None
             if max_duration:
                 # the attempt began at or before its latest snapshot: never later than this

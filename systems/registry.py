@@ -1,4 +1,5 @@
-"""The engine's systems registry: systems reach their siblings only through it."""
+"""The engine's systems, built in dependency order: each is given the siblings it calls (no
+system reaches another through a shared back-pointer)."""
 
 from __future__ import annotations
 
@@ -36,19 +37,27 @@ class Systems:
 
     @classmethod
     def build(cls, resources: SystemResources) -> Systems:
-        systems = cls(
-            snapshots=ExecutionSnapshotSystem(resources),
-            enqueue=EnqueueSystem(resources),
-            dequeue=DequeueSystem(resources),
-            run_attempt=RunAttemptSystem(resources),
-            cancel=CancelSystem(resources),
-            dead_letter=DeadLetterSystem(resources),
-            waiting_for_worker=WaitingForWorkerSystem(resources),
-            waitpoints=WaitpointSystem(resources),
-            delayed=DelayedRunSystem(resources),
-            reconciler=Reconciler(resources),
-            schedules=ScheduleSystem(resources),
-            explain=ExplainSystem(resources),
+        """Each system gets the siblings it calls, so they are built in dependency order."""
+        r = resources
+        snapshots = ExecutionSnapshotSystem(r)
+        enqueue = EnqueueSystem(r)
+        waitpoints = WaitpointSystem(r, snapshots=snapshots, enqueue=enqueue)
+        dead_letter = DeadLetterSystem(r, snapshots=snapshots, enqueue=enqueue, waitpoints=waitpoints)
+        run_attempt = RunAttemptSystem(r, snapshots=snapshots, enqueue=enqueue, waitpoints=waitpoints,
+                                       dead_letter=dead_letter)
+        delayed = DelayedRunSystem(r, snapshots=snapshots, enqueue=enqueue, run_attempt=run_attempt)
+        schedules = ScheduleSystem(r, enqueue=enqueue)
+        return cls(
+            snapshots=snapshots,
+            enqueue=enqueue,
+            dequeue=DequeueSystem(r, enqueue=enqueue),
+            run_attempt=run_attempt,
+            cancel=CancelSystem(r, snapshots=snapshots, run_attempt=run_attempt),
+            dead_letter=dead_letter,
+            waiting_for_worker=WaitingForWorkerSystem(r, enqueue=enqueue, schedules=schedules),
+            waitpoints=waitpoints,
+            delayed=delayed,
+            reconciler=Reconciler(r, snapshots=snapshots, enqueue=enqueue, run_attempt=run_attempt, delayed=delayed),
+            schedules=schedules,
+            explain=ExplainSystem(r),
         )
-        resources.systems = systems
-        return systems

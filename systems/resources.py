@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from run_engine.batching import Batcher
 from run_engine.clock import Clock
@@ -15,11 +14,6 @@ from run_engine.jobs import JobQueue
 from run_engine.locking import RunLocker
 from run_engine.run_queue import EnqueueItem, RunQueue
 from run_engine.settings import EngineSettings
-
-if TYPE_CHECKING:
-    from systems.registry import Systems
-
-
 from systems.engine_jobs import JobSpec
 
 
@@ -39,7 +33,6 @@ class SystemResources:
     clock: Clock
     settings: EngineSettings
     rng: random.Random = field(default_factory=random.Random)
-    systems: Systems | None = None
 
     def __post_init__(self) -> None:
         # Group commit: concurrent state changes share one statement / one Lua call.

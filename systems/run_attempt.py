@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from run_engine.db.repository import RunRow, Snapshot, TransitionResult
 from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError
@@ -16,6 +16,12 @@ from run_engine.settings import RetryPolicy
 from run_engine.statuses import EXECUTING, ExecutionStatus, RunStatus
 from systems import engine_jobs
 from systems.resources import SystemResources
+
+if TYPE_CHECKING:
+    from systems.dead_letter import DeadLetterSystem
+    from systems.enqueue import EnqueueSystem
+    from systems.execution_snapshot import ExecutionSnapshotSystem
+    from systems.waitpoints import WaitpointSystem
 
 E = ExecutionStatus
 
@@ -46,15 +52,14 @@ class AttemptOutcome:
 
 
 class RunAttemptSystem:
-    def __init__(self, resources: SystemResources) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem, waitpoints: WaitpointSystem, dead_letter: DeadLetterSystem) -> None:
         self.r = resources
+        self.snapshots = snapshots
+        self.enqueue = enqueue
+        self.waitpoints = waitpoints
+        self.dead_letter = dead_letter
         # A deployment's task catalogue never changes, so it is cached for the process's life.
         self._tasks: dict[tuple[str, str], dict[str, Any] | None] = {}
-
-    @property
-    def _s(self):  # type: ignore[no-untyped-def]
-        assert self.r.systems is not None
-        return self.r.systems
 
     async def deployment_task(self, run: RunRow) -> dict[str, Any] | None:
         if not run.locked_to_deployment_id:
@@ -78,7 +83,7 @@ class RunAttemptSystem:
         """Start the next attempt of a dequeued run; a run restored from a checkpoint (dequeued
         after a suspension) resumes its attempt instead, by journal replay."""
         async with self.r.locker.lock("start_attempt", run_id):
-            result = await self._s.snapshots.apply(
+            result = await self.snapshots.apply(
                 run_id, E.EXECUTING, RunStatus.EXECUTING,
                 from_statuses=(E.PENDING_EXECUTING,), expected_snapshot_id=snapshot_id,
                 operation="start an attempt of", description="Attempt started",
@@ -86,7 +91,7 @@ class RunAttemptSystem:
             )
             assert result.run is not None and result.snapshot is not None
             run, snapshot = result.run, result.snapshot
-            cancel, schedule = self._s.snapshots.rearm(snapshot_id, E.PENDING_EXECUTING, snapshot)
+            cancel, schedule = self.snapshots.rearm(snapshot_id, E.PENDING_EXECUTING, snapshot)
             if run.ttl_s is not None and run.attempt_number == 1:
                 cancel.append(engine_jobs.ttl_id(run_id))  # started in time: the TTL no longer applies
             policy = await self.retry_policy(run)
@@ -116,7 +121,7 @@ class RunAttemptSystem:
 
     async def _succeed(self, run_id: str, snapshot_id: str, output: Any, output_type: str) -> AttemptOutcome:
         try:
-            result = await self._s.snapshots.apply(
+            result = await self.snapshots.apply(
                 run_id, E.FINISHED, RunStatus.COMPLETED,
                 from_statuses=EXECUTING, expected_snapshot_id=snapshot_id,
                 operation="complete", description="Attempt succeeded", set_finished=True,
@@ -133,7 +138,7 @@ class RunAttemptSystem:
 
     async def _fail(self, run_id: str, snapshot_id: str, error: dict[str, Any], *, retryable: bool | None,
                     forced_delay_s: float | None = None) -> AttemptOutcome:
-        latest = await self._s.snapshots.latest(run_id)
+        latest = await self.snapshots.latest(run_id)
         if latest.id != snapshot_id:
             if latest.engine_status == E.PENDING_CANCEL:
                 return await self.finish_cancel_requested(run_id, latest.id)
@@ -155,14 +160,14 @@ class RunAttemptSystem:
             return await self.finish(run_id, final_status, error=error, expected_snapshot_id=snapshot_id,
                                      from_statuses=EXECUTING, description="Attempt failed, no retry")
         delay_s = forced_delay_s if forced_delay_s is not None else policy.delay_s(run.attempt_number, self.r.rng)
-        result = await self._s.snapshots.apply(
+        result = await self.snapshots.apply(
             run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=EXECUTING, expected_snapshot_id=snapshot_id,
             operation="retry", description=f"Retrying after attempt {run.attempt_number} failed", error=error,
         )
         assert result.run is not None and result.snapshot is not None
         await self._ack_attempt_jobs(run_id, snapshot_id, run.attempt_number)
         available_at = self.r.now_ms() + int(delay_s * 1000)
-        await self.r.enqueue_items([self._s.enqueue.item_for(result.run, available_at, reset_deliveries=True)])
+        await self.r.enqueue_items([self.enqueue.item_for(result.run, available_at, reset_deliveries=True)])
         self.r.events.emit(RunEvent("run_failed", run_id, run.environment_id, result.snapshot.id,
                                     {"error": error, "final": False}))
         self.r.events.emit(RunEvent("retry_scheduled", run_id, run.environment_id, result.snapshot.id,
@@ -173,7 +178,7 @@ class RunAttemptSystem:
                      expected_snapshot_id: str | None, from_statuses: frozenset[ExecutionStatus] | tuple[ExecutionStatus, ...],
                      description: str) -> AttemptOutcome:
         """End the run (caller holds the run lock): FINISHED snapshot, queue slot and jobs released."""
-        result = await self._s.snapshots.apply(
+        result = await self.snapshots.apply(
             run_id, E.FINISHED, status, from_statuses=from_statuses, expected_snapshot_id=expected_snapshot_id,
             operation="finish", description=description, set_finished=True, error=error,
         )
@@ -196,7 +201,7 @@ class RunAttemptSystem:
         await asyncio.gather(self.r.acks.submit((run.environment_id, run.id, run.worker_group_id)),
                              self.r.change_jobs(cancel))
         if run.resume_parent_on_completion:
-            await self._s.waitpoints.on_runs_finished([run])
+            await self.waitpoints.on_runs_finished([run])
 
     async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str, attempt: int) -> None:
         await self.r.change_jobs([engine_jobs.heartbeat_id(run_id, snapshot_id), engine_jobs.max_duration_id(run_id, attempt)])
@@ -216,11 +221,11 @@ class RunAttemptSystem:
                 return  # the run moved on; this job is stale
             status = ExecutionStatus(latest.engine_status)
             if status == E.PENDING_EXECUTING:
-                await self._s.dead_letter.requeue_undelivered(run_id, latest)
+                await self.dead_letter.requeue_undelivered(run_id, latest)
             elif status == E.EXECUTING_WITH_WAITPOINTS:
                 # Its worker went away while the run waited: checkpoint it on the worker's behalf;
                 # it is restored by replay when its waitpoints complete.
-                await self._s.waitpoints.suspend(run_id, snapshot_id)
+                await self.waitpoints.suspend(run_id, snapshot_id)
             elif status in EXECUTING:
                 await self._fail(run_id, snapshot_id,
                                  {"type": "INTERNAL_ERROR", "code": "TASK_RUN_STALLED_EXECUTING",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from run_engine.cron import Cron, CronError
 from run_engine.errors import NotFoundError, ValidationError
@@ -20,6 +20,9 @@ from run_engine.ids import new_id
 from run_engine.tasks import stop_task
 from systems.enqueue import TriggerRequest
 from systems.resources import SystemResources
+
+if TYPE_CHECKING:
+    from systems.enqueue import EnqueueSystem
 
 log = logging.getLogger(__name__)
 DECLARATIVE_PREFIX = "declarative:"
@@ -30,15 +33,11 @@ def schedule_key(schedule_id: str, tick: datetime) -> str:
 
 
 class ScheduleSystem:
-    def __init__(self, resources: SystemResources) -> None:
+    def __init__(self, resources: SystemResources, *, enqueue: EnqueueSystem) -> None:
         self.r = resources
+        self.enqueue = enqueue
         self._task: asyncio.Task[None] | None = None
         self._firing: set[tuple[str, datetime]] = set()
-
-    @property
-    def _s(self):  # type: ignore[no-untyped-def]
-        assert self.r.systems is not None
-        return self.r.systems
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self.r.clock.now(), UTC)
@@ -110,7 +109,7 @@ class ScheduleSystem:
             payload = {"scheduleId": row["id"], "type": row["type"], "timestamp": tick.isoformat(),
                        "lastTimestamp": row["last_run_at"].isoformat() if row["last_run_at"] else None,
                        "timezone": row["timezone"], "externalId": row["external_id"]}
-            run = await self._s.enqueue.trigger_many([TriggerRequest(
+            run = await self.enqueue.trigger_many([TriggerRequest(
                 env_id=row["environment_id"], task_id=row["task_identifier"], payload=payload,
                 idempotency_key=schedule_key(row["id"], tick), idempotency_key_ttl_s=30 * 86400,
                 trigger_function="trigger", tags=(f"schedule:{row['id']}",))])

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from run_engine.batching import Batcher
 from run_engine.db.repository import RunRow, Snapshot
@@ -28,6 +28,10 @@ from run_engine.ids import new_id
 from run_engine.statuses import ExecutionStatus, RunStatus
 from systems import engine_jobs
 from systems.resources import SystemResources
+
+if TYPE_CHECKING:
+    from systems.enqueue import EnqueueSystem
+    from systems.execution_snapshot import ExecutionSnapshotSystem
 
 log = logging.getLogger(__name__)
 E = ExecutionStatus
@@ -56,17 +60,14 @@ def run_result(run_id: str, status: str, output: Any, error: Any) -> dict[str, A
 
 
 class WaitpointSystem:
-    def __init__(self, resources: SystemResources) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem) -> None:
         self.r = resources
+        self.snapshots = snapshots
+        self.enqueue = enqueue
         self.wp = resources.repo.waitpoints
         # Concurrent completions (API calls, timeouts, finished children) share one UPDATE and
         # one look-up of the runs they unblock.
         self._completions: Batcher[Completion, tuple[bool, list[str]]] = Batcher(self._complete_batch)
-
-    @property
-    def _s(self):  # type: ignore[no-untyped-def]
-        assert self.r.systems is not None
-        return self.r.systems
 
     def _at(self, seconds_from_now: float) -> datetime:
         return datetime.fromtimestamp(self.r.clock.now() + seconds_from_now, UTC)
@@ -166,12 +167,12 @@ class WaitpointSystem:
         EXECUTING_WITH_WAITPOINTS, unless nothing is pending any more."""
         if pending == 0:
             await self.wp.unblock(run_id)
-            return BlockOutcome(False, await self._s.snapshots.latest(run_id), await self.resolved_entry(run_id, sequence))
-        result = await self._s.snapshots.apply(
+            return BlockOutcome(False, await self.snapshots.latest(run_id), await self.resolved_entry(run_id, sequence))
+        result = await self.snapshots.apply(
             run_id, E.EXECUTING_WITH_WAITPOINTS, RunStatus.WAITING, from_statuses=(E.EXECUTING,),
             expected_snapshot_id=snapshot_id, operation="block", description=f"Waiting ({what})")
         assert result.snapshot is not None and result.run is not None
-        await self._s.snapshots.after_transition(snapshot_id, E.EXECUTING, result.snapshot)
+        await self.snapshots.after_transition(snapshot_id, E.EXECUTING, result.snapshot)
         self.r.events.emit(RunEvent("run_blocked", run_id, result.run.environment_id, result.snapshot.id))
         # A completion that committed before our blocking rows did found nobody to continue.
         if await self.wp.pending_count(run_id) == 0:
@@ -181,7 +182,7 @@ class WaitpointSystem:
         return BlockOutcome(True, result.snapshot)
 
     async def _executing(self, run_id: str, snapshot_id: str, operation: str) -> Snapshot:
-        latest = await self._s.snapshots.latest(run_id)
+        latest = await self.snapshots.latest(run_id)
         if latest.id != snapshot_id:
             raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
         if latest.engine_status != E.EXECUTING:
@@ -196,19 +197,19 @@ class WaitpointSystem:
                 return None
             completed = tuple(await self.wp.unblock(run_id))
             if latest_status == E.EXECUTING_WITH_WAITPOINTS:
-                result = await self._s.snapshots.apply(
+                result = await self.snapshots.apply(
                     run_id, E.EXECUTING, RunStatus.EXECUTING, from_statuses=(E.EXECUTING_WITH_WAITPOINTS,),
                     expected_snapshot_id=latest_id, operation="continue", description="Waitpoints completed",
                     completed_waitpoint_ids=completed)
                 assert result.snapshot is not None
-                await self._s.snapshots.after_transition(latest_id, latest_status, result.snapshot)
+                await self.snapshots.after_transition(latest_id, latest_status, result.snapshot)
             else:
-                result = await self._s.snapshots.apply(
+                result = await self.snapshots.apply(
                     run_id, E.QUEUED_EXECUTING, RunStatus.QUEUED, from_statuses=(E.SUSPENDED,),
                     expected_snapshot_id=latest_id, operation="continue",
                     description="Waitpoints completed: queued to restore", completed_waitpoint_ids=completed)
                 assert result.run is not None and result.snapshot is not None
-                await self.r.enqueues.submit(self._s.enqueue.item_for(result.run, reset_deliveries=True))
+                await self.r.enqueues.submit(self.enqueue.item_for(result.run, reset_deliveries=True))
         assert result.run is not None and result.snapshot is not None
         self.r.events.emit(RunEvent("run_continued", run_id, result.run.environment_id, result.snapshot.id,
                                     {"status": result.snapshot.engine_status}))
@@ -218,13 +219,13 @@ class WaitpointSystem:
         """Checkpoint a blocked run: REPLAY checkpoint at the journal position, SUSPENDED,
         concurrency released. A stale ``snapshot_id`` (the run moved on) is refused."""
         async with self.r.locker.lock("suspend", run_id):
-            latest = await self._s.snapshots.latest(run_id)
+            latest = await self.snapshots.latest(run_id)
             if latest.id != snapshot_id:
                 raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
             position = await self.wp.journal_position(run_id)
             checkpoint_id = new_id("checkpoint")
             await self.wp.insert_checkpoint(checkpoint_id, run_id, snapshot_id, position)
-            result = await self._s.snapshots.apply(
+            result = await self.snapshots.apply(
                 run_id, E.SUSPENDED, RunStatus.WAITING, from_statuses=(E.EXECUTING_WITH_WAITPOINTS,),
                 expected_snapshot_id=snapshot_id, operation="suspend", checkpoint_id=checkpoint_id,
                 description=f"Suspended: checkpoint at journal position {position}")
@@ -232,7 +233,7 @@ class WaitpointSystem:
             assert run is not None and snapshot is not None
             await asyncio.gather(
                 self.r.acks.submit((run.environment_id, run.id, run.worker_group_id)),
-                self._s.snapshots.after_transition(snapshot_id, latest.engine_status, snapshot),
+                self.snapshots.after_transition(snapshot_id, latest.engine_status, snapshot),
                 self.r.change_jobs(cancel=[engine_jobs.max_duration_id(run.id, run.attempt_number)]),
             )
             self.r.events.emit(RunEvent("run_suspended", run_id, run.environment_id, snapshot.id,
@@ -282,7 +283,7 @@ class WaitpointSystem:
                 raise DuplicateExecutionError(parent.id, sequence)
             function = "batchTriggerAndWait" if batch else "triggerAndWait"
             try:
-                triggered = await self._s.enqueue.trigger_many([
+                triggered = await self.enqueue.trigger_many([
                     dataclasses.replace(req, run_id=rid, batch_id=batch_id or req.batch_id,
                                         resume_parent_on_completion=True, trigger_function=function)
                     for req, rid in zip(requests, run_ids, strict=True)])
@@ -325,7 +326,7 @@ class WaitpointSystem:
     async def append_journal(self, run_id: str, snapshot_id: str, sequence: int, kind: str, key: str,
                              result: Any) -> None:
         """Journal a step's result; a second execution of the same step loses the insert race."""
-        latest = await self._s.snapshots.latest(run_id)
+        latest = await self.snapshots.latest(run_id)
         if latest.id != snapshot_id:
             raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
         existing = await self.wp.append_journal(run_id, JournalEntry(sequence, kind, key, result, None))

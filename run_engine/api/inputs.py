@@ -45,7 +45,7 @@ def unstorable(value: Any, path: str = "body") -> str | None:
     return None
 
 
-def needs_scan(raw: bytes) -> bool:
+def needs_scan(raw: bytes | bytearray) -> bool:
     """Whether a JSON body could hold a NUL or be too deep (cheap C-speed byte searches)."""
     return _NUL_ESCAPE in raw or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH
 

@@ -310,6 +310,19 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+
+@dataclass(frozen=True, slots=True)
+class EnsuredEnvironment:
+    """The rows :meth:`Repository.ensure_environment` found or made."""
+    org_id: str
+    project_id: str
+    worker_group_id: str
+    token_generation: int
+    env_id: str
+    concurrency_limit: int
+    api_key_generation: int
+    env_type: str
+
 class Repository:
     """Queries over one psycopg connection pool."""
 
@@ -690,7 +703,7 @@ class Repository:
         worker_group_token_hash: str,
         concurrency_limit: int,
         ids: dict[str, str],
-    ) -> dict[str, str]:
+    ) -> EnsuredEnvironment:
         """Create what is missing of org → project → env (+ the project's default worker group);
         return their ids. ``ids`` holds fresh ids to use for rows that get created."""
         async with self.pool.connection() as conn, conn.transaction():
@@ -736,16 +749,9 @@ class Repository:
                 )
             ).fetchone()
             assert env is not None
-        return {
-            "org": org[0],
-            "project": project[0],
-            "worker_group": wg[0],
-            "token_generation": wg[1],
-            "env": env[0],
-            "concurrency_limit": str(env[1]),
-            "api_key_generation": env[2],
-            "env_type": env[3],
-        }
+        return EnsuredEnvironment(org_id=org[0], project_id=project[0], worker_group_id=wg[0],
+                                  token_generation=int(wg[1]), env_id=env[0], concurrency_limit=int(env[1]),
+                                  api_key_generation=int(env[2]), env_type=env[3])
 
     async def environment(self, env_id: str) -> dict[str, Any] | None:
         async with self.pool.connection() as conn:

@@ -259,10 +259,10 @@ class WaitpointRepository:
                  WHERE trw.run_id = %s AND w.status = 'PENDING'"""
         if conn is not None:
             cur = await conn.execute(sql, (run_id,))
-            return int((await cur.fetchone())[0])
+            return _first_int(await cur.fetchone())
         async with self.pool.connection() as c:
             cur = await c.execute(sql, (run_id,))
-            return int((await cur.fetchone())[0])
+            return _first_int(await cur.fetchone())
 
     async def blocking_state(self, run_id: str) -> tuple[str | None, str | None, int]:
         """Latest valid snapshot id and status of the run, and its pending waitpoints: one query."""
@@ -321,7 +321,7 @@ class WaitpointRepository:
         async with self.pool.connection() as conn:
             cur = await conn.execute("SELECT coalesce(max(sequence) + 1, 0) FROM task_run_journal WHERE run_id = %s",
                                      (run_id,))
-            return int((await cur.fetchone())[0])
+            return _first_int(await cur.fetchone())
 
     async def timed_waitpoints_page(self, after_id: str, limit: int) -> list[tuple[str, str, datetime | None,
                                                                                 datetime | None]]:
@@ -390,3 +390,10 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     return value
+
+
+def _first_int(row: tuple[Any, ...] | None) -> int:
+    """The one number an aggregate query returns (it always returns a row)."""
+    assert row is not None
+    return int(row[0])
+

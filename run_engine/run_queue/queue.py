@@ -10,6 +10,7 @@ import asyncio
 import random
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
@@ -32,6 +33,11 @@ def _s(value: bytes | str | None) -> str:
     if value is None:
         return ""
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _scored(reply: Any) -> list[tuple[bytes | str, float]]:
+    """A WITHSCORES reply as (member, score) pairs (redis-py types these replies loosely)."""
+    return [(member, float(score)) for member, score in reply]
 
 
 def _name(value: bytes | str | None) -> str:
@@ -85,7 +91,7 @@ class RunQueue:
     # --- enqueue / dequeue --------------------------------------------------------------------
 
     async def enqueue(self, items: Sequence[EnqueueItem], now_ms: int) -> None:
-        by_shard: dict[int, list[str | int]] = defaultdict(list)
+        by_shard: dict[int, list[str | int | float]] = defaultdict(list)
         for it in items:
             due = it.available_at_ms if it.available_at_ms is not None else now_ms
             by_shard[self.keys.shard_of(it.env_id)] += [
@@ -245,8 +251,9 @@ class RunQueue:
         page goes on from its place even if it left the DLQ meanwhile) or its run id (from the
         start if that run is not in the DLQ any more)."""
         dlq = f"{self.keys.env(env_id)}:dlq"
+        entries: list[tuple[bytes | str, float]]
         if after is None:
-            entries = await self.redis.zrange(dlq, 0, limit - 1, withscores=True)
+            entries = _scored(await self.redis.zrange(dlq, 0, limit - 1, withscores=True))
         else:
             if isinstance(after, str):
                 score = await self.redis.zscore(dlq, encode_name(after))
@@ -254,13 +261,13 @@ class RunQueue:
             else:
                 place = (after.dead_at_ms, encode_name(after.run_id))
             if place is None:
-                entries = await self.redis.zrange(dlq, 0, limit - 1, withscores=True)
+                entries = _scored(await self.redis.zrange(dlq, 0, limit - 1, withscores=True))
             else:  # the entries that tie with it on time (ordered by member), then the later ones
-                ties = await self.redis.zrangebyscore(dlq, place[0], place[0], withscores=True)
+                ties = _scored(await self.redis.zrangebyscore(dlq, place[0], place[0], withscores=True))
                 entries = [(m, sc) for m, sc in ties if _s(m) > place[1]][:limit]
                 if len(entries) < limit:
-                    entries += await self.redis.zrangebyscore(dlq, f"({place[0]}", "+inf", start=0,
-                                                              num=limit - len(entries), withscores=True)
+                    entries += _scored(await self.redis.zrangebyscore(dlq, f"({place[0]}", "+inf", start=0,
+                                                                      num=limit - len(entries), withscores=True))
         pipe = self.redis.pipeline(transaction=False)
         for run, _ in entries:
             pipe.hmget(self.keys.message(env_id, _name(run)), "queue", "task", "reason", "deliveries")
