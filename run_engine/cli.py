@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -14,6 +15,11 @@ from run_engine import logs
 from run_engine.cli_client import register as register_client_commands
 from run_engine.db.migrations import migrate_sync
 from run_engine.services import services
+
+if TYPE_CHECKING:
+    from run_engine.settings import EngineSettings
+
+T = TypeVar("T")
 
 app = typer.Typer(help="run-engine: trigger, queue and run background tasks.", no_args_is_help=True)
 worker_groups = typer.Typer(help="Self-hosted worker groups.", no_args_is_help=True)
@@ -34,7 +40,7 @@ def _root() -> None:
     """run-engine: trigger, queue and run background tasks."""
 
 
-def _run(coro):  # type: ignore[no-untyped-def]
+def _run(coro: Coroutine[Any, Any, T]) -> T:
     """asyncio.run on uvloop when it is installed (a faster loop for the server and supervisor)."""
     try:
         import uvloop
@@ -43,7 +49,7 @@ def _run(coro):  # type: ignore[no-untyped-def]
     return uvloop.run(coro)
 
 
-def _settings(database_url: str, redis_url: str):  # type: ignore[no-untyped-def]
+def _settings(database_url: str, redis_url: str) -> EngineSettings:
     from run_engine.settings import EngineSettings
 
     return EngineSettings.from_env(database_url=database_url, redis_url=redis_url)

@@ -138,7 +138,3 @@ class DequeueSystem:
                     return
         await self.r.queue.give_back(m.env_id, m.run_id, now, now + self.GIVE_BACK_MS)
         self.r.work_available([worker_group_id])
-
-    @property
-    def _s(self):  # type: ignore[no-untyped-def]
-        return self.r.systems

@@ -13,10 +13,11 @@ from starlette.routing import Route
 
 from run_engine.api import public, schedules, stream, tokens, worker
 from run_engine.api.context import ApiContext
-from run_engine.api.http import DEPENDENCY_ERRORS, ApiError, handle_exception, json_response
+from run_engine.api.http import ApiError, handle_exception, json_response
 from run_engine.api.inputs import RejectUnstorable
 from run_engine.api.openapi import openapi_document, operation
 from run_engine.api.schemas import Health
+from run_engine.dependencies import DEPENDENCY_ERRORS
 from run_engine.errors import RunEngineError
 
 

@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from run_engine.api.http import ApiError, TtlCache, bearer
 from run_engine.api.inputs import looks_like_id
+from run_engine.db.repository import Repository
 from run_engine.engine import RunEngine
 from run_engine.ratelimit import ConnectionCaps, RequestLimiter, TooMany
 from run_engine.realtime import RealtimeHub
@@ -73,7 +74,7 @@ class ApiContext:
         return self._run_groups.get(run_id)
 
     @property
-    def repo(self):  # type: ignore[no-untyped-def]
+    def repo(self) -> Repository:
         return self.engine.resources.repo
 
     async def env_auth(self, request: Request, *, run_token: bool = False) -> EnvAuth:
@@ -99,15 +100,15 @@ class ApiContext:
             await self._limit(auth.bucket)
             return auth
         key_hash = hash_secret(token)
-        env = self._envs.get(key_hash)
-        if env is None:
-            env = await self.repo.environment_by_key_hash(key_hash)
-            if env is None:
+        found: dict[str, Any] | None = self._envs.get(key_hash)
+        if found is None:
+            found = await self.repo.environment_by_key_hash(key_hash)
+            if found is None:
                 if await self.repo.worker_group_by_token_hash(key_hash) is not None:
                     raise ApiError(403, "forbidden", "a worker group token cannot call the public API")
                 raise ApiError(401, "unauthorized", "invalid API key")
-            self._envs.put(key_hash, env)
-        auth = EnvAuth(env["id"], env["project_id"], env["organization_id"], env["default_worker_group_id"])
+            self._envs.put(key_hash, found)
+        auth = EnvAuth(found["id"], found["project_id"], found["organization_id"], found["default_worker_group_id"])
         await self._limit(auth.bucket)
         return auth
 
@@ -141,7 +142,7 @@ class ApiContext:
         return release
 
     async def _env_by_id(self, env_id: str) -> dict[str, Any]:
-        env = self._envs.get(env_id)
+        env: dict[str, Any] | None = self._envs.get(env_id)
         if env is None:
             env = await self.repo.environment(env_id)
             if env is None:
@@ -155,7 +156,7 @@ class ApiContext:
         if token.startswith("rt_") and self.tokens.verify(token, self.engine.resources.clock.now()) is not None:
             raise ApiError(403, "forbidden", "a run token cannot call the worker API")
         token_hash = hash_secret(token)
-        group = self._groups.get(token_hash)
+        group: dict[str, Any] | None = self._groups.get(token_hash)
         if group is None:
             group = await self.repo.worker_group_by_token_hash(token_hash)
             if group is None:

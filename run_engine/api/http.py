@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from run_engine.api.inputs import needs_scan, unstorable
-from run_engine.dependencies import DEPENDENCY_ERRORS, unavailable_dependency  # noqa: F401 (re-exported)
+from run_engine.dependencies import unavailable_dependency
 from run_engine.errors import (
     ConflictError,
     DuplicateExecutionError,

@@ -53,6 +53,7 @@ def needs_scan(raw: bytes | bytearray) -> bool:
 def first_nul(*values: Any) -> str | None:
     """The first of ``values`` (plain strings, or ``(name, value)`` pairs) that holds NUL."""
     for v in values:
+        name: str
         name, s = v if isinstance(v, tuple) else ("value", v)
         if isinstance(s, str) and "\x00" in s:
             return name

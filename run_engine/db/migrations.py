@@ -56,7 +56,7 @@ def migrate_sync(database_url: str) -> list[str]:
                 if migration.version in done:
                     continue
                 with conn.transaction():
-                    conn.execute(migration.path.read_text(encoding="utf-8"))  # type: ignore[arg-type]
+                    conn.execute(migration.path.read_text(encoding="utf-8"))
                     conn.execute(
                         "INSERT INTO schema_migration (version, name) VALUES (%s, %s)",
                         (migration.version, migration.name),
