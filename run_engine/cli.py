@@ -30,7 +30,8 @@ register_client_commands(app)
 
 DataDir = Annotated[Path | None, typer.Option(help="Where embedded servers keep their data (default .run-engine/).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
-JsonLogs = Annotated[bool, typer.Option("--json", help="Logs as one JSON object per line (as RUN_ENGINE_LOG_FORMAT=json).")]
+JsonLogs = Annotated[bool, typer.Option("--json",
+                                        help="Logs as one JSON object per line (as RUN_ENGINE_LOG_FORMAT=json).")]
 Secret = Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET", show_default=False,
                                             help="Installation secret: every key and token is derived from it.")]
 
@@ -247,7 +248,8 @@ def supervisor_cmd(
     api_url: Annotated[str, typer.Option(envvar="RUN_ENGINE_API_URL", help="URL of the run-engine server.")] = "http://127.0.0.1:3030",
     concurrency: Annotated[int, typer.Option(min=1, max=1000, help="Runs at once (one warm executor each).")] = 4,
     name: Annotated[str, typer.Option(help="Worker instance name (default host-pid).")] = "",
-    heartbeat_interval: Annotated[float, typer.Option(envvar="RUN_ENGINE_HEARTBEAT_INTERVAL_S", help="Seconds between run heartbeats.")] = 20.0,
+    heartbeat_interval: Annotated[float, typer.Option(envvar="RUN_ENGINE_HEARTBEAT_INTERVAL_S",
+                                                      help="Seconds between run heartbeats.")] = 20.0,
     env: Annotated[list[str] | None, typer.Option("--env", help="Serve only these environments (slug or id).")] = None,
     suspend_after: Annotated[float, typer.Option(envvar="RUN_ENGINE_SUSPEND_AFTER_S", min=0,
                                                  help="Seconds a blocked run waits in its executor before it is "

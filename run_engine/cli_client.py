@@ -144,7 +144,8 @@ def queues_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
     table = Table("name", "type", "running", "queued", "limit", "paused")
     for q in data["data"]:
         table.add_row(q["name"], q["type"], str(q["running"]), str(q["queued"]),
-                      "-" if q["concurrencyLimit"] is None else str(q["concurrencyLimit"]), "yes" if q["paused"] else "")
+                      "-" if q["concurrencyLimit"] is None else str(q["concurrencyLimit"]),
+                      "yes" if q["paused"] else "")
     _emit(data, as_json, table=table)
 
 

@@ -61,7 +61,8 @@ class EmbeddedRedis:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise ConfigurationError(f"embedded redis-server exited with {self._proc.returncode}; see {self.data_dir}/redis.log")
+                raise ConfigurationError(f"embedded redis-server exited with {self._proc.returncode}; "
+                                         f"see {self.data_dir}/redis.log")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")

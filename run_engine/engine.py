@@ -177,7 +177,8 @@ class RunEngine:
                                                    waitpoint_ids=waitpoint_ids, result=result)
 
     async def trigger_and_wait(self, parent_run_id: str, snapshot_id: str, sequence: int,
-                               requests: Sequence[TriggerRequest], *, batch: bool = False) -> tuple[list[str], BlockOutcome]:
+                               requests: Sequence[TriggerRequest], *,
+                               batch: bool = False) -> tuple[list[str], BlockOutcome]:
         """Trigger children of an executing run and block it until they finish (one RUN
         waitpoint, or one BATCH waitpoint for ``batch``); journaled at ``sequence``."""
         parent = await self.resources.repo.get_run(parent_run_id)
@@ -193,7 +194,8 @@ class RunEngine:
     # --- deployments and queues ---------------------------------------------------------------
 
     async def register_deployment(self, *, env_id: str, worker_group_id: str, version: str, content_hash: str,
-                                  tasks: Sequence[dict[str, Any]], queues: Sequence[dict[str, Any]] = ()) -> tuple[str, int]:
+                                  tasks: Sequence[dict[str, Any]],
+                                  queues: Sequence[dict[str, Any]] = ()) -> tuple[str, int]:
         return await self.systems.waiting_for_worker.register_deployment(
             env_id=env_id, worker_group_id=worker_group_id, version=version, content_hash=content_hash,
             tasks=tasks, queues=queues)

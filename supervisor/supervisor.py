@@ -126,7 +126,8 @@ class Supervisor:
         except TransportError as exc:
             return [{"ok": False, "status": 0, "error": {"code": "transport", "message": str(exc)}}] * len(items)
         if reply.status != 200:
-            return [{"ok": False, "status": reply.status, **(reply.data or {"error": {"message": reply.text}})}] * len(items)
+            return [{"ok": False, "status": reply.status,
+                     **(reply.data or {"error": {"message": reply.text}})}] * len(items)
         results: list[dict[str, Any]] = reply.data["results"]
         return results
 

@@ -18,7 +18,8 @@ CANCEL_ERROR = {"type": "CANCELED", "message": "Run was cancelled"}
 
 
 class CancelSystem:
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, run_attempt: RunAttemptSystem) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem,
+                 run_attempt: RunAttemptSystem) -> None:
         self.r = resources
         self.snapshots = snapshots
         self.run_attempt = run_attempt

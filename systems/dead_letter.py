@@ -38,7 +38,8 @@ class DeadRun:
 class DeadLetterSystem:
     PAGE = 100
 
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem, waitpoints: WaitpointSystem) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem,
+                 waitpoints: WaitpointSystem) -> None:
         self.r = resources
         self.snapshots = snapshots
         self.enqueue = enqueue

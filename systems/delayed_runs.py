@@ -25,7 +25,8 @@ EXPIRABLE = (E.QUEUED, E.DELAYED, E.PENDING_VERSION)
 
 
 class DelayedRunSystem:
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem, run_attempt: RunAttemptSystem) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem,
+                 run_attempt: RunAttemptSystem) -> None:
         self.r = resources
         self.snapshots = snapshots
         self.enqueue = enqueue

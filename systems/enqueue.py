@@ -326,7 +326,8 @@ class EnqueueSystem:
             concurrency_key=concurrency_key, task=task, reset_deliveries=reset_deliveries,
         )
 
-    def item_for(self, run: RunRow, available_at_ms: int | None = None, *, reset_deliveries: bool = False) -> EnqueueItem:
+    def item_for(self, run: RunRow, available_at_ms: int | None = None, *,
+                 reset_deliveries: bool = False) -> EnqueueItem:
         """The queue item of an existing run; it keeps its original place (queue timestamp)."""
         queued = run.queue_timestamp or run.created_at
         return self.queue_item(run.id, run.environment_id, run.queue, run.worker_group_id,

@@ -55,7 +55,8 @@ class ExecutionSnapshotSystem:
             )
         raise InvalidTransitionError(result.run_id, str(result.latest_status), operation)
 
-    async def after_transition(self, previous_snapshot_id: str | None, previous_status: str | None, snapshot: Snapshot) -> None:
+    async def after_transition(self, previous_snapshot_id: str | None, previous_status: str | None,
+                               snapshot: Snapshot) -> None:
         """Re-arm heartbeat timeouts: cancel the previous snapshot's job, schedule the new one's
         (plus ``extra`` jobs), in one batched Redis call."""
         await self.r.change_jobs(*self.rearm(previous_snapshot_id, previous_status, snapshot))
@@ -64,7 +65,8 @@ class ExecutionSnapshotSystem:
               snapshot: Snapshot) -> tuple[list[str], list[JobSpec]]:
         cancel: list[str] = []
         schedule: list[JobSpec] = []
-        if previous_snapshot_id and previous_status and self.r.settings.heartbeat_timeout_s(ExecutionStatus(previous_status)):
+        if (previous_snapshot_id and previous_status
+                and self.r.settings.heartbeat_timeout_s(ExecutionStatus(previous_status))):
             cancel.append(engine_jobs.heartbeat_id(snapshot.run_id, previous_snapshot_id))
         timeout = self.r.settings.heartbeat_timeout_s(ExecutionStatus(snapshot.engine_status))
         if timeout is not None:

@@ -59,7 +59,8 @@ class ReconcileReport:
 class Reconciler:
     PAGE = 500
 
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem, run_attempt: RunAttemptSystem, delayed: DelayedRunSystem) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem,
+                 run_attempt: RunAttemptSystem, delayed: DelayedRunSystem) -> None:
         self.r = resources
         self.snapshots = snapshots
         self.enqueue = enqueue

@@ -52,7 +52,8 @@ class AttemptOutcome:
 
 
 class RunAttemptSystem:
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem, waitpoints: WaitpointSystem, dead_letter: DeadLetterSystem) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem,
+                 waitpoints: WaitpointSystem, dead_letter: DeadLetterSystem) -> None:
         self.r = resources
         self.snapshots = snapshots
         self.enqueue = enqueue
@@ -102,7 +103,8 @@ class RunAttemptSystem:
             if max_duration:
                 # one job per attempt: it survives the attempt's waits and continuations
                 schedule.append(engine_jobs.max_duration(
-                    run_id, run.attempt_number, self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s))
+                    run_id, run.attempt_number,
+                    self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s))
             await self.r.change_jobs(cancel, schedule)
         self.r.events.emit(RunEvent("attempt_started", run_id, run.environment_id, snapshot.id,
                                     {"attempt": run.attempt_number}))
@@ -175,7 +177,8 @@ class RunAttemptSystem:
         return AttemptOutcome("retry", RunStatus.QUEUED, result.snapshot.id, int(delay_s * 1000))
 
     async def finish(self, run_id: str, status: RunStatus, *, error: dict[str, Any] | None = None,
-                     expected_snapshot_id: str | None, from_statuses: frozenset[ExecutionStatus] | tuple[ExecutionStatus, ...],
+                     expected_snapshot_id: str | None,
+                     from_statuses: frozenset[ExecutionStatus] | tuple[ExecutionStatus, ...],
                      description: str) -> AttemptOutcome:
         """End the run (caller holds the run lock): FINISHED snapshot, queue slot and jobs released."""
         result = await self.snapshots.apply(
@@ -204,7 +207,8 @@ class RunAttemptSystem:
             await self.waitpoints.on_runs_finished([run])
 
     async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str, attempt: int) -> None:
-        await self.r.change_jobs([engine_jobs.heartbeat_id(run_id, snapshot_id), engine_jobs.max_duration_id(run_id, attempt)])
+        await self.r.change_jobs([engine_jobs.heartbeat_id(run_id, snapshot_id),
+                                  engine_jobs.max_duration_id(run_id, attempt)])
 
     async def finish_cancel_requested(self, run_id: str, pending_cancel_snapshot_id: str) -> AttemptOutcome:
         return await self.finish(run_id, RunStatus.CANCELED, expected_snapshot_id=pending_cancel_snapshot_id,

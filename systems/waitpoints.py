@@ -60,7 +60,8 @@ def run_result(run_id: str, status: str, output: Any, error: Any) -> dict[str, A
 
 
 class WaitpointSystem:
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem) -> None:
+    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem,
+                 enqueue: EnqueueSystem) -> None:
         self.r = resources
         self.snapshots = snapshots
         self.enqueue = enqueue
@@ -318,7 +319,8 @@ class WaitpointSystem:
                 await self.wp.complete([Completion((holder.error or {"type": holder.status}) if failed
                                                    else holder.output, failed, id=waitpoint_id)])
         else:  # the batch completes with the runs it created; results come from the runs named here
-            await self.wp.repoint(parent_id, sequence, None, key, {"runIds": run_ids}, batch_shrink=(batch_id, len(taken)))
+            await self.wp.repoint(parent_id, sequence, None, key, {"runIds": run_ids},
+                                  batch_shrink=(batch_id, len(taken)))
         return run_ids, key
 
     # --- the journal --------------------------------------------------------------------------

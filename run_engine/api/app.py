@@ -47,8 +47,8 @@ async def openapi(request: Request) -> Response:
 
 def create_app(ctx: ApiContext) -> Starlette:
     app = Starlette(
-        routes=[Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES,
-                *worker.ROUTES],
+        routes=[Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES, *tokens.ROUTES,
+                *schedules.ROUTES, *stream.ROUTES, *worker.ROUTES],
         middleware=[Middleware(RejectUnstorable)],
         # Expected errors are answered by ExceptionMiddleware; anything else reaches
         # ServerErrorMiddleware, which answers with the same shape and logs the traceback.

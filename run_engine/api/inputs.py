@@ -38,7 +38,8 @@ def unstorable(value: Any, path: str = "body") -> str | None:
             if isinstance(item, dict):
                 for key, child in item.items():
                     if "\x00" in key:
-                        return f"{where}: an object key contains the NUL character (\\u0000), which run-engine cannot store"
+                        return (f"{where}: an object key contains the NUL character (\\u0000), "
+                                "which run-engine cannot store")
                     stack.append((child, f"{where}.{key}", depth + 1))
             else:
                 stack.extend((child, f"{where}.{i}", depth + 1) for i, child in enumerate(item))

@@ -23,7 +23,8 @@ ERRORS = {400: "invalid input (the message names the field)", 401: "missing or b
           409: "conflict: stale snapshot or wrong state", 413: "payload too large",
           422: "well-formed but impossible", 429: "rate limited (see Retry-After)",
           431: "request head too large", 503: "a dependency is unavailable; retry"}
-SECURITY: dict[str, list[dict[str, list[str]]]] = {"apiKey": [{"apiKey": []}], "apiKeyOrRunToken": [{"apiKey": []}, {"runToken": []}],
+SECURITY: dict[str, list[dict[str, list[str]]]] = {"apiKey": [{"apiKey": []}],
+            "apiKeyOrRunToken": [{"apiKey": []}, {"runToken": []}],
             "workerToken": [{"workerToken": []}], "none": []}
 
 

@@ -136,7 +136,8 @@ async def batch_trigger(request: Request) -> Response:
                 for i, item in enumerate(req.items)]
     runs = await ctx.engine.trigger_batch(auth.env_id, batch_id, requests)
     return json_response({"id": batch_id, "runs": [
-        {"id": r.id, "taskIdentifier": q.task_id, "isCached": r.is_cached} for r, q in zip(runs, requests, strict=True)]})
+        {"id": r.id, "taskIdentifier": q.task_id, "isCached": r.is_cached}
+        for r, q in zip(runs, requests, strict=True)]})
 
 
 @operation("Get a batch", S.Batch, security="apiKeyOrRunToken")
@@ -144,7 +145,8 @@ async def get_batch(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     batch_id = request.path_params["batch_id"]
-    runs = await ctx.repo.list_runs(auth.env_id, batches=[batch_id], limit=1000) if looks_like_id(batch_id, "batch") else []
+    runs = (await ctx.repo.list_runs(auth.env_id, batches=[batch_id], limit=1000)
+            if looks_like_id(batch_id, "batch") else [])
     if not runs:
         raise ApiError(404, "not_found", "batch not found")
     if auth.run_id is not None and any(r.parent_run_id != auth.run_id for r in runs):
@@ -190,7 +192,9 @@ def _cursor(run: RunRow) -> str:
     return f"{run.created_at.isoformat()}|{run.id}"
 
 
-@operation("List runs, newest first", S.RunList, query=(csv("filter[status]"), csv("filter[taskIdentifier]"), csv("filter[tag]"), csv("filter[queue]"), csv("filter[batch]"), *PAGE))
+@operation("List runs, newest first", S.RunList,
+           query=(csv("filter[status]"), csv("filter[taskIdentifier]"), csv("filter[tag]"), csv("filter[queue]"),
+                  csv("filter[batch]"), *PAGE))
 async def list_runs(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
@@ -207,8 +211,9 @@ async def list_runs(request: Request) -> Response:
         except ValueError:
             raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
     runs = await ctx.repo.list_runs(
-        auth.env_id, statuses=statuses, tasks=_csv(request, "filter[taskIdentifier]"), tags=_csv(request, "filter[tag]"),
-        queues=_csv(request, "filter[queue]"), batches=_csv(request, "filter[batch]"), limit=size + 1, after=after)
+        auth.env_id, statuses=statuses, tasks=_csv(request, "filter[taskIdentifier]"),
+        tags=_csv(request, "filter[tag]"), queues=_csv(request, "filter[queue]"),
+        batches=_csv(request, "filter[batch]"), limit=size + 1, after=after)
     page, more = runs[:size], len(runs) > size
     return json_response({"data": [run_object(r) for r in page],
                           "pagination": pagination(_cursor(page[-1]) if more and page else None)})
@@ -240,7 +245,8 @@ async def replay_run(request: Request) -> Response:
 
 async def _queue_object(ctx: ApiContext, row: dict[str, Any]) -> dict[str, Any]:
     stats = await ctx.engine.resources.queue.queue_stats(row["environment_id"], row["name"])
-    limit = row["concurrency_limit_override"] if row["concurrency_limit_override"] is not None else row["concurrency_limit"]
+    limit = (row["concurrency_limit_override"] if row["concurrency_limit_override"] is not None
+             else row["concurrency_limit"])
     return {"id": row["id"], "name": row["name"], "type": row["type"], "running": stats.running,
             "queued": stats.queued, "concurrencyLimit": limit, "paused": row["paused"],
             "concurrencyLimitOverridden": row["concurrency_limit_override"] is not None,
@@ -305,7 +311,9 @@ async def reset_concurrency(request: Request) -> Response:
 
 # --- DLQ ----------------------------------------------------------------------------------------
 
-@operation("List dead-lettered runs", S.DlqList, query=(Query("filter[taskIdentifier]", {"type": "string", "maxLength": 4096}), Query("filter[queue]", {"type": "string", "maxLength": 4096}), *PAGE))
+@operation("List dead-lettered runs", S.DlqList,
+           query=(Query("filter[taskIdentifier]", {"type": "string", "maxLength": 4096}),
+                  Query("filter[queue]", {"type": "string", "maxLength": 4096}), *PAGE))
 async def list_dlq(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)

@@ -23,7 +23,8 @@ STATUSES = ("WAITING", "COMPLETED", "TIMED_OUT")
 
 
 def callback_url(ctx: ApiContext, waitpoint_id: str) -> str:
-    return f"{ctx.public_url}/api/v1/waitpoints/tokens/{waitpoint_id}/callback/{ctx.tokens.callback_signature(waitpoint_id)}"
+    return (f"{ctx.public_url}/api/v1/waitpoints/tokens/{waitpoint_id}/callback/"
+            f"{ctx.tokens.callback_signature(waitpoint_id)}")
 
 
 def token_status(wp: Waitpoint) -> str:
@@ -45,7 +46,8 @@ def token_object(ctx: ApiContext, wp: Waitpoint) -> dict[str, Any]:
     return out
 
 
-@operation("Create a waitpoint token", S.TokenCreated, body=TokenCreateBody, body_required=False, security="apiKeyOrRunToken")
+@operation("Create a waitpoint token", S.TokenCreated, body=TokenCreateBody, body_required=False,
+           security="apiKeyOrRunToken")
 async def create_token(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
@@ -77,7 +79,9 @@ async def get_token(request: Request) -> Response:
     return json_response(token_object(ctx, await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"])))
 
 
-@operation("List waitpoint tokens", S.TokenList, query=(Query("filter[status]", {"type": "string", "maxLength": 64}), Query("filter[tags]", {"type": "string", "maxLength": 4096}), *PAGE))
+@operation("List waitpoint tokens", S.TokenList,
+           query=(Query("filter[status]", {"type": "string", "maxLength": 64}),
+                  Query("filter[tags]", {"type": "string", "maxLength": 4096}), *PAGE))
 async def list_tokens(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
@@ -119,7 +123,8 @@ async def _complete(ctx: ApiContext, wp: Waitpoint, data: Any) -> Response:
     return json_response({"success": True})
 
 
-@operation("Complete a token (the first completion wins)", S.Success, body=TokenCompleteBody, body_required=False, security="apiKeyOrRunToken")
+@operation("Complete a token (the first completion wins)", S.Success, body=TokenCompleteBody, body_required=False,
+           security="apiKeyOrRunToken")
 async def complete_token(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
@@ -128,7 +133,8 @@ async def complete_token(request: Request) -> Response:
     return await _complete(ctx, wp, req.data)
 
 
-@operation("Complete a token by its signed callback URL (no API key; the body is the output)", S.Success, security="none", any_body=True, body_required=False)
+@operation("Complete a token by its signed callback URL (no API key; the body is the output)", S.Success,
+           security="none", any_body=True, body_required=False)
 async def callback(request: Request) -> Response:
     """No API key: the HMAC signature in the path is the credential; the body is the output."""
     ctx = ctx_of(request)

@@ -61,7 +61,8 @@ async def connect(request: Request) -> Response:
     ids = [t["id"] for t in tasks]
     if len(set(ids)) != len(ids):
         raise ApiError(400, "invalid_input", "deployment.tasks: task ids must be unique")
-    content_hash = hashlib.sha256(orjson.dumps({"tasks": tasks, "queues": queues}, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    content_hash = hashlib.sha256(orjson.dumps({"tasks": tasks, "queues": queues},
+                                               option=orjson.OPT_SORT_KEYS)).hexdigest()
     version = req.deployment.version or content_hash[:12]
     envs = await ctx.repo.environments_of_worker_group(group["id"])
     if group.get("scoped_environment_id"):  # an environment's token serves that environment only
@@ -167,7 +168,10 @@ async def _group_run_id(ctx: ApiContext, request: Request) -> str:
     return await _check_group(ctx, await ctx.worker_group(request), request.path_params["run_id"])
 
 
-@operation("Latest snapshot; with after and waitMs, waits for another", S.SnapshotOut, query=(Query("after", {"type": "string", "maxLength": 256}), Query("waitMs", {"type": "integer", "minimum": 0, "maximum": 60000})), security="workerToken")
+@operation("Latest snapshot; with after and waitMs, waits for another", S.SnapshotOut,
+           query=(Query("after", {"type": "string", "maxLength": 256}),
+                  Query("waitMs", {"type": "integer", "minimum": 0, "maximum": 60000})),
+           security="workerToken")
 async def latest_snapshot(request: Request) -> Response:
     """The latest snapshot; with ``after=<snapshot id>&waitMs=N`` it waits (long-poll) until the
     latest is another one, e.g. a waiting run continued or was cancelled."""
@@ -309,7 +313,8 @@ def _block_response(outcome: Any, **extra: Any) -> Response:
     return json_response(out)
 
 
-@operation("Wait for a duration or until a date (DATETIME waitpoint)", S.Blocked, body=WaitDurationBody, security="workerToken")
+@operation("Wait for a duration or until a date (DATETIME waitpoint)", S.Blocked, body=WaitDurationBody,
+           security="workerToken")
 async def wait_duration(request: Request) -> Response:
     ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
@@ -348,7 +353,8 @@ async def wait_waitpoint(request: Request) -> Response:
     return _block_response(outcome, waitpointId=wp.id)
 
 
-@operation("Trigger children and wait for them (RUN or BATCH waitpoint)", S.Blocked, body=ChildTriggerBody, security="workerToken")
+@operation("Trigger children and wait for them (RUN or BATCH waitpoint)", S.Blocked, body=ChildTriggerBody,
+           security="workerToken")
 async def trigger_children(request: Request) -> Response:
     """Trigger children of the run and block it until they finish (triggerAndWait and
     batchTriggerAndWait): one journal entry, one waitpoint, one insert for all children."""
@@ -387,7 +393,8 @@ async def append_journal(request: Request) -> Response:
     return json_response({"ok": True})
 
 
-@operation("The run's journal, waits resolved", S.JournalOut, query=(Query("from", {"type": "integer", "minimum": 0}),), security="workerToken")
+@operation("The run's journal, waits resolved", S.JournalOut,
+           query=(Query("from", {"type": "integer", "minimum": 0}),), security="workerToken")
 async def get_journal(request: Request) -> Response:
     ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)

@@ -290,7 +290,8 @@ WITH input AS (
         concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
         delay_until, coalesce(tags, '{}'), metadata, max_attempts, retry, max_duration_s, machine,
         locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
-        coalesce(resume_parent_on_completion, false), CASE WHEN engine_status = 'QUEUED' THEN now() END, coalesce(queue_timestamp, now())
+        coalesce(resume_parent_on_completion, false), CASE WHEN engine_status = 'QUEUED' THEN now() END,
+        coalesce(queue_timestamp, now())
     FROM input
     ON CONFLICT (environment_id, task_identifier, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, created_at
@@ -379,7 +380,8 @@ class Repository:
                      AND r.idempotency_key_expires_at <= %s""",
                 ([t for t, _ in keys], [k for _, k in keys], env_id, now))
 
-    async def runs_by_idempotency_key(self, env_id: str, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], RunRow]:
+    async def runs_by_idempotency_key(self, env_id: str,
+                                      keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], RunRow]:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
@@ -791,18 +793,21 @@ class Repository:
                 raise ConflictError("deployment.version", f"version {version!r} is already deployed with other "
                                                           "tasks; give this deployment a new version")
             await conn.execute(
-                "UPDATE deployment SET is_current = false WHERE environment_id = %s AND worker_group_id = %s AND is_current AND id <> %s",
+                "UPDATE deployment SET is_current = false"
+                " WHERE environment_id = %s AND worker_group_id = %s AND is_current AND id <> %s",
                 (env_id, worker_group_id, dep_id),
             )
             if created:
                 await conn.execute(
-                    """INSERT INTO deployment (id, environment_id, worker_group_id, version, content_hash, tasks, queues, is_current)
+                    """INSERT INTO deployment (id, environment_id, worker_group_id, version, content_hash, tasks,
+                                               queues, is_current)
                        VALUES (%s, %s, %s, %s, %s, %s, %s, true)""",
                     (dep_id, env_id, worker_group_id, version, content_hash, Jsonb(list(tasks)), Jsonb(list(queues))),
                 )
                 cur = conn.cursor()
                 await cur.executemany(
-                    """INSERT INTO deployment_task (deployment_id, environment_id, task_identifier, queue_name, retry, max_duration_s, machine)
+                    """INSERT INTO deployment_task (deployment_id, environment_id, task_identifier, queue_name, retry,
+                                                    max_duration_s, machine)
                        VALUES (%s, %s, %s, %s, %s, %s, %s)""",
                     [
                         (dep_id, env_id, t["id"], t["queue"], Jsonb(t.get("retry")) if t.get("retry") else None,
@@ -859,7 +864,8 @@ class Repository:
             await cur.execute("SELECT * FROM task_queue WHERE environment_id = %s AND name = %s", (env_id, name))
             return await cur.fetchone()
 
-    async def ensure_queue(self, queue_id: str, env_id: str, name: str, concurrency_limit: int | None) -> dict[str, Any]:
+    async def ensure_queue(self, queue_id: str, env_id: str, name: str,
+                           concurrency_limit: int | None) -> dict[str, Any]:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(

@@ -31,7 +31,8 @@ class WaitResult:
 
 class WaitpointTimeoutError(Exception):
     def __init__(self, error: Any) -> None:
-        super().__init__((error or {}).get("message", "the waitpoint timed out") if isinstance(error, dict) else str(error))
+        super().__init__((error or {}).get("message", "the waitpoint timed out") if isinstance(error, dict)
+                         else str(error))
         self.error = error
 
 

@@ -52,7 +52,8 @@ class Stack:
         return Stack(url=self.url, env=self.env, api_key=creds["apiKey"], token=creds["workerGroupToken"],
                      procs=self.procs, logs=self.logs)
 
-    def start_supervisor(self, name: str, concurrency: int = 4, tasks: str = "tests.e2e.tasks_e2e") -> subprocess.Popen[bytes]:
+    def start_supervisor(self, name: str, concurrency: int = 4,
+                         tasks: str = "tests.e2e.tasks_e2e") -> subprocess.Popen[bytes]:
         with open(self.logs / f"supervisor-{name}.log", "wb") as log:  # the child keeps its own copy
             proc = subprocess.Popen(
                 [sys.executable, "-m", "run_engine.cli", "supervisor", "--token", self.token, "--tasks", tasks,
@@ -127,7 +128,8 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
 
 
 @pytest.fixture(scope="session")
-def stack(database_url: str, redis_url: str, key_prefix: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(database_url: str, redis_url: str, key_prefix: str,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     port = free_port()
     logs = tmp_path_factory.mktemp("e2e-logs")
     env = {

@@ -190,7 +190,8 @@ def _fingerprint(stack: Stack, v: Victim) -> dict[str, Any]:
                         r.get("delayedUntil")) for r in runs),
         "queues": sorted((q["name"], q["paused"], q["concurrencyLimit"])
                          for q in _call(stack, key, "GET", "/api/v1/queues").json()["data"]),
-        "schedules": sorted((s["id"], s["active"]) for s in _call(stack, key, "GET", "/api/v1/schedules").json()["data"]),
+        "schedules": sorted((s["id"], s["active"])
+                            for s in _call(stack, key, "GET", "/api/v1/schedules").json()["data"]),
         "token": _call(stack, key, "GET", f"/api/v1/waitpoints/tokens/{v.ids['waitpoint_id']}").json()["status"],
         "snapshot": _call(stack, v.tenant.token, "GET", f"{W}/runs/{v.ids['run_id']}/snapshots/latest").json(),
     }

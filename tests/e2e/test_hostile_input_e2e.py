@@ -318,7 +318,8 @@ def test_task_ids_and_keys_that_look_like_key_parts_never_stop_a_worker_group(st
 
 def test_bodies_that_are_not_utf8_or_hold_lone_surrogates_are_400(hostile: Stack) -> None:
     with hostile.client() as c:
-        for raw in (b'{"payload": "\\ud800"}', b'{"payload": "\xff\xfe"}', b'{"payload": 1, "options": {"tags": ["\\udfff"]}}',
+        for raw in (b'{"payload": "\\ud800"}', b'{"payload": "\xff\xfe"}',
+                    b'{"payload": 1, "options": {"tags": ["\\udfff"]}}',
                     b"\xef\xbb\xbf" + b'{"payload": 1}'):
             r = c.post("/api/v1/tasks/t/trigger", content=raw, headers={"content-type": "application/json"})
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_input", (raw, r.text)

@@ -102,7 +102,8 @@ def test_queue_concurrency_limit_is_never_exceeded(supervised: Stack, tmp_path: 
     ids = [supervised.trigger("limited", {"log": str(log)}) for _ in range(8)]
     for run_id in ids:
         assert supervised.wait_for(run_id)["status"] == "COMPLETED"
-    events = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda e: (e["t"], e["event"] == "start"))
+    events = sorted((json.loads(line) for line in log.read_text().splitlines()),
+                    key=lambda e: (e["t"], e["event"] == "start"))
     running = peak = 0
     for e in events:
         running += 1 if e["event"] == "start" else -1

@@ -45,7 +45,8 @@ class Harness:
 
 
 @pytest.fixture
-async def make_engine(database_url: str, redis_url: str, key_prefix: str, unique: str) -> AsyncIterator[Callable[..., Any]]:
+async def make_engine(database_url: str, redis_url: str, key_prefix: str,
+                      unique: str) -> AsyncIterator[Callable[..., Any]]:
     engines: list[RunEngine] = []
 
     async def make(**overrides: Any) -> Harness:
@@ -59,7 +60,8 @@ async def make_engine(database_url: str, redis_url: str, key_prefix: str, unique
         clock = FakeClock()
         engine = await RunEngine.create(settings, clock=clock, run_jobs=False)
         engines.append(engine)
-        env = await ensure_environment(engine.resources.repo, secret="test-secret", org=f"org-{unique}", project="proj", env="dev")
+        env = await ensure_environment(engine.resources.repo, secret="test-secret", org=f"org-{unique}", project="proj",
+                                       env="dev")
         harness = Harness(engine, clock, env)
         engine.events.subscribe("*", harness.events.append)
         return harness

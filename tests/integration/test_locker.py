@@ -40,7 +40,8 @@ async def test_mutual_exclusion_between_tasks(locker: RunLocker) -> None:
     assert peak == 1
 
 
-async def test_reentrant_in_one_task_and_nested_other_resources(locker: RunLocker, redis_client: aioredis.Redis) -> None:
+async def test_reentrant_in_one_task_and_nested_other_resources(locker: RunLocker,
+                                                                 redis_client: aioredis.Redis) -> None:
     async with locker.lock("outer", "run_a", "run_b"):
         assert locker.is_held("run_a")
         async with locker.lock("inner", "run_b"):  # no deadlock, no round trip
@@ -52,7 +53,8 @@ async def test_reentrant_in_one_task_and_nested_other_resources(locker: RunLocke
     assert await redis_client.keys(f"{locker.prefix}:*") == []
 
 
-async def test_timeout_error_names_resources_and_attempts(redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:
+async def test_timeout_error_names_resources_and_attempts(redis_client: aioredis.Redis, key_prefix: str,
+                                                          unique: str) -> None:
     holder = RunLocker([redis_client], prefix=f"{key_prefix}:lt{unique}")
     waiter = RunLocker([redis_client], prefix=f"{key_prefix}:lt{unique}", settings=FAST)
     async def wait() -> None:

@@ -22,7 +22,8 @@ async def _until(predicate, timeout_s: float = 10) -> None:  # type: ignore[no-u
 async def test_a_change_on_one_process_wakes_the_watcher_on_another(redis_url: str, key_prefix: str,
                                                                     unique: str) -> None:
     ra, rb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
-    engine_side, sse_side = RealtimeHub(ra, prefix=f"{key_prefix}:{unique}"), RealtimeHub(rb, prefix=f"{key_prefix}:{unique}")
+    engine_side, sse_side = (RealtimeHub(ra, prefix=f"{key_prefix}:{unique}"),
+                             RealtimeHub(rb, prefix=f"{key_prefix}:{unique}"))
     await engine_side.start()
     await sse_side.start()
     published: list[str] = []

@@ -68,7 +68,8 @@ async def test_a_dequeue_lost_before_postgres_saw_it_is_made_ready_again(private
     h = private
     run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
     # the queue hands the run out, but the process dies before writing PENDING_EXECUTING
-    assert [m.run_id for m in await h.engine.resources.queue.dequeue(h.env.worker_group_id, 5, h.engine.resources.now_ms())] == [run.id]
+    assert [m.run_id for m in await h.engine.resources.queue.dequeue(
+        h.env.worker_group_id, 5, h.engine.resources.now_ms())] == [run.id]
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
     report = await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
     assert report.requeued_stuck == 1

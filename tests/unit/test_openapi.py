@@ -25,8 +25,10 @@ def test_every_route_is_documented_with_responses_and_security() -> None:
         for name in [seg[1:-1] for seg in path.split("/") if seg.startswith("{")]:
             assert any(p["name"] == name and p["in"] == "path" for p in op["parameters"]), (path, name)
     trigger = doc["paths"]["/api/v1/tasks/{taskId}/trigger"]["post"]
-    assert trigger["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/TriggerBody"}
-    assert trigger["responses"]["429"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}
+    assert (trigger["requestBody"]["content"]["application/json"]["schema"]
+            == {"$ref": "#/components/schemas/TriggerBody"})
+    assert (trigger["responses"]["429"]["content"]["application/json"]["schema"]
+            == {"$ref": "#/components/schemas/Error"})
     assert {"Run", "Error", "TriggerBody", "Snapshot"} <= set(doc["components"]["schemas"])
 
 

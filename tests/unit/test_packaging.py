@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_wheel_carries_migrations_and_lua(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+         str(ROOT)],
         check=True, capture_output=True,
     )
     [wheel] = tmp_path.glob("run_engine-*.whl")
@@ -28,7 +29,8 @@ def test_wheel_carries_migrations_and_lua(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(target)
     out = subprocess.run(
-        [sys.executable, "-c", "import run_engine._resources as r; print(r.data_dir('lua')); print(r.data_dir('migrations'))"],
+        [sys.executable, "-c",
+         "import run_engine._resources as r; print(r.data_dir('lua')); print(r.data_dir('migrations'))"],
         check=True, capture_output=True, text=True, env={"PYTHONPATH": str(target)}, cwd=tmp_path,
     ).stdout.split()
     assert out == [str(target / "run_engine/_data/lua"), str(target / "run_engine/_data/migrations")]
