@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -15,13 +15,14 @@ import redis.asyncio as aioredis
 
 from run_engine.clock import Clock, SystemClock
 from run_engine.db.repository import Repository, RunRow, Snapshot
+from run_engine.db.waitpoints import JournalEntry, Waitpoint
 from run_engine.errors import NotFoundError
 from run_engine.events import EventBus
 from run_engine.ids import new_id
 from run_engine.jobs import Job, JobQueue, JobWorker
 from run_engine.leader import LeaderLease
 from run_engine.locking import RunLocker
-from run_engine.run_queue import Handed, RunQueue
+from run_engine.run_queue import Handed, QueueStats, RunQueue
 from run_engine.settings import EngineSettings
 from run_engine.statuses import RunStatus
 from systems import engine_jobs as J
@@ -31,9 +32,10 @@ from systems.enqueue import TriggeredRun, TriggerRequest
 from systems.registry import Systems
 from systems.resources import SystemResources
 from systems.run_attempt import AttemptOutcome, StartedAttempt
-from systems.waitpoints import BlockOutcome
+from systems.waitpoints import BlockOutcome, WaitpointSystem
 
-__all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome"]
+__all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome",
+           "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome"]
 
 
 class RunEngine:
@@ -164,12 +166,111 @@ class RunEngine:
     async def snapshots(self, run_id: str) -> list[Snapshot]:
         return await self.resources.repo.snapshots(run_id)
 
+    async def list_runs(self, env_id: str, *, statuses: Sequence[str] = (), tasks: Sequence[str] = (),
+                        tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
+                        limit: int = 25, after: tuple[datetime, str] | None = None) -> list[RunRow]:
+        """Newest first; ``after`` is the (created_at, id) of the last run of the previous page."""
+        return await self.resources.repo.list_runs(env_id, statuses=statuses, tasks=tasks, tags=tags, queues=queues,
+                                                   batches=batches, limit=limit, after=after)
+
+    async def child_runs(self, run_id: str) -> list[str]:
+        return await self.resources.repo.child_runs(run_id)
+
+    async def set_metadata(self, run_id: str, metadata: Any) -> None:
+        await self.resources.repo.set_metadata(run_id, metadata)
+
+    async def add_tags(self, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
+        """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""
+        return await self.resources.repo.add_tags(run_id, tags, limit)
+
+    async def explain(self, env_id: str, run_id: str) -> dict[str, Any]:
+        return await self.systems.explain.explain(env_id, run_id)
+
+    # --- the clock, settings, health ------------------------------------------------------------
+
+    @property
+    def settings(self) -> EngineSettings:
+        return self.resources.settings
+
+    def now(self) -> float:
+        """The engine's clock (a fake one in tests), epoch seconds."""
+        return self.resources.clock.now()
+
+    async def ping(self, timeout_s: float = 2.0) -> dict[str, bool]:
+        """Whether PostgreSQL and Redis each answer within ``timeout_s``."""
+        async def answers(check: Awaitable[Any]) -> bool:
+            try:
+                await asyncio.wait_for(check, timeout_s)
+            except Exception:
+                return False
+            return True
+
+        pg, rd = await asyncio.gather(answers(self.resources.repo.ping()), answers(self.redis.ping()))
+        return {"postgres": pg, "redis": rd}
+
+    # --- credentials and workers ----------------------------------------------------------------
+
+    async def environment(self, env_id: str) -> dict[str, Any] | None:
+        return await self.resources.repo.environment(env_id)
+
+    async def environment_by_key_hash(self, key_hash: str) -> dict[str, Any] | None:
+        return await self.resources.repo.environment_by_key_hash(key_hash)
+
+    async def worker_group_by_token_hash(self, token_hash: str) -> dict[str, Any] | None:
+        return await self.resources.repo.worker_group_by_token_hash(token_hash)
+
+    async def environments_of_worker_group(self, worker_group_id: str) -> list[dict[str, Any]]:
+        return await self.resources.repo.environments_of_worker_group(worker_group_id)
+
+    async def connect_worker_instance(self, worker_group_id: str, name: str) -> str:
+        """Record (or refresh) a worker instance by name; returns its id."""
+        return await self.resources.repo.upsert_worker_instance(new_id("wi"), worker_group_id, name)
+
+    async def touch_worker_instance(self, worker_group_id: str, name: str) -> bool:
+        """A heartbeat of a worker instance; False when it is not known (connect it)."""
+        return await self.resources.repo.touch_worker_instance(worker_group_id, name)
+
     # --- waitpoints --------------------------------------------------------------------------
 
     @property
-    def waitpoints(self):  # type: ignore[no-untyped-def]
+    def waitpoints(self) -> WaitpointSystem:
         """The WaitpointSystem: tokens, blocking, continuing, suspending, the journal."""
         return self.systems.waitpoints
+
+    async def create_token(self, env_id: str, *, idempotency_key: str | None = None,
+                           idempotency_key_ttl_s: float | None = None, timeout_s: float | None = None,
+                           tags: Sequence[str] = ()) -> tuple[Waitpoint, bool]:
+        """A MANUAL waitpoint (a token) and whether the idempotency key returned an existing one."""
+        return await self.systems.waitpoints.create_token(env_id, idempotency_key=idempotency_key,
+                                                          idempotency_key_ttl_s=idempotency_key_ttl_s,
+                                                          timeout_s=timeout_s, tags=tags)
+
+    async def create_datetime_waitpoint(self, env_id: str, at: datetime, *,
+                                        idempotency_key: str | None = None) -> Waitpoint:
+        return await self.systems.waitpoints.create_datetime(env_id, at, idempotency_key=idempotency_key)
+
+    async def get_waitpoint(self, waitpoint_id: str, env_id: str | None = None) -> Waitpoint | None:
+        return await self.resources.repo.waitpoints.get(waitpoint_id, env_id)
+
+    async def list_tokens(self, env_id: str, *, statuses: Sequence[str] = (), timed_out: bool | None = None,
+                          tags: Sequence[str] = (), limit: int = 25,
+                          after: tuple[datetime, str] | None = None) -> list[Waitpoint]:
+        return await self.resources.repo.waitpoints.list_tokens(env_id, statuses=statuses, timed_out=timed_out,
+                                                                tags=tags, limit=limit, after=after)
+
+    async def complete_waitpoint(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False) -> bool:
+        """Complete a waitpoint; False when it was complete already (the first output stays)."""
+        return await self.systems.waitpoints.complete(waitpoint_id, output, is_error=is_error)
+
+    async def journal(self, run_id: str, from_sequence: int = 0) -> list[JournalEntry]:
+        return await self.resources.repo.waitpoints.journal(run_id, from_sequence)
+
+    async def resolved_journal(self, run_id: str, from_sequence: int = 0) -> list[dict[str, Any]]:
+        return await self.systems.waitpoints.resolved_journal(run_id, from_sequence)
+
+    async def append_journal(self, run_id: str, snapshot_id: str, sequence: int, kind: str, key: str,
+                             result: Any) -> None:
+        await self.systems.waitpoints.append_journal(run_id, snapshot_id, sequence, kind, key, result)
 
     async def block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
                     waitpoint_ids: Sequence[str], result: Any = None) -> BlockOutcome:
@@ -208,6 +309,15 @@ class RunEngine:
         await self.resources.repo.set_queue_paused(env_id, queue, False)
         await self.resources.queue.resume(env_id, queue)
 
+    async def task_queue(self, env_id: str, name: str) -> dict[str, Any] | None:
+        return await self.resources.repo.task_queue(env_id, name)
+
+    async def list_queues(self, env_id: str) -> list[dict[str, Any]]:
+        return await self.resources.repo.list_queues(env_id)
+
+    async def queue_stats(self, env_id: str, name: str) -> QueueStats:
+        return await self.resources.queue.queue_stats(env_id, name)
+
     async def set_queue_concurrency_override(self, env_id: str, queue: str, limit: int | None) -> dict[str, Any]:
         """Override a queue's deployed concurrency limit (``None`` resets it)."""
         row = await self.resources.repo.set_queue_override(env_id, queue, limit)
@@ -215,6 +325,26 @@ class RunEngine:
             raise NotFoundError("queue", queue)
         await self.systems.enqueue.mirror_queue(row)
         return row
+
+    # --- schedules ----------------------------------------------------------------------------
+
+    async def upsert_schedule(self, env_id: str, *, task: str, cron: str, timezone: str = "UTC",
+                              external_id: str | None = None, deduplication_key: str | None = None) -> dict[str, Any]:
+        return await self.systems.schedules.upsert(env_id, task=task, cron=cron, timezone=timezone,
+                                                   external_id=external_id, deduplication_key=deduplication_key)
+
+    async def set_schedule_active(self, env_id: str, schedule_id: str, active: bool) -> dict[str, Any]:
+        return await self.systems.schedules.set_active(env_id, schedule_id, active)
+
+    async def get_schedule(self, schedule_id: str, env_id: str | None = None) -> dict[str, Any] | None:
+        return await self.resources.repo.get_schedule(schedule_id, env_id)
+
+    async def list_schedules(self, env_id: str, limit: int,
+                             after: tuple[datetime, str] | None) -> list[dict[str, Any]]:
+        return await self.resources.repo.list_schedules(env_id, limit, after)
+
+    async def delete_schedule(self, schedule_id: str, env_id: str) -> bool:
+        return await self.resources.repo.delete_schedule(schedule_id, env_id)
 
     # --- engine jobs --------------------------------------------------------------------------
 

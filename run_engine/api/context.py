@@ -12,7 +12,6 @@ from starlette.requests import Request
 
 from run_engine.api.http import ApiError, TtlCache, bearer
 from run_engine.api.inputs import looks_like_id
-from run_engine.db.repository import Repository
 from run_engine.engine import RunEngine
 from run_engine.ratelimit import ConnectionCaps, RequestLimiter, TooMany
 from run_engine.realtime import RealtimeHub
@@ -60,7 +59,7 @@ class ApiContext:
         """413 when ``value`` (or its JSON ``encoded`` already) is over the payload limit."""
         if value is None:
             return
-        limit = self.engine.resources.settings.max_payload_bytes
+        limit = self.engine.settings.max_payload_bytes
         if len(encoded if encoded is not None else orjson.dumps(value)) > limit:
             raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
 
@@ -73,17 +72,13 @@ class ApiContext:
         """(worker group, environment) of a run this process handed out."""
         return self._run_groups.get(run_id)
 
-    @property
-    def repo(self) -> Repository:
-        return self.engine.resources.repo
-
     async def env_auth(self, request: Request, *, run_token: bool = False) -> EnvAuth:
         """The environment of an environment secret key, or of the run of a run token. A run token
         is accepted only where the handler allows it (``run_token``; 403 elsewhere) and only while
         its attempt is live: the run is EXECUTING or WAITING in that attempt (401 after)."""
         token = bearer(request)
         if token.startswith("rt_"):
-            claims = self.tokens.verify(token, self.engine.resources.clock.now())
+            claims = self.tokens.verify(token, self.engine.now())
             if claims is None:
                 raise ApiError(401, "unauthorized", "invalid or expired run token")
             if not run_token:
@@ -102,9 +97,9 @@ class ApiContext:
         key_hash = hash_secret(token)
         found: dict[str, Any] | None = self._envs.get(key_hash)
         if found is None:
-            found = await self.repo.environment_by_key_hash(key_hash)
+            found = await self.engine.environment_by_key_hash(key_hash)
             if found is None:
-                if await self.repo.worker_group_by_token_hash(key_hash) is not None:
+                if await self.engine.worker_group_by_token_hash(key_hash) is not None:
                     raise ApiError(403, "forbidden", "a worker group token cannot call the public API")
                 raise ApiError(401, "unauthorized", "invalid API key")
             self._envs.put(key_hash, found)
@@ -144,7 +139,7 @@ class ApiContext:
     async def _env_by_id(self, env_id: str) -> dict[str, Any]:
         env: dict[str, Any] | None = self._envs.get(env_id)
         if env is None:
-            env = await self.repo.environment(env_id)
+            env = await self.engine.environment(env_id)
             if env is None:
                 raise ApiError(401, "unauthorized", "unknown environment")
             env = {**env, "organization_id": ""}
@@ -153,14 +148,14 @@ class ApiContext:
 
     async def worker_group(self, request: Request) -> dict[str, Any]:
         token = bearer(request)
-        if token.startswith("rt_") and self.tokens.verify(token, self.engine.resources.clock.now()) is not None:
+        if token.startswith("rt_") and self.tokens.verify(token, self.engine.now()) is not None:
             raise ApiError(403, "forbidden", "a run token cannot call the worker API")
         token_hash = hash_secret(token)
         group: dict[str, Any] | None = self._groups.get(token_hash)
         if group is None:
-            group = await self.repo.worker_group_by_token_hash(token_hash)
+            group = await self.engine.worker_group_by_token_hash(token_hash)
             if group is None:
-                if await self.repo.environment_by_key_hash(token_hash) is not None:
+                if await self.engine.environment_by_key_hash(token_hash) is not None:
                     raise ApiError(403, "forbidden", "an environment API key cannot call the worker API")
                 raise ApiError(401, "unauthorized", "invalid worker group token")
             self._groups.put(token_hash, group)

@@ -30,8 +30,7 @@ from run_engine.api.models import (
 )
 from run_engine.api.openapi import PAGE, Query, csv, operation
 from run_engine.api.serialize import iso, pagination, run_object
-from run_engine.db.repository import RunRow
-from run_engine.engine import TriggerRequest
+from run_engine.engine import RunRow, TriggerRequest
 from run_engine.errors import InvalidTransitionError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
@@ -86,7 +85,7 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
         parent_run_id=_parent(o.parentRunId, auth, f"{at}options.parentRunId"), batch_id=batch_id,
         trigger_function=trigger_function,
         ttl_s=None if o.ttl is None else parse_duration_s(o.ttl),
-        delay_until=None if o.delay is None else parse_when(o.delay, ctx.engine.resources.clock.now()),
+        delay_until=None if o.delay is None else parse_when(o.delay, ctx.engine.now()),
         idempotency_key=o.idempotencyKey,
         idempotency_key_ttl_s=None if o.idempotencyKeyTTL is None else parse_duration_s(o.idempotencyKeyTTL),
     )
@@ -145,7 +144,7 @@ async def get_batch(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
     batch_id = request.path_params["batch_id"]
-    runs = (await ctx.repo.list_runs(auth.env_id, batches=[batch_id], limit=1000)
+    runs = (await ctx.engine.list_runs(auth.env_id, batches=[batch_id], limit=1000)
             if looks_like_id(batch_id, "batch") else [])
     if not runs:
         raise ApiError(404, "not_found", "batch not found")
@@ -170,7 +169,7 @@ async def get_run(request: Request) -> Response:
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     if auth.run_id is not None and auth.run_id not in (run.id, run.parent_run_id):
         raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
-    return json_response(run_object(run, children=await ctx.repo.child_runs(run.id)))
+    return json_response(run_object(run, children=await ctx.engine.child_runs(run.id)))
 
 
 def _csv(request: Request, name: str) -> list[str]:
@@ -210,7 +209,7 @@ async def list_runs(request: Request) -> Response:
             after = (datetime.fromisoformat(ts), run_id)
         except ValueError:
             raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
-    runs = await ctx.repo.list_runs(
+    runs = await ctx.engine.list_runs(
         auth.env_id, statuses=statuses, tasks=_csv(request, "filter[taskIdentifier]"),
         tags=_csv(request, "filter[tag]"), queues=_csv(request, "filter[queue]"),
         batches=_csv(request, "filter[batch]"), limit=size + 1, after=after)
@@ -244,7 +243,7 @@ async def replay_run(request: Request) -> Response:
 # --- queues -------------------------------------------------------------------------------------
 
 async def _queue_object(ctx: ApiContext, row: dict[str, Any]) -> dict[str, Any]:
-    stats = await ctx.engine.resources.queue.queue_stats(row["environment_id"], row["name"])
+    stats = await ctx.engine.queue_stats(row["environment_id"], row["name"])
     limit = (row["concurrency_limit_override"] if row["concurrency_limit_override"] is not None
              else row["concurrency_limit"])
     return {"id": row["id"], "name": row["name"], "type": row["type"], "running": stats.running,
@@ -254,7 +253,7 @@ async def _queue_object(ctx: ApiContext, row: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str) -> dict[str, Any]:
-    row = await ctx.repo.task_queue(auth.env_id, name)
+    row = await ctx.engine.task_queue(auth.env_id, name)
     if row is None:
         raise ApiError(404, "not_found", "queue not found")
     return row
@@ -264,7 +263,7 @@ async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str) -> dict[str, Any
 async def list_queues(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    return json_response({"data": [await _queue_object(ctx, r) for r in await ctx.repo.list_queues(auth.env_id)]})
+    return json_response({"data": [await _queue_object(ctx, r) for r in await ctx.engine.list_queues(auth.env_id)]})
 
 
 @operation("Get a queue", S.Queue)
@@ -359,7 +358,7 @@ async def reschedule_run(request: Request) -> Response:
     auth = await ctx.env_auth(request)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     req = await body(request, RescheduleBody)
-    when = parse_when(req.delay, ctx.engine.resources.clock.now())
+    when = parse_when(req.delay, ctx.engine.now())
     try:
         fresh = await ctx.engine.reschedule(auth.env_id, run.id, when)
     except InvalidTransitionError:
@@ -373,7 +372,7 @@ async def explain_run(request: Request) -> Response:
     """Why a QUEUED or DELAYED run has not started, with the numbers."""
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    return json_response(await ctx.engine.systems.explain.explain(auth.env_id, request.path_params["run_id"]))
+    return json_response(await ctx.engine.explain(auth.env_id, request.path_params["run_id"]))
 
 
 @operation("Replace a run's metadata", S.MetadataOut, body=MetadataBody, security="apiKeyOrRunToken")
@@ -384,10 +383,10 @@ async def update_metadata(request: Request) -> Response:
     if auth.run_id is not None and auth.run_id != run.id:
         raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     req = await body(request, MetadataBody)
-    limit = ctx.engine.resources.settings.max_metadata_bytes
+    limit = ctx.engine.settings.max_metadata_bytes
     if len(orjson.dumps(req.metadata)) > limit:
         raise ApiError(413, "payload_too_large", f"metadata: larger than {limit} bytes")
-    await ctx.repo.set_metadata(run.id, req.metadata)
+    await ctx.engine.set_metadata(run.id, req.metadata)
     return json_response({"metadata": req.metadata})
 
 
@@ -399,7 +398,7 @@ async def add_tags(request: Request) -> Response:
     if auth.run_id is not None and auth.run_id != run.id:
         raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     req = await body(request, TagsBody)
-    tags = await ctx.repo.add_tags(run.id, list(req.tags), 10)
+    tags = await ctx.engine.add_tags(run.id, list(req.tags), 10)
     if tags is None:
         raise ApiError(422, "too_many_tags", "a run has at most 10 tags")
     return json_response({"tags": tags})

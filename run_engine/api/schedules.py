@@ -31,7 +31,7 @@ async def create_schedule(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     req = await body(request, ScheduleBody)
-    row = await ctx.engine.systems.schedules.upsert(
+    row = await ctx.engine.upsert_schedule(
         auth.env_id, task=req.task, cron=req.cron, timezone=req.timezone, external_id=req.externalId,
         deduplication_key=req.deduplicationKey)
     return json_response(schedule_object(row))
@@ -52,14 +52,14 @@ async def list_schedules(request: Request) -> Response:
             after = (datetime.fromisoformat(ts), sid)
         except ValueError:
             raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
-    rows = await ctx.repo.list_schedules(auth.env_id, size + 1, after)
+    rows = await ctx.engine.list_schedules(auth.env_id, size + 1, after)
     page, more = rows[:size], len(rows) > size
     nxt = f"{page[-1]['created_at'].isoformat()}|{page[-1]['id']}" if more and page else None
     return json_response({"data": [schedule_object(r) for r in page], "pagination": pagination(nxt)})
 
 
 async def _own(ctx: ApiContext, env_id: str, schedule_id: str) -> dict[str, Any]:
-    row = await ctx.repo.get_schedule(schedule_id, env_id) if looks_like_id(schedule_id, "sched") else None
+    row = await ctx.engine.get_schedule(schedule_id, env_id) if looks_like_id(schedule_id, "sched") else None
     if row is None:
         raise ApiError(404, "not_found", "schedule not found")
     return row
@@ -77,7 +77,7 @@ async def delete_schedule(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     row = await _own(ctx, auth.env_id, request.path_params["schedule_id"])
-    await ctx.repo.delete_schedule(row["id"], auth.env_id)
+    await ctx.engine.delete_schedule(row["id"], auth.env_id)
     return json_response({"id": row["id"], "deleted": True})
 
 
@@ -85,7 +85,7 @@ async def _set_active(request: Request, active: bool) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     row = await _own(ctx, auth.env_id, request.path_params["schedule_id"])
-    return json_response(schedule_object(await ctx.engine.systems.schedules.set_active(auth.env_id, row["id"], active)))
+    return json_response(schedule_object(await ctx.engine.set_schedule_active(auth.env_id, row["id"], active)))
 
 
 @operation("Activate a schedule", S.Schedule)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from run_engine.db.repository import RunRow, Snapshot
+from run_engine.engine import RunRow, Snapshot
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 QUEUED = {RunStatus.QUEUED, RunStatus.PENDING_VERSION, RunStatus.DELAYED}

@@ -17,7 +17,7 @@ from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import TokenCompleteBody, TokenCreateBody, parse_duration_s
 from run_engine.api.openapi import PAGE, Query, operation
 from run_engine.api.serialize import iso, pagination
-from run_engine.db.waitpoints import Waitpoint
+from run_engine.engine import Waitpoint
 
 STATUSES = ("WAITING", "COMPLETED", "TIMED_OUT")
 
@@ -55,18 +55,18 @@ async def create_token(request: Request) -> Response:
     timeout_s = None
     if isinstance(req.timeout, datetime):
         when = req.timeout if req.timeout.tzinfo else req.timeout.replace(tzinfo=UTC)
-        timeout_s = max(0.0, when.timestamp() - ctx.engine.resources.clock.now())
+        timeout_s = max(0.0, when.timestamp() - ctx.engine.now())
     elif req.timeout is not None:
         timeout_s = parse_duration_s(req.timeout)
     ttl_s = parse_duration_s(req.idempotencyKeyTTL) if req.idempotencyKeyTTL is not None else None
-    wp, cached = await ctx.engine.waitpoints.create_token(
+    wp, cached = await ctx.engine.create_token(
         auth.env_id, idempotency_key=req.idempotencyKey, idempotency_key_ttl_s=ttl_s, timeout_s=timeout_s,
         tags=req.tags)
     return json_response({"id": wp.id, "isCached": cached, "url": callback_url(ctx, wp.id)})
 
 
 async def _own_token(ctx: ApiContext, env_id: str, waitpoint_id: str) -> Waitpoint:
-    wp = await ctx.repo.waitpoints.get(waitpoint_id, env_id) if looks_like_id(waitpoint_id, "waitpoint") else None
+    wp = await ctx.engine.get_waitpoint(waitpoint_id, env_id) if looks_like_id(waitpoint_id, "waitpoint") else None
     if wp is None or wp.type != "MANUAL":
         raise ApiError(404, "not_found", "waitpoint token not found")
     return wp
@@ -110,7 +110,7 @@ async def list_tokens(request: Request) -> Response:
             after = (datetime.fromisoformat(ts), wp_id)
         except ValueError:
             raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
-    rows = await ctx.repo.waitpoints.list_tokens(auth.env_id, statuses=statuses, timed_out=timed_out, tags=tags,
+    rows = await ctx.engine.list_tokens(auth.env_id, statuses=statuses, timed_out=timed_out, tags=tags,
                                                  limit=size + 1, after=after)
     page, more = rows[:size], len(rows) > size
     next_cursor = f"{page[-1].created_at.isoformat()}|{page[-1].id}" if more and page else None
@@ -119,7 +119,7 @@ async def list_tokens(request: Request) -> Response:
 
 async def _complete(ctx: ApiContext, wp: Waitpoint, data: Any) -> Response:
     ctx.check_size(data, "data")
-    await ctx.engine.waitpoints.complete(wp.id, data)
+    await ctx.engine.complete_waitpoint(wp.id, data)
     return json_response({"success": True})
 
 
@@ -141,7 +141,7 @@ async def callback(request: Request) -> Response:
     waitpoint_id = request.path_params["waitpoint_id"]
     if not ctx.tokens.callback_ok(waitpoint_id, request.path_params["signature"]):
         raise ApiError(401, "unauthorized", "invalid callback signature")
-    wp = await ctx.repo.waitpoints.get(waitpoint_id) if looks_like_id(waitpoint_id, "waitpoint") else None
+    wp = await ctx.engine.get_waitpoint(waitpoint_id) if looks_like_id(waitpoint_id, "waitpoint") else None
     if wp is None or wp.type != "MANUAL":
         raise ApiError(404, "not_found", "waitpoint token not found")
     data = await read_json(request, required=False)

@@ -36,8 +36,7 @@ from run_engine.api.models import (
 from run_engine.api.openapi import Query, operation
 from run_engine.api.serialize import run_object, snapshot_object
 from run_engine.cron import Cron, CronError
-from run_engine.db.repository import RunRow
-from run_engine.ids import new_id
+from run_engine.engine import RunRow
 
 PREFIX = "/engine/v1/worker-actions"
 
@@ -47,7 +46,7 @@ async def connect(request: Request) -> Response:
     ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, ConnectBody)
-    await ctx.repo.upsert_worker_instance(new_id("wi"), group["id"], req.workerInstanceName)
+    await ctx.engine.connect_worker_instance(group["id"], req.workerInstanceName)
     tasks = [t.model_dump(exclude_none=True) for t in req.deployment.tasks]
     queues = [{**q.model_dump(exclude_none=True), **({"rateLimit": q.rateLimit.stored()} if q.rateLimit else {})}
               for q in req.deployment.queues]
@@ -64,7 +63,7 @@ async def connect(request: Request) -> Response:
     content_hash = hashlib.sha256(orjson.dumps({"tasks": tasks, "queues": queues},
                                                option=orjson.OPT_SORT_KEYS)).hexdigest()
     version = req.deployment.version or content_hash[:12]
-    envs = await ctx.repo.environments_of_worker_group(group["id"])
+    envs = await ctx.engine.environments_of_worker_group(group["id"])
     if group.get("scoped_environment_id"):  # an environment's token serves that environment only
         envs = [e for e in envs if e["id"] == group["scoped_environment_id"]]
     if req.environments:
@@ -89,14 +88,14 @@ async def heartbeat(request: Request) -> Response:
     req = await body(request, WorkerHeartbeatBody)
     if req.stopping:
         ctx.wakeups.release(f"{group['id']}/{req.workerInstanceName}", group["id"])
-    if not await ctx.repo.touch_worker_instance(group["id"], req.workerInstanceName):
-        await ctx.repo.upsert_worker_instance(new_id("wi"), group["id"], req.workerInstanceName)
+    if not await ctx.engine.touch_worker_instance(group["id"], req.workerInstanceName):
+        await ctx.engine.connect_worker_instance(group["id"], req.workerInstanceName)
     return json_response({"ok": True})
 
 
 def _run_payload(ctx: ApiContext, run: RunRow, snapshot: Any) -> dict[str, Any]:
     attempt = run.attempt_number + 1
-    expires = int(ctx.engine.resources.clock.now()) + ctx.run_token_ttl_s
+    expires = int(ctx.engine.now()) + ctx.run_token_ttl_s
     return {
         "run": {"id": run.id, "taskIdentifier": run.task_identifier, "queue": run.queue,
                 "environmentId": run.environment_id, "attemptNumber": attempt, "maxDuration": run.max_duration_s,
@@ -131,7 +130,7 @@ async def dequeue(request: Request) -> Response:
                 # ended, and a rate-limited queue says when it may serve again.
                 cap = 1.0
                 if got.retry_at_ms is not None:
-                    cap = max(0.002, min(cap, got.retry_at_ms / 1000 - ctx.engine.resources.clock.now()))
+                    cap = max(0.002, min(cap, got.retry_at_ms / 1000 - ctx.engine.now()))
                 await ctx.wakeups.wait(group["id"], min(remaining, cap))
                 if ctx.wakeups.released(instance, since=began) or await request.is_disconnected():
                     break  # the worker is stopping or gone: runs handed out now would wait for a timeout
@@ -199,11 +198,11 @@ async def _start(ctx: ApiContext, run_id: str, snapshot_id: str) -> dict[str, An
         "run": run_object(r), "snapshot": snapshot_object(started.snapshot), "attemptNumber": started.attempt_number,
         "payload": r.payload, "machine": r.machine or "small-1x",
         # a first attempt has nothing journaled yet: no query on the hot path
-        "journal": (await ctx.engine.waitpoints.resolved_journal(r.id)
+        "journal": (await ctx.engine.resolved_journal(r.id)
                     if started.snapshot.checkpoint_id or started.attempt_number > 1 else []),
         "maxDuration": started.max_duration_s, "retry": started.retry.to_json(),
         "runToken": ctx.tokens.mint(r.id, started.attempt_number,
-                                    int(ctx.engine.resources.clock.now()) + ctx.run_token_ttl_s),
+                                    int(ctx.engine.now()) + ctx.run_token_ttl_s),
     }
 
 
@@ -326,8 +325,8 @@ async def wait_duration(request: Request) -> Response:
     if req.date is not None:
         at = req.date if req.date.tzinfo else req.date.replace(tzinfo=UTC)
     else:
-        at = datetime.fromtimestamp(ctx.engine.resources.clock.now() + (req.seconds or 0), UTC)
-    wp = await ctx.engine.waitpoints.create_datetime(run.environment_id, at, idempotency_key=req.idempotencyKey)
+        at = datetime.fromtimestamp(ctx.engine.now() + (req.seconds or 0), UTC)
+    wp = await ctx.engine.create_datetime_waitpoint(run.environment_id, at, idempotency_key=req.idempotencyKey)
     outcome = await ctx.engine.block(run_id, request.path_params["snapshot_id"], sequence=req.sequence, kind="wait",
                                      key=wp.id, waitpoint_ids=[wp.id])
     return _block_response(outcome, waitpointId=wp.id)
@@ -340,12 +339,12 @@ async def wait_waitpoint(request: Request) -> Response:
     req = await body(request, WaitBody)
     waitpoint_id = request.path_params["waitpoint_id"]
     run = await ctx.engine.get_run(run_id)
-    wp = await ctx.repo.waitpoints.get(waitpoint_id, run.environment_id if run else None)
+    wp = await ctx.engine.get_waitpoint(waitpoint_id, run.environment_id if run else None)
     if wp is None:
         raise ApiError(404, "not_found", "waitpoint not found")
     entry = None
     if req.kind in ("child", "batch"):  # a replay re-blocking on its children: keep the journaled ids
-        entries = await ctx.repo.waitpoints.journal(run_id, req.sequence)
+        entries = await ctx.engine.journal(run_id, req.sequence)
         entry = entries[0].result if entries and entries[0].sequence == req.sequence else None
     outcome = await ctx.engine.block(run_id, request.path_params["snapshot_id"], sequence=req.sequence, kind=req.kind,
                                      key=wp.completed_by_batch_id or wp.completed_by_run_id or wp.id,
@@ -389,7 +388,7 @@ async def append_journal(request: Request) -> Response:
     run_id = await _group_run_id(ctx, request)
     req = await body(request, JournalBody)
     ctx.check_size(req.result, "result")
-    await ctx.engine.waitpoints.append_journal(run_id, req.snapshotId, req.sequence, req.kind, req.key, req.result)
+    await ctx.engine.append_journal(run_id, req.snapshotId, req.sequence, req.kind, req.key, req.result)
     return json_response({"ok": True})
 
 
@@ -401,7 +400,7 @@ async def get_journal(request: Request) -> Response:
     raw = request.query_params.get("from", "0")
     if not raw.isdigit():
         raise ApiError(400, "invalid_input", "from: must be a non-negative integer")
-    return json_response({"journal": await ctx.engine.waitpoints.resolved_journal(run_id, int(raw))})
+    return json_response({"journal": await ctx.engine.resolved_journal(run_id, int(raw))})
 
 
 ROUTES = [
