@@ -9,6 +9,9 @@ import threading
 
 
 class CuttableProxy:
+    """Listens on 127.0.0.1; forwards to ``target_host:target_port``, or to PostgreSQL's Unix
+    socket when ``target_host`` is a directory (the embedded PostgreSQL listens only there)."""
+
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -48,7 +51,7 @@ class CuttableProxy:
                 client.close()
                 continue
             try:
-                upstream = socket.create_connection(self.target, timeout=5)
+                upstream = self._connect()
             except OSError:
                 client.close()
                 continue
@@ -57,6 +60,19 @@ class CuttableProxy:
                 self._sockets.update((client, upstream))
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _connect(self) -> socket.socket:
+        host, port = self.target
+        if not host.startswith("/"):
+            return socket.create_connection(self.target, timeout=5)
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream.settimeout(5)
+        try:
+            upstream.connect(f"{host}/.s.PGSQL.{port}")
+        except OSError:
+            upstream.close()
+            raise
+        return upstream
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
