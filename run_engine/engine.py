@@ -32,7 +32,7 @@ from systems.enqueue import TriggeredRun, TriggerRequest
 from systems.registry import Systems
 from systems.resources import SystemResources
 from systems.run_attempt import AttemptOutcome, StartedAttempt
-from systems.waitpoints import BlockOutcome, WaitpointSystem
+from systems.waitpoints import BlockOutcome, WaitpointsSystem
 
 __all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome",
            "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome"]
@@ -139,13 +139,13 @@ class RunEngine:
                                                                error=error, retryable=retryable)
 
     async def heartbeat(self, run_id: str, snapshot_id: str) -> None:
-        await self.systems.snapshots.heartbeat(run_id, snapshot_id)
+        await self.systems.execution_snapshot.heartbeat(run_id, snapshot_id)
 
     async def cancel(self, run_id: str) -> RunStatus:
         return await self.systems.cancel.cancel(run_id)
 
     async def reschedule(self, env_id: str, run_id: str, delay_until: datetime) -> RunRow:
-        return await self.systems.delayed.reschedule(run_id, env_id, delay_until)
+        return await self.systems.delayed_runs.reschedule(run_id, env_id, delay_until)
 
     async def redrive(self, env_id: str, run_id: str) -> str:
         return await self.systems.dead_letter.redrive(env_id, run_id)
@@ -161,7 +161,7 @@ class RunEngine:
         return await self.resources.repo.get_run(run_id, env_id)
 
     async def latest_snapshot(self, run_id: str) -> Snapshot:
-        return await self.systems.snapshots.latest(run_id)
+        return await self.systems.execution_snapshot.latest(run_id)
 
     async def snapshots(self, run_id: str) -> list[Snapshot]:
         return await self.resources.repo.snapshots(run_id)
@@ -233,8 +233,8 @@ class RunEngine:
     # --- waitpoints --------------------------------------------------------------------------
 
     @property
-    def waitpoints(self) -> WaitpointSystem:
-        """The WaitpointSystem: tokens, blocking, continuing, suspending, the journal."""
+    def waitpoints(self) -> WaitpointsSystem:
+        """The WaitpointsSystem: tokens, blocking, continuing, suspending, the journal."""
         return self.systems.waitpoints
 
     async def create_token(self, env_id: str, *, idempotency_key: str | None = None,
@@ -356,10 +356,10 @@ class RunEngine:
         await self.systems.run_attempt.on_heartbeat_timeout(job.payload["run_id"], job.payload["snapshot_id"])
 
     async def _on_delayed_job(self, job: Job) -> None:
-        await self.systems.delayed.enqueue_delayed(job.payload["run_id"])
+        await self.systems.delayed_runs.enqueue_delayed(job.payload["run_id"])
 
     async def _on_ttl_job(self, job: Job) -> None:
-        await self.systems.delayed.expire(job.payload["run_id"])
+        await self.systems.delayed_runs.expire(job.payload["run_id"])
 
     async def _on_datetime_job(self, job: Job) -> None:
         await self.systems.waitpoints.on_datetime(job.payload["waitpoint_id"])

@@ -18,10 +18,10 @@ CANCEL_ERROR = {"type": "CANCELED", "message": "Run was cancelled"}
 
 
 class CancelSystem:
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem,
+    def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
                  run_attempt: RunAttemptSystem) -> None:
         self.r = resources
-        self.snapshots = snapshots
+        self.execution_snapshot = execution_snapshot
         self.run_attempt = run_attempt
 
     async def cancel(self, run_id: str) -> RunStatus:
@@ -34,7 +34,7 @@ class CancelSystem:
 
     async def _cancel_one(self, run_id: str) -> RunStatus:
         async with self.r.locker.lock("cancel", run_id):
-            latest = await self.snapshots.latest(run_id)
+            latest = await self.execution_snapshot.latest(run_id)
             status = ExecutionStatus(latest.engine_status)
             if status == E.FINISHED or status == E.PENDING_CANCEL:
                 return RunStatus(latest.run_status)
@@ -49,13 +49,13 @@ class CancelSystem:
                 )
                 return outcome.status
             if status in EXECUTING:
-                result = await self.snapshots.apply(
+                result = await self.execution_snapshot.apply(
                     run_id, E.PENDING_CANCEL, RunStatus.EXECUTING, from_statuses=(status,),
                     expected_snapshot_id=latest.id, operation="cancel",
                     description="Cancel requested while executing",
                 )
                 assert result.snapshot is not None and result.run is not None
-                await self.snapshots.after_transition(latest.id, status, result.snapshot)
+                await self.execution_snapshot.after_transition(latest.id, status, result.snapshot)
                 self.r.events.emit(RunEvent("run_cancelled", run_id, result.run.environment_id, result.snapshot.id,
                                             {"status": "PENDING_CANCEL", "final": False}))
                 return RunStatus.EXECUTING

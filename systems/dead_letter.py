@@ -19,7 +19,7 @@ from systems.resources import SystemResources
 if TYPE_CHECKING:
     from systems.enqueue import EnqueueSystem
     from systems.execution_snapshot import ExecutionSnapshotSystem
-    from systems.waitpoints import WaitpointSystem
+    from systems.waitpoints import WaitpointsSystem
 
 E = ExecutionStatus
 DLQ_ERROR = {
@@ -38,10 +38,10 @@ class DeadRun:
 class DeadLetterSystem:
     PAGE = 100
 
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem,
-                 waitpoints: WaitpointSystem) -> None:
+    def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
+                 enqueue: EnqueueSystem, waitpoints: WaitpointsSystem) -> None:
         self.r = resources
-        self.snapshots = snapshots
+        self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
         self.waitpoints = waitpoints
 
@@ -51,7 +51,7 @@ class DeadLetterSystem:
         assert run is not None
         outcome = await self.r.queue.nack(run.environment_id, run_id, self.r.now_ms())
         if outcome.dead_lettered:
-            result = await self.snapshots.apply(
+            result = await self.execution_snapshot.apply(
                 run_id, E.FINISHED, RunStatus.SYSTEM_FAILURE, from_statuses=(E.PENDING_EXECUTING,),
                 expected_snapshot_id=latest.id, operation="dead-letter", description="Moved to the DLQ",
                 set_finished=True, error=DLQ_ERROR,
@@ -65,7 +65,7 @@ class DeadLetterSystem:
             return
         # A run being restored from a checkpoint goes back as QUEUED_EXECUTING (keeps its checkpoint).
         back_to = E.QUEUED_EXECUTING if latest.checkpoint_id else E.QUEUED
-        result = await self.snapshots.apply(
+        result = await self.execution_snapshot.apply(
             run_id, back_to, RunStatus.QUEUED, from_statuses=(E.PENDING_EXECUTING,),
             expected_snapshot_id=latest.id, operation="requeue",
             description="Requeued: the attempt did not start in time",
@@ -81,10 +81,10 @@ class DeadLetterSystem:
             run = await self.r.repo.get_run(run_id, env_id)
             if run is None:
                 raise NotFoundError("run", run_id)
-            latest = await self.snapshots.latest(run_id)
+            latest = await self.execution_snapshot.latest(run_id)
             if latest.engine_status != E.FINISHED or run.status != RunStatus.SYSTEM_FAILURE:
                 raise InvalidTransitionError(run_id, latest.engine_status, "redrive")
-            result = await self.snapshots.apply(
+            result = await self.execution_snapshot.apply(
                 run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=(E.FINISHED,), expected_snapshot_id=latest.id,
                 operation="redrive", description="Redriven from the DLQ", reopen=True,
             )

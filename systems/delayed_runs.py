@@ -1,4 +1,4 @@
-"""DelayedRunSystem and TTL: a delayed run waits as DELAYED until its engine job (``delay.<run>``)
+"""DelayedRunsSystem and TTL: a delayed run waits as DELAYED until its engine job (``delay.<run>``)
 enqueues it; ``reschedule`` moves that date. A run with a TTL that has not started by then ends
 EXPIRED (``ttl.<run>``); a retry or a resumed run is never expired (it has started once)."""
 
@@ -24,11 +24,11 @@ E = ExecutionStatus
 EXPIRABLE = (E.QUEUED, E.DELAYED, E.PENDING_VERSION)
 
 
-class DelayedRunSystem:
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem,
-                 run_attempt: RunAttemptSystem) -> None:
+class DelayedRunsSystem:
+    def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
+                 enqueue: EnqueueSystem, run_attempt: RunAttemptSystem) -> None:
         self.r = resources
-        self.snapshots = snapshots
+        self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
         self.run_attempt = run_attempt
 
@@ -50,12 +50,12 @@ class DelayedRunSystem:
                     run = await self.r.repo.get_run(run_id)
                     assert run is not None
             if run.locked_to_deployment_id is None:
-                await self.snapshots.apply(
+                await self.execution_snapshot.apply(
                     run_id, E.PENDING_VERSION, RunStatus.PENDING_VERSION, from_statuses=(E.DELAYED,),
                     expected_snapshot_id=latest.id, operation="enqueue",
                     description="Delay over; no deployment has this task yet")
                 return
-            result = await self.snapshots.apply(
+            result = await self.execution_snapshot.apply(
                 run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=(E.DELAYED,), expected_snapshot_id=latest.id,
                 operation="enqueue", description="Delay over")
             assert result.run is not None and result.snapshot is not None
@@ -69,11 +69,11 @@ class DelayedRunSystem:
             run = await self.r.repo.get_run(run_id, env_id)
             if run is None:
                 raise NotFoundError("run", run_id)
-            latest = await self.snapshots.latest(run_id)
+            latest = await self.execution_snapshot.latest(run_id)
             if latest.engine_status != E.DELAYED:
                 raise InvalidTransitionError(run_id, latest.engine_status, "reschedule")
             await self.r.repo.set_delay_until(run_id, delay_until)
-            await self.snapshots.apply(
+            await self.execution_snapshot.apply(
                 run_id, E.DELAYED, RunStatus.DELAYED, from_statuses=(E.DELAYED,), expected_snapshot_id=latest.id,
                 operation="reschedule", description=f"Rescheduled to {delay_until.isoformat()}")
             jobs = [engine_jobs.delayed(run_id, delay_until.timestamp())]

@@ -1,4 +1,4 @@
-"""Reconciler and retention: the leader's housekeeping (DESIGN §6, §8).
+"""ReconcilerSystem and retention: the leader's housekeeping (DESIGN §6, §8).
 
 PostgreSQL is the system of record; the Redis queue is rebuilt from it when they disagree:
 * a run whose latest snapshot is QUEUED (or QUEUED_EXECUTING) but which the queue does not know
@@ -32,7 +32,7 @@ from systems.engine_jobs import JobSpec
 from systems.resources import SystemResources
 
 if TYPE_CHECKING:
-    from systems.delayed_runs import DelayedRunSystem
+    from systems.delayed_runs import DelayedRunsSystem
     from systems.enqueue import EnqueueSystem
     from systems.execution_snapshot import ExecutionSnapshotSystem
     from systems.run_attempt import RunAttemptSystem
@@ -56,16 +56,16 @@ class ReconcileReport:
     scanned: int = 0  # QUEUED runs read
 
 
-class Reconciler:
+class ReconcilerSystem:
     PAGE = 500
 
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem,
-                 run_attempt: RunAttemptSystem, delayed: DelayedRunSystem) -> None:
+    def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
+                 enqueue: EnqueueSystem, run_attempt: RunAttemptSystem, delayed_runs: DelayedRunsSystem) -> None:
         self.r = resources
-        self.snapshots = snapshots
+        self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
         self.run_attempt = run_attempt
-        self.delayed = delayed
+        self.delayed_runs = delayed_runs
         self._cursors: dict[str, str] = {}  # scan → the last id read (leader-local: a new leader starts over)
 
     async def _pages(self, scan: str, fetch: Callable[[str, int], Awaitable[Sequence[T]]],
@@ -115,7 +115,7 @@ class Reconciler:
     async def _delayed_runs(self, grace: float, report: ReconcileReport) -> None:
         for run_id in await self.r.repo.due_delayed_runs(grace, self.PAGE):
             try:
-                await self.delayed.enqueue_delayed(run_id)
+                await self.delayed_runs.enqueue_delayed(run_id)
                 report.delayed_enqueued += 1
             except Exception:
                 log.exception("reconciler: could not enqueue delayed run %s", run_id)
@@ -227,7 +227,7 @@ class Reconciler:
         status = ExecutionStatus(snapshot.engine_status)
         wanted: list[JobSpec] = []
         if self.r.settings.heartbeat_timeout_s(status) is not None:
-            wanted += self.snapshots.rearm(None, None, snapshot)[1]
+            wanted += self.execution_snapshot.rearm(None, None, snapshot)[1]
         if status in (E.EXECUTING, E.EXECUTING_WITH_WAITPOINTS, E.PENDING_CANCEL):
             max_duration = run.max_duration_s
             if max_duration is None:

@@ -7,57 +7,60 @@ from dataclasses import dataclass
 
 from systems.cancel import CancelSystem
 from systems.dead_letter import DeadLetterSystem
-from systems.delayed_runs import DelayedRunSystem
+from systems.delayed_runs import DelayedRunsSystem
 from systems.dequeue import DequeueSystem
 from systems.enqueue import EnqueueSystem
 from systems.execution_snapshot import ExecutionSnapshotSystem
 from systems.explain import ExplainSystem
-from systems.reconciler import Reconciler
+from systems.reconciler import ReconcilerSystem
 from systems.resources import SystemResources
 from systems.run_attempt import RunAttemptSystem
-from systems.schedules import ScheduleSystem
+from systems.schedules import SchedulesSystem
 from systems.waiting_for_worker import WaitingForWorkerSystem
-from systems.waitpoints import WaitpointSystem
+from systems.waitpoints import WaitpointsSystem
 
 
 @dataclass(eq=False)
 class Systems:
-    snapshots: ExecutionSnapshotSystem
+    execution_snapshot: ExecutionSnapshotSystem
     enqueue: EnqueueSystem
     dequeue: DequeueSystem
     run_attempt: RunAttemptSystem
     cancel: CancelSystem
     dead_letter: DeadLetterSystem
     waiting_for_worker: WaitingForWorkerSystem
-    waitpoints: WaitpointSystem
-    delayed: DelayedRunSystem
-    reconciler: Reconciler
-    schedules: ScheduleSystem
+    waitpoints: WaitpointsSystem
+    delayed_runs: DelayedRunsSystem
+    reconciler: ReconcilerSystem
+    schedules: SchedulesSystem
     explain: ExplainSystem
 
     @classmethod
     def build(cls, resources: SystemResources) -> Systems:
         """Each system gets the siblings it calls, so they are built in dependency order."""
         r = resources
-        snapshots = ExecutionSnapshotSystem(r)
+        execution_snapshot = ExecutionSnapshotSystem(r)
         enqueue = EnqueueSystem(r)
-        waitpoints = WaitpointSystem(r, snapshots=snapshots, enqueue=enqueue)
-        dead_letter = DeadLetterSystem(r, snapshots=snapshots, enqueue=enqueue, waitpoints=waitpoints)
-        run_attempt = RunAttemptSystem(r, snapshots=snapshots, enqueue=enqueue, waitpoints=waitpoints,
-                                       dead_letter=dead_letter)
-        delayed = DelayedRunSystem(r, snapshots=snapshots, enqueue=enqueue, run_attempt=run_attempt)
-        schedules = ScheduleSystem(r, enqueue=enqueue)
+        waitpoints = WaitpointsSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue)
+        dead_letter = DeadLetterSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
+                                       waitpoints=waitpoints)
+        run_attempt = RunAttemptSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
+                                       waitpoints=waitpoints, dead_letter=dead_letter)
+        delayed_runs = DelayedRunsSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
+                                         run_attempt=run_attempt)
+        schedules = SchedulesSystem(r, enqueue=enqueue)
         return cls(
-            snapshots=snapshots,
+            execution_snapshot=execution_snapshot,
             enqueue=enqueue,
             dequeue=DequeueSystem(r, enqueue=enqueue),
             run_attempt=run_attempt,
-            cancel=CancelSystem(r, snapshots=snapshots, run_attempt=run_attempt),
+            cancel=CancelSystem(r, execution_snapshot=execution_snapshot, run_attempt=run_attempt),
             dead_letter=dead_letter,
             waiting_for_worker=WaitingForWorkerSystem(r, enqueue=enqueue, schedules=schedules),
             waitpoints=waitpoints,
-            delayed=delayed,
-            reconciler=Reconciler(r, snapshots=snapshots, enqueue=enqueue, run_attempt=run_attempt, delayed=delayed),
+            delayed_runs=delayed_runs,
+            reconciler=ReconcilerSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
+                                        run_attempt=run_attempt, delayed_runs=delayed_runs),
             schedules=schedules,
             explain=ExplainSystem(r),
         )

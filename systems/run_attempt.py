@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from systems.dead_letter import DeadLetterSystem
     from systems.enqueue import EnqueueSystem
     from systems.execution_snapshot import ExecutionSnapshotSystem
-    from systems.waitpoints import WaitpointSystem
+    from systems.waitpoints import WaitpointsSystem
 
 E = ExecutionStatus
 
@@ -52,10 +52,10 @@ class AttemptOutcome:
 
 
 class RunAttemptSystem:
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem, enqueue: EnqueueSystem,
-                 waitpoints: WaitpointSystem, dead_letter: DeadLetterSystem) -> None:
+    def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
+                 enqueue: EnqueueSystem, waitpoints: WaitpointsSystem, dead_letter: DeadLetterSystem) -> None:
         self.r = resources
-        self.snapshots = snapshots
+        self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
         self.waitpoints = waitpoints
         self.dead_letter = dead_letter
@@ -84,7 +84,7 @@ class RunAttemptSystem:
         """Start the next attempt of a dequeued run; a run restored from a checkpoint (dequeued
         after a suspension) resumes its attempt instead, by journal replay."""
         async with self.r.locker.lock("start_attempt", run_id):
-            result = await self.snapshots.apply(
+            result = await self.execution_snapshot.apply(
                 run_id, E.EXECUTING, RunStatus.EXECUTING,
                 from_statuses=(E.PENDING_EXECUTING,), expected_snapshot_id=snapshot_id,
                 operation="start an attempt of", description="Attempt started",
@@ -92,7 +92,7 @@ class RunAttemptSystem:
             )
             assert result.run is not None and result.snapshot is not None
             run, snapshot = result.run, result.snapshot
-            cancel, schedule = self.snapshots.rearm(snapshot_id, E.PENDING_EXECUTING, snapshot)
+            cancel, schedule = self.execution_snapshot.rearm(snapshot_id, E.PENDING_EXECUTING, snapshot)
             if run.ttl_s is not None and run.attempt_number == 1:
                 cancel.append(engine_jobs.ttl_id(run_id))  # started in time: the TTL no longer applies
             policy = await self.retry_policy(run)
@@ -123,7 +123,7 @@ class RunAttemptSystem:
 
     async def _succeed(self, run_id: str, snapshot_id: str, output: Any, output_type: str) -> AttemptOutcome:
         try:
-            result = await self.snapshots.apply(
+            result = await self.execution_snapshot.apply(
                 run_id, E.FINISHED, RunStatus.COMPLETED,
                 from_statuses=EXECUTING, expected_snapshot_id=snapshot_id,
                 operation="complete", description="Attempt succeeded", set_finished=True,
@@ -140,7 +140,7 @@ class RunAttemptSystem:
 
     async def _fail(self, run_id: str, snapshot_id: str, error: dict[str, Any], *, retryable: bool | None,
                     forced_delay_s: float | None = None) -> AttemptOutcome:
-        latest = await self.snapshots.latest(run_id)
+        latest = await self.execution_snapshot.latest(run_id)
         if latest.id != snapshot_id:
             if latest.engine_status == E.PENDING_CANCEL:
                 return await self.finish_cancel_requested(run_id, latest.id)
@@ -162,7 +162,7 @@ class RunAttemptSystem:
             return await self.finish(run_id, final_status, error=error, expected_snapshot_id=snapshot_id,
                                      from_statuses=EXECUTING, description="Attempt failed, no retry")
         delay_s = forced_delay_s if forced_delay_s is not None else policy.delay_s(run.attempt_number, self.r.rng)
-        result = await self.snapshots.apply(
+        result = await self.execution_snapshot.apply(
             run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=EXECUTING, expected_snapshot_id=snapshot_id,
             operation="retry", description=f"Retrying after attempt {run.attempt_number} failed", error=error,
         )
@@ -181,7 +181,7 @@ class RunAttemptSystem:
                      from_statuses: frozenset[ExecutionStatus] | tuple[ExecutionStatus, ...],
                      description: str) -> AttemptOutcome:
         """End the run (caller holds the run lock): FINISHED snapshot, queue slot and jobs released."""
-        result = await self.snapshots.apply(
+        result = await self.execution_snapshot.apply(
             run_id, E.FINISHED, status, from_statuses=from_statuses, expected_snapshot_id=expected_snapshot_id,
             operation="finish", description=description, set_finished=True, error=error,
         )

@@ -1,4 +1,4 @@
-"""ScheduleSystem: cron schedules, imperative (API) and declarative (``@task(cron=...)``).
+"""SchedulesSystem: cron schedules, imperative (API) and declarative (``@task(cron=...)``).
 
 Every engine process plans (the DBOS technique, seeds/002): a schedule's tick is fired as a run
 whose idempotency key is (schedule, tick), so however many processes fire the same tick, exactly
@@ -32,7 +32,7 @@ def schedule_key(schedule_id: str, tick: datetime) -> str:
     return f"schedule:{schedule_id}:{tick.astimezone(UTC).isoformat()}"
 
 
-class ScheduleSystem:
+class SchedulesSystem:
     def __init__(self, resources: SystemResources, *, enqueue: EnqueueSystem) -> None:
         self.r = resources
         self.enqueue = enqueue

@@ -14,14 +14,14 @@ from systems.resources import SystemResources
 
 if TYPE_CHECKING:
     from systems.enqueue import EnqueueSystem
-    from systems.schedules import ScheduleSystem
+    from systems.schedules import SchedulesSystem
 
 E = ExecutionStatus
 BATCH = 200
 
 
 class WaitingForWorkerSystem:
-    def __init__(self, resources: SystemResources, *, enqueue: EnqueueSystem, schedules: ScheduleSystem) -> None:
+    def __init__(self, resources: SystemResources, *, enqueue: EnqueueSystem, schedules: SchedulesSystem) -> None:
         self.r = resources
         self.enqueue = enqueue
         self.schedules = schedules

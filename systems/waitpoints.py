@@ -1,4 +1,4 @@
-"""WaitpointSystem: create and complete waitpoints, block runs on them, continue runs whose last
+"""WaitpointsSystem: create and complete waitpoints, block runs on them, continue runs whose last
 waitpoint completed, checkpoint (suspend) blocked runs, and sweep what a crash left behind.
 
 A run blocks while EXECUTING (→ EXECUTING_WITH_WAITPOINTS, still in its executor, still holding
@@ -59,11 +59,11 @@ def run_result(run_id: str, status: str, output: Any, error: Any) -> dict[str, A
             "error": error or {"type": status, "message": f"the run ended {status}"}}
 
 
-class WaitpointSystem:
-    def __init__(self, resources: SystemResources, *, snapshots: ExecutionSnapshotSystem,
+class WaitpointsSystem:
+    def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
                  enqueue: EnqueueSystem) -> None:
         self.r = resources
-        self.snapshots = snapshots
+        self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
         self.wp = resources.repo.waitpoints
         # Concurrent completions (API calls, timeouts, finished children) share one UPDATE and
@@ -168,12 +168,13 @@ class WaitpointSystem:
         EXECUTING_WITH_WAITPOINTS, unless nothing is pending any more."""
         if pending == 0:
             await self.wp.unblock(run_id)
-            return BlockOutcome(False, await self.snapshots.latest(run_id), await self.resolved_entry(run_id, sequence))
-        result = await self.snapshots.apply(
+            return BlockOutcome(False, await self.execution_snapshot.latest(run_id),
+                                await self.resolved_entry(run_id, sequence))
+        result = await self.execution_snapshot.apply(
             run_id, E.EXECUTING_WITH_WAITPOINTS, RunStatus.WAITING, from_statuses=(E.EXECUTING,),
             expected_snapshot_id=snapshot_id, operation="block", description=f"Waiting ({what})")
         assert result.snapshot is not None and result.run is not None
-        await self.snapshots.after_transition(snapshot_id, E.EXECUTING, result.snapshot)
+        await self.execution_snapshot.after_transition(snapshot_id, E.EXECUTING, result.snapshot)
         self.r.events.emit(RunEvent("run_blocked", run_id, result.run.environment_id, result.snapshot.id))
         # A completion that committed before our blocking rows did found nobody to continue.
         if await self.wp.pending_count(run_id) == 0:
@@ -183,7 +184,7 @@ class WaitpointSystem:
         return BlockOutcome(True, result.snapshot)
 
     async def _executing(self, run_id: str, snapshot_id: str, operation: str) -> Snapshot:
-        latest = await self.snapshots.latest(run_id)
+        latest = await self.execution_snapshot.latest(run_id)
         if latest.id != snapshot_id:
             raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
         if latest.engine_status != E.EXECUTING:
@@ -198,14 +199,14 @@ class WaitpointSystem:
                 return None
             completed = tuple(await self.wp.unblock(run_id))
             if latest_status == E.EXECUTING_WITH_WAITPOINTS:
-                result = await self.snapshots.apply(
+                result = await self.execution_snapshot.apply(
                     run_id, E.EXECUTING, RunStatus.EXECUTING, from_statuses=(E.EXECUTING_WITH_WAITPOINTS,),
                     expected_snapshot_id=latest_id, operation="continue", description="Waitpoints completed",
                     completed_waitpoint_ids=completed)
                 assert result.snapshot is not None
-                await self.snapshots.after_transition(latest_id, latest_status, result.snapshot)
+                await self.execution_snapshot.after_transition(latest_id, latest_status, result.snapshot)
             else:
-                result = await self.snapshots.apply(
+                result = await self.execution_snapshot.apply(
                     run_id, E.QUEUED_EXECUTING, RunStatus.QUEUED, from_statuses=(E.SUSPENDED,),
                     expected_snapshot_id=latest_id, operation="continue",
                     description="Waitpoints completed: queued to restore", completed_waitpoint_ids=completed)
@@ -220,13 +221,13 @@ class WaitpointSystem:
         """Checkpoint a blocked run: REPLAY checkpoint at the journal position, SUSPENDED,
         concurrency released. A stale ``snapshot_id`` (the run moved on) is refused."""
         async with self.r.locker.lock("suspend", run_id):
-            latest = await self.snapshots.latest(run_id)
+            latest = await self.execution_snapshot.latest(run_id)
             if latest.id != snapshot_id:
                 raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
             position = await self.wp.journal_position(run_id)
             checkpoint_id = new_id("checkpoint")
             await self.wp.insert_checkpoint(checkpoint_id, run_id, snapshot_id, position)
-            result = await self.snapshots.apply(
+            result = await self.execution_snapshot.apply(
                 run_id, E.SUSPENDED, RunStatus.WAITING, from_statuses=(E.EXECUTING_WITH_WAITPOINTS,),
                 expected_snapshot_id=snapshot_id, operation="suspend", checkpoint_id=checkpoint_id,
                 description=f"Suspended: checkpoint at journal position {position}")
@@ -234,7 +235,7 @@ class WaitpointSystem:
             assert run is not None and snapshot is not None
             await asyncio.gather(
                 self.r.acks.submit((run.environment_id, run.id, run.worker_group_id)),
-                self.snapshots.after_transition(snapshot_id, latest.engine_status, snapshot),
+                self.execution_snapshot.after_transition(snapshot_id, latest.engine_status, snapshot),
                 self.r.change_jobs(cancel=[engine_jobs.max_duration_id(run.id, run.attempt_number)]),
             )
             self.r.events.emit(RunEvent("run_suspended", run_id, run.environment_id, snapshot.id,
@@ -328,7 +329,7 @@ class WaitpointSystem:
     async def append_journal(self, run_id: str, snapshot_id: str, sequence: int, kind: str, key: str,
                              result: Any) -> None:
         """Journal a step's result; a second execution of the same step loses the insert race."""
-        latest = await self.snapshots.latest(run_id)
+        latest = await self.execution_snapshot.latest(run_id)
         if latest.id != snapshot_id:
             raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
         existing = await self.wp.append_journal(run_id, JournalEntry(sequence, kind, key, result, None))

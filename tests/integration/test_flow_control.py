@@ -101,7 +101,7 @@ async def test_a_started_run_and_its_retries_never_expire(h: Harness) -> None:
     assert out.action == "retry"  # back in the queue, QUEUED again
     await h.advance(10)
     assert (await h.engine.get_run(run.id)).status == "QUEUED"  # type: ignore[union-attr]
-    assert not await h.engine.systems.delayed.expire(run.id)
+    assert not await h.engine.systems.delayed_runs.expire(run.id)
 
 
 async def test_max_ttl_setting_caps_every_run(make_engine) -> None:  # type: ignore[no-untyped-def]

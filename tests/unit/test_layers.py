@@ -28,3 +28,17 @@ def test_api_imports_nothing_behind_the_facade() -> None:
             if isinstance(node, ast.Attribute) and node.attr in ATTRIBUTES_BEHIND:
                 offences.append(f"{path.name}:{node.lineno} reaches .{node.attr}")
     assert offences == []
+
+
+def test_each_system_is_named_alike_in_the_registry_its_class_and_its_module() -> None:
+    """`systems.<field>` is the class `<Field>System` of `systems/<field>.py`."""
+    import dataclasses
+    import typing
+
+    from systems.registry import Systems
+
+    hints = typing.get_type_hints(Systems)
+    for f in dataclasses.fields(Systems):
+        cls = hints[f.name]
+        assert cls.__module__ == f"systems.{f.name}", (f.name, cls.__module__)
+        assert cls.__name__ == "".join(part.title() for part in f.name.split("_")) + "System", (f.name, cls.__name__)
