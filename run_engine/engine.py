@@ -369,7 +369,7 @@ class RunEngine:
 
     async def _schedule_sweep(self) -> None:
         interval = self.resources.settings.waitpoint_sweep_interval_s
-        await self.resources.jobs.schedule(*J.sweep(self.resources.clock.now() + interval))
+        await self.resources.change_jobs(schedule=[J.sweep(self.resources.clock.now() + interval)])
 
     async def _on_sweep_job(self, job: Job) -> None:
         try:

@@ -56,7 +56,7 @@ class DeadLetterSystem:
                 expected_snapshot_id=latest.id, operation="dead-letter", description="Moved to the DLQ",
                 set_finished=True, error=DLQ_ERROR,
             )
-            await self.r.jobs.ack_many([engine_jobs.heartbeat_id(run_id, latest.id)])
+            await self.r.change_jobs(cancel=[engine_jobs.heartbeat_id(run_id, latest.id)])
             assert result.snapshot is not None and result.run is not None
             if result.run.resume_parent_on_completion:
                 await self.waitpoints.on_runs_finished([result.run])
@@ -70,7 +70,7 @@ class DeadLetterSystem:
             expected_snapshot_id=latest.id, operation="requeue",
             description="Requeued: the attempt did not start in time",
         )
-        await self.r.jobs.ack_many([engine_jobs.heartbeat_id(run_id, latest.id)])
+        await self.r.change_jobs(cancel=[engine_jobs.heartbeat_id(run_id, latest.id)])
         assert result.snapshot is not None
         self.r.events.emit(RunEvent("run_requeued", run_id, run.environment_id, result.snapshot.id,
                                     {"deliveries": outcome.deliveries}))

@@ -82,12 +82,8 @@ class DequeueSystem:
             if stray:
                 await self.r.queue.ack(stray)
             timeout = self.r.settings.pending_executing_timeout_s
-            await self.r.jobs.schedule_many(
-                [
-                    engine_jobs.heartbeat(d.run.id, d.snapshot.id, self.r.clock.now() + timeout)
-                    for d in dequeued
-                ]
-            )
+            await self.r.change_jobs(schedule=[
+                engine_jobs.heartbeat(d.run.id, d.snapshot.id, self.r.clock.now() + timeout) for d in dequeued])
         for d in dequeued:
             self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.environment_id, d.snapshot.id))
         out = Handed(dequeued)
