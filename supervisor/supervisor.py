@@ -41,6 +41,7 @@ class SupervisorConfig:
     environments: tuple[str, ...] = ()
     suspend_after_s: float = 5.0  # a blocked run waits this long in its executor, then is checkpointed
     completion_retry_s: float = 600.0  # how long a completion is retried while the engine cannot take it
+    wait_retry_s: float = 120.0  # how long a wait or trigger-and-wait call is retried likewise
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,29 @@ class Supervisor:
 
     async def _post(self, path: str, json: Any = None) -> Reply:
         return await self.http.post(path, json)
+
+    async def _post_until_answered(self, path: str, json: Any) -> Reply:
+        """POST an idempotent call, repeating it with back-off and jitter while the engine cannot
+        answer (unreachable, 429, 5xx: a server restart, PostgreSQL or Redis away) for up to
+        ``wait_retry_s``; the last answer otherwise."""
+        deadline = time.monotonic() + self.config.wait_retry_s
+        delay = 0.2
+        while True:
+            try:
+                reply = await self._post(path, json)
+                if reply.status not in RETRY_STATUSES:
+                    return reply
+                status: int | str = reply.status
+            except TransportError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                status = type(exc).__name__
+            else:
+                if time.monotonic() + delay > deadline:
+                    return reply
+            log.warning("%s not answered (%s); retrying in %.1f s", path, status, delay)
+            await asyncio.sleep(delay * (1 + random.random() / 2))
+            delay = min(delay * 2, 5.0)
 
     async def _batch(self, path: str, items: list[Any]) -> list[dict[str, Any]]:
         try:
@@ -346,10 +370,7 @@ class Supervisor:
         """A journaled call of the running task: journal a step, or wait (maybe suspending)."""
         try:
             if msg["op"] == "journal":
-                reply = await self._post(f"/runs/{state.run_id}/journal", {
-                    "snapshotId": state.snapshot_id, "sequence": msg["sequence"], "kind": "step",
-                    "key": msg["key"], "result": msg["result"]})
-                executor.reply(msg["id"], self._answer(reply, {}))
+                executor.reply(msg["id"], await self._journal(state, msg))
             elif msg["op"] == "wait":
                 answer = await self._wait(state, executor, msg)
                 if answer is not None:
@@ -368,18 +389,43 @@ class Supervisor:
             return {"duplicate": True, "message": error.get("message", reply.text)}
         return {"error": f"{reply.status} {error.get('message', reply.text)}"}
 
+    async def _journal(self, state: RunState, msg: dict[str, Any]) -> dict[str, Any]:
+        """Journal a step's result. Repeated while the engine cannot answer; a repeat refused as a
+        duplicate (409) is our own first call having got through: accepted when the journal holds
+        exactly what we sent."""
+        path = f"/runs/{state.run_id}/journal"
+        sent = {"snapshotId": state.snapshot_id, "sequence": msg["sequence"], "kind": "step", "key": msg["key"],
+                "result": msg["result"]}
+        try:
+            reply: Reply | None = await self._post(path, sent)
+        except TransportError:
+            reply = None
+        if reply is None or reply.status in RETRY_STATUSES:
+            reply = await self._post_until_answered(path, sent)
+            if reply.status == 409:
+                journal = await self.http.get(f"{path}?from={msg['sequence']}")
+                entries = journal.data.get("journal", []) if journal.status == 200 else []
+                if (entries and entries[0]["sequence"] == msg["sequence"] and entries[0]["key"] == msg["key"]
+                        and entries[0].get("result") == msg["result"]):
+                    return {}
+        return self._answer(reply, {})
+
     async def _wait(self, state: RunState, executor: Any, msg: dict[str, Any]) -> dict[str, Any] | None:
         """Block the run; answer when the wait is over, or suspend the run after the grace period
         (``None``: the executor is told to stop instead)."""
         seq, kind = msg["sequence"], msg["kind"]
         base = f"/runs/{state.run_id}/snapshots/{state.snapshot_id}"
+        # journaled at ``seq``, so repeating the call is safe: a repeat finds the wait (and the
+        # children it created) instead of making another
         if msg.get("waitpointId"):
-            reply = await self._post(f"{base}/waitpoints/{msg['waitpointId']}/wait", {"sequence": seq, "kind": kind})
+            reply = await self._post_until_answered(f"{base}/waitpoints/{msg['waitpointId']}/wait",
+                                                    {"sequence": seq, "kind": kind})
         elif kind == "wait":
             when = {"date": msg["date"]} if msg.get("date") else {"seconds": msg.get("seconds", 0)}
-            reply = await self._post(f"{base}/wait/duration", {"sequence": seq, **when})
+            reply = await self._post_until_answered(f"{base}/wait/duration", {"sequence": seq, **when})
         else:
-            reply = await self._post(f"{base}/trigger", {"sequence": seq, "batch": msg["batch"], "items": msg["items"]})
+            reply = await self._post_until_answered(f"{base}/trigger", {"sequence": seq, "batch": msg["batch"],
+                                                                        "items": msg["items"]})
         if reply.status != 200:
             return self._answer(reply, {})
         data = reply.data

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from run_engine.batching import Batcher
 from run_engine.db.repository import RunRow, Snapshot
 from run_engine.db.waitpoints import Completion, JournalEntry, NewWaitpoint, Waitpoint
+from run_engine.dependencies import unavailable_dependency
 from run_engine.errors import DuplicateExecutionError, InvalidTransitionError, StaleSnapshotError
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
@@ -258,6 +259,8 @@ class WaitpointsSystem:
             if existing.kind != kind or existing.waitpoint_id is None:
                 raise DuplicateExecutionError(parent.id, sequence)
             run_ids = existing.result["runIds"]
+            if existing.waitpoint_status == "PENDING" and len(run_ids) == len(requests):
+                await self._create_missing_children(parent, run_ids, requests, existing.key if batch else None)
             return run_ids, await self.block(parent.id, snapshot_id, sequence=sequence, kind=kind,
                                              key=existing.key, waitpoint_ids=[existing.waitpoint_id],
                                              result=existing.result)
@@ -290,8 +293,13 @@ class WaitpointsSystem:
                                         resume_parent_on_completion=True, trigger_function=function)
                     for req, rid in zip(requests, run_ids, strict=True)])
             except Exception as exc:
-                # The wait is journaled but its children do not exist: fail the wait now, so that the
-                # parent (retried or replayed) gets the error instead of waiting for ever.
+                if unavailable_dependency(exc) is not None:
+                    # PostgreSQL or Redis away for a moment: the same call again (the supervisor
+                    # repeats it, or the attempt's replay makes it) creates the children still
+                    # missing; the sweeper fails the wait if nobody does within the grace period.
+                    raise
+                # The wait is journaled but its children cannot be created: fail the wait now, so
+                # that the parent (retried or replayed) gets the error instead of waiting for ever.
                 # (the parent is not blocked yet and this task holds its lock: complete, do not continue)
                 await self.wp.complete([Completion({"type": "CHILD_TRIGGER_FAILED", "message":
                                                     f"the child run(s) could not be created: {exc}"},
@@ -303,6 +311,21 @@ class WaitpointsSystem:
                                                             taken, batch_id)
                 pending = await self.wp.pending_count(parent.id)
             return run_ids, await self._blocked(parent.id, snapshot_id, sequence, f"{kind} {key}", pending)
+
+    async def _create_missing_children(self, parent: RunRow, run_ids: list[str], requests: Sequence[Any],
+                                       batch_id: str | None) -> None:
+        """A journaled trigger whose children were not all created (the first call failed part-way,
+        e.g. PostgreSQL went away): create the missing ones, with the ids the journal recorded."""
+        async with self.r.locker.lock("trigger_and_wait", parent.id):
+            have = await self.wp.run_results(run_ids)
+            missing = [(rid, req) for rid, req in zip(run_ids, requests, strict=True) if rid not in have]
+            if not missing:
+                return
+            function = "batchTriggerAndWait" if batch_id else "triggerAndWait"
+            await self.enqueue.trigger_many([
+                dataclasses.replace(req, run_id=rid, batch_id=batch_id or req.batch_id,
+                                    resume_parent_on_completion=True, trigger_function=function)
+                for rid, req in missing])
 
     async def _wait_on_existing(self, parent_id: str, sequence: int, kind: str, waitpoint_id: str,
                                 run_ids: list[str], key: str, taken: dict[str, Any],

@@ -247,6 +247,46 @@ async def test_a_child_that_could_not_be_created_fails_the_wait_instead_of_hangi
     assert again.entry["result"]["error"]["type"] == "CHILD_TRIGGER_FAILED"
 
 
+@pytest.mark.parametrize("batch", [False, True])
+async def test_children_not_created_during_an_outage_are_created_by_the_repeated_call(
+        h: Harness, monkeypatch: pytest.MonkeyPatch, batch: bool) -> None:
+    """Found by bench/chaos.py: PostgreSQL away while a trigger-and-wait created its children
+    failed the wait (the parent ended with a failed child). Now the call fails (503), the wait stays
+    open, and the same call again (the supervisor repeats it; a replay makes it) creates the
+    children still missing, with the ids the journal recorded."""
+    import psycopg
+
+    parent, s = await started_run(h)
+    create = h.engine.systems.enqueue.trigger_many
+
+    async def away(*args: object, **kwargs: object) -> None:
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(h.engine.systems.enqueue, "trigger_many", away)
+    items = [req(h, payload=i) for i in range(3 if batch else 1)]
+    with pytest.raises(psycopg.OperationalError):
+        await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=batch)
+    monkeypatch.setattr(h.engine.systems.enqueue, "trigger_many", create)
+    (entry,) = await h.engine.journal(parent.id)
+    assert entry.waitpoint_status == "PENDING"  # not failed for an outage
+    journaled = entry.result["runIds"]
+    assert [await h.engine.get_run(rid) for rid in journaled] == [None] * len(items)
+    ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=batch)  # repeated
+    assert ids == journaled and out.blocked
+    for rid, item in zip(ids, items, strict=True):
+        child = await h.engine.get_run(rid)
+        assert child is not None and child.payload == item.payload and child.parent_run_id == parent.id
+    await h.engine.suspend(parent.id, out.snapshot.id)
+    for d in await h.engine.dequeue(h.env.worker_group_id, 10):
+        st = await h.engine.start_attempt(d.run.id, d.snapshot.id)
+        await h.engine.complete_attempt(d.run.id, st.snapshot.id, ok=True, output=d.run.payload)
+    await restore(h, parent.id)
+    (resolved,) = await h.engine.resolved_journal(parent.id)
+    results = resolved["result"] if batch else [resolved["result"]]
+    assert [r["ok"] for r in results] == [True] * len(items)
+    assert [r["output"] for r in results] == [item.payload for item in items]
+
+
 async def test_the_sweeper_fails_a_wait_on_a_child_that_was_never_created(h: Harness) -> None:
     from run_engine.db.waitpoints import JournalEntry, NewWaitpoint
 

@@ -1,0 +1,65 @@
+"""A wait or trigger-and-wait call the engine cannot answer (a restart, PostgreSQL or Redis away)
+is repeated with back-off until it can, within a bound; other answers come back at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from supervisor.supervisor import Reply, Supervisor, SupervisorConfig
+
+
+def supervisor(replies: list[Any], retry_s: float = 30.0) -> tuple[Supervisor, list[str]]:
+    sup = Supervisor.__new__(Supervisor)
+    sup.config = SupervisorConfig(api_url="http://x", token="t", tasks_module="m", wait_retry_s=retry_s)
+    calls: list[str] = []
+
+    async def post(path: str, json: Any = None) -> Reply:
+        calls.append(path)
+        answer = replies.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    sup._post = post  # type: ignore[method-assign]
+    return sup, calls
+
+
+async def test_repeats_while_unavailable_then_returns_the_answer() -> None:
+    ok = Reply(200, {"blocked": True}, "")
+    sup, calls = supervisor([Reply(503, None, ""), OSError("refused"), Reply(502, None, ""), ok])
+    assert await sup._post_until_answered("/runs/r/snapshots/s/trigger", {"sequence": 0}) is ok
+    assert len(calls) == 4
+
+
+async def test_an_answer_that_is_not_an_outage_is_not_repeated() -> None:
+    refused = Reply(409, {"error": {"message": "stale"}}, "")
+    sup, calls = supervisor([refused, Reply(200, {}, "")])
+    assert await sup._post_until_answered("/p", {}) is refused
+    assert len(calls) == 1
+
+
+async def test_gives_the_last_answer_once_the_bound_is_spent() -> None:
+    sup, calls = supervisor([Reply(503, None, "")] * 5, retry_s=0.0)
+    assert (await sup._post_until_answered("/p", {})).status == 503
+    assert len(calls) == 1
+
+
+async def test_a_repeated_journal_call_refused_as_a_duplicate_of_itself_is_accepted() -> None:
+    """The first call got through but its answer was lost (503 after the commit, or the
+    connection dropped): the repeat is refused (409), and the journal holds what we sent."""
+    from supervisor.supervisor import RunState
+
+    sup, calls = supervisor([OSError("reset"), Reply(409, {"error": {"message": "duplicate"}}, "")])
+
+    class Http:
+        async def get(self, path: str) -> Reply:
+            calls.append(path)
+            return Reply(200, {"journal": [{"sequence": 3, "kind": "step", "key": "a", "resolved": True,
+                                             "result": {"v": 1}}]}, "")
+
+    sup.http = Http()  # type: ignore[assignment]
+    state = RunState.__new__(RunState)
+    state.run_id, state.snapshot_id = "run_x", "snapshot_y"
+    assert await sup._journal(state, {"sequence": 3, "key": "a", "result": {"v": 1}}) == {}
+    other, _ = supervisor([Reply(409, {"error": {"message": "duplicate"}}, "")])
+    assert (await other._journal(state, {"sequence": 3, "key": "a", "result": {"v": 2}}))["duplicate"]
