@@ -29,13 +29,14 @@ from systems import engine_jobs as J
 from systems.dead_letter import DeadRun
 from systems.dequeue import DequeuedRun
 from systems.enqueue import TriggeredRun, TriggerRequest
+from systems.explain import Explanation
 from systems.registry import Systems
 from systems.resources import SystemResources
 from systems.run_attempt import AttemptOutcome, StartedAttempt
 from systems.waitpoints import BlockOutcome, WaitpointsSystem
 
 __all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome",
-           "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome"]
+           "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome", "Explanation"]
 
 
 class RunEngine:
@@ -183,7 +184,7 @@ class RunEngine:
         """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""
         return await self.resources.repo.add_tags(run_id, tags, limit)
 
-    async def explain(self, env_id: str, run_id: str) -> dict[str, Any]:
+    async def explain(self, env_id: str, run_id: str) -> Explanation:
         return await self.systems.explain.explain(env_id, run_id)
 
     # --- the clock, settings, health ------------------------------------------------------------

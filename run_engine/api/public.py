@@ -29,7 +29,7 @@ from run_engine.api.models import (
     parse_when,
 )
 from run_engine.api.openapi import PAGE, Query, csv, operation
-from run_engine.api.serialize import iso, pagination, run_object
+from run_engine.api.serialize import explanation_object, iso, pagination, run_object
 from run_engine.engine import RunRow, TriggerRequest
 from run_engine.errors import InvalidTransitionError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
@@ -372,7 +372,7 @@ async def explain_run(request: Request) -> Response:
     """Why a QUEUED or DELAYED run has not started, with the numbers."""
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    return json_response(await ctx.engine.explain(auth.env_id, request.path_params["run_id"]))
+    return json_response(explanation_object(await ctx.engine.explain(auth.env_id, request.path_params["run_id"])))
 
 
 @operation("Replace a run's metadata", S.MetadataOut, body=MetadataBody, security="apiKeyOrRunToken")

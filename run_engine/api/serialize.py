@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from run_engine.engine import RunRow, Snapshot
+from run_engine.engine import Explanation, RunRow, Snapshot
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 QUEUED = {RunStatus.QUEUED, RunStatus.PENDING_VERSION, RunStatus.DELAYED}
@@ -116,3 +116,15 @@ def snapshot_object(snapshot: Snapshot) -> dict[str, Any]:
         "completedWaitpointIds": snapshot.completed_waitpoint_ids,
         "createdAt": iso(snapshot.created_at),
     }
+
+
+_FACTS = {"concurrency_key": "concurrencyKey"}  # a reason's facts under their API names
+
+
+def explanation_object(e: Explanation) -> dict[str, Any]:
+    """``GET /api/v1/runs/{id}/explain``: each reason is its code, its facts, its message."""
+    reasons = [{"code": r.code, **{_FACTS.get(k, k): iso(v) if isinstance(v, datetime) else v
+                                   for k, v in r.facts.items()}, "message": r.message} for r in e.reasons]
+    return {"id": e.run_id, "status": e.status, "executionStatus": e.execution_status, "reasons": reasons,
+            "summary": e.summary}
+

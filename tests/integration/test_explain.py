@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from run_engine.api.serialize import explanation_object
 from run_engine.engine import TriggerRequest
 from run_engine.run_queue import RateLimit
 
@@ -15,7 +16,7 @@ def req(h: Harness, task: str = "hello", **kw: object) -> TriggerRequest:
 
 
 async def codes(h: Harness, run_id: str) -> list[dict]:  # type: ignore[type-arg]
-    out = await h.engine.systems.explain.explain(h.env.env_id, run_id)
+    out = explanation_object(await h.engine.explain(h.env.env_id, run_id))
     assert out["summary"] == out["reasons"][0]["message"]
     return out["reasons"]
 
