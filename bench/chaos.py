@@ -38,6 +38,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter, defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -569,17 +570,30 @@ async def explain(api: Api, v: Verdict) -> None:
 
 # --- main -----------------------------------------------------------------------------------
 
+@contextlib.asynccontextmanager
+async def installed(prefix: str, executors: int, seed: int, keep: bool) -> AsyncIterator[tuple[Installation, Api]]:
+    """A started installation in a new temporary directory and an API client for it; everything
+    stopped (and the directory removed unless ``keep``) afterwards."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    print(f"logs in {base}", flush=True)
+    inst = await asyncio.get_running_loop().run_in_executor(None, start_installation, base, executors)
+    api = Api(inst, random.Random(seed))
+    try:
+        yield inst, api
+    finally:
+        await api.close()
+        inst.stop()
+        if not keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
 async def run(args: argparse.Namespace) -> int:
-    base = Path(tempfile.mkdtemp(prefix=f"chaos-{args.seed}-"))
-    print(f"chaos seed {args.seed}: {args.runs} runs at {args.rate}/s; logs in {base}", flush=True)
-    inst = await asyncio.get_running_loop().run_in_executor(None, start_installation, base, args.executors)
-    rng = random.Random(args.seed)
-    api = Api(inst, rng)
+    print(f"chaos seed {args.seed}: {args.runs} runs at {args.rate}/s", flush=True)
     specs = plan(args.seed, args.runs)
     window = max(20.0, args.runs / args.rate)
     faults = [] if args.no_faults else fault_plan(args.seed, args.short, window)
     injected: Counter[str] = Counter()
-    try:
+    async with installed(f"chaos-{args.seed}-", args.executors, args.seed, args.keep) as (inst, api):
         t0 = time.monotonic()
         load = asyncio.create_task(drive(api, specs, args.rate))
         last_fault = await inject(inst, faults, random.Random(args.seed + 1), injected)
@@ -609,11 +623,6 @@ async def run(args: argparse.Namespace) -> int:
             print(f"  {line}")
         print(f"chaos lost+duplicated: {verdict.total}", flush=True)
         return verdict.total
-    finally:
-        await api.close()
-        inst.stop()
-        if not args.keep:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def main() -> None:

@@ -18,10 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,10 +31,10 @@ from bench.chaos import (  # noqa: E402
     Installation,
     drive,
     explain,
+    installed,
     judge,
     observe,
     plan,
-    start_installation,
     unfinished,
 )
 
@@ -98,10 +95,7 @@ async def calibrate(inst: Installation, api: Api, seed: int, runs: int) -> float
 
 
 async def run(args: argparse.Namespace) -> float:
-    base = Path(tempfile.mkdtemp(prefix="soak-"))
-    inst = await asyncio.get_running_loop().run_in_executor(None, start_installation, base, args.executors)
-    api = Api(inst, random.Random(args.seed))
-    try:
+    async with installed("soak-", args.executors, args.seed, args.keep) as (inst, api):
         rate = args.rate
         if not rate:
             measured = await calibrate(inst, api, args.seed + 1000, args.calibration_runs)
@@ -138,11 +132,6 @@ async def run(args: argparse.Namespace) -> float:
               f"{engine_rss(samples[-1]):.0f} MB at the end; open fds {fds:+d}")
         print(f"soak rss growth %: {growth:.1f}", flush=True)
         return growth
-    finally:
-        await api.close()
-        inst.stop()
-        if not args.keep:
-            shutil.rmtree(base, ignore_errors=True)
 
 
 def main() -> None:

@@ -66,9 +66,7 @@ class JobQueue:
         self.due_key = f"{base}:due"
         self.items_key = f"{base}:items"
         self.dlq_key = f"{base}:dlq"
-        self._schedule = LuaScript.get("jobs_schedule")
         self._reschedule = LuaScript.get("jobs_reschedule")
-        self._ack = LuaScript.get("jobs_ack")
         self._claim = LuaScript.get("jobs_claim")
         self._settle = LuaScript.get("jobs_settle")
         self._apply = LuaScript.get("jobs_apply")
@@ -77,15 +75,7 @@ class JobQueue:
         return int(when * 1000)
 
     async def schedule(self, job_id: str, kind: str, payload: dict[str, Any], run_at: float) -> None:
-        await self.schedule_many([(job_id, kind, payload, run_at)])
-
-    async def schedule_many(self, jobs: Sequence[tuple[str, str, dict[str, Any], float]]) -> None:
-        if not jobs:
-            return
-        args: list[Any] = []
-        for job_id, kind, payload, run_at in jobs:
-            args += [job_id, self._ms(run_at), _encode(kind, payload, 0, secrets.token_hex(8))]
-        await self._schedule(self.redis, [self.due_key, self.items_key], args)
+        await self.apply((), [(job_id, kind, payload, run_at)])
 
     async def apply(self, cancel: Sequence[str], schedule: Sequence[tuple[str, str, dict[str, Any], float]]) -> None:
         """Cancel ``cancel`` and create or replace ``schedule`` in one round trip (cancels first,
@@ -109,11 +99,7 @@ class JobQueue:
         return [bool(x) for x in await self._reschedule(self.redis, [self.due_key], args)]
 
     async def ack(self, job_id: str) -> None:
-        await self.ack_many([job_id])
-
-    async def ack_many(self, job_ids: Sequence[str]) -> None:
-        if job_ids:
-            await self._ack(self.redis, [self.due_key, self.items_key], list(job_ids))
+        await self.apply([job_id], ())
 
     async def claim(self, limit: int, visibility_s: float = 30.0) -> list[Job]:
         flat = await self._claim(self.redis, [self.due_key, self.items_key],

@@ -22,8 +22,15 @@ from typing import TYPE_CHECKING, Any
 from run_engine.batching import Batcher
 from run_engine.db.repository import RunRow, Snapshot
 from run_engine.db.waitpoints import Completion, JournalEntry, NewWaitpoint, Waitpoint
-from run_engine.dependencies import unavailable_dependency
-from run_engine.errors import DuplicateExecutionError, InvalidTransitionError, StaleSnapshotError
+from run_engine.errors import (
+    ConflictError,
+    DuplicateExecutionError,
+    InvalidTransitionError,
+    NotFoundError,
+    QueueFullError,
+    StaleSnapshotError,
+    ValidationError,
+)
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.statuses import ExecutionStatus, RunStatus
@@ -36,6 +43,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 E = ExecutionStatus
+#: errors creating a trigger-and-wait's children that another try would meet again: they fail the wait
+CHILDREN_REFUSED = (ValidationError, QueueFullError, ConflictError, NotFoundError)
 
 
 BLOCKED = (E.EXECUTING_WITH_WAITPOINTS, E.SUSPENDED)
@@ -293,13 +302,14 @@ class WaitpointsSystem:
                                         resume_parent_on_completion=True, trigger_function=function)
                     for req, rid in zip(requests, run_ids, strict=True)])
             except Exception as exc:
-                if unavailable_dependency(exc) is not None:
-                    # PostgreSQL or Redis away for a moment: the same call again (the supervisor
-                    # repeats it, or the attempt's replay makes it) creates the children still
-                    # missing; the sweeper fails the wait if nobody does within the grace period.
+                if not isinstance(exc, CHILDREN_REFUSED):
+                    # A failure of the moment (PostgreSQL or Redis away, a lock not had in time, a
+                    # process going down): the same call again (the supervisor repeats it, or the
+                    # attempt's replay makes it) creates the children still missing; the sweeper
+                    # fails the wait if nobody does within the grace period.
                     raise
-                # The wait is journaled but its children cannot be created: fail the wait now, so
-                # that the parent (retried or replayed) gets the error instead of waiting for ever.
+                # The children are refused (bad input, a full queue): fail the wait now, so that
+                # the parent (retried or replayed) gets the error instead of waiting for ever.
                 # (the parent is not blocked yet and this task holds its lock: complete, do not continue)
                 await self.wp.complete([Completion({"type": "CHILD_TRIGGER_FAILED", "message":
                                                     f"the child run(s) could not be created: {exc}"},

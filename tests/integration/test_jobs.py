@@ -47,7 +47,7 @@ async def test_reschedule_moves_only_existing_jobs_and_ack_cancels(jobs: JobQueu
 
 
 async def test_claim_is_atomic_between_concurrent_claimers(jobs: JobQueue, clock: FakeClock) -> None:
-    await jobs.schedule_many([(f"j{i}", "kind", {}, T0) for i in range(200)])
+    await jobs.apply((), [(f"j{i}", "kind", {}, T0) for i in range(200)])
     batches = await asyncio.gather(*(jobs.claim(7) for _ in range(40)))
     ids = [j.id for batch in batches for j in batch]
     assert len(ids) == len(set(ids)) == 200
@@ -101,7 +101,7 @@ async def test_worker_runs_handlers_and_settles_them(jobs: JobQueue, clock: Fake
         raise RuntimeError("nope")
 
     worker = JobWorker(jobs, {"ok": ok, "bad": bad})
-    await jobs.schedule_many([("o1", "ok", {}, T0), ("o2", "ok", {}, T0), ("b1", "bad", {}, T0),
+    await jobs.apply((), [("o1", "ok", {}, T0), ("o2", "ok", {}, T0), ("b1", "bad", {}, T0),
                               ("u1", "unknown", {}, T0), ("later", "ok", {}, T0 + 100)])
     assert await worker.run_due_once() == 4
     assert sorted(seen) == ["o1", "o2"]

@@ -227,17 +227,20 @@ async def test_a_resumed_run_keeps_its_place_in_the_queue(h: Harness) -> None:
     assert first.run.id == older.id and first.run.id not in {n.id for n in newer}
 
 
-async def test_a_child_that_could_not_be_created_fails_the_wait_instead_of_hanging(
+async def test_a_child_that_is_refused_fails_the_wait_instead_of_hanging(
         h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 11: the journal entry was written, the child's creation failed, and every replay
-    blocked the parent on a waitpoint of a run that never existed."""
+    blocked the parent on a waitpoint of a run that never existed. A refused child (an error
+    another try would meet again) now fails the wait."""
+    from run_engine.errors import QueueFullError
+
     parent, s = await started_run(h)
 
-    async def broken(*args: object, **kwargs: object) -> None:
-        raise ConnectionError("postgres went away")
+    async def refused(*args: object, **kwargs: object) -> None:
+        raise QueueFullError(h.env.env_id, 10, 1, 10)
 
-    monkeypatch.setattr(h.engine.systems.enqueue, "trigger_many", broken)
-    with pytest.raises(ConnectionError):
+    monkeypatch.setattr(h.engine.systems.enqueue, "trigger_many", refused)
+    with pytest.raises(QueueFullError):
         await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h)])
     monkeypatch.undo()
     latest = await h.engine.latest_snapshot(parent.id)
@@ -247,9 +250,9 @@ async def test_a_child_that_could_not_be_created_fails_the_wait_instead_of_hangi
     assert again.entry["result"]["error"]["type"] == "CHILD_TRIGGER_FAILED"
 
 
-@pytest.mark.parametrize("batch", [False, True])
+@pytest.mark.parametrize(("batch", "failure"), [(False, "postgres"), (True, "postgres"), (False, "connection")])
 async def test_children_not_created_during_an_outage_are_created_by_the_repeated_call(
-        h: Harness, monkeypatch: pytest.MonkeyPatch, batch: bool) -> None:
+        h: Harness, monkeypatch: pytest.MonkeyPatch, batch: bool, failure: str) -> None:
     """Found by bench/chaos.py: PostgreSQL away while a trigger-and-wait created its children
     failed the wait (the parent ended with a failed child). Now the call fails (503), the wait stays
     open, and the same call again (the supervisor repeats it; a replay makes it) creates the
@@ -259,12 +262,14 @@ async def test_children_not_created_during_an_outage_are_created_by_the_repeated
     parent, s = await started_run(h)
     create = h.engine.systems.enqueue.trigger_many
 
+    error = psycopg.OperationalError("server closed") if failure == "postgres" else ConnectionResetError("reset")
+
     async def away(*args: object, **kwargs: object) -> None:
-        raise psycopg.OperationalError("server closed the connection unexpectedly")
+        raise error
 
     monkeypatch.setattr(h.engine.systems.enqueue, "trigger_many", away)
     items = [req(h, payload=i) for i in range(3 if batch else 1)]
-    with pytest.raises(psycopg.OperationalError):
+    with pytest.raises(type(error)):
         await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=batch)
     monkeypatch.setattr(h.engine.systems.enqueue, "trigger_many", create)
     (entry,) = await h.engine.journal(parent.id)
