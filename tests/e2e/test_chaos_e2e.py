@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(1200)  # about 100 s; the suite's 120 s default is too close
 def test_short_chaos_run_loses_and_duplicates_nothing() -> None:
     proc = subprocess.run([sys.executable, "bench/chaos.py", "--short", "--seed", "11"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1200)
