@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, pct  # noqa: E402
-from run_engine.engine import RunEngine, TriggerRequest  # noqa: E402
+from run_engine.engine import RunEngine, TaskSpec, TriggerRequest  # noqa: E402
 from run_engine.settings import EngineSettings  # noqa: E402
 from run_engine.tenancy import ensure_environment  # noqa: E402
 
@@ -40,7 +40,7 @@ async def run(args: argparse.Namespace, database_url: str, redis_url: str) -> fl
         env = await ensure_environment(engine.resources.repo, secret="bench", org="bench", project="bench",
                                        concurrency_limit=args.concurrency)
         dep_id, _ = await engine.register_deployment(env_id=env.env_id, worker_group_id=env.worker_group_id,
-                                                     version="1", content_hash="bench", tasks=[{"id": "noop"}])
+                                                     version="1", content_hash="bench", tasks=[TaskSpec("noop")])
         # a supervisor names its deployment when it dequeues (the rolling-deploy filter)
         deployments = [dep_id] if args.deployment_filter else []
         lat: dict[str, list[float]] = {"trigger": [], "dequeue": [], "start": [], "complete": []}

@@ -6,14 +6,19 @@ at once, so a busy engine sends one statement or one Lua call for many runs whil
 no delay.
 
 A batch carries the items of many callers, often of many tenants, so one bad item must not fail
-the others: when a flush of several items raises, the batch is split in halves and each half is
-flushed again, down to single items, and only the callers whose items fail on their own get the
-error (``split=False`` turns this off for flushes that are not safe to repeat).
+the others: when a flush of several callers' items raises, the batch is split in halves and each
+half is flushed again, down to single callers, and only the callers whose items fail on their own
+get the error (``split=False`` turns this off for flushes that are not safe to repeat).
+
+One item and many items take the same path: :meth:`Batcher.submit_many` hands a caller's items
+over as one group, flushed together (one statement, one Lua call) and never split, so a caller's
+items succeed or fail together while other callers' groups are isolated from them.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -34,13 +39,20 @@ class Batcher(Generic[T, R]):
         self._split = split
         self._max_batch = max_batch
         self._max_in_flight = max_in_flight
-        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self._pending: deque[tuple[list[T], asyncio.Future[list[R]]]] = deque()
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def submit(self, item: T) -> R:
-        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._pending.append((item, future))
+        (result,) = await self.submit_many((item,))
+        return result
+
+    async def submit_many(self, items: Sequence[T]) -> list[R]:
+        """Flush ``items`` as one group (see the module doc); their results in their order."""
+        if not items:
+            return []
+        future: asyncio.Future[list[R]] = asyncio.get_running_loop().create_future()
+        self._pending.append((list(items), future))
         self._spawn_drain()
         return await future
 
@@ -55,8 +67,12 @@ class Batcher(Generic[T, R]):
         try:
             await asyncio.sleep(0)  # let the other callers of this tick add their items
             while self._pending:
-                batch = self._pending[: self._max_batch]
-                del self._pending[: self._max_batch]
+                # whole groups up to max_batch items (a larger group goes alone, unsplit)
+                batch = [self._pending.popleft()]
+                size = len(batch[0][0])
+                while self._pending and size + len(self._pending[0][0]) <= self._max_batch:
+                    size += len(self._pending[0][0])
+                    batch.append(self._pending.popleft())
                 await self._settle(batch)
         finally:
             self._in_flight -= 1
@@ -64,15 +80,16 @@ class Batcher(Generic[T, R]):
             # their callers wait on futures that only a drain resolves. Items whose callers are
             # gone (cancelled too, as at shutdown) need no drain.
             if self._pending:
-                self._pending = [entry for entry in self._pending if not entry[1].done()]
+                self._pending = deque(entry for entry in self._pending if not entry[1].done())
                 self._spawn_drain()
 
-    async def _settle(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
+    async def _settle(self, batch: list[tuple[list[T], asyncio.Future[list[R]]]]) -> None:
         """Flush ``batch`` and resolve its callers; on an error, split it (see the module doc)."""
         try:
-            results = await self._flush([item for item, _ in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"batch flush returned {len(results)} results for {len(batch)} items")
+            items = [item for group, _ in batch for item in group]
+            results = await self._flush(items)
+            if len(results) != len(items):
+                raise RuntimeError(f"batch flush returned {len(results)} results for {len(items)} items")
         except Exception as exc:
             if self._split and len(batch) > 1:
                 middle = len(batch) // 2
@@ -88,6 +105,8 @@ class Batcher(Generic[T, R]):
                 if not future.done():
                     future.set_exception(exc)
             raise
-        for (_, future), result in zip(batch, results, strict=True):
+        start = 0
+        for group, future in batch:
             if not future.done():
-                future.set_result(result)
+                future.set_result(list(results[start:start + len(group)]))
+            start += len(group)

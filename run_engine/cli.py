@@ -112,7 +112,7 @@ async def _bootstrap(database_url: str, redis_url: str, org: str, project: str, 
         created = await ensure_environment(repo, secret=secret, org=org, project=project, env=env,
                                            concurrency_limit=settings.env_concurrency)
         if max_queue_length is not None:
-            await repo.set_env_max_queue_length(created.env_id, max_queue_length or None)
+            await repo.tenancy.set_env_max_queue_length(created.env_id, max_queue_length or None)
         return created
     finally:
         await repo.close()
@@ -154,22 +154,22 @@ async def _rotate(database_url: str, secret: str, org: str, project: str, env: s
 
     repo = await Repository.open(database_url, min_size=1, max_size=2)
     try:
-        proj = await repo.project_by_slug(org, project)
-        env_row = await repo.environment_by_slugs(org, project, env) if env else None
+        proj = await repo.tenancy.project_by_slug(org, project)
+        env_row = await repo.tenancy.environment_by_slugs(org, project, env) if env else None
         if proj is None or (env and env_row is None):
             raise typer.BadParameter(f"no environment {org}/{project}/{env}; run `run-engine bootstrap` first")
         if worker_group is None:
             assert env_row is not None
-            return {"environmentId": env_row["id"],
-                    "apiKey": await rotate_api_key(repo, secret=secret, env_id=env_row["id"])}
-        group = await repo.worker_group_by_name(proj["id"], worker_group)
+            return {"environmentId": env_row.id,
+                    "apiKey": await rotate_api_key(repo, secret=secret, env_id=env_row.id)}
+        group = await repo.tenancy.worker_group_by_name(proj.id, worker_group)
         if group is None:
             raise typer.BadParameter(f"no worker group {worker_group!r} in {org}/{project}")
-        token = await rotate_worker_group_token(repo, secret=secret, group_id=group["id"],
-                                                env_id=env_row["id"] if env_row else None)
-        out = {"workerGroupId": group["id"], "workerGroupToken": token}
+        token = await rotate_worker_group_token(repo, secret=secret, group_id=group.id,
+                                                env_id=env_row.id if env_row else None)
+        out = {"workerGroupId": group.id, "workerGroupToken": token}
         if env_row is not None:
-            out["environmentId"] = env_row["id"]
+            out["environmentId"] = env_row.id
         return out
     finally:
         await repo.close()
@@ -210,10 +210,10 @@ async def _create_group(database_url: str, name: str, org: str, project: str | N
     try:
         project_id = None
         if project:
-            row = await repo.project_by_slug(org, project)
+            row = await repo.tenancy.project_by_slug(org, project)
             if row is None:
                 raise typer.BadParameter(f"no project {org}/{project}; run `run-engine bootstrap` first")
-            project_id = row["id"]
+            project_id = row.id
         return await create_worker_group(repo, secret=secret, name=name, project_id=project_id,
                                          make_default=default)
     finally:

@@ -14,7 +14,11 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from run_engine.clock import Clock, SystemClock
-from run_engine.db.repository import Repository, RunRow, Snapshot
+from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec
+from run_engine.db.repository import Repository
+from run_engine.db.runs import RunRow, Snapshot
+from run_engine.db.schedules import Schedule
+from run_engine.db.tenancy import Environment, WorkerGroup
 from run_engine.db.waitpoints import JournalEntry, Waitpoint
 from run_engine.errors import NotFoundError
 from run_engine.events import EventBus
@@ -33,10 +37,13 @@ from systems.explain import Explanation
 from systems.registry import Systems
 from systems.resources import SystemResources
 from systems.run_attempt import AttemptOutcome, StartedAttempt
+from systems.waiting_for_worker import Deployed
 from systems.waitpoints import BlockOutcome, WaitpointsSystem
 
 __all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome",
-           "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome", "Explanation"]
+           "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome", "Explanation",
+           "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec", "RateLimitSpec",
+           "Deployed"]
 
 
 class RunEngine:
@@ -122,7 +129,7 @@ class RunEngine:
 
     async def trigger_batch(self, env_id: str, batch_id: str, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
         """Record a batch and create its runs: one insert for the runs, one queue call."""
-        await self.resources.repo.insert_batch(batch_id, env_id, len(requests))
+        await self.resources.repo.waitpoints.insert_batch(batch_id, env_id, len(requests))
         return await self.systems.enqueue.trigger_many(requests)
 
     async def dequeue(self, worker_group_id: str, max_runs: int = 1, worker_id: str | None = None,
@@ -159,30 +166,30 @@ class RunEngine:
         return await self.systems.dead_letter.list_dead(env_id, size, after, tasks, queues)
 
     async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
-        return await self.resources.repo.get_run(run_id, env_id)
+        return await self.resources.repo.runs.get_run(run_id, env_id)
 
     async def latest_snapshot(self, run_id: str) -> Snapshot:
         return await self.systems.execution_snapshot.latest(run_id)
 
     async def snapshots(self, run_id: str) -> list[Snapshot]:
-        return await self.resources.repo.snapshots(run_id)
+        return await self.resources.repo.runs.snapshots(run_id)
 
     async def list_runs(self, env_id: str, *, statuses: Sequence[str] = (), tasks: Sequence[str] = (),
                         tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
                         limit: int = 25, after: tuple[datetime, str] | None = None) -> list[RunRow]:
         """Newest first; ``after`` is the (created_at, id) of the last run of the previous page."""
-        return await self.resources.repo.list_runs(env_id, statuses=statuses, tasks=tasks, tags=tags, queues=queues,
-                                                   batches=batches, limit=limit, after=after)
+        return await self.resources.repo.runs.list_runs(env_id, statuses=statuses, tasks=tasks, tags=tags,
+                                                        queues=queues, batches=batches, limit=limit, after=after)
 
     async def child_runs(self, run_id: str) -> list[str]:
-        return await self.resources.repo.child_runs(run_id)
+        return await self.resources.repo.runs.child_runs(run_id)
 
     async def set_metadata(self, run_id: str, metadata: Any) -> None:
-        await self.resources.repo.set_metadata(run_id, metadata)
+        await self.resources.repo.runs.set_metadata(run_id, metadata)
 
     async def add_tags(self, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
         """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""
-        return await self.resources.repo.add_tags(run_id, tags, limit)
+        return await self.resources.repo.runs.add_tags(run_id, tags, limit)
 
     async def explain(self, env_id: str, run_id: str) -> Explanation:
         return await self.systems.explain.explain(env_id, run_id)
@@ -211,25 +218,25 @@ class RunEngine:
 
     # --- credentials and workers ----------------------------------------------------------------
 
-    async def environment(self, env_id: str) -> dict[str, Any] | None:
-        return await self.resources.repo.environment(env_id)
+    async def environment(self, env_id: str) -> Environment | None:
+        return await self.resources.repo.tenancy.environment(env_id)
 
-    async def environment_by_key_hash(self, key_hash: str) -> dict[str, Any] | None:
-        return await self.resources.repo.environment_by_key_hash(key_hash)
+    async def environment_by_key_hash(self, key_hash: str) -> Environment | None:
+        return await self.resources.repo.tenancy.environment_by_key_hash(key_hash)
 
-    async def worker_group_by_token_hash(self, token_hash: str) -> dict[str, Any] | None:
-        return await self.resources.repo.worker_group_by_token_hash(token_hash)
+    async def worker_group_by_token_hash(self, token_hash: str) -> WorkerGroup | None:
+        return await self.resources.repo.tenancy.worker_group_by_token_hash(token_hash)
 
-    async def environments_of_worker_group(self, worker_group_id: str) -> list[dict[str, Any]]:
-        return await self.resources.repo.environments_of_worker_group(worker_group_id)
+    async def environments_of_worker_group(self, worker_group_id: str) -> list[Environment]:
+        return await self.resources.repo.tenancy.environments_of_worker_group(worker_group_id)
 
     async def connect_worker_instance(self, worker_group_id: str, name: str) -> str:
         """Record (or refresh) a worker instance by name; returns its id."""
-        return await self.resources.repo.upsert_worker_instance(new_id("wi"), worker_group_id, name)
+        return await self.resources.repo.tenancy.upsert_worker_instance(new_id("wi"), worker_group_id, name)
 
     async def touch_worker_instance(self, worker_group_id: str, name: str) -> bool:
         """A heartbeat of a worker instance; False when it is not known (connect it)."""
-        return await self.resources.repo.touch_worker_instance(worker_group_id, name)
+        return await self.resources.repo.tenancy.touch_worker_instance(worker_group_id, name)
 
     # --- waitpoints --------------------------------------------------------------------------
 
@@ -283,7 +290,7 @@ class RunEngine:
                                batch: bool = False) -> tuple[list[str], BlockOutcome]:
         """Trigger children of an executing run and block it until they finish (one RUN
         waitpoint, or one BATCH waitpoint for ``batch``); journaled at ``sequence``."""
-        parent = await self.resources.repo.get_run(parent_run_id)
+        parent = await self.resources.repo.runs.get_run(parent_run_id)
         if parent is None:
             raise NotFoundError("run", parent_run_id)
         children = [dataclasses.replace(r, parent_run_id=parent.id, root_run_id=parent.root_run_id or parent.id,
@@ -295,33 +302,40 @@ class RunEngine:
 
     # --- deployments and queues ---------------------------------------------------------------
 
+    async def deploy(self, group: WorkerGroup, *, version: str | None, content_hash: str,
+                     tasks: Sequence[TaskSpec], queues: Sequence[QueueSpec] = (),
+                     environments: Sequence[str] = ()) -> list[Deployed]:
+        """Register a worker's deployment in the environments its group serves (see the system)."""
+        return await self.systems.waiting_for_worker.deploy(group, version=version, content_hash=content_hash,
+                                                            tasks=tasks, queues=queues, environments=environments)
+
     async def register_deployment(self, *, env_id: str, worker_group_id: str, version: str, content_hash: str,
-                                  tasks: Sequence[dict[str, Any]],
-                                  queues: Sequence[dict[str, Any]] = ()) -> tuple[str, int]:
+                                  tasks: Sequence[TaskSpec], queues: Sequence[QueueSpec] = ()) -> tuple[str, int]:
+        """Register a deployment in one environment: (deployment id, waiting runs enqueued)."""
         return await self.systems.waiting_for_worker.register_deployment(
             env_id=env_id, worker_group_id=worker_group_id, version=version, content_hash=content_hash,
             tasks=tasks, queues=queues)
 
     async def pause_queue(self, env_id: str, queue: str) -> None:
-        await self.resources.repo.set_queue_paused(env_id, queue, True)
+        await self.resources.repo.deployments.set_queue_paused(env_id, queue, True)
         await self.resources.queue.pause(env_id, queue)
 
     async def resume_queue(self, env_id: str, queue: str) -> None:
-        await self.resources.repo.set_queue_paused(env_id, queue, False)
+        await self.resources.repo.deployments.set_queue_paused(env_id, queue, False)
         await self.resources.queue.resume(env_id, queue)
 
-    async def task_queue(self, env_id: str, name: str) -> dict[str, Any] | None:
-        return await self.resources.repo.task_queue(env_id, name)
+    async def task_queue(self, env_id: str, name: str) -> TaskQueue | None:
+        return await self.resources.repo.deployments.task_queue(env_id, name)
 
-    async def list_queues(self, env_id: str) -> list[dict[str, Any]]:
-        return await self.resources.repo.list_queues(env_id)
+    async def list_queues(self, env_id: str) -> list[TaskQueue]:
+        return await self.resources.repo.deployments.list_queues(env_id)
 
     async def queue_stats(self, env_id: str, name: str) -> QueueStats:
         return await self.resources.queue.queue_stats(env_id, name)
 
-    async def set_queue_concurrency_override(self, env_id: str, queue: str, limit: int | None) -> dict[str, Any]:
+    async def set_queue_concurrency_override(self, env_id: str, queue: str, limit: int | None) -> TaskQueue:
         """Override a queue's deployed concurrency limit (``None`` resets it)."""
-        row = await self.resources.repo.set_queue_override(env_id, queue, limit)
+        row = await self.resources.repo.deployments.set_queue_override(env_id, queue, limit)
         if row is None:
             raise NotFoundError("queue", queue)
         await self.systems.enqueue.mirror_queue(row)
@@ -330,22 +344,22 @@ class RunEngine:
     # --- schedules ----------------------------------------------------------------------------
 
     async def upsert_schedule(self, env_id: str, *, task: str, cron: str, timezone: str = "UTC",
-                              external_id: str | None = None, deduplication_key: str | None = None) -> dict[str, Any]:
+                              external_id: str | None = None, deduplication_key: str | None = None) -> Schedule:
         return await self.systems.schedules.upsert(env_id, task=task, cron=cron, timezone=timezone,
                                                    external_id=external_id, deduplication_key=deduplication_key)
 
-    async def set_schedule_active(self, env_id: str, schedule_id: str, active: bool) -> dict[str, Any]:
+    async def set_schedule_active(self, env_id: str, schedule_id: str, active: bool) -> Schedule:
         return await self.systems.schedules.set_active(env_id, schedule_id, active)
 
-    async def get_schedule(self, schedule_id: str, env_id: str | None = None) -> dict[str, Any] | None:
-        return await self.resources.repo.get_schedule(schedule_id, env_id)
+    async def get_schedule(self, schedule_id: str, env_id: str | None = None) -> Schedule | None:
+        return await self.resources.repo.schedules.get(schedule_id, env_id)
 
     async def list_schedules(self, env_id: str, limit: int,
-                             after: tuple[datetime, str] | None) -> list[dict[str, Any]]:
-        return await self.resources.repo.list_schedules(env_id, limit, after)
+                             after: tuple[datetime, str] | None) -> list[Schedule]:
+        return await self.resources.repo.schedules.page(env_id, limit, after)
 
     async def delete_schedule(self, schedule_id: str, env_id: str) -> bool:
-        return await self.resources.repo.delete_schedule(schedule_id, env_id)
+        return await self.resources.repo.schedules.delete(schedule_id, env_id)
 
     # --- engine jobs --------------------------------------------------------------------------
 

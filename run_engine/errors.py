@@ -70,6 +70,7 @@ class ConflictError(RunEngineError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 class QueueFullError(RunEngineError):
@@ -101,6 +102,15 @@ class ValidationError(RunEngineError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+
+class UnprocessableError(RunEngineError):
+    """Well-formed but impossible now (HTTP 422); ``code`` names the reason."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class ConfigurationError(RunEngineError):

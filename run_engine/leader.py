@@ -45,7 +45,7 @@ class LeaderLease:
 
     async def try_acquire(self) -> float:
         """Take or extend the lease; returns seconds until it is worth trying again."""
-        held, expires_in = await self.repo.acquire_lease(self.name, self.holder, self.ttl_s)
+        held, expires_in = await self.repo.maintenance.acquire_lease(self.name, self.holder, self.ttl_s)
         if held != self.is_leader:
             log.info("%s %s the %r lease", self.holder, "took" if held else "lost", self.name)
         self.is_leader = held
@@ -96,5 +96,5 @@ class LeaderLease:
         self._task = self._duty_task = None
         if self.is_leader:
             with contextlib.suppress(Exception):
-                await self.repo.release_lease(self.name, self.holder)
+                await self.repo.maintenance.release_lease(self.name, self.holder)
         self.is_leader = False

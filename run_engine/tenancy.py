@@ -74,7 +74,7 @@ async def ensure_environment(
 ) -> Environment:
     env_type = env_type or env_type_of(env)
     ids = {"org": new_id("org"), "project": new_id("proj"), "env": new_id("env"), "worker_group": new_id("wg")}
-    got = await repo.ensure_environment(
+    got = await repo.tenancy.ensure_environment(
         org_slug=org, project_slug=project, env_slug=env, env_type=env_type,
         api_key_hash=hash_secret(api_key_for(secret, ids["env"], env_type)),
         worker_group_token_hash=hash_secret(worker_group_token_for(secret, ids["worker_group"])),
@@ -83,23 +83,23 @@ async def ensure_environment(
     api_key = api_key_for(secret, got.env_id, got.env_type, got.api_key_generation)
     token = worker_group_token_for(secret, got.worker_group_id, got.token_generation)
     # Keys of rows made under another secret are re-derived, so the printed ones always work.
-    await repo.rotate_api_key(got.env_id, hash_secret(api_key))
-    await repo.rotate_worker_group_token(got.worker_group_id, hash_secret(token))
-    generation = await repo.env_worker_token_generation(got.worker_group_id, got.env_id)
+    await repo.tenancy.rotate_api_key(got.env_id, hash_secret(api_key))
+    await repo.tenancy.rotate_worker_group_token(got.worker_group_id, hash_secret(token))
+    generation = await repo.tenancy.env_worker_token_generation(got.worker_group_id, got.env_id)
     env_token = env_worker_group_token_for(secret, got.worker_group_id, got.env_id, generation)
-    await repo.set_env_worker_token(got.worker_group_id, got.env_id, generation, hash_secret(env_token))
+    await repo.tenancy.set_env_worker_token(got.worker_group_id, got.env_id, generation, hash_secret(env_token))
     return Environment(got.org_id, got.project_id, got.env_id, got.worker_group_id, api_key, token, env_token)
 
 
 async def rotate_api_key(repo: Repository, *, secret: str, env_id: str) -> str:
     """A new API key for the environment; the old one is refused from now on (servers cache a
     validated key for at most 5 seconds)."""
-    bumped = await repo.bump_api_key_generation(env_id)
+    bumped = await repo.tenancy.bump_api_key_generation(env_id)
     if bumped is None:
         raise NotFoundError("environment", env_id)
     generation, env_type = bumped
     key = api_key_for(secret, env_id, env_type, generation)
-    await repo.rotate_api_key(env_id, hash_secret(key))
+    await repo.tenancy.rotate_api_key(env_id, hash_secret(key))
     return key
 
 
@@ -107,15 +107,15 @@ async def rotate_worker_group_token(repo: Repository, *, secret: str, group_id: 
                                     env_id: str | None = None) -> str:
     """A new token for the worker group (or for its token scoped to ``env_id``)."""
     if env_id is None:
-        generation = await repo.bump_worker_group_token_generation(group_id)
+        generation = await repo.tenancy.bump_worker_group_token_generation(group_id)
         if generation is None:
             raise NotFoundError("worker group", group_id)
         token = worker_group_token_for(secret, group_id, generation)
-        await repo.rotate_worker_group_token(group_id, hash_secret(token))
+        await repo.tenancy.rotate_worker_group_token(group_id, hash_secret(token))
         return token
-    generation = await repo.env_worker_token_generation(group_id, env_id) + 1
+    generation = await repo.tenancy.env_worker_token_generation(group_id, env_id) + 1
     token = env_worker_group_token_for(secret, group_id, env_id, generation)
-    await repo.set_env_worker_token(group_id, env_id, generation, hash_secret(token))
+    await repo.tenancy.set_env_worker_token(group_id, env_id, generation, hash_secret(token))
     return token
 
 
@@ -123,7 +123,7 @@ async def create_worker_group(repo: Repository, *, secret: str, name: str, proje
                               make_default: bool = False) -> tuple[str, str]:
     group_id = new_id("wg")
     token = worker_group_token_for(secret, group_id)
-    await repo.create_worker_group(group_id, name, project_id, hash_secret(token), make_default)
+    await repo.tenancy.create_worker_group(group_id, name, project_id, hash_secret(token), make_default)
     return group_id, token
 
 

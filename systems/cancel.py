@@ -28,7 +28,7 @@ class CancelSystem:
         """Cancel a run and the children it waits on; a finished run is left as it is. Returns
         the run's public status after."""
         status = await self._cancel_one(run_id)
-        for child in await self.r.repo.waiting_children(run_id):
+        for child in await self.r.repo.runs.waiting_children(run_id):
             await self.cancel(child)
         return status
 
@@ -39,7 +39,7 @@ class CancelSystem:
             if status == E.FINISHED or status == E.PENDING_CANCEL:
                 return RunStatus(latest.run_status)
             if status in CANCEL_AT_ONCE:
-                run = await self.r.repo.get_run(run_id)
+                run = await self.r.repo.runs.get_run(run_id)
                 assert run is not None
                 # Out of the queue first: a cancelled run must never be handed out again.
                 await self.r.queue.remove(run.environment_id, run_id)

@@ -8,7 +8,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from run_engine.db.repository import RunRow, Snapshot
+from run_engine.db.runs import RunRow, Snapshot
 from run_engine.errors import InvalidTransitionError, NotFoundError
 from run_engine.events import RunEvent
 from run_engine.run_queue.models import DlqEntry
@@ -47,7 +47,7 @@ class DeadLetterSystem:
 
     async def requeue_undelivered(self, run_id: str, latest: Snapshot) -> None:
         """PENDING_EXECUTING timed out (caller holds the lock): nack, or DLQ past the limit."""
-        run = await self.r.repo.get_run(run_id)
+        run = await self.r.repo.runs.get_run(run_id)
         assert run is not None
         outcome = await self.r.queue.nack(run.environment_id, run_id, self.r.now_ms())
         if outcome.dead_lettered:
@@ -78,7 +78,7 @@ class DeadLetterSystem:
     async def redrive(self, env_id: str, run_id: str) -> str:
         """Move a dead-lettered run back into its queue: QUEUED with a fresh delivery count."""
         async with self.r.locker.lock("redrive", run_id):
-            run = await self.r.repo.get_run(run_id, env_id)
+            run = await self.r.repo.runs.get_run(run_id, env_id)
             if run is None:
                 raise NotFoundError("run", run_id)
             latest = await self.execution_snapshot.latest(run_id)
@@ -114,7 +114,7 @@ class DeadLetterSystem:
                     continue
                 if len(found) == size:
                     return found, True
-                run = await self.r.repo.get_run(e.run_id, env_id)
+                run = await self.r.repo.runs.get_run(e.run_id, env_id)
                 if run is None:
                     await queue.forget_dead(env_id, e.run_id)
                 else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from run_engine.db.repository import RunRow
+from run_engine.db.runs import RunRow
 from run_engine.errors import InvalidTransitionError, NotFoundError
 from run_engine.events import RunEvent
 from run_engine.statuses import ExecutionStatus, RunStatus
@@ -35,8 +35,8 @@ class DelayedRunsSystem:
     async def enqueue_delayed(self, run_id: str) -> None:
         """The delay is over: QUEUED (or PENDING_VERSION when no deployment has the task yet)."""
         async with self.r.locker.lock("enqueue_delayed", run_id):
-            latest = await self.r.repo.latest_snapshot(run_id)
-            run = await self.r.repo.get_run(run_id)
+            latest = await self.r.repo.runs.latest_snapshot(run_id)
+            run = await self.r.repo.runs.get_run(run_id)
             if latest is None or run is None or latest.engine_status != E.DELAYED:
                 return  # cancelled, expired or already enqueued
             if run.delay_until is not None and run.delay_until.timestamp() > self.r.clock.now() + 0.001:
@@ -45,9 +45,9 @@ class DelayedRunsSystem:
                 env = await self.enqueue.environment(run.environment_id)
                 task = await self.enqueue._task(run.environment_id, env.worker_group_id, run.task_identifier)
                 if task.deployment_id is not None:
-                    await self.r.repo.assign_deployment([run_id], task.deployment_id,
+                    await self.r.repo.runs.assign_deployment([run_id], task.deployment_id,
                                                         {run.task_identifier: task.queue or run.queue})
-                    run = await self.r.repo.get_run(run_id)
+                    run = await self.r.repo.runs.get_run(run_id)
                     assert run is not None
             if run.locked_to_deployment_id is None:
                 await self.execution_snapshot.apply(
@@ -59,20 +59,20 @@ class DelayedRunsSystem:
                 run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=(E.DELAYED,), expected_snapshot_id=latest.id,
                 operation="enqueue", description="Delay over")
             assert result.run is not None and result.snapshot is not None
-            await self.r.enqueues.submit(self.enqueue.item_for(result.run))
+            await self.r.enqueue_items([self.enqueue.item_for(result.run)])
         self.r.events.emit(RunEvent("run_requeued", run_id, run.environment_id, result.snapshot.id,
                                     {"reason": "delay"}))
 
     async def reschedule(self, run_id: str, env_id: str, delay_until: datetime) -> RunRow:
         """Move a DELAYED run's date (and its TTL with it); InvalidTransitionError otherwise."""
         async with self.r.locker.lock("reschedule", run_id):
-            run = await self.r.repo.get_run(run_id, env_id)
+            run = await self.r.repo.runs.get_run(run_id, env_id)
             if run is None:
                 raise NotFoundError("run", run_id)
             latest = await self.execution_snapshot.latest(run_id)
             if latest.engine_status != E.DELAYED:
                 raise InvalidTransitionError(run_id, latest.engine_status, "reschedule")
-            await self.r.repo.set_delay_until(run_id, delay_until)
+            await self.r.repo.runs.set_delay_until(run_id, delay_until)
             await self.execution_snapshot.apply(
                 run_id, E.DELAYED, RunStatus.DELAYED, from_statuses=(E.DELAYED,), expected_snapshot_id=latest.id,
                 operation="reschedule", description=f"Rescheduled to {delay_until.isoformat()}")
@@ -80,7 +80,7 @@ class DelayedRunsSystem:
             if run.ttl_s is not None:
                 jobs.append(engine_jobs.ttl(run_id, delay_until.timestamp() + run.ttl_s))
             await self.r.change_jobs(schedule=jobs)
-            fresh = await self.r.repo.get_run(run_id)
+            fresh = await self.r.repo.runs.get_run(run_id)
         assert fresh is not None
         return fresh
 
@@ -88,10 +88,10 @@ class DelayedRunsSystem:
         """The TTL passed: a run that never started ends EXPIRED (its parent's wait, if any, ends
         with that error). True if it expired."""
         async with self.r.locker.lock("expire", run_id):
-            latest = await self.r.repo.latest_snapshot(run_id)
+            latest = await self.r.repo.runs.latest_snapshot(run_id)
             if latest is None or latest.engine_status not in EXPIRABLE or latest.attempt_number > 0:
                 return False
-            run = await self.r.repo.get_run(run_id)
+            run = await self.r.repo.runs.get_run(run_id)
             assert run is not None
             await self.r.queue.remove(run.environment_id, run_id)
             await self.run_attempt.finish(

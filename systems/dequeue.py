@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from run_engine.db.repository import RunRow, Snapshot, Transition
+from run_engine.db.runs import RunRow, Snapshot, Transition
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.run_queue import Handed
@@ -23,6 +23,7 @@ from systems.resources import SystemResources
 
 if TYPE_CHECKING:
     from systems.enqueue import EnqueueSystem
+    from systems.execution_snapshot import ExecutionSnapshotSystem
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,10 @@ class DequeuedRun:
 
 
 class DequeueSystem:
-    def __init__(self, resources: SystemResources, *, enqueue: EnqueueSystem) -> None:
+    def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
+                 enqueue: EnqueueSystem) -> None:
         self.r = resources
+        self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
         self._deployments: dict[str, tuple[str, frozenset[str]]] = {}
 
@@ -57,7 +60,7 @@ class DequeueSystem:
         run_ids = [m.run_id for m in messages]
         froms = tuple(DEQUEUEABLE)
         async with self.r.locker.lock("dequeue", *run_ids):
-            results = await self.r.repo.transition_many(
+            results = await self.execution_snapshot.append_many(
                 [
                     Transition(
                         run_id=m.run_id,
@@ -96,7 +99,7 @@ class DequeueSystem:
         if missing:
             if len(self._deployments) > 10_000:
                 self._deployments.clear()
-            self._deployments.update(await self.r.repo.deployment_tasks(missing))
+            self._deployments.update(await self.r.repo.deployments.deployment_tasks(missing))
         out: dict[str, frozenset[str]] = {}
         for d in deployments:
             if d in self._deployments:
@@ -125,7 +128,7 @@ class DequeueSystem:
         current = await self.enqueue.current_task(m.env_id, worker_group_id, m.task)
         if current.deployment_id is None:
             async with self.r.locker.lock("pending_version", m.run_id):
-                (result,) = await self.r.repo.transition_many([Transition(
+                (result,) = await self.execution_snapshot.append_many([Transition(
                     run_id=m.run_id, new_snapshot_id=new_id("snapshot"), engine_status=ExecutionStatus.PENDING_VERSION,
                     run_status=RunStatus.PENDING_VERSION, from_statuses=(ExecutionStatus.QUEUED,),
                     description=f"No current deployment has the task {m.task!r}")])

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from run_engine.db.repository import NewRun, RunRow
+from run_engine.db.deployments import TaskQueue
+from run_engine.db.runs import NewRun, RunRow
 from run_engine.errors import NotFoundError, QueueFullError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
@@ -104,11 +105,11 @@ class EnqueueSystem:
     async def environment(self, env_id: str) -> _EnvInfo:
         info = self._envs.get(env_id)
         if info is None or time.monotonic() - info.fetched_at > self.CACHE_TTL_S:
-            row = await self.r.repo.environment(env_id)
+            row = await self.r.repo.tenancy.environment(env_id)
             if row is None:
                 raise NotFoundError("environment", env_id)
-            fresh = _EnvInfo(row["default_worker_group_id"], row["concurrency_limit"],
-                             row.get("max_queue_length") or self.r.settings.max_queue_length)
+            fresh = _EnvInfo(row.default_worker_group_id, row.concurrency_limit,
+                             row.max_queue_length or self.r.settings.max_queue_length)
             if info is None or info.concurrency_limit != fresh.concurrency_limit:
                 await self.r.queue.set_env_limit(env_id, fresh.concurrency_limit)
             info = fresh
@@ -123,34 +124,33 @@ class EnqueueSystem:
         key = (env_id, worker_group_id, task_id)
         info = self._tasks.get(key)
         if info is None or time.monotonic() - info.fetched_at > self.CACHE_TTL_S:
-            row = await self.r.repo.current_task(env_id, worker_group_id, task_id)
-            info = _TaskInfo(row["deployment_id"], row["queue_name"]) if row else _TaskInfo(None, None)
+            row = await self.r.repo.deployments.current_task(env_id, worker_group_id, task_id)
+            info = _TaskInfo(row.deployment_id, row.queue_name) if row else _TaskInfo(None, None)
             _remember(self._tasks, key, info, self.CACHE_SIZE)
         return info
 
     async def _ensure_queue(self, env_id: str, name: str, limit: int | None) -> None:
         if limit is None and (env_id, name) in self._queues:
             return
-        row = await self.r.repo.ensure_queue(new_id("queue"), env_id, name, limit)
+        row = await self.r.repo.deployments.ensure_queue(new_id("queue"), env_id, name, limit)
         await self.mirror_queue(row)
         _remember(self._queues, (env_id, name), None, self.CACHE_SIZE)
 
-    async def mirror_queue(self, row: dict[str, Any]) -> None:
-        """Copy a task_queue row's effective limit (override, else deployed) and pause flag to Redis."""
-        env_id, name = row["environment_id"], row["name"]
-        limit = row["concurrency_limit_override"]
-        await self.r.queue.set_queue_limit(env_id, name, row["concurrency_limit"] if limit is None else limit)
-        await self.r.queue.set_key_limit(env_id, name, row["concurrency_key_limit"])
-        rate = row.get("rate_limit")
-        await self.r.queue.set_rate_limit(env_id, name, RateLimit(rate["limit"], rate["periodMs"], rate.get("burst", 1))
+    async def mirror_queue(self, row: TaskQueue) -> None:
+        """Copy a task queue's effective limit (override, else deployed) and pause flag to Redis."""
+        env_id, name = row.environment_id, row.name
+        await self.r.queue.set_queue_limit(env_id, name, row.effective_limit)
+        await self.r.queue.set_key_limit(env_id, name, row.concurrency_key_limit)
+        rate = row.rate_limit
+        await self.r.queue.set_rate_limit(env_id, name, RateLimit(rate.limit, rate.period_ms, rate.burst)
                                           if rate else None)
-        if row["paused"]:
+        if row.paused:
             await self.r.queue.pause(env_id, name)
         else:
             await self.r.queue.resume(env_id, name)
 
     async def mirror_queues(self, env_id: str) -> None:
-        for row in await self.r.repo.list_queues(env_id):
+        for row in await self.r.repo.deployments.list_queues(env_id):
             await self.mirror_queue(row)
 
     async def trigger_many(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
@@ -236,20 +236,14 @@ class EnqueueSystem:
             results.append(TriggeredRun(run.id, status, run.snapshot_id, queue))
         await self._check_queue_length(items)
         for env_id, keys in keyed.items():
-            await self.r.repo.release_expired_idempotency_keys(env_id, keys, datetime.fromtimestamp(now, UTC))
-        if len(new_runs) == 1:
-            inserted = {new_runs[0].id} if await self.r.inserts.submit(new_runs[0]) else set()
-        else:
-            inserted = await self.r.repo.insert_runs(new_runs)
+            await self.r.repo.runs.release_expired_idempotency_keys(env_id, keys, datetime.fromtimestamp(now, UTC))
+        inserted = await self.r.insert_runs(new_runs)
         if len(inserted) < len(new_runs):
             results, items, jobs, new_runs = await self._cached(requests, new_runs, results, inserted, items, jobs)
         try:
             if jobs:
                 await self.r.change_jobs(schedule=jobs)
-            if len(items) == 1:
-                await self.r.enqueues.submit(items[0])
-            elif items:
-                await self.r.enqueue_items(items)
+            await self.r.enqueue_items(items)
         except Exception:
             # The runs are stored (PostgreSQL is the record); answering with an error now would
             # make a retrying client create them twice. The reconciler enqueues QUEUED runs that
@@ -273,7 +267,7 @@ class EnqueueSystem:
         lost = [(req, run) for req, run in zip(requests, new_runs, strict=True) if run.id not in inserted]
         existing: dict[tuple[str, str, str], RunRow] = {}
         for env_id in {req.env_id for req, _ in lost}:
-            found = await self.r.repo.runs_by_idempotency_key(
+            found = await self.r.repo.runs.runs_by_idempotency_key(
                 env_id, [(req.task_id, req.idempotency_key or "") for req, _ in lost if req.env_id == env_id])
             existing.update({(env_id, *k): v for k, v in found.items()})
         out: list[TriggeredRun] = []
@@ -283,7 +277,7 @@ class EnqueueSystem:
                 continue
             holder = existing.get((req.env_id, req.task_id, req.idempotency_key or ""))
             if holder is None:  # released between our insert and this look-up: very unlikely; say so
-                raise ValidationError("options.idempotencyKey", "the key changed hands concurrently; retry")
+                raise ValidationError("idempotency_key", "the key changed hands concurrently; retry")
             out.append(TriggeredRun(holder.id, RunStatus(holder.status), "", holder.queue, is_cached=True))
         keep = {r.id for r in new_runs if r.id in inserted}
         return (out, [i for i in items if i.run_id in keep], [j for j in jobs if j[2]["run_id"] in keep],
@@ -336,12 +330,12 @@ class EnqueueSystem:
 
     def _validate(self, req: TriggerRequest) -> None:
         if not req.task_id or len(req.task_id) > 128:
-            raise ValidationError("taskId", "must be 1..128 characters")
+            raise ValidationError("task_id", "must be 1..128 characters")
         if req.queue is not None and (not req.queue or len(req.queue) > 128):
-            raise ValidationError("options.queue", "must be 1..128 characters")
+            raise ValidationError("queue", "must be 1..128 characters")
         if req.priority_s < 0:
-            raise ValidationError("options.priority", "must be >= 0")
+            raise ValidationError("priority_s", "must be >= 0")
         if req.max_attempts is not None and req.max_attempts < 1:
-            raise ValidationError("options.maxAttempts", "must be >= 1")
+            raise ValidationError("max_attempts", "must be >= 1")
         if len(req.tags) > 10:
-            raise ValidationError("options.tags", "at most 10 tags")
+            raise ValidationError("tags", "at most 10 tags")

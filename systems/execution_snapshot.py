@@ -3,7 +3,9 @@ timeouts, take heartbeats, answer "what is the latest snapshot"."""
 
 from __future__ import annotations
 
-from run_engine.db.repository import Snapshot, Transition, TransitionResult
+from collections.abc import Sequence
+
+from run_engine.db.runs import Snapshot, Transition, TransitionResult
 from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError
 from run_engine.ids import new_id
 from run_engine.statuses import ExecutionStatus, RunStatus
@@ -29,7 +31,7 @@ class ExecutionSnapshotSystem:
     ) -> TransitionResult:
         """Append a snapshot ``to`` if the latest is in ``from_statuses`` (and is
         ``expected_snapshot_id`` when given); raise a typed error otherwise."""
-        result = await self.r.transition(
+        (result,) = await self.append_many([
             Transition(
                 run_id=run_id,
                 new_snapshot_id=new_id("snapshot"),
@@ -39,9 +41,14 @@ class ExecutionSnapshotSystem:
                 expected_snapshot_id=expected_snapshot_id,
                 **changes,  # type: ignore[arg-type]
             )
-        )
+        ])
         self.raise_unless_applied(result, expected_snapshot_id, operation)
         return result
+
+    async def append_many(self, transitions: Sequence[Transition]) -> list[TransitionResult]:
+        """Append many snapshots in one statement (shared with concurrent callers). Nothing is
+        raised for a run that moved on: each result says whether it applied, the caller decides."""
+        return await self.r.transition_many(transitions)
 
     @staticmethod
     def raise_unless_applied(result: TransitionResult, expected_snapshot_id: str | None, operation: str) -> None:
@@ -79,7 +86,7 @@ class ExecutionSnapshotSystem:
         moved = await self.r.jobs.reschedule(engine_jobs.heartbeat_id(run_id, snapshot_id), self._deadline_unknown())
         if moved:
             return
-        latest = await self.r.repo.latest_snapshot(run_id)
+        latest = await self.r.repo.runs.latest_snapshot(run_id)
         if latest is None:
             raise NotFoundError("run", run_id)
         snapshot_status = latest.engine_status
@@ -99,7 +106,7 @@ class ExecutionSnapshotSystem:
         return self.r.clock.now() + max(s.executing_timeout_s, s.pending_executing_timeout_s)
 
     async def latest(self, run_id: str) -> Snapshot:
-        snapshot = await self.r.repo.latest_snapshot(run_id)
+        snapshot = await self.r.repo.runs.latest_snapshot(run_id)
         if snapshot is None:
             raise NotFoundError("run", run_id)
         return snapshot

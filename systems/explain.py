@@ -49,10 +49,10 @@ class ExplainSystem:
         self.r = resources
 
     async def explain(self, env_id: str, run_id: str) -> Explanation:
-        run = await self.r.repo.get_run(run_id, env_id)
+        run = await self.r.repo.runs.get_run(run_id, env_id)
         if run is None:
             raise NotFoundError("run", run_id)
-        latest = await self.r.repo.latest_snapshot(run_id)
+        latest = await self.r.repo.runs.latest_snapshot(run_id)
         status = latest.engine_status if latest else None
         reasons: list[Reason] = []
         if status == E.DELAYED:

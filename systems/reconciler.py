@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from run_engine.db.repository import RunRow, Snapshot
+from run_engine.db.runs import RunRow, Snapshot
 from run_engine.statuses import ExecutionStatus
 from systems import engine_jobs
 from systems.engine_jobs import JobSpec
@@ -113,7 +113,7 @@ class ReconcilerSystem:
         return report
 
     async def _delayed_runs(self, grace: float, report: ReconcileReport) -> None:
-        for run_id in await self.r.repo.due_delayed_runs(grace, self.PAGE):
+        for run_id in await self.r.repo.maintenance.due_delayed_runs(grace, self.PAGE):
             try:
                 await self.delayed_runs.enqueue_delayed(run_id)
                 report.delayed_enqueued += 1
@@ -121,17 +121,17 @@ class ReconcilerSystem:
                 log.exception("reconciler: could not enqueue delayed run %s", run_id)
 
     async def _restore_settings(self) -> int:
-        envs = await self.r.repo.environment_ids()
+        envs = await self.r.repo.maintenance.environment_ids()
         for env_id in envs:
-            row = await self.r.repo.environment(env_id)
+            row = await self.r.repo.tenancy.environment(env_id)
             if row is not None:
-                await self.r.queue.set_env_limit(env_id, row["concurrency_limit"])
+                await self.r.queue.set_env_limit(env_id, row.concurrency_limit)
             await self.enqueue.mirror_queues(env_id)
         return len(envs)
 
     async def _queued_runs(self, grace: float, report: ReconcileReport, full: bool) -> None:
         async def fetch(after: str, limit: int) -> list[RunRow]:
-            return await self.r.repo.queued_runs_page(after, grace, limit)
+            return await self.r.repo.maintenance.queued_runs_page(after, grace, limit)
 
         async for runs in self._pages("queued", fetch, _run_id, full):
             report.scanned += len(runs)
@@ -149,7 +149,7 @@ class ReconcilerSystem:
 
     async def _requeue(self, run, state, report: ReconcileReport) -> None:  # type: ignore[no-untyped-def]
         async with self.r.locker.lock("reconcile", run.id):
-            latest = await self.r.repo.latest_snapshot(run.id)
+            latest = await self.r.repo.runs.latest_snapshot(run.id)
             if latest is None or latest.engine_status not in (E.QUEUED, E.QUEUED_EXECUTING):
                 return  # moved on meanwhile
             current = (await self.r.queue.placements([(run.environment_id, run.id)]))[0]
@@ -162,7 +162,7 @@ class ReconcilerSystem:
             report.requeued_stuck += 1
 
     async def _slots(self, report: ReconcileReport) -> None:
-        for env_id in await self.r.repo.environment_ids():
+        for env_id in await self.r.repo.maintenance.environment_ids():
             try:
                 await self._env_slots(env_id, report)
             except Exception:
@@ -172,7 +172,7 @@ class ReconcilerSystem:
         holding = sorted(await self.r.queue.running_ids(env_id))
         for start in range(0, len(holding), self.PAGE):
             page = holding[start:start + self.PAGE]
-            statuses = await self.r.repo.slot_holders(page)
+            statuses = await self.r.repo.runs.slot_holders(page)
             stale = [rid for rid in page if statuses.get(rid) not in HOLDS_SLOT]
             if stale:
                 await self.r.queue.ack([(env_id, rid) for rid in stale])
@@ -191,7 +191,7 @@ class ReconcilerSystem:
         total += await self._schedule_missing(  # the sweeper re-arms itself, from the first one on
             [engine_jobs.sweep(now + self.r.settings.waitpoint_sweep_interval_s)])
         async def active(after: str, limit: int) -> list[tuple[RunRow, Snapshot]]:
-            return await self.r.repo.active_runs_page(after, grace, limit)
+            return await self.r.repo.maintenance.active_runs_page(after, grace, limit)
 
         async for page in self._pages("active", active, lambda row: row[0].id, full):
             wanted: list[JobSpec] = []
@@ -201,7 +201,7 @@ class ReconcilerSystem:
                 except Exception:
                     log.exception("reconciler: could not work out the jobs of run %s", run.id)
             total += await self._schedule_missing(wanted)
-        async for runs in self._pages("not started", self.r.repo.not_started_runs_page, _run_id, full):
+        async for runs in self._pages("not started", self.r.repo.maintenance.not_started_runs_page, _run_id, full):
             wanted = []
             for run in runs:
                 if run.status == "DELAYED" and run.delay_until is not None:
@@ -232,7 +232,7 @@ class ReconcilerSystem:
             max_duration = run.max_duration_s
             if max_duration is None:
                 task = await self.run_attempt.deployment_task(run)
-                max_duration = task["max_duration_s"] if task else None
+                max_duration = task.max_duration_s if task else None
             if max_duration:
                 # the attempt began at or before its latest snapshot: never later than this
                 deadline = max(now, snapshot.created_at.timestamp() + max_duration
@@ -253,7 +253,7 @@ class ReconcilerSystem:
             return 0
         total = 0
         while True:
-            deleted = await self.r.repo.delete_finished_before(age, self.r.settings.retention_batch,
+            deleted = await self.r.repo.maintenance.delete_finished_before(age, self.r.settings.retention_batch,
                                                                self.r.queue.remove_many)
             total += deleted
             if deleted < self.r.settings.retention_batch:

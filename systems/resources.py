@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from run_engine.batching import Batcher
 from run_engine.clock import Clock
-from run_engine.db.repository import NewRun, Repository, Transition, TransitionResult
+from run_engine.db.repository import Repository
+from run_engine.db.runs import NewRun, Transition, TransitionResult
 from run_engine.events import EventBus
 from run_engine.jobs import JobQueue
 from run_engine.locking import RunLocker
@@ -35,8 +36,10 @@ class SystemResources:
     rng: random.Random = field(default_factory=random.Random)
 
     def __post_init__(self) -> None:
-        # Group commit: concurrent state changes share one statement / one Lua call.
-        self.transitions: Batcher[Transition, TransitionResult] = Batcher(self.repo.transition_many)
+        # Group commit: concurrent state changes share one statement / one Lua call. Every write
+        # of a kind goes through its batcher, one item or many (``submit_many`` keeps a caller's
+        # items together: they succeed or fail as one).
+        self.transitions: Batcher[Transition, TransitionResult] = Batcher(self.repo.runs.transition_many)
         self.inserts: Batcher[NewRun, bool] = Batcher(self._insert_runs)
         self.enqueues: Batcher[EnqueueItem, None] = Batcher(self._enqueue)
         self.acks: Batcher[tuple[str, str, str], None] = Batcher(self._ack)  # env, run, worker group
@@ -46,11 +49,18 @@ class SystemResources:
     def now_ms(self) -> int:
         return int(self.clock.now() * 1000)
 
-    async def transition(self, transition: Transition) -> TransitionResult:
-        return await self.transitions.submit(transition)
+    async def transition_many(self, transitions: Sequence[Transition]) -> list[TransitionResult]:
+        """Append snapshots (one statement, shared with concurrent callers); results in order."""
+        return await self.transitions.submit_many(transitions)
+
+    async def insert_runs(self, runs: Sequence[NewRun]) -> set[str]:
+        """Insert runs and their first snapshots, all or none of them; the ids inserted (a run
+        whose idempotency key is taken is not)."""
+        flags = await self.inserts.submit_many(runs)
+        return {run.id for run, inserted in zip(runs, flags, strict=True) if inserted}
 
     async def _insert_runs(self, runs: list[NewRun]) -> list[bool]:
-        inserted = await self.repo.insert_runs(runs)
+        inserted = await self.repo.runs.insert_runs(runs)
         return [r.id in inserted for r in runs]
 
     async def change_jobs(self, cancel: Sequence[str] = (), schedule: Sequence[JobSpec] = ()) -> None:
@@ -73,12 +83,17 @@ class SystemResources:
                 listener(group)
 
     async def enqueue_items(self, items: Sequence[EnqueueItem]) -> None:
-        await self.queue.enqueue(items, self.now_ms())
-        self.work_available(i.worker_group for i in items)
+        """Put runs into the run queue (one Lua call, shared with concurrent callers)."""
+        await self.enqueues.submit_many(items)
 
     async def _enqueue(self, items: list[EnqueueItem]) -> list[None]:
-        await self.enqueue_items(items)
+        await self.queue.enqueue(items, self.now_ms())
+        self.work_available(i.worker_group for i in items)
         return [None] * len(items)
+
+    async def ack_many(self, items: Sequence[tuple[str, str, str]]) -> None:
+        """Remove finished runs from the queue, freeing their concurrency (env, run, worker group)."""
+        await self.acks.submit_many(items)
 
     async def _ack(self, items: list[tuple[str, str, str]]) -> list[None]:
         await self.queue.ack([(env, run) for env, run, _ in items])

@@ -9,7 +9,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from run_engine.db.repository import RunRow, Snapshot, TransitionResult
+from run_engine.db.deployments import DeploymentTask
+from run_engine.db.runs import RunRow, Snapshot, TransitionResult
 from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError
 from run_engine.events import RunEvent
 from run_engine.settings import RetryPolicy
@@ -60,21 +61,21 @@ class RunAttemptSystem:
         self.waitpoints = waitpoints
         self.dead_letter = dead_letter
         # A deployment's task catalogue never changes, so it is cached for the process's life.
-        self._tasks: dict[tuple[str, str], dict[str, Any] | None] = {}
+        self._tasks: dict[tuple[str, str], DeploymentTask | None] = {}
 
-    async def deployment_task(self, run: RunRow) -> dict[str, Any] | None:
+    async def deployment_task(self, run: RunRow) -> DeploymentTask | None:
         if not run.locked_to_deployment_id:
             return None
         key = (run.locked_to_deployment_id, run.task_identifier)
         if key not in self._tasks:
             if len(self._tasks) > 10_000:
                 self._tasks.clear()
-            self._tasks[key] = await self.r.repo.deployment_task(*key)
+            self._tasks[key] = await self.r.repo.deployments.deployment_task(*key)
         return self._tasks[key]
 
     async def retry_policy(self, run: RunRow) -> RetryPolicy:
         task = await self.deployment_task(run)
-        policy = RetryPolicy.from_json(task["retry"] if task else None, self.r.settings.default_retry)
+        policy = RetryPolicy.from_json(task.retry if task else None, self.r.settings.default_retry)
         policy = RetryPolicy.from_json(run.retry, policy)
         if run.max_attempts is not None:
             policy = RetryPolicy.from_json({"max_attempts": run.max_attempts}, policy)
@@ -99,7 +100,7 @@ class RunAttemptSystem:
             max_duration = run.max_duration_s
             if max_duration is None:
                 task = await self.deployment_task(run)
-                max_duration = task["max_duration_s"] if task else None
+                max_duration = task.max_duration_s if task else None
             if max_duration:
                 # one job per attempt: it survives the attempt's waits and continuations
                 schedule.append(engine_jobs.max_duration(
@@ -147,7 +148,7 @@ class RunAttemptSystem:
             raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
         if latest.engine_status not in EXECUTING:
             raise InvalidTransitionError(run_id, latest.engine_status, "fail an attempt of")
-        run = await self.r.repo.get_run(run_id)
+        run = await self.r.repo.runs.get_run(run_id)
         if run is None:
             raise NotFoundError("run", run_id)
         policy = await self.retry_policy(run)
@@ -201,7 +202,7 @@ class RunAttemptSystem:
         cancel = [engine_jobs.heartbeat_id(run.id, previous)] if previous else []
         if run.attempt_number:
             cancel.append(engine_jobs.max_duration_id(run.id, run.attempt_number))
-        await asyncio.gather(self.r.acks.submit((run.environment_id, run.id, run.worker_group_id)),
+        await asyncio.gather(self.r.ack_many([(run.environment_id, run.id, run.worker_group_id)]),
                              self.r.change_jobs(cancel))
         if run.resume_parent_on_completion:
             await self.waitpoints.on_runs_finished([run])
@@ -220,7 +221,7 @@ class RunAttemptSystem:
     async def on_heartbeat_timeout(self, run_id: str, snapshot_id: str) -> None:
         """The heartbeat job of ``snapshot_id`` fired: the worker went quiet."""
         async with self.r.locker.lock("heartbeat_timeout", run_id):
-            latest = await self.r.repo.latest_snapshot(run_id)
+            latest = await self.r.repo.runs.latest_snapshot(run_id)
             if latest is None or latest.id != snapshot_id:
                 return  # the run moved on; this job is stale
             status = ExecutionStatus(latest.engine_status)
@@ -240,7 +241,7 @@ class RunAttemptSystem:
 
     async def on_max_duration(self, run_id: str, attempt: int) -> None:
         async with self.r.locker.lock("max_duration", run_id):
-            latest = await self.r.repo.latest_snapshot(run_id)
+            latest = await self.r.repo.runs.latest_snapshot(run_id)
             if latest is None or latest.attempt_number != attempt or latest.engine_status not in EXECUTING:
                 return
             await self.finish(run_id, RunStatus.TIMED_OUT, expected_snapshot_id=latest.id, from_statuses=EXECUTING,

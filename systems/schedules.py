@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from run_engine.cron import Cron, CronError
+from run_engine.db.deployments import TaskSpec
+from run_engine.db.schedules import Schedule
 from run_engine.errors import NotFoundError, ValidationError
 from run_engine.ids import new_id
 from run_engine.tasks import stop_task
@@ -30,6 +33,13 @@ DECLARATIVE_PREFIX = "declarative:"
 
 def schedule_key(schedule_id: str, tick: datetime) -> str:
     return f"schedule:{schedule_id}:{tick.astimezone(UTC).isoformat()}"
+
+
+def scheduled_payload(schedule: Schedule, tick: datetime) -> dict[str, Any]:
+    """What a scheduled run's task receives (the SDK's ``ScheduledPayload``, as Trigger.dev's)."""
+    return {"scheduleId": schedule.id, "type": schedule.type, "timestamp": tick.isoformat(),
+            "lastTimestamp": schedule.last_run_at.isoformat() if schedule.last_run_at else None,
+            "timezone": schedule.timezone, "externalId": schedule.external_id}
 
 
 class SchedulesSystem:
@@ -51,73 +61,68 @@ class SchedulesSystem:
             raise ValidationError(field, str(exc)) from None
 
     async def upsert(self, env_id: str, *, task: str, cron: str, timezone: str = "UTC", external_id: str | None = None,
-                     deduplication_key: str | None = None, kind: str = "IMPERATIVE") -> dict[str, Any]:
+                     deduplication_key: str | None = None, kind: str = "IMPERATIVE") -> Schedule:
         """Create a schedule; the same deduplication key updates the existing one instead."""
         if not task or len(task) > 128:
             raise ValidationError("task", "must be 1..128 characters")
         next_run = self.next_tick(cron, timezone, self._now())
-        return await self.r.repo.upsert_schedule({
-            "id": new_id("sched"), "environment_id": env_id, "task_identifier": task, "cron": cron,
-            "timezone": timezone, "external_id": external_id, "deduplication_key": deduplication_key,
-            "next_run_at": next_run, "type": kind})
+        return await self.r.repo.schedules.upsert(
+            id=new_id("sched"), environment_id=env_id, task_identifier=task, cron=cron, timezone=timezone,
+            external_id=external_id, deduplication_key=deduplication_key, next_run_at=next_run, type=kind)
 
-    async def set_active(self, env_id: str, schedule_id: str, active: bool) -> dict[str, Any]:
-        row = await self.r.repo.get_schedule(schedule_id, env_id)
+    async def set_active(self, env_id: str, schedule_id: str, active: bool) -> Schedule:
+        row = await self.r.repo.schedules.get(schedule_id, env_id)
         if row is None:
             raise NotFoundError("schedule", schedule_id)
-        next_run = self.next_tick(row["cron"], row["timezone"], self._now()) if active else None
-        updated = await self.r.repo.set_schedule_active(schedule_id, env_id, active, next_run)
+        next_run = self.next_tick(row.cron, row.timezone, self._now()) if active else None
+        updated = await self.r.repo.schedules.set_active(schedule_id, env_id, active, next_run)
         assert updated is not None
         return updated
 
-    async def sync_declarative(self, env_id: str, tasks: list[dict[str, Any]]) -> None:
+    async def sync_declarative(self, env_id: str, tasks: Sequence[TaskSpec]) -> None:
         """A deployment's ``cron`` declarations become its environment's declarative schedules."""
         keep = []
         for t in tasks:
-            cron = t.get("cron")
-            if not cron:
+            if t.cron is None:
                 continue
-            spec = cron if isinstance(cron, dict) else {"pattern": cron}
-            key = DECLARATIVE_PREFIX + t["id"]
+            key = DECLARATIVE_PREFIX + t.id
             keep.append(key)
-            await self.upsert(env_id, task=t["id"], cron=spec["pattern"], timezone=spec.get("timezone") or "UTC",
+            await self.upsert(env_id, task=t.id, cron=t.cron.pattern, timezone=t.cron.timezone,
                               deduplication_key=key, kind="DECLARATIVE")
-        await self.r.repo.delete_declarative_schedules(env_id, keep)
+        await self.r.repo.schedules.delete_declarative(env_id, keep)
 
     # --- firing -------------------------------------------------------------------------------
 
     async def fire_due(self, jitter_s: float | None = None) -> int:
         """Fire every due tick once (after a random jitter); the number of runs this call created."""
         jitter = self.r.settings.schedule_jitter_s if jitter_s is None else jitter_s
-        due = await self.r.repo.due_schedules(self._now(), 200)
-        fresh = [row for row in due if (row["id"], row["next_run_at"]) not in self._firing]
+        due = await self.r.repo.schedules.due(self._now(), 200)
+        fresh = [row for row in due if (row.id, row.next_run_at) not in self._firing]
         if not fresh:
             return 0
         created = await asyncio.gather(*(self._fire(row, jitter) for row in fresh))
         return sum(created)
 
-    async def _fire(self, row: dict[str, Any], jitter: float) -> int:
-        tick: datetime = row["next_run_at"]
-        mark = (row["id"], tick)
+    async def _fire(self, row: Schedule, jitter: float) -> int:
+        tick = row.next_run_at
+        assert tick is not None  # due schedules have a next tick
+        mark = (row.id, tick)
         self._firing.add(mark)
         try:
             if jitter > 0:
                 await asyncio.sleep(self.r.rng.uniform(0, jitter))
-            current = await self.r.repo.get_schedule(row["id"])
-            if current is None or not current["active"] or current["next_run_at"] != tick:
+            current = await self.r.repo.schedules.get(row.id)
+            if current is None or not current.active or current.next_run_at != tick:
                 return 0  # fired by another process meanwhile (a read, not a write), or changed
-            payload = {"scheduleId": row["id"], "type": row["type"], "timestamp": tick.isoformat(),
-                       "lastTimestamp": row["last_run_at"].isoformat() if row["last_run_at"] else None,
-                       "timezone": row["timezone"], "externalId": row["external_id"]}
             run = await self.enqueue.trigger_many([TriggerRequest(
-                env_id=row["environment_id"], task_id=row["task_identifier"], payload=payload,
-                idempotency_key=schedule_key(row["id"], tick), idempotency_key_ttl_s=30 * 86400,
-                trigger_function="trigger", tags=(f"schedule:{row['id']}",))])
+                env_id=row.environment_id, task_id=row.task_identifier, payload=scheduled_payload(row, tick),
+                idempotency_key=schedule_key(row.id, tick), idempotency_key_ttl_s=30 * 86400,
+                trigger_function="trigger", tags=(f"schedule:{row.id}",))])
             after = max(tick, self._now())  # a schedule that fell behind resumes from now, not every missed tick
-            await self.r.repo.advance_schedule(row["id"], tick, self.next_tick(row["cron"], row["timezone"], after))
+            await self.r.repo.schedules.advance(row.id, tick, self.next_tick(row.cron, row.timezone, after))
             return 0 if run[0].is_cached else 1
         except Exception:
-            log.exception("schedule %s: could not fire the tick of %s", row["id"], tick)
+            log.exception("schedule %s: could not fire the tick of %s", row.id, tick)
             return 0
         finally:
             self._firing.discard(mark)

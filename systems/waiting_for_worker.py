@@ -4,9 +4,15 @@ deployment with the task registers, they are enqueued (keeping their place in th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
-from run_engine.db.repository import Transition
+from run_engine.cron import Cron, CronError
+from run_engine.db.deployments import QueueSpec, TaskSpec
+from run_engine.db.runs import Transition
+from run_engine.db.tenancy import WorkerGroup
+from run_engine.errors import UnprocessableError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.statuses import ExecutionStatus, RunStatus
@@ -14,39 +20,86 @@ from systems.resources import SystemResources
 
 if TYPE_CHECKING:
     from systems.enqueue import EnqueueSystem
+    from systems.execution_snapshot import ExecutionSnapshotSystem
     from systems.schedules import SchedulesSystem
 
 E = ExecutionStatus
 BATCH = 200
 
 
+@dataclass(frozen=True, slots=True)
+class Deployed:
+    env_id: str
+    deployment_id: str
+    version: str
+    pending_runs_enqueued: int
+
+
 class WaitingForWorkerSystem:
-    def __init__(self, resources: SystemResources, *, enqueue: EnqueueSystem, schedules: SchedulesSystem) -> None:
+    def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
+                 enqueue: EnqueueSystem, schedules: SchedulesSystem) -> None:
         self.r = resources
+        self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
         self.schedules = schedules
 
+    async def deploy(self, group: WorkerGroup, *, version: str | None, content_hash: str,
+                     tasks: Sequence[TaskSpec], queues: Sequence[QueueSpec],
+                     environments: Sequence[str] = ()) -> list[Deployed]:
+        """A worker's deployment, registered in every environment the group serves (only the one
+        an environment-scoped token names; only ``environments``, ids or slugs, when given).
+        ``version`` defaults to the content hash's first 12 characters."""
+        self.validate(tasks)
+        envs = await self.r.repo.tenancy.environments_of_worker_group(group.id)
+        if group.scoped_environment_id:
+            envs = [e for e in envs if e.id == group.scoped_environment_id]
+        if environments:
+            wanted = set(environments)
+            envs = [e for e in envs if e.id in wanted or e.slug in wanted]
+        if not envs:
+            raise UnprocessableError("no_environment",
+                                     "this worker group serves no environment (run `run-engine bootstrap`)")
+        out = []
+        for env in envs:
+            dep_id, enqueued = await self.register_deployment(
+                env_id=env.id, worker_group_id=group.id, version=version or content_hash[:12],
+                content_hash=content_hash, tasks=tasks, queues=queues)
+            out.append(Deployed(env.id, dep_id, version or content_hash[:12], enqueued))
+        return out
+
+    def validate(self, tasks: Sequence[TaskSpec]) -> None:
+        ids = [t.id for t in tasks]
+        if len(set(ids)) != len(ids):
+            raise ValidationError("deployment.tasks", "task ids must be unique")
+        now = datetime.fromtimestamp(self.r.clock.now(), UTC)
+        for i, t in enumerate(tasks):
+            if t.cron is not None:
+                try:
+                    Cron.parse(t.cron.pattern).next_after(now, t.cron.timezone)
+                except CronError as exc:
+                    raise ValidationError(f"deployment.tasks.{i}.cron", str(exc)) from None
+
     async def register_deployment(
         self, *, env_id: str, worker_group_id: str, version: str, content_hash: str,
-        tasks: Sequence[dict[str, Any]], queues: Sequence[dict[str, Any]],
+        tasks: Sequence[TaskSpec], queues: Sequence[QueueSpec],
     ) -> tuple[str, int]:
         """Record the deployment (current from now on), mirror its queue limits into the run
         queue and enqueue the runs that were waiting for it. Returns (deployment id, runs enqueued)."""
-        task_list = [{**t, "queue": t.get("queue") or f"task/{t['id']}"} for t in tasks]
-        declared = {q["name"]: q for q in queues}
-        for t in task_list:
-            declared.setdefault(t["queue"], {"name": t["queue"], "type": "task"})
+        self.validate(tasks)
+        declared = {q.name: q for q in queues}
+        for t in tasks:
+            declared.setdefault(t.queue_name, QueueSpec(t.queue_name))
         queue_list = list(declared.values())
-        dep_id, _ = await self.r.repo.register_deployment(
+        dep_id, _ = await self.r.repo.deployments.register_deployment(
             deployment_id=new_id("deployment"), env_id=env_id, worker_group_id=worker_group_id,
-            version=version, content_hash=content_hash, tasks=task_list, queues=queue_list,
+            version=version, content_hash=content_hash, tasks=tasks, queues=queue_list,
             queue_ids=[new_id("queue") for _ in queue_list],
         )
         await self.enqueue.mirror_queues(env_id)
         self.enqueue.invalidate()
-        await self.schedules.sync_declarative(env_id, list(tasks))
-        waiting = await self.r.repo.pending_version_runs(env_id, worker_group_id, [t["id"] for t in task_list])
-        queue_of = {t["id"]: t["queue"] for t in task_list}
+        await self.schedules.sync_declarative(env_id, tasks)
+        waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, [t.id for t in tasks])
+        queue_of = {t.id: t.queue_name for t in tasks}
         enqueued = 0
         for start in range(0, len(waiting), BATCH):
             enqueued += await self._promote(waiting[start:start + BATCH], dep_id, queue_of)
@@ -54,8 +107,8 @@ class WaitingForWorkerSystem:
 
     async def _promote(self, run_ids: list[str], deployment_id: str, queue_of: dict[str, str]) -> int:
         async with self.r.locker.lock("pending_version", *run_ids):
-            await self.r.repo.assign_deployment(run_ids, deployment_id, queue_of)
-            results = await self.r.repo.transition_many([
+            await self.r.repo.runs.assign_deployment(run_ids, deployment_id, queue_of)
+            results = await self.execution_snapshot.append_many([
                 Transition(run_id=rid, new_snapshot_id=new_id("snapshot"), engine_status=E.QUEUED,
                            run_status=RunStatus.QUEUED, from_statuses=(E.PENDING_VERSION,),
                            description="A deployment with this task registered")

@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from run_engine.batching import Batcher
-from run_engine.db.repository import RunRow, Snapshot
+from run_engine.db.runs import RunRow, Snapshot
 from run_engine.db.waitpoints import Completion, JournalEntry, NewWaitpoint, Waitpoint
 from run_engine.errors import (
     ConflictError,
@@ -221,7 +221,7 @@ class WaitpointsSystem:
                     expected_snapshot_id=latest_id, operation="continue",
                     description="Waitpoints completed: queued to restore", completed_waitpoint_ids=completed)
                 assert result.run is not None and result.snapshot is not None
-                await self.r.enqueues.submit(self.enqueue.item_for(result.run, reset_deliveries=True))
+                await self.r.enqueue_items([self.enqueue.item_for(result.run, reset_deliveries=True)])
         assert result.run is not None and result.snapshot is not None
         self.r.events.emit(RunEvent("run_continued", run_id, result.run.environment_id, result.snapshot.id,
                                     {"status": result.snapshot.engine_status}))
@@ -244,7 +244,7 @@ class WaitpointsSystem:
             run, snapshot = result.run, result.snapshot
             assert run is not None and snapshot is not None
             await asyncio.gather(
-                self.r.acks.submit((run.environment_id, run.id, run.worker_group_id)),
+                self.r.ack_many([(run.environment_id, run.id, run.worker_group_id)]),
                 self.execution_snapshot.after_transition(snapshot_id, latest.engine_status, snapshot),
                 self.r.change_jobs(cancel=[engine_jobs.max_duration_id(run.id, run.attempt_number)]),
             )
@@ -279,7 +279,7 @@ class WaitpointsSystem:
             batch_id: str | None = None
             if batch:
                 batch_id = new_id("batch")
-                await self.r.repo.insert_batch(batch_id, parent.environment_id, len(requests), parent.id)
+                await self.r.repo.waitpoints.insert_batch(batch_id, parent.environment_id, len(requests), parent.id)
                 wp, _ = await self.wp.create(NewWaitpoint(
                     id=new_id("waitpoint"), environment_id=parent.environment_id, type="BATCH",
                     completed_by_batch_id=batch_id))
@@ -347,7 +347,7 @@ class WaitpointsSystem:
         if batch_id is None:
             key = run_ids[0]
             await self.wp.repoint(parent_id, sequence, waitpoint_id, key, {"runIds": run_ids})
-            holder = await self.r.repo.get_run(key)
+            holder = await self.r.repo.runs.get_run(key)
             if holder is not None and holder.finished_at is not None:  # the parent is not blocked yet
                 failed = holder.status != RunStatus.COMPLETED
                 await self.wp.complete([Completion((holder.error or {"type": holder.status}) if failed

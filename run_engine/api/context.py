@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from run_engine.api.http import ApiError, TtlCache, bearer
 from run_engine.api.inputs import looks_like_id
-from run_engine.engine import RunEngine
+from run_engine.engine import Environment, RunEngine, WorkerGroup
 from run_engine.ratelimit import ConnectionCaps, RequestLimiter, TooMany
 from run_engine.realtime import RealtimeHub
 from run_engine.run_tokens import RunTokens
@@ -90,12 +90,12 @@ class ApiContext:
                 raise ApiError(401, "unauthorized", f"the run token's attempt {claims.attempt} has ended "
                                                     f"(the run is {run.status}, attempt {run.attempt_number})")
             env = await self._env_by_id(run.environment_id)
-            auth = EnvAuth(env["id"], env["project_id"], env["organization_id"], env["default_worker_group_id"],
+            auth = EnvAuth(env.id, env.project_id, env.organization_id, env.default_worker_group_id,
                            run_id=run.id, attempt=claims.attempt)
             await self._limit(auth.bucket)
             return auth
         key_hash = hash_secret(token)
-        found: dict[str, Any] | None = self._envs.get(key_hash)
+        found: Environment | None = self._envs.get(key_hash)
         if found is None:
             found = await self.engine.environment_by_key_hash(key_hash)
             if found is None:
@@ -103,7 +103,7 @@ class ApiContext:
                     raise ApiError(403, "forbidden", "a worker group token cannot call the public API")
                 raise ApiError(401, "unauthorized", "invalid API key")
             self._envs.put(key_hash, found)
-        auth = EnvAuth(found["id"], found["project_id"], found["organization_id"], found["default_worker_group_id"])
+        auth = EnvAuth(found.id, found.project_id, found.organization_id, found.default_worker_group_id)
         await self._limit(auth.bucket)
         return auth
 
@@ -136,22 +136,21 @@ class ApiContext:
 
         return release
 
-    async def _env_by_id(self, env_id: str) -> dict[str, Any]:
-        env: dict[str, Any] | None = self._envs.get(env_id)
+    async def _env_by_id(self, env_id: str) -> Environment:
+        env: Environment | None = self._envs.get(env_id)
         if env is None:
             env = await self.engine.environment(env_id)
             if env is None:
                 raise ApiError(401, "unauthorized", "unknown environment")
-            env = {**env, "organization_id": ""}
             self._envs.put(env_id, env)
         return env
 
-    async def worker_group(self, request: Request) -> dict[str, Any]:
+    async def worker_group(self, request: Request) -> WorkerGroup:
         token = bearer(request)
         if token.startswith("rt_") and self.tokens.verify(token, self.engine.now()) is not None:
             raise ApiError(403, "forbidden", "a run token cannot call the worker API")
         token_hash = hash_secret(token)
-        group: dict[str, Any] | None = self._groups.get(token_hash)
+        group: WorkerGroup | None = self._groups.get(token_hash)
         if group is None:
             group = await self.engine.worker_group_by_token_hash(token_hash)
             if group is None:
@@ -163,10 +162,10 @@ class ApiContext:
         return group
 
 
-def worker_bucket(group: dict[str, Any]) -> str:
+def worker_bucket(group: WorkerGroup) -> str:
     """A worker token's share of the limits: its group (and environment, for a scoped token)."""
-    scoped = group.get("scoped_environment_id")
-    return f"wg:{group['id']}" + (f":{scoped}" if scoped else "")
+    scoped = group.scoped_environment_id
+    return f"wg:{group.id}" + (f":{scoped}" if scoped else "")
 
 
 def ctx_of(request: Request) -> ApiContext:

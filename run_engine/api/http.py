@@ -29,12 +29,17 @@ from run_engine.errors import (
     QueueFullError,
     RunEngineError,
     StaleSnapshotError,
+    UnprocessableError,
     ValidationError,
 )
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
+#: the engine names fields as its requests do (``TriggerRequest.max_attempts``); the API as its bodies do
+WIRE_FIELDS = {"task_id": "taskId", "queue": "options.queue", "priority_s": "options.priority",
+               "max_attempts": "options.maxAttempts", "tags": "options.tags",
+               "idempotency_key": "options.idempotencyKey"}
 MAX_REQUEST_BYTES = 10 * 1024 * 1024
 
 
@@ -70,7 +75,10 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
     if isinstance(exc, InvalidTransitionError | DuplicateExecutionError | ConflictError):
         return err(409, exc.code, str(exc))
     if isinstance(exc, ValidationError):
-        return err(400, exc.code, str(exc))
+        field = WIRE_FIELDS.get(exc.field, exc.field)
+        return err(400, exc.code, f"{field}: {exc.message}")
+    if isinstance(exc, UnprocessableError):
+        return err(422, exc.code, str(exc))
     if isinstance(exc, QueueFullError):
         return err(429, exc.code, str(exc), headers={"Retry-After": "1"})
     if isinstance(exc, LockTimeoutError):

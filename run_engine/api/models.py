@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from run_engine.engine import CronSpec, QueueSpec, RateLimitSpec, TaskSpec
+
 MACHINES = ("micro", "small-1x", "small-2x", "medium-1x", "medium-2x", "large-1x", "large-2x")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
@@ -83,13 +85,20 @@ class RateLimitOption(_Body):
         return v
 
     def stored(self) -> dict[str, int]:
-        return {"limit": self.limit, "periodMs": int(parse_duration_s(self.period) * 1000), "burst": self.burst}
+        return self.spec().stored()
+
+    def spec(self) -> RateLimitSpec:
+        return RateLimitSpec(self.limit, int(parse_duration_s(self.period) * 1000), self.burst)
 
 
 class QueueOption(_Body):
     name: str = Field(min_length=1, max_length=128)
     concurrencyLimit: int | None = Field(default=None, ge=0, le=100_000)
     rateLimit: RateLimitOption | None = None
+
+    def spec(self) -> QueueSpec:
+        return QueueSpec(self.name, concurrency_limit=self.concurrencyLimit,
+                         rate_limit=self.rateLimit.spec() if self.rateLimit else None)
 
 
 class RetryOption(_Body):
@@ -231,6 +240,15 @@ class TaskDecl(_Body):
     retry: dict[str, Any] | None = None
     maxDuration: int | None = Field(default=None, gt=0, le=MAX_DURATION_S)
     machine: Literal[MACHINES] | None = None  # type: ignore[valid-type]
+
+    def spec(self) -> TaskSpec:
+        cron = None  # an empty pattern declares no schedule
+        if isinstance(self.cron, str) and self.cron:
+            cron = CronSpec(self.cron)
+        elif isinstance(self.cron, CronDecl):
+            cron = CronSpec(self.cron.pattern, self.cron.timezone or "UTC")
+        return TaskSpec(self.id, queue=self.queue, retry=self.retry, max_duration_s=self.maxDuration,
+                        machine=self.machine, cron=cron)
 
     @field_validator("retry")
     @classmethod

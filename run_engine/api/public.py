@@ -30,7 +30,7 @@ from run_engine.api.models import (
 )
 from run_engine.api.openapi import PAGE, Query, csv, operation
 from run_engine.api.serialize import explanation_object, iso, pagination, run_object
-from run_engine.engine import RunRow, TriggerRequest
+from run_engine.engine import RunRow, TaskQueue, TriggerRequest
 from run_engine.errors import InvalidTransitionError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
@@ -242,17 +242,15 @@ async def replay_run(request: Request) -> Response:
 
 # --- queues -------------------------------------------------------------------------------------
 
-async def _queue_object(ctx: ApiContext, row: dict[str, Any]) -> dict[str, Any]:
-    stats = await ctx.engine.queue_stats(row["environment_id"], row["name"])
-    limit = (row["concurrency_limit_override"] if row["concurrency_limit_override"] is not None
-             else row["concurrency_limit"])
-    return {"id": row["id"], "name": row["name"], "type": row["type"], "running": stats.running,
-            "queued": stats.queued, "concurrencyLimit": limit, "paused": row["paused"],
-            "concurrencyLimitOverridden": row["concurrency_limit_override"] is not None,
-            "rateLimit": row.get("rate_limit")}
+async def _queue_object(ctx: ApiContext, row: TaskQueue) -> dict[str, Any]:
+    stats = await ctx.engine.queue_stats(row.environment_id, row.name)
+    return {"id": row.id, "name": row.name, "type": row.type, "running": stats.running,
+            "queued": stats.queued, "concurrencyLimit": row.effective_limit, "paused": row.paused,
+            "concurrencyLimitOverridden": row.concurrency_limit_override is not None,
+            "rateLimit": row.rate_limit.stored() if row.rate_limit else None}
 
 
-async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str) -> dict[str, Any]:
+async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str) -> TaskQueue:
     row = await ctx.engine.task_queue(auth.env_id, name)
     if row is None:
         raise ApiError(404, "not_found", "queue not found")

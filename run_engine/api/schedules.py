@@ -17,13 +17,14 @@ from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import ScheduleBody
 from run_engine.api.openapi import PAGE, operation
 from run_engine.api.serialize import iso, pagination
+from run_engine.engine import Schedule
 
 
-def schedule_object(row: dict[str, Any]) -> dict[str, Any]:
-    return {"id": row["id"], "task": row["task_identifier"], "type": row["type"], "active": row["active"],
-            "cron": row["cron"], "timezone": row["timezone"], "externalId": row["external_id"],
-            "deduplicationKey": row["deduplication_key"], "nextRun": iso(row["next_run_at"]),
-            "lastRun": iso(row["last_run_at"]), "createdAt": iso(row["created_at"])}
+def schedule_object(row: Schedule) -> dict[str, Any]:
+    return {"id": row.id, "task": row.task_identifier, "type": row.type, "active": row.active,
+            "cron": row.cron, "timezone": row.timezone, "externalId": row.external_id,
+            "deduplicationKey": row.deduplication_key, "nextRun": iso(row.next_run_at),
+            "lastRun": iso(row.last_run_at), "createdAt": iso(row.created_at)}
 
 
 @operation("Create a cron schedule (the same deduplicationKey updates it)", S.Schedule, body=ScheduleBody)
@@ -54,11 +55,11 @@ async def list_schedules(request: Request) -> Response:
             raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
     rows = await ctx.engine.list_schedules(auth.env_id, size + 1, after)
     page, more = rows[:size], len(rows) > size
-    nxt = f"{page[-1]['created_at'].isoformat()}|{page[-1]['id']}" if more and page else None
+    nxt = f"{page[-1].created_at.isoformat()}|{page[-1].id}" if more and page else None
     return json_response({"data": [schedule_object(r) for r in page], "pagination": pagination(nxt)})
 
 
-async def _own(ctx: ApiContext, env_id: str, schedule_id: str) -> dict[str, Any]:
+async def _own(ctx: ApiContext, env_id: str, schedule_id: str) -> Schedule:
     row = await ctx.engine.get_schedule(schedule_id, env_id) if looks_like_id(schedule_id, "sched") else None
     if row is None:
         raise ApiError(404, "not_found", "schedule not found")
@@ -77,15 +78,15 @@ async def delete_schedule(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     row = await _own(ctx, auth.env_id, request.path_params["schedule_id"])
-    await ctx.engine.delete_schedule(row["id"], auth.env_id)
-    return json_response({"id": row["id"], "deleted": True})
+    await ctx.engine.delete_schedule(row.id, auth.env_id)
+    return json_response({"id": row.id, "deleted": True})
 
 
 async def _set_active(request: Request, active: bool) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     row = await _own(ctx, auth.env_id, request.path_params["schedule_id"])
-    return json_response(schedule_object(await ctx.engine.set_schedule_active(auth.env_id, row["id"], active)))
+    return json_response(schedule_object(await ctx.engine.set_schedule_active(auth.env_id, row.id, active)))
 
 
 @operation("Activate a schedule", S.Schedule)

@@ -35,8 +35,7 @@ from run_engine.api.models import (
 )
 from run_engine.api.openapi import Query, operation
 from run_engine.api.serialize import run_object, snapshot_object
-from run_engine.cron import Cron, CronError
-from run_engine.engine import RunRow
+from run_engine.engine import RunRow, WorkerGroup
 
 PREFIX = "/engine/v1/worker-actions"
 
@@ -46,39 +45,22 @@ async def connect(request: Request) -> Response:
     ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, ConnectBody)
-    await ctx.engine.connect_worker_instance(group["id"], req.workerInstanceName)
+    await ctx.engine.connect_worker_instance(group.id, req.workerInstanceName)
+    # the content hash is over the declaration as the worker sent it: the same declaration is
+    # the same deployment, whatever the engine makes of it
     tasks = [t.model_dump(exclude_none=True) for t in req.deployment.tasks]
     queues = [{**q.model_dump(exclude_none=True), **({"rateLimit": q.rateLimit.stored()} if q.rateLimit else {})}
               for q in req.deployment.queues]
-    for i, t in enumerate(tasks):
-        if t.get("cron"):
-            spec = t["cron"] if isinstance(t["cron"], dict) else {"pattern": t["cron"]}
-            try:
-                Cron.parse(spec["pattern"]).next_after(datetime.now(UTC), spec.get("timezone") or "UTC")
-            except CronError as exc:
-                raise ApiError(400, "invalid_input", f"deployment.tasks.{i}.cron: {exc}") from None
-    ids = [t["id"] for t in tasks]
-    if len(set(ids)) != len(ids):
-        raise ApiError(400, "invalid_input", "deployment.tasks: task ids must be unique")
     content_hash = hashlib.sha256(orjson.dumps({"tasks": tasks, "queues": queues},
                                                option=orjson.OPT_SORT_KEYS)).hexdigest()
-    version = req.deployment.version or content_hash[:12]
-    envs = await ctx.engine.environments_of_worker_group(group["id"])
-    if group.get("scoped_environment_id"):  # an environment's token serves that environment only
-        envs = [e for e in envs if e["id"] == group["scoped_environment_id"]]
-    if req.environments:
-        wanted = set(req.environments)
-        envs = [e for e in envs if e["id"] in wanted or e["slug"] in wanted]
-    if not envs:
-        raise ApiError(422, "no_environment", "this worker group serves no environment (run `run-engine bootstrap`)")
-    deployments = []
-    for env in envs:
-        dep_id, enqueued = await ctx.engine.register_deployment(
-            env_id=env["id"], worker_group_id=group["id"], version=version, content_hash=content_hash,
-            tasks=tasks, queues=queues)
-        deployments.append({"environmentId": env["id"], "deploymentId": dep_id, "pendingRunsEnqueued": enqueued})
+    deployed = await ctx.engine.deploy(
+        group, version=req.deployment.version, content_hash=content_hash, environments=req.environments or (),
+        tasks=[t.spec() for t in req.deployment.tasks], queues=[q.spec() for q in req.deployment.queues])
+    deployments = [{"environmentId": d.env_id, "deploymentId": d.deployment_id,
+                    "pendingRunsEnqueued": d.pending_runs_enqueued} for d in deployed]
+    version = deployed[0].version
     return json_response({"deploymentId": deployments[0]["deploymentId"], "version": version,
-                          "workerGroupId": group["id"], "deployments": deployments})
+                          "workerGroupId": group.id, "deployments": deployments})
 
 
 @operation("Worker liveness", S.Ok, body=WorkerHeartbeatBody, security="workerToken")
@@ -87,9 +69,9 @@ async def heartbeat(request: Request) -> Response:
     group = await ctx.worker_group(request)
     req = await body(request, WorkerHeartbeatBody)
     if req.stopping:
-        ctx.wakeups.release(f"{group['id']}/{req.workerInstanceName}", group["id"])
-    if not await ctx.engine.touch_worker_instance(group["id"], req.workerInstanceName):
-        await ctx.engine.connect_worker_instance(group["id"], req.workerInstanceName)
+        ctx.wakeups.release(f"{group.id}/{req.workerInstanceName}", group.id)
+    if not await ctx.engine.touch_worker_instance(group.id, req.workerInstanceName):
+        await ctx.engine.connect_worker_instance(group.id, req.workerInstanceName)
     return json_response({"ok": True})
 
 
@@ -111,14 +93,14 @@ async def dequeue(request: Request) -> Response:
     group = await ctx.worker_group(request)
     req = await body(request, DequeueBody, required=False)
     environments = list(req.environments or ())
-    if scoped := group.get("scoped_environment_id"):
+    if scoped := group.scoped_environment_id:
         if environments and environments != [scoped]:
             raise ApiError(403, "forbidden", f"this token serves environment {scoped} only")
         environments = [scoped]
     began = time.monotonic()
     deadline = began + req.waitMs / 1000
-    instance = f"{group['id']}/{req.workerInstanceName}"
-    got = await ctx.engine.dequeue(group["id"], req.maxRuns, req.workerInstanceName, environments,
+    instance = f"{group.id}/{req.workerInstanceName}"
+    got = await ctx.engine.dequeue(group.id, req.maxRuns, req.workerInstanceName, environments,
                                    req.deployments or ())
     if not got and req.waitMs:
         with ctx.hold("long-polls", worker_bucket(group)):
@@ -131,13 +113,13 @@ async def dequeue(request: Request) -> Response:
                 cap = 1.0
                 if got.retry_at_ms is not None:
                     cap = max(0.002, min(cap, got.retry_at_ms / 1000 - ctx.engine.now()))
-                await ctx.wakeups.wait(group["id"], min(remaining, cap))
+                await ctx.wakeups.wait(group.id, min(remaining, cap))
                 if ctx.wakeups.released(instance, since=began) or await request.is_disconnected():
                     break  # the worker is stopping or gone: runs handed out now would wait for a timeout
-                got = await ctx.engine.dequeue(group["id"], req.maxRuns, req.workerInstanceName, environments,
+                got = await ctx.engine.dequeue(group.id, req.maxRuns, req.workerInstanceName, environments,
                                                req.deployments or ())
     for d in got:
-        ctx.remember_run_group(d.run.id, group["id"], d.run.environment_id)
+        ctx.remember_run_group(d.run.id, group.id, d.run.environment_id)
     items = [_run_payload(ctx, d.run, d.snapshot) for d in got]
     if req.startAttempts and got:
         started = await _each(got, lambda d: _start(ctx, d.run.id, d.snapshot.id))
@@ -146,7 +128,7 @@ async def dequeue(request: Request) -> Response:
     return json_response({"runs": items})
 
 
-async def _check_group(ctx: ApiContext, group: dict[str, Any], run_id: str) -> str:
+async def _check_group(ctx: ApiContext, group: WorkerGroup, run_id: str) -> str:
     """``run_id`` if the run belongs to the caller's worker group (and, for an environment's
     token, to that environment); 404 otherwise. Runs this process handed out are remembered, so
     the hot path needs no query."""
@@ -157,8 +139,8 @@ async def _check_group(ctx: ApiContext, group: dict[str, Any], run_id: str) -> s
             raise ApiError(404, "not_found", "run not found")
         owner = (run.worker_group_id, run.environment_id)
         ctx.remember_run_group(run_id, *owner)
-    scoped = group.get("scoped_environment_id")
-    if owner[0] != group["id"] or (scoped and owner[1] != scoped):
+    scoped = group.scoped_environment_id
+    if owner[0] != group.id or (scoped and owner[1] != scoped):
         raise ApiError(404, "not_found", "run not found")
     return run_id
 

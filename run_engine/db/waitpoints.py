@@ -16,6 +16,8 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from run_engine.db.rows import jsonable
+
 
 @dataclass(frozen=True, slots=True)
 class Waitpoint:
@@ -154,7 +156,7 @@ class WaitpointRepository:
     async def create(self, wp: NewWaitpoint, now: datetime | None = None) -> tuple[Waitpoint, bool]:
         """Insert ``wp``; with an idempotency key that is taken and not expired (at ``now``),
         return the existing waitpoint and ``True`` (cached) instead. An expired key is released."""
-        row = {name: _jsonable(getattr(wp, name)) for name in NewWaitpoint.__slots__}
+        row = {name: jsonable(getattr(wp, name)) for name in NewWaitpoint.__slots__}
         async with self.pool.connection() as conn, conn.transaction():
             cur = conn.cursor(row_factory=dict_row)
             if wp.idempotency_key is not None:
@@ -384,16 +386,14 @@ class WaitpointRepository:
         return {"run_waitpoints": runs, "batches": batches, "stuck_runs": stuck, "orphaned": orphans}
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, tuple):
-        return list(value)
-    return value
+    async def insert_batch(self, batch_id: str, env_id: str, size: int, parent_run_id: str | None = None) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                "INSERT INTO batch_task_run (id, environment_id, size, parent_run_id) VALUES (%s, %s, %s, %s)",
+                (batch_id, env_id, size, parent_run_id))
 
 
 def _first_int(row: tuple[Any, ...] | None) -> int:
     """The one number an aggregate query returns (it always returns a row)."""
     assert row is not None
     return int(row[0])
-

@@ -30,9 +30,13 @@ class Harness:
 
     async def deploy(self, *tasks: dict[str, Any], queues: list[dict[str, Any]] | None = None,
                      version: str = "1") -> str:
+        """Register a deployment; tasks and queues as a worker declares them (API.md's JSON)."""
+        from run_engine.api.models import QueueOption, TaskDecl
+
         dep_id, _ = await self.engine.register_deployment(
             env_id=self.env.env_id, worker_group_id=self.env.worker_group_id, version=version,
-            content_hash=f"hash-{version}", tasks=list(tasks), queues=queues or [])
+            content_hash=f"hash-{version}", tasks=[TaskDecl.model_validate(t).spec() for t in tasks],
+            queues=[QueueOption.model_validate(q).spec() for q in queues or []])
         return dep_id
 
     async def statuses(self, run_id: str) -> list[str]:

@@ -31,24 +31,24 @@ def ts(h: Harness) -> datetime:
 
 
 async def runs_of(h: Harness, schedule_id: str) -> list:  # type: ignore[type-arg]
-    return await h.engine.resources.repo.list_runs(h.env.env_id, tags=[f"schedule:{schedule_id}"], limit=100)
+    return await h.engine.resources.repo.runs.list_runs(h.env.env_id, tags=[f"schedule:{schedule_id}"], limit=100)
 
 
 async def test_a_tick_fires_one_run_with_the_schedule_payload(h: Harness) -> None:
     sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *",
                                                    external_id="user-1")
-    nxt = sched["next_run_at"]
+    nxt = sched.next_run_at
     assert nxt > ts(h) and nxt.second == 0
     await h.engine.systems.schedules.fire_due(jitter_s=0)
-    assert await runs_of(h, sched["id"]) == []  # not due yet
+    assert await runs_of(h, sched.id) == []  # not due yet
     h.clock.advance((nxt - ts(h)).total_seconds())
     await h.engine.systems.schedules.fire_due(jitter_s=0)
     await h.engine.systems.schedules.fire_due(jitter_s=0)  # moved on to the next minute: nothing
-    (run,) = await runs_of(h, sched["id"])
-    assert run.payload["scheduleId"] == sched["id"] and run.payload["externalId"] == "user-1"
+    (run,) = await runs_of(h, sched.id)
+    assert run.payload["scheduleId"] == sched.id and run.payload["externalId"] == "user-1"
     assert datetime.fromisoformat(run.payload["timestamp"]) == nxt
-    after = await h.engine.resources.repo.get_schedule(sched["id"])
-    assert after is not None and after["last_run_at"] == nxt and (after["next_run_at"] - nxt).total_seconds() == 60
+    after = await h.engine.resources.repo.schedules.get(sched.id)
+    assert after is not None and after.last_run_at == nxt and (after.next_run_at - nxt).total_seconds() == 60
 
 
 async def test_two_engines_firing_the_same_tick_create_one_run(make_engine) -> None:  # type: ignore[no-untyped-def]
@@ -58,37 +58,37 @@ async def test_two_engines_firing_the_same_tick_create_one_run(make_engine) -> N
     await a.deploy({"id": "hello"})
     sched = await a.engine.systems.schedules.upsert(a.env.env_id, task="hello", cron="* * * * *")
     for tick in range(1, 4):
-        wait = (sched["next_run_at"] - ts(a)).total_seconds()
+        wait = (sched.next_run_at - ts(a)).total_seconds()
         a.clock.advance(wait)
         b.clock.advance(wait)
         # (other tests' schedules in this database may fire too: count this schedule's runs)
         await asyncio.gather(*(e.engine.systems.schedules.fire_due(jitter_s=0) for e in (a, b, a, b)))
-        assert len(await runs_of(a, sched["id"])) == tick
-        sched = await a.engine.resources.repo.get_schedule(sched["id"])  # type: ignore[assignment]
-    runs = await runs_of(a, sched["id"])
+        assert len(await runs_of(a, sched.id)) == tick
+        sched = await a.engine.resources.repo.schedules.get(sched.id)  # type: ignore[assignment]
+    runs = await runs_of(a, sched.id)
     assert len({r.payload["timestamp"] for r in runs}) == 3
 
 
 async def test_deactivate_stops_and_activate_restarts_from_now(h: Harness) -> None:
     sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="*/5 * * * *",
                                                    deduplication_key="five")
-    off = await h.engine.systems.schedules.set_active(h.env.env_id, sched["id"], False)
-    assert off["active"] is False and off["next_run_at"] is None
+    off = await h.engine.systems.schedules.set_active(h.env.env_id, sched.id, False)
+    assert off.active is False and off.next_run_at is None
     h.clock.advance(3600)
     await h.engine.systems.schedules.fire_due(jitter_s=0)
-    assert await runs_of(h, sched["id"]) == []
-    on = await h.engine.systems.schedules.set_active(h.env.env_id, sched["id"], True)
-    assert on["next_run_at"] > ts(h) and on["next_run_at"].minute % 5 == 0
+    assert await runs_of(h, sched.id) == []
+    on = await h.engine.systems.schedules.set_active(h.env.env_id, sched.id, True)
+    assert on.next_run_at > ts(h) and on.next_run_at.minute % 5 == 0
     # the same deduplication key updates the schedule instead of creating another
     same = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="0 * * * *",
                                                   deduplication_key="five")
-    assert same["id"] == sched["id"] and same["cron"] == "0 * * * *"
+    assert same.id == sched.id and same.cron == "0 * * * *"
 
 
 async def test_timezone_and_bad_input(h: Harness) -> None:
     sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="0 9 * * *",
                                                    timezone="Asia/Tokyo")
-    assert sched["next_run_at"].astimezone(UTC).hour == 0  # 09:00 in Tokyo is 00:00 UTC
+    assert sched.next_run_at.astimezone(UTC).hour == 0  # 09:00 in Tokyo is 00:00 UTC
     with pytest.raises(ValidationError, match="^cron"):
         await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="every minute")
     with pytest.raises(ValidationError, match="^timezone"):
@@ -98,9 +98,16 @@ async def test_timezone_and_bad_input(h: Harness) -> None:
 async def test_declarative_schedules_follow_the_deployment(h: Harness) -> None:
     await h.deploy({"id": "hello"}, {"id": "nightly", "cron": {"pattern": "0 3 * * *", "timezone": "Europe/Paris"}},
                    version="2")
-    rows = await h.engine.resources.repo.list_schedules(h.env.env_id, 10, None)
-    (decl,) = [r for r in rows if r["type"] == "DECLARATIVE"]
-    assert decl["task_identifier"] == "nightly" and decl["timezone"] == "Europe/Paris"
-    await h.deploy({"id": "hello"}, {"id": "nightly"}, version="3")  # cron removed
-    assert [r for r in await h.engine.resources.repo.list_schedules(h.env.env_id, 10, None)
-            if r["type"] == "DECLARATIVE"] == []
+    rows = await h.engine.resources.repo.schedules.page(h.env.env_id, 10, None)
+    (decl,) = [r for r in rows if r.type == "DECLARATIVE"]
+    assert decl.task_identifier == "nightly" and decl.timezone == "Europe/Paris"
+    await h.deploy({"id": "hello"}, {"id": "nightly", "cron": ""}, version="3")  # cron removed (empty: none)
+    assert [r for r in await h.engine.resources.repo.schedules.page(h.env.env_id, 10, None)
+            if r.type == "DECLARATIVE"] == []
+
+
+async def test_a_deployment_with_a_bad_cron_or_twice_the_same_task_is_refused(h: Harness) -> None:
+    with pytest.raises(ValidationError, match=r"deployment.tasks.1.cron"):
+        await h.deploy({"id": "hello"}, {"id": "nightly", "cron": "61 * * * *"})
+    with pytest.raises(ValidationError, match="task ids must be unique"):
+        await h.deploy({"id": "hello"}, {"id": "hello"})

@@ -177,7 +177,7 @@ async def test_sweeper_fails_a_batch_whose_runs_were_never_created(h: Harness) -
 
     parent, s = await started_run(h)
     wp_repo = h.engine.resources.repo.waitpoints
-    await h.engine.resources.repo.insert_batch("batch_broken", h.env.env_id, 5, parent.id)
+    await h.engine.resources.repo.waitpoints.insert_batch("batch_broken", h.env.env_id, 5, parent.id)
     wp, _ = await wp_repo.create(NewWaitpoint(id="waitpoint_broken", environment_id=h.env.env_id, type="BATCH",
                                               completed_by_batch_id="batch_broken"))
     out = await h.engine.block(parent.id, s.snapshot.id, sequence=0, kind="batch", key="batch_broken",

@@ -128,4 +128,33 @@ async def test_a_cancelled_drain_whose_queued_callers_are_gone_starts_no_new_dra
         task.cancel()
     await asyncio.gather(first, queued, return_exceptions=True)
     await asyncio.sleep(0)
-    assert batcher._tasks == set() and batcher._pending == [] and batcher._in_flight == 0
+    assert batcher._tasks == set() and not batcher._pending and batcher._in_flight == 0
+
+
+async def test_submit_many_is_one_group_flushed_with_others_and_never_split() -> None:
+    calls: list[list[int]] = []
+
+    async def flush(items: list[int]) -> list[int]:
+        calls.append(items)
+        return [i + 100 for i in items]
+
+    batcher: Batcher[int, int] = Batcher(flush, max_batch=4, max_in_flight=1)
+    single, group, big = await asyncio.gather(batcher.submit(1), batcher.submit_many([2, 3]),
+                                              batcher.submit_many(list(range(10, 16))))
+    assert (single, group, big) == (101, [102, 103], list(range(110, 116)))
+    # the first flush takes whole groups up to max_batch; the 6-item group goes alone, whole
+    assert calls == [[1, 2, 3], list(range(10, 16))]
+    assert await batcher.submit_many([]) == []
+
+
+async def test_a_failing_group_fails_together_and_spares_the_other_callers() -> None:
+    async def flush(items: list[int]) -> list[int]:
+        if 7 in items:
+            raise ValueError("bad item")
+        return items
+
+    batcher: Batcher[int, int] = Batcher(flush, max_in_flight=1)
+    results = await asyncio.gather(batcher.submit_many([5, 6, 7, 8]), batcher.submit(1), batcher.submit_many([2, 3]),
+                                   return_exceptions=True)
+    assert isinstance(results[0], ValueError)  # 5, 6 and 8 are not flushed without 7: all or nothing
+    assert results[1:] == [1, [2, 3]]

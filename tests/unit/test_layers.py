@@ -42,3 +42,40 @@ def test_each_system_is_named_alike_in_the_registry_its_class_and_its_module() -
         cls = hints[f.name]
         assert cls.__module__ == f"systems.{f.name}", (f.name, cls.__module__)
         assert cls.__name__ == "".join(part.title() for part in f.name.split("_")) + "System", (f.name, cls.__name__)
+
+
+ROOT = API.parents[1]
+AGGREGATES = {"runs", "waitpoints", "tenancy", "deployments", "schedules", "maintenance"}
+
+
+def _sources() -> list[Path]:
+    return sorted([*ROOT.joinpath("run_engine").rglob("*.py"), *ROOT.joinpath("systems").glob("*.py")])
+
+
+def test_storage_is_reached_through_its_aggregates() -> None:
+    """``repo.runs.get_run(...)``, never ``repo.get_run(...)``: the repository is a front over one
+    repository per aggregate and grows no methods of its own."""
+    from run_engine.db.repository import Repository
+
+    own = {name for name in vars(Repository) if not name.startswith("_")}
+    assert own == {"open", "close", "ping"}, own
+    offences = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            holder = node.value if isinstance(node, ast.Attribute) else None
+            named = (holder.attr if isinstance(holder, ast.Attribute) else holder.id if isinstance(holder, ast.Name)
+                     else None)
+            if isinstance(node, ast.Attribute) and named == "repo" and node.attr not in AGGREGATES | own | {"pool"}:
+                offences.append(f"{path.relative_to(ROOT)}:{node.lineno} repo.{node.attr}")
+    assert offences == []
+
+
+def test_no_system_imports_a_private_name_of_another_module() -> None:
+    offences = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("systems",
+                                                                                                  "run_engine"):
+                offences += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_")]
+    assert offences == []

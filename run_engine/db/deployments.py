@@ -1,0 +1,254 @@
+"""Deployments, the tasks they declare, and task queues."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from run_engine.db.rows import from_row, from_row_or_none
+from run_engine.errors import ConflictError
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitSpec:
+    """``limit`` runs per ``period_ms``, at most ``burst`` back to back."""
+
+    limit: int
+    period_ms: int
+    burst: int = 1
+
+    def stored(self) -> dict[str, int]:
+        """The form task_queue.rate_limit holds."""
+        return {"limit": self.limit, "periodMs": self.period_ms, "burst": self.burst}
+
+    @classmethod
+    def from_stored(cls, data: Mapping[str, Any] | None) -> RateLimitSpec | None:
+        return None if not data else cls(int(data["limit"]), int(data["periodMs"]), int(data.get("burst", 1)))
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSpec:
+    """A queue as a deployment declares it."""
+
+    name: str
+    type: str = "task"
+    concurrency_limit: int | None = None
+    rate_limit: RateLimitSpec | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CronSpec:
+    pattern: str
+    timezone: str = "UTC"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    """A task as a deployment declares it; ``retry`` is a retry policy's stored options (see
+    :meth:`RetryPolicy.from_json`)."""
+
+    id: str
+    queue: str | None = None
+    retry: dict[str, Any] | None = None
+    max_duration_s: int | None = None
+    machine: str | None = None
+    cron: CronSpec | None = None
+
+    @property
+    def queue_name(self) -> str:
+        """Its queue: the declared one, else its own ``task/<id>``."""
+        return self.queue or f"task/{self.id}"
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentTask:
+    """A task of a deployment (``version``: the deployment's, when read as the current one)."""
+
+    deployment_id: str
+    environment_id: str
+    task_identifier: str
+    queue_name: str
+    retry: dict[str, Any] | None
+    max_duration_s: int | None
+    machine: str | None
+    version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskQueue:
+    id: str
+    environment_id: str
+    name: str
+    type: str
+    concurrency_limit: int | None
+    concurrency_limit_override: int | None
+    concurrency_key_limit: int | None
+    rate_limit: RateLimitSpec | None
+    paused: bool
+    created_at: datetime
+
+    @property
+    def effective_limit(self) -> int | None:
+        """The override when one is set, else the deployed limit."""
+        return self.concurrency_limit if self.concurrency_limit_override is None else self.concurrency_limit_override
+
+
+def _queue(row: Mapping[str, Any]) -> TaskQueue:
+    return from_row(TaskQueue, {**row, "rate_limit": RateLimitSpec.from_stored(row["rate_limit"])})
+
+
+class DeploymentRepository:
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+
+    async def register_deployment(
+        self,
+        *,
+        deployment_id: str,
+        env_id: str,
+        worker_group_id: str,
+        version: str,
+        content_hash: str,
+        tasks: Sequence[TaskSpec],
+        queues: Sequence[QueueSpec],
+        queue_ids: Sequence[str],
+    ) -> tuple[str, bool]:
+        """Record a deployment and make it current; upsert its queues. Returns (id, created).
+
+        Registering the same content again returns the existing deployment."""
+        async with self.pool.connection() as conn, conn.transaction():
+            existing = await (
+                await conn.execute(
+                    """SELECT id, version FROM deployment
+                       WHERE environment_id = %s AND worker_group_id = %s AND content_hash = %s
+                       ORDER BY created_at DESC LIMIT 1""",
+                    (env_id, worker_group_id, content_hash),
+                )
+            ).fetchone()
+            created = existing is None
+            dep_id = deployment_id if existing is None else existing[0]
+            if created and await (await conn.execute(
+                    "SELECT 1 FROM deployment WHERE environment_id = %s AND worker_group_id = %s AND version = %s",
+                    (env_id, worker_group_id, version))).fetchone():
+                raise ConflictError("deployment.version", f"version {version!r} is already deployed with other "
+                                                          "tasks; give this deployment a new version")
+            await conn.execute(
+                "UPDATE deployment SET is_current = false"
+                " WHERE environment_id = %s AND worker_group_id = %s AND is_current AND id <> %s",
+                (env_id, worker_group_id, dep_id),
+            )
+            if created:
+                await conn.execute(
+                    """INSERT INTO deployment (id, environment_id, worker_group_id, version, content_hash, tasks,
+                                               queues, is_current)
+                       VALUES (%s, %s, %s, %s, %s, %s, %s, true)""",
+                    (dep_id, env_id, worker_group_id, version, content_hash,
+                     Jsonb([dataclasses.asdict(t) for t in tasks]), Jsonb([dataclasses.asdict(q) for q in queues])),
+                )
+                cur = conn.cursor()
+                await cur.executemany(
+                    """INSERT INTO deployment_task (deployment_id, environment_id, task_identifier, queue_name, retry,
+                                                    max_duration_s, machine)
+                       VALUES (%s, %s, %s, %s, %s, %s, %s)""",
+                    [
+                        (dep_id, env_id, t.id, t.queue_name, Jsonb(t.retry) if t.retry else None,
+                         t.max_duration_s, t.machine)
+                        for t in tasks
+                    ],
+                )
+            else:
+                await conn.execute("UPDATE deployment SET is_current = true WHERE id = %s", (dep_id,))
+            for queue, queue_id in zip(queues, queue_ids, strict=True):
+                await conn.execute(
+                    """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit, rate_limit)
+                       VALUES (%s, %s, %s, %s, %s, %s)
+                       ON CONFLICT (environment_id, name) DO UPDATE
+                           SET concurrency_limit = EXCLUDED.concurrency_limit, rate_limit = EXCLUDED.rate_limit""",
+                    (queue_id, env_id, queue.name, queue.type, queue.concurrency_limit,
+                     Jsonb(queue.rate_limit.stored()) if queue.rate_limit else None),
+                )
+        return dep_id, created
+
+    async def current_task(self, env_id: str, worker_group_id: str, task_id: str) -> DeploymentTask | None:
+        """The task as the current deployment of (env, group) declares it, or None."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT dt.*, d.version FROM deployment_task dt
+                   JOIN deployment d ON d.id = dt.deployment_id
+                   WHERE d.environment_id = %s AND d.worker_group_id = %s AND d.is_current
+                     AND dt.task_identifier = %s""",
+                (env_id, worker_group_id, task_id),
+            )
+            return from_row_or_none(DeploymentTask, await cur.fetchone())
+
+    async def deployment_tasks(self, deployment_ids: Sequence[str]) -> dict[str, tuple[str, frozenset[str]]]:
+        """deployment id → (environment id, the tasks it has)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT deployment_id, environment_id, array_agg(task_identifier) FROM deployment_task
+                   WHERE deployment_id = ANY(%s) GROUP BY deployment_id, environment_id""", (list(deployment_ids),))
+            return {r[0]: (r[1], frozenset(r[2])) for r in await cur.fetchall()}
+
+    async def deployment_task(self, deployment_id: str, task_id: str) -> DeploymentTask | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                "SELECT * FROM deployment_task WHERE deployment_id = %s AND task_identifier = %s",
+                (deployment_id, task_id),
+            )
+            return from_row_or_none(DeploymentTask, await cur.fetchone())
+
+    async def ensure_queue(self, queue_id: str, env_id: str, name: str,
+                           concurrency_limit: int | None) -> TaskQueue:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit)
+                   VALUES (%s, %s, %s, 'custom', %s)
+                   ON CONFLICT (environment_id, name) DO UPDATE
+                       SET concurrency_limit = coalesce(EXCLUDED.concurrency_limit, task_queue.concurrency_limit)
+                   RETURNING *""",
+                (queue_id, env_id, name, concurrency_limit),
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            return _queue(row)
+
+    async def task_queue(self, env_id: str, name: str) -> TaskQueue | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_queue WHERE environment_id = %s AND name = %s", (env_id, name))
+            row = await cur.fetchone()
+            return None if row is None else _queue(row)
+
+    async def list_queues(self, env_id: str) -> list[TaskQueue]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_queue WHERE environment_id = %s ORDER BY name", (env_id,))
+            return [_queue(r) for r in await cur.fetchall()]
+
+    async def set_queue_paused(self, env_id: str, name: str, paused: bool) -> bool:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE task_queue SET paused = %s WHERE environment_id = %s AND name = %s", (paused, env_id, name)
+            )
+            return cur.rowcount > 0
+
+    async def set_queue_override(self, env_id: str, name: str, limit: int | None) -> TaskQueue | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """UPDATE task_queue SET concurrency_limit_override = %s
+                   WHERE environment_id = %s AND name = %s RETURNING *""",
+                (limit, env_id, name),
+            )
+            row = await cur.fetchone()
+            return None if row is None else _queue(row)

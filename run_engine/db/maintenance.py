@@ -1,0 +1,121 @@
+"""The leader's tables and scans: the engine lease, the reconciler's pages, retention."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from run_engine.db.runs import RunRow, Snapshot, run_from_json, run_row, snapshot_from_json
+
+
+class MaintenanceRepository:
+    """What only the leader reads in bulk or deletes: scans by id cursor, old runs."""
+
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+
+    async def acquire_lease(self, name: str, holder: str, ttl_s: float) -> tuple[bool, float]:
+        """Take the lease if free or expired, or extend it if ours (dex). Returns (held, seconds
+        until the current holder's lease expires)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """INSERT INTO engine_lease AS l (name, holder, acquired_at, expires_at)
+                   VALUES (%(name)s, %(holder)s, now(), now() + make_interval(secs => %(ttl)s))
+                   ON CONFLICT (name) DO UPDATE
+                       SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at,
+                           acquired_at = CASE WHEN l.holder = EXCLUDED.holder THEN l.acquired_at ELSE now() END
+                       WHERE l.holder = EXCLUDED.holder OR l.expires_at < now()
+                   RETURNING holder""", {"name": name, "holder": holder, "ttl": ttl_s})
+            if await cur.fetchone() is not None:
+                return True, ttl_s
+            cur = await conn.execute(
+                "SELECT extract(epoch FROM expires_at - now()) FROM engine_lease WHERE name = %s", (name,))
+            row = await cur.fetchone()
+        return False, max(0.0, float(row[0])) if row else 0.0
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("DELETE FROM engine_lease WHERE name = %s AND holder = %s", (name, holder))
+
+    async def lease_holder(self, name: str) -> str | None:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT holder FROM engine_lease WHERE name = %s AND expires_at > now()", (name,))
+            row = await cur.fetchone()
+        return row[0] if row else None
+
+    async def active_runs_page(self, after_id: str, older_than_s: float, limit: int) -> list[tuple[RunRow, Snapshot]]:
+        """Runs a worker holds or that wait (DEQUEUED, EXECUTING, WAITING), untouched for
+        ``older_than_s``, with their latest snapshot, by id after ``after_id``."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT to_jsonb(r.*) AS run, to_jsonb(s.*) AS snapshot FROM task_run r
+                   CROSS JOIN LATERAL (SELECT * FROM task_run_execution_snapshot
+                                       WHERE run_id = r.id AND is_valid ORDER BY seq DESC LIMIT 1) s
+                   WHERE r.status IN ('DEQUEUED', 'EXECUTING', 'WAITING') AND r.id > %s
+                     AND r.updated_at < now() - make_interval(secs => %s)
+                   ORDER BY r.id LIMIT %s""", (after_id, older_than_s, limit))
+            return [(run_from_json(row["run"]), snapshot_from_json(row["snapshot"])) for row in await cur.fetchall()]
+
+    async def not_started_runs_page(self, after_id: str, limit: int) -> list[RunRow]:
+        """DELAYED runs, and runs with a TTL that have not started (their engine jobs)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM task_run
+                   WHERE id > %s AND (status = 'DELAYED' OR (ttl_s IS NOT NULL AND attempt_number = 0
+                         AND status IN ('QUEUED', 'PENDING_VERSION')))
+                   ORDER BY id LIMIT %s""", (after_id, limit))
+            return [run_row(r) for r in await cur.fetchall()]
+
+    async def queued_runs_page(self, after_id: str, older_than_s: float, limit: int) -> list[RunRow]:
+        """Runs the API shows as QUEUED (latest snapshot QUEUED or QUEUED_EXECUTING), untouched for
+        ``older_than_s``, by id after ``after_id``."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM task_run
+                   WHERE status = 'QUEUED' AND id > %s AND updated_at < now() - make_interval(secs => %s)
+                   ORDER BY id LIMIT %s""", (after_id, older_than_s, limit))
+            return [run_row(r) for r in await cur.fetchall()]
+
+    async def due_delayed_runs(self, older_than_s: float, limit: int) -> list[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT id FROM task_run WHERE status = 'DELAYED'
+                   AND delay_until < now() - make_interval(secs => %s) ORDER BY delay_until LIMIT %s""",
+                (older_than_s, limit))
+            return [r[0] for r in await cur.fetchall()]
+
+    async def environment_ids(self) -> list[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT id FROM runtime_environment ORDER BY id")
+            return [r[0] for r in await cur.fetchall()]
+
+    async def delete_finished_before(self, age_s: float, limit: int,
+                                     forget: Callable[[list[tuple[str, str]]], Awaitable[None]]) -> int:
+        """Delete up to ``limit`` runs finished more than ``age_s`` ago (their snapshots, journals,
+        checkpoints and blocking rows go with them) and as many completed waitpoints as old that no
+        journal or blocking row still needs. ``forget((env_id, run_id) ...)`` is awaited with the
+        doomed runs locked and before their rows go: it removes what Redis holds of them (a DLQ
+        entry, a message), so a crash in between leaves runs that are still whole, never Redis
+        entries of runs that are gone."""
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(
+                """SELECT id, environment_id FROM task_run WHERE finished_at < now() - make_interval(secs => %s)
+                   ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED""", (age_s, limit))
+            doomed = [(env_id, run_id) for run_id, env_id in await cur.fetchall()]
+            if doomed:
+                await forget(doomed)
+                await conn.execute("DELETE FROM task_run WHERE id = ANY(%s)", ([run_id for _, run_id in doomed],))
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """WITH doomed AS (SELECT id FROM waitpoint w WHERE status = 'COMPLETED'
+                                     AND completed_at < now() - make_interval(secs => %s)
+                                     AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
+                                     AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)
+                                   LIMIT %s FOR UPDATE SKIP LOCKED)
+                   DELETE FROM waitpoint WHERE id IN (SELECT id FROM doomed)""", (age_s, limit))
+            return len(doomed) + cur.rowcount

@@ -1,0 +1,493 @@
+"""Runs and their execution snapshots: the rows, the inserts and the one-statement transition.
+
+The hot path is :meth:`RunRepository.transition_many`: one statement that, for many runs at once,
+checks each run's latest valid snapshot against the caller's expectation, appends the new
+snapshot and updates the run row. It runs in its own transaction (autocommit), so a state change
+is one round trip and one commit, however many runs a batch carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from psycopg import AsyncConnection
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from run_engine.db.rows import jsonable
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    id: str
+    run_id: str
+    engine_status: str
+    run_status: str
+    attempt_number: int
+    description: str
+    previous_snapshot_id: str | None
+    checkpoint_id: str | None
+    worker_id: str | None
+    completed_waitpoint_ids: list[str]
+    is_valid: bool
+    error: dict[str, Any] | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    id: str
+    environment_id: str
+    worker_group_id: str
+    task_identifier: str
+    payload: Any
+    payload_type: str
+    status: str
+    queue: str
+    concurrency_key: str | None
+    priority_ms: int
+    idempotency_key: str | None
+    ttl_s: int | None
+    delay_until: datetime | None
+    tags: list[str]
+    metadata: Any
+    max_attempts: int | None
+    retry: dict[str, Any] | None
+    max_duration_s: int | None
+    machine: str | None
+    attempt_number: int
+    output: Any
+    output_type: str | None
+    error: dict[str, Any] | None
+    locked_to_deployment_id: str | None
+    parent_run_id: str | None
+    root_run_id: str | None
+    depth: int
+    batch_id: str | None
+    trigger_function: str
+    resume_parent_on_completion: bool
+    created_at: datetime
+    updated_at: datetime
+    queued_at: datetime | None
+    queue_timestamp: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+_RUN_FIELDS = RunRow.__slots__
+_SNAPSHOT_FIELDS = Snapshot.__slots__
+
+
+def run_row(row: dict[str, Any]) -> RunRow:
+    return RunRow(**{name: row[name] for name in _RUN_FIELDS})
+
+
+def snapshot_row(row: dict[str, Any]) -> Snapshot:
+    return Snapshot(**{name: row[name] for name in _SNAPSHOT_FIELDS})
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One requested state change of one run.
+
+    Applied only if the run's latest valid snapshot has an ``engine_status`` in ``from_statuses``
+    and, when ``expected_snapshot_id`` is given, that id.
+    """
+
+    run_id: str
+    new_snapshot_id: str
+    engine_status: str
+    run_status: str
+    from_statuses: tuple[str, ...]
+    expected_snapshot_id: str | None = None
+    description: str = ""
+    attempt_delta: int = 0
+    set_started: bool = False
+    set_finished: bool = False
+    reopen: bool = False  # clear finished_at, output and error (DLQ redrive)
+    output: Any = None
+    output_type: str | None = None
+    error: dict[str, Any] | None = None
+    worker_id: str | None = None
+    # the snapshot's checkpoint; PENDING_EXECUTING and QUEUED_EXECUTING carry the previous one's
+    checkpoint_id: str | None = None
+    completed_waitpoint_ids: tuple[str, ...] = ()
+    # a start that resumes a checkpointed run (the latest snapshot has one) keeps its attempt
+    resume_checkpoint: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TransitionResult:
+    """``applied`` with the new snapshot and run; otherwise the latest snapshot's id and status
+    (``None`` when the run does not exist)."""
+
+    run_id: str
+    applied: bool
+    latest_snapshot_id: str | None
+    latest_status: str | None
+    snapshot: Snapshot | None = None
+    run: RunRow | None = None
+
+
+_TRANSITION_SQL = """
+-- transition_many: per input row, append a snapshot if the latest valid one matches, update the run.
+-- params: rows, a JSON array with one object per transition (see Transition); one orjson dump
+-- is far cheaper than adapting fifteen parallel arrays
+WITH input AS (
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(
+        ord int, run_id text, new_id text, engine_status text, run_status text, froms text,
+        expected text, description text, attempt_delta int, set_started bool, set_finished bool,
+        reopen bool, output jsonb, output_type text, error jsonb, worker_id text, checkpoint_id text,
+        completed text[], resume bool)
+), latest AS (
+    SELECT i.ord, i.run_id, i.new_id, i.engine_status, i.run_status, i.froms, i.expected, i.description,
+           CASE WHEN i.resume AND l.checkpoint_id IS NOT NULL THEN 0 ELSE i.attempt_delta END AS attempt_delta,
+           i.set_started, i.set_finished, i.reopen, i.output, i.output_type, i.error, i.worker_id,
+           i.checkpoint_id, i.completed, i.resume,
+           l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number AS latest_attempt,
+           l.checkpoint_id AS latest_checkpoint
+    FROM input i
+    LEFT JOIN LATERAL (
+        SELECT s.id, s.engine_status, s.attempt_number, s.checkpoint_id
+        FROM task_run_execution_snapshot s
+        WHERE s.run_id = i.run_id AND s.is_valid
+        ORDER BY s.seq DESC
+        LIMIT 1
+    ) l ON true
+), allowed AS (
+    SELECT * FROM latest
+    WHERE latest_id IS NOT NULL
+      AND (expected IS NULL OR latest_id = expected)
+      AND latest_status = ANY(string_to_array(froms, ','))
+), ins AS (
+    INSERT INTO task_run_execution_snapshot (
+        id, run_id, engine_status, run_status, attempt_number, description,
+        previous_snapshot_id, worker_id, error, checkpoint_id, completed_waitpoint_ids)
+    SELECT new_id, run_id, engine_status, run_status, latest_attempt + attempt_delta, description,
+           latest_id, worker_id, error,
+           CASE WHEN engine_status IN ('PENDING_EXECUTING', 'QUEUED_EXECUTING') OR resume
+                THEN coalesce(checkpoint_id, latest_checkpoint) ELSE checkpoint_id END,
+           coalesce(completed, '{}')
+    FROM allowed
+    ORDER BY ord
+    RETURNING *
+), upd AS (
+    UPDATE task_run r SET
+        status = a.run_status,
+        updated_at = now(),
+        attempt_number = r.attempt_number + a.attempt_delta,
+        started_at = CASE WHEN a.set_started THEN coalesce(r.started_at, now()) ELSE r.started_at END,
+        finished_at = CASE WHEN a.set_finished THEN now() WHEN a.reopen THEN NULL ELSE r.finished_at END,
+        output = CASE WHEN a.reopen THEN NULL WHEN a.output IS NOT NULL THEN a.output ELSE r.output END,
+        output_type = CASE WHEN a.output IS NOT NULL THEN a.output_type ELSE r.output_type END,
+        error = CASE WHEN a.reopen THEN NULL WHEN a.error IS NOT NULL THEN a.error ELSE r.error END,
+        queued_at = CASE WHEN a.engine_status = 'QUEUED' THEN now() ELSE r.queued_at END
+    FROM allowed a
+    WHERE r.id = a.run_id
+    RETURNING r.*
+)
+SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_latest_status,
+       to_jsonb(ins.*) AS t_snapshot, to_jsonb(upd.*) AS t_run
+FROM latest l
+LEFT JOIN ins ON ins.run_id = l.run_id
+LEFT JOIN upd ON upd.id = l.run_id
+ORDER BY l.ord
+"""
+
+
+def _parse_ts(value: Any) -> Any:
+    if isinstance(value, str):
+        return datetime.fromisoformat(value)
+    return value
+
+
+_RUN_TS = ("created_at", "updated_at", "queued_at", "queue_timestamp", "started_at", "finished_at", "delay_until")
+
+
+def run_from_json(data: dict[str, Any]) -> RunRow:
+    for key in _RUN_TS:
+        data[key] = _parse_ts(data.get(key))
+    return run_row(data)
+
+
+def snapshot_from_json(data: dict[str, Any]) -> Snapshot:
+    data["created_at"] = _parse_ts(data["created_at"])
+    return snapshot_row(data)
+
+
+@dataclass(frozen=True, slots=True)
+class NewRun:
+    """A run to insert together with its first snapshot."""
+
+    id: str
+    snapshot_id: str
+    environment_id: str
+    worker_group_id: str
+    task_identifier: str
+    payload: Any
+    payload_type: str
+    status: str
+    engine_status: str
+    queue: str
+    concurrency_key: str | None = None
+    priority_ms: int = 0
+    idempotency_key: str | None = None
+    idempotency_key_expires_at: datetime | None = None
+    ttl_s: int | None = None
+    delay_until: datetime | None = None
+    tags: tuple[str, ...] = ()
+    metadata: Any = None
+    max_attempts: int | None = None
+    retry: dict[str, Any] | None = None
+    max_duration_s: int | None = None
+    machine: str | None = None
+    locked_to_deployment_id: str | None = None
+    parent_run_id: str | None = None
+    root_run_id: str | None = None
+    depth: int = 0
+    batch_id: str | None = None
+    trigger_function: str = "trigger"
+    resume_parent_on_completion: bool = False
+    queue_timestamp: datetime | None = None
+    description: str = "Run was created"
+
+
+_INSERT_RUNS_SQL = """
+-- insert_runs: many runs and their first snapshots in one statement.
+WITH input AS (
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(
+        id text, snapshot_id text, environment_id text, worker_group_id text, task_identifier text,
+        payload jsonb, payload_type text, status text, engine_status text, queue text,
+        concurrency_key text, priority_ms bigint, idempotency_key text,
+        idempotency_key_expires_at timestamptz, ttl_s int, delay_until timestamptz, tags text[],
+        metadata jsonb, max_attempts int, retry jsonb, max_duration_s int, machine text,
+        locked_to_deployment_id text, parent_run_id text, root_run_id text, depth int,
+        batch_id text, trigger_function text, resume_parent_on_completion bool,
+        queue_timestamp timestamptz, description text)
+), runs AS (
+    INSERT INTO task_run (
+        id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
+        concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
+        delay_until, tags, metadata, max_attempts, retry, max_duration_s, machine,
+        locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
+        resume_parent_on_completion, queued_at, queue_timestamp)
+    SELECT id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
+        concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
+        delay_until, coalesce(tags, '{}'), metadata, max_attempts, retry, max_duration_s, machine,
+        locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
+        coalesce(resume_parent_on_completion, false), CASE WHEN engine_status = 'QUEUED' THEN now() END,
+        coalesce(queue_timestamp, now())
+    FROM input
+    ON CONFLICT (environment_id, task_identifier, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, created_at
+)
+INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, description)
+SELECT i.snapshot_id, i.id, i.engine_status, i.status, i.description
+FROM input i JOIN runs r ON r.id = i.id
+RETURNING run_id
+"""
+
+
+class RunRepository:
+    """Runs, snapshots, tags, metadata and the run list."""
+
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+
+    async def insert_runs(self, runs: Sequence[NewRun]) -> set[str]:
+        """Insert runs with their first snapshots; the ids inserted. A run whose idempotency key
+        (environment, task, key) is taken is skipped: see :meth:`runs_by_idempotency_key`."""
+        rows = [{name: jsonable(getattr(r, name)) for name in NewRun.__slots__} for r in runs]
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_INSERT_RUNS_SQL, {"rows": Jsonb(rows)})
+            return {r[0] for r in await cur.fetchall()}
+
+    async def release_expired_idempotency_keys(self, env_id: str, keys: Sequence[tuple[str, str]],
+                                               now: datetime) -> None:
+        """Free (task, key) pairs whose runs' idempotency TTL has passed, so a new run may take them."""
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """UPDATE task_run r SET idempotency_key = NULL
+                   FROM (SELECT unnest(%s::text[]) AS task, unnest(%s::text[]) AS key) k
+                   WHERE r.environment_id = %s AND r.task_identifier = k.task AND r.idempotency_key = k.key
+                     AND r.idempotency_key_expires_at <= %s""",
+                ([t for t, _ in keys], [k for _, k in keys], env_id, now))
+
+    async def runs_by_idempotency_key(self, env_id: str,
+                                      keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], RunRow]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT r.* FROM task_run r
+                   JOIN (SELECT unnest(%s::text[]) AS task, unnest(%s::text[]) AS key) k
+                     ON r.task_identifier = k.task AND r.idempotency_key = k.key
+                   WHERE r.environment_id = %s""",
+                ([t for t, _ in keys], [k for _, k in keys], env_id))
+            return {(r["task_identifier"], r["idempotency_key"]): run_row(r) for r in await cur.fetchall()}
+
+    async def transition_many(self, transitions: Sequence[Transition]) -> list[TransitionResult]:
+        rows = [
+            {"ord": i, "run_id": x.run_id, "new_id": x.new_snapshot_id, "engine_status": x.engine_status,
+             "run_status": x.run_status, "froms": ",".join(x.from_statuses), "expected": x.expected_snapshot_id,
+             "description": x.description, "attempt_delta": x.attempt_delta, "set_started": x.set_started,
+             "set_finished": x.set_finished, "reopen": x.reopen, "output": x.output, "output_type": x.output_type,
+             "error": x.error, "worker_id": x.worker_id, "checkpoint_id": x.checkpoint_id,
+             "completed": list(x.completed_waitpoint_ids) or None, "resume": x.resume_checkpoint}
+            for i, x in enumerate(transitions)
+        ]
+        params = {"rows": Jsonb(rows)}
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_TRANSITION_SQL, params)
+            rows = await cur.fetchall()
+        results = []
+        for row in rows:
+            snap = row["t_snapshot"]
+            run = row["t_run"]
+            results.append(
+                TransitionResult(
+                    run_id=row["t_run_id"],
+                    applied=snap is not None,
+                    latest_snapshot_id=snap["id"] if snap else row["t_latest_id"],
+                    latest_status=snap["engine_status"] if snap else row["t_latest_status"],
+                    snapshot=snapshot_from_json(snap) if snap else None,
+                    run=run_from_json(run) if run else None,
+                )
+            )
+        return results
+
+    async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            if env_id is None:
+                await cur.execute("SELECT * FROM task_run WHERE id = %s", (run_id,))
+            else:
+                await cur.execute(
+                    "SELECT * FROM task_run WHERE id = %s AND environment_id = %s", (run_id, env_id)
+                )
+            row = await cur.fetchone()
+        return run_row(row) if row else None
+
+    async def latest_snapshot(self, run_id: str) -> Snapshot | None:
+        async with self.pool.connection() as conn:
+            return await self._latest_snapshot(conn, run_id)
+
+    @staticmethod
+    async def _latest_snapshot(conn: AsyncConnection[Any], run_id: str) -> Snapshot | None:
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(
+            """SELECT * FROM task_run_execution_snapshot
+               WHERE run_id = %s AND is_valid ORDER BY seq DESC LIMIT 1""",
+            (run_id,),
+        )
+        row = await cur.fetchone()
+        return snapshot_row(row) if row else None
+
+    async def snapshots(self, run_id: str) -> list[Snapshot]:
+        """Every snapshot of a run, oldest first (the audit log)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                "SELECT * FROM task_run_execution_snapshot WHERE run_id = %s ORDER BY seq", (run_id,)
+            )
+            return [snapshot_row(r) for r in await cur.fetchall()]
+
+    async def list_runs(self, env_id: str, *, statuses: Sequence[str] = (), tasks: Sequence[str] = (),
+                        tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
+                        limit: int = 25, after: tuple[datetime, str] | None = None) -> list[RunRow]:
+        """Newest first; ``after`` is the (created_at, id) of the last run of the previous page."""
+        where = ["environment_id = %(env)s"]
+        params: dict[str, Any] = {"env": env_id, "limit": limit}
+        for column, values, name in (("status", statuses, "st"), ("task_identifier", tasks, "tk"),
+                                     ("queue", queues, "qu"), ("batch_id", batches, "ba")):
+            if values:
+                where.append(f"{column} = ANY(%({name})s)")
+                params[name] = list(values)
+        if tags:
+            where.append("tags && %(tags)s")
+            params["tags"] = list(tags)
+        if after is not None:
+            where.append("(created_at, id) < (%(after_ts)s, %(after_id)s)")
+            params["after_ts"], params["after_id"] = after
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                f"SELECT * FROM task_run WHERE {' AND '.join(where)} ORDER BY created_at DESC, id DESC LIMIT %(limit)s",
+                params,
+            )
+            return [run_row(r) for r in await cur.fetchall()]
+
+    async def child_runs(self, run_id: str) -> list[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT id FROM task_run WHERE parent_run_id = %s ORDER BY created_at LIMIT 100", (run_id,))
+            return [r[0] for r in await cur.fetchall()]
+
+    async def waiting_children(self, run_id: str) -> list[str]:
+        """Unfinished children whose completion the run waits for (cancel cascades to them)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT id FROM task_run WHERE parent_run_id = %s AND resume_parent_on_completion
+                     AND finished_at IS NULL""", (run_id,))
+            return [r[0] for r in await cur.fetchall()]
+
+    async def pending_version_runs(self, env_id: str, worker_group_id: str, tasks: Sequence[str]) -> list[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT id FROM task_run
+                   WHERE environment_id = %s AND worker_group_id = %s
+                     AND status = 'PENDING_VERSION' AND task_identifier = ANY(%s)
+                   ORDER BY created_at""",
+                (env_id, worker_group_id, list(tasks)),
+            )
+            return [r[0] for r in await cur.fetchall()]
+
+    async def assign_deployment(self, run_ids: Sequence[str], deployment_id: str, queue_of: dict[str, str]) -> None:
+        """Lock PENDING_VERSION (or due DELAYED) runs to the deployment that can run them; runs put in
+        their task's default queue move to the queue the deployment declares for the task."""
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """UPDATE task_run r SET locked_to_deployment_id = %(dep)s,
+                       queue = CASE WHEN r.queue = 'task/' || r.task_identifier
+                                    THEN coalesce((%(queues)s::jsonb) ->> r.task_identifier, r.queue)
+                                    ELSE r.queue END
+                   WHERE r.id = ANY(%(ids)s) AND r.status IN ('PENDING_VERSION', 'DELAYED')""",
+                {"dep": deployment_id, "queues": Jsonb(queue_of), "ids": list(run_ids)},
+            )
+
+    async def slot_holders(self, run_ids: Sequence[str]) -> dict[str, str]:
+        """run id → latest execution status, for runs that may hold a queue slot."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT r.id, s.engine_status FROM task_run r
+                   CROSS JOIN LATERAL (SELECT engine_status FROM task_run_execution_snapshot
+                                       WHERE run_id = r.id AND is_valid ORDER BY seq DESC LIMIT 1) s
+                   WHERE r.id = ANY(%s)""", (list(run_ids),))
+            return {r[0]: r[1] for r in await cur.fetchall()}
+
+    async def set_metadata(self, run_id: str, metadata: Any) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE task_run SET metadata = %s, updated_at = now() WHERE id = %s",
+                               (Jsonb(metadata), run_id))
+
+    async def add_tags(self, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
+        """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """UPDATE task_run SET tags = merged.tags, updated_at = now()
+                   FROM (SELECT array(SELECT t FROM unnest(r.tags || %s::text[]) WITH ORDINALITY u(t, n)
+                                      GROUP BY t ORDER BY min(n)) AS tags
+                         FROM task_run r WHERE r.id = %s) merged
+                   WHERE id = %s AND cardinality(merged.tags) <= %s
+                   RETURNING task_run.tags""", (list(tags), run_id, run_id, limit))
+            row = await cur.fetchone()
+        return list(row[0]) if row else None
+
+    async def set_delay_until(self, run_id: str, when: datetime) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE task_run SET delay_until = %s, queue_timestamp = %s, updated_at = now() "
+                               "WHERE id = %s", (when, when, run_id))

@@ -1,0 +1,117 @@
+"""Cron schedules (task_schedule)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from run_engine.db.rows import from_row, from_row_or_none
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    id: str
+    environment_id: str
+    task_identifier: str
+    cron: str
+    timezone: str
+    external_id: str | None
+    deduplication_key: str | None
+    active: bool
+    next_run_at: datetime | None
+    last_run_at: datetime | None
+    type: str  # IMPERATIVE (made through the API) or DECLARATIVE (a task's cron)
+    created_at: datetime
+    updated_at: datetime
+
+
+class ScheduleRepository:
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+
+    async def upsert(self, *, id: str, environment_id: str, task_identifier: str, cron: str, timezone: str,
+                     external_id: str | None, deduplication_key: str | None, next_run_at: datetime,
+                     type: str) -> Schedule:
+        """Insert a schedule, or update the one with the same (environment, deduplication key)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """INSERT INTO task_schedule (id, environment_id, task_identifier, cron, timezone, external_id,
+                                              deduplication_key, active, next_run_at, type)
+                   VALUES (%(id)s, %(environment_id)s, %(task_identifier)s, %(cron)s, %(timezone)s, %(external_id)s,
+                           %(deduplication_key)s, true, %(next_run_at)s, %(type)s)
+                   ON CONFLICT (environment_id, deduplication_key) WHERE deduplication_key IS NOT NULL DO UPDATE
+                       SET task_identifier = EXCLUDED.task_identifier, cron = EXCLUDED.cron,
+                           timezone = EXCLUDED.timezone, external_id = EXCLUDED.external_id,
+                           next_run_at = CASE WHEN task_schedule.cron = EXCLUDED.cron
+                                               AND task_schedule.timezone = EXCLUDED.timezone
+                                              THEN task_schedule.next_run_at ELSE EXCLUDED.next_run_at END,
+                           updated_at = now()
+                   RETURNING *""",
+                {"id": id, "environment_id": environment_id, "task_identifier": task_identifier, "cron": cron,
+                 "timezone": timezone, "external_id": external_id, "deduplication_key": deduplication_key,
+                 "next_run_at": next_run_at, "type": type})
+            out = await cur.fetchone()
+        assert out is not None
+        return from_row(Schedule, out)
+
+    async def get(self, schedule_id: str, env_id: str | None = None) -> Schedule | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_schedule WHERE id = %s AND (%s::text IS NULL OR environment_id = %s)",
+                              (schedule_id, env_id, env_id))
+            return from_row_or_none(Schedule, await cur.fetchone())
+
+    async def page(self, env_id: str, limit: int, after: tuple[datetime, str] | None) -> list[Schedule]:
+        """Newest first; ``after`` is the (created_at, id) of the last schedule of the previous page."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM task_schedule WHERE environment_id = %(env)s
+                     AND (%(ts)s::timestamptz IS NULL OR (created_at, id) < (%(ts)s, %(id)s))
+                   ORDER BY created_at DESC, id DESC LIMIT %(limit)s""",
+                {"env": env_id, "ts": after[0] if after else None, "id": after[1] if after else None, "limit": limit})
+            return [from_row(Schedule, r) for r in await cur.fetchall()]
+
+    async def delete(self, schedule_id: str, env_id: str) -> bool:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("DELETE FROM task_schedule WHERE id = %s AND environment_id = %s",
+                                     (schedule_id, env_id))
+            return cur.rowcount > 0
+
+    async def set_active(self, schedule_id: str, env_id: str, active: bool,
+                         next_run_at: datetime | None) -> Schedule | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """UPDATE task_schedule SET active = %s, next_run_at = %s, updated_at = now()
+                   WHERE id = %s AND environment_id = %s RETURNING *""",
+                (active, next_run_at, schedule_id, env_id))
+            return from_row_or_none(Schedule, await cur.fetchone())
+
+    async def delete_declarative(self, env_id: str, keep: Sequence[str]) -> None:
+        """Remove the declarative schedules of tasks that no longer declare a cron."""
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """DELETE FROM task_schedule WHERE environment_id = %s AND type = 'DECLARATIVE'
+                     AND NOT (deduplication_key = ANY(%s))""", (env_id, list(keep)))
+
+    async def due(self, now: datetime, limit: int) -> list[Schedule]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                "SELECT * FROM task_schedule WHERE active AND next_run_at <= %s ORDER BY next_run_at LIMIT %s",
+                (now, limit))
+            return [from_row(Schedule, r) for r in await cur.fetchall()]
+
+    async def advance(self, schedule_id: str, fired_at: datetime, next_run_at: datetime) -> bool:
+        """Move the schedule past ``fired_at`` (only if nobody did yet): compare-and-set."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """UPDATE task_schedule SET last_run_at = %s, next_run_at = %s
+                   WHERE id = %s AND next_run_at = %s""", (fired_at, next_run_at, schedule_id, fired_at))
+            return cur.rowcount > 0

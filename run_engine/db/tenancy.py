@@ -1,0 +1,271 @@
+"""Organizations, projects, environments, worker groups, their credentials and instances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from run_engine.db.rows import from_row, from_row_or_none
+
+
+@dataclass(frozen=True, slots=True)
+class Project:
+    id: str
+    organization_id: str
+    slug: str
+    title: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    id: str
+    project_id: str
+    organization_id: str
+    type: str
+    slug: str
+    api_key_hash: str
+    api_key_generation: int
+    concurrency_limit: int
+    max_queue_length: int | None
+    default_worker_group_id: str  # the column allows NULL only while ensure_environment creates the rows
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGroup:
+    id: str
+    name: str
+    project_id: str | None  # None: the shared group
+    token_generation: int
+    master_queue: str
+    created_at: datetime
+    # set when the group was found by an environment-scoped token: the one environment it serves
+    scoped_environment_id: str | None = None
+
+
+_ENVIRONMENT = "SELECT e.*, p.organization_id FROM runtime_environment e JOIN project p ON p.id = e.project_id"
+
+
+@dataclass(frozen=True, slots=True)
+class EnsuredEnvironment:
+    """The rows :meth:`TenancyRepository.ensure_environment` found or made."""
+    org_id: str
+    project_id: str
+    worker_group_id: str
+    token_generation: int
+    env_id: str
+    concurrency_limit: int
+    api_key_generation: int
+    env_type: str
+
+
+class TenancyRepository:
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+
+    async def ensure_environment(
+        self,
+        *,
+        org_slug: str,
+        project_slug: str,
+        env_slug: str,
+        env_type: str,
+        api_key_hash: str,
+        worker_group_token_hash: str,
+        concurrency_limit: int,
+        ids: dict[str, str],
+    ) -> EnsuredEnvironment:
+        """Create what is missing of org → project → env (+ the project's default worker group);
+        return their ids. ``ids`` holds fresh ids to use for rows that get created."""
+        async with self.pool.connection() as conn, conn.transaction():
+            org = await (
+                await conn.execute(
+                    """INSERT INTO organization (id, slug, title) VALUES (%s, %s, %s)
+                       ON CONFLICT (slug) DO UPDATE SET slug = EXCLUDED.slug RETURNING id""",
+                    (ids["org"], org_slug, org_slug),
+                )
+            ).fetchone()
+            assert org is not None
+            project = await (
+                await conn.execute(
+                    """INSERT INTO project (id, organization_id, slug, title) VALUES (%s, %s, %s, %s)
+                       ON CONFLICT (organization_id, slug) DO UPDATE SET slug = EXCLUDED.slug RETURNING id""",
+                    (ids["project"], org[0], project_slug, project_slug),
+                )
+            ).fetchone()
+            assert project is not None
+            wg = await (
+                await conn.execute(
+                    "SELECT id, token_generation FROM worker_group WHERE project_id = %s AND name = 'main'",
+                    (project[0],)
+                )
+            ).fetchone()
+            if wg is None:
+                wg = await (
+                    await conn.execute(
+                        """INSERT INTO worker_group (id, name, project_id, token_hash, master_queue)
+                           VALUES (%s, 'main', %s, %s, %s) RETURNING id, token_generation""",
+                        (ids["worker_group"], project[0], worker_group_token_hash, ids["worker_group"]),
+                    )
+                ).fetchone()
+            assert wg is not None
+            env = await (
+                await conn.execute(
+                    """INSERT INTO runtime_environment
+                           (id, project_id, type, slug, api_key_hash, concurrency_limit, default_worker_group_id)
+                       VALUES (%s, %s, %s, %s, %s, %s, %s)
+                       ON CONFLICT (project_id, slug) DO UPDATE SET slug = EXCLUDED.slug
+                       RETURNING id, concurrency_limit, api_key_generation, type""",
+                    (ids["env"], project[0], env_type, env_slug, api_key_hash, concurrency_limit, wg[0]),
+                )
+            ).fetchone()
+            assert env is not None
+        return EnsuredEnvironment(org_id=org[0], project_id=project[0], worker_group_id=wg[0],
+                                  token_generation=int(wg[1]), env_id=env[0], concurrency_limit=int(env[1]),
+                                  api_key_generation=int(env[2]), env_type=env[3])
+
+    async def environment(self, env_id: str) -> Environment | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_ENVIRONMENT + " WHERE e.id = %s", (env_id,))
+            return from_row_or_none(Environment, await cur.fetchone())
+
+    async def environment_by_key_hash(self, key_hash: str) -> Environment | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_ENVIRONMENT + " WHERE e.api_key_hash = %s", (key_hash,))
+            return from_row_or_none(Environment, await cur.fetchone())
+
+    async def environment_by_slugs(self, org_slug: str, project_slug: str, env_slug: str) -> Environment | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                _ENVIRONMENT + """ JOIN organization o ON o.id = p.organization_id
+                   WHERE o.slug = %s AND p.slug = %s AND e.slug = %s""", (org_slug, project_slug, env_slug))
+            return from_row_or_none(Environment, await cur.fetchone())
+
+    async def project_by_slug(self, org_slug: str, project_slug: str) -> Project | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT p.* FROM project p JOIN organization o ON o.id = p.organization_id
+                   WHERE o.slug = %s AND p.slug = %s""",
+                (org_slug, project_slug),
+            )
+            return from_row_or_none(Project, await cur.fetchone())
+
+    async def set_env_max_queue_length(self, env_id: str, limit: int | None) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE runtime_environment SET max_queue_length = %s WHERE id = %s", (limit, env_id))
+
+    async def rotate_api_key(self, env_id: str, key_hash: str) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE runtime_environment SET api_key_hash = %s WHERE id = %s", (key_hash, env_id))
+
+    async def bump_api_key_generation(self, env_id: str) -> tuple[int, str] | None:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                """UPDATE runtime_environment SET api_key_generation = api_key_generation + 1
+                   WHERE id = %s RETURNING api_key_generation, type""", (env_id,))).fetchone()
+            return (int(row[0]), str(row[1])) if row else None
+
+    async def worker_group_by_token_hash(self, token_hash: str) -> WorkerGroup | None:
+        """The worker group of a token, with ``scoped_environment_id``: the one environment an
+        environment-scoped token serves, or None for the group's own token."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT g.*, NULL::text AS scoped_environment_id FROM worker_group g WHERE g.token_hash = %(h)s
+                   UNION ALL
+                   SELECT g.*, t.environment_id FROM worker_group_env_token t
+                   JOIN worker_group g ON g.id = t.worker_group_id WHERE t.token_hash = %(h)s
+                   LIMIT 1""", {"h": token_hash})
+            return from_row_or_none(WorkerGroup, await cur.fetchone())
+
+    async def worker_group_by_name(self, project_id: str, name: str) -> WorkerGroup | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM worker_group WHERE project_id = %s AND name = %s", (project_id, name))
+            return from_row_or_none(WorkerGroup, await cur.fetchone())
+
+    async def environments_of_worker_group(self, worker_group_id: str) -> list[Environment]:
+        """Environments a group serves: those whose default group it is, or every environment of
+        its project."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                _ENVIRONMENT + """ JOIN worker_group g ON g.id = %s
+                   WHERE e.default_worker_group_id = g.id OR e.project_id = g.project_id
+                   ORDER BY e.created_at""",
+                (worker_group_id,),
+            )
+            return [from_row(Environment, r) for r in await cur.fetchall()]
+
+    async def create_worker_group(self, group_id: str, name: str, project_id: str | None, token_hash: str,
+                                  make_default: bool) -> WorkerGroup:
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """INSERT INTO worker_group (id, name, project_id, token_hash, master_queue)
+                   VALUES (%s, %s, %s, %s, %s) RETURNING *""",
+                (group_id, name, project_id, token_hash, group_id),
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            if make_default and project_id:
+                await conn.execute(
+                    "UPDATE runtime_environment SET default_worker_group_id = %s WHERE project_id = %s",
+                    (group_id, project_id),
+                )
+            return from_row(WorkerGroup, row)
+
+    async def rotate_worker_group_token(self, group_id: str, token_hash: str) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE worker_group SET token_hash = %s WHERE id = %s", (token_hash, group_id))
+
+    async def bump_worker_group_token_generation(self, group_id: str) -> int | None:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                "UPDATE worker_group SET token_generation = token_generation + 1 WHERE id = %s "
+                "RETURNING token_generation", (group_id,))).fetchone()
+            return int(row[0]) if row else None
+
+    async def env_worker_token_generation(self, group_id: str, env_id: str) -> int:
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                "SELECT generation FROM worker_group_env_token WHERE worker_group_id = %s AND environment_id = %s",
+                (group_id, env_id))).fetchone()
+            return int(row[0]) if row else 0
+
+    async def set_env_worker_token(self, group_id: str, env_id: str, generation: int, token_hash: str) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """INSERT INTO worker_group_env_token (worker_group_id, environment_id, generation, token_hash)
+                   VALUES (%s, %s, %s, %s)
+                   ON CONFLICT (worker_group_id, environment_id) DO UPDATE
+                       SET generation = EXCLUDED.generation, token_hash = EXCLUDED.token_hash""",
+                (group_id, env_id, generation, token_hash))
+
+    async def upsert_worker_instance(self, instance_id: str, worker_group_id: str, name: str) -> str:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """INSERT INTO worker_instance (id, worker_group_id, name) VALUES (%s, %s, %s)
+                   ON CONFLICT (worker_group_id, name) DO UPDATE SET last_heartbeat_at = now()
+                   RETURNING id""",
+                (instance_id, worker_group_id, name),
+            )
+            row = await cur.fetchone()
+            assert row is not None
+            return str(row[0])
+
+    async def touch_worker_instance(self, worker_group_id: str, name: str) -> bool:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE worker_instance SET last_heartbeat_at = now() WHERE worker_group_id = %s AND name = %s",
+                (worker_group_id, name),
+            )
+            return cur.rowcount > 0
