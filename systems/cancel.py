@@ -42,7 +42,7 @@ class CancelSystem:
                 run = await self.r.repo.runs.get_run(run_id)
                 assert run is not None
                 # Out of the queue first: a cancelled run must never be handed out again.
-                await self.r.queue.remove(run.environment_id, run_id)
+                await self.r.queue.remove(run.env_id, run_id)
                 outcome = await self.run_attempt.finish(
                     run_id, RunStatus.CANCELED, error=CANCEL_ERROR, expected_snapshot_id=latest.id,
                     from_statuses=(status,), description=f"Cancelled while {status}",
@@ -56,7 +56,7 @@ class CancelSystem:
                 )
                 assert result.snapshot is not None and result.run is not None
                 await self.execution_snapshot.after_transition(latest.id, status, result.snapshot)
-                self.r.events.emit(RunEvent("run_cancelled", run_id, result.run.environment_id, result.snapshot.id,
+                self.r.events.emit(RunEvent("run_cancelled", run_id, result.run.env_id, result.snapshot.id,
                                             {"status": "PENDING_CANCEL", "final": False}))
                 return RunStatus.EXECUTING
             return RunStatus(latest.run_status)

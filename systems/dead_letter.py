@@ -49,7 +49,7 @@ class DeadLetterSystem:
         """PENDING_EXECUTING timed out (caller holds the lock): nack, or DLQ past the limit."""
         run = await self.r.repo.runs.get_run(run_id)
         assert run is not None
-        outcome = await self.r.queue.nack(run.environment_id, run_id, self.r.now_ms())
+        outcome = await self.r.queue.nack(run.env_id, run_id, self.r.now_ms())
         if outcome.dead_lettered:
             result = await self.execution_snapshot.apply(
                 run_id, E.FINISHED, RunStatus.SYSTEM_FAILURE, from_statuses=(E.PENDING_EXECUTING,),
@@ -60,7 +60,7 @@ class DeadLetterSystem:
             assert result.snapshot is not None and result.run is not None
             if result.run.resume_parent_on_completion:
                 await self.waitpoints.on_runs_finished([result.run])
-            self.r.events.emit(RunEvent("run_dead_lettered", run_id, run.environment_id, result.snapshot.id,
+            self.r.events.emit(RunEvent("run_dead_lettered", run_id, run.env_id, result.snapshot.id,
                                         {"deliveries": outcome.deliveries}))
             return
         # A run being restored from a checkpoint goes back as QUEUED_EXECUTING (keeps its checkpoint).
@@ -72,7 +72,7 @@ class DeadLetterSystem:
         )
         await self.r.change_jobs(cancel=[engine_jobs.heartbeat_id(run_id, latest.id)])
         assert result.snapshot is not None
-        self.r.events.emit(RunEvent("run_requeued", run_id, run.environment_id, result.snapshot.id,
+        self.r.events.emit(RunEvent("run_requeued", run_id, run.env_id, result.snapshot.id,
                                     {"deliveries": outcome.deliveries}))
 
     async def redrive(self, env_id: str, run_id: str) -> str:

@@ -42,11 +42,11 @@ class DelayedRunsSystem:
             if run.delay_until is not None and run.delay_until.timestamp() > self.r.clock.now() + 0.001:
                 return  # rescheduled later; its job was moved with it
             if run.locked_to_deployment_id is None:
-                env = await self.enqueue.environment(run.environment_id)
-                task = await self.enqueue._task(run.environment_id, env.worker_group_id, run.task_identifier)
+                env = await self.enqueue.environment(run.env_id)
+                task = await self.enqueue._task(run.env_id, env.worker_group_id, run.task_id)
                 if task.deployment_id is not None:
                     await self.r.repo.runs.assign_deployment([run_id], task.deployment_id,
-                                                        {run.task_identifier: task.queue or run.queue})
+                                                        {run.task_id: task.queue or run.queue})
                     run = await self.r.repo.runs.get_run(run_id)
                     assert run is not None
             if run.locked_to_deployment_id is None:
@@ -60,7 +60,7 @@ class DelayedRunsSystem:
                 operation="enqueue", description="Delay over")
             assert result.run is not None and result.snapshot is not None
             await self.r.enqueue_items([self.enqueue.item_for(result.run)])
-        self.r.events.emit(RunEvent("run_requeued", run_id, run.environment_id, result.snapshot.id,
+        self.r.events.emit(RunEvent("run_requeued", run_id, run.env_id, result.snapshot.id,
                                     {"reason": "delay"}))
 
     async def reschedule(self, run_id: str, env_id: str, delay_until: datetime) -> RunRow:
@@ -93,7 +93,7 @@ class DelayedRunsSystem:
                 return False
             run = await self.r.repo.runs.get_run(run_id)
             assert run is not None
-            await self.r.queue.remove(run.environment_id, run_id)
+            await self.r.queue.remove(run.env_id, run_id)
             await self.run_attempt.finish(
                 run_id, RunStatus.EXPIRED, expected_snapshot_id=latest.id, from_statuses=EXPIRABLE,
                 description="TTL passed before the run started",

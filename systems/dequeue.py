@@ -88,7 +88,7 @@ class DequeueSystem:
             await self.r.change_jobs(schedule=[
                 engine_jobs.heartbeat(d.run.id, d.snapshot.id, self.r.clock.now() + timeout) for d in dequeued])
         for d in dequeued:
-            self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.environment_id, d.snapshot.id))
+            self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.env_id, d.snapshot.id))
         out = Handed(dequeued)
         out.retry_at_ms = messages.retry_at_ms
         return out

@@ -138,7 +138,7 @@ class EnqueueSystem:
 
     async def mirror_queue(self, row: TaskQueue) -> None:
         """Copy a task queue's effective limit (override, else deployed) and pause flag to Redis."""
-        env_id, name = row.environment_id, row.name
+        env_id, name = row.env_id, row.name
         await self.r.queue.set_queue_limit(env_id, name, row.effective_limit)
         await self.r.queue.set_key_limit(env_id, name, row.concurrency_key_limit)
         rate = row.rate_limit
@@ -195,9 +195,9 @@ class EnqueueSystem:
             run = NewRun(
                 id=run_id,
                 snapshot_id=new_id("snapshot"),
-                environment_id=req.env_id,
+                env_id=req.env_id,
                 worker_group_id=env.worker_group_id,
-                task_identifier=req.task_id,
+                task_id=req.task_id,
                 payload=req.payload,
                 payload_type=req.payload_type,
                 status=status,
@@ -253,10 +253,10 @@ class EnqueueSystem:
         for run, result in zip(new_runs, results, strict=False):
             if result.is_cached:
                 continue
-            self.r.events.emit(RunEvent("run_created", run.id, run.environment_id, run.snapshot_id,
-                                        {"status": result.status, "task": run.task_identifier}))
+            self.r.events.emit(RunEvent("run_created", run.id, run.env_id, run.snapshot_id,
+                                        {"status": result.status, "task": run.task_id}))
             if result.status == RunStatus.PENDING_VERSION:
-                self.r.events.emit(RunEvent("run_pending_version", run.id, run.environment_id, run.snapshot_id))
+                self.r.events.emit(RunEvent("run_pending_version", run.id, run.env_id, run.snapshot_id))
         return results
 
     async def _cached(self, requests: Sequence[TriggerRequest], new_runs: list[NewRun], results: list[TriggeredRun],
@@ -324,9 +324,9 @@ class EnqueueSystem:
                  reset_deliveries: bool = False) -> EnqueueItem:
         """The queue item of an existing run; it keeps its original place (queue timestamp)."""
         queued = run.queue_timestamp or run.created_at
-        return self.queue_item(run.id, run.environment_id, run.queue, run.worker_group_id,
+        return self.queue_item(run.id, run.env_id, run.queue, run.worker_group_id,
                                queued.timestamp() * 1000, run.priority_ms, run.concurrency_key,
-                               run.task_identifier, available_at_ms, reset_deliveries)
+                               run.task_id, available_at_ms, reset_deliveries)
 
     def _validate(self, req: TriggerRequest) -> None:
         if not req.task_id or len(req.task_id) > 128:

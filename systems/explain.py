@@ -60,8 +60,8 @@ class ExplainSystem:
             reasons.append(Reason("DELAYED", f"delayed: not due until {_text(until)}", {"until": until}))
         elif status == E.PENDING_VERSION:
             reasons.append(Reason("WAITING_FOR_DEPLOYMENT",
-                                  f"no deployment of this environment has the task {run.task_identifier!r} "
-                                  "yet: start a supervisor whose tasks include it", {"task": run.task_identifier}))
+                                  f"no deployment of this environment has the task {run.task_id!r} "
+                                  "yet: start a supervisor whose tasks include it", {"task": run.task_id}))
         elif status in (E.QUEUED, E.QUEUED_EXECUTING):
             reasons += await self._queued(env_id, run.id)
         else:

@@ -135,7 +135,7 @@ class ReconcilerSystem:
 
         async for runs in self._pages("queued", fetch, _run_id, full):
             report.scanned += len(runs)
-            states = await self.r.queue.placements([(r.environment_id, r.id) for r in runs])
+            states = await self.r.queue.placements([(r.env_id, r.id) for r in runs])
             suspect = [(run, state) for run, state in zip(runs, states, strict=True)
                        if state in (None, "held", "lost")]
             if broken := [run.id for run, state in zip(runs, states, strict=True) if state == "broken"]:
@@ -152,7 +152,7 @@ class ReconcilerSystem:
             latest = await self.r.repo.runs.latest_snapshot(run.id)
             if latest is None or latest.engine_status not in (E.QUEUED, E.QUEUED_EXECUTING):
                 return  # moved on meanwhile
-            current = (await self.r.queue.placements([(run.environment_id, run.id)]))[0]
+            current = (await self.r.queue.placements([(run.env_id, run.id)]))[0]
             if current != state:
                 return
             await self.r.enqueue_items([self.enqueue.item_for(run, reset_deliveries=state is None)])

@@ -66,7 +66,7 @@ class RunAttemptSystem:
     async def deployment_task(self, run: RunRow) -> DeploymentTask | None:
         if not run.locked_to_deployment_id:
             return None
-        key = (run.locked_to_deployment_id, run.task_identifier)
+        key = (run.locked_to_deployment_id, run.task_id)
         if key not in self._tasks:
             if len(self._tasks) > 10_000:
                 self._tasks.clear()
@@ -107,7 +107,7 @@ class RunAttemptSystem:
                     run_id, run.attempt_number,
                     self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s))
             await self.r.change_jobs(cancel, schedule)
-        self.r.events.emit(RunEvent("attempt_started", run_id, run.environment_id, snapshot.id,
+        self.r.events.emit(RunEvent("attempt_started", run_id, run.env_id, snapshot.id,
                                     {"attempt": run.attempt_number}))
         return StartedAttempt(run, snapshot, run.attempt_number, policy, max_duration)
 
@@ -136,7 +136,7 @@ class RunAttemptSystem:
             raise
         await self._finalize(result)
         assert result.run is not None and result.snapshot is not None
-        self.r.events.emit(RunEvent("run_succeeded", run_id, result.run.environment_id, result.snapshot.id))
+        self.r.events.emit(RunEvent("run_succeeded", run_id, result.run.env_id, result.snapshot.id))
         return AttemptOutcome("finished", RunStatus.COMPLETED, result.snapshot.id)
 
     async def _fail(self, run_id: str, snapshot_id: str, error: dict[str, Any], *, retryable: bool | None,
@@ -171,9 +171,9 @@ class RunAttemptSystem:
         await self._ack_attempt_jobs(run_id, snapshot_id, run.attempt_number)
         available_at = self.r.now_ms() + int(delay_s * 1000)
         await self.r.enqueue_items([self.enqueue.item_for(result.run, available_at, reset_deliveries=True)])
-        self.r.events.emit(RunEvent("run_failed", run_id, run.environment_id, result.snapshot.id,
+        self.r.events.emit(RunEvent("run_failed", run_id, run.env_id, result.snapshot.id,
                                     {"error": error, "final": False}))
-        self.r.events.emit(RunEvent("retry_scheduled", run_id, run.environment_id, result.snapshot.id,
+        self.r.events.emit(RunEvent("retry_scheduled", run_id, run.env_id, result.snapshot.id,
                                     {"delay_ms": int(delay_s * 1000), "attempt": run.attempt_number}))
         return AttemptOutcome("retry", RunStatus.QUEUED, result.snapshot.id, int(delay_s * 1000))
 
@@ -189,7 +189,7 @@ class RunAttemptSystem:
         assert result.run is not None and result.snapshot is not None
         await self._finalize(result)
         name = {RunStatus.CANCELED: "run_cancelled"}.get(status, "run_failed")
-        self.r.events.emit(RunEvent(name, run_id, result.run.environment_id, result.snapshot.id,
+        self.r.events.emit(RunEvent(name, run_id, result.run.env_id, result.snapshot.id,
                                     {"status": status, "error": error, "final": True}))
         return AttemptOutcome("finished", status, result.snapshot.id)
 
@@ -202,7 +202,7 @@ class RunAttemptSystem:
         cancel = [engine_jobs.heartbeat_id(run.id, previous)] if previous else []
         if run.attempt_number:
             cancel.append(engine_jobs.max_duration_id(run.id, run.attempt_number))
-        await asyncio.gather(self.r.ack_many([(run.environment_id, run.id, run.worker_group_id)]),
+        await asyncio.gather(self.r.ack_many([(run.env_id, run.id, run.worker_group_id)]),
                              self.r.change_jobs(cancel))
         if run.resume_parent_on_completion:
             await self.waitpoints.on_runs_finished([run])

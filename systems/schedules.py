@@ -67,7 +67,7 @@ class SchedulesSystem:
             raise ValidationError("task", "must be 1..128 characters")
         next_run = self.next_tick(cron, timezone, self._now())
         return await self.r.repo.schedules.upsert(
-            id=new_id("sched"), environment_id=env_id, task_identifier=task, cron=cron, timezone=timezone,
+            id=new_id("sched"), env_id=env_id, task_id=task, cron=cron, timezone=timezone,
             external_id=external_id, deduplication_key=deduplication_key, next_run_at=next_run, type=kind)
 
     async def set_active(self, env_id: str, schedule_id: str, active: bool) -> Schedule:
@@ -115,7 +115,7 @@ class SchedulesSystem:
             if current is None or not current.active or current.next_run_at != tick:
                 return 0  # fired by another process meanwhile (a read, not a write), or changed
             run = await self.enqueue.trigger_many([TriggerRequest(
-                env_id=row.environment_id, task_id=row.task_identifier, payload=scheduled_payload(row, tick),
+                env_id=row.env_id, task_id=row.task_id, payload=scheduled_payload(row, tick),
                 idempotency_key=schedule_key(row.id, tick), idempotency_key_ttl_s=30 * 86400,
                 trigger_function="trigger", tags=(f"schedule:{row.id}",))])
             after = max(tick, self._now())  # a schedule that fell behind resumes from now, not every missed tick

@@ -51,8 +51,8 @@ class WaitingForWorkerSystem:
         ``version`` defaults to the content hash's first 12 characters."""
         self.validate(tasks)
         envs = await self.r.repo.tenancy.environments_of_worker_group(group.id)
-        if group.scoped_environment_id:
-            envs = [e for e in envs if e.id == group.scoped_environment_id]
+        if group.scoped_env_id:
+            envs = [e for e in envs if e.id == group.scoped_env_id]
         if environments:
             wanted = set(environments)
             envs = [e for e in envs if e.id in wanted or e.slug in wanted]
@@ -119,6 +119,6 @@ class WaitingForWorkerSystem:
                 await self.r.enqueue_items([self.enqueue.item_for(run) for run in runs])
         for run, res in zip(runs, [x for x in results if x.applied], strict=True):
             assert res.snapshot is not None
-            self.r.events.emit(RunEvent("run_requeued", run.id, run.environment_id, res.snapshot.id,
+            self.r.events.emit(RunEvent("run_requeued", run.id, run.env_id, res.snapshot.id,
                                         {"reason": "deployment"}))
         return len(runs)

@@ -91,7 +91,7 @@ class WaitpointsSystem:
         """A MANUAL waitpoint; the same idempotency key returns the same token until the key's TTL
         (default 30 days) passes. A timeout completes it with an error output."""
         wp, cached = await self.wp.create(NewWaitpoint(
-            id=new_id("waitpoint"), environment_id=env_id, type="MANUAL", idempotency_key=idempotency_key,
+            id=new_id("waitpoint"), env_id=env_id, type="MANUAL", idempotency_key=idempotency_key,
             idempotency_key_expires_at=self._at(idempotency_key_ttl_s or 30 * 86400) if idempotency_key else None,
             timeout_at=self._at(timeout_s) if timeout_s is not None else None, tags=tuple(tags)), self._at(0))
         if not cached and wp.timeout_at is not None:
@@ -101,7 +101,7 @@ class WaitpointsSystem:
     async def create_datetime(self, env_id: str, at: datetime, *, idempotency_key: str | None = None) -> Waitpoint:
         """A DATETIME waitpoint, completed by an engine job at ``at``."""
         wp, cached = await self.wp.create(NewWaitpoint(
-            id=new_id("waitpoint"), environment_id=env_id, type="DATETIME", completed_after=at,
+            id=new_id("waitpoint"), env_id=env_id, type="DATETIME", completed_after=at,
             idempotency_key=idempotency_key,
             idempotency_key_expires_at=at + timedelta(days=1) if idempotency_key else None), self._at(0))
         if not cached:
@@ -185,7 +185,7 @@ class WaitpointsSystem:
             expected_snapshot_id=snapshot_id, operation="block", description=f"Waiting ({what})")
         assert result.snapshot is not None and result.run is not None
         await self.execution_snapshot.after_transition(snapshot_id, E.EXECUTING, result.snapshot)
-        self.r.events.emit(RunEvent("run_blocked", run_id, result.run.environment_id, result.snapshot.id))
+        self.r.events.emit(RunEvent("run_blocked", run_id, result.run.env_id, result.snapshot.id))
         # A completion that committed before our blocking rows did found nobody to continue.
         if await self.wp.pending_count(run_id) == 0:
             continued = await self.try_continue(run_id)
@@ -223,7 +223,7 @@ class WaitpointsSystem:
                 assert result.run is not None and result.snapshot is not None
                 await self.r.enqueue_items([self.enqueue.item_for(result.run, reset_deliveries=True)])
         assert result.run is not None and result.snapshot is not None
-        self.r.events.emit(RunEvent("run_continued", run_id, result.run.environment_id, result.snapshot.id,
+        self.r.events.emit(RunEvent("run_continued", run_id, result.run.env_id, result.snapshot.id,
                                     {"status": result.snapshot.engine_status}))
         return result.snapshot
 
@@ -244,11 +244,11 @@ class WaitpointsSystem:
             run, snapshot = result.run, result.snapshot
             assert run is not None and snapshot is not None
             await asyncio.gather(
-                self.r.ack_many([(run.environment_id, run.id, run.worker_group_id)]),
+                self.r.ack_many([(run.env_id, run.id, run.worker_group_id)]),
                 self.execution_snapshot.after_transition(snapshot_id, latest.engine_status, snapshot),
                 self.r.change_jobs(cancel=[engine_jobs.max_duration_id(run.id, run.attempt_number)]),
             )
-            self.r.events.emit(RunEvent("run_suspended", run_id, run.environment_id, snapshot.id,
+            self.r.events.emit(RunEvent("run_suspended", run_id, run.env_id, snapshot.id,
                                         {"checkpoint": checkpoint_id}))
             if await self.wp.pending_count(run_id) == 0:
                 return await self.try_continue(run_id) or snapshot
@@ -279,14 +279,14 @@ class WaitpointsSystem:
             batch_id: str | None = None
             if batch:
                 batch_id = new_id("batch")
-                await self.r.repo.waitpoints.insert_batch(batch_id, parent.environment_id, len(requests), parent.id)
+                await self.r.repo.waitpoints.insert_batch(batch_id, parent.env_id, len(requests), parent.id)
                 wp, _ = await self.wp.create(NewWaitpoint(
-                    id=new_id("waitpoint"), environment_id=parent.environment_id, type="BATCH",
+                    id=new_id("waitpoint"), env_id=parent.env_id, type="BATCH",
                     completed_by_batch_id=batch_id))
                 key = batch_id
             else:
                 wp, _ = await self.wp.create(NewWaitpoint(
-                    id=new_id("waitpoint"), environment_id=parent.environment_id, type="RUN",
+                    id=new_id("waitpoint"), env_id=parent.env_id, type="RUN",
                     completed_by_run_id=run_ids[0]))
                 key = run_ids[0]
             # Journal and blocking rows first: should the children's creation fail part-way, the

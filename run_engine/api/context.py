@@ -89,7 +89,7 @@ class ApiContext:
             if run.attempt_number != claims.attempt or run.status not in _LIVE:
                 raise ApiError(401, "unauthorized", f"the run token's attempt {claims.attempt} has ended "
                                                     f"(the run is {run.status}, attempt {run.attempt_number})")
-            env = await self._env_by_id(run.environment_id)
+            env = await self._env_by_id(run.env_id)
             auth = EnvAuth(env.id, env.project_id, env.organization_id, env.default_worker_group_id,
                            run_id=run.id, attempt=claims.attempt)
             await self._limit(auth.bucket)
@@ -164,7 +164,7 @@ class ApiContext:
 
 def worker_bucket(group: WorkerGroup) -> str:
     """A worker token's share of the limits: its group (and environment, for a scoped token)."""
-    scoped = group.scoped_environment_id
+    scoped = group.scoped_env_id
     return f"wg:{group.id}" + (f":{scoped}" if scoped else "")
 
 

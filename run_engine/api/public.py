@@ -233,7 +233,7 @@ async def replay_run(request: Request) -> Response:
     auth = await ctx.env_auth(request)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     new = await ctx.engine.trigger(TriggerRequest(
-        env_id=auth.env_id, task_id=run.task_identifier, payload=run.payload, payload_type=run.payload_type,
+        env_id=auth.env_id, task_id=run.task_id, payload=run.payload, payload_type=run.payload_type,
         queue=run.queue, concurrency_key=run.concurrency_key, priority_s=run.priority_ms / 1000,
         tags=tuple(run.tags), metadata=run.metadata, max_attempts=run.max_attempts, retry=run.retry,
         max_duration_s=run.max_duration_s, machine=run.machine))
@@ -243,7 +243,7 @@ async def replay_run(request: Request) -> Response:
 # --- queues -------------------------------------------------------------------------------------
 
 async def _queue_object(ctx: ApiContext, row: TaskQueue) -> dict[str, Any]:
-    stats = await ctx.engine.queue_stats(row.environment_id, row.name)
+    stats = await ctx.engine.queue_stats(row.env_id, row.name)
     return {"id": row.id, "name": row.name, "type": row.type, "running": stats.running,
             "queued": stats.queued, "concurrencyLimit": row.effective_limit, "paused": row.paused,
             "concurrencyLimitOverridden": row.concurrency_limit_override is not None,

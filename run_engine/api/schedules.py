@@ -21,7 +21,7 @@ from run_engine.engine import Schedule
 
 
 def schedule_object(row: Schedule) -> dict[str, Any]:
-    return {"id": row.id, "task": row.task_identifier, "type": row.type, "active": row.active,
+    return {"id": row.id, "task": row.task_id, "type": row.type, "active": row.active,
             "cron": row.cron, "timezone": row.timezone, "externalId": row.external_id,
             "deduplicationKey": row.deduplication_key, "nextRun": iso(row.next_run_at),
             "lastRun": iso(row.last_run_at), "createdAt": iso(row.created_at)}

@@ -38,7 +38,7 @@ def run_object(run: RunRow, *, children: list[str] | None = None) -> dict[str, A
     duration_ms = int((end - run.started_at).total_seconds() * 1000) if end and run.started_at else 0
     obj: dict[str, Any] = {
         "id": run.id,
-        "taskIdentifier": run.task_identifier,
+        "taskIdentifier": run.task_id,
         "status": status.value,
         "isQueued": status in QUEUED,
         "isExecuting": status in EXECUTING,

@@ -79,8 +79,8 @@ def _run_payload(ctx: ApiContext, run: RunRow, snapshot: Any) -> dict[str, Any]:
     attempt = run.attempt_number + 1
     expires = int(ctx.engine.now()) + ctx.run_token_ttl_s
     return {
-        "run": {"id": run.id, "taskIdentifier": run.task_identifier, "queue": run.queue,
-                "environmentId": run.environment_id, "attemptNumber": attempt, "maxDuration": run.max_duration_s,
+        "run": {"id": run.id, "taskIdentifier": run.task_id, "queue": run.queue,
+                "environmentId": run.env_id, "attemptNumber": attempt, "maxDuration": run.max_duration_s,
                 "machine": run.machine, "tags": run.tags, "concurrencyKey": run.concurrency_key},
         "snapshot": snapshot_object(snapshot),
         "runToken": ctx.tokens.mint(run.id, attempt, expires),
@@ -93,7 +93,7 @@ async def dequeue(request: Request) -> Response:
     group = await ctx.worker_group(request)
     req = await body(request, DequeueBody, required=False)
     environments = list(req.environments or ())
-    if scoped := group.scoped_environment_id:
+    if scoped := group.scoped_env_id:
         if environments and environments != [scoped]:
             raise ApiError(403, "forbidden", f"this token serves environment {scoped} only")
         environments = [scoped]
@@ -119,7 +119,7 @@ async def dequeue(request: Request) -> Response:
                 got = await ctx.engine.dequeue(group.id, req.maxRuns, req.workerInstanceName, environments,
                                                req.deployments or ())
     for d in got:
-        ctx.remember_run_group(d.run.id, group.id, d.run.environment_id)
+        ctx.remember_run_group(d.run.id, group.id, d.run.env_id)
     items = [_run_payload(ctx, d.run, d.snapshot) for d in got]
     if req.startAttempts and got:
         started = await _each(got, lambda d: _start(ctx, d.run.id, d.snapshot.id))
@@ -137,9 +137,9 @@ async def _check_group(ctx: ApiContext, group: WorkerGroup, run_id: str) -> str:
         run = await ctx.engine.get_run(run_id) if looks_like_id(run_id, "run") else None
         if run is None:
             raise ApiError(404, "not_found", "run not found")
-        owner = (run.worker_group_id, run.environment_id)
+        owner = (run.worker_group_id, run.env_id)
         ctx.remember_run_group(run_id, *owner)
-    scoped = group.scoped_environment_id
+    scoped = group.scoped_env_id
     if owner[0] != group.id or (scoped and owner[1] != scoped):
         raise ApiError(404, "not_found", "run not found")
     return run_id
@@ -308,7 +308,7 @@ async def wait_duration(request: Request) -> Response:
         at = req.date if req.date.tzinfo else req.date.replace(tzinfo=UTC)
     else:
         at = datetime.fromtimestamp(ctx.engine.now() + (req.seconds or 0), UTC)
-    wp = await ctx.engine.create_datetime_waitpoint(run.environment_id, at, idempotency_key=req.idempotencyKey)
+    wp = await ctx.engine.create_datetime_waitpoint(run.env_id, at, idempotency_key=req.idempotencyKey)
     outcome = await ctx.engine.block(run_id, request.path_params["snapshot_id"], sequence=req.sequence, kind="wait",
                                      key=wp.id, waitpoint_ids=[wp.id])
     return _block_response(outcome, waitpointId=wp.id)
@@ -321,7 +321,7 @@ async def wait_waitpoint(request: Request) -> Response:
     req = await body(request, WaitBody)
     waitpoint_id = request.path_params["waitpoint_id"]
     run = await ctx.engine.get_run(run_id)
-    wp = await ctx.engine.get_waitpoint(waitpoint_id, run.environment_id if run else None)
+    wp = await ctx.engine.get_waitpoint(waitpoint_id, run.env_id if run else None)
     if wp is None:
         raise ApiError(404, "not_found", "waitpoint not found")
     entry = None
@@ -348,7 +348,7 @@ async def trigger_children(request: Request) -> Response:
         raise ApiError(400, "invalid_input", "items: exactly one item unless batch is true")
     run = await ctx.engine.get_run(run_id)
     assert run is not None
-    auth = EnvAuth(run.environment_id, "", "", run.worker_group_id, run_id=run.id)
+    auth = EnvAuth(run.env_id, "", "", run.worker_group_id, run_id=run.id)
     requests = [trigger_request(ctx, auth, item.task, item.payload, item.options, f"items.{i}")
                 for i, item in enumerate(req.items)]
     run_ids, outcome = await ctx.engine.trigger_and_wait(run_id, request.path_params["snapshot_id"], req.sequence,

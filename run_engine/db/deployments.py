@@ -72,8 +72,8 @@ class DeploymentTask:
     """A task of a deployment (``version``: the deployment's, when read as the current one)."""
 
     deployment_id: str
-    environment_id: str
-    task_identifier: str
+    env_id: str
+    task_id: str
     queue_name: str
     retry: dict[str, Any] | None
     max_duration_s: int | None
@@ -84,7 +84,7 @@ class DeploymentTask:
 @dataclass(frozen=True, slots=True)
 class TaskQueue:
     id: str
-    environment_id: str
+    env_id: str
     name: str
     type: str
     concurrency_limit: int | None

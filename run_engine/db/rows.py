@@ -1,5 +1,8 @@
 """Rows as dataclasses: ``from_row(Environment, row)`` takes the columns the class names (a query
-may return more); a column the class gives a default may be missing."""
+may return more); a column the class gives a default may be missing.
+
+One spelling per id in the code: a row's field is named as the rest of the code names the id
+(``env_id``, ``task_id``), whatever the column is called (``environment_id``, ``task_identifier``)."""
 
 from __future__ import annotations
 
@@ -12,14 +15,26 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 T = TypeVar("T", bound="DataclassInstance")
-_FIELDS: dict[type[Any], tuple[str, ...]] = {}
+#: field → column, where they differ
+COLUMNS = {"env_id": "environment_id", "task_id": "task_identifier", "scoped_env_id": "scoped_environment_id"}
+_FIELDS: dict[type[Any], tuple[tuple[str, str], ...]] = {}
+
+
+def columns_of(cls: type[DataclassInstance]) -> tuple[tuple[str, str], ...]:
+    """(field, column) of each field of a row class."""
+    pairs = _FIELDS.get(cls)
+    if pairs is None:
+        pairs = _FIELDS[cls] = tuple((f.name, COLUMNS.get(f.name, f.name)) for f in dataclasses.fields(cls))
+    return pairs
 
 
 def from_row(cls: type[T], row: Mapping[str, Any]) -> T:
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return cls(**{name: row[name] for name in names if name in row})
+    return cls(**{name: row[column] for name, column in columns_of(cls) if column in row})
+
+
+def to_columns(obj: DataclassInstance) -> dict[str, Any]:
+    """A row object as a JSON record keyed by column (the input of a jsonb_to_recordset insert)."""
+    return {column: jsonable(getattr(obj, name)) for name, column in columns_of(type(obj))}
 
 
 def from_row_or_none(cls: type[T], row: Mapping[str, Any] | None) -> T | None:

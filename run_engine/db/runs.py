@@ -18,7 +18,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from run_engine.db.rows import jsonable
+from run_engine.db.rows import from_row, to_columns
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,9 @@ class Snapshot:
 @dataclass(frozen=True, slots=True)
 class RunRow:
     id: str
-    environment_id: str
+    env_id: str
     worker_group_id: str
-    task_identifier: str
+    task_id: str
     payload: Any
     payload_type: str
     status: str
@@ -78,16 +78,14 @@ class RunRow:
     finished_at: datetime | None
 
 
-_RUN_FIELDS = RunRow.__slots__
-_SNAPSHOT_FIELDS = Snapshot.__slots__
 
 
 def run_row(row: dict[str, Any]) -> RunRow:
-    return RunRow(**{name: row[name] for name in _RUN_FIELDS})
+    return from_row(RunRow, row)
 
 
 def snapshot_row(row: dict[str, Any]) -> Snapshot:
-    return Snapshot(**{name: row[name] for name in _SNAPSHOT_FIELDS})
+    return from_row(Snapshot, row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,9 +223,9 @@ class NewRun:
 
     id: str
     snapshot_id: str
-    environment_id: str
+    env_id: str
     worker_group_id: str
-    task_identifier: str
+    task_id: str
     payload: Any
     payload_type: str
     status: str
@@ -301,7 +299,7 @@ class RunRepository:
     async def insert_runs(self, runs: Sequence[NewRun]) -> set[str]:
         """Insert runs with their first snapshots; the ids inserted. A run whose idempotency key
         (environment, task, key) is taken is skipped: see :meth:`runs_by_idempotency_key`."""
-        rows = [{name: jsonable(getattr(r, name)) for name in NewRun.__slots__} for r in runs]
+        rows = [to_columns(r) for r in runs]
         async with self.pool.connection() as conn:
             cur = await conn.execute(_INSERT_RUNS_SQL, {"rows": Jsonb(rows)})
             return {r[0] for r in await cur.fetchall()}

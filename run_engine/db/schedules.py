@@ -15,8 +15,8 @@ from run_engine.db.rows import from_row, from_row_or_none
 @dataclass(frozen=True, slots=True)
 class Schedule:
     id: str
-    environment_id: str
-    task_identifier: str
+    env_id: str
+    task_id: str
     cron: str
     timezone: str
     external_id: str | None
@@ -33,7 +33,7 @@ class ScheduleRepository:
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
 
-    async def upsert(self, *, id: str, environment_id: str, task_identifier: str, cron: str, timezone: str,
+    async def upsert(self, *, id: str, env_id: str, task_id: str, cron: str, timezone: str,
                      external_id: str | None, deduplication_key: str | None, next_run_at: datetime,
                      type: str) -> Schedule:
         """Insert a schedule, or update the one with the same (environment, deduplication key)."""
@@ -52,7 +52,7 @@ class ScheduleRepository:
                                               THEN task_schedule.next_run_at ELSE EXCLUDED.next_run_at END,
                            updated_at = now()
                    RETURNING *""",
-                {"id": id, "environment_id": environment_id, "task_identifier": task_identifier, "cron": cron,
+                {"id": id, "environment_id": env_id, "task_identifier": task_id, "cron": cron,
                  "timezone": timezone, "external_id": external_id, "deduplication_key": deduplication_key,
                  "next_run_at": next_run_at, "type": type})
             out = await cur.fetchone()

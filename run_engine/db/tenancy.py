@@ -44,7 +44,7 @@ class WorkerGroup:
     master_queue: str
     created_at: datetime
     # set when the group was found by an environment-scoped token: the one environment it serves
-    scoped_environment_id: str | None = None
+    scoped_env_id: str | None = None
 
 
 _ENVIRONMENT = "SELECT e.*, p.organization_id FROM runtime_environment e JOIN project p ON p.id = e.project_id"

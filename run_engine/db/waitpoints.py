@@ -16,13 +16,13 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from run_engine.db.rows import jsonable
+from run_engine.db.rows import from_row, to_columns
 
 
 @dataclass(frozen=True, slots=True)
 class Waitpoint:
     id: str
-    environment_id: str
+    env_id: str
     type: str
     status: str
     completed_by_run_id: str | None
@@ -39,13 +39,13 @@ class Waitpoint:
 
 
 def _waitpoint(row: dict[str, Any]) -> Waitpoint:
-    return Waitpoint(**{name: row[name] for name in Waitpoint.__slots__})
+    return from_row(Waitpoint, row)
 
 
 @dataclass(frozen=True, slots=True)
 class NewWaitpoint:
     id: str
-    environment_id: str
+    env_id: str
     type: str
     completed_by_run_id: str | None = None
     completed_by_batch_id: str | None = None
@@ -156,7 +156,7 @@ class WaitpointRepository:
     async def create(self, wp: NewWaitpoint, now: datetime | None = None) -> tuple[Waitpoint, bool]:
         """Insert ``wp``; with an idempotency key that is taken and not expired (at ``now``),
         return the existing waitpoint and ``True`` (cached) instead. An expired key is released."""
-        row = {name: jsonable(getattr(wp, name)) for name in NewWaitpoint.__slots__}
+        row = to_columns(wp)
         async with self.pool.connection() as conn, conn.transaction():
             cur = conn.cursor(row_factory=dict_row)
             if wp.idempotency_key is not None:
@@ -164,13 +164,13 @@ class WaitpointRepository:
                     """UPDATE waitpoint SET idempotency_key = NULL
                        WHERE environment_id = %s AND idempotency_key = %s
                          AND idempotency_key_expires_at <= coalesce(%s, now())""",
-                    (wp.environment_id, wp.idempotency_key, now))
+                    (wp.env_id, wp.idempotency_key, now))
             await cur.execute(_INSERT_WAITPOINT, {"rows": Jsonb([row])})
             inserted = await cur.fetchone()
             if inserted is not None:
                 return _waitpoint(inserted), False
             await cur.execute("SELECT * FROM waitpoint WHERE environment_id = %s AND idempotency_key = %s",
-                              (wp.environment_id, wp.idempotency_key))
+                              (wp.env_id, wp.idempotency_key))
             existing = await cur.fetchone()
         assert existing is not None
         return _waitpoint(existing), True

@@ -100,7 +100,7 @@ async def test_declarative_schedules_follow_the_deployment(h: Harness) -> None:
                    version="2")
     rows = await h.engine.resources.repo.schedules.page(h.env.env_id, 10, None)
     (decl,) = [r for r in rows if r.type == "DECLARATIVE"]
-    assert decl.task_identifier == "nightly" and decl.timezone == "Europe/Paris"
+    assert decl.task_id == "nightly" and decl.timezone == "Europe/Paris"
     await h.deploy({"id": "hello"}, {"id": "nightly", "cron": ""}, version="3")  # cron removed (empty: none)
     assert [r for r in await h.engine.resources.repo.schedules.page(h.env.env_id, 10, None)
             if r.type == "DECLARATIVE"] == []

@@ -178,7 +178,7 @@ async def test_sweeper_fails_a_batch_whose_runs_were_never_created(h: Harness) -
     parent, s = await started_run(h)
     wp_repo = h.engine.resources.repo.waitpoints
     await h.engine.resources.repo.waitpoints.insert_batch("batch_broken", h.env.env_id, 5, parent.id)
-    wp, _ = await wp_repo.create(NewWaitpoint(id="waitpoint_broken", environment_id=h.env.env_id, type="BATCH",
+    wp, _ = await wp_repo.create(NewWaitpoint(id="waitpoint_broken", env_id=h.env.env_id, type="BATCH",
                                               completed_by_batch_id="batch_broken"))
     out = await h.engine.block(parent.id, s.snapshot.id, sequence=0, kind="batch", key="batch_broken",
                                waitpoint_ids=[wp.id], result={"runIds": ["run_never_1", "run_never_2"]})
@@ -297,7 +297,7 @@ async def test_the_sweeper_fails_a_wait_on_a_child_that_was_never_created(h: Har
 
     parent, s = await started_run(h)
     wp, _ = await h.engine.resources.repo.waitpoints.create(NewWaitpoint(
-        id="waitpoint_orphan" + parent.id[-8:], environment_id=h.env.env_id, type="RUN",
+        id="waitpoint_orphan" + parent.id[-8:], env_id=h.env.env_id, type="RUN",
         completed_by_run_id="run_neverexisted"))
     # as a process that died between the parent's journal entry and the child's insert leaves it
     await h.engine.resources.repo.waitpoints.block(
