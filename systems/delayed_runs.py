@@ -43,7 +43,7 @@ class DelayedRunsSystem:
                 return  # rescheduled later; its job was moved with it
             if run.locked_to_deployment_id is None:
                 env = await self.enqueue.environment(run.env_id)
-                task = await self.enqueue._task(run.env_id, env.worker_group_id, run.task_id)
+                task = await self.enqueue.current_task(run.env_id, env.worker_group_id, run.task_id)
                 if task.deployment_id is not None:
                     await self.r.repo.runs.assign_deployment([run_id], task.deployment_id,
                                                         {run.task_id: task.queue or run.queue})

@@ -117,10 +117,8 @@ class EnqueueSystem:
         return info
 
     async def current_task(self, env_id: str, worker_group_id: str, task_id: str) -> _TaskInfo:
-        """The task as the current deployment of (env, group) has it (``deployment_id`` None: none has)."""
-        return await self._task(env_id, worker_group_id, task_id)
-
-    async def _task(self, env_id: str, worker_group_id: str, task_id: str) -> _TaskInfo:
+        """The task as the current deployment of (env, group) has it (``deployment_id`` None: none
+        has); cached for CACHE_TTL_S."""
         key = (env_id, worker_group_id, task_id)
         info = self._tasks.get(key)
         if info is None or time.monotonic() - info.fetched_at > self.CACHE_TTL_S:
@@ -169,7 +167,7 @@ class EnqueueSystem:
         for req in requests:
             self._validate(req)
             env = await self.environment(req.env_id)
-            task = await self._task(req.env_id, env.worker_group_id, req.task_id)
+            task = await self.current_task(req.env_id, env.worker_group_id, req.task_id)
             queue = req.queue or task.queue or f"task/{req.task_id}"
             await self._ensure_queue(req.env_id, queue, req.queue_concurrency_limit)
             runnable = task.deployment_id is not None

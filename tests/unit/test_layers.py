@@ -79,3 +79,17 @@ def test_no_system_imports_a_private_name_of_another_module() -> None:
                 offences += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}" for a in node.names
                              if a.name.startswith("_")]
     assert offences == []
+
+
+def test_no_system_calls_a_private_method_of_a_sibling() -> None:
+    """``self.enqueue.current_task(...)``, never ``self.enqueue._task(...)``."""
+    from systems.registry import Systems
+
+    siblings = {f for f in Systems.__dataclass_fields__}
+    offences = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Attribute) and node.value.attr in siblings):
+                offences.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value.attr}.{node.attr}")
+    assert offences == []
