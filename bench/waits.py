@@ -145,7 +145,8 @@ def main() -> None:
         env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "RUN_ENGINE_KEY_PREFIX": prefix,
                "RUN_ENGINE_SECRET": "bench-secret-not-for-production", "PYTHONPATH": str(ROOT),
                "RUN_ENGINE_LOG_LEVEL": "WARNING", "RUN_ENGINE_ENV_CONCURRENCY": "1000",
-               "RUN_ENGINE_SUSPEND_AFTER_S": str(args.suspend_after)}
+               "RUN_ENGINE_SUSPEND_AFTER_S": str(args.suspend_after),
+               "RUN_ENGINE_API_RATE_LIMIT": "0"}  # a throughput measurement: the per-key request limit off
         cli = [sys.executable, "-m", "run_engine.cli"]
         creds = json.loads(subprocess.run([*cli, "bootstrap", "--org", "bench", "--project", "waits"], env=env,
                                           capture_output=True, text=True, check=True).stdout)
