@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 E = ExecutionStatus
 #: errors creating a trigger-and-wait's children that another try would meet again: they fail the wait
 CHILDREN_REFUSED = (ValidationError, QueueFullError, ConflictError, NotFoundError)
+#: the key of a trigger-and-wait journal entry's stored result: the children's ids (the SDK replays it)
+RUN_IDS = "runIds"
 
 
 BLOCKED = (E.EXECUTING_WITH_WAITPOINTS, E.SUSPENDED)
@@ -267,7 +269,7 @@ class WaitpointsSystem:
         if existing is not None:
             if existing.kind != kind or existing.waitpoint_id is None:
                 raise DuplicateExecutionError(parent.id, sequence)
-            run_ids = existing.result["runIds"]
+            run_ids = existing.result[RUN_IDS]
             if existing.waitpoint_status == "PENDING" and len(run_ids) == len(requests):
                 await self._create_missing_children(parent, run_ids, requests, existing.key if batch else None)
             return run_ids, await self.block(parent.id, snapshot_id, sequence=sequence, kind=kind,
@@ -292,7 +294,7 @@ class WaitpointsSystem:
             # Journal and blocking rows first: should the children's creation fail part-way, the
             # sweeper finds the batch short of runs and fails the wait instead of leaving it hanging.
             existing_entry, pending = await self.wp.block(
-                parent.id, [wp.id], JournalEntry(sequence, kind, key, {"runIds": run_ids}, wp.id))
+                parent.id, [wp.id], JournalEntry(sequence, kind, key, {RUN_IDS: run_ids}, wp.id))
             if existing_entry is not None:
                 raise DuplicateExecutionError(parent.id, sequence)
             function = "batchTriggerAndWait" if batch else "triggerAndWait"
@@ -346,14 +348,14 @@ class WaitpointsSystem:
         run_ids = [taken[rid].id if rid in taken else rid for rid in run_ids]
         if batch_id is None:
             key = run_ids[0]
-            await self.wp.repoint(parent_id, sequence, waitpoint_id, key, {"runIds": run_ids})
+            await self.wp.repoint(parent_id, sequence, waitpoint_id, key, {RUN_IDS: run_ids})
             holder = await self.r.repo.runs.get_run(key)
             if holder is not None and holder.finished_at is not None:  # the parent is not blocked yet
                 failed = holder.status != RunStatus.COMPLETED
                 await self.wp.complete([Completion((holder.error or {"type": holder.status}) if failed
                                                    else holder.output, failed, id=waitpoint_id)])
         else:  # the batch completes with the runs it created; results come from the runs named here
-            await self.wp.repoint(parent_id, sequence, None, key, {"runIds": run_ids},
+            await self.wp.repoint(parent_id, sequence, None, key, {RUN_IDS: run_ids},
                                   batch_shrink=(batch_id, len(taken)))
         return run_ids, key
 
@@ -373,7 +375,7 @@ class WaitpointsSystem:
         """The run's journal with each wait's outcome filled in (``resolved`` False while pending)."""
         entries = await self.wp.journal(run_id, from_sequence)
         batch_ids = [rid for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"
-                     for rid in e.result["runIds"]]
+                     for rid in e.result[RUN_IDS]]
         runs = await self.wp.run_results(batch_ids) if batch_ids else {}
         out = []
         for e in entries:
@@ -397,7 +399,7 @@ class WaitpointsSystem:
                     run_result(rid, *runs[rid]) if rid in runs
                     else {"ok": False, "id": rid, "error": {"type": "RUN_NOT_CREATED",
                                                              "message": "the batch item's run was never created"}}
-                    for rid in e.result["runIds"]])
+                    for rid in e.result[RUN_IDS]])
             out.append(item)
         return out
 
