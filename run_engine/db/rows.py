@@ -7,8 +7,8 @@ One spelling per id in the code: a row's field is named as the rest of the code 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from datetime import datetime
+import operator
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -18,6 +18,7 @@ T = TypeVar("T", bound="DataclassInstance")
 #: field → column, where they differ
 COLUMNS = {"env_id": "environment_id", "task_id": "task_identifier", "scoped_env_id": "scoped_environment_id"}
 _FIELDS: dict[type[Any], tuple[tuple[str, str], ...]] = {}
+_GETTERS: dict[type[Any], tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]] = {}
 
 
 def columns_of(cls: type[DataclassInstance]) -> tuple[tuple[str, str], ...]:
@@ -32,19 +33,16 @@ def from_row(cls: type[T], row: Mapping[str, Any]) -> T:
     return cls(**{name: row[column] for name, column in columns_of(cls) if column in row})
 
 
-def to_columns(obj: DataclassInstance) -> dict[str, Any]:
-    """A row object as a JSON record keyed by column (the input of a jsonb_to_recordset insert)."""
-    return {column: jsonable(getattr(obj, name)) for name, column in columns_of(type(obj))}
-
-
 def from_row_or_none(cls: type[T], row: Mapping[str, Any] | None) -> T | None:
     return None if row is None else from_row(cls, row)
 
 
-def jsonable(value: Any) -> Any:
-    """A value as JSON has it in a jsonb_to_recordset input (timestamps as ISO text, tuples as arrays)."""
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, tuple):
-        return list(value)
-    return value
+def to_columns(obj: DataclassInstance) -> dict[str, Any]:
+    """A row object as a JSON record keyed by column (the input of a jsonb_to_recordset insert);
+    orjson writes its timestamps as ISO 8601 and its tuples as arrays."""
+    getter = _GETTERS.get(type(obj))
+    if getter is None:
+        pairs = columns_of(type(obj))
+        getter = _GETTERS[type(obj)] = (tuple(c for _, c in pairs), operator.attrgetter(*(n for n, _ in pairs)))
+    columns, get = getter
+    return dict(zip(columns, get(obj), strict=True))
