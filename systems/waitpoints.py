@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from run_engine.batching import Batcher
-from run_engine.db.runs import RunRow, Snapshot
+from run_engine.db.runs import RunRow, Snapshot, TransitionResult
 from run_engine.db.waitpoints import Completion, JournalEntry, NewWaitpoint, Waitpoint
 from run_engine.errors import (
     ConflictError,
@@ -168,12 +168,23 @@ class WaitpointsSystem:
                     waitpoint_ids: Sequence[str], result: Any = None) -> BlockOutcome:
         """Journal the wait at ``sequence`` and block the executing run on ``waitpoint_ids``."""
         async with self.r.locker.lock("block", run_id):
-            await self._executing(run_id, snapshot_id, "block")
             entry = JournalEntry(sequence, kind, key, result, waitpoint_ids[0])
-            existing, pending = await self.wp.block(run_id, waitpoint_ids, entry)
-            if existing is not None and (existing.kind != kind or existing.waitpoint_id not in waitpoint_ids):
+            done = await self.wp.block_executing(run_id, snapshot_id, entry, waitpoint_ids, new_id("snapshot"),
+                                                 f"Waiting ({kind} {key})")
+            t = done.transition
+            if t.latest_snapshot_id is None:
+                raise NotFoundError("run", run_id)
+            if t.latest_snapshot_id != snapshot_id and not t.applied:
+                raise StaleSnapshotError(run_id, snapshot_id, t.latest_snapshot_id, str(t.latest_status))
+            if t.latest_status != E.EXECUTING and not t.applied:
+                raise InvalidTransitionError(run_id, str(t.latest_status), "block")
+            if not done.allowed:
                 raise DuplicateExecutionError(run_id, sequence)
-            return await self._blocked(run_id, snapshot_id, sequence, f"{kind} {key}", pending)
+            if not t.applied:  # nothing pending any more: the run goes on at once
+                await self.wp.unblock(run_id)
+                return BlockOutcome(False, await self.execution_snapshot.latest(run_id),
+                                    await self.resolved_entry(run_id, sequence))
+            return await self._after_block(run_id, snapshot_id, sequence, t)
 
     async def _blocked(self, run_id: str, snapshot_id: str, sequence: int, what: str, pending: int) -> BlockOutcome:
         """The blocking rows are written (caller holds the lock): move the run to
@@ -185,6 +196,12 @@ class WaitpointsSystem:
         result = await self.execution_snapshot.apply(
             run_id, E.EXECUTING_WITH_WAITPOINTS, RunStatus.WAITING, from_statuses=(E.EXECUTING,),
             expected_snapshot_id=snapshot_id, operation="block", description=f"Waiting ({what})")
+        return await self._after_block(run_id, snapshot_id, sequence, result)
+
+    async def _after_block(self, run_id: str, snapshot_id: str, sequence: int,
+                           result: TransitionResult) -> BlockOutcome:
+        """The run is EXECUTING_WITH_WAITPOINTS (caller holds the lock): re-arm its timeout and
+        continue it at once if what it waits on completed before its blocking rows committed."""
         assert result.snapshot is not None and result.run is not None
         await self.execution_snapshot.after_transition(snapshot_id, E.EXECUTING, result.snapshot)
         self.r.events.emit(RunEvent("run_blocked", run_id, result.run.env_id, result.snapshot.id))
@@ -233,26 +250,20 @@ class WaitpointsSystem:
         """Checkpoint a blocked run: REPLAY checkpoint at the journal position, SUSPENDED,
         concurrency released. A stale ``snapshot_id`` (the run moved on) is refused."""
         async with self.r.locker.lock("suspend", run_id):
-            latest = await self.execution_snapshot.latest(run_id)
-            if latest.id != snapshot_id:
-                raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
-            position = await self.wp.journal_position(run_id)
             checkpoint_id = new_id("checkpoint")
-            await self.wp.insert_checkpoint(checkpoint_id, run_id, snapshot_id, position)
-            result = await self.execution_snapshot.apply(
-                run_id, E.SUSPENDED, RunStatus.WAITING, from_statuses=(E.EXECUTING_WITH_WAITPOINTS,),
-                expected_snapshot_id=snapshot_id, operation="suspend", checkpoint_id=checkpoint_id,
-                description=f"Suspended: checkpoint at journal position {position}")
+            result, pending = await self.wp.suspend(run_id, snapshot_id, checkpoint_id, new_id("snapshot"))
+            self.execution_snapshot.raise_unless_applied(result, snapshot_id, "suspend")
             run, snapshot = result.run, result.snapshot
             assert run is not None and snapshot is not None
+            cancel, schedule = self.execution_snapshot.rearm(snapshot_id, E.EXECUTING_WITH_WAITPOINTS, snapshot)
             await asyncio.gather(
                 self.r.ack_many([(run.env_id, run.id, run.worker_group_id)]),
-                self.execution_snapshot.after_transition(snapshot_id, latest.engine_status, snapshot),
-                self.r.change_jobs(cancel=[engine_jobs.max_duration_id(run.id, run.attempt_number)]),
+                self.r.change_jobs(cancel=[*cancel, engine_jobs.max_duration_id(run.id, run.attempt_number)],
+                                   schedule=schedule),
             )
             self.r.events.emit(RunEvent("run_suspended", run_id, run.env_id, snapshot.id,
                                         {"checkpoint": checkpoint_id}))
-            if await self.wp.pending_count(run_id) == 0:
+            if pending == 0:
                 return await self.try_continue(run_id) or snapshot
         return snapshot
 

@@ -206,6 +206,18 @@ def _parse_ts(value: Any) -> Any:
 _RUN_TS = ("created_at", "updated_at", "queued_at", "queue_timestamp", "started_at", "finished_at", "delay_until")
 
 
+def transition_result(run_id: str, latest_id: str | None, latest_status: str | None,
+                      snapshot: dict[str, Any] | None, run: dict[str, Any] | None) -> TransitionResult:
+    """A transition statement's answer for one run: the new snapshot and run (as JSON) when it
+    applied, else the latest snapshot's id and status (``None``: no such run)."""
+    return TransitionResult(
+        run_id=run_id, applied=snapshot is not None,
+        latest_snapshot_id=snapshot["id"] if snapshot else latest_id,
+        latest_status=snapshot["engine_status"] if snapshot else latest_status,
+        snapshot=snapshot_from_json(snapshot) if snapshot else None,
+        run=run_from_json(run) if run else None)
+
+
 def run_from_json(data: dict[str, Any]) -> RunRow:
     for key in _RUN_TS:
         data[key] = _parse_ts(data.get(key))
@@ -342,21 +354,8 @@ class RunRepository:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_TRANSITION_SQL, params)
             rows = await cur.fetchall()
-        results = []
-        for row in rows:
-            snap = row["t_snapshot"]
-            run = row["t_run"]
-            results.append(
-                TransitionResult(
-                    run_id=row["t_run_id"],
-                    applied=snap is not None,
-                    latest_snapshot_id=snap["id"] if snap else row["t_latest_id"],
-                    latest_status=snap["engine_status"] if snap else row["t_latest_status"],
-                    snapshot=snapshot_from_json(snap) if snap else None,
-                    run=run_from_json(run) if run else None,
-                )
-            )
-        return results
+        return [transition_result(row["t_run_id"], row["t_latest_id"], row["t_latest_status"], row["t_snapshot"],
+                                  row["t_run"]) for row in rows]
 
     async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
         async with self.pool.connection() as conn:

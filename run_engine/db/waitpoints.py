@@ -17,6 +17,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, to_columns
+from run_engine.db.runs import TransitionResult, transition_result
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,19 @@ class JournalEntry:
     waitpoint_status: str | None = None
     waitpoint_output: Any = None
     waitpoint_output_is_error: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    """What :meth:`WaitpointRepository.block_executing` did: the transition (not applied when the
+    run was not the caller's EXECUTING snapshot, or nothing was pending), the journal entry that
+    was already at the sequence, whether the wait was written (not: another entry is there), and
+    the waitpoints pending when it ran."""
+
+    transition: TransitionResult
+    existing: JournalEntry | None
+    allowed: bool
+    pending: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +158,79 @@ WHERE r.status = 'WAITING'
                   WHERE trw.run_id = r.id AND w.status = 'PENDING')
   AND r.updated_at < now() - make_interval(secs => %(grace_s)s)
 LIMIT %(limit)s
+"""
+
+
+_PENDING_OF_RUN = """(SELECT count(*) FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
+                      WHERE trw.run_id = %(run)s AND w.status = 'PENDING')"""
+
+_SUSPEND = """
+-- suspend: the run's REPLAY checkpoint at its journal position and the SUSPENDED snapshot carrying it,
+-- applied only if the latest valid snapshot is %(expected)s in EXECUTING_WITH_WAITPOINTS; with the
+-- count of its pending waitpoints (its blocking rows were committed by the block before: no race)
+WITH latest AS (
+    SELECT id, engine_status, attempt_number FROM task_run_execution_snapshot
+    WHERE run_id = %(run)s AND is_valid ORDER BY seq DESC LIMIT 1
+), ok AS (
+    SELECT l.*, (SELECT coalesce(max(sequence) + 1, 0) FROM task_run_journal WHERE run_id = %(run)s) AS position
+    FROM latest l WHERE l.id = %(expected)s AND l.engine_status = 'EXECUTING_WITH_WAITPOINTS'
+), cp AS (
+    INSERT INTO task_run_checkpoint (id, run_id, snapshot_id, type, journal_position)
+    SELECT %(checkpoint)s, %(run)s, id, 'REPLAY', position FROM ok RETURNING id
+), snap AS (
+    INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
+                                             previous_snapshot_id, checkpoint_id)
+    SELECT %(new)s, %(run)s, 'SUSPENDED', 'WAITING', attempt_number,
+           'Suspended: checkpoint at journal position ' || position, id, %(checkpoint)s FROM ok
+    RETURNING *
+), upd AS (
+    UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
+)
+SELECT l.id AS latest_id, l.engine_status AS latest_status, to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run,
+       """ + _PENDING_OF_RUN + """ AS pending
+FROM (SELECT 1) one LEFT JOIN latest l ON true LEFT JOIN snap ON true LEFT JOIN upd ON true
+"""
+
+_BLOCK = """
+-- block: journal the wait at %(seq)s, block the run on %(wps)s and move it to EXECUTING_WITH_WAITPOINTS,
+-- applied only if the latest valid snapshot is %(expected)s in EXECUTING. An entry already at %(seq)s is
+-- returned: the same wait (a replay) blocks again; another is a duplicate execution and changes nothing.
+-- The snapshot is only written while one of the waitpoints is pending; the caller counts again after
+-- the commit (a completion committed meanwhile did not see these blocking rows).
+WITH latest AS (
+    SELECT id, engine_status, attempt_number FROM task_run_execution_snapshot
+    WHERE run_id = %(run)s AND is_valid ORDER BY seq DESC LIMIT 1
+), ok AS (
+    SELECT * FROM latest WHERE id = %(expected)s AND engine_status = 'EXECUTING'
+), existing AS (
+    SELECT sequence, kind, key, result, waitpoint_id FROM task_run_journal WHERE run_id = %(run)s AND sequence = %(seq)s
+), journal AS (
+    INSERT INTO task_run_journal (run_id, sequence, kind, key, result, waitpoint_id)
+    SELECT %(run)s, %(seq)s, %(kind)s, %(key)s, %(result)s, %(wp)s FROM ok WHERE NOT EXISTS (SELECT 1 FROM existing)
+    ON CONFLICT DO NOTHING RETURNING sequence
+), allowed AS (
+    SELECT ok.* FROM ok
+    WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.kind <> %(kind)s
+                      OR e.waitpoint_id IS NULL OR NOT (e.waitpoint_id = ANY(%(wps)s::text[])))
+), blocking AS (
+    INSERT INTO task_run_waitpoint (run_id, waitpoint_id) SELECT %(run)s, unnest(%(wps)s::text[]) FROM allowed
+    ON CONFLICT DO NOTHING RETURNING waitpoint_id
+), pending AS (
+    SELECT count(*) AS n FROM waitpoint w WHERE w.status = 'PENDING' AND w.id IN (
+        SELECT unnest(%(wps)s::text[]) UNION SELECT waitpoint_id FROM task_run_waitpoint WHERE run_id = %(run)s)
+), snap AS (
+    INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
+                                             previous_snapshot_id)
+    SELECT %(new)s, %(run)s, 'EXECUTING_WITH_WAITPOINTS', 'WAITING', a.attempt_number, %(description)s, a.id
+    FROM allowed a, pending p WHERE p.n > 0
+    RETURNING *
+), upd AS (
+    UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
+)
+SELECT l.id AS latest_id, l.engine_status AS latest_status, (SELECT to_jsonb(e) FROM existing e) AS existing,
+       EXISTS (SELECT 1 FROM allowed) AS allowed, (SELECT n FROM pending) AS pending,
+       to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run
+FROM (SELECT 1) one LEFT JOIN latest l ON true LEFT JOIN snap ON true LEFT JOIN upd ON true
 """
 
 
@@ -242,6 +329,37 @@ class WaitpointRepository:
             pending = await self.pending_count(run_id, conn)
         return existing, pending
 
+    async def block_executing(self, run_id: str, expected_snapshot_id: str, entry: JournalEntry,
+                              waitpoint_ids: Sequence[str], new_snapshot_id: str, description: str) -> Blocked:
+        """Journal, block and move an EXECUTING run to EXECUTING_WITH_WAITPOINTS in one statement
+        (see _BLOCK); the caller holds the run's lock."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_BLOCK, {
+                "run": run_id, "expected": expected_snapshot_id, "seq": entry.sequence, "kind": entry.kind,
+                "key": entry.key, "result": Jsonb(entry.result), "wp": entry.waitpoint_id,
+                "wps": list(waitpoint_ids), "new": new_snapshot_id, "description": description})
+            row = await cur.fetchone()
+        assert row is not None
+        e = row["existing"]
+        return Blocked(
+            transition_result(run_id, row["latest_id"], row["latest_status"], row["snapshot"], row["run"]),
+            JournalEntry(e["sequence"], e["kind"], e["key"], e["result"], e["waitpoint_id"]) if e else None,
+            bool(row["allowed"]), int(row["pending"] or 0))
+
+    async def suspend(self, run_id: str, expected_snapshot_id: str, checkpoint_id: str,
+                      new_snapshot_id: str) -> tuple[TransitionResult, int]:
+        """Checkpoint and suspend a blocked run in one statement (see _SUSPEND): the transition's
+        result and the run's pending waitpoints. The caller holds the run's lock."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_SUSPEND, {"run": run_id, "expected": expected_snapshot_id, "checkpoint": checkpoint_id,
+                                         "new": new_snapshot_id})
+            row = await cur.fetchone()
+        assert row is not None
+        return (transition_result(run_id, row["latest_id"], row["latest_status"], row["snapshot"], row["run"]),
+                int(row["pending"]))
+
     async def repoint(self, run_id: str, sequence: int, waitpoint_id: str | None, key: str, result: Any,
                       batch_shrink: tuple[str, int] | None = None) -> None:
         """After a child's idempotency key returned an existing run: the journal entry (and the RUN
@@ -319,12 +437,6 @@ class WaitpointRepository:
                    WHERE j.run_id = %s AND j.sequence >= %s ORDER BY j.sequence""", (run_id, from_sequence))
             return [JournalEntry(**r) for r in await cur.fetchall()]
 
-    async def journal_position(self, run_id: str) -> int:
-        async with self.pool.connection() as conn:
-            cur = await conn.execute("SELECT coalesce(max(sequence) + 1, 0) FROM task_run_journal WHERE run_id = %s",
-                                     (run_id,))
-            return _first_int(await cur.fetchone())
-
     async def timed_waitpoints_page(self, after_id: str, limit: int) -> list[tuple[str, str, datetime | None,
                                                                                 datetime | None]]:
         """Pending waitpoints an engine job completes: (id, type, completed_after, timeout_at)."""
@@ -335,12 +447,6 @@ class WaitpointRepository:
                      AND ((type = 'DATETIME' AND completed_after IS NOT NULL) OR timeout_at IS NOT NULL)
                    ORDER BY id LIMIT %s""", (after_id, limit))
             return [(r[0], r[1], r[2], r[3]) for r in await cur.fetchall()]
-
-    async def insert_checkpoint(self, checkpoint_id: str, run_id: str, snapshot_id: str, position: int) -> None:
-        async with self.pool.connection() as conn:
-            await conn.execute(
-                """INSERT INTO task_run_checkpoint (id, run_id, snapshot_id, type, journal_position)
-                   VALUES (%s, %s, %s, 'REPLAY', %s)""", (checkpoint_id, run_id, snapshot_id, position))
 
     async def run_results(self, run_ids: Sequence[str]) -> dict[str, tuple[str, Any, Any]]:
         """status, output, error of each run."""

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import pytest
 
 from run_engine.engine import TriggerRequest
-from run_engine.errors import DuplicateExecutionError, StaleSnapshotError
+from run_engine.errors import DuplicateExecutionError, InvalidTransitionError, NotFoundError, StaleSnapshotError
 from run_engine.statuses import RunStatus
 
 from .conftest import Harness
@@ -330,3 +330,73 @@ async def test_trigger_and_wait_with_a_taken_idempotency_key_waits_on_the_existi
     (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
     assert entry["result"] == {"ok": True, "id": holder.id, "output": {"done": 1}}
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
+
+
+async def _rows(h: Harness, run_id: str) -> tuple[int, int, int]:
+    """(journal entries, blocking rows, checkpoints) of a run."""
+    async with h.engine.resources.repo.pool.connection() as conn:
+        cur = await conn.execute(
+            """SELECT (SELECT count(*) FROM task_run_journal WHERE run_id = %(r)s),
+                      (SELECT count(*) FROM task_run_waitpoint WHERE run_id = %(r)s),
+                      (SELECT count(*) FROM task_run_checkpoint WHERE run_id = %(r)s)""", {"r": run_id})
+        row = await cur.fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+async def test_a_block_or_suspend_refused_writes_nothing(h: Harness) -> None:
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    with pytest.raises(StaleSnapshotError):  # not the run's latest snapshot
+        await h.engine.block(run.id, "snapshot_stale", sequence=0, kind="token", key=token.id,
+                             waitpoint_ids=[token.id])
+    with pytest.raises(InvalidTransitionError):  # an executing run is not suspended
+        await h.engine.suspend(run.id, s.snapshot.id)
+    assert await _rows(h, run.id) == (0, 0, 0)
+    await h.engine.waitpoints.append_journal(run.id, s.snapshot.id, 0, "step", "load", 1)
+    with pytest.raises(DuplicateExecutionError):  # another execution journaled sequence 0 differently
+        await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                             waitpoint_ids=[token.id])
+    assert await _rows(h, run.id) == (1, 0, 0)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
+    with pytest.raises(NotFoundError):
+        await h.engine.block("run_missing", s.snapshot.id, sequence=0, kind="token", key=token.id,
+                             waitpoint_ids=[token.id])
+
+
+async def test_a_replay_blocks_again_on_its_journaled_wait_and_suspend_writes_one_checkpoint(h: Harness) -> None:
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    await h.engine.waitpoints.append_journal(run.id, s.snapshot.id, 0, "step", "load", 1)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=1, kind="token", key=token.id,
+                               waitpoint_ids=[token.id])
+    assert out.blocked and out.snapshot.description == f"Waiting (token {token.id})"
+    suspended = await h.engine.suspend(run.id, out.snapshot.id)
+    assert suspended.description == "Suspended: checkpoint at journal position 2"
+    assert suspended.previous_snapshot_id == out.snapshot.id and suspended.attempt_number == 1
+    assert await _rows(h, run.id) == (2, 1, 1)
+    assert (await h.engine.get_run(run.id)).status == "WAITING"  # type: ignore[union-attr]
+    with pytest.raises(StaleSnapshotError):  # a second suspend of the same snapshot
+        await h.engine.suspend(run.id, out.snapshot.id)
+    assert await _rows(h, run.id) == (2, 1, 1)
+    # the token completes while the run is suspended; the restored run replays up to its wait
+    assert await h.engine.waitpoints.complete(token.id, "go")
+    resumed = await restore(h, run.id)
+    again = await h.engine.block(run.id, resumed.snapshot.id, sequence=1, kind="token", key=token.id,
+                                 waitpoint_ids=[token.id])
+    assert not again.blocked and again.entry is not None and again.entry["result"] == {"ok": True, "output": "go"}
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
+
+
+async def test_a_suspend_after_the_wait_completed_queues_the_run_to_restore(h: Harness) -> None:
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                               waitpoint_ids=[token.id])
+    # completed behind the engine's back (as if its continue was lost): the suspend itself sees it
+    async with h.engine.resources.repo.pool.connection() as conn:
+        await conn.execute("UPDATE waitpoint SET status = 'COMPLETED', completed_at = now() WHERE id = %s",
+                           (token.id,))
+    snapshot = await h.engine.suspend(run.id, out.snapshot.id)
+    assert snapshot.engine_status == "QUEUED_EXECUTING"
+    assert (await h.statuses(run.id))[-2:] == ["SUSPENDED", "QUEUED_EXECUTING"]
