@@ -67,6 +67,8 @@ class ReconcilerSystem:
         self.run_attempt = run_attempt
         self.delayed_runs = delayed_runs
         self._cursors: dict[str, str] = {}  # scan → the last id read (leader-local: a new leader starts over)
+        # env → {run → latest snapshot id}: runs the last pass saw holding a slot they should not
+        self._slot_suspects: dict[str, dict[str, str | None]] = {}
 
     async def _pages(self, scan: str, fetch: Callable[[str, int], Awaitable[Sequence[T]]],
                      key: Callable[[T], str], full: bool) -> AsyncIterator[Sequence[T]]:
@@ -102,7 +104,8 @@ class ReconcilerSystem:
             report.jobs_rearmed = await self.rearm_jobs(grace, full=True)
             await self.r.queue.mark_epoch()
             full = True
-        for step in (self._queued_runs(grace, report, full), self._delayed_runs(grace, report), self._slots(report)):
+        for step in (self._queued_runs(grace, report, full), self._delayed_runs(grace, report),
+                     self._slots(report, grace)):
             try:
                 await step
             except Exception:
@@ -161,22 +164,37 @@ class ReconcilerSystem:
         else:
             report.requeued_stuck += 1
 
-    async def _slots(self, report: ReconcileReport) -> None:
+    async def _slots(self, report: ReconcileReport, grace: float) -> None:
         for env_id in await self.r.repo.maintenance.environment_ids():
             try:
-                await self._env_slots(env_id, report)
+                await self._env_slots(env_id, report, grace)
             except Exception:
                 log.exception("reconciler: could not check the slots of environment %s", env_id)
 
-    async def _env_slots(self, env_id: str, report: ReconcileReport) -> None:
+    async def _env_slots(self, env_id: str, report: ReconcileReport, grace: float) -> None:
+        """Free the slots of runs that hold one in the queue but not in PostgreSQL. A finished run's
+        snapshot commits a moment before its ack frees its slot, so a slot is freed only when the
+        previous pass saw the same run, at the same latest snapshot, not holding it (``grace`` ≤ 0:
+        at once): a pass never races an ack on its way, nor reports it as a repair."""
         holding = sorted(await self.r.queue.running_ids(env_id))
+        suspects: dict[str, str | None] = {}
         for start in range(0, len(holding), self.PAGE):
             page = holding[start:start + self.PAGE]
-            statuses = await self.r.repo.runs.slot_holders(page)
-            stale = [rid for rid in page if statuses.get(rid) not in HOLDS_SLOT]
+            latest = await self.r.repo.runs.slot_holders(page)
+            for rid in page:
+                status, snapshot_id = latest.get(rid, (None, None))
+                if status not in HOLDS_SLOT:
+                    suspects[rid] = snapshot_id
+            before = self._slot_suspects.get(env_id, {})
+            stale = [rid for rid in page if rid in suspects
+                     and (grace <= 0 or (rid in before and before[rid] == suspects[rid]))]
             if stale:
                 await self.r.queue.ack([(env_id, rid) for rid in stale])
                 report.slots_freed += len(stale)
+        if suspects:
+            self._slot_suspects[env_id] = suspects
+        else:
+            self._slot_suspects.pop(env_id, None)
 
     async def rearm_jobs(self, grace_s: float | None = None, *, full: bool = False) -> int:
         """Schedule again every engine job that a run or waitpoint not yet finished needs and that

@@ -456,15 +456,15 @@ class RunRepository:
                 {"dep": deployment_id, "queues": Jsonb(queue_of), "ids": list(run_ids)},
             )
 
-    async def slot_holders(self, run_ids: Sequence[str]) -> dict[str, str]:
-        """run id → latest execution status, for runs that may hold a queue slot."""
+    async def slot_holders(self, run_ids: Sequence[str]) -> dict[str, tuple[str, str]]:
+        """run id → (latest execution status, latest snapshot id), for runs that may hold a queue slot."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """SELECT r.id, s.engine_status FROM task_run r
-                   CROSS JOIN LATERAL (SELECT engine_status FROM task_run_execution_snapshot
+                """SELECT r.id, s.engine_status, s.id FROM task_run r
+                   CROSS JOIN LATERAL (SELECT id, engine_status FROM task_run_execution_snapshot
                                        WHERE run_id = r.id AND is_valid ORDER BY seq DESC LIMIT 1) s
                    WHERE r.id = ANY(%s)""", (list(run_ids),))
-            return {r[0]: r[1] for r in await cur.fetchall()}
+            return {r[0]: (r[1], r[2]) for r in await cur.fetchall()}
 
     async def set_metadata(self, run_id: str, metadata: Any) -> None:
         async with self.pool.connection() as conn:

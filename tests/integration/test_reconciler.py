@@ -197,3 +197,31 @@ async def test_a_pass_reads_its_budget_and_the_next_goes_on_where_it_stopped(mak
     assert passes >= 3  # 25 runs, at most 10 read a pass
     got = await h.engine.dequeue(h.env.worker_group_id, 100)
     assert {r.id for r in runs} <= {d.run.id for d in got}
+
+
+async def test_a_slot_is_freed_only_when_two_passes_saw_it_held_by_a_finished_run(private: Harness) -> None:
+    """A run's FINISHED snapshot commits a moment before its ack frees its slot: a pass that looks
+    in between must not count it as repaired (nor race the ack); a slot whose ack was really lost
+    is freed by the next pass."""
+    h = private
+    q = h.engine.resources.queue
+    reconciler = h.engine.systems.reconciler
+
+    async def finished_holding_a_slot() -> str:
+        run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+        (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+        s = await h.engine.start_attempt(run.id, d.snapshot.id)
+        await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
+        item = h.engine.systems.enqueue.item_for(await h.engine.get_run(run.id))  # type: ignore[arg-type]
+        await q.enqueue([item], h.engine.resources.now_ms())  # its slot taken again, as before its ack
+        await q.dequeue(h.env.worker_group_id, 5, h.engine.resources.now_ms())
+        assert run.id in await q.running_ids(h.env.env_id)
+        return run.id
+
+    acked = await finished_holding_a_slot()
+    assert (await reconciler.reconcile(grace_s=30)).slots_freed == 0  # seen once: perhaps its ack is on its way
+    await q.ack([(h.env.env_id, acked)])  # ... and it was
+    lost = await finished_holding_a_slot()
+    assert (await reconciler.reconcile(grace_s=30)).slots_freed == 0  # the new one seen once
+    assert (await reconciler.reconcile(grace_s=30)).slots_freed == 1  # seen twice, same snapshot: freed
+    assert lost not in await q.running_ids(h.env.env_id)
