@@ -26,6 +26,10 @@ Round 1 runs the systems in order, round 2 in reverse order, and so on. Prints a
 min–max over rounds, CPU ms per job and latencies as medians) and ends with the lines
 ``ratio to pgqueuer in process: R`` (batch ÷ batch) and ``ratio to celery over http: R`` (concurrent ÷
 concurrent: run-engine over HTTP has no batch mode). Results: bench/.peers/last.json.
+
+``--fairness`` runs only the noisy-neighbour comparison: a victim's 100 jobs, 5 ms apart, on the idle
+system and behind another tenant's ``--flood`` (20,000) jobs; p99 enqueue → start both times
+(run-engine: bench/fairness.py with two environments; a peer: its one queue).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import dataclasses
 import json
 import os
 import queue
+import re
 import shlex
 import signal
 import statistics
@@ -207,7 +212,8 @@ def _reader(stream: IO[bytes], lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
-def run_system(system: System, args: argparse.Namespace, env: Env, round_no: int) -> dict[str, Any]:
+def run_system(system: System, args: argparse.Namespace, env: Env, round_no: int,
+               extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One subprocess of one system; returns its results, or {"error": ...}."""
     out: dict[str, Any] = {"round": round_no}
     python = project_python() if system.venv is None else venv_python(system.venv)
@@ -216,7 +222,7 @@ def run_system(system: System, args: argparse.Namespace, env: Env, round_no: int
     cmd = [str(python), str(PEERS_DIR / system.script), *system.script_args, "--runs", str(args.runs)]
     if system.protocol_phases:
         cmd += ["--producers", str(args.producers), "--concurrency", str(args.concurrency),
-                "--phase-timeout", str(args.timeout)]
+                "--phase-timeout", str(args.timeout), *extra]
     child_env = {**os.environ, "PEERS_PROTOCOL": "1", "PYTHONUNBUFFERED": "1", **dict(system.env)}
     child_env.pop("PYTHONPATH", None)
     db_name, redis_db = None, None
@@ -429,6 +435,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-install", action="store_true", help="use the peers' venvs as they are")
     parser.add_argument("--producers", type=int, default=16, help="concurrent producers in the peers' scripts")
     parser.add_argument("--concurrency", type=int, default=16, help="worker concurrency, where a peer has one")
+    parser.add_argument("--fairness", action="store_true",
+                        help="only the noisy-neighbour comparison: a victim's p99 under another's flood")
+    parser.add_argument("--flood", type=int, default=20_000, help="--fairness: the other tenant's backlog")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds per subprocess (default 300 + 0.1 per run)")
     args = parser.parse_args()
@@ -466,6 +475,10 @@ def main() -> None:
     servers = Servers(postmaster=_try(postgres.postmaster_pid), redis=_try(redis.pid))
     log(f"servers: postmaster pid {servers.postmaster}, redis pid {servers.redis}")
     env = Env(postgres, redis, servers)
+
+    if args.fairness:
+        fairness(args, chosen, env)
+        return
 
     results: dict[str, list[dict[str, Any]]] = {s.key: [] for s in chosen}
     for round_no in range(1, args.rounds + 1):
@@ -515,6 +528,35 @@ def main() -> None:
           "concurrent ÷ concurrent over HTTP.")
     print(f"ratio to pgqueuer in process: {r_pgq}")
     print(f"ratio to celery over http: {r_cel}")
+
+
+def fairness(args: argparse.Namespace, chosen: list[System], env: Env) -> None:
+    """A victim's 100 jobs, 5 ms apart, on the idle system and behind another's flood: run-engine's
+    fair queue (bench/fairness.py, two environments, no work per run) against each peer's queue."""
+    rows: list[tuple[str, float | None, float | None, str]] = []
+    for system in chosen:
+        if system.key == "run-engine":
+            log("fairness: run-engine in process ...")
+            proc = subprocess.run([str(project_python()), str(ROOT / "bench" / "fairness.py"), "--flood",
+                                   str(args.flood), "--work-ms", "0", "--window", "1000", "--backlog", "200"],
+                                  capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+            m = re.search(r"^tenants: victim p99 idle ([\d.]+) ms, under a \d+-run flood ([\d.]+) ms",
+                          proc.stdout, re.M)
+            rows.append((system.label, float(m.group(1)) if m else None, float(m.group(2)) if m else None,
+                         "two environments of one worker group" if m else f"failed: {proc.stderr[-200:]}"))
+        elif system.protocol_phases:
+            log(f"fairness: {system.label} ...")
+            run = run_system(system, args, env, 1, ("--modes", "noisy", "--flood", str(args.flood)))
+            noisy = run.get("noisy") or {}
+            rows.append((system.label, noisy.get("idle_p99_ms"), noisy.get("loaded_p99_ms"),
+                         "one queue" if noisy else f"failed: {run.get('error', 'no result')}"))
+    print(f"noisy neighbour: a victim's 100 jobs behind another's {args.flood} (p99 enqueue→start, ms)")
+    print("| system | idle p99 | under the flood p99 | ratio | |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, idle, loaded, note in rows:
+        ratio_text = f"{loaded / idle:.1f}" if idle and loaded else "—"
+        print(f"| {label} | {f'{idle:.1f}' if idle is not None else '—'} | "
+              f"{f'{loaded:.1f}' if loaded is not None else '—'} | {ratio_text} | {note} |")
 
 
 def git_commit() -> str:

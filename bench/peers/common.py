@@ -14,6 +14,8 @@ Phases, one process, one fresh database:
               jobs/s = N / (first enqueue → the N-th job ran)
   latency     worker running; N/2 jobs enqueued at half the concurrent rate, the enqueue wall time in the job's
               arguments; the job notes its own start; p50/p99 of start − enqueue
+  noisy       (only with --modes noisy) a victim's 100 jobs on the idle system, then after another's 20,000:
+              their enqueue → start p99 both times
 
 Protocol with bench/peers.py (only when PEERS_PROTOCOL=1): before and after each measured phase the script
 prints ``@@phase start|end <name>`` and waits for one line on stdin, so that the parent can read the CPU
@@ -233,10 +235,37 @@ async def run_phases(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
             result["jobs"] += m
             log(f"{peer.name} latency at {rate / 2:.0f}/s: p50 {pct(lat, 50) or 0:.1f} ms, "
                 f"p99 {pct(lat, 99) or 0:.1f} ms")
+        if "noisy" in modes:
+            result["noisy"] = await noisy_neighbour(peer, args)
+            result["jobs"] += args.flood + 2 * args.victims
         await peer.stop_worker()
     finally:
         await peer.teardown()
     return result
+
+
+async def noisy_neighbour(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
+    """Worker running: ``--victims`` jobs, 5 ms apart, on the idle system; then a flood of ``--flood``
+    jobs (the peer's batched enqueue: another tenant's backlog) and the victims again. Their
+    enqueue→start p99 both times (a FIFO queue serves the victims after the whole flood)."""
+    async def victims(extra: int) -> list[float]:
+        await peer.reset_tracker(extra + args.victims)
+        if extra:
+            for i in range(0, extra, peer.batch_chunk):
+                await peer.enqueue_batch([None] * min(peer.batch_chunk, extra - i))
+            await asyncio.sleep(0.5)  # the flood is being worked on
+        for _ in range(args.victims):
+            await peer.enqueue_one(time.time())
+            await asyncio.sleep(0.005)
+        await peer.wait_done(args.phase_timeout)
+        return peer.latencies()
+
+    idle = await victims(0)
+    loaded = await victims(args.flood)
+    out = {"flood": args.flood, "victims": args.victims, "idle_p99_ms": pct(idle, 99), "loaded_p99_ms": pct(loaded, 99)}
+    log(f"{peer.name} noisy neighbour: victim p99 idle {out['idle_p99_ms'] or 0:.1f} ms, "
+        f"under a {args.flood}-job flood {out['loaded_p99_ms'] or 0:.1f} ms")
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -244,7 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=5000)
     parser.add_argument("--producers", type=int, default=16, help="concurrent producers (one job per call)")
     parser.add_argument("--concurrency", type=int, default=16, help="worker concurrency, where the peer has one")
-    parser.add_argument("--modes", default="batch,concurrent,latency")
+    parser.add_argument("--modes", default="batch,concurrent,latency", help="also: noisy")
+    parser.add_argument("--flood", type=int, default=20_000, help="noisy: the other tenant's backlog")
+    parser.add_argument("--victims", type=int, default=100, help="noisy: the victim's jobs")
     parser.add_argument("--phase-timeout", type=float, default=600.0)
     return parser.parse_args(argv)
 
