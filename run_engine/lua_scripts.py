@@ -11,7 +11,6 @@ carries the shard's hash tag, so a script touches one cluster slot, the slot of 
 from __future__ import annotations
 
 import hashlib
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +19,6 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError
 
 from run_engine._resources import read_text
-from run_engine.batching import Batcher
 
 KeyOrArg = str | bytes | int | float
 
@@ -53,15 +51,6 @@ class LuaScript:
         await client.script_load(self.source)
 
     async def __call__(self, client: Redis, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
-        """Run the script. Calls made in the same event-loop tick on one client go out as one
-        pipeline (one round trip), so the batched writes of different kinds that a state change
-        makes at once (an ack, engine jobs, a lock release) share a socket write."""
-        reply = await _coalescer(client).submit((self, tuple(keys), tuple(args)))
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
-
-    async def call_now(self, client: Redis, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> Any:
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -71,39 +60,3 @@ class LuaScript:
     def queue_in(self, pipe: Pipeline, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> None:
         """Add a call to a pipeline; the script must have been :meth:`load`-ed on that server."""
         pipe.evalsha(self.sha, len(keys), *keys, *args)
-
-
-_Call = tuple[LuaScript, tuple[KeyOrArg, ...], tuple[KeyOrArg, ...]]
-_COALESCERS: weakref.WeakKeyDictionary[Redis, Batcher[_Call, Any]] = weakref.WeakKeyDictionary()
-
-
-def _coalescer(client: Redis) -> Batcher[_Call, Any]:
-    batcher = _COALESCERS.get(client)
-    if batcher is None:
-        batcher = _COALESCERS[client] = Batcher(lambda calls: _pipelined(client, calls), max_batch=100,
-                                                max_in_flight=8, split=False)
-    return batcher
-
-
-async def _pipelined(client: Redis, calls: list[_Call]) -> list[Any]:
-    """Each call's reply, or the exception it raised (returned, not raised: one call's error is its
-    own). A lone call goes out as a plain EVALSHA."""
-    if len(calls) == 1:
-        script, keys, args = calls[0]
-        try:
-            return [await script.call_now(client, keys, args)]
-        except Exception as exc:
-            return [exc]
-    pipe = client.pipeline(transaction=False)
-    for script, keys, args in calls:
-        script.queue_in(pipe, keys, args)
-    replies = await pipe.execute(raise_on_error=False)
-    out = []
-    for (script, keys, args), reply in zip(calls, replies, strict=True):
-        if isinstance(reply, NoScriptError):
-            try:
-                reply = await script.call_now(client, keys, args)
-            except Exception as exc:
-                reply = exc
-        out.append(reply)
-    return out
