@@ -14,7 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from run_engine.clock import Clock, SystemClock
-from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec
+from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec, queue_type
 from run_engine.db.repository import Repository
 from run_engine.db.runs import RunRow, Snapshot
 from run_engine.db.schedules import Schedule
@@ -43,7 +43,7 @@ from systems.waitpoints import BlockOutcome, WaitpointsSystem
 __all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome",
            "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome", "Explanation",
            "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec", "RateLimitSpec",
-           "Deployed"]
+           "Deployed", "queue_type"]
 
 
 class RunEngine:

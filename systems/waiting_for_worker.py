@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from run_engine.cron import Cron, CronError
-from run_engine.db.deployments import QueueSpec, TaskSpec
+from run_engine.db.deployments import QueueSpec, TaskSpec, queue_type
 from run_engine.db.runs import Transition
 from run_engine.db.tenancy import WorkerGroup
 from run_engine.errors import UnprocessableError, ValidationError
@@ -88,7 +88,7 @@ class WaitingForWorkerSystem:
         self.validate(tasks)
         declared = {q.name: q for q in queues}
         for t in tasks:
-            declared.setdefault(t.queue_name, QueueSpec(t.queue_name))
+            declared.setdefault(t.queue_name, QueueSpec(t.queue_name, type=queue_type(t.queue_name)))
         queue_list = list(declared.values())
         dep_id, _ = await self.r.repo.deployments.register_deployment(
             deployment_id=new_id("deployment"), env_id=env_id, worker_group_id=worker_group_id,

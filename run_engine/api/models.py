@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from run_engine.engine import CronSpec, QueueSpec, RateLimitSpec, TaskSpec
+from run_engine.engine import CronSpec, QueueSpec, RateLimitSpec, TaskSpec, queue_type
 
 MACHINES = ("micro", "small-1x", "small-2x", "medium-1x", "medium-2x", "large-1x", "large-2x")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
@@ -97,7 +97,8 @@ class QueueOption(_Body):
     rateLimit: RateLimitOption | None = None
 
     def spec(self) -> QueueSpec:
-        return QueueSpec(self.name, concurrency_limit=self.concurrencyLimit,
+        return QueueSpec(self.name, type=queue_type(self.name),
+                         concurrency_limit=self.concurrencyLimit,
                          rate_limit=self.rateLimit.spec() if self.rateLimit else None)
 
 

@@ -33,9 +33,14 @@ class RateLimitSpec:
         return None if not data else cls(int(data["limit"]), int(data["periodMs"]), int(data.get("burst", 1)))
 
 
+def queue_type(name: str) -> str:
+    """A task's own queue (``task/<id>``) is ``task``; any queue a user names is ``custom``."""
+    return "task" if name.startswith("task/") else "custom"
+
+
 @dataclass(frozen=True, slots=True)
 class QueueSpec:
-    """A queue as a deployment declares it."""
+    """A queue as a deployment declares it (``type``: see :func:`queue_type`)."""
 
     name: str
     type: str = "task"
@@ -170,7 +175,8 @@ class DeploymentRepository:
                     """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit, rate_limit)
                        VALUES (%s, %s, %s, %s, %s, %s)
                        ON CONFLICT (environment_id, name) DO UPDATE
-                           SET concurrency_limit = EXCLUDED.concurrency_limit, rate_limit = EXCLUDED.rate_limit""",
+                           SET type = EXCLUDED.type, concurrency_limit = EXCLUDED.concurrency_limit,
+                               rate_limit = EXCLUDED.rate_limit""",
                     (queue_id, env_id, queue.name, queue.type, queue.concurrency_limit,
                      Jsonb(queue.rate_limit.stored()) if queue.rate_limit else None),
                 )

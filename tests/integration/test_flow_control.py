@@ -138,3 +138,17 @@ async def test_concurrent_triggers_with_one_key_create_one_run(h: Harness) -> No
     assert batch[0].id == results[0].id and batch[0].is_cached
     assert batch[1].id == batch[2].id and not batch[1].is_cached and batch[2].is_cached
     assert len(await h.engine.dequeue(h.env.worker_group_id, 10)) == 2
+
+
+async def test_a_declared_queue_is_custom_and_a_task_queue_is_task(h: Harness) -> None:
+    await h.deploy({"id": "hello", "queue": "reports"}, {"id": "other"}, {"id": "third", "queue": "undeclared"},
+                   queues=[{"name": "reports", "concurrencyLimit": 2}, {"name": "task/other", "concurrencyLimit": 3}])
+    queues = {q.name: q for q in await h.engine.list_queues(h.env.env_id)}
+    assert queues["undeclared"].type == "custom"  # named by a task, not declared
+    assert queues["reports"].type == "custom" and queues["reports"].effective_limit == 2
+    assert queues["task/other"].type == "task" and queues["task/other"].effective_limit == 3
+    # a queue first made by a trigger naming it (custom), then declared: still custom, the declared limit
+    await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", queue="nightly"))
+    await h.deploy({"id": "hello"}, queues=[{"name": "nightly", "concurrencyLimit": 1}], version="2")
+    nightly = await h.engine.task_queue(h.env.env_id, "nightly")
+    assert nightly is not None and nightly.type == "custom" and nightly.effective_limit == 1
