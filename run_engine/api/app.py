@@ -14,7 +14,7 @@ from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError, handle_exception, json_response
 from run_engine.api.inputs import RejectUnstorable
 from run_engine.api.openapi import openapi_document, operation
-from run_engine.api.schemas import Health
+from run_engine.api.schemas import Health, Index
 from run_engine.dependencies import DEPENDENCY_ERRORS
 from run_engine.errors import RunEngineError
 
@@ -33,6 +33,20 @@ async def healthz(request: Request) -> Response:
         "dependency": down[0]}}, 503, headers={"Retry-After": "2"})
 
 
+@operation("Where things are: health, the OpenAPI document, the API", Index, security="none")
+async def index(request: Request) -> Response:
+    """``GET /`` answers with directions instead of a bare 404."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        current = version("run-engine")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        current = "unknown"
+    return json_response({"name": "run-engine", "version": current, "health": "/healthz",
+                          "openapi": "/openapi.json", "api": "/api/v1",
+                          "docs": "docs/API.md in the repository (the HTTP, CLI and SDK reference)"})
+
+
 @operation("This document", None, security="none")
 async def openapi(request: Request) -> Response:
     doc = getattr(request.app.state, "openapi", None)
@@ -43,8 +57,8 @@ async def openapi(request: Request) -> Response:
 
 def create_app(ctx: ApiContext) -> Starlette:
     app = Starlette(
-        routes=[Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES, *tokens.ROUTES,
-                *schedules.ROUTES, *stream.ROUTES, *worker.ROUTES],
+        routes=[Route("/", index), Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES,
+                *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *worker.ROUTES],
         middleware=[Middleware(RejectUnstorable)],
         # Expected errors are answered by ExceptionMiddleware; anything else reaches
         # ServerErrorMiddleware, which answers with the same shape and logs the traceback.

@@ -323,3 +323,12 @@ class Dependencies(_Out):
 class Health(_Out):
     ok: bool
     dependencies: Dependencies
+
+
+class Index(_Out):
+    name: str
+    version: str
+    health: str
+    openapi: str
+    api: str
+    docs: str

@@ -154,6 +154,9 @@ def test_openapi_and_health(stack: Stack) -> None:
     assert doc["openapi"].startswith("3.") and "/api/v1/tasks/{taskId}/trigger" in doc["paths"]
     assert "TriggerBody" in doc["components"]["schemas"]
     assert httpx.get(f"{stack.url}/healthz").json() == {"ok": True, "dependencies": {"postgres": "up", "redis": "up"}}
+    index = httpx.get(f"{stack.url}/")  # directions, not a bare 404
+    assert index.status_code == 200 and index.json()["health"] == "/healthz" and index.json()["version"] != ""
+    assert "/" in doc["paths"]
 
 
 # --- bad input ----------------------------------------------------------------------------------
