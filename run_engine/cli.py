@@ -290,8 +290,12 @@ def dev(
 
     if json_logs:
         logs.configure(json=True)
-    console = Console()
+    console = Console(soft_wrap=True)  # lines to copy (export, curl) are never wrapped
     url = f"http://127.0.0.1:{port}"
+    if not _port_free("127.0.0.1", port):
+        typer.echo(f"error: port {port} is in use (is another `run-engine dev` running?); stop it, or start "
+                   f"this one with --port N", err=True)
+        raise typer.Exit(1)
     if not json_logs:
         console.print("starting run-engine dev…")
     shutdown = Shutdown().install()  # Ctrl-C at any moment from here on stops everything, once
@@ -342,6 +346,18 @@ Ctrl-C stops everything.""", highlight=False)
                     supervisor.kill()
         if not json_logs:
             console.print("stopped")
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def main() -> None:

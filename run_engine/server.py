@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -154,7 +155,7 @@ async def serve(settings: EngineSettings, *, host: str, port: int, secret: str, 
             config = uvicorn.Config(create_app(ctx), host=host, port=port, log_level="warning", access_log=False,
                                     log_config=None, lifespan="off", timeout_graceful_shutdown=1,
                                     http=_http_protocol())
-            server = uvicorn.Server(config)
+            server = _Server(config, on_shutdown=ctx.wakeups.stop_waiting)
             shutdown.serving(server)
             serving = asyncio.ensure_future(server.serve())
             try:
@@ -169,6 +170,20 @@ async def serve(settings: EngineSettings, *, host: str, port: int, secret: str, 
     except asyncio.CancelledError:
         if not shutdown.requested:
             raise  # a signal's cancel ends start-up quietly; any other cancel propagates
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that, when it begins to shut down (its own signal handler, or
+    ``should_exit``), first lets long-polls answer: they would otherwise be cut off after the
+    graceful period with a traceback and a 500."""
+
+    def __init__(self, config: uvicorn.Config, *, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._on_shutdown()
+        await super().shutdown(sockets)
 
 
 async def _announce(server: uvicorn.Server, serving: asyncio.Future[None], url: str,

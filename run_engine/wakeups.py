@@ -31,6 +31,7 @@ class WakeUps:
         self._flush: asyncio.Task[None] | None = None
         self._subscription = Subscription(redis, [channel], self._on_message, "wake-up")
         self._released: dict[str, float] = {}  # worker instance -> when it said it is stopping
+        self._stopping = False
 
     def _event(self, group: str) -> asyncio.Event:
         event = self._events.get(group)
@@ -85,9 +86,20 @@ class WakeUps:
         at = self._released.get(self._instance_key(instance))
         return at is not None and at >= since
 
+    @property
+    def stopping(self) -> bool:
+        """The server is stopping: long-polls answer now instead of being cut off."""
+        return self._stopping
+
+    def stop_waiting(self) -> None:
+        """Wake every waiter now and let no new wait block (the server is stopping)."""
+        self._stopping = True
+        for event in self._events.values():
+            event.set()
+
     async def wait(self, group: str, timeout_s: float) -> bool:
         """Wait until ``group`` may have work, at most ``timeout_s``; True if woken."""
-        if timeout_s <= 0:
+        if timeout_s <= 0 or self._stopping:
             return False
         event = self._event(group)
         self._waiters[group] = self._waiters.get(group, 0) + 1

@@ -7,7 +7,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from run_engine.api import public, schedules, stream, tokens, worker
 from run_engine.api.context import ApiContext
@@ -55,10 +55,15 @@ async def openapi(request: Request) -> Response:
     return json_response(doc)
 
 
+def routes() -> list[BaseRoute]:
+    """Every route the API serves (the OpenAPI document is built from them)."""
+    return [Route("/", index), Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES,
+            *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *worker.ROUTES]
+
+
 def create_app(ctx: ApiContext) -> Starlette:
     app = Starlette(
-        routes=[Route("/", index), Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES,
-                *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *worker.ROUTES],
+        routes=routes(),
         middleware=[Middleware(RejectUnstorable)],
         # Expected errors are answered by ExceptionMiddleware; anything else reaches
         # ServerErrorMiddleware, which answers with the same shape and logs the traceback.

@@ -114,6 +114,8 @@ async def dequeue(request: Request) -> Response:
                 if got.retry_at_ms is not None:
                     cap = max(0.002, min(cap, got.retry_at_ms / 1000 - ctx.engine.now()))
                 await ctx.wakeups.wait(group.id, min(remaining, cap))
+                if ctx.wakeups.stopping:
+                    break  # this server is stopping: answer now rather than be cut off mid-poll
                 if ctx.wakeups.released(instance, since=began) or await request.is_disconnected():
                     break  # the worker is stopping or gone: runs handed out now would wait for a timeout
                 got = await ctx.engine.dequeue(group.id, req.maxRuns, req.workerInstanceName, environments,

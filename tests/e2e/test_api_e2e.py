@@ -92,7 +92,7 @@ def test_queues_list_get_and_concurrency_override(lonely: Stack) -> None:
         names = {q["name"] for q in c.get("/api/v1/queues").json()["data"]}
         assert {"task/manual", "custom-q"} <= names
         q = c.get("/api/v1/queues/custom-q").json()
-        assert (q["concurrencyLimit"], q["type"], q["paused"]) == (3, "task", False)
+        assert (q["concurrencyLimit"], q["type"], q["paused"]) == (3, "custom", False)  # a queue a user names is custom
         assert c.post("/api/v1/queues/custom-q/concurrency/override", json={"concurrencyLimit": 1}).json()[
             "concurrencyLimit"] == 1
         assert c.post("/api/v1/queues/custom-q/concurrency/reset").json()["concurrencyLimit"] == 3

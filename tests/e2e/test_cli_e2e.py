@@ -91,7 +91,7 @@ def test_dev_starts_everything_on_the_embedded_default(tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items()
            if k not in ("DATABASE_URL", "REDIS_URL", "RUN_ENGINE_SECRET", "RUN_ENGINE_KEY_PREFIX")}
-    env.update({"RUN_ENGINE_REDIS_PORT": "0", "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    env.update({"RUN_ENGINE_REDIS_PORT": "0", "PYTHONPATH": str(ROOT), "COLUMNS": "60"})  # narrow: nothing wraps
     log_path = tmp_path / "dev.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "run_engine.cli", "dev", "--port", str(port)],
@@ -120,12 +120,20 @@ def test_dev_starts_everything_on_the_embedded_default(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, run
             time.sleep(0.1)
         assert run["output"]["message"] == "Hello, Ada!"
+        banner = log_path.read_text()  # the lines to copy are whole however narrow the terminal
+        assert re.search(rf"export RUN_ENGINE_API_URL={url} RUN_ENGINE_API_KEY={key}\n", banner), banner
+        assert f'curl -s -X POST {url}/api/v1/tasks/hello-world/trigger \\\n' in banner, banner
+        second = subprocess.run([sys.executable, "-m", "run_engine.cli", "dev", "--port", str(port)], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and f"port {port} is in use" in second.stderr, second
+        assert "Traceback" not in second.stderr + second.stdout
         assert (tmp_path / ".run-engine" / "pgdata" / "PG_VERSION").exists()
         secret = tmp_path / ".run-engine" / "secret"  # generated for dev, readable by its owner only
         assert secret.exists() and secret.stat().st_mode & 0o777 == 0o600
         code = stop(proc, signal.SIGINT, timeout=60)
         assert code == 0, (code, log_path.read_text()[-3000:])
         assert "stopped" in log_path.read_text()
+        assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]  # Ctrl-C stops quietly
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -7,11 +7,10 @@ import pytest
 from starlette.responses import Response
 from starlette.routing import Route
 
-from run_engine.api import app, public, schedules, stream, tokens, worker
+from run_engine.api.app import routes
 from run_engine.api.openapi import openapi_document
 
-ROUTES = [Route("/healthz", app.healthz), Route("/openapi.json", app.openapi), *public.ROUTES, *tokens.ROUTES,
-          *schedules.ROUTES, *stream.ROUTES, *worker.ROUTES]
+ROUTES = routes()
 
 
 def test_every_route_is_documented_with_responses_and_security() -> None:
