@@ -36,8 +36,22 @@ Secret = Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET", show_def
                                             help="Installation secret: every key and token is derived from it.")]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"run-engine {version('run-engine')}")
+        except PackageNotFoundError:
+            typer.echo("run-engine (not installed: run from a source tree)")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    show_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                               help="Print the version and exit.")] = False,
+) -> None:
     """run-engine: trigger, queue and run background tasks."""
 
 

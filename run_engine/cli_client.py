@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 FINAL = {"COMPLETED", "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT"}
+NOT_STARTED = {"QUEUED", "DELAYED", "PENDING_VERSION"}
 # Piped output is not cut to 80 columns: ids must survive `| grep`.
 console = Console(width=None if sys.stdout.isatty() else 240)
 err_console = Console(stderr=True)
@@ -44,6 +45,15 @@ def _call(url: str, key: str, method: str, path: str, **kwargs: Any) -> Any:
         err_console.print(f"[red]{r.status_code} {error.get('code', '')}: {error.get('message', r.text)}[/red]")
         raise typer.Exit(1)
     return data
+
+
+def _try_call(url: str, key: str, method: str, path: str) -> Any:
+    """Like :func:`_call` for a call whose answer is only nice to have: ``None`` instead of an exit."""
+    try:
+        r = httpx.request(method, f"{url.rstrip('/')}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        return r.json() if r.status_code < 400 and r.content else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def _emit(data: Any, as_json: bool, table: Table | None = None, text: str | None = None) -> None:
@@ -80,16 +90,29 @@ def trigger(
         _emit(created, as_json, text=f"triggered [bold]{created['id']}[/bold]")
         return
     deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    why, asked, delay = "", 0.0, 0.1
     with console.status(f"waiting for {created['id']}…", spinner="dots") as status:
         while True:
             run = _call(api_url, api_key, "GET", f"/api/v3/runs/{created['id']}")
-            status.update(f"{created['id']}: {run['status']}")
             if run["status"] in FINAL:
                 break
-            if time.monotonic() > deadline:
-                err_console.print(f"[yellow]{created['id']} still {run['status']} after {timeout:g}s[/yellow]")
+            now = time.monotonic()
+            if run["status"] in NOT_STARTED and now - started > 2 and now - asked > 5:
+                # not started after a while: say why (no deployment has the task, a paused queue, a limit…)
+                asked = now
+                explained = _try_call(api_url, api_key, "GET", f"/api/v1/runs/{created['id']}/explain")
+                if isinstance(explained, dict):
+                    why = explained.get("summary") or "; ".join(r["message"] for r in explained.get("reasons", []))
+            elif run["status"] not in NOT_STARTED:
+                why = ""
+            status.update(f"{created['id']}: {run['status']}" + (f" ({why})" if why else ""))
+            if now > deadline:
+                err_console.print(f"[yellow]{created['id']} still {run['status']} after {timeout:g}s"
+                                  + (f": {why}" if why else "") + "[/yellow]", soft_wrap=True)
                 raise typer.Exit(1)
-            time.sleep(0.2)
+            time.sleep(delay)
+            delay = min(delay * 1.5, 2.0)  # back off: a long wait polls a few times a minute, not 5 a second
     colour = "green" if run["status"] == "COMPLETED" else "red"
     _emit(run, as_json, text=f"[{colour}]{run['id']} {run['status']}[/{colour}]\n"
           f"{json.dumps(run.get('output', run.get('error')), indent=2)}")

@@ -45,6 +45,18 @@ def test_trigger_wait_of_a_failing_run_exits_nonzero(cli_project: Stack) -> None
     assert out.returncode == 1 and json.loads(out.stdout)["status"] == "FAILED"
 
 
+def test_version() -> None:
+    out = subprocess.run([sys.executable, "-m", "run_engine.cli", "--version"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and re.fullmatch(r"run-engine \d+\.\d+\.\d+\S*\n", out.stdout), out
+
+
+def test_trigger_wait_of_a_run_that_cannot_start_says_why(cli_project: Stack) -> None:
+    out = cli_project.cli("trigger", "no-such-task", "--wait", "--timeout", "4", check=False)
+    assert out.returncode == 1, out
+    assert "PENDING_VERSION" in out.stderr and "no deployment of this environment has the task" in out.stderr, out
+
+
 def test_tokens_commands_release_a_waiting_run(cli_project: Stack) -> None:
     token = json.loads(cli_project.cli("tokens", "create", "--timeout", "1h", "--tag", "cli", "--json").stdout)
     assert token["url"] and not token["isCached"]
