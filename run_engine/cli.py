@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from run_engine import logs
+from run_engine import cli_help, logs
 from run_engine.cli_client import register as register_client_commands
 from run_engine.db.migrations import migrate_sync
 from run_engine.services import services
@@ -32,6 +32,10 @@ DataDir = Annotated[Path | None, typer.Option(help="Where embedded servers keep 
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 JsonLogs = Annotated[bool, typer.Option("--json",
                                         help="Logs as one JSON object per line (as RUN_ENGINE_LOG_FORMAT=json).")]
+DatabaseUrl = Annotated[str | None, typer.Option(envvar="DATABASE_URL", show_default=False,
+                                                 help="PostgreSQL URL (default: an embedded PostgreSQL).")]
+RedisUrl = Annotated[str | None, typer.Option(envvar="REDIS_URL", show_default=False,
+                                              help="Redis URL (default: an embedded Redis).")]
 Secret = Annotated[str | None, typer.Option(envvar="RUN_ENGINE_SECRET", show_default=False,
                                             help="Installation secret: every key and token is derived from it.")]
 
@@ -65,9 +69,21 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def _settings(database_url: str, redis_url: str) -> EngineSettings:
+    """The settings from the environment, or a clear message and exit 2 (never a traceback)."""
+    from run_engine.errors import ConfigurationError
     from run_engine.settings import EngineSettings
 
-    return EngineSettings.from_env(database_url=database_url, redis_url=redis_url)
+    try:
+        return EngineSettings.from_env(database_url=database_url, redis_url=redis_url)
+    except ConfigurationError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _urls(database_url: str | None, redis_url: str | None) -> dict[str, str]:
+    """The environment with the URLs given as flags (an empty one means embedded)."""
+    given = {k: v for k, v in (("DATABASE_URL", database_url), ("REDIS_URL", redis_url)) if v is not None}
+    return {**os.environ, **given}
 
 
 def _secret(configured: str | None, data_dir: Path, *, generate: bool = False) -> str:
@@ -100,6 +116,8 @@ def server(
     port: Annotated[int, typer.Option(envvar="RUN_ENGINE_PORT", help="Port to listen on.")] = 3030,
     host: Annotated[str, typer.Option(envvar="RUN_ENGINE_HOST", help="Address to listen on.")] = "127.0.0.1",
     secret: Secret = None,
+    database_url: DatabaseUrl = None,
+    redis_url: RedisUrl = None,
     data_dir: DataDir = None,
     json_logs: JsonLogs = False,
 ) -> None:
@@ -109,7 +127,7 @@ def server(
     if json_logs:
         logs.configure(json=True)
     shutdown = Shutdown().install()  # SIGINT/SIGTERM from here on: a graceful stop and exit 0, whenever they come
-    with services(data_dir) as svc:
+    with services(data_dir, _urls(database_url, redis_url)) as svc:
         key = _secret(secret, svc.data_dir)
         migrate_sync(svc.database_url)
         _run(serve(_settings(svc.database_url, svc.redis_url), host=host, port=port, secret=key, shutdown=shutdown))
@@ -268,6 +286,11 @@ def supervisor_cmd(
     suspend_after: Annotated[float, typer.Option(envvar="RUN_ENGINE_SUSPEND_AFTER_S", min=0,
                                                  help="Seconds a blocked run waits in its executor before it is "
                                                       "checkpointed and its executor and slot released.")] = 5.0,
+    metrics_port: Annotated[int | None, typer.Option(envvar="RUN_ENGINE_SUPERVISOR_METRICS_PORT", min=0, max=65535,
+                                                     help="Serve Prometheus metrics on this port (default: off).")]
+    = None,
+    metrics_host: Annotated[str, typer.Option(envvar="RUN_ENGINE_SUPERVISOR_METRICS_HOST",
+                                              help="Address of the metrics port.")] = "127.0.0.1",
     json_logs: JsonLogs = False,
 ) -> None:
     """Serve a worker group: pull its runs and execute them in warm executor processes."""
@@ -280,7 +303,8 @@ def supervisor_cmd(
     sys.path.insert(0, os.getcwd())
     run_supervisor(SupervisorConfig(api_url=api_url, token=token, tasks_module=tasks, concurrency=concurrency,
                                     name=name, heartbeat_interval_s=heartbeat_interval,
-                                    environments=tuple(env or ()), suspend_after_s=suspend_after))
+                                    environments=tuple(env or ()), suspend_after_s=suspend_after,
+                                    metrics_port=metrics_port, metrics_host=metrics_host))
 
 
 @app.command()
@@ -288,6 +312,8 @@ def dev(
     tasks: Annotated[str, typer.Option(help="Module with your @task functions.")] = "examples.tasks",
     port: Annotated[int, typer.Option(envvar="RUN_ENGINE_PORT", help="API port.")] = 3030,
     concurrency: Annotated[int, typer.Option(min=1, help="Runs at once on the local supervisor.")] = 4,
+    database_url: DatabaseUrl = None,
+    redis_url: RedisUrl = None,
     data_dir: DataDir = None,
     json_logs: Annotated[bool, typer.Option("--json", help="Print the credentials as one JSON line and log "
                                                            "as JSON lines.")] = False,
@@ -313,7 +339,7 @@ def dev(
     if not json_logs:
         console.print("starting run-engine dev…")
     shutdown = Shutdown().install()  # Ctrl-C at any moment from here on stops everything, once
-    with services(data_dir) as svc:
+    with services(data_dir, _urls(database_url, redis_url)) as svc:
         # dev may generate its own secret, kept (0600) in the data folder; production sets RUN_ENGINE_SECRET
         secret = _secret(os.environ.get("RUN_ENGINE_SECRET"), svc.data_dir, generate=True)
         migrate_sync(svc.database_url)
@@ -330,13 +356,14 @@ def dev(
 
         def announce() -> None:  # once the API answers
             if json_logs:
-                typer.echo(json.dumps({"event": "up", **_credentials(creds, url), "tasks": tasks,
-                                       "embedded": svc.embedded}))
+                typer.echo(json.dumps({"event": "up", **_credentials(creds, url), "dashboard": f"{url}/dashboard",
+                                       "tasks": tasks, "embedded": svc.embedded}))
                 return
             console.print(f"""
 [bold green]run-engine dev is up[/bold green]   ({'embedded' if svc.embedded else 'configured'} PostgreSQL + Redis)
   API URL   {url}
   API key   {creds.api_key}
+  dashboard {url}/dashboard   (sign in with the API key)
   tasks     {tasks} on one supervisor ({concurrency} at once)
 
   export RUN_ENGINE_API_URL={url} RUN_ENGINE_API_KEY={creds.api_key}
@@ -376,6 +403,7 @@ def _port_free(host: str, port: int) -> bool:
 
 def main() -> None:
     logs.configure()
+    cli_help.tidy(app)
     app()
 
 

@@ -75,6 +75,15 @@ def _runs_table(runs: list[dict[str, Any]]) -> Table:
 def trigger(
     task: str,
     payload: Annotated[str, typer.Option(help="JSON payload.")] = "null",
+    delay: Annotated[str | None, typer.Option(help="Start no sooner than this: 30s, 15m, 2h or an ISO 8601 date.")]
+    = None,
+    ttl: Annotated[str | None, typer.Option(help="Expire unless started within this (e.g. 10m).")] = None,
+    tag: Annotated[list[str] | None, typer.Option(help="A tag (repeat for more, at most 10).")] = None,
+    idempotency_key: Annotated[str | None, typer.Option(help="The same key returns the same run.")] = None,
+    queue: Annotated[str | None, typer.Option(help="Queue to run in (default: the task's own).")] = None,
+    concurrency_key: Annotated[str | None, typer.Option(help="Limit concurrency per this key within the queue.")]
+    = None,
+    max_attempts: Annotated[int | None, typer.Option(min=1, max=250, help="Attempts before the run fails.")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the run finishes.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait with --wait.")] = 600,
     api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False,
@@ -85,13 +94,17 @@ def trigger(
     except json.JSONDecodeError as exc:
         err_console.print(f"[red]--payload is not JSON: {exc}[/red]")
         raise typer.Exit(2) from None
-    created = _call(api_url, api_key, "POST", f"/api/v1/tasks/{task}/trigger", json={"payload": body})
+    options = {k: v for k, v in {"delay": delay, "ttl": ttl, "tags": tag or None, "idempotencyKey": idempotency_key,
+                                 "queue": queue, "concurrencyKey": concurrency_key,
+                                 "maxAttempts": max_attempts}.items() if v is not None}
+    created = _call(api_url, api_key, "POST", f"/api/v1/tasks/{task}/trigger",
+                    json={"payload": body, **({"options": options} if options else {})})
     if not wait:
         _emit(created, as_json, text=f"triggered [bold]{created['id']}[/bold]")
         return
     deadline = time.monotonic() + timeout
     started = time.monotonic()
-    why, asked, delay = "", 0.0, 0.1
+    why, asked, pause = "", 0.0, 0.1
     with console.status(f"waiting for {created['id']}…", spinner="dots") as status:
         while True:
             run = _call(api_url, api_key, "GET", f"/api/v3/runs/{created['id']}")
@@ -111,11 +124,12 @@ def trigger(
                 err_console.print(f"[yellow]{created['id']} still {run['status']} after {timeout:g}s"
                                   + (f": {why}" if why else "") + "[/yellow]", soft_wrap=True)
                 raise typer.Exit(1)
-            time.sleep(delay)
-            delay = min(delay * 1.5, 2.0)  # back off: a long wait polls a few times a minute, not 5 a second
-    colour = "green" if run["status"] == "COMPLETED" else "red"
-    _emit(run, as_json, text=f"[{colour}]{run['id']} {run['status']}[/{colour}]\n"
-          f"{json.dumps(run.get('output', run.get('error')), indent=2)}")
+            time.sleep(pause)
+            pause = min(pause * 1.5, 2.0)  # back off: a long wait polls a few times a minute, not 5 a second
+    if as_json:
+        _emit(run, as_json)
+    else:
+        console.print(run_view(run), soft_wrap=True, highlight=False)
     if run["status"] != "COMPLETED":
         raise typer.Exit(1)
 
@@ -140,9 +154,53 @@ def runs_list(
 @runs_app.command("get")
 def runs_get(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
              as_json: AsJson = False) -> None:
-    """Show one run."""
+    """Show one run: status, timeline, payload, output or the error with its stack (--json: the run object)."""
     run = _call(api_url, api_key, "GET", f"/api/v3/runs/{run_id}")
-    _emit(run, as_json, text=json.dumps(run, indent=2))
+    if as_json:
+        _emit(run, as_json)
+        return
+    console.print(run_view(run), soft_wrap=True, highlight=False)
+
+
+def run_view(run: dict[str, Any]) -> str:
+    """A run as a person reads it (rich markup; values escaped)."""
+    from rich.markup import escape
+
+    colour = {"COMPLETED": "green", "CANCELED": "yellow"}.get(run["status"], "red" if run.get("isFailed") else "cyan")
+    lines = [f"[bold]{escape(run['taskIdentifier'])}[/bold]  [{colour}]{run['status']}[/{colour}]  {run['id']}",
+             f"  queue     {escape(run['queue'])}",
+             f"  attempts  {run['attemptCount']}" + (f" of {run['maxAttempts']}" if run.get("maxAttempts") else "")]
+    if run.get("tags"):
+        lines.append("  tags      " + ", ".join(escape(t) for t in run["tags"]))
+    for key, label in (("parentRunId", "parent"), ("batchId", "batch"), ("idempotencyKey", "idempotency")):
+        if run.get(key):
+            lines.append(f"  {label:<9} {escape(str(run[key]))}")
+    lines.append("timeline")
+    for key, label in (("createdAt", "created"), ("delayedUntil", "delayed to"), ("startedAt", "started"),
+                       ("finishedAt", "finished"), ("expiredAt", "expired")):
+        if run.get(key):
+            lines.append(f"  {label:<10} {run[key]}")
+    if run.get("durationMs"):
+        lines.append(f"  {'took':<10} {run['durationMs']} ms")
+    lines += ["payload", _indented(run.get("payload"))]
+    if run.get("output") is not None:
+        lines += ["output", _indented(run["output"])]
+    error = run.get("error")
+    if error:
+        head = " ".join(str(error[k]) for k in ("name", "type") if error.get(k))[:200]
+        lines += [f"[red]error[/red]  {escape(head)}: {escape(str(error.get('message', '')))}"]
+        stack = error.get("stackTrace") or error.get("stack")
+        if stack:
+            lines += [escape("  " + str(stack).rstrip().replace("\n", "\n  "))]
+    if run.get("children"):
+        lines += ["children"] + [f"  {c}" for c in run["children"]]
+    return "\n".join(lines)
+
+
+def _indented(value: Any) -> str:
+    from rich.markup import escape
+
+    return escape("  " + json.dumps(value, indent=2, ensure_ascii=False).replace("\n", "\n  "))
 
 
 @runs_app.command("cancel")

@@ -16,9 +16,9 @@ import redis.asyncio as aioredis
 from run_engine.clock import Clock, SystemClock
 from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec, queue_type
 from run_engine.db.repository import Repository
-from run_engine.db.runs import RunRow, Snapshot
+from run_engine.db.runs import BatchView, RunRow, Snapshot
 from run_engine.db.schedules import Schedule
-from run_engine.db.tenancy import Environment, WorkerGroup
+from run_engine.db.tenancy import Environment, WorkerGroup, WorkerView
 from run_engine.db.waitpoints import JournalEntry, Waitpoint
 from run_engine.errors import NotFoundError
 from run_engine.events import EventBus
@@ -43,7 +43,7 @@ from systems.waitpoints import BlockOutcome, WaitpointsSystem
 __all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome",
            "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome", "Explanation",
            "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec", "RateLimitSpec",
-           "Deployed", "queue_type"]
+           "Deployed", "queue_type", "BatchView", "WorkerView"]
 
 
 class RunEngine:
@@ -176,10 +176,15 @@ class RunEngine:
 
     async def list_runs(self, env_id: str, *, statuses: Sequence[str] = (), tasks: Sequence[str] = (),
                         tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
-                        limit: int = 25, after: tuple[datetime, str] | None = None) -> list[RunRow]:
+                        limit: int = 25, after: tuple[datetime, str] | None = None,
+                        created_from: datetime | None = None, created_to: datetime | None = None) -> list[RunRow]:
         """Newest first; ``after`` is the (created_at, id) of the last run of the previous page."""
         return await self.resources.repo.runs.list_runs(env_id, statuses=statuses, tasks=tasks, tags=tags,
-                                                        queues=queues, batches=batches, limit=limit, after=after)
+                                                        queues=queues, batches=batches, limit=limit, after=after,
+                                                        created_from=created_from, created_to=created_to)
+
+    async def list_batches(self, env_id: str, limit: int = 50) -> list[BatchView]:
+        return await self.resources.repo.runs.list_batches(env_id, limit)
 
     async def child_runs(self, run_id: str) -> list[str]:
         return await self.resources.repo.runs.child_runs(run_id)
@@ -230,9 +235,14 @@ class RunEngine:
     async def environments_of_worker_group(self, worker_group_id: str) -> list[Environment]:
         return await self.resources.repo.tenancy.environments_of_worker_group(worker_group_id)
 
-    async def connect_worker_instance(self, worker_group_id: str, name: str) -> str:
+    async def connect_worker_instance(self, worker_group_id: str, name: str, concurrency: int | None = None) -> str:
         """Record (or refresh) a worker instance by name; returns its id."""
-        return await self.resources.repo.tenancy.upsert_worker_instance(new_id("wi"), worker_group_id, name)
+        return await self.resources.repo.tenancy.upsert_worker_instance(new_id("wi"), worker_group_id, name,
+                                                                        concurrency)
+
+    async def workers(self, env_id: str) -> list[WorkerView]:
+        """The worker groups serving an environment, their instances and current deployment."""
+        return await self.resources.repo.tenancy.workers_of_environment(env_id)
 
     async def touch_worker_instance(self, worker_group_id: str, name: str) -> bool:
         """A heartbeat of a worker instance; False when it is not known (connect it)."""
@@ -269,6 +279,10 @@ class RunEngine:
     async def complete_waitpoint(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False) -> bool:
         """Complete a waitpoint; False when it was complete already (the first output stays)."""
         return await self.systems.waitpoints.complete(waitpoint_id, output, is_error=is_error)
+
+    async def blocking_waitpoints(self, run_id: str) -> list[Waitpoint]:
+        """The pending waitpoints a run waits on."""
+        return await self.resources.repo.waitpoints.blocking(run_id)
 
     async def journal(self, run_id: str, from_sequence: int = 0) -> list[JournalEntry]:
         return await self.resources.repo.waitpoints.journal(run_id, from_sequence)

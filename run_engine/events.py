@@ -1,5 +1,5 @@
 """In-process event bus: run created, attempt started, succeeded, failed, retry scheduled,
-cancelled, dead-lettered. Used by tests now, by realtime and metrics later.
+cancelled, dead-lettered. Used by tests, realtime, metrics and the state-change log.
 
 Handlers are called synchronously in emit order; a handler that raises is logged and does not
 stop the others or the engine.
@@ -18,13 +18,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RunEvent:
-    """``name`` is one of :data:`EVENT_NAMES`; ``data`` carries event-specific fields."""
+    """``name`` is one of :data:`EVENT_NAMES`; ``data`` carries event-specific fields; ``attempt`` is
+    the run's attempt number at the change (0 before its first attempt; None when not known)."""
 
     name: str
     run_id: str
     env_id: str
     snapshot_id: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    attempt: int | None = None
 
 
 EVENT_NAMES = (

@@ -153,6 +153,17 @@ class JobQueue:
     async def size(self) -> int:
         return int(await self.redis.zcard(self.due_key))
 
+    async def stats(self) -> tuple[int, float, int]:
+        """(jobs scheduled, seconds the oldest due job is late, jobs in the job DLQ), one round trip.
+        A claimed job's score is its lease's end, so only jobs nobody has taken count as late."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zcard(self.due_key)
+        pipe.zrange(self.due_key, 0, 0, withscores=True)
+        pipe.hlen(self.dlq_key)
+        scheduled, oldest, dead = await pipe.execute()
+        lag = max(0.0, self.clock.now() - float(oldest[0][1]) / 1000) if oldest else 0.0
+        return int(scheduled), lag, int(dead)
+
 
 Handler = Callable[[Job], Awaitable[None]]
 

@@ -29,6 +29,7 @@ from run_engine.batching import Batcher
 from run_engine.errors import LockTimeoutError
 from run_engine.lua_scripts import LuaScript
 from run_engine.tasks import stop_task
+from run_engine.timings import TIMINGS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,12 +129,14 @@ class RunLocker:
     async def _acquire(self, name: str, resources: tuple[str, ...]) -> LockHandle:
         s = self.settings
         handle = LockHandle(resources, tuple(f"{self.prefix}:{r}" for r in resources), secrets.token_hex(10))
+        asked = time.monotonic()
         waited = 0.0
         attempts = 0
         while True:
             attempts += 1
             if await self._acquirer.submit(handle):
                 self._active.add(handle)
+                TIMINGS.lock_wait(name, time.monotonic() - asked)
                 return handle
             if attempts > s.max_attempts or waited >= s.max_total_wait_s:
                 raise LockTimeoutError(resources, waited, attempts)

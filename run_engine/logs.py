@@ -1,5 +1,6 @@
 """Logging for the long-running commands: text by default, one JSON object per line with
-``--json`` or ``RUN_ENGINE_LOG_FORMAT=json`` (level from ``RUN_ENGINE_LOG_LEVEL``)."""
+``--json`` or ``RUN_ENGINE_LOG_FORMAT=json`` (level from ``RUN_ENGINE_LOG_LEVEL``). Fields given as
+``extra={...}`` are JSON keys, or ``key=value`` pairs after the message in text."""
 
 from __future__ import annotations
 
@@ -14,10 +15,16 @@ import orjson
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+_STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}
+
+
+def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The ``extra={...}`` fields of a record."""
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
+
+
 class JsonFormatter(logging.Formatter):
     """``{"ts", "level", "logger", "message", "exc"?}`` plus any ``extra={...}`` fields."""
-
-    _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -26,12 +33,37 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        for key, value in vars(record).items():
-            if key not in self._STANDARD and not key.startswith("_"):
-                out[key] = value
+        out.update(extra_fields(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(out, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """:data:`TEXT_FORMAT` followed by the record's extra fields as ``key=value`` (a value with a
+    space, a quote, ``=`` or a control character is quoted, so one record stays one line)."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = extra_fields(record)
+        if not fields:
+            return line
+        pairs = " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+        head, sep, tail = line.partition("\n")  # a traceback goes after the fields
+        return f"{head} {pairs}{sep}{tail}"
+
+
+def _text_value(value: Any) -> str:
+    if isinstance(value, dict | list | tuple):
+        text = orjson.dumps(value, default=str).decode()
+    else:
+        text = str(value)
+    if text and text.isprintable() and not any(c in text for c in ' "='):
+        return text
+    return orjson.dumps(text).decode()  # quoted, with control characters escaped
 
 
 def configure(json: bool | None = None, level: str | None = None) -> None:
@@ -39,7 +71,7 @@ def configure(json: bool | None = None, level: str | None = None) -> None:
     if json is None:
         json = os.environ.get("RUN_ENGINE_LOG_FORMAT", "text").lower() == "json"
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if json else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if json else TextFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

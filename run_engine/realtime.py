@@ -4,7 +4,8 @@ Only watched runs cost anything: a process serving an SSE client for run X recor
 ``<prefix>:rt:watch`` hash (with an expiry it keeps pushing back) and announces it on
 ``<prefix>:rt:ctl``; every process keeps that set in memory, and when its engine emits an event
 for a watched run it publishes the run id on ``<prefix>:rt:run`` (one PUBLISH per loop tick for all
-such runs). The process holding the client then re-reads the run. Clients also re-read every few
+such runs). The process holding the client then re-reads the run. A whole environment is watched
+the same way under ``env:<env id>`` (run ids never contain a colon). Clients also re-read every few
 seconds, so a lost message only delays an update.
 """
 
@@ -26,6 +27,11 @@ log = logging.getLogger(__name__)
 WATCH_TTL_S = 60.0
 
 
+def env_key(env_id: str) -> str:
+    """What to watch to hear of every run of an environment (the dashboard's runs list)."""
+    return f"env:{env_id}"
+
+
 class RealtimeHub:
     def __init__(self, redis: Redis, *, prefix: str) -> None:
         self.redis = redis
@@ -41,15 +47,18 @@ class RealtimeHub:
     # --- the engine's side: publish changes of watched runs -------------------------------------
 
     def on_event(self, event: RunEvent) -> None:
-        expiry = self._watched.get(event.run_id)
-        if expiry is None:
+        if not self._watched:
             return
-        if expiry < time.monotonic():
-            del self._watched[event.run_id]
-            return
-        self._pending.add(event.run_id)
-        if self._flush is None or self._flush.done():
-            self._flush = asyncio.get_running_loop().create_task(self._publish())
+        for key in (event.run_id, env_key(event.env_id)):
+            expiry = self._watched.get(key)
+            if expiry is None:
+                continue
+            if expiry < time.monotonic():
+                del self._watched[key]
+                continue
+            self._pending.add(key)
+            if self._flush is None or self._flush.done():
+                self._flush = asyncio.get_running_loop().create_task(self._publish())
 
     async def _publish(self) -> None:
         await asyncio.sleep(0)
@@ -63,7 +72,8 @@ class RealtimeHub:
 
     @contextlib.asynccontextmanager
     async def watch(self, run_id: str) -> AsyncIterator[asyncio.Event]:
-        """An event set whenever the run may have changed (anywhere in the cluster)."""
+        """An event set whenever the run may have changed (anywhere in the cluster); with
+        ``env_key(env_id)``, whenever any run of the environment may have."""
         changed = asyncio.Event()
         self._local.setdefault(run_id, set()).add(changed)
         await self._announce(run_id)  # before the caller reads the run: later changes are published

@@ -48,6 +48,11 @@ class RunTokens:
             return None
         return claims
 
+    def derive(self, purpose: str) -> bytes:
+        """A key for another use of the installation secret (dashboard sessions), the same in
+        every server process, independent of the run-token key."""
+        return hmac.new(self._key, f"derive.{purpose}".encode(), hashlib.sha256).digest()
+
     def callback_signature(self, waitpoint_id: str) -> str:
         return self._sign(f"callback.{waitpoint_id}")
 

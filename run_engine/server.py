@@ -12,11 +12,14 @@ from typing import Any
 
 import uvicorn
 
+from run_engine.api.access_log import AccessLog
 from run_engine.api.app import create_app
 from run_engine.api.context import ApiContext
 from run_engine.engine import RunEngine
+from run_engine.metrics import EngineMetrics
 from run_engine.ratelimit import ConnectionCaps, RequestLimiter
 from run_engine.realtime import RealtimeHub
+from run_engine.run_log import RunLog
 from run_engine.run_tokens import RunTokens
 from run_engine.settings import EngineSettings
 from run_engine.wakeups import WakeUps
@@ -80,6 +83,8 @@ async def api_context(settings: EngineSettings, *, secret: str, public_url: str)
     engine = await RunEngine.create(settings)
     wakeups = WakeUps(engine.redis, channel=f"{settings.key_prefix}:wake")
     realtime = RealtimeHub(engine.redis, prefix=settings.key_prefix)
+    # counters and histograms of /metrics, and the log line per state change that matters
+    uninstall = [EngineMetrics().install(engine.events), RunLog().install(engine.events)]
     try:
         engine.resources.on_work(wakeups.notify)
         # a supervisor long-polling a waiting run's snapshot wakes when the run continues or is cancelled
@@ -95,6 +100,8 @@ async def api_context(settings: EngineSettings, *, secret: str, public_url: str)
         yield ApiContext(engine=engine, tokens=RunTokens(secret), wakeups=wakeups, public_url=public_url,
                          realtime=realtime, limiter=limiter, caps=caps)
     finally:  # shielded: a second Ctrl-C must not leave connections and tasks behind
+        for undo in uninstall:
+            undo()
         await asyncio.shield(_close(engine, wakeups, realtime))
 
 
@@ -152,8 +159,9 @@ async def serve(settings: EngineSettings, *, host: str, port: int, secret: str, 
             task = asyncio.current_task()
             if shutdown.requested or (task is not None and task.cancelling()):
                 return  # stopped while starting (a library may have swallowed the cancel: 3.11's wait_for can)
-            config = uvicorn.Config(create_app(ctx), host=host, port=port, log_level="warning", access_log=False,
-                                    log_config=None, lifespan="off", timeout_graceful_shutdown=1,
+            # our access log (run_engine/api/access_log.py) instead of uvicorn's
+            config = uvicorn.Config(AccessLog(create_app(ctx)), host=host, port=port, log_level="warning",
+                                    access_log=False, log_config=None, lifespan="off", timeout_graceful_shutdown=1,
                                     http=_http_protocol())
             server = _Server(config, on_shutdown=ctx.wakeups.stop_waiting)
             shutdown.serving(server)

@@ -11,6 +11,7 @@ from run_engine.errors import ConfigurationError, ValidationError
 from run_engine.statuses import ExecutionStatus
 
 MiB = 1024 * 1024
+MIN_METRICS_TOKEN = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,8 @@ class EngineSettings:
     api_rate_burst: int | None = None  # requests allowed back to back (default: one second's worth)
     max_streams_per_key: int = 100  # open realtime streams per environment, per server process
     max_long_polls_per_token: int = 1000  # open long-polls per worker token, per server process
+    # bearer token of GET /metrics (None: not served), at least 16 characters; kept out of repr()
+    metrics_token: str | None = field(default=None, repr=False)
     default_retry: RetryPolicy = field(default_factory=RetryPolicy)
     db_pool_min: int = 2
     db_pool_max: int = 8
@@ -155,6 +158,7 @@ class EngineSettings:
             "api_rate_burst": "RUN_ENGINE_API_RATE_BURST",
             "max_streams_per_key": "RUN_ENGINE_MAX_STREAMS_PER_KEY",
             "max_long_polls_per_token": "RUN_ENGINE_MAX_LONG_POLLS_PER_TOKEN",
+            "metrics_token": "RUN_ENGINE_METRICS_TOKEN",
         }
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, Any] = {}
@@ -168,4 +172,8 @@ class EngineSettings:
             except ValueError as exc:
                 raise ConfigurationError(f"{var}={raw!r} is not a number") from exc
         values.update(overrides)
+        token = values.get("metrics_token")
+        if token is not None and len(token) < MIN_METRICS_TOKEN:
+            raise ConfigurationError(f"RUN_ENGINE_METRICS_TOKEN must be at least {MIN_METRICS_TOKEN} characters "
+                                     "(it guards every environment's numbers): use a long random value")
         return cls(**values)

@@ -262,23 +262,34 @@ class ExecutorPool:
         self.tasks_module = tasks_module
         self._idle: list[Executor] = []
         self.started = 0
+        self.busy = 0  # executors handed out and not released yet
+        self.restarts = 0  # executors that died or were killed, so replaced
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
 
     async def acquire(self) -> Executor:
         while self._idle:
             ex = self._idle.pop()
             if ex.alive:
+                self.busy += 1
                 return ex
             ex.kill()
+            self.restarts += 1
         ex = Executor(self.tasks_module)
         self.started += 1
         await ex.ready()
+        self.busy += 1
         return ex
 
     def release(self, ex: Executor) -> None:
+        self.busy -= 1
         if ex.alive:
             self._idle.append(ex)
         else:
             ex.kill()
+            self.restarts += 1
 
     async def warm(self, n: int) -> None:
         """Start ``n`` executors ahead of the first runs."""

@@ -57,6 +57,7 @@ class CancelSystem:
                 assert result.snapshot is not None and result.run is not None
                 await self.execution_snapshot.after_transition(latest.id, status, result.snapshot)
                 self.r.events.emit(RunEvent("run_cancelled", run_id, result.run.env_id, result.snapshot.id,
-                                            {"status": "PENDING_CANCEL", "final": False}))
+                                            {"status": "PENDING_CANCEL", "final": False},
+                                            attempt=result.run.attempt_number))
                 return RunStatus.EXECUTING
             return RunStatus(latest.run_status)

@@ -61,7 +61,7 @@ class DeadLetterSystem:
             if result.run.resume_parent_on_completion:
                 await self.waitpoints.on_runs_finished([result.run])
             self.r.events.emit(RunEvent("run_dead_lettered", run_id, run.env_id, result.snapshot.id,
-                                        {"deliveries": outcome.deliveries}))
+                                        {"deliveries": outcome.deliveries}, attempt=result.run.attempt_number))
             return
         # A run being restored from a checkpoint goes back as QUEUED_EXECUTING (keeps its checkpoint).
         back_to = E.QUEUED_EXECUTING if latest.checkpoint_id else E.QUEUED
@@ -73,7 +73,8 @@ class DeadLetterSystem:
         await self.r.change_jobs(cancel=[engine_jobs.heartbeat_id(run_id, latest.id)])
         assert result.snapshot is not None
         self.r.events.emit(RunEvent("run_requeued", run_id, run.env_id, result.snapshot.id,
-                                    {"deliveries": outcome.deliveries}))
+                                    {"reason": "not started in time", "deliveries": outcome.deliveries},
+                                    attempt=run.attempt_number))
 
     async def redrive(self, env_id: str, run_id: str) -> str:
         """Move a dead-lettered run back into its queue: QUEUED with a fresh delivery count."""
@@ -92,7 +93,8 @@ class DeadLetterSystem:
             if not await self.r.queue.redrive(env_id, run_id, self.r.now_ms()):
                 # The DLQ entry is gone (e.g. Redis was flushed): enqueue it afresh.
                 await self.r.enqueue_items([self.enqueue.item_for(result.run, reset_deliveries=True)])
-        self.r.events.emit(RunEvent("run_redriven", run_id, env_id, result.snapshot.id))
+        self.r.events.emit(RunEvent("run_redriven", run_id, env_id, result.snapshot.id,
+                                    attempt=result.run.attempt_number))
         return result.snapshot.id
 
     @staticmethod

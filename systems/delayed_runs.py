@@ -61,7 +61,7 @@ class DelayedRunsSystem:
             assert result.run is not None and result.snapshot is not None
             await self.r.enqueue_items([self.enqueue.item_for(result.run)])
         self.r.events.emit(RunEvent("run_requeued", run_id, run.env_id, result.snapshot.id,
-                                    {"reason": "delay"}))
+                                    {"reason": "delay"}, attempt=result.run.attempt_number))
 
     async def reschedule(self, run_id: str, env_id: str, delay_until: datetime) -> RunRow:
         """Move a DELAYED run's date (and its TTL with it); InvalidTransitionError otherwise."""

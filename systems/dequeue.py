@@ -8,6 +8,7 @@ task that no current deployment has waits as PENDING_VERSION. A run is never fai
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from run_engine.ids import new_id
 from run_engine.run_queue import Handed
 from run_engine.run_queue.models import DequeuedMessage
 from run_engine.statuses import DEQUEUEABLE, ExecutionStatus, RunStatus
+from run_engine.timings import TIMINGS
 from systems import engine_jobs
 from systems.resources import SystemResources
 
@@ -50,6 +52,13 @@ class DequeueSystem:
         """Up to ``max_runs`` runs as :class:`DequeuedRun` (only of ``environments`` when given, only
         of tasks the worker's ``deployments`` have when given); the result's ``retry_at_ms`` says
         when a rate-limited queue of the group may serve again."""
+        began = time.perf_counter()
+        handed = await self._dequeue(worker_group_id, max_runs, worker_id, environments, deployments)
+        TIMINGS.dequeue("runs" if handed else "empty", time.perf_counter() - began)
+        return handed
+
+    async def _dequeue(self, worker_group_id: str, max_runs: int, worker_id: str | None,
+                       environments: Sequence[str], deployments: Sequence[str]) -> Handed:
         messages = await self.r.queue.dequeue(worker_group_id, max_runs, self.r.now_ms(), environments)
         if messages and deployments:
             retry_at = messages.retry_at_ms
@@ -88,7 +97,8 @@ class DequeueSystem:
             await self.r.change_jobs(schedule=[
                 engine_jobs.heartbeat(d.run.id, d.snapshot.id, self.r.clock.now() + timeout) for d in dequeued])
         for d in dequeued:
-            self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.env_id, d.snapshot.id))
+            self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.env_id, d.snapshot.id,
+                                        attempt=d.run.attempt_number))
         out = Handed(dequeued)
         out.retry_at_ms = messages.retry_at_ms
         return out

@@ -252,9 +252,10 @@ class EnqueueSystem:
             if result.is_cached:
                 continue
             self.r.events.emit(RunEvent("run_created", run.id, run.env_id, run.snapshot_id,
-                                        {"status": result.status, "task": run.task_id}))
+                                        {"status": result.status, "task": run.task_id}, attempt=0))
             if result.status == RunStatus.PENDING_VERSION:
-                self.r.events.emit(RunEvent("run_pending_version", run.id, run.env_id, run.snapshot_id))
+                self.r.events.emit(RunEvent("run_pending_version", run.id, run.env_id, run.snapshot_id,
+                                            {"task": run.task_id}, attempt=0))
         return results
 
     async def _cached(self, requests: Sequence[TriggerRequest], new_runs: list[NewRun], results: list[TriggeredRun],

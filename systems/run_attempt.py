@@ -107,8 +107,12 @@ class RunAttemptSystem:
                     run_id, run.attempt_number,
                     self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s))
             await self.r.change_jobs(cancel, schedule)
-        self.r.events.emit(RunEvent("attempt_started", run_id, run.env_id, snapshot.id,
-                                    {"attempt": run.attempt_number}))
+        data: dict[str, Any] = {"attempt": run.attempt_number}
+        if run.attempt_number == 1 and snapshot.checkpoint_id is None and run.queued_at is not None:
+            # trigger → start: from the run becoming QUEUED (trigger, delay over, deployed, redriven)
+            data["queued_s"] = max(0.0, (snapshot.created_at - run.queued_at).total_seconds())
+        self.r.events.emit(RunEvent("attempt_started", run_id, run.env_id, snapshot.id, data,
+                                    attempt=run.attempt_number))
         return StartedAttempt(run, snapshot, run.attempt_number, policy, max_duration)
 
     async def complete_attempt(
@@ -136,7 +140,8 @@ class RunAttemptSystem:
             raise
         await self._finalize(result)
         assert result.run is not None and result.snapshot is not None
-        self.r.events.emit(RunEvent("run_succeeded", run_id, result.run.env_id, result.snapshot.id))
+        self.r.events.emit(RunEvent("run_succeeded", run_id, result.run.env_id, result.snapshot.id,
+                                    attempt=result.run.attempt_number))
         return AttemptOutcome("finished", RunStatus.COMPLETED, result.snapshot.id)
 
     async def _fail(self, run_id: str, snapshot_id: str, error: dict[str, Any], *, retryable: bool | None,
@@ -172,9 +177,10 @@ class RunAttemptSystem:
         available_at = self.r.now_ms() + int(delay_s * 1000)
         await self.r.enqueue_items([self.enqueue.item_for(result.run, available_at, reset_deliveries=True)])
         self.r.events.emit(RunEvent("run_failed", run_id, run.env_id, result.snapshot.id,
-                                    {"error": error, "final": False}))
+                                    {"error": error, "final": False}, attempt=run.attempt_number))
         self.r.events.emit(RunEvent("retry_scheduled", run_id, run.env_id, result.snapshot.id,
-                                    {"delay_ms": int(delay_s * 1000), "attempt": run.attempt_number}))
+                                    {"delay_ms": int(delay_s * 1000), "attempt": run.attempt_number, "error": error},
+                                    attempt=run.attempt_number))
         return AttemptOutcome("retry", RunStatus.QUEUED, result.snapshot.id, int(delay_s * 1000))
 
     async def finish(self, run_id: str, status: RunStatus, *, error: dict[str, Any] | None = None,
@@ -190,7 +196,8 @@ class RunAttemptSystem:
         await self._finalize(result)
         name = {RunStatus.CANCELED: "run_cancelled"}.get(status, "run_failed")
         self.r.events.emit(RunEvent(name, run_id, result.run.env_id, result.snapshot.id,
-                                    {"status": status, "error": error, "final": True}))
+                                    {"status": status, "error": error, "final": True},
+                                    attempt=result.run.attempt_number))
         return AttemptOutcome("finished", status, result.snapshot.id)
 
     async def _finalize(self, result: TransitionResult) -> None:

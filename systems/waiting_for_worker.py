@@ -120,5 +120,5 @@ class WaitingForWorkerSystem:
         for run, res in zip(runs, [x for x in results if x.applied], strict=True):
             assert res.snapshot is not None
             self.r.events.emit(RunEvent("run_requeued", run.id, run.env_id, res.snapshot.id,
-                                        {"reason": "deployment"}))
+                                        {"reason": "deployment"}, attempt=run.attempt_number))
         return len(runs)

@@ -204,7 +204,8 @@ class WaitpointsSystem:
         continue it at once if what it waits on completed before its blocking rows committed."""
         assert result.snapshot is not None and result.run is not None
         await self.execution_snapshot.after_transition(snapshot_id, E.EXECUTING, result.snapshot)
-        self.r.events.emit(RunEvent("run_blocked", run_id, result.run.env_id, result.snapshot.id))
+        self.r.events.emit(RunEvent("run_blocked", run_id, result.run.env_id, result.snapshot.id,
+                                    attempt=result.run.attempt_number))
         # A completion that committed before our blocking rows did found nobody to continue.
         if await self.wp.pending_count(run_id) == 0:
             continued = await self.try_continue(run_id)
@@ -243,7 +244,7 @@ class WaitpointsSystem:
                 await self.r.enqueue_items([self.enqueue.item_for(result.run, reset_deliveries=True)])
         assert result.run is not None and result.snapshot is not None
         self.r.events.emit(RunEvent("run_continued", run_id, result.run.env_id, result.snapshot.id,
-                                    {"status": result.snapshot.engine_status}))
+                                    {"status": result.snapshot.engine_status}, attempt=result.run.attempt_number))
         return result.snapshot
 
     async def suspend(self, run_id: str, snapshot_id: str) -> Snapshot:
@@ -262,7 +263,7 @@ class WaitpointsSystem:
                                    schedule=schedule),
             )
             self.r.events.emit(RunEvent("run_suspended", run_id, run.env_id, snapshot.id,
-                                        {"checkpoint": checkpoint_id}))
+                                        {"checkpoint": checkpoint_id}, attempt=run.attempt_number))
             if pending == 0:
                 return await self.try_continue(run_id) or snapshot
         return snapshot

@@ -6,10 +6,11 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from run_engine.api import public, schedules, stream, tokens, worker
+from run_engine import dashboard
+from run_engine.api import metrics, public, schedules, stream, tokens, worker
 from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError, handle_exception, json_response
 from run_engine.api.inputs import RejectUnstorable
@@ -33,16 +34,18 @@ async def healthz(request: Request) -> Response:
         "dependency": down[0]}}, 503, headers={"Retry-After": "2"})
 
 
-@operation("Where things are: health, the OpenAPI document, the API", Index, security="none")
+@operation("Where things are: the dashboard, health, the OpenAPI document, the API", Index, security="none")
 async def index(request: Request) -> Response:
-    """``GET /`` answers with directions instead of a bare 404."""
+    """``GET /`` answers with directions instead of a bare 404; a browser is sent to the dashboard."""
+    if "text/html" in request.headers.get("accept", ""):
+        return RedirectResponse("/dashboard", 303)
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         current = version("run-engine")
     except PackageNotFoundError:  # run from a source tree that is not installed
         current = "unknown"
-    return json_response({"name": "run-engine", "version": current, "health": "/healthz",
+    return json_response({"name": "run-engine", "version": current, "dashboard": "/dashboard", "health": "/healthz",
                           "openapi": "/openapi.json", "api": "/api/v1",
                           "docs": "docs/API.md in the repository (the HTTP, CLI and SDK reference)"})
 
@@ -51,19 +54,19 @@ async def index(request: Request) -> Response:
 async def openapi(request: Request) -> Response:
     doc = getattr(request.app.state, "openapi", None)
     if doc is None:
-        doc = request.app.state.openapi = openapi_document(request.app.routes)
+        doc = request.app.state.openapi = openapi_document(routes())
     return json_response(doc)
 
 
 def routes() -> list[BaseRoute]:
     """Every route the API serves (the OpenAPI document is built from them)."""
     return [Route("/", index), Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES,
-            *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *worker.ROUTES]
+            *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *worker.ROUTES, *metrics.ROUTES]
 
 
 def create_app(ctx: ApiContext) -> Starlette:
     app = Starlette(
-        routes=routes(),
+        routes=[*routes(), *dashboard.routes()],  # the pages are served beside the API, not in its OpenAPI
         middleware=[Middleware(RejectUnstorable)],
         # Expected errors are answered by ExceptionMiddleware; anything else reaches
         # ServerErrorMiddleware, which answers with the same shape and logs the traceback.

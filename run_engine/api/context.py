@@ -35,6 +35,11 @@ class EnvAuth:
     run_id: str | None = None  # set when a run token (an executor) made the call
     attempt: int | None = None
 
+    @classmethod
+    def of(cls, env: Environment) -> EnvAuth:
+        """The credential of an environment's own secret key."""
+        return cls(env.id, env.project_id, env.organization_id, env.default_worker_group_id)
+
     @property
     def bucket(self) -> str:
         """The credential's share of the limits: the environment (its key and its runs' tokens)."""
@@ -92,22 +97,19 @@ class ApiContext:
             env = await self._env_by_id(run.env_id)
             auth = EnvAuth(env.id, env.project_id, env.organization_id, env.default_worker_group_id,
                            run_id=run.id, attempt=claims.attempt)
-            await self._limit(auth.bucket)
+            await self.check_limit(auth.bucket)
             return auth
-        key_hash = hash_secret(token)
-        found: Environment | None = self._envs.get(key_hash)
+        found = await self.environment_by_key(token)
         if found is None:
-            found = await self.engine.environment_by_key_hash(key_hash)
-            if found is None:
-                if await self.engine.worker_group_by_token_hash(key_hash) is not None:
-                    raise ApiError(403, "forbidden", "a worker group token cannot call the public API")
-                raise ApiError(401, "unauthorized", "invalid API key")
-            self._envs.put(key_hash, found)
-        auth = EnvAuth(found.id, found.project_id, found.organization_id, found.default_worker_group_id)
-        await self._limit(auth.bucket)
+            if await self.engine.worker_group_by_token_hash(hash_secret(token)) is not None:
+                raise ApiError(403, "forbidden", "a worker group token cannot call the public API")
+            raise ApiError(401, "unauthorized", "invalid API key")
+        auth = EnvAuth.of(found)
+        await self.check_limit(auth.bucket)
         return auth
 
-    async def _limit(self, bucket: str) -> None:
+    async def check_limit(self, bucket: str) -> None:
+        """429 when the credential ``bucket`` is over its request rate."""
         if self.limiter is not None and (wait_s := await self.limiter.retry_after_s(bucket)) is not None:
             raise ApiError(429, "rate_limited", f"too many requests with this credential; retry in {wait_s} s",
                            headers={"Retry-After": str(wait_s)})
@@ -137,13 +139,29 @@ class ApiContext:
         return release
 
     async def _env_by_id(self, env_id: str) -> Environment:
+        env = await self.environment(env_id)
+        if env is None:
+            raise ApiError(401, "unauthorized", "unknown environment")
+        return env
+
+    async def environment(self, env_id: str) -> Environment | None:
+        """An environment by id (cached a few seconds)."""
         env: Environment | None = self._envs.get(env_id)
         if env is None:
             env = await self.engine.environment(env_id)
-            if env is None:
-                raise ApiError(401, "unauthorized", "unknown environment")
-            self._envs.put(env_id, env)
+            if env is not None:
+                self._envs.put(env_id, env)
         return env
+
+    async def environment_by_key(self, key: str) -> Environment | None:
+        """The environment of a secret API key (cached a few seconds), or None."""
+        key_hash = hash_secret(key)
+        found: Environment | None = self._envs.get(key_hash)
+        if found is None:
+            found = await self.engine.environment_by_key_hash(key_hash)
+            if found is not None:
+                self._envs.put(key_hash, found)
+        return found
 
     async def worker_group(self, request: Request) -> WorkerGroup:
         token = bearer(request)
@@ -158,7 +176,7 @@ class ApiContext:
                     raise ApiError(403, "forbidden", "an environment API key cannot call the worker API")
                 raise ApiError(401, "unauthorized", "invalid worker group token")
             self._groups.put(token_hash, group)
-        await self._limit(worker_bucket(group))
+        await self.check_limit(worker_bucket(group))
         return group
 
 

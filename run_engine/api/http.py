@@ -117,10 +117,8 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "body"
 
 
-async def read_json(request: Request, *, limit: int = MAX_REQUEST_BYTES, required: bool = True,
-                    scan: bool = True) -> Any:
-    """The request's JSON body: 413 over ``limit``, 400 when malformed, and (with ``scan``) 400 for
-    a value that cannot be stored (NUL, too deep: :mod:`run_engine.api.inputs`), naming the field."""
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The request body; 413 as soon as it is (or says it will be) larger than ``limit``."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "payload_too_large", f"request body is larger than {limit} bytes")
@@ -129,6 +127,14 @@ async def read_json(request: Request, *, limit: int = MAX_REQUEST_BYTES, require
         body += chunk
         if len(body) > limit:
             raise ApiError(413, "payload_too_large", f"request body is larger than {limit} bytes")
+    return body
+
+
+async def read_json(request: Request, *, limit: int = MAX_REQUEST_BYTES, required: bool = True,
+                    scan: bool = True) -> Any:
+    """The request's JSON body: 413 over ``limit``, 400 when malformed, and (with ``scan``) 400 for
+    a value that cannot be stored (NUL, too deep: :mod:`run_engine.api.inputs`), naming the field."""
+    body = await read_body(request, limit)
     if not body:
         if required:
             raise ApiError(400, "invalid_input", "body: a JSON body is required")

@@ -286,6 +286,7 @@ class DeploymentDecl(_Body):
 
 class ConnectBody(_Body):
     workerInstanceName: str = Field(min_length=1, max_length=256)
+    concurrency: int | None = Field(default=None, ge=0, le=100_000)  # runs it takes at once (shown, not enforced)
     deployment: DeploymentDecl
     environments: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=100)
 

@@ -25,7 +25,7 @@ ERRORS = {400: "invalid input (the message names the field)", 401: "missing or b
           431: "request head too large", 503: "a dependency is unavailable; retry"}
 SECURITY: dict[str, list[dict[str, list[str]]]] = {"apiKey": [{"apiKey": []}],
             "apiKeyOrRunToken": [{"apiKey": []}, {"runToken": []}],
-            "workerToken": [{"workerToken": []}], "none": []}
+            "workerToken": [{"workerToken": []}], "metricsToken": [{"metricsToken": []}], "none": []}
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +101,8 @@ def openapi_document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
         params += [{"name": q.name, "in": "query", "required": False, "schema": q.schema,
                     **({"description": q.description} if q.description else {})} for q in op.query]
         ok: dict[str, Any] = {"description": "OK"}
-        if op.media == "text/event-stream":
-            ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+        if op.media in ("text/event-stream", "text/plain"):
+            ok["content"] = {op.media: {"schema": {"type": "string"}}}
         elif op.response is not None:
             ok["content"] = {"application/json": {"schema": ref(op.response)}}
         responses = {"200": ok}
@@ -125,5 +125,7 @@ def openapi_document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
         "components": {"schemas": components, "securitySchemes": {
             "apiKey": {"type": "http", "scheme": "bearer", "description": "an environment's secret API key"},
             "runToken": {"type": "http", "scheme": "bearer", "description": "a run token (inside a task)"},
-            "workerToken": {"type": "http", "scheme": "bearer", "description": "a worker group token"}}},
+            "workerToken": {"type": "http", "scheme": "bearer", "description": "a worker group token"},
+            "metricsToken": {"type": "http", "scheme": "bearer",
+                             "description": "the installation's RUN_ENGINE_METRICS_TOKEN"}}},
     }

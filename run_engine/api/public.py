@@ -25,6 +25,7 @@ from run_engine.api.models import (
     TagsBody,
     TriggerBody,
     TriggerOptions,
+    parse_date,
     parse_duration_s,
     parse_when,
 )
@@ -187,13 +188,26 @@ def _page_size(request: Request) -> int:
     return int(raw)
 
 
+def _created(request: Request, end: str) -> datetime | None:
+    """``filter[createdAt][from|to]``: an ISO 8601 date (UTC if naive); ``to`` is exclusive."""
+    name = f"filter[createdAt][{end}]"
+    raw = request.query_params.get(name)
+    if not raw:
+        return None
+    try:
+        return parse_date(raw[:64])
+    except ValueError as exc:
+        raise ApiError(400, "invalid_input", f"{name}: {exc}") from None
+
+
 def _cursor(run: RunRow) -> str:
     return f"{run.created_at.isoformat()}|{run.id}"
 
 
 @operation("List runs, newest first", S.RunList,
            query=(csv("filter[status]"), csv("filter[taskIdentifier]"), csv("filter[tag]"), csv("filter[queue]"),
-                  csv("filter[batch]"), *PAGE))
+                  csv("filter[batch]"), Query("filter[createdAt][from]", {"type": "string", "maxLength": 64}),
+                  Query("filter[createdAt][to]", {"type": "string", "maxLength": 64}), *PAGE))
 async def list_runs(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
@@ -212,7 +226,8 @@ async def list_runs(request: Request) -> Response:
     runs = await ctx.engine.list_runs(
         auth.env_id, statuses=statuses, tasks=_csv(request, "filter[taskIdentifier]"),
         tags=_csv(request, "filter[tag]"), queues=_csv(request, "filter[queue]"),
-        batches=_csv(request, "filter[batch]"), limit=size + 1, after=after)
+        batches=_csv(request, "filter[batch]"), limit=size + 1, after=after,
+        created_from=_created(request, "from"), created_to=_created(request, "to"))
     page, more = runs[:size], len(runs) > size
     return json_response({"data": [run_object(r) for r in page],
                           "pagination": pagination(_cursor(page[-1]) if more and page else None)})
@@ -232,17 +247,22 @@ async def replay_run(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
-    new = await ctx.engine.trigger(TriggerRequest(
-        env_id=auth.env_id, task_id=run.task_id, payload=run.payload, payload_type=run.payload_type,
+    new = await ctx.engine.trigger(replay_request(run))
+    return json_response({"id": new.id})
+
+
+def replay_request(run: RunRow) -> TriggerRequest:
+    """A new run with the task, payload and options of ``run``."""
+    return TriggerRequest(
+        env_id=run.env_id, task_id=run.task_id, payload=run.payload, payload_type=run.payload_type,
         queue=run.queue, concurrency_key=run.concurrency_key, priority_s=run.priority_ms / 1000,
         tags=tuple(run.tags), metadata=run.metadata, max_attempts=run.max_attempts, retry=run.retry,
-        max_duration_s=run.max_duration_s, machine=run.machine))
-    return json_response({"id": new.id})
+        max_duration_s=run.max_duration_s, machine=run.machine)
 
 
 # --- queues -------------------------------------------------------------------------------------
 
-async def _queue_object(ctx: ApiContext, row: TaskQueue) -> dict[str, Any]:
+async def queue_object(ctx: ApiContext, row: TaskQueue) -> dict[str, Any]:
     stats = await ctx.engine.queue_stats(row.env_id, row.name)
     return {"id": row.id, "name": row.name, "type": row.type, "running": stats.running,
             "queued": stats.queued, "concurrencyLimit": row.effective_limit, "paused": row.paused,
@@ -261,14 +281,14 @@ async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str) -> TaskQueue:
 async def list_queues(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    return json_response({"data": [await _queue_object(ctx, r) for r in await ctx.engine.list_queues(auth.env_id)]})
+    return json_response({"data": [await queue_object(ctx, r) for r in await ctx.engine.list_queues(auth.env_id)]})
 
 
 @operation("Get a queue", S.Queue)
 async def get_queue(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    return json_response(await _queue_object(ctx, await _queue_row(ctx, auth, request.path_params["name"])))
+    return json_response(await queue_object(ctx, await _queue_row(ctx, auth, request.path_params["name"])))
 
 
 @operation("Pause or resume a queue", S.Queue, body=PauseBody)
@@ -282,7 +302,7 @@ async def pause_queue(request: Request) -> Response:
         await ctx.engine.pause_queue(auth.env_id, name)
     else:
         await ctx.engine.resume_queue(auth.env_id, name)
-    return json_response(await _queue_object(ctx, await _queue_row(ctx, auth, name)))
+    return json_response(await queue_object(ctx, await _queue_row(ctx, auth, name)))
 
 
 @operation("Override the concurrency limit", S.Queue, body=ConcurrencyBody)
@@ -293,7 +313,7 @@ async def override_concurrency(request: Request) -> Response:
     await _queue_row(ctx, auth, name)
     req = await body(request, ConcurrencyBody)
     row = await ctx.engine.set_queue_concurrency_override(auth.env_id, name, req.concurrencyLimit)
-    return json_response(await _queue_object(ctx, row))
+    return json_response(await queue_object(ctx, row))
 
 
 @operation("Reset the concurrency limit to the deployed one", S.Queue)
@@ -303,7 +323,7 @@ async def reset_concurrency(request: Request) -> Response:
     name = request.path_params["name"]
     await _queue_row(ctx, auth, name)
     row = await ctx.engine.set_queue_concurrency_override(auth.env_id, name, None)
-    return json_response(await _queue_object(ctx, row))
+    return json_response(await queue_object(ctx, row))
 
 
 # --- DLQ ----------------------------------------------------------------------------------------

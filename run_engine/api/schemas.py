@@ -328,6 +328,7 @@ class Health(_Out):
 class Index(_Out):
     name: str
     version: str
+    dashboard: str
     health: str
     openapi: str
     api: str

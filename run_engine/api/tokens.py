@@ -117,10 +117,10 @@ async def list_tokens(request: Request) -> Response:
     return json_response({"data": [token_object(ctx, w) for w in page], "pagination": pagination(next_cursor)})
 
 
-async def _complete(ctx: ApiContext, wp: Waitpoint, data: Any) -> Response:
+async def complete(ctx: ApiContext, wp: Waitpoint, data: Any) -> None:
+    """Complete a token by hand (the first completion wins); 413 over the payload limit."""
     ctx.check_size(data, "data")
     await ctx.engine.complete_waitpoint(wp.id, data)
-    return json_response({"success": True})
 
 
 @operation("Complete a token (the first completion wins)", S.Success, body=TokenCompleteBody, body_required=False,
@@ -130,7 +130,8 @@ async def complete_token(request: Request) -> Response:
     auth = await ctx.env_auth(request, run_token=True)
     wp = await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"])
     req = await body(request, TokenCompleteBody, required=False)
-    return await _complete(ctx, wp, req.data)
+    await complete(ctx, wp, req.data)
+    return json_response({"success": True})
 
 
 @operation("Complete a token by its signed callback URL (no API key; the body is the output)", S.Success,
@@ -145,7 +146,8 @@ async def callback(request: Request) -> Response:
     if wp is None or wp.type != "MANUAL":
         raise ApiError(404, "not_found", "waitpoint token not found")
     data = await read_json(request, required=False)
-    return await _complete(ctx, wp, data)
+    await complete(ctx, wp, data)
+    return json_response({"success": True})
 
 
 ROUTES = [

@@ -38,6 +38,7 @@ from run_engine.api.serialize import run_object, snapshot_object
 from run_engine.engine import RunRow, WorkerGroup
 
 PREFIX = "/engine/v1/worker-actions"
+LATEST_RECHECK_S = 5.0  # a snapshot long-poll re-reads the run this often without a wake-up
 
 
 @operation("Register a worker and its deployment", S.Connected, body=ConnectBody, security="workerToken")
@@ -45,7 +46,7 @@ async def connect(request: Request) -> Response:
     ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, ConnectBody)
-    await ctx.engine.connect_worker_instance(group.id, req.workerInstanceName)
+    await ctx.engine.connect_worker_instance(group.id, req.workerInstanceName, req.concurrency)
     # the content hash is over the declaration as the worker sent it: the same declaration is
     # the same deployment, whatever the engine makes of it
     tasks = [t.model_dump(exclude_none=True) for t in req.deployment.tasks]
@@ -170,7 +171,9 @@ async def latest_snapshot(request: Request) -> Response:
     if after is not None and snapshot.id == after and int(raw_wait):
         with ctx.hold("long-polls", worker_bucket(group)):
             while snapshot.id == after and (remaining := deadline - time.monotonic()) > 0:
-                await ctx.wakeups.wait(f"run:{run_id}", min(remaining, 1.0))
+                # woken by a continue or a cancel (any server process); the cap re-reads in case a
+                # wake-up was lost
+                await ctx.wakeups.wait(f"run:{run_id}", min(remaining, LATEST_RECHECK_S))
                 snapshot = await ctx.engine.latest_snapshot(run_id)
     return json_response({"snapshot": snapshot_object(snapshot)})
 

@@ -241,6 +241,14 @@ class DeploymentRepository:
             await cur.execute("SELECT * FROM task_queue WHERE environment_id = %s ORDER BY name", (env_id,))
             return [_queue(r) for r in await cur.fetchall()]
 
+    async def queue_names(self, env_ids: Sequence[str], limit: int) -> list[tuple[str, str]]:
+        """(environment, queue name) of the queues of ``env_ids``, at most ``limit`` (metrics)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT environment_id, name FROM task_queue WHERE environment_id = ANY(%s)
+                   ORDER BY environment_id, name LIMIT %s""", (list(env_ids), limit))
+            return [(str(r[0]), str(r[1])) for r in await cur.fetchall()]
+
     async def set_queue_paused(self, env_id: str, name: str, paused: bool) -> bool:
         async with self.pool.connection() as conn:
             cur = await conn.execute(

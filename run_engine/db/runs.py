@@ -39,6 +39,15 @@ class Snapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchView:
+    id: str
+    runs: int
+    finished: int
+    completed: int
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class RunRow:
     id: str
     env_id: str
@@ -395,10 +404,16 @@ class RunRepository:
 
     async def list_runs(self, env_id: str, *, statuses: Sequence[str] = (), tasks: Sequence[str] = (),
                         tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
-                        limit: int = 25, after: tuple[datetime, str] | None = None) -> list[RunRow]:
-        """Newest first; ``after`` is the (created_at, id) of the last run of the previous page."""
+                        limit: int = 25, after: tuple[datetime, str] | None = None,
+                        created_from: datetime | None = None, created_to: datetime | None = None) -> list[RunRow]:
+        """Newest first; ``after`` is the (created_at, id) of the last run of the previous page;
+        ``created_from`` ≤ created_at < ``created_to``."""
         where = ["environment_id = %(env)s"]
-        params: dict[str, Any] = {"env": env_id, "limit": limit}
+        params: dict[str, Any] = {"env": env_id, "limit": limit, "from": created_from, "to": created_to}
+        if created_from is not None:
+            where.append("created_at >= %(from)s")
+        if created_to is not None:
+            where.append("created_at < %(to)s")
         for column, values, name in (("status", statuses, "st"), ("task_identifier", tasks, "tk"),
                                      ("queue", queues, "qu"), ("batch_id", batches, "ba")):
             if values:
@@ -417,6 +432,19 @@ class RunRepository:
                 params,
             )
             return [run_row(r) for r in await cur.fetchall()]
+
+    async def list_batches(self, env_id: str, limit: int = 50) -> list[BatchView]:
+        """The environment's batches, newest first, with how many of their runs have finished."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT batch_id AS id, count(*) AS runs, min(created_at) AS created_at,
+                          count(*) FILTER (WHERE finished_at IS NOT NULL) AS finished,
+                          count(*) FILTER (WHERE status = 'COMPLETED') AS completed
+                   FROM task_run WHERE environment_id = %s AND batch_id IS NOT NULL
+                   GROUP BY batch_id ORDER BY min(created_at) DESC, batch_id DESC LIMIT %s""",
+                (env_id, limit))
+            return [BatchView(**r) for r in await cur.fetchall()]
 
     async def child_runs(self, run_id: str) -> list[str]:
         async with self.pool.connection() as conn:

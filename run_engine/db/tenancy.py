@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
@@ -45,6 +46,19 @@ class WorkerGroup:
     created_at: datetime
     # set when the group was found by an environment-scoped token: the one environment it serves
     scoped_env_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A worker group as an environment sees it: its current deployment there and its instances
+    (``{"name", "concurrency", "lastHeartbeatAt"}``, the most recently heard first)."""
+    id: str
+    name: str
+    shared: bool
+    version: str | None
+    deployed_at: datetime | None
+    tasks: list[str]
+    instances: list[dict[str, Any]]
 
 
 _ENVIRONMENT = "SELECT e.*, p.organization_id FROM runtime_environment e JOIN project p ON p.id = e.project_id"
@@ -250,13 +264,16 @@ class TenancyRepository:
                        SET generation = EXCLUDED.generation, token_hash = EXCLUDED.token_hash""",
                 (group_id, env_id, generation, token_hash))
 
-    async def upsert_worker_instance(self, instance_id: str, worker_group_id: str, name: str) -> str:
+    async def upsert_worker_instance(self, instance_id: str, worker_group_id: str, name: str,
+                                     concurrency: int | None = None) -> str:
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """INSERT INTO worker_instance (id, worker_group_id, name) VALUES (%s, %s, %s)
-                   ON CONFLICT (worker_group_id, name) DO UPDATE SET last_heartbeat_at = now()
+                """INSERT INTO worker_instance (id, worker_group_id, name, concurrency) VALUES (%s, %s, %s, %s)
+                   ON CONFLICT (worker_group_id, name) DO UPDATE
+                   SET last_heartbeat_at = now(),
+                       concurrency = coalesce(excluded.concurrency, worker_instance.concurrency)
                    RETURNING id""",
-                (instance_id, worker_group_id, name),
+                (instance_id, worker_group_id, name, concurrency),
             )
             row = await cur.fetchone()
             assert row is not None
@@ -269,3 +286,42 @@ class TenancyRepository:
                 (worker_group_id, name),
             )
             return cur.rowcount > 0
+
+    async def workers_of_environment(self, env_id: str, limit: int = 200) -> list[WorkerView]:
+        """The worker groups that serve an environment (its default group and every group with a
+        current deployment for it), each with its instances and the tasks of that deployment."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """WITH groups AS (
+                       SELECT default_worker_group_id AS id FROM runtime_environment WHERE id = %(env)s
+                       UNION SELECT worker_group_id FROM deployment WHERE environment_id = %(env)s AND is_current)
+                   SELECT g.id, g.name, g.project_id IS NULL AS shared, d.version, d.created_at AS deployed_at,
+                          coalesce((SELECT array_agg(dt.task_identifier ORDER BY dt.task_identifier)
+                                    FROM deployment_task dt WHERE dt.deployment_id = d.id), '{}') AS tasks,
+                          coalesce((SELECT jsonb_agg(jsonb_build_object('name', i.name, 'concurrency', i.concurrency,
+                                                                         'lastHeartbeatAt', i.last_heartbeat_at)
+                                                     ORDER BY i.last_heartbeat_at DESC)
+                                    FROM (SELECT * FROM worker_instance WHERE worker_group_id = g.id
+                                          ORDER BY last_heartbeat_at DESC LIMIT %(limit)s) i), '[]') AS instances
+                   FROM groups JOIN worker_group g ON g.id = groups.id
+                   LEFT JOIN deployment d ON d.worker_group_id = g.id AND d.environment_id = %(env)s AND d.is_current
+                   ORDER BY g.name""",
+                {"env": env_id, "limit": limit})
+            return [WorkerView(**r) for r in await cur.fetchall()]
+
+    async def environment_ids(self, limit: int) -> list[str]:
+        """The first ``limit`` environment ids, in id order (metrics)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT id FROM runtime_environment ORDER BY id LIMIT %s", (limit,))
+            return [str(r[0]) for r in await cur.fetchall()]
+
+    async def connected_worker_instances(self, within_s: float, limit: int) -> list[tuple[str, int]]:
+        """(worker group, instances heard from in the last ``within_s`` seconds), at most ``limit``
+        groups (metrics)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT worker_group_id, count(*) FROM worker_instance
+                   WHERE last_heartbeat_at > now() - make_interval(secs => %s)
+                   GROUP BY worker_group_id ORDER BY worker_group_id LIMIT %s""", (within_s, limit))
+            return [(str(r[0]), int(r[1])) for r in await cur.fetchall()]

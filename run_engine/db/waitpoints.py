@@ -384,6 +384,15 @@ class WaitpointRepository:
             cur = await c.execute(sql, (run_id,))
             return _first_int(await cur.fetchone())
 
+    async def blocking(self, run_id: str, limit: int = 100) -> list[Waitpoint]:
+        """The pending waitpoints a run waits on."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT w.* FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
+                   WHERE trw.run_id = %s AND w.status = 'PENDING' ORDER BY w.created_at LIMIT %s""", (run_id, limit))
+            return [_waitpoint(r) for r in await cur.fetchall()]
+
     async def blocking_state(self, run_id: str) -> tuple[str | None, str | None, int]:
         """Latest valid snapshot id and status of the run, and its pending waitpoints: one query."""
         async with self.pool.connection() as conn:

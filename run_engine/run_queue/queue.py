@@ -335,6 +335,31 @@ class RunQueue:
             limit=self.default_env_limit if limit is None else int(limit),
         )
 
+    async def env_counts(self, env_ids: Sequence[str]) -> list[tuple[int, int, int]]:
+        """(queued, running, dead-lettered) of each environment, in one pipelined round trip."""
+        if not env_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for env_id in env_ids:
+            ek = self.keys.env(env_id)
+            pipe.hget(f"{ek}:meta", "queued")
+            pipe.scard(f"{ek}:running")
+            pipe.zcard(f"{ek}:dlq")
+        flat = await pipe.execute()
+        return [(max(0, int(flat[i] or 0)), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
+
+    async def queue_counts(self, queues: Sequence[tuple[str, str]]) -> list[tuple[int, int]]:
+        """(queued, running) of each (environment, queue), in one pipelined round trip."""
+        if not queues:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for env_id, queue in queues:
+            qk = self.keys.queue(env_id, queue)
+            pipe.hget(f"{qk}:meta", "queued")
+            pipe.scard(f"{qk}:running")
+        flat = await pipe.execute()
+        return [(max(0, int(flat[i] or 0)), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+
     async def running_ids(self, env_id: str) -> set[str]:
         return {_name(x) for x in await self.redis.smembers(f"{self.keys.env(env_id)}:running")}
 

@@ -160,3 +160,25 @@ def stack(database_url: str, redis_url: str, key_prefix: str,
     yield s
     for proc in reversed(s.procs):
         stop(proc)
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args: dict[str, Any]) -> dict[str, Any]:
+    """Playwright drives the operating system's Chromium (its own browser download is not reachable
+    from these machines): PLAYWRIGHT_CHROMIUM_EXECUTABLE_PATH, else `chromium` on the PATH."""
+    import shutil
+
+    exe = (os.environ.get("PLAYWRIGHT_CHROMIUM_EXECUTABLE_PATH") or shutil.which("chromium")
+           or shutil.which("chromium-browser"))
+    if exe is None:
+        raise RuntimeError("no Chromium: install the operating system's chromium package (.ci/run does)")
+    return {**browser_type_launch_args, "executable_path": exe,
+            "args": ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                     "--disable-sync", "--no-first-run"]}
+
+
+@pytest.fixture(scope="session")
+def base_url() -> None:
+    """pytest-base-url's fixture (pulled in by pytest-playwright) warns on this pytest; pages are
+    opened with full URLs."""
+    return None

@@ -364,3 +364,23 @@ def test_dequeue_can_start_the_attempts_in_the_same_request(lonely: Stack) -> No
                       json={"ok": True, "output": 42})
         assert done.json()["action"] == "finished"
     assert lonely.run(run_id)["output"] == 42
+
+
+def test_runs_filtered_by_creation_time(lonely: Stack) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    run_id = lonely.trigger("manual", {"when": "now"})
+    now = datetime.now(UTC)
+    with lonely.client() as c:
+        def ids(**window: str) -> list[str]:
+            r = c.get("/api/v1/runs", params={f"filter[createdAt][{k}]": v for k, v in window.items()})
+            assert r.status_code == 200, r.text
+            return [run["id"] for run in r.json()["data"]]
+
+        hour_ago, in_an_hour = (now - timedelta(hours=1)).isoformat(), (now + timedelta(hours=1)).isoformat()
+        assert run_id in ids(**{"from": hour_ago})
+        assert run_id in ids(**{"from": hour_ago, "to": in_an_hour})
+        assert run_id not in ids(**{"from": in_an_hour})
+        assert run_id not in ids(to=(now - timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%S"))  # naive: UTC
+        r = c.get("/api/v1/runs", params={"filter[createdAt][from]": "last tuesday"})
+        assert r.status_code == 400 and "filter[createdAt][from]" in r.json()["error"]["message"]

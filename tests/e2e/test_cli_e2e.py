@@ -135,6 +135,7 @@ def test_dev_starts_everything_on_the_embedded_default(tmp_path: Path) -> None:
         banner = log_path.read_text()  # the lines to copy are whole however narrow the terminal
         assert re.search(rf"export RUN_ENGINE_API_URL={url} RUN_ENGINE_API_KEY={key}\n", banner), banner
         assert f'curl -s -X POST {url}/api/v1/tasks/hello-world/trigger \\\n' in banner, banner
+        assert f"dashboard {url}/dashboard" in banner, banner
         second = subprocess.run([sys.executable, "-m", "run_engine.cli", "dev", "--port", str(port)], cwd=tmp_path,
                                 env=env, capture_output=True, text=True, timeout=60)
         assert second.returncode == 1 and f"port {port} is in use" in second.stderr, second
@@ -149,3 +150,39 @@ def test_dev_starts_everything_on_the_embedded_default(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_trigger_flags_and_a_readable_run(cli_project: Stack) -> None:
+    out = cli_project.cli("trigger", "echo", "--payload", '{"a": 1}', "--delay", "1h", "--ttl", "2h", "--tag", "one",
+                          "--tag", "two", "--idempotency-key", "cli-flags", "--concurrency-key", "k",
+                          "--max-attempts", "2", "--json")
+    created = json.loads(out.stdout)
+    run = cli_project.run(created["id"])
+    assert run["status"] == "DELAYED" and run["tags"] == ["one", "two"] and run["ttl"] == "2h"
+    assert run["idempotencyKey"] == "cli-flags" and run["concurrencyKey"] == "k" and run["maxAttempts"] == 2
+    again = json.loads(cli_project.cli("trigger", "echo", "--idempotency-key", "cli-flags", "--json").stdout)
+    assert again["id"] == created["id"] and again["isCached"] is True
+    # a failed run reads as a person reads it: status, timeline, the error and its stack on lines of their own
+    failed = cli_project.cli("trigger", "aborts", "--wait", check=False)
+    assert failed.returncode == 1 and "FAILED" in failed.stdout and "timeline" in failed.stdout
+    run_id = re.search(r"(run_[a-z0-9]+)", failed.stdout).group(1)  # type: ignore[union-attr]
+    shown = cli_project.cli("runs", "get", run_id).stdout
+    assert "FAILED" in shown and "created" in shown and "error" in shown
+    assert "\nTraceback" in shown or "\n  Traceback" in shown, shown
+    assert "\\n" not in shown  # the stack is lines, not one escaped string
+
+
+def test_help_reads_well() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    top = subprocess.run([sys.executable, "-m", "run_engine.cli", "--help"], capture_output=True, text=True,
+                         timeout=60, env=env).stdout
+    assert "<bool>" not in top and "--version" in top
+    # a summary is its docstring's first paragraph on one line: no line of the list ends mid-sentence at "and"
+    assert not re.search(r"group\) and\s*│", top), top
+    server = subprocess.run([sys.executable, "-m", "run_engine.cli", "server", "--help"], capture_output=True,
+                            text=True, timeout=60, env=env).stdout
+    assert "--database-url" in server and "--redis-url" in server and "<bool>" not in server
+    trigger = subprocess.run([sys.executable, "-m", "run_engine.cli", "trigger", "--help"], capture_output=True,
+                             text=True, timeout=60, env=env).stdout
+    for flag in ("--delay", "--ttl", "--tag", "--idempotency-key", "--queue"):
+        assert flag in trigger, flag

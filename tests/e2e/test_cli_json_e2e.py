@@ -117,6 +117,7 @@ def test_each_command_prints_json(stack: Stack, tmp_path: Path) -> None:
     try:
         up = _wait_for_json(log, dev, '"event": "up"')
         assert up["apiKey"].startswith("tr_dev_") and up["apiUrl"].startswith("http://127.0.0.1:")
+        assert up["dashboard"] == f"{up['apiUrl']}/dashboard"
     finally:
         assert stop(dev, signal.SIGINT, timeout=60) == 0
     ran |= {("server",), ("supervisor",), ("dev",)}

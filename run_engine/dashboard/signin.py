@@ -1,0 +1,65 @@
+"""Signing in with an environment's secret API key, and out."""
+
+from __future__ import annotations
+
+import secrets
+from urllib.parse import unquote
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from run_engine.api.context import ctx_of
+from run_engine.api.http import ApiError
+from run_engine.dashboard.core import FLASH_COOKIE, action, read_form, redirect, render, sessions, signed_in
+from run_engine.dashboard.session import COOKIE, LIFETIME_S, LOGIN_COOKIE, clear_cookie, same, set_cookie
+
+
+def _next(value: str | None) -> str:
+    value = unquote(value or "")
+    return value if value.startswith("/dashboard/") and not value.startswith("//") else "/dashboard/runs"
+
+
+def _form(request: Request, *, error: str | None = None, status: int = 200, next_path: str = "") -> Response:
+    token = secrets.token_urlsafe(18)
+    response = render(request, "login.html", {"title": "Sign in", "login_csrf": token, "error": error,
+                                              "next": next_path or _next(request.query_params.get("next"))},
+                      status=status, flash="")
+    set_cookie(response, request, LOGIN_COOKIE, token, 3600)
+    return response
+
+
+async def login_form(request: Request) -> Response:
+    if await signed_in(request) is not None:
+        return redirect(request, _next(request.query_params.get("next")))
+    return _form(request)
+
+
+async def login(request: Request) -> Response:
+    """``apiKey`` from the form: a session for its environment, or the form again with a 401."""
+    ctx = ctx_of(request)
+    try:
+        form = await read_form(request, ctx)
+    except ApiError as exc:
+        return _form(request, error=exc.message, status=exc.status)
+    next_path = _next(form.get("next"))
+    expected = request.cookies.get(LOGIN_COOKIE) or ""
+    if not expected or not same(form.get("csrf", ""), expected):
+        return _form(request, error="The sign-in form expired: please try again.", status=403, next_path=next_path)
+    key = form.get("apiKey", "").strip()
+    env = await ctx.environment_by_key(key) if 0 < len(key) <= 256 else None
+    if env is None:
+        return _form(request, error="That is not an environment's secret API key (tr_dev_…, tr_prod_…).",
+                     status=401, next_path=next_path)
+    _, cookie = sessions(ctx).open(env.id, env.api_key_hash, ctx.engine.now())
+    response = redirect(request, next_path)
+    set_cookie(response, request, COOKIE, cookie, LIFETIME_S)
+    clear_cookie(response, request, LOGIN_COOKIE)
+    return response
+
+
+@action
+async def logout(request: Request, dash: object, form: dict[str, str]) -> Response:
+    response = redirect(request, "/dashboard/login")
+    for name in (COOKIE, FLASH_COOKIE):
+        clear_cookie(response, request, name)
+    return response
