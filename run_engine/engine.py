@@ -127,6 +127,15 @@ class RunEngine:
     def new_batch_id(self) -> str:
         return new_id("batch")
 
+    async def open_batch(self, env_id: str, size: int, idempotency_key: str | None = None) -> tuple[str, int, bool]:
+        """A batch whose runs are triggered later (Trigger.dev's two-phase batch): (id, expected
+        size, whether the idempotency key had made it before)."""
+        return await self.resources.repo.waitpoints.open_batch(new_id("batch"), env_id, size, idempotency_key)
+
+    async def batch_size(self, env_id: str, batch_id: str) -> int | None:
+        """The expected size of an opened batch of the environment; None when there is none."""
+        return await self.resources.repo.waitpoints.batch_size(batch_id, env_id)
+
     async def trigger_batch(self, env_id: str, batch_id: str, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
         """Record a batch and create its runs: one insert for the runs, one queue call."""
         await self.resources.repo.waitpoints.insert_batch(batch_id, env_id, len(requests))
@@ -362,6 +371,11 @@ class RunEngine:
         return await self.systems.schedules.upsert(env_id, task=task, cron=cron, timezone=timezone,
                                                    external_id=external_id, deduplication_key=deduplication_key)
 
+    async def update_schedule(self, env_id: str, schedule_id: str, *, task: str, cron: str, timezone: str = "UTC",
+                              external_id: str | None = None) -> Schedule:
+        return await self.systems.schedules.update(env_id, schedule_id, task=task, cron=cron, timezone=timezone,
+                                                   external_id=external_id)
+
     async def set_schedule_active(self, env_id: str, schedule_id: str, active: bool) -> Schedule:
         return await self.systems.schedules.set_active(env_id, schedule_id, active)
 
@@ -369,8 +383,12 @@ class RunEngine:
         return await self.resources.repo.schedules.get(schedule_id, env_id)
 
     async def list_schedules(self, env_id: str, limit: int,
-                             after: tuple[datetime, str] | None) -> list[Schedule]:
-        return await self.resources.repo.schedules.page(env_id, limit, after)
+                             after: tuple[datetime, str] | None, offset: int = 0) -> list[Schedule]:
+        return await self.resources.repo.schedules.page(env_id, limit, after, offset)
+
+    async def count_schedules(self, env_id: str, after: tuple[datetime, str] | None = None) -> tuple[int, int]:
+        """(schedules of the environment, how many come before ``after`` in list order)."""
+        return await self.resources.repo.schedules.count(env_id, after)
 
     async def delete_schedule(self, schedule_id: str, env_id: str) -> bool:
         return await self.resources.repo.schedules.delete(schedule_id, env_id)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from run_engine.cron import Cron, CronError
 from run_engine.db.deployments import TaskSpec
 from run_engine.db.schedules import Schedule
-from run_engine.errors import NotFoundError, ValidationError
+from run_engine.errors import NotFoundError, UnprocessableError, ValidationError
 from run_engine.ids import new_id
 from run_engine.tasks import stop_task
 from systems.enqueue import TriggerRequest
@@ -69,6 +69,24 @@ class SchedulesSystem:
         return await self.r.repo.schedules.upsert(
             id=new_id("sched"), env_id=env_id, task_id=task, cron=cron, timezone=timezone,
             external_id=external_id, deduplication_key=deduplication_key, next_run_at=next_run, type=kind)
+
+    async def update(self, env_id: str, schedule_id: str, *, task: str, cron: str, timezone: str = "UTC",
+                     external_id: str | None = None) -> Schedule:
+        """Change an imperative schedule (a declarative one follows its task's ``cron``: 422)."""
+        if not task or len(task) > 128:
+            raise ValidationError("task", "must be 1..128 characters")
+        row = await self.r.repo.schedules.get(schedule_id, env_id)
+        if row is None:
+            raise NotFoundError("schedule", schedule_id)
+        if row.type != "IMPERATIVE":
+            raise UnprocessableError("declarative_schedule", "a declarative schedule follows its task's cron: "
+                                                             "change the task's declaration instead")
+        next_run = self.next_tick(cron, timezone, self._now())
+        updated = await self.r.repo.schedules.update(schedule_id, env_id, task_id=task, cron=cron, timezone=timezone,
+                                                     external_id=external_id, next_run_at=next_run)
+        if updated is None:  # deleted meanwhile
+            raise NotFoundError("schedule", schedule_id)
+        return updated
 
     async def set_active(self, env_id: str, schedule_id: str, active: bool) -> Schedule:
         row = await self.r.repo.schedules.get(schedule_id, env_id)

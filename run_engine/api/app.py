@@ -10,7 +10,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from run_engine import dashboard
-from run_engine.api import metrics, public, schedules, stream, tokens, worker
+from run_engine.api import batches, metrics, public, schedules, stream, tokens, worker
 from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError, handle_exception, json_response
 from run_engine.api.inputs import RejectUnstorable
@@ -61,7 +61,7 @@ async def openapi(request: Request) -> Response:
 def routes() -> list[BaseRoute]:
     """Every route the API serves (the OpenAPI document is built from them)."""
     return [Route("/", index), Route("/healthz", healthz), Route("/openapi.json", openapi), *public.ROUTES,
-            *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *worker.ROUTES, *metrics.ROUTES]
+            *batches.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *worker.ROUTES, *metrics.ROUTES]
 
 
 def create_app(ctx: ApiContext) -> Starlette:

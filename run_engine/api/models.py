@@ -182,6 +182,23 @@ class BatchItem(_Body):
     options: TriggerOptions | None = None
 
 
+class OpenBatchBody(_Body):
+    """Trigger.dev's two-phase batch, phase 1 (``POST /api/v3/batches``)."""
+    runCount: int = Field(ge=1, le=1000)
+    taskIdentifiers: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(default=None,
+                                                                                            max_length=1000)
+    idempotencyKey: str | None = Field(default=None, min_length=1, max_length=2048)
+    parentRunId: str | None = Field(default=None, max_length=128)
+
+
+class BatchStreamItem(_Body):
+    """One NDJSON line of phase 2 (``POST /api/v3/batches/{batchId}/items``)."""
+    index: int = Field(ge=0, le=999)
+    task: str = Field(min_length=1, max_length=128)
+    payload: Any = None
+    options: TriggerOptions | None = None
+
+
 class RescheduleBody(_Body):
     delay: float | int | str | datetime
 
@@ -214,12 +231,23 @@ class BatchBody(_Body):
     items: list[BatchItem] = Field(min_length=1, max_length=1000)
 
 
+#: how a queue is named in its path (Trigger.dev's SDK sends it): ``task`` (a task id: the queue
+#: ``task/<id>``), ``custom`` (the name as is) or ``id`` (the queue's id)
+QueueKind = Literal["task", "custom", "id"]
+
+
 class PauseBody(_Body):
     action: Literal["pause", "resume"]
+    type: QueueKind | None = None
 
 
 class ConcurrencyBody(_Body):
     concurrencyLimit: int = Field(ge=0, le=100_000)
+    type: QueueKind | None = None
+
+
+class QueueKindBody(_Body):
+    type: QueueKind | None = None
 
 
 class RedriveAllBody(_Body):

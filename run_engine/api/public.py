@@ -20,6 +20,7 @@ from run_engine.api.models import (
     ConcurrencyBody,
     MetadataBody,
     PauseBody,
+    QueueKindBody,
     RedriveAllBody,
     RescheduleBody,
     TagsBody,
@@ -229,7 +230,9 @@ async def list_runs(request: Request) -> Response:
         batches=_csv(request, "filter[batch]"), limit=size + 1, after=after,
         created_from=_created(request, "from"), created_to=_created(request, "to"))
     page, more = runs[:size], len(runs) > size
-    return json_response({"data": [run_object(r) for r in page],
+    env = await ctx.environment(auth.env_id)
+    where = {"id": auth.env_id, "name": env.slug if env else auth.env_id}  # Trigger.dev's list items carry it
+    return json_response({"data": [{**run_object(r), "env": where} for r in page],
                           "pagination": pagination(_cursor(page[-1]) if more and page else None)})
 
 
@@ -270,34 +273,62 @@ async def queue_object(ctx: ApiContext, row: TaskQueue) -> dict[str, Any]:
             "rateLimit": row.rate_limit.stored() if row.rate_limit else None}
 
 
-async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str) -> TaskQueue:
-    row = await ctx.engine.task_queue(auth.env_id, name)
+async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str, kind: str | None = None) -> TaskQueue:
+    """The queue a path names: by name (``kind`` None or ``custom``), by task id (``task``: the
+    queue ``task/<id>``) or by its id (``id``), as Trigger.dev's SDK sends them."""
+    row = None
+    if kind is not None:  # the SDK sends a slash of a name as %2F, encoded once more
+        name = name.replace("%2F", "/").replace("%2f", "/")
+    if kind == "id":
+        row = next((q for q in await ctx.engine.list_queues(auth.env_id) if q.id == name), None)
+    else:
+        if kind == "task" and not name.startswith("task/"):
+            name = f"task/{name}"
+        row = await ctx.engine.task_queue(auth.env_id, name)
     if row is None:
         raise ApiError(404, "not_found", "queue not found")
     return row
 
 
-@operation("List queues", S.QueueList)
+def _kind(request: Request) -> str | None:
+    kind = request.query_params.get("type")
+    if kind not in (None, "task", "custom", "id"):
+        raise ApiError(400, "invalid_input", "type: task, custom or id")
+    return kind
+
+
+@operation("List queues (all, or page numbers with page and perPage)", S.QueueList,
+           query=(Query("page", {"type": "integer", "minimum": 1}),
+                  Query("perPage", {"type": "integer", "minimum": 1, "maximum": 1000})))
 async def list_queues(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    return json_response({"data": [await queue_object(ctx, r) for r in await ctx.engine.list_queues(auth.env_id)]})
+    rows = await ctx.engine.list_queues(auth.env_id)
+    number, per_page = request.query_params.get("page", "1"), request.query_params.get("perPage")
+    if not number.isdigit() or int(number) < 1 or (per_page is not None and not (
+            per_page.isdigit() and 1 <= int(per_page) <= 1000)):
+        raise ApiError(400, "invalid_input", "page: an integer from 1; perPage: an integer 1..1000")
+    size = int(per_page) if per_page else max(1, len(rows))
+    start = (int(number) - 1) * size
+    page = rows[start:start + size]
+    return json_response({"data": [await queue_object(ctx, r) for r in page], "pagination": {
+        "currentPage": int(number), "totalPages": max(1, -(-len(rows) // size)), "count": len(rows)}})
 
 
-@operation("Get a queue", S.Queue)
+@operation("Get a queue", S.Queue, query=(Query("type", {"type": "string", "enum": ["task", "custom", "id"]}),))
 async def get_queue(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    return json_response(await queue_object(ctx, await _queue_row(ctx, auth, request.path_params["name"])))
+    return json_response(await queue_object(ctx, await _queue_row(ctx, auth, request.path_params["name"],
+                                                                  _kind(request))))
 
 
 @operation("Pause or resume a queue", S.Queue, body=PauseBody)
 async def pause_queue(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    name = request.path_params["name"]
-    await _queue_row(ctx, auth, name)
     req = await body(request, PauseBody)
+    name = (await _queue_row(ctx, auth, request.path_params["name"], req.type)).name
     if req.action == "pause":
         await ctx.engine.pause_queue(auth.env_id, name)
     else:
@@ -309,19 +340,18 @@ async def pause_queue(request: Request) -> Response:
 async def override_concurrency(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    name = request.path_params["name"]
-    await _queue_row(ctx, auth, name)
     req = await body(request, ConcurrencyBody)
+    name = (await _queue_row(ctx, auth, request.path_params["name"], req.type)).name
     row = await ctx.engine.set_queue_concurrency_override(auth.env_id, name, req.concurrencyLimit)
     return json_response(await queue_object(ctx, row))
 
 
-@operation("Reset the concurrency limit to the deployed one", S.Queue)
+@operation("Reset the concurrency limit to the deployed one", S.Queue, body=QueueKindBody, body_required=False)
 async def reset_concurrency(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    name = request.path_params["name"]
-    await _queue_row(ctx, auth, name)
+    req = await body(request, QueueKindBody, required=False)
+    name = (await _queue_row(ctx, auth, request.path_params["name"], req.type)).name
     row = await ctx.engine.set_queue_concurrency_override(auth.env_id, name, None)
     return json_response(await queue_object(ctx, row))
 
@@ -419,7 +449,10 @@ async def add_tags(request: Request) -> Response:
     tags = await ctx.engine.add_tags(run.id, list(req.tags), 10)
     if tags is None:
         raise ApiError(422, "too_many_tags", "a run has at most 10 tags")
-    return json_response({"tags": tags})
+    out: dict[str, Any] = {"tags": tags}
+    if request.headers.get("trigger-version"):  # Trigger.dev's SDK reads a message
+        out["message"] = f"the run has {len(tags)} tags"
+    return json_response(out)
 
 
 ROUTES = [

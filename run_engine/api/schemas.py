@@ -110,6 +110,22 @@ class BatchTriggered(_Out):
     runs: list[BatchRun]
 
 
+class BatchOpened(_Out):
+    id: str
+    runCount: int
+    isCached: bool
+    idempotencyKey: str | None = None
+
+
+class BatchItemsStreamed(_Out):
+    id: str
+    itemsAccepted: int
+    itemsDeduplicated: int
+    sealed: bool
+    enqueuedCount: int | None = None
+    expectedCount: int | None = None
+
+
 class Batch(_Out):
     id: str
     status: Literal["PENDING", "COMPLETED"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -76,7 +77,12 @@ async def _own_token(ctx: ApiContext, env_id: str, waitpoint_id: str) -> Waitpoi
 async def get_token(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
-    return json_response(token_object(ctx, await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"])))
+    token = token_object(ctx, await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"]))
+    if "output" in token and request.headers.get("trigger-version"):
+        # Trigger.dev's SDK (it sends its version) reads the output as the serialized packet it parses
+        token["output"] = orjson.dumps(token["output"]).decode()
+        token["outputType"] = "application/json"
+    return json_response(token)
 
 
 @operation("List waitpoint tokens", S.TokenList,

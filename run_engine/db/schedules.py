@@ -66,16 +66,30 @@ class ScheduleRepository:
                               (schedule_id, env_id, env_id))
             return from_row_or_none(Schedule, await cur.fetchone())
 
-    async def page(self, env_id: str, limit: int, after: tuple[datetime, str] | None) -> list[Schedule]:
-        """Newest first; ``after`` is the (created_at, id) of the last schedule of the previous page."""
+    async def page(self, env_id: str, limit: int, after: tuple[datetime, str] | None,
+                   offset: int = 0) -> list[Schedule]:
+        """Newest first; ``after`` is the (created_at, id) of the last schedule of the previous page
+        (or ``offset`` schedules are skipped: page numbers)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
                 """SELECT * FROM task_schedule WHERE environment_id = %(env)s
                      AND (%(ts)s::timestamptz IS NULL OR (created_at, id) < (%(ts)s, %(id)s))
-                   ORDER BY created_at DESC, id DESC LIMIT %(limit)s""",
-                {"env": env_id, "ts": after[0] if after else None, "id": after[1] if after else None, "limit": limit})
+                   ORDER BY created_at DESC, id DESC LIMIT %(limit)s OFFSET %(offset)s""",
+                {"env": env_id, "ts": after[0] if after else None, "id": after[1] if after else None, "limit": limit,
+                 "offset": offset})
             return [from_row(Schedule, r) for r in await cur.fetchall()]
+
+    async def count(self, env_id: str, after: tuple[datetime, str] | None = None) -> tuple[int, int]:
+        """(schedules of the environment, how many of them come before ``after`` in page order)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT count(*), count(*) FILTER (WHERE (created_at, id) >= (%(ts)s, %(id)s))
+                   FROM task_schedule WHERE environment_id = %(env)s""",
+                {"env": env_id, "ts": after[0] if after else None, "id": after[1] if after else None})
+            row = await cur.fetchone()
+            assert row is not None
+            return int(row[0]), int(row[1] or 0)
 
     async def delete(self, schedule_id: str, env_id: str) -> bool:
         async with self.pool.connection() as conn:
@@ -91,6 +105,18 @@ class ScheduleRepository:
                 """UPDATE task_schedule SET active = %s, next_run_at = %s, updated_at = now()
                    WHERE id = %s AND environment_id = %s RETURNING *""",
                 (active, next_run_at, schedule_id, env_id))
+            return from_row_or_none(Schedule, await cur.fetchone())
+
+    async def update(self, schedule_id: str, env_id: str, *, task_id: str, cron: str, timezone: str,
+                     external_id: str | None, next_run_at: datetime | None) -> Schedule | None:
+        """Change an imperative schedule's task, cron, time zone and external id (and its next tick)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """UPDATE task_schedule SET task_identifier = %s, cron = %s, timezone = %s, external_id = %s,
+                          next_run_at = CASE WHEN active THEN %s ELSE next_run_at END, updated_at = now()
+                   WHERE id = %s AND environment_id = %s AND type = 'IMPERATIVE' RETURNING *""",
+                (task_id, cron, timezone, external_id, next_run_at, schedule_id, env_id))
             return from_row_or_none(Schedule, await cur.fetchone())
 
     async def delete_declarative(self, env_id: str, keep: Sequence[str]) -> None:

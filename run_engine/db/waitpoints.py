@@ -501,6 +501,33 @@ class WaitpointRepository:
         return {"run_waitpoints": runs, "batches": batches, "stuck_runs": stuck, "orphaned": orphans}
 
 
+    async def open_batch(self, batch_id: str, env_id: str, size: int,
+                         idempotency_key: str | None) -> tuple[str, int, bool]:
+        """A batch whose items come later (id, expected size, whether it existed: the same
+        idempotency key answers with the batch it made before)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """INSERT INTO batch_task_run (id, environment_id, size, idempotency_key) VALUES (%s, %s, %s, %s)
+                   ON CONFLICT (environment_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+                   RETURNING id, size""", (batch_id, env_id, size, idempotency_key))
+            row = await cur.fetchone()
+            if row is not None:
+                return str(row[0]), int(row[1]), False
+            cur = await conn.execute(
+                "SELECT id, size FROM batch_task_run WHERE environment_id = %s AND idempotency_key = %s",
+                (env_id, idempotency_key))
+            found = await cur.fetchone()
+            assert found is not None  # the conflict was with this row
+            return str(found[0]), int(found[1]), True
+
+    async def batch_size(self, batch_id: str, env_id: str) -> int | None:
+        """The expected size of an opened batch of the environment, or None."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT size FROM batch_task_run WHERE id = %s AND environment_id = %s",
+                                     (batch_id, env_id))
+            row = await cur.fetchone()
+            return None if row is None else int(row[0])
+
     async def insert_batch(self, batch_id: str, env_id: str, size: int, parent_run_id: str | None = None) -> None:
         async with self.pool.connection() as conn:
             await conn.execute(

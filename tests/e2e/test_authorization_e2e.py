@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from run_engine.api import public, schedules, stream, tokens, worker
+from run_engine.api import batches, public, schedules, stream, tokens, worker
 from run_engine.run_tokens import RunTokens
 
 from .conftest import Stack
@@ -65,6 +65,9 @@ ROUTES = [
     Route("GET", "/api/v1/schedules", targets=False),
     Route("GET", "/api/v1/schedules/{schedule_id}"),
     Route("DELETE", "/api/v1/schedules/{schedule_id}"),
+    Route("PUT", "/api/v1/schedules/{schedule_id}", {"task": "echo", "cron": "* * * * *"}),
+    Route("POST", "/api/v3/batches", {"runCount": 1}, targets=False),
+    Route("POST", "/api/v3/batches/{batch_id}/items", {"index": 0, "task": "echo", "payload": 1}),
     Route("POST", "/api/v1/schedules/{schedule_id}/activate"),
     Route("POST", "/api/v1/schedules/{schedule_id}/deactivate"),
     Route("GET", "/realtime/v1/runs/{run_id}"),
@@ -91,7 +94,7 @@ ROUTES = [
 
 
 def test_every_route_is_in_the_matrix() -> None:
-    registered = {(m, r.path) for mod in (public, tokens, schedules, stream, worker) for r in mod.ROUTES
+    registered = {(m, r.path) for mod in (public, batches, tokens, schedules, stream, worker) for r in mod.ROUTES
                   for m in r.methods - {"HEAD"}}
     assert registered == {(r.method, r.path) for r in ROUTES}
 

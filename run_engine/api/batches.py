@@ -1,0 +1,88 @@
+"""Trigger.dev's two-phase batch (its SDK's ``tasks.batchTrigger`` and ``batch.trigger``): open a
+batch with the number of runs it will have, then stream its items as NDJSON. Items are triggered
+as they are read, each deduplicated by its index (a retried stream triggers nothing twice); the
+batch is sealed once it holds as many runs as it announced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from run_engine.api import schemas as S
+from run_engine.api.context import ctx_of
+from run_engine.api.http import MAX_REQUEST_BYTES, ApiError, body, json_response, read_body, validate
+from run_engine.api.inputs import looks_like_id, needs_scan, unstorable
+from run_engine.api.models import BatchStreamItem, OpenBatchBody, TriggerOptions
+from run_engine.api.openapi import operation
+from run_engine.api.public import trigger_request
+
+
+@operation("Open a batch (Trigger.dev's two-phase batch, phase 1)", S.BatchOpened, body=OpenBatchBody)
+async def open_batch(request: Request) -> Response:
+    ctx = ctx_of(request)
+    auth = await ctx.env_auth(request)
+    req = await body(request, OpenBatchBody)
+    batch_id, size, cached = await ctx.engine.open_batch(auth.env_id, req.runCount, req.idempotencyKey)
+    out: dict[str, Any] = {"id": batch_id, "runCount": size, "isCached": cached}
+    if req.idempotencyKey is not None:
+        out["idempotencyKey"] = req.idempotencyKey
+    return json_response(out)
+
+
+def _items(raw: bytes | bytearray, size: int) -> list[BatchStreamItem]:
+    items: list[BatchStreamItem] = []
+    for number, line in enumerate(bytes(raw).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            data = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, "invalid_input", f"line {number}: malformed JSON ({exc})") from None
+        if needs_scan(line) and (problem := unstorable(data, f"line {number}")) is not None:
+            raise ApiError(400, "invalid_input", problem)
+        try:
+            item = validate(BatchStreamItem, data)
+        except ApiError as exc:
+            raise ApiError(400, "invalid_input", f"line {number}: {exc.message}") from None
+        if item.index >= size:
+            raise ApiError(400, "invalid_input", f"line {number}: index {item.index} is not below the batch's "
+                                                 f"runCount {size}")
+        items.append(item)
+    return items
+
+
+@operation("Stream a batch's items as NDJSON (phase 2); sealed once every run exists", S.BatchItemsStreamed,
+           any_body=True)
+async def stream_items(request: Request) -> Response:
+    ctx = ctx_of(request)
+    auth = await ctx.env_auth(request)
+    batch_id = request.path_params["batch_id"]
+    size = await ctx.engine.batch_size(auth.env_id, batch_id) if looks_like_id(batch_id, "batch") else None
+    if size is None:
+        raise ApiError(404, "not_found", "batch not found")
+    items = _items(await read_body(request, MAX_REQUEST_BYTES), size)
+    requests = []
+    for item in items:
+        options = item.options or TriggerOptions()
+        if options.idempotencyKey is None:  # the index deduplicates a retried stream
+            options = options.model_copy(update={"idempotencyKey": f"{batch_id}:{item.index}"})
+        requests.append(trigger_request(ctx, auth, item.task, item.payload, options, f"items.{item.index}",
+                                        batch_id=batch_id, trigger_function="batchTrigger"))
+    runs = await ctx.engine.trigger_many(requests) if requests else []  # the batch row exists (phase 1)
+    deduplicated = sum(1 for r in runs if r.is_cached)
+    held = len(await ctx.engine.list_runs(auth.env_id, batches=[batch_id], limit=size + 1))
+    out: dict[str, Any] = {"id": batch_id, "itemsAccepted": len(runs) - deduplicated,
+                           "itemsDeduplicated": deduplicated, "sealed": held >= size}
+    if held < size:
+        out |= {"enqueuedCount": held, "expectedCount": size}
+    return json_response(out)
+
+
+ROUTES = [
+    Route("/api/v3/batches", open_batch, methods=["POST"]),
+    Route("/api/v3/batches/{batch_id}/items", stream_items, methods=["POST"]),
+]

@@ -1,0 +1,137 @@
+"""Trigger.dev's official client, unchanged, against a real run-engine server: `@trigger.dev/sdk`
+4.8.3 (pinned in tests/e2e/trigger_sdk/, installed with npm into the test's own folder) makes each
+management call of tests/e2e/trigger_sdk/check.mjs, and this test checks what each call returned,
+not only that it did not throw."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import ROOT, Stack
+
+HERE = ROOT / "tests" / "e2e" / "trigger_sdk"
+
+
+@pytest.fixture(scope="module")
+def sdk_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    npm = shutil.which("npm")
+    if npm is None:
+        raise RuntimeError("npm is needed for the Trigger.dev SDK test (Node.js 18 or newer)")
+    folder = tmp_path_factory.mktemp("trigger-sdk")
+    for name in ("package.json", "package-lock.json", "check.mjs"):
+        shutil.copy(HERE / name, folder / name)
+    subprocess.run([npm, "ci", "--silent", "--no-audit", "--no-fund"], cwd=folder, check=True, timeout=300,
+                   capture_output=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(stack: Stack) -> Stack:
+    own = stack.project("trigger-sdk")
+    own.start_supervisor("trigger-sdk", concurrency=2)
+    deadline = time.monotonic() + 60
+    while True:
+        with own.client() as c:
+            if any(q["name"] == "task/echo" for q in c.get("/api/v1/queues").json()["data"]):
+                return own
+        assert time.monotonic() < deadline, "the supervisor did not deploy"
+        time.sleep(0.1)
+
+
+def run_check(sdk_dir: Path, stack: Stack) -> dict[str, Any]:
+    node = shutil.which("node")
+    assert node is not None
+    out = subprocess.run([node, "check.mjs"], cwd=sdk_dir, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "TRIGGER_API_URL": stack.url, "TRIGGER_SECRET_KEY": stack.api_key})
+    assert out.returncode == 0, out.stderr[-3000:]
+    results: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return results
+
+
+def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
+    r = run_check(sdk_dir, served)
+    failed = {name: call.get("error") for name, call in r.items() if not call["ok"]}
+    assert failed == {}, failed
+    v = {name: call.get("value") for name, call in r.items()}
+
+    first = v["tasks.trigger"]
+    assert first["id"].startswith("run_") and first["isCached"] is False and first["publicAccessToken"]
+    assert v["tasks.trigger.again"]["id"] == first["id"] and v["tasks.trigger.again"]["isCached"] is True
+    run = v["runs.retrieve"]
+    assert run["status"] == "COMPLETED" and run["isSuccess"] is True and run["ttl"] == "10m"
+    assert run["output"]["payload"] == {"hello": "sdk", "when": "1970-01-01T00:00:00.000Z"}  # superjson decoded
+    assert run["tags"] == ["sdk", "compat"] and run["attemptCount"] == 1
+    assert v["runs.poll"] == "COMPLETED"
+    replayed = v["runs.replay"]
+    assert replayed.startswith("run_") and replayed != first["id"]
+    assert served.wait_for(replayed)["output"]["payload"] == run["output"]["payload"]
+    assert v["runs.reschedule"]["status"] == "DELAYED" and "GMT" in v["runs.reschedule"]["delayedUntil"]
+    assert v["runs.cancel"] == "CANCELED"
+    listed = v["runs.list"]
+    assert listed and all("sdk" in item["tags"] for item in listed)
+    assert all(item["env"]["name"] == "dev" and item["env"]["id"].startswith("env_") for item in listed)
+    assert first["id"] in [item["id"] for item in listed]
+    assert first["id"] in v["runs.list.status"]
+    assert v["apiClient.updateRunMetadata"] == {"reply": {"step": 2}, "run": {"step": 2}}
+    assert v["apiClient.addTags"] == ["sdk", "compat", "added"]
+
+    token = v["wait.createToken"]
+    assert token["id"].startswith("waitpoint_") and token["isCached"] is False and "/callback/" in token["url"]
+    assert v["wait.completeToken"] == {"success": True}
+    assert v["wait.retrieveToken"] == {"status": "COMPLETED", "output": {"approved": True}}
+    assert token["id"] in v["wait.listTokens"]
+
+    with served.client() as c:
+        for name in ("tasks.batchTrigger", "batch.trigger"):
+            made = v[name]
+            assert made["batchId"].startswith("batch_") and made["runCount"] == 2, name
+            batch = c.get(f"/api/v1/batches/{made['batchId']}").json()
+            assert batch["runCount"] == 2, (name, batch)
+            for run_id in batch["runs"]:
+                assert served.wait_for(run_id)["status"] == "COMPLETED"
+
+    queues = {q["name"]: q for q in v["queues.list"]}
+    assert queues["task/echo"]["type"] == "task" and queues["e2e-limited"]["type"] == "custom"
+    assert v["queues.retrieve.task"] == {"name": "task/echo", "type": "task"}
+    assert (v["queues.pause.task"], v["queues.resume.task"]) == (True, False)
+    assert (v["queues.pause.custom"], v["queues.resume.custom"]) == (True, False)
+    assert v["queues.overrideConcurrencyLimit"] == 3 and v["queues.resetConcurrencyLimit"] is None
+
+    sched = v["schedules.create"]
+    assert sched["id"].startswith("sched_") and sched["task"] == "echo" and sched["active"] is True
+    assert sched["cron"] == "0 3 * * *" and "03:00:00" in sched["nextRun"]
+    assert v["schedules.retrieve"] == sched["id"] and sched["id"] in v["schedules.list"]
+    assert v["schedules.update"] == "0 4 * * *"
+    assert (v["schedules.deactivate"], v["schedules.activate"], v["schedules.del"]) == (False, True, True)
+    with served.client() as c:
+        assert c.get(f"/api/v1/schedules/{sched['id']}").status_code == 404
+
+
+def test_the_two_phase_batch_deduplicates_a_retried_stream_and_seals(served: Stack) -> None:
+    lines = "\n".join(json.dumps({"index": i, "task": "echo", "payload": {"i": i}}) for i in range(3))
+    with served.client() as c:
+        opened = c.post("/api/v3/batches", json={"runCount": 3, "idempotencyKey": "stream-1"}).json()
+        again = c.post("/api/v3/batches", json={"runCount": 3, "idempotencyKey": "stream-1"}).json()
+        assert again == {**opened, "isCached": True} and opened["isCached"] is False
+        ndjson = {"Content-Type": "application/x-ndjson"}
+        part = c.post(f"/api/v3/batches/{opened['id']}/items", content=lines.split("\n")[0], headers=ndjson).json()
+        assert part == {"id": opened["id"], "itemsAccepted": 1, "itemsDeduplicated": 0, "sealed": False,
+                        "enqueuedCount": 1, "expectedCount": 3}
+        whole = c.post(f"/api/v3/batches/{opened['id']}/items", content=lines, headers=ndjson).json()
+        assert whole == {"id": opened["id"], "itemsAccepted": 2, "itemsDeduplicated": 1, "sealed": True}
+        assert c.get(f"/api/v1/batches/{opened['id']}").json()["runCount"] == 3
+        bad = c.post(f"/api/v3/batches/{opened['id']}/items", content='{"index": 7, "task": "echo"}', headers=ndjson)
+        assert bad.status_code == 400 and "runCount" in bad.json()["error"]["message"]
+        bad = c.post(f"/api/v3/batches/{opened['id']}/items", content="{nope", headers=ndjson)
+        assert bad.status_code == 400 and "line 1" in bad.json()["error"]["message"]
+        assert c.post("/api/v3/batches/batch_aaaaaaaaaaaaaaaaaaaaaaaa/items", content=lines,
+                      headers=ndjson).status_code == 404
+        assert c.post("/api/v3/batches", json={"runCount": 0}).status_code == 400

@@ -1,0 +1,84 @@
+// Run by tests/e2e/test_trigger_sdk_e2e.py with TRIGGER_API_URL and TRIGGER_SECRET_KEY set.
+// Each management call of @trigger.dev/sdk against a run-engine server; prints one JSON object:
+// {call: {ok, value?, error?}}. The Python test reads it and checks the values.
+import { configure, tasks, runs, wait, queues, schedules, batch } from "@trigger.dev/sdk";
+import { apiClientManager } from "@trigger.dev/core/v3";
+
+configure({ baseURL: process.env.TRIGGER_API_URL, accessToken: process.env.TRIGGER_SECRET_KEY });
+const out = {};
+async function step(name, fn) {
+  try { out[name] = { ok: true, value: await fn() }; }
+  catch (e) { out[name] = { ok: false, error: String(e && e.message || e).slice(0, 800), status: e && e.status }; }
+  return out[name].value;
+}
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+async function until(id, pred, ms = 30000) {
+  const end = Date.now() + ms;
+  for (;;) { const r = await runs.retrieve(id); if (pred(r) || Date.now() > end) return r; await sleep(100); }
+}
+
+const h = await step("tasks.trigger", () => tasks.trigger("echo", { hello: "sdk", when: new Date(0) },
+  { tags: ["sdk", "compat"], idempotencyKey: "sdk-key-1", ttl: "10m", priority: 5, concurrencyKey: "ck", maxAttempts: 2 }));
+await step("tasks.trigger.again", () => tasks.trigger("echo", { hello: "other" }, { idempotencyKey: "sdk-key-1" }));
+if (h) {
+  await step("runs.retrieve", async () => { const r = await until(h.id, (r) => r.isCompleted);
+    return { id: r.id, status: r.status, output: r.output, tags: r.tags, ttl: r.ttl, isSuccess: r.isSuccess,
+             payload: r.payload, createdAt: String(r.createdAt), attemptCount: r.attemptCount }; });
+  await step("runs.poll", async () => { const r = await runs.poll(h.id, { pollIntervalMs: 200 }); return r.status; });
+  await step("runs.replay", async () => (await runs.replay(h.id)).id);
+}
+const delayed = await step("tasks.trigger.delayed", () => tasks.trigger("echo", { d: 1 }, { delay: "1h" }));
+if (delayed) {
+  await step("runs.reschedule", async () => { const r = await runs.reschedule(delayed.id, { delay: "2h" });
+    return { status: r.status, delayedUntil: String(r.delayedUntil) }; });
+  await step("runs.cancel", async () => { await runs.cancel(delayed.id); return (await runs.retrieve(delayed.id)).status; });
+}
+await step("runs.list", async () => { const page = await runs.list({ limit: 5, tag: "sdk" });
+  return page.data.map((r) => ({ id: r.id, status: r.status, tags: r.tags, env: r.env })); });
+await step("runs.list.status", async () => { const ids = [];
+  for await (const r of runs.list({ status: ["COMPLETED"], limit: 2 })) { ids.push(r.id); if (ids.length >= 3) break; }
+  return ids; });
+// metadata and tags of a run from outside it: the SDK's API client (its task-side helpers call these)
+await step("apiClient.updateRunMetadata", async () => { const c = apiClientManager.clientOrThrow();
+  const r = await c.updateRunMetadata(h.id, { metadata: { step: 2 } }); return { reply: r.metadata, run: (await runs.retrieve(h.id)).metadata }; });
+await step("apiClient.addTags", async () => { const c = apiClientManager.clientOrThrow();
+  await c.addTags(h.id, { tags: ["added"] }); return (await runs.retrieve(h.id)).tags; });
+
+const token = await step("wait.createToken", async () => { const t = await wait.createToken({ timeout: "1h", tags: ["sdk"] });
+  return { id: t.id, isCached: t.isCached, url: t.url }; });
+if (token) {
+  await step("wait.completeToken", () => wait.completeToken(token.id, { approved: true }));
+  await step("wait.retrieveToken", async () => { const t = await wait.retrieveToken(token.id);
+    return { status: t.status, output: t.output }; });
+  await step("wait.listTokens", async () => { const page = await wait.listTokens({ status: ["COMPLETED"], limit: 5 });
+    return page.data.map((t) => t.id); });
+}
+
+await step("tasks.batchTrigger", async () => { const b = await tasks.batchTrigger("echo", [{ payload: { i: 1 } }, { payload: { i: 2 }, options: { tags: ["b"] } }]);
+  return { batchId: b.batchId, runCount: b.runCount }; });
+await step("batch.trigger", async () => { const b = await batch.trigger([{ id: "echo", payload: { i: 3 } }, { id: "sync-echo", payload: 4 }]);
+  return { batchId: b.batchId, runCount: b.runCount }; });
+
+await step("queues.list", async () => { const page = await queues.list();
+  return page.data.map((q) => ({ name: q.name, type: q.type, paused: q.paused })); });
+await step("queues.retrieve.task", async () => { const q = await queues.retrieve({ type: "task", name: "echo" });
+  return { name: q.name, type: q.type }; });
+await step("queues.pause.task", async () => (await queues.pause({ type: "task", name: "echo" })).paused);
+await step("queues.resume.task", async () => (await queues.resume({ type: "task", name: "echo" })).paused);
+await step("queues.pause.custom", async () => (await queues.pause({ type: "custom", name: "e2e-limited" })).paused);
+await step("queues.resume.custom", async () => (await queues.resume({ type: "custom", name: "e2e-limited" })).paused);
+await step("queues.overrideConcurrencyLimit", async () => (await queues.overrideConcurrencyLimit({ type: "task", name: "echo" }, 3)).concurrencyLimit);
+await step("queues.resetConcurrencyLimit", async () => (await queues.resetConcurrencyLimit({ type: "task", name: "echo" })).concurrencyLimit);
+
+const sched = await step("schedules.create", async () => { const s = await schedules.create({ task: "echo", cron: "0 3 * * *", deduplicationKey: "sdk-nightly", externalId: "x1" });
+  return { id: s.id, task: s.task, active: s.active, cron: s.generator && s.generator.expression, nextRun: String(s.nextRun) }; });
+if (sched) {
+  await step("schedules.retrieve", async () => (await schedules.retrieve(sched.id)).id);
+  await step("schedules.list", async () => (await schedules.list()).data.map((s) => s.id));
+  await step("schedules.update", async () => { const s = await schedules.update(sched.id, { task: "echo", cron: "0 4 * * *" });
+    return s.generator && s.generator.expression; });
+  await step("schedules.deactivate", async () => (await schedules.deactivate(sched.id)).active);
+  await step("schedules.activate", async () => (await schedules.activate(sched.id)).active);
+  await step("schedules.del", async () => { await schedules.del(sched.id); return true; });
+}
+console.log(JSON.stringify(out));
