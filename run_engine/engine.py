@@ -14,6 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from run_engine.clock import Clock, SystemClock
+from run_engine.db.bulk_actions import BulkAction
 from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec, queue_type
 from run_engine.db.repository import Repository
 from run_engine.db.runs import BatchView, RunRow, Snapshot
@@ -30,6 +31,7 @@ from run_engine.run_queue import Handed, QueueStats, RunQueue
 from run_engine.settings import EngineSettings
 from run_engine.statuses import RunStatus
 from systems import engine_jobs as J
+from systems.bulk_actions import RunFilter, replay_request
 from systems.dead_letter import DeadRun
 from systems.dequeue import DequeuedRun
 from systems.enqueue import TriggeredRun, TriggerRequest
@@ -43,7 +45,7 @@ from systems.waitpoints import BlockOutcome, WaitpointsSystem
 __all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome",
            "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome", "Explanation",
            "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec", "RateLimitSpec",
-           "Deployed", "queue_type", "BatchView", "WorkerView"]
+           "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter"]
 
 
 class RunEngine:
@@ -56,7 +58,8 @@ class RunEngine:
             resources.jobs,
             {J.HEARTBEAT: self._on_heartbeat_job, J.MAX_DURATION: self._on_max_duration_job,
              J.WAITPOINT_DATETIME: self._on_datetime_job, J.WAITPOINT_TIMEOUT: self._on_timeout_job,
-             J.WAITPOINT_SWEEP: self._on_sweep_job, J.DELAYED: self._on_delayed_job, J.TTL: self._on_ttl_job},
+             J.WAITPOINT_SWEEP: self._on_sweep_job, J.DELAYED: self._on_delayed_job, J.TTL: self._on_ttl_job,
+             J.BULK_ACTION: self._on_bulk_action_job},
             concurrency=resources.settings.job_concurrency,
             poll_interval_s=resources.settings.job_poll_interval_s,
         )
@@ -157,6 +160,20 @@ class RunEngine:
 
     async def heartbeat(self, run_id: str, snapshot_id: str) -> None:
         await self.systems.execution_snapshot.heartbeat(run_id, snapshot_id)
+
+    async def replay(self, run: RunRow) -> TriggeredRun:
+        """A new run with the task, payload and options of ``run``."""
+        return await self.trigger(replay_request(run))
+
+    async def create_bulk_action(self, env_id: str, kind: str, run_filter: RunFilter,
+                                 idempotency_key: str | None = None) -> tuple[BulkAction, bool]:
+        """Cancel or replay (``kind``) every run matching ``run_filter``, a page at a time in the
+        background; the same ``idempotency_key`` answers with the action it made before (and True)."""
+        return await self.systems.bulk_actions.create(env_id, kind, run_filter, idempotency_key)
+
+    async def bulk_action(self, env_id: str, action_id: str) -> BulkAction | None:
+        """An action of the environment with its progress."""
+        return await self.systems.bulk_actions.get(env_id, action_id)
 
     async def cancel(self, run_id: str) -> RunStatus:
         return await self.systems.cancel.cancel(run_id)
@@ -423,6 +440,10 @@ class RunEngine:
             await self.systems.waitpoints.sweep(self.resources.settings.batch_creation_grace_s)
         finally:
             await self._schedule_sweep()
+
+    async def _on_bulk_action_job(self, job: Job) -> None:
+        if await self.systems.bulk_actions.run_page(job.payload["bulk_id"]):
+            await self.resources.change_jobs(schedule=[J.bulk_action(job.payload["bulk_id"], self.now())])
 
     async def _on_max_duration_job(self, job: Job) -> None:
         await self.systems.run_attempt.on_max_duration(job.payload["run_id"], job.payload["attempt"])

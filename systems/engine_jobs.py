@@ -19,8 +19,9 @@ WAITPOINT_DATETIME = "waitpoint_datetime"  # a DATETIME waitpoint is due (waitpo
 WAITPOINT_TIMEOUT = "waitpoint_timeout"  # a waitpoint with a timeout timed out (waitpoint_id)
 WAITPOINT_SWEEP = "waitpoint_sweep"  # the sweeper: RUN/BATCH waitpoints whose completion was lost
 SWEEP_ID = "sweep.waitpoints"
+BULK_ACTION = "bulk_action"  # the next page of a bulk cancel or replay (bulk_id)
 
-KINDS = (HEARTBEAT, MAX_DURATION, DELAYED, TTL, WAITPOINT_DATETIME, WAITPOINT_TIMEOUT, WAITPOINT_SWEEP)
+KINDS = (HEARTBEAT, MAX_DURATION, DELAYED, TTL, WAITPOINT_DATETIME, WAITPOINT_TIMEOUT, WAITPOINT_SWEEP, BULK_ACTION)
 
 
 def heartbeat_id(run_id: str, snapshot_id: str) -> str:
@@ -73,3 +74,11 @@ def waitpoint_timeout(waitpoint_id: str, at: float) -> JobSpec:
 
 def sweep(at: float) -> JobSpec:
     return SWEEP_ID, WAITPOINT_SWEEP, {}, at
+
+
+def bulk_action_id(bulk_id: str) -> str:
+    return f"bulk.{bulk_id}"
+
+
+def bulk_action(bulk_id: str, at: float) -> JobSpec:
+    return bulk_action_id(bulk_id), BULK_ACTION, {"bulk_id": bulk_id}, at

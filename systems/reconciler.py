@@ -208,6 +208,8 @@ class ReconcilerSystem:
         total = 0
         total += await self._schedule_missing(  # the sweeper re-arms itself, from the first one on
             [engine_jobs.sweep(now + self.r.settings.waitpoint_sweep_interval_s)])
+        total += await self._schedule_missing(  # bulk actions under way go on
+            [engine_jobs.bulk_action(a, now) for a in await self.r.repo.bulk_actions.pending()])
         async def active(after: str, limit: int) -> list[tuple[RunRow, Snapshot]]:
             return await self.r.repo.maintenance.active_runs_page(after, grace, limit)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from systems.bulk_actions import BulkActionsSystem
 from systems.cancel import CancelSystem
 from systems.dead_letter import DeadLetterSystem
 from systems.delayed_runs import DelayedRunsSystem
@@ -34,6 +35,7 @@ class Systems:
     reconciler: ReconcilerSystem
     schedules: SchedulesSystem
     explain: ExplainSystem
+    bulk_actions: BulkActionsSystem
 
     @classmethod
     def build(cls, resources: SystemResources) -> Systems:
@@ -49,12 +51,13 @@ class Systems:
         delayed_runs = DelayedRunsSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
                                          run_attempt=run_attempt)
         schedules = SchedulesSystem(r, enqueue=enqueue)
+        cancel = CancelSystem(r, execution_snapshot=execution_snapshot, run_attempt=run_attempt)
         return cls(
             execution_snapshot=execution_snapshot,
             enqueue=enqueue,
             dequeue=DequeueSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue),
             run_attempt=run_attempt,
-            cancel=CancelSystem(r, execution_snapshot=execution_snapshot, run_attempt=run_attempt),
+            cancel=cancel,
             dead_letter=dead_letter,
             waiting_for_worker=WaitingForWorkerSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
                                                       schedules=schedules),
@@ -64,4 +67,5 @@ class Systems:
                                         run_attempt=run_attempt, delayed_runs=delayed_runs),
             schedules=schedules,
             explain=ExplainSystem(r),
+            bulk_actions=BulkActionsSystem(r, enqueue=enqueue, cancel=cancel),
         )

@@ -199,6 +199,29 @@ class BatchStreamItem(_Body):
     options: TriggerOptions | None = None
 
 
+class CreatedRange(_Body):
+    from_: str | None = Field(default=None, alias="from", max_length=64)
+    to: str | None = Field(default=None, max_length=64)
+
+
+StrList = list[Annotated[str, Field(min_length=1, max_length=256)]]
+
+
+class RunFilterBody(_Body):
+    """The runs list's filters (``GET /api/v1/runs``), as lists."""
+    status: StrList | None = Field(default=None, max_length=100)
+    taskIdentifier: StrList | None = Field(default=None, max_length=100)
+    tag: StrList | None = Field(default=None, max_length=100)
+    queue: StrList | None = Field(default=None, max_length=100)
+    batch: StrList | None = Field(default=None, max_length=100)
+    createdAt: CreatedRange | None = None
+
+
+class BulkBody(_Body):
+    filter: RunFilterBody = Field(default_factory=RunFilterBody)
+    idempotencyKey: str | None = Field(default=None, min_length=1, max_length=256)
+
+
 class RescheduleBody(_Body):
     delay: float | int | str | datetime
 

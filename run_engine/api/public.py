@@ -250,17 +250,8 @@ async def replay_run(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
-    new = await ctx.engine.trigger(replay_request(run))
+    new = await ctx.engine.replay(run)
     return json_response({"id": new.id})
-
-
-def replay_request(run: RunRow) -> TriggerRequest:
-    """A new run with the task, payload and options of ``run``."""
-    return TriggerRequest(
-        env_id=run.env_id, task_id=run.task_id, payload=run.payload, payload_type=run.payload_type,
-        queue=run.queue, concurrency_key=run.concurrency_key, priority_s=run.priority_ms / 1000,
-        tags=tuple(run.tags), metadata=run.metadata, max_attempts=run.max_attempts, retry=run.retry,
-        max_duration_s=run.max_duration_s, machine=run.machine)
 
 
 # --- queues -------------------------------------------------------------------------------------

@@ -110,6 +110,19 @@ class BatchTriggered(_Out):
     runs: list[BatchRun]
 
 
+class BulkAction(_Out):
+    id: str
+    type: Literal["CANCEL", "REPLAY"]
+    status: Literal["PENDING", "COMPLETED"]
+    processed: int
+    succeeded: int
+    filter: dict[str, Any]
+    createdAt: str
+    completedAt: str | None = None
+    idempotencyKey: str | None = None
+    isCached: bool | None = None
+
+
 class BatchOpened(_Out):
     id: str
     runCount: int

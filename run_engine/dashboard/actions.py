@@ -12,7 +12,7 @@ from starlette.responses import Response
 from run_engine.api.http import ApiError
 from run_engine.api.inputs import looks_like_id, unstorable
 from run_engine.api.models import parse_when
-from run_engine.api.public import replay_request, trigger_request
+from run_engine.api.public import trigger_request
 from run_engine.api.tokens import complete
 from run_engine.dashboard.core import Dash, action, redirect
 from run_engine.engine import RunRow, TaskQueue
@@ -61,7 +61,7 @@ async def cancel(request: Request, dash: Dash, form: dict[str, str]) -> Response
 @action
 async def replay(request: Request, dash: Dash, form: dict[str, str]) -> Response:
     run = await _run(dash, request)
-    new = await dash.ctx.engine.trigger(replay_request(run))
+    new = await dash.ctx.engine.replay(run)
     return redirect(request, f"/dashboard/runs/{new.id}", f"Replayed {run.id} as {new.id}")
 
 

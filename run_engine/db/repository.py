@@ -15,6 +15,7 @@ import orjson
 from psycopg.types.json import set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
+from run_engine.db.bulk_actions import BulkActionRepository
 from run_engine.db.deployments import DeploymentRepository
 from run_engine.db.maintenance import MaintenanceRepository
 from run_engine.db.runs import RunRepository
@@ -42,6 +43,7 @@ class Repository:
         self.deployments = DeploymentRepository(pool)
         self.schedules = ScheduleRepository(pool)
         self.maintenance = MaintenanceRepository(pool)
+        self.bulk_actions = BulkActionRepository(pool)
 
     @classmethod
     async def open(cls, database_url: str, *, min_size: int = 2, max_size: int = 8,

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from run_engine.api import batches, public, schedules, stream, tokens, worker
+from run_engine.api import batches, bulk, public, schedules, stream, tokens, worker
 from run_engine.run_tokens import RunTokens
 
 from .conftest import Stack
@@ -67,6 +67,9 @@ ROUTES = [
     Route("DELETE", "/api/v1/schedules/{schedule_id}"),
     Route("PUT", "/api/v1/schedules/{schedule_id}", {"task": "echo", "cron": "* * * * *"}),
     Route("POST", "/api/v3/batches", {"runCount": 1}, targets=False),
+    Route("POST", "/api/v1/runs/bulk/cancel", {"filter": {"tag": ["nothing-has-this-tag"]}}, targets=False),
+    Route("POST", "/api/v1/runs/bulk/replay", {"filter": {"tag": ["nothing-has-this-tag"]}}, targets=False),
+    Route("GET", "/api/v1/runs/bulk/{bulk_id}"),
     Route("POST", "/api/v3/batches/{batch_id}/items", {"index": 0, "task": "echo", "payload": 1}),
     Route("POST", "/api/v1/schedules/{schedule_id}/activate"),
     Route("POST", "/api/v1/schedules/{schedule_id}/deactivate"),
@@ -94,7 +97,7 @@ ROUTES = [
 
 
 def test_every_route_is_in_the_matrix() -> None:
-    registered = {(m, r.path) for mod in (public, batches, tokens, schedules, stream, worker) for r in mod.ROUTES
+    registered = {(m, r.path) for mod in (public, batches, bulk, tokens, schedules, stream, worker) for r in mod.ROUTES
                   for m in r.methods - {"HEAD"}}
     assert registered == {(r.method, r.path) for r in ROUTES}
 
@@ -175,7 +178,9 @@ def victim(stack: Stack) -> Iterator[Victim]:
     other_token = _call(stack, t.api_key, "POST", "/api/v1/waitpoints/tokens", {}).json()["id"]
     schedule = _call(stack, t.api_key, "POST", "/api/v1/schedules",
                      {"task": "delayed", "cron": "0 0 1 1 *"}).json()["id"]
-    ids = {"run_id": target, "snapshot_id": started[target]["snapshot"]["id"], "batch_id": batch,
+    bulk_id = _call(stack, t.api_key, "POST", "/api/v1/runs/bulk/cancel",
+                    {"filter": {"tag": ["nothing-has-this-tag"]}}).json()["id"]
+    ids = {"run_id": target, "snapshot_id": started[target]["snapshot"]["id"], "batch_id": batch, "bulk_id": bulk_id,
            "waitpoint_id": token, "schedule_id": schedule, "name:path": "task/echo", "task_id": "echo",
            "signature": RunTokens(SECRET).callback_signature(other_token),
            "queue_id": _call(stack, t.api_key, "GET", "/api/v1/queues/task/echo").json()["id"]}

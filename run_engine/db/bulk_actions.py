@@ -1,0 +1,85 @@
+"""Bulk actions: one row per action, its filter, its cursor through the matching runs and its counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from run_engine.db.rows import from_row, from_row_or_none
+
+
+@dataclass(frozen=True, slots=True)
+class BulkAction:
+    id: str
+    env_id: str
+    kind: str  # CANCEL or REPLAY
+    filter: dict[str, Any]
+    status: str  # PENDING or COMPLETED
+    cursor_created_at: datetime | None
+    cursor_id: str | None
+    processed: int
+    succeeded: int
+    idempotency_key: str | None
+    created_at: datetime
+    completed_at: datetime | None
+
+
+class BulkActionRepository:
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+
+    async def create(self, *, id: str, env_id: str, kind: str, filter: dict[str, Any],
+                     idempotency_key: str | None) -> tuple[BulkAction, bool]:
+        """The new action, or the one the same idempotency key made before (and True)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """INSERT INTO bulk_action (id, environment_id, kind, filter, idempotency_key)
+                   VALUES (%s, %s, %s, %s, %s)
+                   ON CONFLICT (environment_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+                   RETURNING *""", (id, env_id, kind, Jsonb(filter), idempotency_key))
+            made = await cur.fetchone()
+            if made is not None:
+                return from_row(BulkAction, made), False
+            await cur.execute("SELECT * FROM bulk_action WHERE environment_id = %s AND idempotency_key = %s",
+                              (env_id, idempotency_key))
+            found = await cur.fetchone()
+            assert found is not None  # the conflict was with this row
+            return from_row(BulkAction, found), True
+
+    async def get(self, action_id: str, env_id: str | None = None) -> BulkAction | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM bulk_action WHERE id = %s AND (%s::text IS NULL OR environment_id = %s)",
+                              (action_id, env_id, env_id))
+            return from_row_or_none(BulkAction, await cur.fetchone())
+
+    async def advance(self, action_id: str, *, expected: tuple[datetime | None, str | None],
+                      cursor: tuple[datetime, str] | None, processed: int, succeeded: int, done: bool) -> bool:
+        """Move the cursor on by one page (only from where ``expected`` says it is: a page done twice by
+        two workers counts once) and add the page's counts; False when it had moved already."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """UPDATE bulk_action SET
+                       cursor_created_at = coalesce(%(ts)s, cursor_created_at),
+                       cursor_id = coalesce(%(cid)s, cursor_id),
+                       processed = processed + %(processed)s, succeeded = succeeded + %(succeeded)s,
+                       status = CASE WHEN %(done)s THEN 'COMPLETED' ELSE status END,
+                       completed_at = CASE WHEN %(done)s THEN now() ELSE completed_at END
+                   WHERE id = %(id)s AND status = 'PENDING'
+                     AND cursor_created_at IS NOT DISTINCT FROM %(ets)s AND cursor_id IS NOT DISTINCT FROM %(eid)s""",
+                {"id": action_id, "ts": cursor[0] if cursor else None, "cid": cursor[1] if cursor else None,
+                 "processed": processed, "succeeded": succeeded, "done": done, "ets": expected[0], "eid": expected[1]})
+            return cur.rowcount > 0
+
+    async def pending(self, limit: int = 1000) -> list[str]:
+        """Ids of the actions not finished (the reconciler re-arms their jobs)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT id FROM bulk_action WHERE status = 'PENDING' ORDER BY id LIMIT %s",
+                                     (limit,))
+            return [r[0] for r in await cur.fetchall()]

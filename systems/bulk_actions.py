@@ -1,0 +1,141 @@
+"""BulkActionsSystem: cancel or replay every run of an environment that matches a filter.
+
+An action covers the runs that existed when it was made (created before it: a replay never
+replays its own replays). An engine job works through them a page at a time, newest first, and
+records its cursor and counts after each page, so progress is readable while it runs and a
+process that dies mid-page costs only that page again: a cancel is a no-op the second time, and
+each replay carries an idempotency key made of the action and the run, so it is never made twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from run_engine.db.bulk_actions import BulkAction
+from run_engine.db.runs import RunRow
+from run_engine.errors import ValidationError
+from run_engine.ids import new_id
+from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
+from systems import engine_jobs
+from systems.cancel import CancelSystem
+from systems.enqueue import EnqueueSystem, TriggerRequest
+from systems.resources import SystemResources
+
+log = logging.getLogger(__name__)
+PAGE = 100
+KINDS = ("CANCEL", "REPLAY")
+FILTERS = ("statuses", "tasks", "tags", "queues", "batches")
+
+
+@dataclass(frozen=True, slots=True)
+class RunFilter:
+    """Runs of an environment: each list narrows (empty: any); created in [created_from, created_to)."""
+
+    statuses: tuple[str, ...] = ()
+    tasks: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    queues: tuple[str, ...] = ()
+    batches: tuple[str, ...] = ()
+    created_from: datetime | None = None
+    created_to: datetime | None = None
+
+    def stored(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: list(getattr(self, k)) for k in FILTERS if getattr(self, k)}
+        for key in ("created_from", "created_to"):
+            if (value := getattr(self, key)) is not None:
+                out[key] = value.isoformat()
+        return out
+
+    @classmethod
+    def from_stored(cls, data: dict[str, Any]) -> RunFilter:
+        def date(key: str) -> datetime | None:
+            return datetime.fromisoformat(data[key]) if data.get(key) else None
+
+        return cls(statuses=tuple(data.get("statuses", ())), tasks=tuple(data.get("tasks", ())),
+                   tags=tuple(data.get("tags", ())), queues=tuple(data.get("queues", ())),
+                   batches=tuple(data.get("batches", ())), created_from=date("created_from"),
+                   created_to=date("created_to"))
+
+
+def replay_request(run: RunRow, idempotency_key: str | None = None) -> TriggerRequest:
+    """A new run with the task, payload and options of ``run``."""
+    return TriggerRequest(
+        env_id=run.env_id, task_id=run.task_id, payload=run.payload, payload_type=run.payload_type,
+        queue=run.queue, concurrency_key=run.concurrency_key, priority_s=run.priority_ms / 1000,
+        tags=tuple(run.tags), metadata=run.metadata, max_attempts=run.max_attempts, retry=run.retry,
+        max_duration_s=run.max_duration_s, machine=run.machine, idempotency_key=idempotency_key)
+
+
+class BulkActionsSystem:
+    def __init__(self, resources: SystemResources, *, enqueue: EnqueueSystem, cancel: CancelSystem) -> None:
+        self.r = resources
+        self.enqueue = enqueue
+        self.cancel = cancel
+
+    async def create(self, env_id: str, kind: str, run_filter: RunFilter,
+                     idempotency_key: str | None = None) -> tuple[BulkAction, bool]:
+        """A new action (its first page starts at once), or the one ``idempotency_key`` made before."""
+        if kind not in KINDS:
+            raise ValidationError("kind", "must be CANCEL or REPLAY")
+        for name in FILTERS:
+            values = getattr(run_filter, name)
+            if len(values) > 100 or any(not v or len(v) > 256 for v in values):
+                raise ValidationError(name, "at most 100 values of 1..256 characters")
+        action, cached = await self.r.repo.bulk_actions.create(
+            id=new_id("bulk"), env_id=env_id, kind=kind, filter=run_filter.stored(), idempotency_key=idempotency_key)
+        if action.status == "PENDING":
+            await self.r.change_jobs(schedule=[engine_jobs.bulk_action(action.id, self.r.clock.now())])
+        return action, cached
+
+    async def get(self, env_id: str, action_id: str) -> BulkAction | None:
+        return await self.r.repo.bulk_actions.get(action_id, env_id)
+
+    async def run_page(self, action_id: str) -> bool:
+        """Act on the next page of the action's runs; True when more remain (the job runs again)."""
+        action = await self.r.repo.bulk_actions.get(action_id)
+        if action is None or action.status != "PENDING":
+            return False
+        f = RunFilter.from_stored(action.filter)
+        created_to = min(filter(None, (f.created_to, action.created_at)))
+        after = ((action.cursor_created_at, action.cursor_id)
+                 if action.cursor_created_at is not None and action.cursor_id is not None else None)
+        runs = await self.r.repo.runs.list_runs(
+            action.env_id, statuses=f.statuses, tasks=f.tasks, tags=f.tags, queues=f.queues, batches=f.batches,
+            limit=PAGE, after=after, created_from=f.created_from, created_to=created_to)
+        succeeded = await (self._cancel(runs) if action.kind == "CANCEL" else self._replay(action, runs))
+        done = len(runs) < PAGE
+        last = (runs[-1].created_at, runs[-1].id) if runs else None
+        moved = await self.r.repo.bulk_actions.advance(
+            action.id, expected=(action.cursor_created_at, action.cursor_id), cursor=last, processed=len(runs),
+            succeeded=succeeded, done=done)
+        return moved and not done
+
+    async def _cancel(self, runs: list[RunRow]) -> int:
+        cancelled = 0
+        for run in runs:
+            if RunStatus(run.status) in FINAL_RUN_STATUSES:
+                continue
+            try:
+                await self.cancel.cancel(run.id)
+                cancelled += 1
+            except Exception:  # one run that cannot be cancelled now must not stop the others
+                log.warning("bulk cancel: run %s could not be cancelled", run.id, exc_info=True)
+        return cancelled
+
+    async def _replay(self, action: BulkAction, runs: list[RunRow]) -> int:
+        if not runs:
+            return 0
+        requests = [replay_request(run, f"{action.id}:{run.id}") for run in runs]
+        try:
+            made = await self.enqueue.trigger_many(requests)
+        except Exception:  # one run that cannot be replayed must not stop the others: one at a time
+            made = []
+            for req in requests:
+                try:
+                    made += await self.enqueue.trigger_many([req])
+                except Exception:
+                    log.warning("bulk replay: run of %s could not be replayed", req.task_id, exc_info=True)
+        return sum(1 for m in made if not m.is_cached)

@@ -1,0 +1,55 @@
+"""Bulk actions through the engine: a page done twice (two workers, or a process that died after
+acting and before recording the page) replays nothing twice and counts once; the action covers
+only the runs that existed when it was made; a cancel skips finished runs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from run_engine.engine import RunFilter, TriggerRequest
+from systems.bulk_actions import PAGE
+
+
+async def _runs(h: Any, n: int, tag: str) -> list[str]:
+    made = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="t", payload={"i": i},
+                                                       tags=(tag,)) for i in range(n)])
+    return [m.id for m in made]
+
+
+async def test_a_page_done_twice_replays_nothing_twice(h: Any) -> None:
+    await h.deploy({"id": "t"})
+    originals = await _runs(h, PAGE + 30, "x")
+    action, cached = await h.engine.create_bulk_action(h.env.env_id, "REPLAY", RunFilter(tags=("x",)), "k")
+    assert not cached and action.status == "PENDING"
+    again, cached = await h.engine.create_bulk_action(h.env.env_id, "REPLAY", RunFilter(tags=("x",)), "k")
+    assert cached and again.id == action.id
+    bulk = h.engine.systems.bulk_actions
+    # two workers on the same page at once: both act, one records the page
+    first = await asyncio.gather(bulk.run_page(action.id), bulk.run_page(action.id))
+    assert sorted(first) == [False, True]
+    while await bulk.run_page(action.id):
+        pass
+    done = await h.engine.bulk_action(h.env.env_id, action.id)
+    assert done is not None and done.status == "COMPLETED" and done.completed_at is not None
+    assert done.processed == PAGE + 30 and done.succeeded == PAGE + 30
+    tagged = await h.engine.list_runs(h.env.env_id, tags=["x"], limit=1000)
+    replays = [r for r in tagged if r.id not in originals]
+    assert len(replays) == PAGE + 30  # each original replayed exactly once, and the replays not replayed
+    assert {r.idempotency_key for r in replays} == {f"{action.id}:{o}" for o in originals}
+    assert await bulk.run_page(action.id) is False  # finished: nothing more
+
+
+async def test_cancel_skips_finished_runs_and_other_runs(h: Any) -> None:
+    await h.deploy({"id": "t"})
+    doomed = await _runs(h, 5, "doomed")
+    kept = await _runs(h, 3, "kept")
+    await h.engine.cancel(doomed[0])  # finished already: not counted again
+    action, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("doomed",)))
+    while await h.engine.systems.bulk_actions.run_page(action.id):
+        pass
+    done = await h.engine.bulk_action(h.env.env_id, action.id)
+    assert done is not None and (done.processed, done.succeeded) == (5, 4)
+    assert {(await h.engine.get_run(r)).status for r in doomed} == {"CANCELED"}
+    assert "CANCELED" not in {(await h.engine.get_run(r)).status for r in kept}
+    assert await h.engine.bulk_action("env_someone_else", action.id) is None
