@@ -23,6 +23,7 @@ class RetryPolicy:
     min_timeout_s: float = 1.0
     max_timeout_s: float = 10.0
     randomize: bool = True
+    oom_machine: str | None = None  # an attempt killed for its memory is retried on this machine
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -58,6 +59,9 @@ class RetryPolicy:
             for key in keys:
                 if key in data and data[key] is not None:
                     changes[attr] = data[key]
+        oom = data.get("out_of_memory", data.get("outOfMemory"))
+        if isinstance(oom, dict) and oom.get("machine"):
+            changes["oom_machine"] = str(oom["machine"])
         # a minimum above the inherited maximum raises the maximum (a trigger's 20 s minimum over
         # the default 10 s maximum must not make every later attempt fail to compute its policy)
         if "max_timeout_s" not in changes and changes.get("min_timeout_s", 0) > base.max_timeout_s:
@@ -71,6 +75,7 @@ class RetryPolicy:
             "min_timeout": self.min_timeout_s,
             "max_timeout": self.max_timeout_s,
             "randomize": self.randomize,
+            **({"out_of_memory": {"machine": self.oom_machine}} if self.oom_machine else {}),
         }
 
 

@@ -29,6 +29,7 @@ E = ExecutionStatus
 #: error ``type`` values with a fixed meaning
 ERROR_TIMED_OUT = "MAX_DURATION_EXCEEDED"
 ERROR_ABORT = "ABORT"
+ERROR_OOM = "TASK_PROCESS_OOM_KILLED"  # the supervisor killed the attempt for its memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class StartedAttempt:
     attempt_number: int
     retry: RetryPolicy
     max_duration_s: int | None = None
+    machine: str | None = None  # the machine preset the attempt runs on (None: the supervisor's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +99,11 @@ class RunAttemptSystem:
             if run.ttl_s is not None and run.attempt_number == 1:
                 cancel.append(engine_jobs.ttl_id(run_id))  # started in time: the TTL no longer applies
             policy = await self.retry_policy(run)
-            max_duration = run.max_duration_s
-            if max_duration is None:
-                task = await self.deployment_task(run)
-                max_duration = task.max_duration_s if task else None
+            task = await self.deployment_task(run)  # cached per deployment: no query per run
+            max_duration = run.max_duration_s if run.max_duration_s is not None else (
+                task.max_duration_s if task else None)
+            # the run's own machine (a trigger's, or the larger one after running out of memory), else its task's
+            machine = run.machine or (task.machine if task else None)
             if max_duration:
                 # one job per attempt: it survives the attempt's waits and continuations
                 schedule.append(engine_jobs.max_duration(
@@ -113,7 +116,7 @@ class RunAttemptSystem:
             data["queued_s"] = max(0.0, (snapshot.created_at - run.queued_at).total_seconds())
         self.r.events.emit(RunEvent("attempt_started", run_id, run.env_id, snapshot.id, data,
                                     attempt=run.attempt_number))
-        return StartedAttempt(run, snapshot, run.attempt_number, policy, max_duration)
+        return StartedAttempt(run, snapshot, run.attempt_number, policy, max_duration, machine)
 
     async def complete_attempt(
         self, run_id: str, snapshot_id: str, *, ok: bool, output: Any = None,
@@ -168,6 +171,11 @@ class RunAttemptSystem:
             return await self.finish(run_id, final_status, error=error, expected_snapshot_id=snapshot_id,
                                      from_statuses=EXECUTING, description="Attempt failed, no retry")
         delay_s = forced_delay_s if forced_delay_s is not None else policy.delay_s(run.attempt_number, self.r.rng)
+        if error.get("type") == ERROR_OOM and policy.oom_machine and run.machine != policy.oom_machine:
+            # (run.machine None: it ran on its task's machine)
+            # the next attempt runs on the larger machine (set first: a crash before the retry is
+            # recorded leaves the run bigger, never smaller)
+            await self.r.repo.runs.set_machine(run_id, policy.oom_machine)
         result = await self.execution_snapshot.apply(
             run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=EXECUTING, expected_snapshot_id=snapshot_id,
             operation="retry", description=f"Retrying after attempt {run.attempt_number} failed", error=error,

@@ -102,8 +102,13 @@ class QueueOption(_Body):
                          rate_limit=self.rateLimit.spec() if self.rateLimit else None)
 
 
+class OutOfMemoryOption(_Body):
+    machine: Literal[MACHINES]  # type: ignore[valid-type]
+
+
 class RetryOption(_Body):
     maxAttempts: int | None = Field(default=None, ge=1, le=250)
+    outOfMemory: OutOfMemoryOption | None = None  # an attempt killed for its memory is retried on this machine
     factor: float | None = Field(default=None, ge=1, le=100)
     minTimeoutInMs: int | None = Field(default=None, ge=0, le=MAX_DURATION_S * 1000)
     maxTimeoutInMs: int | None = Field(default=None, ge=0, le=MAX_DURATION_S * 1000)
@@ -310,7 +315,10 @@ class TaskDecl(_Body):
             return v
         from run_engine.settings import RetryPolicy
 
-        numbers = {k: x for k, x in v.items() if k != "randomize"}
+        oom = v.get("out_of_memory", v.get("outOfMemory"))
+        if oom is not None and (not isinstance(oom, dict) or oom.get("machine") not in MACHINES):
+            raise ValueError(f"out_of_memory: {{\"machine\": one of {', '.join(MACHINES)}}}")
+        numbers = {k: x for k, x in v.items() if k not in ("randomize", "out_of_memory", "outOfMemory")}
         if any(isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x <= MAX_DURATION_S
                for x in numbers.values() if x is not None):
             raise ValueError(f"values must be numbers from 0 to {MAX_DURATION_S}")

@@ -77,7 +77,9 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
             "max_attempts": o.retry.maxAttempts, "factor": o.retry.factor,
             "min_timeout": None if o.retry.minTimeoutInMs is None else o.retry.minTimeoutInMs / 1000,
             "max_timeout": None if o.retry.maxTimeoutInMs is None else o.retry.maxTimeoutInMs / 1000,
-            "randomize": o.retry.randomize}.items() if v is not None}
+            "randomize": o.retry.randomize,
+            "out_of_memory": {"machine": o.retry.outOfMemory.machine} if o.retry.outOfMemory else None,
+        }.items() if v is not None}
     return TriggerRequest(
         env_id=auth.env_id, task_id=task, payload=payload, payload_type="application/json",
         queue=queue_name, queue_concurrency_limit=queue_limit, concurrency_key=o.concurrencyKey,

@@ -183,7 +183,7 @@ async def _start(ctx: ApiContext, run_id: str, snapshot_id: str) -> dict[str, An
     r = started.run
     return {
         "run": run_object(r), "snapshot": snapshot_object(started.snapshot), "attemptNumber": started.attempt_number,
-        "payload": r.payload, "machine": r.machine or "small-1x",
+        "payload": r.payload, "machine": started.machine or "small-1x",
         # a first attempt has nothing journaled yet: no query on the hot path
         "journal": (await ctx.engine.resolved_journal(r.id)
                     if started.snapshot.checkpoint_id or started.attempt_number > 1 else []),

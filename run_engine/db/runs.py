@@ -512,6 +512,11 @@ class RunRepository:
             row = await cur.fetchone()
         return list(row[0]) if row else None
 
+    async def set_machine(self, run_id: str, machine: str) -> None:
+        """The machine the run's next attempts run on."""
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE task_run SET machine = %s, updated_at = now() WHERE id = %s", (machine, run_id))
+
     async def set_delay_until(self, run_id: str, when: datetime) -> None:
         async with self.pool.connection() as conn:
             await conn.execute("UPDATE task_run SET delay_until = %s, queue_timestamp = %s, updated_at = now() "

@@ -58,6 +58,14 @@ def hog(payload):
     return len(blocks)
 
 
+@task(id="hog-then-larger", machine="micro",
+      retry={"max_attempts": 2, "min_timeout": 0.1, "randomize": False, "out_of_memory": {"machine": "small-2x"}})
+def hog_then_larger(payload, ctx):
+    blocks = [bytearray(64 * 1024 * 1024) for _ in range(6)]  # 384 MiB: over micro's 256, under small-2x's 1024
+    time.sleep(1)
+    return {"attempt": ctx.attempt.number, "mib": 64 * len(blocks)}
+
+
 @task(id="long", retry={"max_attempts": 3, "min_timeout": 0.2, "randomize": False})
 async def long(payload, ctx):
     await asyncio.sleep(float(payload.get("seconds", 3)))

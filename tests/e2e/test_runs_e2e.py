@@ -64,6 +64,23 @@ def test_out_of_memory_is_reported(supervised: Stack) -> None:
     assert run["status"] == "FAILED" and run["error"]["type"] == "TASK_PROCESS_OOM_KILLED"
 
 
+def test_out_of_memory_is_retried_on_the_larger_machine_the_task_names(supervised: Stack) -> None:
+    run = supervised.wait_for(supervised.trigger("hog-then-larger", {}))
+    assert run["status"] == "COMPLETED" and run["output"] == {"attempt": 2, "mib": 384}
+    assert run["machine"] == "small-2x" and run["attemptCount"] == 2
+
+
+def test_a_trigger_names_the_machine_to_retry_on_after_out_of_memory(supervised: Stack) -> None:
+    # the task's own policy has no out_of_memory; the trigger's does
+    retry = {"maxAttempts": 2, "minTimeoutInMs": 100, "outOfMemory": {"machine": "small-2x"}}
+    run = supervised.wait_for(supervised.trigger("hog", {}, retry=retry))
+    assert run["status"] == "COMPLETED" and run["machine"] == "small-2x" and run["attemptCount"] == 2
+    with supervised.client() as c:
+        bad = c.post("/api/v1/tasks/hog/trigger", json={"payload": {}, "options": {
+            "retry": {"outOfMemory": {"machine": "huge-9x"}}}})
+        assert bad.status_code == 400 and "outOfMemory.machine" in bad.json()["error"]["message"]
+
+
 def test_cancel_queued_and_executing_runs(supervised: Stack) -> None:
     with supervised.client() as c:
         # executing
