@@ -302,6 +302,10 @@ class RunEngine:
         return await self.resources.repo.waitpoints.list_tokens(env_id, statuses=statuses, timed_out=timed_out,
                                                                 tags=tags, limit=limit, after=after)
 
+    async def run_waitpoint(self, env_id: str, run_id: str) -> Waitpoint:
+        """The RUN waitpoint of a run of the environment (made on demand; NotFoundError otherwise)."""
+        return await self.systems.waitpoints.run_waitpoint(env_id, run_id)
+
     async def complete_waitpoint(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False) -> bool:
         """Complete a waitpoint; False when it was complete already (the first output stays)."""
         return await self.systems.waitpoints.complete(waitpoint_id, output, is_error=is_error)

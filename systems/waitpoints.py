@@ -164,6 +164,29 @@ class WaitpointsSystem:
 
     # --- blocking and continuing --------------------------------------------------------------
 
+    async def run_waitpoint(self, env_id: str, run_id: str) -> Waitpoint:
+        """The RUN waitpoint of any run of the environment, made on demand (one per run, shared by
+        every waiter; nothing on the plain trigger path): completed with the run's output, or its
+        error, when it finishes; at once if it has finished already."""
+        run = await self.r.repo.runs.get_run(run_id, env_id)
+        if run is None:
+            raise NotFoundError("run", run_id)
+        wp, _ = await self.wp.create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
+                                                  completed_by_run_id=run_id, idempotency_key=f"run:{run_id}"))
+        if wp.type != "RUN" or wp.completed_by_run_id != run_id:  # a token took that key: one of its own
+            wp, _ = await self.wp.create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
+                                                      completed_by_run_id=run_id))
+        if not run.resume_parent_on_completion:
+            # its finish completes RUN waitpoints from now on; one that finished in between is seen
+            # below (and the sweeper completes any RUN waitpoint whose run has finished)
+            await self.r.repo.runs.mark_waited_on(run_id)
+        fresh = await self.r.repo.runs.get_run(run_id, env_id)
+        if fresh is not None and fresh.finished_at is not None and wp.status == "PENDING":
+            ok = fresh.status == RunStatus.COMPLETED
+            await self.complete_many([Completion(fresh.output if ok else (fresh.error or {"type": fresh.status}),
+                                                 not ok, id=wp.id)])
+        return wp
+
     async def block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
                     waitpoint_ids: Sequence[str], result: Any = None) -> BlockOutcome:
         """Journal the wait at ``sequence`` and block the executing run on ``waitpoint_ids``."""

@@ -92,6 +92,8 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
         delay_until=None if o.delay is None else parse_when(o.delay, ctx.engine.now()),
         idempotency_key=o.idempotencyKey,
         idempotency_key_ttl_s=None if o.idempotencyKeyTTL is None else parse_duration_s(o.idempotencyKeyTTL),
+        # a parent that will wait for this run (wait.for_run): its finish completes its RUN waitpoint
+        resume_parent_on_completion=bool(o.resumeParentOnCompletion and (o.parentRunId or auth.run_id)),
     )
 
 

@@ -35,7 +35,7 @@ from run_engine.api.models import (
 )
 from run_engine.api.openapi import Query, operation
 from run_engine.api.serialize import run_object, snapshot_object
-from run_engine.engine import RunRow, WorkerGroup
+from run_engine.engine import RunRow, Waitpoint, WorkerGroup
 
 PREFIX = "/engine/v1/worker-actions"
 LATEST_RECHECK_S = 5.0  # a snapshot long-poll re-reads the run this often without a wake-up
@@ -326,7 +326,12 @@ async def wait_waitpoint(request: Request) -> Response:
     req = await body(request, WaitBody)
     waitpoint_id = request.path_params["waitpoint_id"]
     run = await ctx.engine.get_run(run_id)
-    wp = await ctx.engine.get_waitpoint(waitpoint_id, run.env_id if run else None)
+    if run is not None and looks_like_id(waitpoint_id, "run"):  # wait on any run: its RUN waitpoint
+        if waitpoint_id == run_id:
+            raise ApiError(400, "invalid_input", "a run cannot wait on itself")
+        wp: Waitpoint | None = await ctx.engine.run_waitpoint(run.env_id, waitpoint_id)
+    else:
+        wp = await ctx.engine.get_waitpoint(waitpoint_id, run.env_id if run else None)
     if wp is None:
         raise ApiError(404, "not_found", "waitpoint not found")
     entry = None

@@ -512,6 +512,12 @@ class RunRepository:
             row = await cur.fetchone()
         return list(row[0]) if row else None
 
+    async def mark_waited_on(self, run_id: str) -> None:
+        """Something waits on the run: its finish completes its RUN waitpoints."""
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE task_run SET resume_parent_on_completion = true "
+                               "WHERE id = %s AND NOT resume_parent_on_completion", (run_id,))
+
     async def set_machine(self, run_id: str, machine: str) -> None:
         """The machine the run's next attempts run on."""
         async with self.pool.connection() as conn:

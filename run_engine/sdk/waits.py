@@ -57,4 +57,12 @@ class _Wait:
         return WaitResult(result["ok"], result.get("output"), result.get("error"))
 
 
+    async def for_run(self, run: Any) -> WaitResult:
+        """Wait until another run of the environment (its id, or what ``trigger`` returned) has
+        finished: ``ok`` with its ``output``, or its ``error``. At once if it finished already."""
+        run_id = run if isinstance(run, str) else run.id
+        result = await runtime.require("wait.for_run").wait("token", waitpointId=run_id)
+        return WaitResult(result["ok"], result.get("output"), result.get("error"))
+
+
 wait = _Wait()

@@ -118,6 +118,12 @@ async def waits_for_token(payload, ctx):
     return {"ok": result.ok, "output": result.output, "error": result.error}
 
 
+@task(id="waits-for-run")
+async def waits_for_run(payload, ctx):
+    result = await wait.for_run(payload["run"])
+    return {"ok": result.ok, "output": result.output, "error": result.error}
+
+
 @task(id="creates-token-and-waits")
 async def creates_token_and_waits(payload, ctx):
     token = await tokens.create(timeout=payload.get("timeout"), tags=[ctx.run.id],

@@ -207,3 +207,24 @@ def test_killing_the_supervisor_while_runs_are_suspended_loses_nothing(stack: St
     for i, run_id in enumerate(runs):
         run = own.wait_for(run_id)
         assert run["status"] == "COMPLETED" and run["output"]["output"] == i, run
+
+
+def test_a_run_waits_for_any_run_of_its_environment(waiting: Stack, stack: Stack) -> None:
+    # a run still going: the waiter resumes with its output when it finishes
+    target = waiting.trigger("long", {"seconds": 1})
+    waiter = waiting.trigger("waits-for-run", {"run": target})
+    done = waiting.wait_for(waiter)
+    assert done["status"] == "COMPLETED", done
+    assert done["output"]["ok"] is True and done["output"]["output"]["attempt"] == 1
+    # a run that finished already: at once, with the same answer
+    again = waiting.wait_for(waiting.trigger("waits-for-run", {"run": target}))
+    assert again["output"] == done["output"]
+    # a failed run: not ok, with its error
+    failed = waiting.trigger("aborts", {})
+    waiting.wait_for(failed)
+    out = waiting.wait_for(waiting.trigger("waits-for-run", {"run": failed}))["output"]
+    assert out["ok"] is False and out["error"]["type"] == "ABORT"
+    # another environment's run is not found: the wait fails, nothing is waited on
+    theirs = stack.project("waits-for-run-other").trigger("echo", {})
+    denied = waiting.wait_for(waiting.trigger("waits-for-run", {"run": theirs}))
+    assert denied["status"] == "FAILED", denied
