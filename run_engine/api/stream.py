@@ -19,6 +19,7 @@ from run_engine.api.http import ApiError
 from run_engine.api.inputs import looks_like_id
 from run_engine.api.openapi import operation
 from run_engine.api.serialize import run_object
+from run_engine.api.shape_stream import shape
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 RECHECK_S = 10.0  # a safety net only: changes arrive through RealtimeHub at once
@@ -36,6 +37,8 @@ async def run_stream(request: Request) -> Response:
     run_id = request.path_params["run_id"]
     if not looks_like_id(run_id, "run") or await ctx.engine.get_run(run_id, auth.env_id) is None:
         raise ApiError(404, "not_found", "run not found")
+    if "offset" in request.query_params:  # Trigger.dev's SDK: the shape protocol (runs.subscribeToRun)
+        return await shape(ctx, auth, request, run_id)
     hub = ctx.realtime
     if hub is None:
         raise ApiError(503, "unavailable", "realtime is not running in this process")

@@ -27,6 +27,18 @@ if (h) {
   await step("runs.poll", async () => { const r = await runs.poll(h.id, { pollIntervalMs: 200 }); return r.status; });
   await step("runs.replay", async () => (await runs.replay(h.id)).id);
 }
+await step("runs.subscribeToRun", async () => {
+  const r = await tasks.trigger("long", { seconds: 1 });
+  const seen = [];
+  const watch = (async () => {
+    for await (const run of runs.subscribeToRun(r.id)) {
+      seen.push(run.status);
+      if (run.finishedAt) return { seen, output: run.output, isSuccess: run.isSuccess };
+    }
+    return { seen };
+  })();
+  return await Promise.race([watch, sleep(60000).then(() => ({ seen, timedOut: true }))]);
+});
 const delayed = await step("tasks.trigger.delayed", () => tasks.trigger("echo", { d: 1 }, { delay: "1h" }));
 if (delayed) {
   await step("runs.reschedule", async () => { const r = await runs.reschedule(delayed.id, { delay: "2h" });
@@ -82,3 +94,4 @@ if (sched) {
   await step("schedules.del", async () => { await schedules.del(sched.id); return true; });
 }
 console.log(JSON.stringify(out));
+process.exit(0);  // a subscription or keep-alive socket must not hold the process open
