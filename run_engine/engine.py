@@ -112,12 +112,17 @@ class RunEngine:
             await self.systems.schedules.start()
 
     async def close(self) -> None:
-        await self.systems.schedules.stop()
-        await self.leader.stop()
-        await self.jobs.stop()
-        await self.resources.locker.stop()
-        await self.resources.repo.close()
-        await self.redis.aclose()
+        """Stop the background work, then close PostgreSQL and Redis: each step runs whatever the
+        ones before it raised (a stop cut short must not leave the pools open)."""
+        errors: list[BaseException] = []
+        for step in (self.systems.schedules.stop, self.leader.stop, self.jobs.stop, self.resources.locker.stop,
+                     self.resources.repo.close, self.redis.aclose):
+            try:
+                await step()
+            except BaseException as exc:  # noqa: PERF203 (a handful of steps)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     # --- runs ---------------------------------------------------------------------------------
 

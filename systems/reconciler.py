@@ -104,10 +104,13 @@ class ReconcilerSystem:
             report.jobs_rearmed = await self.rearm_jobs(grace, full=True)
             await self.r.queue.mark_epoch()
             full = True
-        for step in (self._queued_runs(grace, report, full), self._delayed_runs(grace, report),
-                     self._slots(report, grace)):
+        # each step's coroutine is made only when it runs: a cancel part-way leaves none never awaited
+        steps: tuple[Callable[[], Awaitable[None]], ...] = (
+            lambda: self._queued_runs(grace, report, full), lambda: self._delayed_runs(grace, report),
+            lambda: self._slots(report, grace))
+        for step in steps:
             try:
-                await step
+                await step()
             except Exception:
                 log.exception("reconciler: a step failed; the others went on")
         if (report.requeued_missing or report.requeued_stuck or report.delayed_enqueued or report.slots_freed
