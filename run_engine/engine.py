@@ -34,7 +34,7 @@ from systems import engine_jobs as J
 from systems.bulk_actions import RunFilter, replay_request
 from systems.dead_letter import DeadRun
 from systems.dequeue import DequeuedRun
-from systems.enqueue import TriggeredRun, TriggerRequest
+from systems.enqueue import Debounce, TriggeredRun, TriggerRequest
 from systems.explain import Explanation
 from systems.registry import Systems
 from systems.resources import SystemResources
@@ -42,10 +42,10 @@ from systems.run_attempt import AttemptOutcome, StartedAttempt
 from systems.waiting_for_worker import Deployed
 from systems.waitpoints import BlockOutcome, WaitpointsSystem
 
-__all__ = ["RunEngine", "TriggerRequest", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt", "AttemptOutcome",
-           "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome", "Explanation",
-           "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec", "RateLimitSpec",
-           "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter"]
+__all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt",
+           "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
+           "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
+           "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter"]
 
 
 class RunEngine:
@@ -127,10 +127,11 @@ class RunEngine:
     # --- runs ---------------------------------------------------------------------------------
 
     async def trigger(self, request: TriggerRequest) -> TriggeredRun:
-        return (await self.systems.enqueue.trigger_many([request]))[0]
+        return (await self.systems.debounce.trigger_many([request]))[0]
 
     async def trigger_many(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
-        return await self.systems.enqueue.trigger_many(requests)
+        """Create runs; requests with ``debounce`` join their key's DELAYED run when there is one."""
+        return await self.systems.debounce.trigger_many(requests)
 
     def new_batch_id(self) -> str:
         return new_id("batch")
@@ -147,7 +148,7 @@ class RunEngine:
     async def trigger_batch(self, env_id: str, batch_id: str, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
         """Record a batch and create its runs: one insert for the runs, one queue call."""
         await self.resources.repo.waitpoints.insert_batch(batch_id, env_id, len(requests))
-        return await self.systems.enqueue.trigger_many(requests)
+        return await self.systems.debounce.trigger_many(requests)
 
     async def dequeue(self, worker_group_id: str, max_runs: int = 1, worker_id: str | None = None,
                       environments: Sequence[str] = (), deployments: Sequence[str] = ()) -> Handed:

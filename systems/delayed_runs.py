@@ -1,13 +1,14 @@
 """DelayedRunsSystem and TTL: a delayed run waits as DELAYED until its engine job (``delay.<run>``)
-enqueues it; ``reschedule`` moves that date. A run with a TTL that has not started by then ends
-EXPIRED (``ttl.<run>``); a retry or a resumed run is never expired (it has started once)."""
+enqueues it; ``reschedule`` moves that date, and so does ``debounce`` (a trigger joining the run).
+A run with a TTL that has not started by then ends EXPIRED (``ttl.<run>``); a retry or a resumed
+run is never expired (it has started once)."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from run_engine.db.runs import RunRow
+from run_engine.db.runs import DebounceReplacement, RunRow
 from run_engine.errors import InvalidTransitionError, NotFoundError
 from run_engine.events import RunEvent
 from run_engine.statuses import ExecutionStatus, RunStatus
@@ -83,6 +84,26 @@ class DelayedRunsSystem:
             fresh = await self.r.repo.runs.get_run(run_id)
         assert fresh is not None
         return fresh
+
+    async def debounce(self, run_id: str, delay_until: datetime,
+                       replacement: DebounceReplacement | None = None) -> RunRow | None:
+        """A trigger with this DELAYED run's debounce key joins it: the date moves to
+        ``delay_until`` (never past the run's debounce deadline), its TTL with it, and a trailing
+        trigger's ``replacement`` is applied. None when the run has left DELAYED (enqueued,
+        cancelled, expired): the caller creates a new run. Under the run lock, like
+        ``enqueue_delayed``, which re-reads the date: a delay job that fires meanwhile finds the
+        later date and leaves the run alone, and one that went first leaves nothing DELAYED to join.
+        No snapshot is appended (a burst of triggers would add one each); ``updated_at`` moves."""
+        async with self.r.locker.lock("debounce", run_id):
+            run = await self.r.repo.runs.debounce_delayed(run_id, delay_until, replacement)
+            if run is None:
+                return None
+            due = (run.delay_until or delay_until).timestamp()
+            jobs = [engine_jobs.delayed(run_id, due)]
+            if run.ttl_s is not None:
+                jobs.append(engine_jobs.ttl(run_id, due + run.ttl_s))
+            await self.r.change_jobs(schedule=jobs)
+        return run
 
     async def expire(self, run_id: str) -> bool:
         """The TTL passed: a run that never started ends EXPIRED (its parent's wait, if any, ends

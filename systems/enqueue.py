@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -21,6 +22,19 @@ from systems.resources import SystemResources
 
 log = logging.getLogger(__name__)
 DEFAULT_IDEMPOTENCY_TTL_S = 30 * 86400
+
+
+@dataclass(frozen=True, slots=True)
+class Debounce:
+    """Join the DELAYED run of (environment, task, ``key``) instead of creating another: its date
+    moves to now + ``delay_s``, never past the first trigger + ``max_delay_s``. ``mode``
+    "trailing" also gives it this trigger's payload (and metadata, tags, max attempts, max
+    duration and machine when given); "leading" keeps the first trigger's."""
+
+    key: str
+    delay_s: float
+    mode: str = "leading"
+    max_delay_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +66,7 @@ class TriggerRequest:
     delay_until: datetime | None = None
     idempotency_key: str | None = None
     idempotency_key_ttl_s: float | None = None
+    debounce: Debounce | None = None  # RunEngine.trigger* only (systems/debounce.py), not trigger-and-wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,73 +180,16 @@ class EnqueueSystem:
         jobs: list[tuple[str, str, dict[str, Any], float]] = []
         keyed: dict[str, list[tuple[str, str]]] = {}
         for req in requests:
-            self._validate(req)
-            env = await self.environment(req.env_id)
-            task = await self.current_task(req.env_id, env.worker_group_id, req.task_id)
-            queue = req.queue or task.queue or f"task/{req.task_id}"
-            await self._ensure_queue(req.env_id, queue, req.queue_concurrency_limit)
-            runnable = task.deployment_id is not None
-            delayed = req.delay_until is not None and req.delay_until.timestamp() > now
-            if delayed:
-                engine_status, status = ExecutionStatus.DELAYED, RunStatus.DELAYED
-            elif runnable:
-                engine_status, status = ExecutionStatus.QUEUED, RunStatus.QUEUED
-            else:
-                engine_status, status = ExecutionStatus.PENDING_VERSION, RunStatus.PENDING_VERSION
-            priority_ms = int(req.priority_s * 1000)
-            # a delayed run takes its place in the queue when it becomes due, not when triggered
-            created = req.delay_until if delayed and req.delay_until else self._queue_timestamp(now)
-            ttl_s = self._ttl(req.ttl_s)
-            run_id = req.run_id or new_id("run")
-            if delayed and req.delay_until is not None:
-                jobs.append(engine_jobs.delayed(run_id, req.delay_until.timestamp()))
-            if ttl_s is not None:
-                start = req.delay_until.timestamp() if delayed and req.delay_until else now
-                jobs.append(engine_jobs.ttl(run_id, start + ttl_s))
+            if req.debounce is not None:
+                raise ValidationError("debounce", "this way of triggering does not debounce")
+            run, item, run_jobs, result = await self._prepare(req, now)
             if req.idempotency_key is not None:
                 keyed.setdefault(req.env_id, []).append((req.task_id, req.idempotency_key))
-            run = NewRun(
-                id=run_id,
-                snapshot_id=new_id("snapshot"),
-                env_id=req.env_id,
-                worker_group_id=env.worker_group_id,
-                task_id=req.task_id,
-                payload=req.payload,
-                payload_type=req.payload_type,
-                status=status,
-                engine_status=engine_status,
-                queue=queue,
-                concurrency_key=req.concurrency_key,
-                priority_ms=priority_ms,
-                tags=req.tags,
-                metadata=req.metadata,
-                max_attempts=req.max_attempts,
-                retry=req.retry,
-                max_duration_s=req.max_duration_s,
-                machine=req.machine,
-                locked_to_deployment_id=task.deployment_id,
-                parent_run_id=req.parent_run_id,
-                root_run_id=req.root_run_id,
-                depth=req.depth,
-                batch_id=req.batch_id,
-                trigger_function=req.trigger_function,
-                resume_parent_on_completion=req.resume_parent_on_completion,
-                ttl_s=None if ttl_s is None else int(ttl_s),
-                delay_until=req.delay_until if delayed else None,
-                idempotency_key=req.idempotency_key,
-                idempotency_key_expires_at=(
-                    datetime.fromtimestamp(now + (req.idempotency_key_ttl_s or DEFAULT_IDEMPOTENCY_TTL_S), UTC)
-                    if req.idempotency_key is not None else None),
-                queue_timestamp=created,
-                description=("Delayed until " + created.isoformat()) if delayed
-                else "Run was created" if runnable else "No deployment has this task yet",
-            )
             new_runs.append(run)
-            if status == RunStatus.QUEUED:
-                items.append(self.queue_item(run.id, req.env_id, queue, env.worker_group_id,
-                                             created.timestamp() * 1000, priority_ms, req.concurrency_key,
-                                             req.task_id))
-            results.append(TriggeredRun(run.id, status, run.snapshot_id, queue))
+            if item is not None:
+                items.append(item)
+            jobs += run_jobs
+            results.append(result)
         await self._check_queue_length(items)
         for env_id, keys in keyed.items():
             await self.r.repo.runs.release_expired_idempotency_keys(env_id, keys, datetime.fromtimestamp(now, UTC))
@@ -257,6 +215,98 @@ class EnqueueSystem:
                 self.r.events.emit(RunEvent("run_pending_version", run.id, run.env_id, run.snapshot_id,
                                             {"task": run.task_id}, attempt=0))
         return results
+
+    async def create_debounced(self, req: TriggerRequest, deadline: datetime) -> TriggeredRun | None:
+        """Create the DELAYED run of a debounced trigger (``req.delay_until`` in the future) that
+        later triggers with its key may push back to ``deadline`` at most. Its insert is a statement
+        of its own that gives way to every unique index: None when a run holds the idempotency key
+        or a DELAYED run the debounce key (a concurrent trigger won; the caller looks again)."""
+        if req.debounce is None:
+            raise ValidationError("debounce", "is required here")
+        now = self.r.clock.now()
+        run, _, jobs, result = await self._prepare(req, now)
+        if result.status != RunStatus.DELAYED:
+            raise ValidationError("debounce.delay", "must be in the future")
+        run = dataclasses.replace(run, debounce_key=req.debounce.key, debounce_deadline=deadline)
+        if not await self.r.repo.runs.insert_runs([run], debounced=True):
+            return None
+        try:
+            await self.r.change_jobs(schedule=jobs)
+        except Exception:  # stored: the reconciler re-arms the delay of a run not started
+            log.warning("run %s stored but its delay job not armed; the reconciler will arm it", run.id, exc_info=True)
+        self.r.events.emit(RunEvent("run_created", run.id, run.env_id, run.snapshot_id,
+                                    {"status": result.status, "task": run.task_id}, attempt=0))
+        return result
+
+    async def _prepare(self, req: TriggerRequest, now: float,
+                       ) -> tuple[NewRun, EnqueueItem | None, list[engine_jobs.JobSpec], TriggeredRun]:
+        """The run a request creates, its queue item (QUEUED runs only), its engine jobs (delay,
+        TTL) and the answer to give once it is stored."""
+        self._validate(req)
+        jobs: list[engine_jobs.JobSpec] = []
+        env = await self.environment(req.env_id)
+        task = await self.current_task(req.env_id, env.worker_group_id, req.task_id)
+        queue = req.queue or task.queue or f"task/{req.task_id}"
+        await self._ensure_queue(req.env_id, queue, req.queue_concurrency_limit)
+        runnable = task.deployment_id is not None
+        delayed = req.delay_until is not None and req.delay_until.timestamp() > now
+        if delayed:
+            engine_status, status = ExecutionStatus.DELAYED, RunStatus.DELAYED
+        elif runnable:
+            engine_status, status = ExecutionStatus.QUEUED, RunStatus.QUEUED
+        else:
+            engine_status, status = ExecutionStatus.PENDING_VERSION, RunStatus.PENDING_VERSION
+        priority_ms = int(req.priority_s * 1000)
+        # a delayed run takes its place in the queue when it becomes due, not when triggered
+        created = req.delay_until if delayed and req.delay_until else self._queue_timestamp(now)
+        ttl_s = self._ttl(req.ttl_s)
+        run_id = req.run_id or new_id("run")
+        if delayed and req.delay_until is not None:
+            jobs.append(engine_jobs.delayed(run_id, req.delay_until.timestamp()))
+        if ttl_s is not None:
+            start = req.delay_until.timestamp() if delayed and req.delay_until else now
+            jobs.append(engine_jobs.ttl(run_id, start + ttl_s))
+        run = NewRun(
+            id=run_id,
+            snapshot_id=new_id("snapshot"),
+            env_id=req.env_id,
+            worker_group_id=env.worker_group_id,
+            task_id=req.task_id,
+            payload=req.payload,
+            payload_type=req.payload_type,
+            status=status,
+            engine_status=engine_status,
+            queue=queue,
+            concurrency_key=req.concurrency_key,
+            priority_ms=priority_ms,
+            tags=req.tags,
+            metadata=req.metadata,
+            max_attempts=req.max_attempts,
+            retry=req.retry,
+            max_duration_s=req.max_duration_s,
+            machine=req.machine,
+            locked_to_deployment_id=task.deployment_id,
+            parent_run_id=req.parent_run_id,
+            root_run_id=req.root_run_id,
+            depth=req.depth,
+            batch_id=req.batch_id,
+            trigger_function=req.trigger_function,
+            resume_parent_on_completion=req.resume_parent_on_completion,
+            ttl_s=None if ttl_s is None else int(ttl_s),
+            delay_until=req.delay_until if delayed else None,
+            idempotency_key=req.idempotency_key,
+            idempotency_key_expires_at=(
+                datetime.fromtimestamp(now + (req.idempotency_key_ttl_s or DEFAULT_IDEMPOTENCY_TTL_S), UTC)
+                if req.idempotency_key is not None else None),
+            queue_timestamp=created,
+            description=("Delayed until " + created.isoformat()) if delayed
+            else "Run was created" if runnable else "No deployment has this task yet",
+        )
+        item = None
+        if status == RunStatus.QUEUED:
+            item = self.queue_item(run.id, req.env_id, queue, env.worker_group_id, created.timestamp() * 1000,
+                                   priority_ms, req.concurrency_key, req.task_id)
+        return run, item, jobs, TriggeredRun(run.id, status, run.snapshot_id, queue)
 
     async def _cached(self, requests: Sequence[TriggerRequest], new_runs: list[NewRun], results: list[TriggeredRun],
                       inserted: set[str], items: list[EnqueueItem], jobs: list[Any],

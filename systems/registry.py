@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from systems.bulk_actions import BulkActionsSystem
 from systems.cancel import CancelSystem
 from systems.dead_letter import DeadLetterSystem
+from systems.debounce import DebounceSystem
 from systems.delayed_runs import DelayedRunsSystem
 from systems.dequeue import DequeueSystem
 from systems.enqueue import EnqueueSystem
@@ -32,6 +33,7 @@ class Systems:
     waiting_for_worker: WaitingForWorkerSystem
     waitpoints: WaitpointsSystem
     delayed_runs: DelayedRunsSystem
+    debounce: DebounceSystem
     reconciler: ReconcilerSystem
     schedules: SchedulesSystem
     explain: ExplainSystem
@@ -63,6 +65,7 @@ class Systems:
                                                       schedules=schedules),
             waitpoints=waitpoints,
             delayed_runs=delayed_runs,
+            debounce=DebounceSystem(r, enqueue=enqueue, delayed_runs=delayed_runs),
             reconciler=ReconcilerSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
                                         run_attempt=run_attempt, delayed_runs=delayed_runs),
             schedules=schedules,

@@ -39,7 +39,9 @@ M = TypeVar("M", bound=BaseModel)
 #: the engine names fields as its requests do (``TriggerRequest.max_attempts``); the API as its bodies do
 WIRE_FIELDS = {"task_id": "taskId", "queue": "options.queue", "priority_s": "options.priority",
                "max_attempts": "options.maxAttempts", "tags": "options.tags",
-               "idempotency_key": "options.idempotencyKey"}
+               "idempotency_key": "options.idempotencyKey", "debounce": "options.debounce",
+               "debounce.key": "options.debounce.key", "debounce.delay": "options.debounce.delay",
+               "debounce.mode": "options.debounce.mode", "debounce.maxDelay": "options.debounce.maxDelay"}
 MAX_REQUEST_BYTES = 10 * 1024 * 1024
 
 

@@ -7,9 +7,9 @@ import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from run_engine.engine import CronSpec, QueueSpec, RateLimitSpec, TaskSpec, queue_type
+from run_engine.engine import CronSpec, Debounce, QueueSpec, RateLimitSpec, TaskSpec, queue_type
 
 MACHINES = ("micro", "small-1x", "small-2x", "medium-1x", "medium-2x", "large-1x", "large-2x")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
@@ -122,6 +122,45 @@ class RetryOption(_Body):
         return self
 
 
+class DebounceOption(_Body):
+    """Join the DELAYED run of this task with the same ``key`` instead of creating another, and push
+    its start to now + ``delay`` (never past the first trigger + ``maxDelay``)."""
+
+    key: str = Field(min_length=1, max_length=512)
+    delay: float | int | str
+    mode: Literal["leading", "trailing"] = "leading"
+    maxDelay: float | int | str | None = None
+
+    @field_validator("delay", "maxDelay", mode="before")
+    @classmethod
+    def _not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("must be a number of seconds or a string like '30s', '15m', '2h', '1d'")
+        return v
+
+    @field_validator("delay")
+    @classmethod
+    def _delay(cls, v: float | int | str) -> float | int | str:
+        if parse_duration_s(v) < 1:
+            raise ValueError("must be at least 1 second")
+        return v
+
+    @field_validator("maxDelay")
+    @classmethod
+    def _max_delay(cls, v: float | int | str | None, info: ValidationInfo) -> float | int | str | None:
+        if v is None:
+            return v
+        seconds = parse_duration_s(v)
+        delay = info.data.get("delay")
+        if delay is not None and seconds < parse_duration_s(delay):
+            raise ValueError("must be at least the delay")
+        return v
+
+    def spec(self) -> Debounce:
+        return Debounce(self.key, parse_duration_s(self.delay), self.mode,
+                        None if self.maxDelay is None else parse_duration_s(self.maxDelay))
+
+
 class TriggerOptions(_Body):
     queue: QueueOption | str | None = None
     concurrencyKey: str | None = Field(default=None, max_length=256)
@@ -140,6 +179,7 @@ class TriggerOptions(_Body):
     resumeParentOnCompletion: bool | None = None
     payloadType: str | None = Field(default=None, max_length=128)
     retry: RetryOption | None = None
+    debounce: DebounceOption | None = None
 
     @field_validator("tags")
     @classmethod

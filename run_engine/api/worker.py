@@ -359,6 +359,9 @@ async def trigger_children(request: Request) -> Response:
     run = await ctx.engine.get_run(run_id)
     assert run is not None
     auth = EnvAuth(run.env_id, "", "", run.worker_group_id, run_id=run.id)
+    for i, item in enumerate(req.items):
+        if item.options is not None and item.options.debounce is not None:
+            raise ApiError(400, "invalid_input", f"items.{i}.options.debounce: triggerAndWait does not debounce")
     requests = [trigger_request(ctx, auth, item.task, item.payload, item.options, f"items.{i}")
                 for i, item in enumerate(req.items)]
     run_ids, outcome = await ctx.engine.trigger_and_wait(run_id, request.path_params["snapshot_id"], req.sequence,

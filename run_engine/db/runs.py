@@ -273,9 +273,11 @@ class NewRun:
     resume_parent_on_completion: bool = False
     queue_timestamp: datetime | None = None
     description: str = "Run was created"
+    debounce_key: str | None = None  # while the run is DELAYED, triggers with this key join it
+    debounce_deadline: datetime | None = None  # the latest date those triggers may push it to
 
 
-_INSERT_RUNS_SQL = """
+_INSERT_RUNS_TEMPLATE = """
 -- insert_runs: many runs and their first snapshots in one statement.
 WITH input AS (
     SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(
@@ -286,22 +288,22 @@ WITH input AS (
         metadata jsonb, max_attempts int, retry jsonb, max_duration_s int, machine text,
         locked_to_deployment_id text, parent_run_id text, root_run_id text, depth int,
         batch_id text, trigger_function text, resume_parent_on_completion bool,
-        queue_timestamp timestamptz, description text)
+        queue_timestamp timestamptz, description text, debounce_key text, debounce_deadline timestamptz)
 ), runs AS (
     INSERT INTO task_run (
         id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
         concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
         delay_until, tags, metadata, max_attempts, retry, max_duration_s, machine,
         locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
-        resume_parent_on_completion, queued_at, queue_timestamp)
+        resume_parent_on_completion, queued_at, queue_timestamp, debounce_key, debounce_deadline)
     SELECT id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
         concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
         delay_until, coalesce(tags, '{}'), metadata, max_attempts, retry, max_duration_s, machine,
         locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
         coalesce(resume_parent_on_completion, false), CASE WHEN engine_status = 'QUEUED' THEN now() END,
-        coalesce(queue_timestamp, now())
+        coalesce(queue_timestamp, now()), debounce_key, debounce_deadline
     FROM input
-    ON CONFLICT (environment_id, task_identifier, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    /*conflict*/
     RETURNING id, created_at
 )
 INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, description)
@@ -309,6 +311,43 @@ SELECT i.snapshot_id, i.id, i.engine_status, i.status, i.description
 FROM input i JOIN runs r ON r.id = i.id
 RETURNING run_id
 """
+# the idempotency key's index only: any other conflict is an error
+_INSERT_RUNS_SQL = _INSERT_RUNS_TEMPLATE.replace(
+    "/*conflict*/",
+    "ON CONFLICT (environment_id, task_identifier, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING")
+# debounced runs: the idempotency key's index or the debounce key's (task_run_debounce_uq)
+_INSERT_DEBOUNCED_RUNS_SQL = _INSERT_RUNS_TEMPLATE.replace("/*conflict*/", "ON CONFLICT DO NOTHING")
+
+_DEBOUNCE_SQL = """
+-- debounce_delayed: a trigger joins a DELAYED run by its debounce key (under the run lock)
+UPDATE task_run SET
+    delay_until = least(%(when)s::timestamptz, coalesce(debounce_deadline, %(when)s::timestamptz)),
+    queue_timestamp = least(%(when)s::timestamptz, coalesce(debounce_deadline, %(when)s::timestamptz)),
+    payload = CASE WHEN %(replace)s THEN %(payload)s::jsonb ELSE payload END,
+    payload_type = CASE WHEN %(replace)s THEN %(payload_type)s::text ELSE payload_type END,
+    metadata = coalesce(%(metadata)s::jsonb, metadata),
+    tags = coalesce(%(tags)s::text[], tags),
+    max_attempts = coalesce(%(max_attempts)s::int, max_attempts),
+    max_duration_s = coalesce(%(max_duration_s)s::int, max_duration_s),
+    machine = coalesce(%(machine)s::text, machine),
+    updated_at = now()
+WHERE id = %(id)s AND status = 'DELAYED' AND debounce_key IS NOT NULL
+RETURNING *
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class DebounceReplacement:
+    """What a trailing debounce replaces on the run it joins: the payload always, the others when
+    the trigger gives them (``None``: keep)."""
+
+    payload: Any
+    payload_type: str
+    metadata: Any = None
+    tags: tuple[str, ...] | None = None
+    max_attempts: int | None = None
+    max_duration_s: int | None = None
+    machine: str | None = None
 
 
 class RunRepository:
@@ -317,13 +356,47 @@ class RunRepository:
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
 
-    async def insert_runs(self, runs: Sequence[NewRun]) -> set[str]:
+    async def insert_runs(self, runs: Sequence[NewRun], *, debounced: bool = False) -> set[str]:
         """Insert runs with their first snapshots; the ids inserted. A run whose idempotency key
-        (environment, task, key) is taken is skipped: see :meth:`runs_by_idempotency_key`."""
+        (environment, task, key) is taken is skipped: see :meth:`runs_by_idempotency_key`; with
+        ``debounced``, also a run whose debounce key a DELAYED run holds (:meth:`delayed_run_by_debounce_key`)."""
         rows = [to_columns(r) for r in runs]
         async with self.pool.connection() as conn:
-            cur = await conn.execute(_INSERT_RUNS_SQL, {"rows": Jsonb(rows)})
+            cur = await conn.execute(_INSERT_DEBOUNCED_RUNS_SQL if debounced else _INSERT_RUNS_SQL,
+                                     {"rows": Jsonb(rows)})
             return {r[0] for r in await cur.fetchall()}
+
+    async def delayed_run_by_debounce_key(self, env_id: str, task_id: str, key: str) -> RunRow | None:
+        """The DELAYED run holding a debounce key (there is at most one: task_run_debounce_uq)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM task_run WHERE environment_id = %s AND task_identifier = %s
+                     AND debounce_key = %s AND status = 'DELAYED'""", (env_id, task_id, key))
+            row = await cur.fetchone()
+        return run_row(row) if row else None
+
+    async def debounce_delayed(self, run_id: str, when: datetime,
+                               replacement: DebounceReplacement | None = None) -> RunRow | None:
+        """Move a debounced DELAYED run's date (and place in the queue) to ``when``, never past its
+        debounce deadline, and apply a trailing debounce's ``replacement``; None (nothing changed)
+        when the run is no longer DELAYED. The caller holds the run lock."""
+        r = replacement
+        params = {
+            "id": run_id, "when": when, "replace": r is not None,
+            "payload": None if r is None or r.payload is None else Jsonb(r.payload),
+            "payload_type": None if r is None else r.payload_type,
+            "metadata": None if r is None or r.metadata is None else Jsonb(r.metadata),
+            "tags": None if r is None or not r.tags else list(r.tags),
+            "max_attempts": None if r is None else r.max_attempts,
+            "max_duration_s": None if r is None else r.max_duration_s,
+            "machine": None if r is None else r.machine,
+        }
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_DEBOUNCE_SQL, params)
+            row = await cur.fetchone()
+        return run_row(row) if row else None
 
     async def release_expired_idempotency_keys(self, env_id: str, keys: Sequence[tuple[str, str]],
                                                now: datetime) -> None:
