@@ -53,3 +53,23 @@ async def test_cancel_skips_finished_runs_and_other_runs(h: Any) -> None:
     assert {(await h.engine.get_run(r)).status for r in doomed} == {"CANCELED"}
     assert "CANCELED" not in {(await h.engine.get_run(r)).status for r in kept}
     assert await h.engine.bulk_action("env_someone_else", action.id) is None
+
+
+async def test_an_action_whose_job_was_lost_is_rearmed_and_finishes(h: Any) -> None:
+    """A crash between the action's row and its job (or Redis losing the job): the reconciler's
+    re-arm finds the PENDING action and its job runs it to the end."""
+    from systems import engine_jobs
+
+    await h.deploy({"id": "t"})
+    await _runs(h, 3, "lost")
+    action, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("lost",)))
+    await h.engine.resources.change_jobs(cancel=[engine_jobs.bulk_action_id(action.id)])  # the job is gone
+    assert await h.engine.run_due_jobs() == 0
+    assert (await h.engine.bulk_action(h.env.env_id, action.id)).status == "PENDING"
+    await h.engine.systems.reconciler.rearm_jobs(grace_s=-1, full=True)
+    for _ in range(10):
+        await h.engine.run_due_jobs()
+        done = await h.engine.bulk_action(h.env.env_id, action.id)
+        if done.status == "COMPLETED":
+            break
+    assert (done.status, done.processed, done.succeeded) == ("COMPLETED", 3, 3)
