@@ -98,7 +98,7 @@ async def api_context(settings: EngineSettings, *, secret: str, public_url: str)
         caps = ConnectionCaps({"streams": settings.max_streams_per_key,
                                "long-polls": settings.max_long_polls_per_token})
         yield ApiContext(engine=engine, tokens=RunTokens(secret), wakeups=wakeups, public_url=public_url,
-                         realtime=realtime, limiter=limiter, caps=caps)
+                         realtime=realtime, limiter=limiter, caps=caps, secret=secret)
     finally:  # shielded: a second Ctrl-C must not leave connections and tasks behind
         for undo in uninstall:
             undo()

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from run_engine.api import schemas as S
+from run_engine.api.auth import token_headers
 from run_engine.api.context import ctx_of
 from run_engine.api.http import MAX_REQUEST_BYTES, ApiError, body, json_response, read_body, validate
 from run_engine.api.inputs import looks_like_id, needs_scan, unstorable
@@ -30,7 +31,7 @@ async def open_batch(request: Request) -> Response:
     out: dict[str, Any] = {"id": batch_id, "runCount": size, "isCached": cached}
     if req.idempotencyKey is not None:
         out["idempotencyKey"] = req.idempotencyKey
-    return json_response(out)
+    return json_response(out, headers=await token_headers(ctx, auth, f"read:batch:{batch_id}", 3600))
 
 
 def _items(raw: bytes | bytearray, size: int) -> list[BatchStreamItem]:

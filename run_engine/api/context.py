@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from run_engine.api.http import ApiError, TtlCache, bearer
 from run_engine.api.inputs import looks_like_id
+from run_engine.api.public_tokens import LEEWAY_S, environment_key, forbidden, looks_like_jwt, unverified_claims, verify
 from run_engine.engine import Environment, RunEngine, WorkerGroup
 from run_engine.ratelimit import ConnectionCaps, RequestLimiter, TooMany
 from run_engine.realtime import RealtimeHub
@@ -34,6 +35,7 @@ class EnvAuth:
     worker_group_id: str
     run_id: str | None = None  # set when a run token (an executor) made the call
     attempt: int | None = None
+    scopes: frozenset[str] | None = None  # set when a public access token made the call (what it may do)
 
     @classmethod
     def of(cls, env: Environment) -> EnvAuth:
@@ -56,6 +58,7 @@ class ApiContext:
     limiter: RequestLimiter | None = None
     caps: ConnectionCaps = field(default_factory=lambda: ConnectionCaps({}))
     run_token_ttl_s: int = 24 * 3600
+    secret: str = ""  # the installation secret: checks public access tokens (none are accepted without it)
     _envs: TtlCache = field(default_factory=TtlCache)
     _groups: TtlCache = field(default_factory=TtlCache)
     _run_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -77,11 +80,14 @@ class ApiContext:
         """(worker group, environment) of a run this process handed out."""
         return self._run_groups.get(run_id)
 
-    async def env_auth(self, request: Request, *, run_token: bool = False) -> EnvAuth:
+    async def env_auth(self, request: Request, *, run_token: bool = False, public: bool = False) -> EnvAuth:
         """The environment of an environment secret key, or of the run of a run token. A run token
         is accepted only where the handler allows it (``run_token``; 403 elsewhere) and only while
-        its attempt is live: the run is EXECUTING or WAITING in that attempt (401 after)."""
+        its attempt is live: the run is EXECUTING or WAITING in that attempt (401 after). A public
+        access token (a JWT) likewise only where ``public``; the handler then checks its scopes."""
         token = bearer(request)
+        if looks_like_jwt(token):
+            return await self._public_auth(token, public)
         if token.startswith("rt_"):
             claims = self.tokens.verify(token, self.engine.now())
             if claims is None:
@@ -107,6 +113,32 @@ class ApiContext:
         auth = EnvAuth.of(found)
         await self.check_limit(auth.bucket)
         return auth
+
+    async def _public_auth(self, token: str, allowed: bool) -> EnvAuth:
+        claims = unverified_claims(token)
+        env = await self.environment(claims["sub"]) if looks_like_id(claims["sub"], "env") else None
+        key = (environment_key(self.secret, env.id, env.type, env.api_key_generation, env.api_key_hash)
+               if env is not None and self.secret else None)
+        if env is None or key is None:
+            raise ApiError(401, "unauthorized", "invalid public access token: unknown environment")
+        checked = verify(token, key, claims, self.engine.now())
+        if not allowed:
+            raise forbidden()
+        auth = EnvAuth(env.id, env.project_id, env.organization_id, env.default_worker_group_id,
+                       scopes=checked.scopes)
+        await self.check_limit(auth.bucket)
+        if checked.one_time:
+            used = self.engine.redis.set(f"{self.engine.settings.key_prefix}:otu:{hash_secret(token)}", "1",
+                                         nx=True, exat=checked.expires_at + LEEWAY_S + 1)
+            if not await used:
+                raise ApiError(401, "unauthorized", "this one-time public access token has been used")
+        return auth
+
+    def public_key(self, env: Environment) -> str | None:
+        """The key public tokens of ``env`` are signed with (its secret API key), or None."""
+        if not self.secret:
+            return None
+        return environment_key(self.secret, env.id, env.type, env.api_key_generation, env.api_key_hash)
 
     async def check_limit(self, bucket: str) -> None:
         """429 when the credential ``bucket`` is over its request rate."""

@@ -525,3 +525,11 @@ class JournalBody(_Body):
     kind: Literal["step"] = "step"
     key: str = Field(min_length=1, max_length=256)
     result: Any = None
+
+
+class PublicTokenBody(_Body):
+    """``POST /api/v1/auth/public-tokens``: a public access token the server signs."""
+    scopes: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(min_length=1, max_length=500)
+    expirationTime: str | int | None = None  # a duration ("15m", "1h") or a date in Unix seconds; 15 minutes
+    oneTimeUse: bool = False
+    realtime: dict[str, Any] | None = None

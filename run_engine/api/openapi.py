@@ -25,6 +25,8 @@ ERRORS = {400: "invalid input (the message names the field)", 401: "missing or b
           431: "request head too large", 503: "a dependency is unavailable; retry"}
 SECURITY: dict[str, list[dict[str, list[str]]]] = {"apiKey": [{"apiKey": []}],
             "apiKeyOrRunToken": [{"apiKey": []}, {"runToken": []}],
+            "apiKeyOrPublicToken": [{"apiKey": []}, {"publicToken": []}],
+            "anyToken": [{"apiKey": []}, {"runToken": []}, {"publicToken": []}],
             "workerToken": [{"workerToken": []}], "metricsToken": [{"metricsToken": []}], "none": []}
 
 
@@ -125,6 +127,8 @@ def openapi_document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
         "components": {"schemas": components, "securitySchemes": {
             "apiKey": {"type": "http", "scheme": "bearer", "description": "an environment's secret API key"},
             "runToken": {"type": "http", "scheme": "bearer", "description": "a run token (inside a task)"},
+            "publicToken": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT",
+                            "description": "a public access token (a JWT with scopes, Trigger.dev's)"},
             "workerToken": {"type": "http", "scheme": "bearer", "description": "a worker group token"},
             "metricsToken": {"type": "http", "scheme": "bearer",
                              "description": "the installation's RUN_ENGINE_METRICS_TOKEN"}}},

@@ -1,4 +1,5 @@
-"""The public API (API.md, "Public API"): environment secret key or run token."""
+"""The public API (API.md, "Public API"): environment secret key, run token, or (where a handler
+allows it and its scopes say so) a public access token."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from run_engine.api import schemas as S
+from run_engine.api.auth import token_headers
 from run_engine.api.context import RUN_TOKEN_SCOPE, ApiContext, EnvAuth, ctx_of
 from run_engine.api.http import ApiError, body, json_response
 from run_engine.api.inputs import looks_like_id, unstorable
@@ -31,6 +33,7 @@ from run_engine.api.models import (
     parse_when,
 )
 from run_engine.api.openapi import PAGE, Query, csv, operation
+from run_engine.api.public_tokens import allows, forbidden, read_scopes
 from run_engine.api.serialize import explanation_object, iso, pagination, run_object
 from run_engine.engine import RunRow, TaskQueue, TriggerRequest
 from run_engine.errors import InvalidTransitionError
@@ -59,7 +62,19 @@ def _parent(given: str | None, auth: EnvAuth, field: str) -> str | None:
         if given not in (None, auth.run_id):
             raise ApiError(403, "forbidden", f"{field}: a run token triggers children of its own run only")
         return auth.run_id
+    if given is not None and auth.scopes is not None:
+        raise ApiError(403, "forbidden", f"{field}: a public access token cannot name a parent run")
     return given
+
+
+def can_read(auth: EnvAuth, run: RunRow) -> bool:
+    """Whether a public access token's scopes let it read ``run`` (any other credential: yes)."""
+    return allows(auth.scopes, *read_scopes(run.id, run.task_id, run.tags, run.batch_id))
+
+
+def _may_trigger(auth: EnvAuth, task: str, action: str) -> None:
+    if not allows(auth.scopes, f"{action}:tasks:{task}", f"{action}:tasks", "write:all"):
+        raise forbidden()
 
 
 def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, options: TriggerOptions | None,
@@ -98,18 +113,20 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
     )
 
 
-@operation("Trigger a run", S.Triggered, body=TriggerBody, security="apiKeyOrRunToken")
+@operation("Trigger a run", S.Triggered, body=TriggerBody, security="anyToken")
 async def trigger(request: Request) -> Response:
     ctx = ctx_of(request)
-    auth = await ctx.env_auth(request, run_token=True)
+    auth = await ctx.env_auth(request, run_token=True, public=True)
     task = request.path_params["task_id"]
     if not task or len(task) > 128:
         raise ApiError(400, "invalid_input", "taskId: must be 1..128 characters")
+    _may_trigger(auth, task, "trigger")
     req = await body(request, TriggerBody)
     trigger_req = await _with_parent(ctx, auth, trigger_request(ctx, auth, task, req.payload, req.options, "body"),
                                      "options.parentRunId", {})
     run = await ctx.engine.trigger(trigger_req)
-    return json_response({"id": run.id, "isCached": run.is_cached})
+    return json_response({"id": run.id, "isCached": run.is_cached},
+                         headers=await token_headers(ctx, auth, f"read:runs:{run.id}", 3600))
 
 
 async def _with_parent(ctx: ApiContext, auth: EnvAuth, req: TriggerRequest, field: str,
@@ -128,11 +145,13 @@ async def _with_parent(ctx: ApiContext, auth: EnvAuth, req: TriggerRequest, fiel
     return dataclasses.replace(req, root_run_id=parent.root_run_id or parent.id, depth=parent.depth + 1)
 
 
-@operation("Trigger a batch of runs (1..1000 items)", S.BatchTriggered, body=BatchBody, security="apiKeyOrRunToken")
+@operation("Trigger a batch of runs (1..1000 items)", S.BatchTriggered, body=BatchBody, security="anyToken")
 async def batch_trigger(request: Request) -> Response:
     ctx = ctx_of(request)
-    auth = await ctx.env_auth(request, run_token=True)
+    auth = await ctx.env_auth(request, run_token=True, public=True)
     req = await body(request, BatchBody)
+    for task in {item.task for item in req.items}:
+        _may_trigger(auth, task, "batchTrigger")
     batch_id = ctx.engine.new_batch_id()
     parents: dict[str, RunRow] = {}
     requests = [await _with_parent(ctx, auth, trigger_request(ctx, auth, item.task, item.payload, item.options,
@@ -143,14 +162,17 @@ async def batch_trigger(request: Request) -> Response:
     runs = await ctx.engine.trigger_batch(auth.env_id, batch_id, requests)
     return json_response({"id": batch_id, "runs": [
         {"id": r.id, "taskIdentifier": q.task_id, "isCached": r.is_cached}
-        for r, q in zip(runs, requests, strict=True)]})
+        for r, q in zip(runs, requests, strict=True)]},
+        headers=await token_headers(ctx, auth, f"read:batch:{batch_id}", 3600))
 
 
-@operation("Get a batch", S.Batch, security="apiKeyOrRunToken")
+@operation("Get a batch", S.Batch, security="anyToken")
 async def get_batch(request: Request) -> Response:
     ctx = ctx_of(request)
-    auth = await ctx.env_auth(request, run_token=True)
+    auth = await ctx.env_auth(request, run_token=True, public=True)
     batch_id = request.path_params["batch_id"]
+    if not allows(auth.scopes, "read:all", "read:runs", f"read:batch:{batch_id}"):
+        raise forbidden()
     runs = (await ctx.engine.list_runs(auth.env_id, batches=[batch_id], limit=1000)
             if looks_like_id(batch_id, "batch") else [])
     if not runs:
@@ -169,13 +191,15 @@ async def _own_run(ctx: ApiContext, auth: EnvAuth, run_id: str) -> RunRow:
     return run
 
 
-@operation("Get a run", S.Run, security="apiKeyOrRunToken")
+@operation("Get a run", S.Run, security="anyToken")
 async def get_run(request: Request) -> Response:
     ctx = ctx_of(request)
-    auth = await ctx.env_auth(request, run_token=True)
+    auth = await ctx.env_auth(request, run_token=True, public=True)
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     if auth.run_id is not None and auth.run_id not in (run.id, run.parent_run_id):
         raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
+    if not can_read(auth, run):
+        raise forbidden()
     return json_response(run_object(run, children=await ctx.engine.child_runs(run.id)))
 
 

@@ -362,3 +362,12 @@ class Index(_Out):
     openapi: str
     api: str
     docs: str
+
+
+class JwtClaims(_Out):
+    sub: str
+    pub: bool
+
+
+class PublicToken(_Out):
+    token: str

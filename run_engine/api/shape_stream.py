@@ -1,17 +1,22 @@
-"""``GET /realtime/v1/runs/{runId}?offset=…``: one run as a shape stream, the long-poll protocol of
-ElectricSQL that Trigger.dev's SDK (``runs.subscribeToRun``, its realtime hooks) reads. Without an
-``offset`` the same path serves run-engine's own Server-Sent Events (:mod:`run_engine.api.stream`).
+"""Runs as a shape stream, the long-poll protocol of ElectricSQL that Trigger.dev's SDK reads
+(``runs.subscribeToRun``, ``subscribeToRunsWithTag``, ``subscribeToBatch``, its realtime hooks):
+``GET /realtime/v1/runs/{runId}?offset=…`` (without an ``offset`` that path serves run-engine's own
+Server-Sent Events, :mod:`run_engine.api.stream`), ``/realtime/v1/runs?tags=…``,
+``/realtime/v1/batches/{batchId}`` (:mod:`run_engine.api.realtime_shapes`).
 
-The first request (``offset=-1``) answers with the run as an ``insert`` and ``up-to-date``; each
-later one (``live=true``) waits until the run changes (any server process: RealtimeHub), then
-answers with an ``update``, or after a while with ``up-to-date`` alone. The offset is the run's
-``updated_at`` in microseconds, so a client that comes back late gets the newest state at once.
+The first request (``offset=-1``) answers with every run as an ``insert`` and ``up-to-date``; each
+later one (``live=true``) waits until a run changes (any server process: RealtimeHub), then answers
+with the changed runs, or after a while with ``up-to-date`` alone. The offset is the newest
+``updated_at`` sent, in microseconds, with a checksum of the runs changed shortly before it, so a
+client that comes back late gets every change at once and none is lost to a late commit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import zlib
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +29,9 @@ from run_engine.api.http import ApiError
 from run_engine.engine import RunRow
 
 LIVE_WAIT_S = 20.0
+#: a run's updated_at is its transaction's start: one that began before a change already sent may
+#: commit after it; runs changed this long before the newest change sent are checked again
+GRACE_US = 2_000_000
 #: run-engine's statuses as the raw TaskRun statuses the SDK maps back (its apiStatusFromRunStatus)
 RAW_STATUS = {"QUEUED": "PENDING", "COMPLETED": "COMPLETED_SUCCESSFULLY", "FAILED": "COMPLETED_WITH_ERRORS",
               "WAITING": "WAITING_TO_RESUME"}
@@ -68,46 +76,83 @@ def raw_row(run: RunRow) -> dict[str, Any]:
     }
 
 
-def _offset(run: RunRow) -> str:
-    return f"{int(run.updated_at.timestamp() * 1_000_000)}_0"
+def _micros(value: datetime) -> int:
+    return int(value.timestamp() * 1_000_000)
 
 
-def _answer(run: RunRow, messages: list[dict[str, Any]], *, live: bool) -> Response:
-    headers = {"electric-handle": run.id, "electric-offset": _offset(run), "electric-schema": "{}",
+def _key(run: RunRow) -> str:
+    return f'"public"."TaskRun"/"{run.id}"'
+
+
+def _since(offset: str) -> tuple[int, int]:
+    """The newest change sent (µs) and the checksum of the runs changed within GRACE of it, as an
+    offset this server answered with (``<µs>_<checksum>``) carries them; 400 for anything else."""
+    head, _, tail = offset.partition("_")
+    if not head.isdigit() or not tail.isdigit() or len(head) > 20 or len(tail) > 12:
+        raise ApiError(400, "invalid_input", "offset: not an offset this server answered with")
+    return int(head), int(tail)
+
+
+def _window(runs: list[RunRow], newest: int) -> list[RunRow]:
+    return [r for r in runs if newest - GRACE_US < _micros(r.updated_at) <= newest]
+
+
+def _checksum(runs: list[RunRow]) -> int:
+    return sum(zlib.crc32(f"{r.id}@{_micros(r.updated_at)}".encode()) for r in runs) % 1_000_000_000_000
+
+
+def _answer(handle: str, runs: list[RunRow], messages: list[dict[str, Any]], *, live: bool,
+            floor: int = 0) -> Response:
+    newest = max([floor, *(_micros(r.updated_at) for r in runs)])
+    offset = f"{newest}_{_checksum(_window(runs, newest))}"
+    headers = {"electric-handle": handle, "electric-offset": offset, "electric-schema": "{}",
                "Cache-Control": "no-store"}
     if live:
-        headers["electric-cursor"] = _offset(run).split("_", 1)[0]
+        headers["electric-cursor"] = str(newest)
         headers["electric-up-to-date"] = ""
     return Response(orjson.dumps(messages), media_type="application/json", headers=headers)
 
 
-async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, run_id: str) -> Response:
-    """Answer one request of the shape protocol for the run (it exists in the caller's environment)."""
+Loader = Callable[[], Awaitable[list[RunRow]]]
+
+
+async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, load: Loader, watch_key: str,
+                *, min_interval_s: float = 0.0) -> Response:
+    """Answer one request of the shape protocol for the runs ``load`` reads (in the caller's
+    environment): every run at ``offset=-1``; with ``live=true``, those changed since the offset,
+    waiting (≤ :data:`LIVE_WAIT_S`) until one does. ``watch_key`` is what RealtimeHub wakes on."""
     offset = request.query_params.get("offset", "-1")
     live = request.query_params.get("live") == "true"
-    run = await ctx.engine.get_run(run_id, auth.env_id)
-    if run is None:
-        raise ApiError(404, "not_found", "run not found")
-    key = f'"public"."TaskRun"/"{run.id}"'
+    runs = await load()
     if offset == "-1" or not live:
-        return _answer(run, [{"key": key, "value": raw_row(run), "headers": {"operation": "insert"}}, UP_TO_DATE],
-                       live=False)
+        inserts = [{"key": _key(r), "value": raw_row(r), "headers": {"operation": "insert"}} for r in runs]
+        return _answer(handle, runs, [*inserts, UP_TO_DATE], live=False)
+    since, checksum = _since(offset)
     hub = ctx.realtime
     if hub is None:
         raise ApiError(503, "unavailable", "realtime is not running in this process")
+    loop = asyncio.get_running_loop()
     with ctx.hold("streams", auth.bucket):
-        async with hub.watch(run.id) as changed:
-            deadline = asyncio.get_running_loop().time() + LIVE_WAIT_S
-            while _offset(run) == offset:
-                remaining = deadline - asyncio.get_running_loop().time()
+        async with hub.watch(watch_key) as changed:
+            deadline = loop.time() + LIVE_WAIT_S
+            while not (fresh := _changed(runs, since, checksum)):
+                remaining = deadline - loop.time()
                 if remaining <= 0 or await request.is_disconnected():
-                    return _answer(run, [UP_TO_DATE], live=True)
+                    return _answer(handle, runs, [UP_TO_DATE], live=True, floor=since)
                 changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(remaining, 5.0))
-                fresh = await ctx.engine.get_run(run.id, auth.env_id)
-                if fresh is None:
-                    return _answer(run, [UP_TO_DATE], live=True)
-                run = fresh
-    return _answer(run, [{"key": key, "value": raw_row(run), "headers": {"operation": "update"}}, UP_TO_DATE],
-                   live=True)
+                if min_interval_s:  # a busy environment wakes a multi-run shape often: read at most this often
+                    await asyncio.sleep(min_interval_s)
+                runs = await load()
+    changes = [{"key": _key(r), "value": raw_row(r),
+                "headers": {"operation": "insert" if _micros(r.created_at) > since else "update"}} for r in fresh]
+    return _answer(handle, runs, [*changes, UP_TO_DATE], live=True, floor=since)
+
+
+def _changed(runs: list[RunRow], since: int, checksum: int) -> list[RunRow]:
+    """Runs changed after the offset; and, when the runs changed within GRACE before it are not those
+    the offset saw (a transaction that began earlier committed later), those too (sent again)."""
+    window = _window(runs, since)
+    late = window if _checksum(window) != checksum else []
+    return late + [r for r in runs if _micros(r.updated_at) > since]

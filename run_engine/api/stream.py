@@ -18,8 +18,11 @@ from run_engine.api.context import ctx_of
 from run_engine.api.http import ApiError
 from run_engine.api.inputs import looks_like_id
 from run_engine.api.openapi import operation
+from run_engine.api.public import can_read
+from run_engine.api.public_tokens import forbidden
 from run_engine.api.serialize import run_object
 from run_engine.api.shape_stream import shape
+from run_engine.engine import RunRow
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 RECHECK_S = 10.0  # a safety net only: changes arrive through RealtimeHub at once
@@ -30,15 +33,25 @@ def _event(data: dict[str, object]) -> bytes:
     return b"event: run\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-@operation("Server-Sent Events: the run object on every status change", None, media="text/event-stream")
+@operation("Server-Sent Events: the run object on every status change", None, media="text/event-stream",
+           security="apiKeyOrPublicToken")
 async def run_stream(request: Request) -> Response:
     ctx = ctx_of(request)
-    auth = await ctx.env_auth(request)
+    auth = await ctx.env_auth(request, public=True)
     run_id = request.path_params["run_id"]
-    if not looks_like_id(run_id, "run") or await ctx.engine.get_run(run_id, auth.env_id) is None:
+    run = await ctx.engine.get_run(run_id, auth.env_id) if looks_like_id(run_id, "run") else None
+    if run is None:
         raise ApiError(404, "not_found", "run not found")
+    if not can_read(auth, run):
+        raise forbidden()
     if "offset" in request.query_params:  # Trigger.dev's SDK: the shape protocol (runs.subscribeToRun)
-        return await shape(ctx, auth, request, run_id)
+        env_id = auth.env_id
+
+        async def load() -> list[RunRow]:
+            found = await ctx.engine.get_run(run_id, env_id)
+            return [found] if found is not None else []
+
+        return await shape(ctx, auth, request, run_id, load, run_id)
     hub = ctx.realtime
     if hub is None:
         raise ApiError(503, "unavailable", "realtime is not running in this process")

@@ -12,11 +12,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from run_engine.api import schemas as S
+from run_engine.api.auth import token_headers
 from run_engine.api.context import ApiContext, ctx_of
 from run_engine.api.http import ApiError, body, json_response, read_json
 from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import TokenCompleteBody, TokenCreateBody, parse_duration_s
 from run_engine.api.openapi import PAGE, Query, operation
+from run_engine.api.public_tokens import allows, forbidden
 from run_engine.api.serialize import iso, pagination
 from run_engine.engine import Waitpoint
 
@@ -63,7 +65,8 @@ async def create_token(request: Request) -> Response:
     wp, cached = await ctx.engine.create_token(
         auth.env_id, idempotency_key=req.idempotencyKey, idempotency_key_ttl_s=ttl_s, timeout_s=timeout_s,
         tags=req.tags)
-    return json_response({"id": wp.id, "isCached": cached, "url": callback_url(ctx, wp.id)})
+    return json_response({"id": wp.id, "isCached": cached, "url": callback_url(ctx, wp.id)},
+                         headers=await token_headers(ctx, auth, f"write:waitpoints:{wp.id}", 24 * 3600))
 
 
 async def _own_token(ctx: ApiContext, env_id: str, waitpoint_id: str) -> Waitpoint:
@@ -130,11 +133,14 @@ async def complete(ctx: ApiContext, wp: Waitpoint, data: Any) -> None:
 
 
 @operation("Complete a token (the first completion wins)", S.Success, body=TokenCompleteBody, body_required=False,
-           security="apiKeyOrRunToken")
+           security="anyToken")
 async def complete_token(request: Request) -> Response:
     ctx = ctx_of(request)
-    auth = await ctx.env_auth(request, run_token=True)
-    wp = await _own_token(ctx, auth.env_id, request.path_params["waitpoint_id"])
+    auth = await ctx.env_auth(request, run_token=True, public=True)
+    waitpoint_id = request.path_params["waitpoint_id"]
+    if not allows(auth.scopes, "write:all", "write:waitpoints", f"write:waitpoints:{waitpoint_id}"):
+        raise forbidden()
+    wp = await _own_token(ctx, auth.env_id, waitpoint_id)
     req = await body(request, TokenCompleteBody, required=False)
     await complete(ctx, wp, req.data)
     return json_response({"success": True})

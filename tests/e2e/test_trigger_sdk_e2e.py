@@ -117,6 +117,20 @@ def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
     with served.client() as c:
         assert c.get(f"/api/v1/schedules/{sched['id']}").status_code == 404
 
+    # public access tokens: the run's own (from the trigger) reads it and nothing else
+    assert v["publicAccessToken.retrieve"] == {"id": first["id"], "status": "COMPLETED", "other": 403, "list": 403}
+    tagged = v["auth.createPublicToken.readTags"]  # a browser following the runs of a tag
+    assert tagged["statuses"][-1] == "COMPLETED" and tagged["others"] == 0
+    assert tagged["retrieve"] == tagged["tagged"] and tagged["untagged"] == 403
+    batch_seen = v["subscribeToBatch"]  # the batch's own token follows its runs to the end
+    assert len(batch_seen["ids"]) == 2 and batch_seen["completed"] == 2
+    once = v["auth.createTriggerPublicToken"]
+    assert once["id"].startswith("run_") and once["again"] == 401  # one-time use
+    many = v["auth.createTriggerPublicToken.multipleUse"]
+    assert len(set(many["ids"])) == 2 and many["otherTask"] == 403
+    waited = v["wait.publicAccessToken"]
+    assert waited["completed"] == {"success": True} and waited["other"] == 403
+
 
 def test_the_two_phase_batch_deduplicates_a_retried_stream_and_seals(served: Stack) -> None:
     lines = "\n".join(json.dumps({"index": i, "task": "echo", "payload": {"i": i}}) for i in range(3))

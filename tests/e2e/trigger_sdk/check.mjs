@@ -1,7 +1,7 @@
 // Run by tests/e2e/test_trigger_sdk_e2e.py with TRIGGER_API_URL and TRIGGER_SECRET_KEY set.
 // Each management call of @trigger.dev/sdk against a run-engine server; prints one JSON object:
 // {call: {ok, value?, error?}}. The Python test reads it and checks the values.
-import { configure, tasks, runs, wait, queues, schedules, batch } from "@trigger.dev/sdk";
+import { configure, tasks, runs, wait, queues, schedules, batch, auth } from "@trigger.dev/sdk";
 import { apiClientManager } from "@trigger.dev/core/v3";
 
 configure({ baseURL: process.env.TRIGGER_API_URL, accessToken: process.env.TRIGGER_SECRET_KEY });
@@ -93,5 +93,66 @@ if (sched) {
   await step("schedules.activate", async () => (await schedules.activate(sched.id)).active);
   await step("schedules.del", async () => { await schedules.del(sched.id); return true; });
 }
+// public access tokens: the one a trigger answers with, tokens made with auth.*, and the realtime
+// subscriptions a browser holding only such a token makes
+async function denied(fn) {
+  const tried = (async () => { try { await fn(); return "allowed"; } catch (e) { return (e && e.status) || String(e && e.message || e).slice(0, 200); } })();
+  return await Promise.race([tried, sleep(15000).then(() => "no answer")]);
+}
+async function follow(iterable, done, ms = 60000) {
+  const seen = [];
+  const watch = (async () => { for await (const run of iterable) { seen.push(run); if (done(seen)) return; } })();
+  await Promise.race([watch, sleep(ms)]);
+  return seen;
+}
+if (h) {
+  await step("publicAccessToken.retrieve", () => auth.withAuth({ accessToken: h.publicAccessToken }, async () => {
+    const r = await runs.retrieve(h.id);
+    return { id: r.id, status: r.status, other: await denied(() => runs.retrieve(delayed.id)),
+             list: await denied(() => runs.list({ limit: 1 })) }; }));
+}
+await step("auth.createPublicToken.readTags", async () => {
+  const tag = `pt-${Date.now()}`;
+  const token = await auth.createPublicToken({ scopes: { read: { tags: [tag] } }, expirationTime: "1h" });
+  const a = await tasks.trigger("echo", { n: 1 }, { tags: [tag] });
+  const untagged = await tasks.trigger("echo", { n: 2 });
+  return await auth.withAuth({ accessToken: token }, async () => {
+    const seen = await follow(runs.subscribeToRunsWithTag(tag),
+      (s) => s.some((r) => r.id === a.id && r.status === "COMPLETED"));
+    return { tagged: a.id, statuses: seen.filter((r) => r.id === a.id).map((r) => r.status),
+             others: seen.filter((r) => r.id !== a.id).length, retrieve: (await runs.retrieve(a.id)).id,
+             untagged: await denied(() => runs.retrieve(untagged.id)) };
+  });
+});
+await step("subscribeToBatch", async () => {
+  const b = await tasks.batchTrigger("echo", [{ payload: { i: 1 } }, { payload: { i: 2 } }]);
+  return await auth.withAuth({ accessToken: b.publicAccessToken }, async () => {
+    const seen = await follow(runs.subscribeToBatch(b.batchId), (s) => {
+      const done = new Set(s.filter((r) => r.status === "COMPLETED").map((r) => r.id)); return done.size === 2; });
+    return { batchId: b.batchId, ids: [...new Set(seen.map((r) => r.id))].sort(),
+             completed: [...new Set(seen.filter((r) => r.status === "COMPLETED").map((r) => r.id))].length };
+  });
+});
+await step("auth.createTriggerPublicToken", async () => {
+  const token = await auth.createTriggerPublicToken("echo");
+  return await auth.withAuth({ accessToken: token }, async () => {
+    const r = await tasks.trigger("echo", { once: true });
+    return { id: r.id, again: await denied(() => tasks.trigger("echo", { twice: true })) };
+  });
+});
+await step("auth.createTriggerPublicToken.multipleUse", async () => {
+  const token = await auth.createTriggerPublicToken("echo", { multipleUse: true });
+  return await auth.withAuth({ accessToken: token }, async () => {
+    const ids = [(await tasks.trigger("echo", { n: 1 })).id, (await tasks.trigger("echo", { n: 2 })).id];
+    return { ids, otherTask: await denied(() => tasks.trigger("sync-echo", 1)) };
+  });
+});
+await step("wait.publicAccessToken", async () => {
+  const t = await wait.createToken({ timeout: "1h" });
+  const other = await wait.createToken({ timeout: "1h" });
+  return await auth.withAuth({ accessToken: t.publicAccessToken }, async () => ({
+    id: t.id, completed: await wait.completeToken(t.id, { from: "browser" }),
+    other: await denied(() => wait.completeToken(other.id, { from: "browser" })) }));
+});
 console.log(JSON.stringify(out));
 process.exit(0);  // a subscription or keep-alive socket must not hold the process open
