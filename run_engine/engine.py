@@ -145,6 +145,10 @@ class RunEngine:
         """The expected size of an opened batch of the environment; None when there is none."""
         return await self.resources.repo.waitpoints.batch_size(batch_id, env_id)
 
+    async def note_batch_items(self, batch_id: str, indexes: Sequence[int]) -> int:
+        """Record the triggered items of a two-phase batch; how many of its indexes have been."""
+        return await self.resources.repo.waitpoints.note_batch_items(batch_id, indexes)
+
     async def trigger_batch(self, env_id: str, batch_id: str, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
         """Record a batch and create its runs: one insert for the runs, one queue call."""
         await self.resources.repo.waitpoints.insert_batch(batch_id, env_id, len(requests))

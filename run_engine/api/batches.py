@@ -1,7 +1,8 @@
 """Trigger.dev's two-phase batch (its SDK's ``tasks.batchTrigger`` and ``batch.trigger``): open a
 batch with the number of runs it will have, then stream its items as NDJSON. Items are triggered
 as they are read, each deduplicated by its index (a retried stream triggers nothing twice); the
-batch is sealed once it holds as many runs as it announced."""
+batch is sealed once every index has been triggered (an item whose idempotency or debounce key
+names another batch's run joins that run)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ async def stream_items(request: Request) -> Response:
                                         batch_id=batch_id, trigger_function="batchTrigger"))
     runs = await ctx.engine.trigger_many(requests) if requests else []  # the batch row exists (phase 1)
     deduplicated = sum(1 for r in runs if r.is_cached)
-    held = len(await ctx.engine.list_runs(auth.env_id, batches=[batch_id], limit=size + 1))
+    # sealed once every index was triggered (an item may have joined a run of another batch); a
+    # crash before this line is mended by the SDK's retry: its items are deduplicated, then noted
+    held = await ctx.engine.note_batch_items(batch_id, [item.index for item in items])
     out: dict[str, Any] = {"id": batch_id, "itemsAccepted": len(runs) - deduplicated,
                            "itemsDeduplicated": deduplicated, "sealed": held >= size}
     if held < size:

@@ -299,6 +299,13 @@ class BatchBody(_Body):
     items: list[BatchItem] = Field(min_length=1, max_length=1000)
 
 
+class BatchV2Body(BatchBody):
+    """Trigger.dev's one-request batch (``POST /api/v2/tasks/batch``): the items, and the parent of
+    every one of them."""
+    parentRunId: str | None = Field(default=None, max_length=128)
+    resumeParentOnCompletion: bool | None = None
+
+
 #: how a queue is named in its path (Trigger.dev's SDK sends it): ``task`` (a task id: the queue
 #: ``task/<id>``), ``custom`` (the name as is) or ``id`` (the queue's id)
 QueueKind = Literal["task", "custom", "id"]

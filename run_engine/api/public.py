@@ -19,6 +19,7 @@ from run_engine.api.http import ApiError, body, json_response
 from run_engine.api.inputs import looks_like_id, unstorable
 from run_engine.api.models import (
     BatchBody,
+    BatchV2Body,
     ConcurrencyBody,
     MetadataBody,
     PauseBody,
@@ -35,7 +36,7 @@ from run_engine.api.models import (
 from run_engine.api.openapi import PAGE, Query, csv, operation
 from run_engine.api.public_tokens import allows, forbidden, read_scopes
 from run_engine.api.serialize import explanation_object, iso, pagination, run_object
-from run_engine.engine import RunRow, TaskQueue, TriggerRequest
+from run_engine.engine import RunRow, TaskQueue, TriggeredRun, TriggerRequest
 from run_engine.errors import InvalidTransitionError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
@@ -145,25 +146,55 @@ async def _with_parent(ctx: ApiContext, auth: EnvAuth, req: TriggerRequest, fiel
     return dataclasses.replace(req, root_run_id=parent.root_run_id or parent.id, depth=parent.depth + 1)
 
 
-@operation("Trigger a batch of runs (1..1000 items)", S.BatchTriggered, body=BatchBody, security="anyToken")
-async def batch_trigger(request: Request) -> Response:
-    ctx = ctx_of(request)
-    auth = await ctx.env_auth(request, run_token=True, public=True)
-    req = await body(request, BatchBody)
+async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody) -> tuple[str, list[TriggerRequest],
+                                                                                 list[TriggeredRun]]:
+    """Trigger every item of a batch: one transaction for all of them."""
     for task in {item.task for item in req.items}:
         _may_trigger(auth, task, "batchTrigger")
     batch_id = ctx.engine.new_batch_id()
     parents: dict[str, RunRow] = {}
-    requests = [await _with_parent(ctx, auth, trigger_request(ctx, auth, item.task, item.payload, item.options,
-                                                              f"items.{i}", batch_id=batch_id,
-                                                              trigger_function="batchTrigger"),
-                                   f"items.{i}.options.parentRunId", parents)
-                for i, item in enumerate(req.items)]
-    runs = await ctx.engine.trigger_batch(auth.env_id, batch_id, requests)
+    top: dict[str, Any] = {}
+    if isinstance(req, BatchV2Body) and req.parentRunId is not None:  # the parent of every item
+        top = {"parentRunId": req.parentRunId, "resumeParentOnCompletion": bool(req.resumeParentOnCompletion)}
+    requests = []
+    for i, item in enumerate(req.items):
+        options = item.options
+        if top:
+            options = (options or TriggerOptions()).model_copy(update=top)
+        requests.append(await _with_parent(ctx, auth, trigger_request(ctx, auth, item.task, item.payload, options,
+                                                                      f"items.{i}", batch_id=batch_id,
+                                                                      trigger_function="batchTrigger"),
+                                           f"items.{i}.options.parentRunId", parents))
+    return batch_id, requests, await ctx.engine.trigger_batch(auth.env_id, batch_id, requests)
+
+
+@operation("Trigger a batch of runs (1..1000 items)", S.BatchTriggered, body=BatchBody, security="anyToken")
+async def batch_trigger(request: Request) -> Response:
+    ctx = ctx_of(request)
+    auth = await ctx.env_auth(request, run_token=True, public=True)
+    batch_id, requests, runs = await _trigger_items(ctx, auth, await body(request, BatchBody))
     return json_response({"id": batch_id, "runs": [
         {"id": r.id, "taskIdentifier": q.task_id, "isCached": r.is_cached}
         for r, q in zip(runs, requests, strict=True)]},
         headers=await token_headers(ctx, auth, f"read:batch:{batch_id}", 3600))
+
+
+#: ``batch-processing-strategy`` of Trigger.dev's one-request batch: both are accepted and neither
+#: changes the outcome, as every run of the batch is made in one transaction (none before the others)
+STRATEGIES = ("parallel", "sequential")
+
+
+@operation("Trigger a batch of runs in one request (Trigger.dev's v2 batch; header batch-processing-strategy)",
+           S.BatchV2Triggered, body=BatchV2Body, security="anyToken")
+async def batch_trigger_v2(request: Request) -> Response:
+    ctx = ctx_of(request)
+    auth = await ctx.env_auth(request, run_token=True, public=True)
+    strategy = request.headers.get("batch-processing-strategy") or "parallel"
+    if strategy not in STRATEGIES:
+        raise ApiError(400, "invalid_input", f"batch-processing-strategy: one of {', '.join(STRATEGIES)}")
+    batch_id, _, runs = await _trigger_items(ctx, auth, await body(request, BatchV2Body))
+    return json_response({"id": batch_id, "runCount": len(runs)},
+                         headers=await token_headers(ctx, auth, f"read:batch:{batch_id}", 3600))
 
 
 @operation("Get a batch", S.Batch, security="anyToken")
@@ -477,6 +508,7 @@ async def add_tags(request: Request) -> Response:
 
 ROUTES = [
     Route("/api/v1/tasks/batch", batch_trigger, methods=["POST"]),
+    Route("/api/v2/tasks/batch", batch_trigger_v2, methods=["POST"]),
     Route("/api/v1/tasks/{task_id}/trigger", trigger, methods=["POST"]),
     Route("/api/v1/batches/{batch_id}", get_batch, methods=["GET"]),
     Route("/api/v3/runs/{run_id}", get_run, methods=["GET"]),

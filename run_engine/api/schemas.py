@@ -371,3 +371,8 @@ class JwtClaims(_Out):
 
 class PublicToken(_Out):
     token: str
+
+
+class BatchV2Triggered(_Out):
+    id: str
+    runCount: int

@@ -528,6 +528,16 @@ class WaitpointRepository:
             row = await cur.fetchone()
             return None if row is None else int(row[0])
 
+    async def note_batch_items(self, batch_id: str, indexes: Sequence[int]) -> int:
+        """Record that the items at ``indexes`` of a two-phase batch were triggered; how many of its
+        indexes have been, with these."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """UPDATE batch_task_run
+                   SET items_seen = ARRAY(SELECT DISTINCT i FROM unnest(items_seen || %s::integer[]) AS i ORDER BY i)
+                   WHERE id = %s RETURNING cardinality(items_seen)""", (list(indexes), batch_id))
+            return _first_int(await cur.fetchone())
+
     async def insert_batch(self, batch_id: str, env_id: str, size: int, parent_run_id: str | None = None) -> None:
         async with self.pool.connection() as conn:
             await conn.execute(

@@ -100,6 +100,17 @@ def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
             assert batch["runCount"] == 2, (name, batch)
             for run_id in batch["runs"]:
                 assert served.wait_for(run_id)["status"] == "COMPLETED"
+        per_item = [served.run(run_id) for run_id in c.get(f"/api/v1/batches/{v['tasks.batchTrigger']['batchId']}")
+                    .json()["runs"]]  # each item's own options
+        assert [r["tags"] for r in per_item] == [[], ["b"]] and per_item[1]["delayedUntil"] is not None
+        seq = v["apiClient.batchTriggerV3.sequential"]  # the one-request batch, its strategy header
+        assert seq["runCount"] == 2 and seq["publicAccessToken"] is True
+        made = [served.wait_for(run_id) for run_id in c.get(f"/api/v1/batches/{seq['id']}").json()["runs"]]
+        assert sorted((r["taskIdentifier"], r["tags"], r["status"]) for r in made) == [
+            ("echo", ["seq-0"], "COMPLETED"), ("sync-echo", ["seq-1"], "COMPLETED")]
+        bad = c.post("/api/v2/tasks/batch", json={"items": [{"task": "echo"}]},
+                     headers={"batch-processing-strategy": "all-at-once"})
+        assert bad.status_code == 400 and "batch-processing-strategy" in bad.json()["error"]["message"]
 
     queues = {q["name"]: q for q in v["queues.list"]}
     assert queues["task/echo"]["type"] == "task" and queues["e2e-limited"]["type"] == "custom"
@@ -145,6 +156,15 @@ def test_the_two_phase_batch_deduplicates_a_retried_stream_and_seals(served: Sta
         whole = c.post(f"/api/v3/batches/{opened['id']}/items", content=lines, headers=ndjson).json()
         assert whole == {"id": opened["id"], "itemsAccepted": 2, "itemsDeduplicated": 1, "sealed": True}
         assert c.get(f"/api/v1/batches/{opened['id']}").json()["runCount"] == 3
+        # an item whose idempotency key names a run of another batch joins that run; the batch still seals
+        elsewhere = served.trigger("echo", {"x": 1}, idempotencyKey="joined-elsewhere")
+        two = c.post("/api/v3/batches", json={"runCount": 2}).json()
+        joined = "\n".join(json.dumps(item) for item in (
+            {"index": 0, "task": "echo", "payload": {"x": 1}, "options": {"idempotencyKey": "joined-elsewhere"}},
+            {"index": 1, "task": "echo", "payload": {"x": 2}}))
+        sealed = c.post(f"/api/v3/batches/{two['id']}/items", content=joined, headers=ndjson).json()
+        assert sealed == {"id": two["id"], "itemsAccepted": 1, "itemsDeduplicated": 1, "sealed": True}
+        assert served.run(elsewhere).get("batchId") is None
         bad = c.post(f"/api/v3/batches/{opened['id']}/items", content='{"index": 7, "task": "echo"}', headers=ndjson)
         assert bad.status_code == 400 and "runCount" in bad.json()["error"]["message"]
         bad = c.post(f"/api/v3/batches/{opened['id']}/items", content="{nope", headers=ndjson)

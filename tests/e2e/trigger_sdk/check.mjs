@@ -66,8 +66,12 @@ if (token) {
     return page.data.map((t) => t.id); });
 }
 
-await step("tasks.batchTrigger", async () => { const b = await tasks.batchTrigger("echo", [{ payload: { i: 1 } }, { payload: { i: 2 }, options: { tags: ["b"] } }]);
+await step("tasks.batchTrigger", async () => { const b = await tasks.batchTrigger("echo", [{ payload: { i: 1 } }, { payload: { i: 2 }, options: { tags: ["b"], delay: "1s", maxAttempts: 1 } }]);
   return { batchId: b.batchId, runCount: b.runCount }; });
+await step("apiClient.batchTriggerV3.sequential", async () => { const c = apiClientManager.clientOrThrow();
+  const b = await c.batchTriggerV3({ items: [{ task: "echo", payload: { i: 0 }, options: { tags: ["seq-0"] } },
+    { task: "sync-echo", payload: 1, options: { tags: ["seq-1"], maxAttempts: 1 } }] }, { processingStrategy: "sequential" });
+  return { id: b.id, runCount: b.runCount, publicAccessToken: Boolean(b.publicAccessToken) }; });
 await step("batch.trigger", async () => { const b = await batch.trigger([{ id: "echo", payload: { i: 3 } }, { id: "sync-echo", payload: 4 }]);
   return { batchId: b.batchId, runCount: b.runCount }; });
 
