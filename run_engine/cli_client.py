@@ -84,6 +84,14 @@ def trigger(
     concurrency_key: Annotated[str | None, typer.Option(help="Limit concurrency per this key within the queue.")]
     = None,
     max_attempts: Annotated[int | None, typer.Option(min=1, max=250, help="Attempts before the run fails.")] = None,
+    debounce_key: Annotated[str | None, typer.Option(
+        help="Debounce: triggers with this key within --debounce-delay make one run.")] = None,
+    debounce_delay: Annotated[str, typer.Option(help="Debounce: how long the run waits for more (e.g. 5s).")]
+    = "5s",
+    debounce_mode: Annotated[str, typer.Option(help="Debounce: leading (the first payload) or trailing (the last).")]
+    = "leading",
+    debounce_max_delay: Annotated[str | None, typer.Option(help="Debounce: never push the run back past this.")]
+    = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the run finishes.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait with --wait.")] = 600,
     api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False,
@@ -97,6 +105,9 @@ def trigger(
     options = {k: v for k, v in {"delay": delay, "ttl": ttl, "tags": tag or None, "idempotencyKey": idempotency_key,
                                  "queue": queue, "concurrencyKey": concurrency_key,
                                  "maxAttempts": max_attempts}.items() if v is not None}
+    if debounce_key is not None:
+        options["debounce"] = {"key": debounce_key, "delay": debounce_delay, "mode": debounce_mode,
+                               **({"maxDelay": debounce_max_delay} if debounce_max_delay else {})}
     created = _call(api_url, api_key, "POST", f"/api/v1/tasks/{task}/trigger",
                     json={"payload": body, **({"options": options} if options else {})})
     if not wait:

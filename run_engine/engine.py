@@ -22,7 +22,7 @@ from run_engine.db.schedules import Schedule
 from run_engine.db.tenancy import Environment, WorkerGroup, WorkerView
 from run_engine.db.waitpoints import JournalEntry, Waitpoint
 from run_engine.errors import NotFoundError
-from run_engine.events import EventBus
+from run_engine.events import EventBus, RunEvent
 from run_engine.ids import new_id
 from run_engine.jobs import Job, JobQueue, JobWorker
 from run_engine.leader import LeaderLease
@@ -225,12 +225,16 @@ class RunEngine:
     async def child_runs(self, run_id: str) -> list[str]:
         return await self.resources.repo.runs.child_runs(run_id)
 
-    async def set_metadata(self, run_id: str, metadata: Any) -> None:
+    async def set_metadata(self, env_id: str, run_id: str, metadata: Any) -> None:
         await self.resources.repo.runs.set_metadata(run_id, metadata)
+        self.resources.events.emit(RunEvent("run_updated", run_id, env_id, data={"what": "metadata"}))
 
-    async def add_tags(self, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
+    async def add_tags(self, env_id: str, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
         """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""
-        return await self.resources.repo.runs.add_tags(run_id, tags, limit)
+        added = await self.resources.repo.runs.add_tags(run_id, tags, limit)
+        if added is not None:
+            self.resources.events.emit(RunEvent("run_updated", run_id, env_id, data={"what": "tags"}))
+        return added
 
     async def explain(self, env_id: str, run_id: str) -> Explanation:
         return await self.systems.explain.explain(env_id, run_id)

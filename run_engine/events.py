@@ -44,6 +44,7 @@ EVENT_NAMES = (
     "run_blocked",
     "run_suspended",
     "run_continued",
+    "run_updated",  # not a state change: metadata, tags, a new date, a debounced trigger joined it
 )
 
 Handler = Callable[[RunEvent], None]

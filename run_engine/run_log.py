@@ -34,6 +34,7 @@ EVENTS: dict[str, tuple[int, str]] = {
     "run_pending_version": (INFO, "run waits for a deployment with its task"),
     "run_suspended": (INFO, "run suspended"),
     "run_continued": (INFO, "run continued"),
+    "run_updated": (DEBUG, "run updated"),
 }
 MAX_ERROR_MESSAGE = 300
 

@@ -83,6 +83,7 @@ class DelayedRunsSystem:
             await self.r.change_jobs(schedule=jobs)
             fresh = await self.r.repo.runs.get_run(run_id)
         assert fresh is not None
+        self.r.events.emit(RunEvent("run_updated", run_id, env_id, data={"what": "delay"}))
         return fresh
 
     async def debounce(self, run_id: str, delay_until: datetime,
@@ -103,6 +104,7 @@ class DelayedRunsSystem:
             if run.ttl_s is not None:
                 jobs.append(engine_jobs.ttl(run_id, due + run.ttl_s))
             await self.r.change_jobs(schedule=jobs)
+        self.r.events.emit(RunEvent("run_updated", run_id, run.env_id, data={"what": "debounced"}))
         return run
 
     async def expire(self, run_id: str) -> bool:

@@ -485,7 +485,7 @@ async def update_metadata(request: Request) -> Response:
     limit = ctx.engine.settings.max_metadata_bytes
     if len(orjson.dumps(req.metadata)) > limit:
         raise ApiError(413, "payload_too_large", f"metadata: larger than {limit} bytes")
-    await ctx.engine.set_metadata(run.id, req.metadata)
+    await ctx.engine.set_metadata(auth.env_id, run.id, req.metadata)
     return json_response({"metadata": req.metadata})
 
 
@@ -497,7 +497,7 @@ async def add_tags(request: Request) -> Response:
     if auth.run_id is not None and auth.run_id != run.id:
         raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     req = await body(request, TagsBody)
-    tags = await ctx.engine.add_tags(run.id, list(req.tags), 10)
+    tags = await ctx.engine.add_tags(auth.env_id, run.id, list(req.tags), 10)
     if tags is None:
         raise ApiError(422, "too_many_tags", "a run has at most 10 tags")
     out: dict[str, Any] = {"tags": tags}

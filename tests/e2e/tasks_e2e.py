@@ -210,3 +210,14 @@ rated = queue("e2e-rated", rate_limit={"limit": 10, "period": "1s"})
 def rated_task(payload, ctx):
     _note(payload["log"], f"{time.time()}")
     return None
+
+
+@task(id="waits-for-debounced")
+async def waits_for_debounced(payload, ctx):
+    """docs/API.md's way to wait on a debounced run: trigger it in a step, then wait.for_run."""
+    async def debounced() -> str:
+        options = {"debounce": {"key": payload["key"], "delay": "2s", "mode": "trailing"}}
+        return (await echo.trigger({"from": ctx.run.id}, options)).id
+
+    result = await wait.for_run(await ctx.step("debounced", debounced))
+    return {"ok": result.ok, "output": result.output}

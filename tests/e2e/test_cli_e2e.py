@@ -186,3 +186,18 @@ def test_help_reads_well() -> None:
                              text=True, timeout=60, env=env).stdout
     for flag in ("--delay", "--ttl", "--tag", "--idempotency-key", "--queue"):
         assert flag in trigger, flag
+
+
+def test_trigger_with_a_debounce_key(cli_project: Stack) -> None:
+    """`trigger --debounce-key`: the second trigger within the delay answers with the first run; a
+    trailing one gives it its payload; a bad mode is the server's 400, said plainly."""
+    key = f"cli-{time.time_ns()}"
+    args = ("--debounce-key", key, "--debounce-delay", "1h", "--json")
+    first = json.loads(cli_project.cli("trigger", "echo", "--payload", '{"n": 1}', *args).stdout)
+    again = json.loads(cli_project.cli("trigger", "echo", "--payload", '{"n": 2}', *args,
+                                       "--debounce-mode", "trailing", "--debounce-max-delay", "2h").stdout)
+    assert again == {"id": first["id"], "isCached": True}
+    run = cli_project.run(first["id"])
+    assert run["status"] == "DELAYED" and run["payload"] == {"n": 2}
+    bad = cli_project.cli("trigger", "echo", "--debounce-key", key, "--debounce-mode", "sideways", check=False)
+    assert bad.returncode == 1 and "debounce.mode" in bad.stderr

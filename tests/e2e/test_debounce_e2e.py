@@ -204,3 +204,17 @@ def test_trigger_and_wait_refuses_debounce(idle: Stack) -> None:
                    json={"sequence": 0, "items": [{"task": "echo", "options": {"debounce": {"key": "k", "delay": 5}}}]})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith("items.0.options.debounce:"), r.text
+
+
+def test_tasks_wait_on_one_debounced_run(own: Stack) -> None:
+    """Two runs trigger the same debounced child from a step and wait.for_run it: one child, run
+    once with the later payload (trailing), and both parents get its output."""
+    key = _key()
+    parents = [own.trigger("waits-for-debounced", {"key": key}) for _ in range(2)]
+    done = [own.wait_for(p) for p in parents]
+    assert [d["status"] for d in done] == ["COMPLETED", "COMPLETED"], done
+    outputs = [d["output"] for d in done]
+    assert outputs[0] == outputs[1] and outputs[0]["ok"] is True
+    child = own.run(outputs[0]["output"]["run"])
+    assert child["status"] == "COMPLETED" and child["attemptCount"] == 1
+    assert child["payload"]["from"] in parents

@@ -70,6 +70,8 @@ def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
     assert run["output"]["payload"] == {"hello": "sdk", "when": "1970-01-01T00:00:00.000Z"}  # superjson decoded
     assert run["tags"] == ["sdk", "compat"] and run["attemptCount"] == 1
     assert v["runs.poll"] == "COMPLETED"
+    raw = v["runs.retrieve.raw"]  # the machine asked for; the key as the SDK hashed it (not the plain text)
+    assert raw["machine"] == "small-2x" and raw["idempotencyKey"] not in (None, "sdk-key-1")
     watched = v["runs.subscribeToRun"]  # the shape stream: each change, closed once the run finished
     assert "timedOut" not in watched and watched["seen"][-1] == "COMPLETED" and watched["isSuccess"] is True
     assert watched["output"]["attempt"] == 1 and len(watched["seen"]) >= 2

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -175,3 +176,22 @@ async def test_a_plain_trigger_reads_nothing_for_debounce(h: Harness, monkeypatc
     assert run.status == RunStatus.QUEUED
     batch = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello")] * 3)
     assert len({r.id for r in batch}) == 3
+
+
+async def test_changes_without_a_new_state_are_events_for_realtime(h: Harness) -> None:
+    """A joined trigger, new metadata, new tags and a new date change what a subscriber sees without
+    a snapshot: each emits run_updated (RealtimeHub wakes the run's watchers on it)."""
+    seen: list[tuple[str, str, str]] = []
+    undo = h.engine.events.subscribe("run_updated", lambda e: seen.append((e.run_id, e.env_id, e.data["what"])))
+    try:
+        key = new_key()
+        first = await h.engine.trigger(req(h, key, payload={"n": 1}))
+        assert seen == []  # creating it is run_created, not an update
+        await h.engine.trigger(req(h, key, mode="trailing", payload={"n": 2}))
+        await h.engine.set_metadata(h.env.env_id, first.id, {"progress": 0.5})
+        assert await h.engine.add_tags(h.env.env_id, first.id, ["t"], 10) == ["t"]
+        assert await h.engine.add_tags(h.env.env_id, first.id, [f"x{i}" for i in range(20)], 10) is None
+        await h.engine.reschedule(h.env.env_id, first.id, datetime.fromtimestamp(h.clock.now() + 100, UTC))
+        assert seen == [(first.id, h.env.env_id, what) for what in ("debounced", "metadata", "tags", "delay")]
+    finally:
+        undo()

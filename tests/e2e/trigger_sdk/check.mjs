@@ -18,12 +18,16 @@ async function until(id, pred, ms = 30000) {
 }
 
 const h = await step("tasks.trigger", () => tasks.trigger("echo", { hello: "sdk", when: new Date(0) },
-  { tags: ["sdk", "compat"], idempotencyKey: "sdk-key-1", ttl: "10m", priority: 5, concurrencyKey: "ck", maxAttempts: 2 }));
+  { tags: ["sdk", "compat"], idempotencyKey: "sdk-key-1", ttl: "10m", priority: 5, concurrencyKey: "ck", maxAttempts: 2,
+    machine: "small-2x" }));
 await step("tasks.trigger.again", () => tasks.trigger("echo", { hello: "other" }, { idempotencyKey: "sdk-key-1" }));
 if (h) {
   await step("runs.retrieve", async () => { const r = await until(h.id, (r) => r.isCompleted);
     return { id: r.id, status: r.status, output: r.output, tags: r.tags, ttl: r.ttl, isSuccess: r.isSuccess,
              payload: r.payload, createdAt: String(r.createdAt), attemptCount: r.attemptCount }; });
+  await step("runs.retrieve.raw", async () => { const c = apiClientManager.clientOrThrow();
+    const r = await fetch(`${c.baseUrl}/api/v3/runs/${h.id}`, { headers: { Authorization: `Bearer ${process.env.TRIGGER_SECRET_KEY}` } });
+    const j = await r.json(); return { machine: j.machine, idempotencyKey: j.idempotencyKey }; });
   await step("runs.poll", async () => { const r = await runs.poll(h.id, { pollIntervalMs: 200 }); return r.status; });
   await step("runs.replay", async () => (await runs.replay(h.id)).id);
 }
