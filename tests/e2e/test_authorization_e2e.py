@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from run_engine.api import batches, bulk, public, schedules, stream, tokens, worker
+from run_engine.api import auth, batches, bulk, public, realtime_shapes, schedules, stream, tokens, worker
+from run_engine.api.public_tokens import AUDIENCE, ISSUER, sign
 from run_engine.run_tokens import RunTokens
 
 from .conftest import Stack
@@ -34,13 +35,18 @@ class Route:
     # own queues, so another tenant's key addresses its own queue of that name)
     targets: bool = True
     items: bool = False  # worker batch routes: per-item results
+    public: bool = False  # a public access token (a JWT with scopes) is accepted
+    query: str = ""
 
 
 ROUTES = [
-    Route("POST", "/api/v1/tasks/batch", {"items": [{"task": "echo", "payload": 1}]}, "scoped", targets=False),
-    Route("POST", "/api/v1/tasks/{task_id}/trigger", {"payload": 1}, "scoped", targets=False),
-    Route("GET", "/api/v1/batches/{batch_id}", run_token="own"),
-    Route("GET", "/api/v3/runs/{run_id}", run_token="own"),
+    Route("POST", "/api/v1/tasks/batch", {"items": [{"task": "echo", "payload": 1}]}, "scoped", targets=False,
+          public=True),
+    Route("POST", "/api/v2/tasks/batch", {"items": [{"task": "echo", "payload": 1}]}, "scoped", targets=False,
+          public=True),
+    Route("POST", "/api/v1/tasks/{task_id}/trigger", {"payload": 1}, "scoped", targets=False, public=True),
+    Route("GET", "/api/v1/batches/{batch_id}", run_token="own", public=True),
+    Route("GET", "/api/v3/runs/{run_id}", run_token="own", public=True),
     Route("GET", "/api/v1/runs", targets=False),
     Route("POST", "/api/v2/runs/{run_id}/cancel"),
     Route("POST", "/api/v1/runs/{run_id}/replay"),
@@ -59,7 +65,7 @@ ROUTES = [
     Route("POST", "/api/v1/waitpoints/tokens", {}, "scoped", targets=False),
     Route("GET", "/api/v1/waitpoints/tokens", targets=False),
     Route("GET", "/api/v1/waitpoints/tokens/{waitpoint_id}", run_token="scoped"),
-    Route("POST", "/api/v1/waitpoints/tokens/{waitpoint_id}/complete", {"data": "pwned"}, "scoped"),
+    Route("POST", "/api/v1/waitpoints/tokens/{waitpoint_id}/complete", {"data": "pwned"}, "scoped", public=True),
     Route("POST", "/api/v1/waitpoints/tokens/{waitpoint_id}/callback/{signature}", {"pwned": 1}),
     Route("POST", "/api/v1/schedules", {"task": "echo", "cron": "* * * * *"}, targets=False),
     Route("GET", "/api/v1/schedules", targets=False),
@@ -73,7 +79,12 @@ ROUTES = [
     Route("POST", "/api/v3/batches/{batch_id}/items", {"index": 0, "task": "echo", "payload": 1}),
     Route("POST", "/api/v1/schedules/{schedule_id}/activate"),
     Route("POST", "/api/v1/schedules/{schedule_id}/deactivate"),
-    Route("GET", "/realtime/v1/runs/{run_id}"),
+    Route("GET", "/realtime/v1/runs/{run_id}", public=True),
+    Route("GET", "/realtime/v1/runs/{run_id}", public=True, query="?offset=-1"),
+    Route("GET", "/realtime/v1/runs", public=True, targets=False, query="?tags=victim&offset=-1"),
+    Route("GET", "/realtime/v1/batches/{batch_id}", public=True, query="?offset=-1"),
+    Route("POST", "/api/v1/auth/jwt/claims", targets=False),
+    Route("POST", "/api/v1/auth/public-tokens", {"scopes": ["admin"]}, targets=False),
     Route("POST", f"{W}/connect", {"workerInstanceName": "x", "deployment": {"tasks": [{"id": "echo"}]}},
           targets=False),
     Route("POST", f"{W}/heartbeat", {"workerInstanceName": "x"}, targets=False),
@@ -97,8 +108,8 @@ ROUTES = [
 
 
 def test_every_route_is_in_the_matrix() -> None:
-    registered = {(m, r.path) for mod in (public, batches, bulk, tokens, schedules, stream, worker) for r in mod.ROUTES
-                  for m in r.methods - {"HEAD"}}
+    modules = (public, batches, bulk, tokens, schedules, stream, realtime_shapes, auth, worker)
+    registered = {(m, r.path) for mod in modules for r in mod.ROUTES for m in r.methods - {"HEAD"}}
     assert registered == {(r.method, r.path) for r in ROUTES}
 
 
@@ -209,7 +220,13 @@ def _path(route: Route, ids: dict[str, str]) -> str:
     path = route.path
     for name, value in ids.items():
         path = path.replace("{" + name + "}", value)
-    return path
+    return path + route.query
+
+
+def _public_token(env_id: str, key: str) -> str:
+    now = int(time.time())
+    return sign(key, {"sub": env_id, "pub": True, "iss": ISSUER, "aud": AUDIENCE, "iat": now, "exp": now + 600,
+                      "scopes": ["admin"]})
 
 
 def _body(route: Route, v: Victim) -> Any:
@@ -235,6 +252,9 @@ def test_the_matrix(stack: Stack, victim: Victim) -> None:
         "another group's worker token": other_project.token, "a run token of another run": v.sibling_token,
         "an expired run token": expired, "a forged run token": forged, "an ended attempt's run token": v.ended_token,
         "the run's own token": v.live_token,
+        # public access tokens (JWTs): one forged for the victim's environment, one of another environment
+        "a forged public token": _public_token(v.tenant.env_id, "tr_dev_not-the-key"),
+        "another environment's public token": _public_token(other_env.env_id, other_env.api_key),
     }
     failures: list[str] = []
     cells = 0
@@ -271,8 +291,15 @@ def _expected(route: Route, cred: str, is_worker: bool, is_callback: bool) -> in
     its own tenant there, as it may)."""
     if is_callback:  # the signature in the path is the credential: another token's is refused
         return 401 if cred == "none" else None
-    if cred in ("none", "malformed", "unknown key", "an expired run token", "a forged run token"):
+    if cred in ("none", "malformed", "unknown key", "an expired run token", "a forged run token",
+                "a forged public token"):
         return 401
+    if cred == "another environment's public token":  # valid, with every scope, of its own environment
+        if is_worker:
+            return 401  # not a worker token at all
+        if not route.public:
+            return 403
+        return 404 if route.targets else None
     if cred == "an ended attempt's run token":  # genuine: of the wrong kind, or no longer live
         return 403 if is_worker or route.run_token == "none" else 401
     run_token = cred in ("a run token of another run", "the run's own token")
