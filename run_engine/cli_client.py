@@ -102,9 +102,9 @@ def trigger(
     except json.JSONDecodeError as exc:
         err_console.print(f"[red]--payload is not JSON: {exc}[/red]")
         raise typer.Exit(2) from None
-    options = {k: v for k, v in {"delay": delay, "ttl": ttl, "tags": tag or None, "idempotencyKey": idempotency_key,
-                                 "queue": queue, "concurrencyKey": concurrency_key,
-                                 "maxAttempts": max_attempts}.items() if v is not None}
+    given: dict[str, Any] = {"delay": delay, "ttl": ttl, "tags": tag or None, "idempotencyKey": idempotency_key,
+                             "queue": queue, "concurrencyKey": concurrency_key, "maxAttempts": max_attempts}
+    options = {k: v for k, v in given.items() if v is not None}
     if debounce_key is not None:
         options["debounce"] = {"key": debounce_key, "delay": debounce_delay, "mode": debounce_mode,
                                **({"maxDelay": debounce_max_delay} if debounce_max_delay else {})}
