@@ -13,6 +13,7 @@ import typer
 
 from run_engine import cli_help, logs
 from run_engine.cli_client import register as register_client_commands
+from run_engine.cli_client import register_worker_groups
 from run_engine.db.migrations import migrate_sync
 from run_engine.services import services
 
@@ -27,6 +28,7 @@ app.add_typer(worker_groups, name="worker-groups")
 keys = typer.Typer(help="Rotate API keys and worker group tokens.", no_args_is_help=True)
 app.add_typer(keys, name="keys")
 register_client_commands(app)
+register_worker_groups(worker_groups)
 
 DataDir = Annotated[Path | None, typer.Option(help="Where embedded servers keep their data (default .run-engine/).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
@@ -271,6 +273,49 @@ def worker_groups_create(
         typer.echo(json.dumps({"id": group_id, "name": name, "token": token}))
     else:
         typer.echo(token)
+
+
+@worker_groups.command("set-default")
+def worker_groups_set_default(
+    name: str,
+    org: Annotated[str, typer.Option(help="Organization slug of the project.")] = "dev",
+    project: Annotated[str, typer.Option(help="Project slug.")] = "dev",
+    env: Annotated[str | None, typer.Option("--env", help="Only this environment (slug; default: all of them).")]
+    = None,
+    data_dir: DataDir = None,
+    as_json: AsJson = False,
+) -> None:
+    """Make a worker group of the project the default of its environments (new runs go to it)."""
+    with services(data_dir) as svc:
+        migrate_sync(svc.database_url)
+        moved = asyncio.run(_set_default_group(svc.database_url, name, org, project, env))
+    if as_json:
+        typer.echo(json.dumps({"name": name, "environments": moved}))
+    else:
+        typer.echo(f"{name} is now the default worker group of {moved} environment(s) of {org}/{project}")
+
+
+async def _set_default_group(database_url: str, name: str, org: str, project: str, env: str | None) -> int:
+    from run_engine.db.repository import Repository
+
+    repo = await Repository.open(database_url, min_size=1, max_size=2)
+    try:
+        row = await repo.tenancy.project_by_slug(org, project)
+        if row is None:
+            raise typer.BadParameter(f"no project {org}/{project}; run `run-engine bootstrap` first")
+        env_id = None
+        if env is not None:
+            found = await repo.tenancy.environment_by_slugs(org, project, env)
+            if found is None:
+                raise typer.BadParameter(f"no environment {env} in {org}/{project}")
+            env_id = found.id
+        moved = await repo.tenancy.set_default_worker_group(row.id, name, env_id)
+        if moved is None:
+            raise typer.BadParameter(f"no worker group {name!r} in {org}/{project}; create it with "
+                                     "`run-engine worker-groups create`")
+        return moved
+    finally:
+        await repo.close()
 
 
 @app.command("supervisor")

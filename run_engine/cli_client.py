@@ -335,9 +335,25 @@ def tokens_get(token_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key
     _emit(token, as_json, table=table)
 
 
+def worker_groups_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
+                       as_json: AsJson = False) -> None:
+    """List the worker groups this environment's runs may be sent to, with their instances."""
+    data = _call(api_url, api_key, "GET", "/api/v1/worker-groups")
+    table = Table("name", "default", "instances", "last heartbeat")
+    for g in data["data"]:
+        last = max((i["lastHeartbeatAt"] or "" for i in g["instances"]), default="") or "-"
+        table.add_row(g["name"] + (" (shared)" if g["shared"] else ""), "yes" if g["isDefault"] else "",
+                      str(len(g["instances"])), last)
+    _emit(data, as_json, table=table)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(trigger)
     app.add_typer(runs_app, name="runs")
     app.add_typer(queues_app, name="queues")
     app.add_typer(dlq_app, name="dlq")
     app.add_typer(tokens_app, name="tokens")
+
+
+def register_worker_groups(group: typer.Typer) -> None:
+    group.command("list")(worker_groups_list)

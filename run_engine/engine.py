@@ -19,7 +19,7 @@ from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQu
 from run_engine.db.repository import Repository
 from run_engine.db.runs import BatchView, RunRow, Snapshot
 from run_engine.db.schedules import Schedule
-from run_engine.db.tenancy import Environment, WorkerGroup, WorkerView
+from run_engine.db.tenancy import Environment, GroupListing, WorkerGroup, WorkerView
 from run_engine.db.waitpoints import JournalEntry, Waitpoint
 from run_engine.errors import NotFoundError
 from run_engine.events import EventBus, RunEvent
@@ -45,7 +45,8 @@ from systems.waitpoints import BlockOutcome, WaitpointsSystem
 __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt",
            "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
-           "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter"]
+           "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
+           "GroupListing"]
 
 
 class RunEngine:
@@ -279,6 +280,10 @@ class RunEngine:
         """Record (or refresh) a worker instance by name; returns its id."""
         return await self.resources.repo.tenancy.upsert_worker_instance(new_id("wi"), worker_group_id, name,
                                                                         concurrency)
+
+    async def worker_groups(self, env_id: str) -> list[GroupListing]:
+        """The worker groups runs of the environment may be sent to (``workerGroup``), with instances."""
+        return await self.resources.repo.tenancy.routable_worker_groups(env_id)
 
     async def workers(self, env_id: str) -> list[WorkerView]:
         """The worker groups serving an environment, their instances and current deployment."""

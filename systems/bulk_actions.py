@@ -66,7 +66,8 @@ def replay_request(run: RunRow, idempotency_key: str | None = None) -> TriggerRe
         env_id=run.env_id, task_id=run.task_id, payload=run.payload, payload_type=run.payload_type,
         queue=run.queue, concurrency_key=run.concurrency_key, priority_s=run.priority_ms / 1000,
         tags=tuple(run.tags), metadata=run.metadata, max_attempts=run.max_attempts, retry=run.retry,
-        max_duration_s=run.max_duration_s, machine=run.machine, idempotency_key=idempotency_key)
+        max_duration_s=run.max_duration_s, machine=run.machine, idempotency_key=idempotency_key,
+        worker_group_id=run.worker_group_id)
 
 
 class BulkActionsSystem:

@@ -67,6 +67,10 @@ class TriggerRequest:
     idempotency_key: str | None = None
     idempotency_key_ttl_s: float | None = None
     debounce: Debounce | None = None  # RunEngine.trigger* only (systems/debounce.py), not trigger-and-wait
+    # where the run goes: a worker group of the environment's project by name, or by id (a replay's
+    # own); neither: the environment's default group
+    worker_group: str | None = None
+    worker_group_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,7 @@ class _EnvInfo:
     worker_group_id: str
     concurrency_limit: int
     max_queue_length: int | None = None
+    project_id: str = ""
     fetched_at: float = field(default_factory=time.monotonic)
 
 
@@ -111,6 +116,7 @@ class EnqueueSystem:
         self._envs: dict[str, _EnvInfo] = {}
         self._tasks: dict[tuple[str, str, str], _TaskInfo] = {}
         self._queues: dict[tuple[str, str], None] = {}
+        self._groups: dict[tuple[str, str, str], tuple[str | None, float]] = {}
         self._last_micros = 0
 
     def invalidate(self) -> None:
@@ -124,12 +130,30 @@ class EnqueueSystem:
             if row is None:
                 raise NotFoundError("environment", env_id)
             fresh = _EnvInfo(row.default_worker_group_id, row.concurrency_limit,
-                             row.max_queue_length or self.r.settings.max_queue_length)
+                             row.max_queue_length or self.r.settings.max_queue_length, row.project_id)
             if info is None or info.concurrency_limit != fresh.concurrency_limit:
                 await self.r.queue.set_env_limit(env_id, fresh.concurrency_limit)
             info = fresh
             _remember(self._envs, env_id, info, self.CACHE_SIZE)
         return info
+
+    async def worker_group(self, env: _EnvInfo, req: TriggerRequest) -> str:
+        """The worker group a run goes to: the one it names (of the environment's project, or the
+        environment's default group, by name), else the environment's default."""
+        if req.worker_group_id is not None:
+            return req.worker_group_id
+        if req.worker_group is None:
+            return env.worker_group_id
+        key = (env.project_id, env.worker_group_id, req.worker_group)
+        cached = self._groups.get(key)
+        if cached is None or time.monotonic() - cached[1] > self.CACHE_TTL_S:
+            found = await self.r.repo.tenancy.routable_worker_group(env.project_id, env.worker_group_id,
+                                                                    req.worker_group)
+            cached = (found, time.monotonic())
+            _remember(self._groups, key, cached, self.CACHE_SIZE)
+        if cached[0] is None:
+            raise ValidationError("worker_group", f"no worker group named {req.worker_group!r} in this project")
+        return cached[0]
 
     async def current_task(self, env_id: str, worker_group_id: str, task_id: str) -> _TaskInfo:
         """The task as the current deployment of (env, group) has it (``deployment_id`` None: none
@@ -245,7 +269,8 @@ class EnqueueSystem:
         self._validate(req)
         jobs: list[engine_jobs.JobSpec] = []
         env = await self.environment(req.env_id)
-        task = await self.current_task(req.env_id, env.worker_group_id, req.task_id)
+        group_id = await self.worker_group(env, req)
+        task = await self.current_task(req.env_id, group_id, req.task_id)
         queue = req.queue or task.queue or f"task/{req.task_id}"
         await self._ensure_queue(req.env_id, queue, req.queue_concurrency_limit)
         runnable = task.deployment_id is not None
@@ -270,7 +295,7 @@ class EnqueueSystem:
             id=run_id,
             snapshot_id=new_id("snapshot"),
             env_id=req.env_id,
-            worker_group_id=env.worker_group_id,
+            worker_group_id=group_id,
             task_id=req.task_id,
             payload=req.payload,
             payload_type=req.payload_type,
@@ -304,7 +329,7 @@ class EnqueueSystem:
         )
         item = None
         if status == RunStatus.QUEUED:
-            item = self.queue_item(run.id, req.env_id, queue, env.worker_group_id, created.timestamp() * 1000,
+            item = self.queue_item(run.id, req.env_id, queue, group_id, created.timestamp() * 1000,
                                    priority_ms, req.concurrency_key, req.task_id)
         return run, item, jobs, TriggeredRun(run.id, status, run.snapshot_id, queue)
 

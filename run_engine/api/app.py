@@ -10,7 +10,19 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from run_engine import dashboard
-from run_engine.api import auth, batches, bulk, metrics, public, realtime_shapes, schedules, stream, tokens, worker
+from run_engine.api import (
+    auth,
+    batches,
+    bulk,
+    metrics,
+    public,
+    realtime_shapes,
+    schedules,
+    stream,
+    tokens,
+    worker,
+    worker_groups,
+)
 from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError, handle_exception, json_response
 from run_engine.api.inputs import RejectUnstorable
@@ -63,7 +75,7 @@ def routes() -> list[BaseRoute]:
     # bulk before public: POST /api/v1/runs/bulk/replay would otherwise be a replay of run "bulk"
     return [Route("/", index), Route("/healthz", healthz), Route("/openapi.json", openapi), *bulk.ROUTES,
             *public.ROUTES, *batches.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES,
-            *realtime_shapes.ROUTES, *auth.ROUTES, *worker.ROUTES, *metrics.ROUTES]
+            *realtime_shapes.ROUTES, *auth.ROUTES, *worker_groups.ROUTES, *worker.ROUTES, *metrics.ROUTES]
 
 
 def create_app(ctx: ApiContext) -> Starlette:

@@ -41,7 +41,8 @@ WIRE_FIELDS = {"task_id": "taskId", "queue": "options.queue", "priority_s": "opt
                "max_attempts": "options.maxAttempts", "tags": "options.tags",
                "idempotency_key": "options.idempotencyKey", "debounce": "options.debounce",
                "debounce.key": "options.debounce.key", "debounce.delay": "options.debounce.delay",
-               "debounce.mode": "options.debounce.mode", "debounce.maxDelay": "options.debounce.maxDelay"}
+               "debounce.mode": "options.debounce.mode", "debounce.maxDelay": "options.debounce.maxDelay",
+               "worker_group": "options.workerGroup"}
 MAX_REQUEST_BYTES = 10 * 1024 * 1024
 
 

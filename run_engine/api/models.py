@@ -180,6 +180,7 @@ class TriggerOptions(_Body):
     payloadType: str | None = Field(default=None, max_length=128)
     retry: RetryOption | None = None
     debounce: DebounceOption | None = None
+    workerGroup: str | None = Field(default=None, min_length=1, max_length=128)
 
     @field_validator("tags")
     @classmethod

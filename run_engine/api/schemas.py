@@ -376,3 +376,21 @@ class PublicToken(_Out):
 class BatchV2Triggered(_Out):
     id: str
     runCount: int
+
+
+class WorkerInstanceOut(_Out):
+    name: str
+    concurrency: int | None = None
+    lastHeartbeatAt: str | None = None
+
+
+class WorkerGroupOut(_Out):
+    id: str
+    name: str
+    isDefault: bool
+    shared: bool
+    instances: list[WorkerInstanceOut]
+
+
+class WorkerGroupList(_Out):
+    data: list[WorkerGroupOut]

@@ -61,6 +61,17 @@ class WorkerView:
     instances: list[dict[str, Any]]
 
 
+@dataclass(frozen=True, slots=True)
+class GroupListing:
+    """A worker group runs of an environment may be sent to, with its instances
+    (``{"name", "concurrency", "lastHeartbeatAt"}``, the most recently heard first)."""
+    id: str
+    name: str
+    shared: bool
+    is_default: bool
+    instances: list[dict[str, Any]]
+
+
 _ENVIRONMENT = "SELECT e.*, p.organization_id FROM runtime_environment e JOIN project p ON p.id = e.project_id"
 
 
@@ -205,6 +216,47 @@ class TenancyRepository:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute("SELECT * FROM worker_group WHERE project_id = %s AND name = %s", (project_id, name))
             return from_row_or_none(WorkerGroup, await cur.fetchone())
+
+    async def routable_worker_group(self, project_id: str, default_group_id: str, name: str) -> str | None:
+        """The id of the worker group ``name`` a run of the project may be sent to: a group of the
+        project, or the environment's default group (which may be shared)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT id FROM worker_group WHERE name = %s AND (project_id = %s OR id = %s) "
+                "ORDER BY project_id IS NULL LIMIT 1", (name, project_id, default_group_id))
+            row = await cur.fetchone()
+            return None if row is None else str(row[0])
+
+    async def set_default_worker_group(self, project_id: str, name: str, env_id: str | None = None) -> int | None:
+        """Make the project's group ``name`` the default of its environments (or of ``env_id``
+        only): how many environments it is now the default of; None when there is no such group."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """WITH g AS (SELECT id FROM worker_group WHERE project_id = %(p)s AND name = %(n)s),
+                        moved AS (UPDATE runtime_environment e SET default_worker_group_id = g.id FROM g
+                                  WHERE e.project_id = %(p)s AND (%(e)s::text IS NULL OR e.id = %(e)s) RETURNING 1)
+                   SELECT (SELECT count(*) FROM g), (SELECT count(*) FROM moved)""",
+                {"p": project_id, "n": name, "e": env_id})
+            row = await cur.fetchone()
+            assert row is not None
+            return None if not row[0] else int(row[1])
+
+    async def routable_worker_groups(self, env_id: str, instances: int = 50) -> list[GroupListing]:
+        """The groups a run of the environment may be sent to (those of its project and its
+        default group), each with its most recently heard instances."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT g.id, g.name, g.project_id IS NULL AS shared, g.id = e.default_worker_group_id AS is_default,
+                          coalesce((SELECT jsonb_agg(jsonb_build_object('name', i.name, 'concurrency', i.concurrency,
+                                                                         'lastHeartbeatAt', i.last_heartbeat_at)
+                                                     ORDER BY i.last_heartbeat_at DESC)
+                                    FROM (SELECT * FROM worker_instance WHERE worker_group_id = g.id
+                                          ORDER BY last_heartbeat_at DESC LIMIT %(limit)s) i), '[]') AS instances
+                   FROM runtime_environment e
+                   JOIN worker_group g ON g.project_id = e.project_id OR g.id = e.default_worker_group_id
+                   WHERE e.id = %(env)s ORDER BY g.name""", {"env": env_id, "limit": instances})
+            return [GroupListing(**r) for r in await cur.fetchall()]
 
     async def environments_of_worker_group(self, worker_group_id: str) -> list[Environment]:
         """Environments a group serves: those whose default group it is, or every environment of

@@ -13,7 +13,18 @@ from typing import Any
 import httpx
 import pytest
 
-from run_engine.api import auth, batches, bulk, public, realtime_shapes, schedules, stream, tokens, worker
+from run_engine.api import (
+    auth,
+    batches,
+    bulk,
+    public,
+    realtime_shapes,
+    schedules,
+    stream,
+    tokens,
+    worker,
+    worker_groups,
+)
 from run_engine.api.public_tokens import AUDIENCE, ISSUER, sign
 from run_engine.run_tokens import RunTokens
 
@@ -85,6 +96,7 @@ ROUTES = [
     Route("GET", "/realtime/v1/batches/{batch_id}", public=True, query="?offset=-1"),
     Route("POST", "/api/v1/auth/jwt/claims", targets=False),
     Route("POST", "/api/v1/auth/public-tokens", {"scopes": ["admin"]}, targets=False),
+    Route("GET", "/api/v1/worker-groups", targets=False),
     Route("POST", f"{W}/connect", {"workerInstanceName": "x", "deployment": {"tasks": [{"id": "echo"}]}},
           targets=False),
     Route("POST", f"{W}/heartbeat", {"workerInstanceName": "x"}, targets=False),
@@ -108,7 +120,7 @@ ROUTES = [
 
 
 def test_every_route_is_in_the_matrix() -> None:
-    modules = (public, batches, bulk, tokens, schedules, stream, realtime_shapes, auth, worker)
+    modules = (public, batches, bulk, tokens, schedules, stream, realtime_shapes, auth, worker_groups, worker)
     registered = {(m, r.path) for mod in modules for r in mod.ROUTES for m in r.methods - {"HEAD"}}
     assert registered == {(r.method, r.path) for r in ROUTES}
 
