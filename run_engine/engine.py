@@ -65,6 +65,7 @@ class RunEngine:
             poll_interval_s=resources.settings.job_poll_interval_s,
         )
         self._run_jobs = run_jobs
+        self._lock_nodes: list[aioredis.Redis] = []  # the run locks' own Redis nodes (RUN_ENGINE_LOCK_REDIS_URLS)
         s = resources.settings
         self.leader = LeaderLease(resources.repo, ttl_s=s.lease_ttl_s, renew_s=s.lease_renew_s)
         self.leader.add_duty("reconcile", s.reconcile_interval_s, self.systems.reconciler.reconcile)
@@ -91,11 +92,15 @@ class RunEngine:
             raise
         queue = RunQueue(redis, prefix=f"{settings.key_prefix}:q", shards=settings.queue_shards,
                          max_deliveries=settings.max_deliveries, default_env_limit=settings.env_concurrency)
-        locker = RunLocker([redis], prefix=f"{settings.key_prefix}:lock")
+        # RedLock over independent nodes when configured (a lock needs a majority); else REDIS_URL
+        lock_nodes = [aioredis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
+                      for url in settings.lock_redis_urls]
+        locker = RunLocker(lock_nodes or [redis], prefix=f"{settings.key_prefix}:lock")
         jobs = JobQueue(redis, prefix=f"{settings.key_prefix}:jobs", clock=clock)
         resources = SystemResources(repo=repo, queue=queue, locker=locker, jobs=jobs, events=EventBus(),
                                     clock=clock, settings=settings)
         engine = cls(resources, redis, run_jobs=run_jobs)
+        engine._lock_nodes = lock_nodes
         try:
             await queue.load_scripts()
             await engine.start()
@@ -117,7 +122,7 @@ class RunEngine:
         ones before it raised (a stop cut short must not leave the pools open)."""
         errors: list[BaseException] = []
         for step in (self.systems.schedules.stop, self.leader.stop, self.jobs.stop, self.resources.locker.stop,
-                     self.resources.repo.close, self.redis.aclose):
+                     self.resources.repo.close, self.redis.aclose, *(n.aclose for n in self._lock_nodes)):
             try:
                 await step()
             except BaseException as exc:  # noqa: PERF203 (a handful of steps)

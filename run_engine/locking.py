@@ -33,6 +33,7 @@ from run_engine.timings import TIMINGS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+UNREACHABLE_LOG_S = 60.0
 
 # (owner task, resources): re-entrancy is for nested calls in the same asyncio task only; a task
 # started inside a lock copies the context but is not the owner, so it must acquire for itself.
@@ -85,6 +86,7 @@ class RunLocker:
         self._acquirer: Batcher[LockHandle, bool] = Batcher(self._acquire_batch, max_batch=500, split=False)
         self._releaser: Batcher[LockHandle, None] = Batcher(self._release_batch, max_batch=500)
         self._active: set[LockHandle] = set()
+        self._warned: dict[int, float] = {}  # node index → when its being unreachable was last logged
         self._extender: asyncio.Task[None] | None = None
 
     # --- public -------------------------------------------------------------------------------
@@ -161,9 +163,9 @@ class RunLocker:
         elapsed = time.monotonic() - started
         validity = s.duration_s - elapsed - s.duration_s * s.drift_factor - 0.002
         granted = [0] * len(handles)
-        for reply in replies:
+        for node, reply in enumerate(replies):
             if isinstance(reply, BaseException):
-                log.warning("lock node unreachable: %s", reply)
+                self._unreachable(node, reply)
                 continue
             for i, ok in enumerate(reply):
                 granted[i] += int(ok)
@@ -179,6 +181,14 @@ class RunLocker:
         if undo:
             await self._release_batch(undo)
         return results
+
+    def _unreachable(self, node: int, error: BaseException) -> None:
+        """Log a node that did not answer, once a minute per node (every lock call would otherwise)."""
+        now = time.monotonic()
+        if now - self._warned.get(node, -UNREACHABLE_LOG_S) >= UNREACHABLE_LOG_S:
+            self._warned[node] = now
+            log.warning("lock node %d of %d unreachable (locks go on while a majority answers): %s",
+                        node + 1, len(self.nodes), error)
 
     async def _release(self, handle: LockHandle) -> None:
         if handle.released:

@@ -83,6 +83,9 @@ class RetryPolicy:
 class EngineSettings:
     database_url: str = ""
     redis_url: str = ""
+    # independent Redis nodes for the run locks (RedLock: a lock needs a majority of them); empty:
+    # the locks live on REDIS_URL
+    lock_redis_urls: tuple[str, ...] = ()
     key_prefix: str = "re"
     queue_shards: int = 1  # raise it on Redis Cluster: each shard is one hash slot
     max_deliveries: int = 12
@@ -176,9 +179,26 @@ class EngineSettings:
                 values[attr] = int(raw) if kind.startswith("int") else float(raw) if kind.startswith("float") else raw
             except ValueError as exc:
                 raise ConfigurationError(f"{var}={raw!r} is not a number") from exc
+        if raw_locks := env.get("RUN_ENGINE_LOCK_REDIS_URLS", "").strip():
+            values["lock_redis_urls"] = lock_nodes(raw_locks)
         values.update(overrides)
         token = values.get("metrics_token")
         if token is not None and len(token) < MIN_METRICS_TOKEN:
             raise ConfigurationError(f"RUN_ENGINE_METRICS_TOKEN must be at least {MIN_METRICS_TOKEN} characters "
                                      "(it guards every environment's numbers): use a long random value")
         return cls(**values)
+
+
+def lock_nodes(raw: str) -> tuple[str, ...]:
+    """``RUN_ENGINE_LOCK_REDIS_URLS``: comma-separated ``redis://`` URLs of independent nodes, an odd
+    number (a majority of an even number tolerates no more failures than one node fewer)."""
+    urls = tuple(u.strip() for u in raw.split(",") if u.strip())
+    for url in urls:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigurationError(f"RUN_ENGINE_LOCK_REDIS_URLS: {url!r} is not a redis:// URL")
+    if len(set(urls)) != len(urls):
+        raise ConfigurationError("RUN_ENGINE_LOCK_REDIS_URLS: a node is listed twice")
+    if len(urls) % 2 == 0:
+        raise ConfigurationError(f"RUN_ENGINE_LOCK_REDIS_URLS: {len(urls)} nodes; use an odd number (3 or 5): a "
+                                 "lock needs a majority, and an even count survives no more failures than one less")
+    return urls
