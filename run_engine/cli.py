@@ -122,6 +122,10 @@ def server(
     redis_url: RedisUrl = None,
     data_dir: DataDir = None,
     json_logs: JsonLogs = False,
+    workers: Annotated[int, typer.Option(envvar="RUN_ENGINE_WORKERS", min=1, max=64,
+                                         help="Server processes sharing the port (one per core is a good start).")]
+    = 1,
+    fd: Annotated[int | None, typer.Option(hidden=True, help="Accept on this inherited socket (--workers).")] = None,
 ) -> None:
     """Run the API server (public + worker API) with the engine and its background jobs."""
     from run_engine.server import Shutdown, serve
@@ -131,8 +135,28 @@ def server(
     shutdown = Shutdown().install()  # SIGINT/SIGTERM from here on: a graceful stop and exit 0, whenever they come
     with services(data_dir, _urls(database_url, redis_url)) as svc:
         key = _secret(secret, svc.data_dir)
-        migrate_sync(svc.database_url)
-        _run(serve(_settings(svc.database_url, svc.redis_url), host=host, port=port, secret=key, shutdown=shutdown))
+        settings = _settings(svc.database_url, svc.redis_url)
+        if fd is None:  # a child of --workers: its parent migrated
+            migrate_sync(svc.database_url)
+        if workers > 1:
+            _serve_workers(workers, host, port, svc.database_url, svc.redis_url, key, json_logs, shutdown)
+            return
+        _run(serve(settings, host=host, port=port, secret=key, shutdown=shutdown, fd=fd))
+
+
+def _serve_workers(count: int, host: str, port: int, database_url: str, redis_url: str, secret: str,
+                   json_logs: bool, shutdown: Any) -> None:
+    from run_engine.server_workers import Workers, bind, child_env
+
+    try:
+        sock = bind(host, port)
+    except OSError as exc:
+        typer.echo(f"error: cannot listen on {host}:{port}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    argv = ["server", "--host", host, "--port", str(port), *(["--json"] if json_logs else [])]
+    typer.echo(f"run-engine server: {count} processes on http://{host}:{port}", err=True)
+    raise typer.Exit(Workers(count, sock, argv, child_env(database_url, redis_url, secret))
+                     .run(lambda: bool(shutdown.requested)))
 
 
 async def _bootstrap(database_url: str, redis_url: str, org: str, project: str, env: str, secret: str,  # type: ignore[no-untyped-def]

@@ -148,9 +148,11 @@ class Shutdown:
 
 
 async def serve(settings: EngineSettings, *, host: str, port: int, secret: str, public_url: str | None = None,
-                shutdown: Shutdown | None = None, on_started: Callable[[], None] | None = None) -> None:
+                shutdown: Shutdown | None = None, on_started: Callable[[], None] | None = None,
+                fd: int | None = None) -> None:
     """The API until ``shutdown`` is requested (or the task is cancelled); ``on_started`` is
-    called once the port is listening."""
+    called once the port is listening. ``fd``: accept on this inherited listening socket (one of
+    ``server --workers N``) instead of binding ``host:port``."""
     url = public_url or f"http://{host}:{port}"
     shutdown = shutdown or Shutdown()
     shutdown.starting()
@@ -165,7 +167,8 @@ async def serve(settings: EngineSettings, *, host: str, port: int, secret: str, 
                                     http=_http_protocol())
             server = _Server(config, on_shutdown=ctx.wakeups.stop_waiting)
             shutdown.serving(server)
-            serving = asyncio.ensure_future(server.serve())
+            sockets = [socket.socket(fileno=fd)] if fd is not None else None
+            serving = asyncio.ensure_future(server.serve(sockets=sockets))
             try:
                 await asyncio.shield(_announce(server, serving, url, on_started))
                 await asyncio.shield(serving)
