@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import Coroutine
 from pathlib import Path
@@ -154,7 +155,7 @@ def _serve_workers(count: int, host: str, port: int, database_url: str, redis_ur
         typer.echo(f"error: cannot listen on {host}:{port}: {exc}", err=True)
         raise typer.Exit(2) from None
     argv = ["server", "--host", host, "--port", str(port), *(["--json"] if json_logs else [])]
-    typer.echo(f"run-engine server: {count} processes on http://{host}:{port}", err=True)
+    logging.getLogger("run_engine.server").info("run-engine server: %d processes on http://%s:%d", count, host, port)
     raise typer.Exit(Workers(count, sock, argv, child_env(database_url, redis_url, secret))
                      .run(lambda: bool(shutdown.requested)))
 

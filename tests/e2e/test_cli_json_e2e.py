@@ -81,7 +81,8 @@ def test_each_command_prints_json(stack: Stack, tmp_path: Path) -> None:
         (("runs", "replay"), (run_id,)), (("runs", "cancel"), (run_id,)), (("queues", "list"), ()),
         (("queues", "pause"), ("task/echo",)), (("queues", "resume"), ("task/echo",)), (("dlq", "list"), ()),
         (("dlq", "redrive"), ("--all",)), (("tokens", "get"), (token,)), (("tokens", "complete"), (token,)),
-        (("tokens", "create"), ()),
+        (("tokens", "create"), ()), (("worker-groups", "list"), ()),
+        (("worker-groups", "set-default"), ("json-group", "--org", "e2e", "--project", "cli-json")),
         # last: the API key the commands above used stops working
         (("keys", "rotate"), ("--org", "e2e", "--project", "cli-json", "--env", "dev")),
     ):
