@@ -91,10 +91,12 @@ def redis_stats(client: redis.Redis) -> dict[str, int]:
 def pg_stats(database_url: str) -> dict[str, int]:
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute("SELECT pg_stat_force_next_flush()")
-        row = conn.execute("""SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted
+        row = conn.execute("""SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted,
+                                     pg_current_wal_lsn() - '0/0'::pg_lsn
                               FROM pg_stat_database WHERE datname = current_database()""").fetchone()
     assert row is not None
-    return dict(zip(("commits", "rollbacks", "inserted", "updated", "deleted"), map(int, row), strict=True))
+    names = ("commits", "rollbacks", "inserted", "updated", "deleted", "WAL bytes")
+    return dict(zip(names, map(int, row), strict=True))
 
 
 def start(database_url: str, redis_url: str, prefix: str, level: str, port: int, concurrency: int,
@@ -199,8 +201,12 @@ def main() -> None:
     counted = run_pass(args, "DEBUG")
     print(f"runs: {args.runs}, {measured['runs/s']:.0f} runs/s (measuring pass)")
     print("PostgreSQL per run: " + ", ".join(f"{k} {v:.2f}" for k, v in measured["pg"].items()))
-    print("Redis calls per run (scripts' own commands included): "
-          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(measured["redis"].items(), key=lambda kv: -kv[1])[:12]))
+    calls = measured["redis"]
+    top = {k: calls.get(k, 0.0) for k in ("evalsha", "publish")}
+    print("Redis round trips per run: " + ", ".join(f"{k} {v:.2f}" for k, v in top.items())
+          + f"; commands run inside the scripts: {sum(v for k, v in calls.items() if k not in top):.1f} "
+          "(" + ", ".join(f"{k} {v:.1f}" for k, v in sorted(calls.items(), key=lambda kv: -kv[1])[:6]
+                          if k not in top) + ")")
     print("CPU ms per run: " + ", ".join(f"{k} {v:.2f}" for k, v in measured["cpu_ms"].items())
           + f" (total {sum(measured['cpu_ms'].values()):.2f})")
     print("HTTP requests per run: " + ", ".join(f"{k} {v:.2f}" for k, v in counted["http"].items()))
