@@ -139,6 +139,10 @@ def server(
         settings = _settings(svc.database_url, svc.redis_url)
         if fd is None:  # a child of --workers: its parent migrated
             migrate_sync(svc.database_url)
+        else:
+            from run_engine.server_workers import die_with_parent
+
+            die_with_parent()
         if workers > 1:
             _serve_workers(workers, host, port, svc.database_url, svc.redis_url, key, json_logs, shutdown)
             return

@@ -114,6 +114,20 @@ class Workers:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
 
 
+def die_with_parent() -> None:
+    """In a child: be sent SIGTERM when the parent dies, however it dies (a parent killed with
+    SIGKILL must not leave children holding the port). Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before the call: nobody will send it
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def child_env(database_url: str, redis_url: str, secret: str) -> dict[str, str]:
     """The children's environment: the URLs the parent resolved (embedded servers included) and
     the installation secret, so that they neither start servers nor look for the secret again."""

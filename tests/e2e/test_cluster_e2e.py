@@ -141,3 +141,38 @@ def test_runs_through_any_server_reach_their_group_once(cluster: tuple[Stack, li
     finally:
         for c in clients:
             c.close()
+
+
+def test_server_workers_end_with_their_parent(stack: Stack) -> None:
+    """A parent killed outright (SIGKILL, the OOM killer) takes its server processes with it: none
+    is left holding the port, so a restart can listen on it again."""
+    port = free_port()
+    argv = [sys.executable, "-m", "run_engine.cli", "server", "--workers", "2", "--port", str(port)]
+    with open(stack.logs / "server-workers-orphans.log", "wb") as log:
+        parent = subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    _until(lambda: len(_children(parent.pid)) == 2, "two server processes")
+    children = _children(parent.pid)
+    parent.kill()
+    parent.wait(30)
+    _until(lambda: not any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in children),
+           "the server processes ended with their parent")
+    with open(stack.logs / "server-workers-orphans.log", "ab") as log:
+        again = subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def answers() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _until(answers, "a new server on the same port")
+    finally:
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(60) == 0
+
+
+def _state(pid: int) -> str:
+    try:
+        return "zombie" if (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z") else "alive"
+    except OSError:
+        return "gone"
