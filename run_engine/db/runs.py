@@ -493,7 +493,7 @@ class RunRepository:
                 where.append(f"{column} = ANY(%({name})s)")
                 params[name] = list(values)
         if tags:
-            where.append("tags && %(tags)s")
+            where.append("tags && %(tags)s AND tags <> '{}'")  # the second: the partial GIN index task_run_tags
             params["tags"] = list(tags)
         if after is not None:
             where.append("(created_at, id) < (%(after_ts)s, %(after_id)s)")
