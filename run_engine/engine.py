@@ -219,11 +219,13 @@ class RunEngine:
     async def list_runs(self, env_id: str, *, statuses: Sequence[str] = (), tasks: Sequence[str] = (),
                         tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
                         limit: int = 25, after: tuple[datetime, str] | None = None,
-                        created_from: datetime | None = None, created_to: datetime | None = None) -> list[RunRow]:
+                        created_from: datetime | None = None, created_to: datetime | None = None,
+                        updated_after: datetime | None = None) -> list[RunRow]:
         """Newest first; ``after`` is the (created_at, id) of the last run of the previous page."""
         return await self.resources.repo.runs.list_runs(env_id, statuses=statuses, tasks=tasks, tags=tags,
                                                         queues=queues, batches=batches, limit=limit, after=after,
-                                                        created_from=created_from, created_to=created_to)
+                                                        created_from=created_from, created_to=created_to,
+                                                        updated_after=updated_after)
 
     async def list_batches(self, env_id: str, limit: int = 50) -> list[BatchView]:
         return await self.resources.repo.runs.list_batches(env_id, limit)

@@ -60,9 +60,10 @@ async def runs_with_tags(request: Request) -> Response:
             raise ApiError(400, "invalid_input", f"createdAt: {exc}") from None
     env_id = auth.env_id
 
-    async def load() -> list[RunRow]:
+    async def load(changed_after: datetime | None) -> list[RunRow]:
         since = datetime.fromtimestamp(ctx.engine.now(), UTC) - window
-        return await ctx.engine.list_runs(env_id, tags=tags, tasks=tasks, created_from=since, limit=MAX_TAG_RUNS)
+        return await ctx.engine.list_runs(env_id, tags=tags, tasks=tasks, created_from=since, limit=MAX_TAG_RUNS,
+                                          updated_after=changed_after)
 
     return await shape(ctx, auth, request, f"tags:{','.join(tags)}", load, env_key(env_id),
                        min_interval_s=MIN_INTERVAL_S)
@@ -80,10 +81,11 @@ async def batch_runs(request: Request) -> Response:
         raise forbidden()
     env_id = auth.env_id
 
-    async def load() -> list[RunRow]:
-        return await ctx.engine.list_runs(env_id, batches=[batch_id], limit=MAX_BATCH_RUNS)
+    async def load(changed_after: datetime | None) -> list[RunRow]:
+        return await ctx.engine.list_runs(env_id, batches=[batch_id], limit=MAX_BATCH_RUNS,
+                                          updated_after=changed_after)
 
-    if not await load():
+    if not await load(None):
         raise ApiError(404, "not_found", "batch not found")
     return await shape(ctx, auth, request, batch_id, load, env_key(env_id), min_interval_s=MIN_INTERVAL_S)
 

@@ -113,7 +113,8 @@ def _answer(handle: str, runs: list[RunRow], messages: list[dict[str, Any]], *, 
     return Response(orjson.dumps(messages), media_type="application/json", headers=headers)
 
 
-Loader = Callable[[], Awaitable[list[RunRow]]]
+#: the runs of a shape; with a date, only those changed after it (what a live request needs)
+Loader = Callable[[datetime | None], Awaitable[list[RunRow]]]
 
 
 async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, load: Loader, watch_key: str,
@@ -123,11 +124,14 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
     waiting (≤ :data:`LIVE_WAIT_S`) until one does. ``watch_key`` is what RealtimeHub wakes on."""
     offset = request.query_params.get("offset", "-1")
     live = request.query_params.get("live") == "true"
-    runs = await load()
     if offset == "-1" or not live:
+        runs = await load(None)
         inserts = [{"key": _key(r), "value": raw_row(r), "headers": {"operation": "insert"}} for r in runs]
         return _answer(handle, runs, [*inserts, UP_TO_DATE], live=False)
     since, checksum = _since(offset)
+    # a live request reads only the runs changed within GRACE of the offset or after it
+    changed_after = datetime.fromtimestamp((since - GRACE_US) / 1_000_000, UTC)
+    runs = await load(changed_after)
     hub = ctx.realtime
     if hub is None:
         raise ApiError(503, "unavailable", "realtime is not running in this process")
@@ -144,7 +148,7 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
                     await asyncio.wait_for(changed.wait(), min(remaining, 5.0))
                 if min_interval_s:  # a busy environment wakes a multi-run shape often: read at most this often
                     await asyncio.sleep(min_interval_s)
-                runs = await load()
+                runs = await load(changed_after)
     changes = [{"key": _key(r), "value": raw_row(r),
                 "headers": {"operation": "insert" if _micros(r.created_at) > since else "update"}} for r in fresh]
     return _answer(handle, runs, [*changes, UP_TO_DATE], live=True, floor=since)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from datetime import datetime
 
 import orjson
 from starlette.background import BackgroundTask
@@ -47,7 +48,7 @@ async def run_stream(request: Request) -> Response:
     if "offset" in request.query_params:  # Trigger.dev's SDK: the shape protocol (runs.subscribeToRun)
         env_id = auth.env_id
 
-        async def load() -> list[RunRow]:
+        async def load(_changed_after: datetime | None) -> list[RunRow]:
             found = await ctx.engine.get_run(run_id, env_id)
             return [found] if found is not None else []
 

@@ -478,15 +478,19 @@ class RunRepository:
     async def list_runs(self, env_id: str, *, statuses: Sequence[str] = (), tasks: Sequence[str] = (),
                         tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
                         limit: int = 25, after: tuple[datetime, str] | None = None,
-                        created_from: datetime | None = None, created_to: datetime | None = None) -> list[RunRow]:
+                        created_from: datetime | None = None, created_to: datetime | None = None,
+                        updated_after: datetime | None = None) -> list[RunRow]:
         """Newest first; ``after`` is the (created_at, id) of the last run of the previous page;
-        ``created_from`` ≤ created_at < ``created_to``."""
+        ``created_from`` ≤ created_at < ``created_to``; ``updated_after`` < updated_at."""
         where = ["environment_id = %(env)s"]
         params: dict[str, Any] = {"env": env_id, "limit": limit, "from": created_from, "to": created_to}
         if created_from is not None:
             where.append("created_at >= %(from)s")
         if created_to is not None:
             where.append("created_at < %(to)s")
+        if updated_after is not None:
+            where.append("updated_at > %(upd)s")
+            params["upd"] = updated_after
         for column, values, name in (("status", statuses, "st"), ("task_identifier", tasks, "tk"),
                                      ("queue", queues, "qu"), ("batch_id", batches, "ba")):
             if values:
