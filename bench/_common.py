@@ -6,8 +6,10 @@ import contextlib
 import os
 import secrets
 import statistics
+import time
 from collections.abc import Iterator
 
+import httpx
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -61,3 +63,17 @@ def pct(values: list[float], p: float) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def wait_healthy(url: str, timeout_s: float = 60) -> None:
+    """Until the server at ``url`` answers /healthz with 200; SystemExit after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit("server did not start")
+        time.sleep(0.1)

@@ -27,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, pct  # noqa: E402
+from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, pct, wait_healthy  # noqa: E402
 
 
 def free_port() -> int:
@@ -164,16 +164,7 @@ def main() -> None:
             procs.append(subprocess.Popen([*cli, "supervisor", "--token", creds["workerGroupToken"], "--tasks",
                                            "bench.tasks_http", "--api-url", url, "--concurrency",
                                            str(args.concurrency)], env=env, cwd=ROOT))
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit("server did not start")
-                time.sleep(0.1)
+            wait_healthy(url)
             rate = asyncio.run(bench(args, url, creds["apiKey"]))
         finally:
             for p in reversed(procs):

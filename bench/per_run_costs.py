@@ -33,8 +33,9 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database  # noqa: E402
+from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, wait_healthy  # noqa: E402
 from bench.http_e2e import free_port, trigger_all, wait_done  # noqa: E402
+from bench.waits import children_of  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -47,18 +48,11 @@ def cpu_s(pid: int, children: bool = False) -> float:
 
 
 def descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                kids[int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])].append(int(entry.name))
-            except (OSError, IndexError):
-                continue
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
         out.append(p)
-        todo += kids.get(p, [])
+        todo += children_of(p)
     return out
 
 
@@ -113,16 +107,7 @@ def start(database_url: str, redis_url: str, prefix: str, level: str, port: int,
     procs.append(subprocess.Popen([*cli, "supervisor", "--token", creds["workerGroupToken"], "--tasks",
                                    "bench.tasks_http", "--api-url", url, "--concurrency", str(concurrency)],
                                   env={**env, "RUN_ENGINE_LOG_LEVEL": "WARNING"}, cwd=ROOT))
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit("server did not start")
-        time.sleep(0.1)
+    wait_healthy(url)
     return procs, url, creds["apiKey"]
 
 

@@ -28,7 +28,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database  # noqa: E402
+from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, wait_healthy  # noqa: E402
 from bench.http_e2e import RawClient, free_port  # noqa: E402
 
 
@@ -157,16 +157,7 @@ def main() -> None:
                                            "bench.tasks_http", "--api-url", url, "--concurrency",
                                            str(args.concurrency)], env=env, cwd=ROOT)
             procs.append(supervisor)
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit("server did not start")
-                time.sleep(0.1)
+            wait_healthy(url)
             print(f"runs: {args.runs}  supervisor concurrency: {args.concurrency}  "
                   f"suspend after: {args.suspend_after}s  HTTP clients: {args.clients}", flush=True)
             rate = asyncio.run(bench(args, url, creds["apiKey"], database_url, supervisor.pid))

@@ -85,7 +85,7 @@ async def batch_runs(request: Request) -> Response:
         return await ctx.engine.list_runs(env_id, batches=[batch_id], limit=MAX_BATCH_RUNS,
                                           updated_after=changed_after)
 
-    if not await load(None):
+    if not await ctx.engine.list_runs(env_id, batches=[batch_id], limit=1):
         raise ApiError(404, "not_found", "batch not found")
     return await shape(ctx, auth, request, batch_id, load, env_key(env_id), min_interval_s=MIN_INTERVAL_S)
 

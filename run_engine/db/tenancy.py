@@ -72,6 +72,12 @@ class GroupListing:
     instances: list[dict[str, Any]]
 
 
+#: a worker group's (``g``) most recently heard instances (at most %(limit)s) as a JSON array
+_INSTANCES = """coalesce((SELECT jsonb_agg(jsonb_build_object('name', i.name, 'concurrency', i.concurrency,
+                                                       'lastHeartbeatAt', i.last_heartbeat_at)
+                                    ORDER BY i.last_heartbeat_at DESC)
+                  FROM (SELECT * FROM worker_instance WHERE worker_group_id = g.id
+                        ORDER BY last_heartbeat_at DESC LIMIT %(limit)s) i), '[]') AS instances"""
 _ENVIRONMENT = "SELECT e.*, p.organization_id FROM runtime_environment e JOIN project p ON p.id = e.project_id"
 
 
@@ -248,11 +254,7 @@ class TenancyRepository:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
                 """SELECT g.id, g.name, g.project_id IS NULL AS shared, g.id = e.default_worker_group_id AS is_default,
-                          coalesce((SELECT jsonb_agg(jsonb_build_object('name', i.name, 'concurrency', i.concurrency,
-                                                                         'lastHeartbeatAt', i.last_heartbeat_at)
-                                                     ORDER BY i.last_heartbeat_at DESC)
-                                    FROM (SELECT * FROM worker_instance WHERE worker_group_id = g.id
-                                          ORDER BY last_heartbeat_at DESC LIMIT %(limit)s) i), '[]') AS instances
+                          """ + _INSTANCES + """
                    FROM runtime_environment e
                    JOIN worker_group g ON g.project_id = e.project_id OR g.id = e.default_worker_group_id
                    WHERE e.id = %(env)s ORDER BY g.name""", {"env": env_id, "limit": instances})
@@ -351,11 +353,7 @@ class TenancyRepository:
                    SELECT g.id, g.name, g.project_id IS NULL AS shared, d.version, d.created_at AS deployed_at,
                           coalesce((SELECT array_agg(dt.task_identifier ORDER BY dt.task_identifier)
                                     FROM deployment_task dt WHERE dt.deployment_id = d.id), '{}') AS tasks,
-                          coalesce((SELECT jsonb_agg(jsonb_build_object('name', i.name, 'concurrency', i.concurrency,
-                                                                         'lastHeartbeatAt', i.last_heartbeat_at)
-                                                     ORDER BY i.last_heartbeat_at DESC)
-                                    FROM (SELECT * FROM worker_instance WHERE worker_group_id = g.id
-                                          ORDER BY last_heartbeat_at DESC LIMIT %(limit)s) i), '[]') AS instances
+                          """ + _INSTANCES + """
                    FROM groups JOIN worker_group g ON g.id = groups.id
                    LEFT JOIN deployment d ON d.worker_group_id = g.id AND d.environment_id = %(env)s AND d.is_current
                    ORDER BY g.name""",
