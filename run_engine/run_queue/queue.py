@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
 
-from run_engine.lua_scripts import LuaScript
+from run_engine.lua_scripts import Call, LuaScript
 from run_engine.run_queue.keys import QueueKeys, decode_name, encode_name
 from run_engine.run_queue.models import (
     DequeuedMessage,
@@ -221,18 +220,11 @@ class RunQueue:
         if not items:
             return
 
-        async def send() -> None:
-            pipe = self.redis.pipeline(transaction=False)
-            for env_id, run_id in items:
-                keys, base = self._shard_args(env_id)
-                self._move.queue_in(pipe, keys, [base, "remove", encode_name(run_id), 0, ""])
-            await pipe.execute()
-
-        try:
-            await send()
-        except NoScriptError:  # Redis restarted since the scripts were loaded
-            await self._move.load(self.redis)
-            await send()
+        calls: list[Call] = []
+        for env_id, run_id in items:
+            keys, base = self._shard_args(env_id)
+            calls.append((keys, [base, "remove", encode_name(run_id), 0, ""]))
+        await self._move.call_many(self.redis, calls)
 
     async def dead_letter(self, env_id: str, run_id: str, reason: str, now_ms: int) -> None:
         await self._one("dead_letter", env_id, run_id, now_ms, reason)

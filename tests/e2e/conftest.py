@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ..conftest import SESSION_TAG, fresh_database, redis_is_cluster
+
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = {"COMPLETED", "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT"}
 
@@ -130,6 +132,17 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
 @pytest.fixture(scope="session")
 def stack(database_url: str, redis_url: str, key_prefix: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    if redis_is_cluster(redis_url):
+        # the same tests on a Redis Cluster get a database of their own: the two stacks' servers
+        # would otherwise share runs (and leader duties) while each holds its queue in its own Redis
+        with fresh_database(database_url, f"re_cluster_{SESSION_TAG}") as own:
+            yield from _stack(own, redis_url, key_prefix, tmp_path_factory)
+    else:
+        yield from _stack(database_url, redis_url, key_prefix, tmp_path_factory)
+
+
+def _stack(database_url: str, redis_url: str, key_prefix: str,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     port = free_port()
     logs = tmp_path_factory.mktemp("e2e-logs")
     env = {

@@ -21,6 +21,8 @@ import pytest
 
 from .conftest import ROOT, Stack, free_port, start_server, stop
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 def _children(pid: int) -> set[int]:
     found = set()
@@ -81,26 +83,31 @@ def cluster(stack: Stack) -> Iterator[tuple[Stack, list[str]]]:
     """Three servers (the session's and two more), group `main` with two supervisors (each on
     another server), group `gpu` with one."""
     project = stack.project("cluster")
-    extra = [start_server(stack.env, stack.logs / f"server-cluster-{i}.log") for i in (2, 3)]
-    urls = [stack.url, *(url for url, _ in extra)]
-    made = json.loads(project.cli("worker-groups", "create", "gpu", "--org", "e2e", "--project", "cluster",
-                                  "--json").stdout)
-    procs = [dataclasses.replace(project, url=urls[1]).start_supervisor("cluster-main-a", concurrency=3),
-             dataclasses.replace(project, url=urls[2]).start_supervisor("cluster-main-b", concurrency=3),
-             dataclasses.replace(project, url=urls[0], token=made["token"]).start_supervisor("cluster-gpu",
-                                                                                           concurrency=3)]
+    extra: list[tuple[str, subprocess.Popen[bytes]]] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:  # a setup that fails half-way stops what it started
+        extra += [start_server(stack.env, stack.logs / f"server-cluster-{i}.log") for i in (2, 3)]
+        urls = [stack.url, *(url for url, _ in extra)]
+        made = json.loads(project.cli("worker-groups", "create", "gpu", "--org", "e2e", "--project", "cluster",
+                                      "--json").stdout)
+        procs += [dataclasses.replace(project, url=urls[1]).start_supervisor("cluster-main-a", concurrency=3),
+                  dataclasses.replace(project, url=urls[2]).start_supervisor("cluster-main-b", concurrency=3),
+                  dataclasses.replace(project, url=urls[0], token=made["token"]).start_supervisor(
+                      "cluster-gpu", concurrency=3)]
 
-    def connected() -> bool:
-        with project.client() as c:
-            groups = {g["name"]: g for g in c.get("/api/v1/worker-groups").json()["data"]}
-        return len(groups.get("main", {}).get("instances", [])) >= 2 and bool(groups.get("gpu", {}).get("instances"))
+        def connected() -> bool:
+            with project.client() as c:
+                groups = {g["name"]: g for g in c.get("/api/v1/worker-groups").json()["data"]}
+            return (len(groups.get("main", {}).get("instances", [])) >= 2
+                    and bool(groups.get("gpu", {}).get("instances")))
 
-    _until(connected, "every supervisor connected")
-    yield project, urls
-    for proc in procs:
-        stop(proc)
-    for _, proc in extra:
-        stop(proc)
+        _until(connected, "every supervisor connected")
+        yield project, urls
+    finally:
+        for proc in procs:
+            stop(proc)
+        for _, proc in extra:
+            stop(proc)
 
 
 def test_runs_through_any_server_reach_their_group_once(cluster: tuple[Stack, list[str]]) -> None:

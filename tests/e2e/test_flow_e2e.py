@@ -11,6 +11,8 @@ import pytest
 
 from .conftest import Stack
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def flow(stack: Stack) -> Stack:

@@ -13,6 +13,8 @@ import pytest
 
 from .conftest import Stack, stop
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def supervised(stack: Stack) -> Stack:

@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from run_engine.engine import RunFilter, TriggerRequest
 from systems.bulk_actions import PAGE
+
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
 
 async def _runs(h: Any, n: int, tag: str) -> list[str]:

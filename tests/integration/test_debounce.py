@@ -20,6 +20,8 @@ from systems.debounce import DEFAULT_MAX_DELAY_S
 
 from .conftest import Harness
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 def req(h: Harness, key: str, delay_s: float = 10, task: str = "hello", mode: str = "leading",
         max_delay_s: float | None = None, **kw: Any) -> TriggerRequest:

@@ -17,6 +17,8 @@ from run_engine.wakeups import WakeUps
 
 from .conftest import Harness
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 async def dead_letter(h: Harness, task: str, n: int) -> list[str]:
     """``n`` runs of ``task`` dead-lettered (max_deliveries=1: one undelivered dequeue each), in

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
+
 from run_engine.api.serialize import explanation_object
 from run_engine.engine import TriggerRequest
 from run_engine.run_queue import RateLimit
 
 from .conftest import Harness
+
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
 
 def req(h: Harness, task: str = "hello", **kw: object) -> TriggerRequest:

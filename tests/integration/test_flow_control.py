@@ -13,6 +13,8 @@ from run_engine.statuses import RunStatus
 
 from .conftest import Harness
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 def req(h: Harness, task: str = "hello", **kw: object) -> TriggerRequest:
     return TriggerRequest(env_id=h.env.env_id, task_id=task, **kw)  # type: ignore[arg-type]

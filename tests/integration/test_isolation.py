@@ -14,6 +14,8 @@ from run_engine.ids import new_id
 
 from .conftest import Harness
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 async def test_a_row_postgresql_refuses_fails_only_its_own_trigger(h: Harness) -> None:
     good = [TriggerRequest(env_id=h.env.env_id, task_id="hello", payload={"i": i}) for i in range(20)]

@@ -10,6 +10,8 @@ import redis.asyncio as aioredis
 from run_engine.clock import FakeClock
 from run_engine.jobs import Job, JobQueue, JobWorker
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 T0 = 1_700_000_000.0
 
 

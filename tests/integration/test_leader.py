@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 import psycopg
+import pytest
+
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 TTL_S, RENEW_S = 3.0, 1.0  # the defaults are 30 / 15: the same code, ten times faster

@@ -1,6 +1,7 @@
 """RUN_ENGINE_LOCK_REDIS_URLS: the run locks on three independent redis-server processes (RedLock,
 a majority of them); one node is killed while runs go through trigger → dequeue → start →
-complete, and the locks go on: every run finishes once, in its first attempt."""
+complete, and the locks go on: every run finishes once, in its first attempt. And the locker alone
+over two live nodes and a dead one. (Not run on the Redis Cluster: the nodes are independent.)"""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ import redis.asyncio as aioredis
 
 from run_engine.embedded import EmbeddedRedis
 from run_engine.engine import TriggerRequest
-from run_engine.errors import ConfigurationError
+from run_engine.errors import ConfigurationError, LockTimeoutError
+from run_engine.locking import LockSettings, RunLocker
 from run_engine.settings import EngineSettings, lock_nodes
 
 from .conftest import Harness
 
 RUNS = 150
+FAST = LockSettings(duration_s=0.3, extend_before_s=0.15, max_attempts=4, base_delay_s=0.01, max_delay_s=0.05,
+                    max_total_wait_s=0.2)
 
 
 @pytest.fixture
@@ -35,7 +39,7 @@ def nodes(tmp_path: Path) -> Iterator[list[EmbeddedRedis]]:
 async def _lock_keys(url: str) -> int:
     client = aioredis.Redis.from_url(url)
     try:
-        return len([k async for k in client.scan_iter(match="*:lock:*")])
+        return len([k async for k in client.scan_iter(match="*:{lock}:*")])
     finally:
         await client.aclose()
 
@@ -87,3 +91,21 @@ def test_the_setting_refuses_an_even_count_and_bad_urls() -> None:
     settings = EngineSettings.from_env({"RUN_ENGINE_LOCK_REDIS_URLS": "redis://a:1,redis://b:2,redis://c:3"})
     assert settings.lock_redis_urls == ("redis://a:1", "redis://b:2", "redis://c:3")
     assert EngineSettings.from_env({}).lock_redis_urls == ()
+
+
+async def test_quorum_over_three_nodes_with_one_down(redis_url: str, key_prefix: str, unique: str) -> None:
+    up1, up2 = aioredis.Redis.from_url(redis_url, db=1), aioredis.Redis.from_url(redis_url, db=2)
+    down = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    try:
+        lk = RunLocker([up1, up2, down], prefix=f"{key_prefix}:lq{unique}", settings=FAST)
+        async with lk.lock("q", "run_q"):
+            assert await up1.exists(f"{key_prefix}:lq{unique}:{{lock}}:run_q") == 1
+        two_down = RunLocker([up1, down, aioredis.Redis(host="127.0.0.1", port=2, socket_connect_timeout=0.2)],
+                             prefix=f"{key_prefix}:lq{unique}", settings=FAST)
+        with pytest.raises(LockTimeoutError):
+            async with two_down.lock("q", "run_q"):
+                pass
+        assert await up1.exists(f"{key_prefix}:lq{unique}:{{lock}}:run_q") == 0  # the minority grant was undone
+    finally:
+        for c in (up1, up2, down):
+            await c.aclose()

@@ -12,6 +12,8 @@ import redis.asyncio as aioredis
 from run_engine.errors import LockTimeoutError
 from run_engine.locking import LockSettings, RunLocker
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 FAST = LockSettings(duration_s=0.3, extend_before_s=0.15, max_attempts=4, base_delay_s=0.01, max_delay_s=0.05,
                     max_total_wait_s=0.2)
 
@@ -91,34 +93,16 @@ async def test_release_only_by_the_owner(redis_client: aioredis.Redis, key_prefi
     a = RunLocker([redis_client], prefix=prefix, settings=FAST)  # not started: no extension
     async with a.lock("short", "run_z"):
         await asyncio.sleep(0.4)  # expired
-        await redis_client.set(f"{prefix}:run_z", "someone-else", px=5000)
-    assert await redis_client.get(f"{prefix}:run_z") == b"someone-else"
-
-
-async def test_quorum_over_three_nodes_with_one_down(redis_url: str, key_prefix: str, unique: str) -> None:
-    up1, up2 = aioredis.Redis.from_url(redis_url, db=1), aioredis.Redis.from_url(redis_url, db=2)
-    down = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
-    try:
-        lk = RunLocker([up1, up2, down], prefix=f"{key_prefix}:lq{unique}", settings=FAST)
-        async with lk.lock("q", "run_q"):
-            assert await up1.exists(f"{key_prefix}:lq{unique}:run_q") == 1
-        two_down = RunLocker([up1, down, aioredis.Redis(host="127.0.0.1", port=2, socket_connect_timeout=0.2)],
-                             prefix=f"{key_prefix}:lq{unique}", settings=FAST)
-        with pytest.raises(LockTimeoutError):
-            async with two_down.lock("q", "run_q"):
-                pass
-        assert await up1.exists(f"{key_prefix}:lq{unique}:run_q") == 0  # the minority grant was undone
-    finally:
-        for c in (up1, up2, down):
-            await c.aclose()
+        await redis_client.set(f"{prefix}:{{lock}}:run_z", "someone-else", px=5000)
+    assert await redis_client.get(f"{prefix}:{{lock}}:run_z") == b"someone-else"
 
 
 PROCESS = textwrap.dedent("""
     import asyncio, sys
-    import redis.asyncio as aioredis
     from run_engine.locking import RunLocker
+    from run_engine.redis_connect import connect
     async def main(url, prefix, counter, n):
-        r = aioredis.Redis.from_url(url)
+        r = await connect(url)
         lk = RunLocker([r], prefix=prefix)
         await lk.start()
         for _ in range(n):

@@ -9,6 +9,8 @@ import redis.asyncio as aioredis
 from run_engine.run_queue import EnqueueItem, RunQueue
 from run_engine.run_queue.keys import encode_name
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 NOW = 1_700_000_000_000
 
 

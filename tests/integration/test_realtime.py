@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 
-import redis.asyncio as aioredis
+import pytest
 
 from run_engine.events import RunEvent
 from run_engine.realtime import RealtimeHub
+from run_engine.redis_connect import clustered
+from run_engine.redis_connect import connect as connect_redis
+
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
 
 async def _until(predicate, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-def]
@@ -21,7 +25,7 @@ async def _until(predicate, timeout_s: float = 10) -> None:  # type: ignore[no-u
 
 async def test_a_change_on_one_process_wakes_the_watcher_on_another(redis_url: str, key_prefix: str,
                                                                     unique: str) -> None:
-    ra, rb = aioredis.Redis.from_url(redis_url), aioredis.Redis.from_url(redis_url)
+    ra, rb = await connect_redis(redis_url), await connect_redis(redis_url)
     engine_side, sse_side = (RealtimeHub(ra, prefix=f"{key_prefix}:{unique}"),
                              RealtimeHub(rb, prefix=f"{key_prefix}:{unique}"))
     await engine_side.start()
@@ -37,7 +41,8 @@ async def test_a_change_on_one_process_wakes_the_watcher_on_another(redis_url: s
     ra.publish = spy  # type: ignore[method-assign]
     try:
         async def subscribers() -> int:
-            counts = dict(await ra.pubsub_numsub(engine_side.ctl, engine_side.channel))
+            on = {"target_nodes": "all"} if clustered(ra) else {}  # a cluster counts per node
+            counts = dict(await ra.pubsub_numsub(engine_side.ctl, engine_side.channel, **on))
             return min(int(n) for n in counts.values())
 
         deadline = time.monotonic() + 10

@@ -20,6 +20,8 @@ from run_engine.tenancy import ensure_environment
 
 from .conftest import Harness
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 @pytest.fixture
 async def private(database_url: str, unique: str) -> AsyncIterator[Harness]:

@@ -10,6 +10,8 @@ import redis.asyncio as aioredis
 
 from run_engine.ratelimit import ConnectionCaps, RequestLimiter, TooMany
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 async def test_a_bucket_gets_its_burst_then_waits_and_others_are_untouched(
         redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:

@@ -4,9 +4,13 @@ deployment lacks waits as PENDING_VERSION until a deployment with it connects.""
 
 from __future__ import annotations
 
+import pytest
+
 from run_engine.engine import TriggerRequest
 
 from .conftest import Harness
+
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
 
 async def test_an_old_worker_gives_a_run_of_a_new_task_back(h: Harness) -> None:

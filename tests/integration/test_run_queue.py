@@ -10,7 +10,10 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from run_engine.redis_connect import connect as connect_redis
 from run_engine.run_queue import EnqueueItem, RunQueue
+
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
 NOW = 1_700_000_000_000
 
@@ -188,7 +191,7 @@ async def test_limits_hold_under_many_concurrent_dequeuers(q: RunQueue, redis_ur
     done: list[str] = []
 
     async def worker(n: int) -> None:
-        client = aioredis.Redis.from_url(redis_url)
+        client = await connect_redis(redis_url, max_connections=8)
         mine = RunQueue(client, prefix=q.keys.prefix, shards=2, default_env_limit=1000)
         try:
             idle = 0
@@ -362,7 +365,7 @@ async def _settings_scenario(
     ops: list[tuple],  # type: ignore[type-arg]
     initial: tuple[int | None, int | None, int | None] = (None, None, None),
 ) -> None:
-    client = aioredis.Redis.from_url(redis_url)
+    client = await connect_redis(redis_url, max_connections=8)
     q = RunQueue(client, prefix=prefix, shards=2, max_deliveries=2, default_env_limit=2)
     attrs: dict[str, tuple[str, str, str | None]] = {}
     due: dict[str, int] = {}

@@ -7,11 +7,14 @@ import asyncio
 import secrets
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from run_engine.redis_connect import connect as connect_redis
 from run_engine.run_queue import EnqueueItem, RunQueue
+
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
 ENVS = ("e1", "e2")
 QUEUES = ("qa", "qb")
@@ -47,7 +50,7 @@ class Model:
 
 
 async def scenario(redis_url: str, prefix: str, limits: tuple[int, int, int], ops: list[tuple]) -> None:  # type: ignore[type-arg]
-    client = aioredis.Redis.from_url(redis_url)
+    client = await connect_redis(redis_url, max_connections=8)
     q = RunQueue(client, prefix=prefix, shards=2, max_deliveries=3, default_env_limit=100)
     m = Model(*limits)
     now = NOW

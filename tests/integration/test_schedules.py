@@ -12,6 +12,8 @@ from run_engine.errors import ValidationError
 
 from .conftest import Harness
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 @pytest.fixture(autouse=True)
 def _drop_schedules_after(database_url: str):  # type: ignore[no-untyped-def]

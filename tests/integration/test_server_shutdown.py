@@ -13,6 +13,8 @@ import pytest
 from run_engine.server import Shutdown, serve
 from run_engine.settings import EngineSettings
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -13,6 +13,8 @@ from run_engine.statuses import RunStatus
 
 from .conftest import Harness
 
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
 
 def req(h: Harness, task: str = "hello", **kw: object) -> TriggerRequest:
     return TriggerRequest(env_id=h.env.env_id, task_id=task, **kw)  # type: ignore[arg-type]
@@ -172,15 +174,15 @@ async def test_cancel_cascades_to_children_and_the_parent_never_resumes(h: Harne
     assert await h.engine.dequeue(h.env.worker_group_id, 10) == []
 
 
-async def test_sweeper_fails_a_batch_whose_runs_were_never_created(h: Harness) -> None:
+async def test_sweeper_fails_a_batch_whose_runs_were_never_created(h: Harness, unique: str) -> None:
     from run_engine.db.waitpoints import NewWaitpoint
 
     parent, s = await started_run(h)
     wp_repo = h.engine.resources.repo.waitpoints
-    await h.engine.resources.repo.waitpoints.insert_batch("batch_broken", h.env.env_id, 5, parent.id)
-    wp, _ = await wp_repo.create(NewWaitpoint(id="waitpoint_broken", env_id=h.env.env_id, type="BATCH",
-                                              completed_by_batch_id="batch_broken"))
-    out = await h.engine.block(parent.id, s.snapshot.id, sequence=0, kind="batch", key="batch_broken",
+    await h.engine.resources.repo.waitpoints.insert_batch(f"batch_broken_{unique}", h.env.env_id, 5, parent.id)
+    wp, _ = await wp_repo.create(NewWaitpoint(id=f"waitpoint_broken_{unique}", env_id=h.env.env_id, type="BATCH",
+                                              completed_by_batch_id=f"batch_broken_{unique}"))
+    out = await h.engine.block(parent.id, s.snapshot.id, sequence=0, kind="batch", key=f"batch_broken_{unique}",
                                waitpoint_ids=[wp.id], result={"runIds": ["run_never_1", "run_never_2"]})
     assert out.blocked
     assert (await h.engine.waitpoints.sweep(grace_s=3600))["completed"] == 0  # within the grace period
