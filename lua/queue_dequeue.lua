@@ -16,8 +16,10 @@
 -- KEYS[1] B:delayed
 -- ARGV[1] B, ARGV[2] wg, ARGV[3] now ms, ARGV[4] max runs, ARGV[5] promote limit,
 -- ARGV[6] default env limit, ARGV[7] scan window, ARGV[8..] only these environments (optional)
--- returns: flat array of 7 fields per run: run, env, queue, ck, score, deliveries, task; then,
--- if a rate-limited queue was skipped, one more element: the earliest ms it may hand out a run
+-- returns: flat array of 7 fields per run: run, env, queue, ck, score, deliveries, task; then two
+-- more: the earliest ms a skipped rate-limited queue may hand out a run ('' if none was skipped),
+-- and how many environments of the group still have ready runs on this shard (the caller weighs
+-- its choice of shard by it, so that environments on different shards get even shares)
 local wg, now, max = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local default_env_limit, window = tonumber(ARGV[6]), tonumber(ARGV[7])
 promote(now, tonumber(ARGV[5]))
@@ -153,5 +155,6 @@ while #out < max * 7 and budget > 0 do
     for _, v in ipairs({run, env, q, ck, score, deliveries, task}) do out[#out + 1] = v end
   end
 end
-if rate_next then out[#out + 1] = tostring(rate_next) end
+out[#out + 1] = rate_next and tostring(rate_next) or ''
+out[#out + 1] = redis.call('ZCARD', g .. ':envs')
 return out

@@ -27,6 +27,8 @@ from run_engine.run_queue.models import (
     RateLimit,
 )
 
+EMPTY_SHARD_WEIGHT = 0.1  # a shard that had no environment with ready runs when last visited
+
 
 def _s(value: bytes | str | None) -> str:
     if value is None:
@@ -71,7 +73,8 @@ class RunQueue:
         self.promote_limit = promote_limit
         self.scan_window = scan_window
         self._rng = rng or random.Random()
-        self._next_shard = 0
+        # worker group -> (environments with ready runs per shard when last seen, round-robin credit)
+        self._shards_seen: dict[str, tuple[list[int], list[float]]] = {}
         self._enqueue = LuaScript.get("queue_enqueue")
         self._dequeue = LuaScript.get("queue_dequeue")
         self._ack = LuaScript.get("queue_ack")
@@ -117,15 +120,12 @@ class RunQueue:
         shards are visited in rotating order. ``retry_at_ms`` of the result says when a
         rate-limited queue may serve again."""
         out = Handed()
-        start = self._next_shard
-        self._next_shard = (self._next_shard + 1) % self.keys.shards
         only: dict[int, list[str]] = defaultdict(list)
         for env_id in environments:
             only[self.keys.shard_of(env_id)].append(encode_name(env_id))
-        for i in range(self.keys.shards):
+        for shard in self._shard_order(worker_group):
             if len(out) >= max_runs:
                 break
-            shard = (start + i) % self.keys.shards
             if environments and shard not in only:
                 continue
             flat = await self._dequeue(
@@ -142,8 +142,11 @@ class RunQueue:
                     *only.get(shard, ()),
                 ],
             )
-            if len(flat) % 7 == 1:  # a rate-limited queue was skipped: when it may serve again
-                at = int(float(_s(flat.pop())))
+            active, rate_next = int(flat.pop()), _s(flat.pop())
+            if self.keys.shards > 1:
+                self._shards_seen[worker_group][0][shard] = active
+            if rate_next:  # a rate-limited queue was skipped: when it may serve again
+                at = int(float(rate_next))
                 out.retry_at_ms = at if out.retry_at_ms is None else min(out.retry_at_ms, at)
             for j in range(0, len(flat), 7):
                 ck = _name(flat[j + 3])
@@ -160,6 +163,27 @@ class RunQueue:
                     )
                 )
         return out
+
+    def _shard_order(self, worker_group: str) -> list[int]:
+        """The order a dequeue visits the shards in (it stops when it has enough): smooth weighted
+        round robin (as nginx balances upstreams), weights = the environments with ready runs each
+        shard had when last visited, so that every environment gets the same share whichever shard
+        it hashes to, as fair queuing gives them inside a shard. A shard seen empty keeps a small
+        weight: one that has runs again is visited within a few calls."""
+        if self.keys.shards == 1:
+            return [0]
+        state = self._shards_seen.get(worker_group)
+        if state is None:
+            if len(self._shards_seen) > 10_000:  # groups come and go; the weights are only a hint
+                self._shards_seen.clear()
+            state = self._shards_seen[worker_group] = ([1] * self.keys.shards, [0.0] * self.keys.shards)
+        active, credit = state
+        weights = [n or EMPTY_SHARD_WEIGHT for n in active]
+        for shard, w in enumerate(weights):
+            credit[shard] += w
+        order = sorted(range(self.keys.shards), key=credit.__getitem__, reverse=True)
+        credit[order[0]] -= sum(weights)
+        return order
 
     # --- after a dequeue ------------------------------------------------------------------------
 

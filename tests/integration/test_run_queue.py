@@ -525,3 +525,33 @@ async def test_rate_limit_spaces_runs_and_allows_bursts(q: RunQueue) -> None:
     assert [m.run_id for m in await q.dequeue("wg", 5, NOW + 1095)] == ["other"]  # task/a is not due
     await q.set_rate_limit("envA", "task/a", None)
     assert len(await q.dequeue("wg", 20, NOW + 1102)) == 7  # r13..r19 at once
+
+
+async def test_environments_on_different_shards_get_even_shares(redis_client: aioredis.Redis, key_prefix: str,
+                                                                unique: str) -> None:
+    """Eight environments over four shards (two, three, one and two of them): the dequeues visit the
+    shards by smooth weighted round robin, weights = their environments with ready runs, so the lone
+    environment of a shard gets no more than the others (visiting shards in turn gave it more)."""
+    from run_engine.run_queue.keys import QueueKeys
+
+    keys = QueueKeys("x", 4)
+    by_shard: dict[int, list[str]] = {}
+    n = 0
+    while sorted(len(v) for v in by_shard.values()) != [1, 2, 2, 3]:  # a deterministic search
+        env = f"env{n}"
+        n += 1
+        shard = keys.shard_of(env)
+        if len(by_shard.get(shard, [])) < {0: 2, 1: 3, 2: 1, 3: 2}[shard]:
+            by_shard.setdefault(shard, []).append(env)
+    envs = [e for group in by_shard.values() for e in group]
+    q = RunQueue(redis_client, prefix=f"{key_prefix}:sh{unique}", shards=4, default_env_limit=100_000)
+    await q.load_scripts()
+    await q.enqueue([item(f"{env}-{i}", env=env, score=NOW + i) for env in envs for i in range(150)], NOW)
+    handed: dict[str, int] = dict.fromkeys(envs, 0)
+    while sum(handed.values()) < 400:
+        for m in await q.dequeue("wg", 4, NOW + 1000):
+            handed[m.env_id] += 1
+    shares = list(handed.values())
+    jain = sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))
+    assert jain >= 0.97, sorted(handed.items())
+    assert max(shares) <= 1.2 * min(shares), sorted(handed.items())
