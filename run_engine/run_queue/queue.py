@@ -26,8 +26,7 @@ from run_engine.run_queue.models import (
     QueueStats,
     RateLimit,
 )
-
-EMPTY_SHARD_WEIGHT = 0.1  # a shard that had no environment with ready runs when last visited
+from run_engine.run_queue.shard_order import ShardOrder
 
 
 def _s(value: bytes | str | None) -> str:
@@ -73,8 +72,7 @@ class RunQueue:
         self.promote_limit = promote_limit
         self.scan_window = scan_window
         self._rng = rng or random.Random()
-        # worker group -> (environments with ready runs per shard when last seen, round-robin credit)
-        self._shards_seen: dict[str, tuple[list[int], list[float]]] = {}
+        self._shard_orders: dict[str, ShardOrder] = {}  # worker group -> its order of visiting the shards
         self._enqueue = LuaScript.get("queue_enqueue")
         self._dequeue = LuaScript.get("queue_dequeue")
         self._ack = LuaScript.get("queue_ack")
@@ -117,13 +115,14 @@ class RunQueue:
     async def dequeue(self, worker_group: str, max_runs: int, now_ms: int,
                       environments: Sequence[str] = ()) -> Handed:
         """Up to ``max_runs`` runs of ``worker_group`` (only of ``environments`` when given);
-        shards are visited in rotating order. ``retry_at_ms`` of the result says when a
-        rate-limited queue may serve again."""
+        shards are visited in the order of :class:`ShardOrder` (weighted round robin).
+        ``retry_at_ms`` of the result says when a rate-limited queue may serve again."""
         out = Handed()
         only: dict[int, list[str]] = defaultdict(list)
         for env_id in environments:
             only[self.keys.shard_of(env_id)].append(encode_name(env_id))
-        for shard in self._shard_order(worker_group):
+        visit = self._shard_order(worker_group).start() if self.keys.shards > 1 else None
+        for shard in visit or (0,):
             if len(out) >= max_runs:
                 break
             if environments and shard not in only:
@@ -143,8 +142,8 @@ class RunQueue:
                 ],
             )
             active, rate_next = int(flat.pop()), _s(flat.pop())
-            if self.keys.shards > 1:
-                self._shards_seen[worker_group][0][shard] = active
+            if visit:
+                visit.visited(shard, active, served=len(flat) // 7)
             if rate_next:  # a rate-limited queue was skipped: when it may serve again
                 at = int(float(rate_next))
                 out.retry_at_ms = at if out.retry_at_ms is None else min(out.retry_at_ms, at)
@@ -164,25 +163,12 @@ class RunQueue:
                 )
         return out
 
-    def _shard_order(self, worker_group: str) -> list[int]:
-        """The order a dequeue visits the shards in (it stops when it has enough): smooth weighted
-        round robin (as nginx balances upstreams), weights = the environments with ready runs each
-        shard had when last visited, so that every environment gets the same share whichever shard
-        it hashes to, as fair queuing gives them inside a shard. A shard seen empty keeps a small
-        weight: one that has runs again is visited within a few calls."""
-        if self.keys.shards == 1:
-            return [0]
-        state = self._shards_seen.get(worker_group)
-        if state is None:
-            if len(self._shards_seen) > 10_000:  # groups come and go; the weights are only a hint
-                self._shards_seen.clear()
-            state = self._shards_seen[worker_group] = ([1] * self.keys.shards, [0.0] * self.keys.shards)
-        active, credit = state
-        weights = [n or EMPTY_SHARD_WEIGHT for n in active]
-        for shard, w in enumerate(weights):
-            credit[shard] += w
-        order = sorted(range(self.keys.shards), key=credit.__getitem__, reverse=True)
-        credit[order[0]] -= sum(weights)
+    def _shard_order(self, worker_group: str) -> ShardOrder:
+        order = self._shard_orders.get(worker_group)
+        if order is None:
+            if len(self._shard_orders) > 10_000:  # groups come and go; the weights are only a hint
+                self._shard_orders.clear()
+            order = self._shard_orders[worker_group] = ShardOrder(self.keys.shards)
         return order
 
     # --- after a dequeue ------------------------------------------------------------------------
