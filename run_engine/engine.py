@@ -160,10 +160,13 @@ class RunEngine:
         return await self.systems.debounce.trigger_many(requests)
 
     async def dequeue(self, worker_group_id: str, max_runs: int = 1, worker_id: str | None = None,
-                      environments: Sequence[str] = (), deployments: Sequence[str] = ()) -> Handed:
+                      environments: Sequence[str] = (), deployments: Sequence[str] = (),
+                      start: bool = False) -> Handed:
         """Runs of the group for a worker (only of ``environments`` when given; only of tasks its
-        ``deployments`` have when given)."""
-        return await self.systems.dequeue.dequeue(worker_group_id, max_runs, worker_id, environments, deployments)
+        ``deployments`` have when given); with ``start``, their attempts started in the same
+        transaction (each :class:`DequeuedRun`'s ``started``)."""
+        return await self.systems.dequeue.dequeue(worker_group_id, max_runs, worker_id, environments, deployments,
+                                                  start)
 
     async def start_attempt(self, run_id: str, snapshot_id: str, worker_id: str | None = None) -> StartedAttempt:
         return await self.systems.run_attempt.start_attempt(run_id, snapshot_id, worker_id)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from run_engine.db.runs import RunRow, Snapshot, Transition
+from run_engine.db.runs import RunRow, Snapshot, Transition, TransitionResult
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.run_queue import Handed
@@ -26,6 +26,7 @@ from systems.resources import SystemResources
 if TYPE_CHECKING:
     from systems.enqueue import EnqueueSystem
     from systems.execution_snapshot import ExecutionSnapshotSystem
+    from systems.run_attempt import RunAttemptSystem, StartedAttempt
 
 log = logging.getLogger(__name__)
 
@@ -35,30 +36,35 @@ class DequeuedRun:
     run: RunRow
     snapshot: Snapshot
     deliveries: int
+    started: StartedAttempt | None = None  # its attempt, when the dequeue started it too
 
 
 class DequeueSystem:
     def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
-                 enqueue: EnqueueSystem) -> None:
+                 enqueue: EnqueueSystem, run_attempt: RunAttemptSystem) -> None:
         self.r = resources
         self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
+        self.run_attempt = run_attempt
         self._deployments: dict[str, tuple[str, frozenset[str]]] = {}
 
     GIVE_BACK_MS = 500  # a run given back is ready again this much later (the others' turn first)
 
     async def dequeue(self, worker_group_id: str, max_runs: int, worker_id: str | None = None,
-                      environments: Sequence[str] = (), deployments: Sequence[str] = ()) -> Handed:
+                      environments: Sequence[str] = (), deployments: Sequence[str] = (),
+                      start: bool = False) -> Handed:
         """Up to ``max_runs`` runs as :class:`DequeuedRun` (only of ``environments`` when given, only
         of tasks the worker's ``deployments`` have when given); the result's ``retry_at_ms`` says
-        when a rate-limited queue of the group may serve again."""
+        when a rate-limited queue of the group may serve again. With ``start``, each run's attempt
+        is started in the same transaction (PENDING_EXECUTING, then EXECUTING: both snapshots
+        kept) and comes back as its ``started``."""
         began = time.perf_counter()
-        handed = await self._dequeue(worker_group_id, max_runs, worker_id, environments, deployments)
+        handed = await self._dequeue(worker_group_id, max_runs, worker_id, environments, deployments, start)
         TIMINGS.dequeue("runs" if handed else "empty", time.perf_counter() - began)
         return handed
 
     async def _dequeue(self, worker_group_id: str, max_runs: int, worker_id: str | None,
-                       environments: Sequence[str], deployments: Sequence[str]) -> Handed:
+                       environments: Sequence[str], deployments: Sequence[str], start: bool) -> Handed:
         messages = await self.r.queue.dequeue(worker_group_id, max_runs, self.r.now_ms(), environments)
         if messages and deployments:
             retry_at = messages.retry_at_ms
@@ -69,36 +75,57 @@ class DequeueSystem:
         run_ids = [m.run_id for m in messages]
         froms = tuple(DEQUEUEABLE)
         async with self.r.locker.lock("dequeue", *run_ids):
-            results = await self.execution_snapshot.append_many(
-                [
-                    Transition(
-                        run_id=m.run_id,
-                        new_snapshot_id=new_id("snapshot"),
-                        engine_status=ExecutionStatus.PENDING_EXECUTING,
-                        run_status=RunStatus.DEQUEUED,
-                        from_statuses=froms,
-                        description="Dequeued by a worker",
-                        worker_id=worker_id,
-                    )
-                    for m in messages
-                ]
-            )
+            pending = [
+                Transition(
+                    run_id=m.run_id,
+                    new_snapshot_id=new_id("snapshot"),
+                    engine_status=ExecutionStatus.PENDING_EXECUTING,
+                    run_status=RunStatus.DEQUEUED,
+                    from_statuses=froms,
+                    description="Dequeued by a worker",
+                    worker_id=worker_id,
+                )
+                for m in messages
+            ]
+            starts: Sequence[TransitionResult | None]
+            if start:
+                # one transaction: each start expects the PENDING_EXECUTING snapshot appended before it
+                results, starts = await self.r.repo.runs.transition_chain([pending, [
+                    Transition(run_id=t.run_id, new_snapshot_id=new_id("snapshot"),
+                               engine_status=ExecutionStatus.EXECUTING, run_status=RunStatus.EXECUTING,
+                               **self.run_attempt.start_transition(t.new_snapshot_id, worker_id))
+                    for t in pending]])
+            else:
+                results = await self.execution_snapshot.append_many(pending)
+                starts = [None] * len(results)
             dequeued: list[DequeuedRun] = []
             stray: list[tuple[str, str]] = []
-            for message, result in zip(messages, results, strict=True):
-                if result.applied and result.snapshot is not None and result.run is not None:
-                    dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries))
-                else:
+            cancel: list[str] = []
+            schedule: list[engine_jobs.JobSpec] = []
+            timeout = self.r.settings.pending_executing_timeout_s
+            for message, result, started in zip(messages, results, starts, strict=True):
+                if not (result.applied and result.snapshot is not None and result.run is not None):
                     # The run moved on (finished, cancelled) while its message was queued: drop it.
                     stray.append((message.env_id, message.run_id))
+                elif started is not None and started.applied and started.run is not None \
+                        and started.snapshot is not None:
+                    attempt, c, s = await self.run_attempt.attempt_started(
+                        started.run, started.snapshot, result.snapshot.id, pending_job=False)
+                    cancel += c
+                    schedule += s
+                    dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries, attempt))
+                else:
+                    schedule.append(engine_jobs.heartbeat(result.run.id, result.snapshot.id,
+                                                          self.r.clock.now() + timeout))
+                    dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries))
             if stray:
                 await self.r.queue.ack(stray)
-            timeout = self.r.settings.pending_executing_timeout_s
-            await self.r.change_jobs(schedule=[
-                engine_jobs.heartbeat(d.run.id, d.snapshot.id, self.r.clock.now() + timeout) for d in dequeued])
+            await self.r.change_jobs(cancel, schedule)
         for d in dequeued:
             self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.env_id, d.snapshot.id,
                                         attempt=d.run.attempt_number))
+            if d.started is not None:
+                self.run_attempt.emit_started(d.started)
         out = Handed(dequeued)
         out.retry_at_ms = messages.retry_at_ms
         return out

@@ -88,35 +88,55 @@ class RunAttemptSystem:
         after a suspension) resumes its attempt instead, by journal replay."""
         async with self.r.locker.lock("start_attempt", run_id):
             result = await self.execution_snapshot.apply(
-                run_id, E.EXECUTING, RunStatus.EXECUTING,
-                from_statuses=(E.PENDING_EXECUTING,), expected_snapshot_id=snapshot_id,
-                operation="start an attempt of", description="Attempt started",
-                attempt_delta=1, set_started=True, worker_id=worker_id, resume_checkpoint=True,
+                run_id, E.EXECUTING, RunStatus.EXECUTING, **self.start_transition(snapshot_id, worker_id),
+                operation="start an attempt of",
             )
             assert result.run is not None and result.snapshot is not None
-            run, snapshot = result.run, result.snapshot
-            cancel, schedule = self.execution_snapshot.rearm(snapshot_id, E.PENDING_EXECUTING, snapshot)
-            if run.ttl_s is not None and run.attempt_number == 1:
-                cancel.append(engine_jobs.ttl_id(run_id))  # started in time: the TTL no longer applies
-            policy = await self.retry_policy(run)
-            task = await self.deployment_task(run)  # cached per deployment: no query per run
-            max_duration = run.max_duration_s if run.max_duration_s is not None else (
-                task.max_duration_s if task else None)
-            # the run's own machine (a trigger's, or the larger one after running out of memory), else its task's
-            machine = run.machine or (task.machine if task else None)
-            if max_duration:
-                # one job per attempt: it survives the attempt's waits and continuations
-                schedule.append(engine_jobs.max_duration(
-                    run_id, run.attempt_number,
-                    self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s))
+            started, cancel, schedule = await self.attempt_started(result.run, result.snapshot, snapshot_id,
+                                                                   pending_job=True)
             await self.r.change_jobs(cancel, schedule)
+        self.emit_started(started)
+        return started
+
+    @staticmethod
+    def start_transition(snapshot_id: str, worker_id: str | None) -> dict[str, Any]:
+        """The changes of a start, from the dequeued run's PENDING_EXECUTING ``snapshot_id``."""
+        return {"from_statuses": (E.PENDING_EXECUTING,), "expected_snapshot_id": snapshot_id,
+                "description": "Attempt started", "attempt_delta": 1, "set_started": True, "worker_id": worker_id,
+                "resume_checkpoint": True}
+
+    async def attempt_started(self, run: RunRow, snapshot: Snapshot, pending_snapshot_id: str, *,
+                              pending_job: bool) -> tuple[StartedAttempt, list[str], list[engine_jobs.JobSpec]]:
+        """What a start applied means: the attempt, and the engine jobs to cancel and schedule
+        (the pending snapshot's heartbeat job when ``pending_job``, the TTL; the new heartbeat, the
+        max duration)."""
+        if pending_job:
+            cancel, schedule = self.execution_snapshot.rearm(pending_snapshot_id, E.PENDING_EXECUTING, snapshot)
+        else:
+            cancel, schedule = self.execution_snapshot.rearm(None, None, snapshot)
+        if run.ttl_s is not None and run.attempt_number == 1:
+            cancel.append(engine_jobs.ttl_id(run.id))  # started in time: the TTL no longer applies
+        policy = await self.retry_policy(run)
+        task = await self.deployment_task(run)  # cached per deployment: no query per run
+        max_duration = run.max_duration_s if run.max_duration_s is not None else (
+            task.max_duration_s if task else None)
+        # the run's own machine (a trigger's, or the larger one after running out of memory), else its task's
+        machine = run.machine or (task.machine if task else None)
+        if max_duration:
+            # one job per attempt: it survives the attempt's waits and continuations
+            schedule.append(engine_jobs.max_duration(
+                run.id, run.attempt_number,
+                self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s))
+        return StartedAttempt(run, snapshot, run.attempt_number, policy, max_duration, machine), cancel, schedule
+
+    def emit_started(self, started: StartedAttempt) -> None:
+        run, snapshot = started.run, started.snapshot
         data: dict[str, Any] = {"attempt": run.attempt_number}
         if run.attempt_number == 1 and snapshot.checkpoint_id is None and run.queued_at is not None:
             # trigger → start: from the run becoming QUEUED (trigger, delay over, deployed, redriven)
             data["queued_s"] = max(0.0, (snapshot.created_at - run.queued_at).total_seconds())
-        self.r.events.emit(RunEvent("attempt_started", run_id, run.env_id, snapshot.id, data,
+        self.r.events.emit(RunEvent("attempt_started", run.id, run.env_id, snapshot.id, data,
                                     attempt=run.attempt_number))
-        return StartedAttempt(run, snapshot, run.attempt_number, policy, max_duration, machine)
 
     async def complete_attempt(
         self, run_id: str, snapshot_id: str, *, ok: bool, output: Any = None,

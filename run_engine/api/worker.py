@@ -35,7 +35,7 @@ from run_engine.api.models import (
 )
 from run_engine.api.openapi import Query, operation
 from run_engine.api.serialize import run_object, snapshot_object
-from run_engine.engine import RunRow, Waitpoint, WorkerGroup
+from run_engine.engine import RunRow, StartedAttempt, Waitpoint, WorkerGroup
 
 PREFIX = "/engine/v1/worker-actions"
 LATEST_RECHECK_S = 5.0  # a snapshot long-poll re-reads the run this often without a wake-up
@@ -102,7 +102,7 @@ async def dequeue(request: Request) -> Response:
     deadline = began + req.waitMs / 1000
     instance = f"{group.id}/{req.workerInstanceName}"
     got = await ctx.engine.dequeue(group.id, req.maxRuns, req.workerInstanceName, environments,
-                                   req.deployments or ())
+                                   req.deployments or (), start=req.startAttempts)
     if not got and req.waitMs:
         with ctx.hold("long-polls", worker_bucket(group)):
             while True:
@@ -120,12 +120,14 @@ async def dequeue(request: Request) -> Response:
                 if ctx.wakeups.released(instance, since=began) or await request.is_disconnected():
                     break  # the worker is stopping or gone: runs handed out now would wait for a timeout
                 got = await ctx.engine.dequeue(group.id, req.maxRuns, req.workerInstanceName, environments,
-                                               req.deployments or ())
+                                               req.deployments or (), start=req.startAttempts)
     for d in got:
         ctx.remember_run_group(d.run.id, group.id, d.run.env_id)
     items = [_run_payload(ctx, d.run, d.snapshot) for d in got]
     if req.startAttempts and got:
-        started = await _each(got, lambda d: _start(ctx, d.run.id, d.snapshot.id))
+        # started in the dequeue's own transaction; one it could not start is started here
+        started = await _each(got, lambda d: _attempt(ctx, d.started) if d.started is not None
+                              else _start(ctx, d.run.id, d.snapshot.id))
         for item, attempt in zip(items, started, strict=True):
             item["attempt"] = attempt
     return json_response({"runs": items})
@@ -179,7 +181,11 @@ async def latest_snapshot(request: Request) -> Response:
 
 
 async def _start(ctx: ApiContext, run_id: str, snapshot_id: str) -> dict[str, Any]:
-    started = await ctx.engine.start_attempt(run_id, snapshot_id)
+    return await _attempt(ctx, await ctx.engine.start_attempt(run_id, snapshot_id))
+
+
+async def _attempt(ctx: ApiContext, started: StartedAttempt) -> dict[str, Any]:
+    """A started attempt as the worker gets it."""
     r = started.run
     return {
         "run": run_object(r), "snapshot": snapshot_object(started.snapshot), "attemptNumber": started.attempt_number,

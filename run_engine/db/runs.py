@@ -422,6 +422,26 @@ class RunRepository:
             return {(r["task_identifier"], r["idempotency_key"]): run_row(r) for r in await cur.fetchall()}
 
     async def transition_many(self, transitions: Sequence[Transition]) -> list[TransitionResult]:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_TRANSITION_SQL, self._transition_params(transitions))
+            return self._transition_results(await cur.fetchall())
+
+    async def transition_chain(self, steps: Sequence[Sequence[Transition]]) -> list[list[TransitionResult]]:
+        """Apply ``steps`` one after the other in one transaction, sent together (one round trip,
+        one commit): a step's transitions may expect the snapshots the step before it appends.
+        Each step's results in order; a transition that did not apply leaves the others be."""
+        async with self.pool.connection() as conn, conn.pipeline():
+            cursors = []
+            async with conn.transaction():
+                for step in steps:
+                    cur = conn.cursor(row_factory=dict_row)
+                    await cur.execute(_TRANSITION_SQL, self._transition_params(step))
+                    cursors.append(cur)
+            return [self._transition_results(await cur.fetchall()) for cur in cursors]
+
+    @staticmethod
+    def _transition_params(transitions: Sequence[Transition]) -> dict[str, Any]:
         rows = [
             {"ord": i, "run_id": x.run_id, "new_id": x.new_snapshot_id, "engine_status": x.engine_status,
              "run_status": x.run_status, "froms": ",".join(x.from_statuses), "expected": x.expected_snapshot_id,
@@ -431,11 +451,10 @@ class RunRepository:
              "completed": list(x.completed_waitpoint_ids) or None, "resume": x.resume_checkpoint}
             for i, x in enumerate(transitions)
         ]
-        params = {"rows": Jsonb(rows)}
-        async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_TRANSITION_SQL, params)
-            rows = await cur.fetchall()
+        return {"rows": Jsonb(rows)}
+
+    @staticmethod
+    def _transition_results(rows: Sequence[dict[str, Any]]) -> list[TransitionResult]:
         return [transition_result(row["t_run_id"], row["t_latest_id"], row["t_latest_status"], row["t_snapshot"],
                                   row["t_run"]) for row in rows]
 

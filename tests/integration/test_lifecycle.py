@@ -7,6 +7,7 @@ import pytest
 from run_engine.engine import TriggerRequest
 from run_engine.errors import InvalidTransitionError, StaleSnapshotError
 from run_engine.statuses import RunStatus
+from systems import engine_jobs
 
 from .conftest import Harness
 
@@ -41,6 +42,58 @@ async def test_trigger_to_completed_with_full_snapshot_history(h: Harness) -> No
     assert h.names(run.id) == ["run_created", "run_dequeued", "attempt_started", "run_succeeded"]
     # the slot is free again: nothing held in the queue
     assert await h.engine.resources.queue.running_ids(h.env.env_id) == set()
+
+
+async def test_dequeue_that_starts_keeps_both_snapshots_in_one_transaction(h: Harness) -> None:
+    runs = [await h.engine.trigger(req(h, payload={"n": i}, ttl_s=30, max_duration_s=600)) for i in range(3)]
+    got = await h.engine.dequeue(h.env.worker_group_id, 5, "worker-1", start=True)
+    assert sorted(d.run.id for d in got) == sorted(r.id for r in runs)
+    jobs = h.engine.resources.jobs
+    for d in got:
+        assert d.snapshot.engine_status == "PENDING_EXECUTING" and d.started is not None
+        started = d.started
+        assert started.attempt_number == 1 and started.snapshot.engine_status == "EXECUTING"
+        assert started.snapshot.previous_snapshot_id == d.snapshot.id and started.max_duration_s == 600
+        assert started.run.started_at is not None and started.run.payload == d.run.payload
+        assert await h.statuses(d.run.id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING"]
+        assert h.names(d.run.id) == ["run_created", "run_dequeued", "attempt_started"]
+        # the jobs are the started attempt's (heartbeat, max duration): no TTL, no PENDING_EXECUTING timeout
+        assert await jobs.get(engine_jobs.heartbeat_id(d.run.id, started.snapshot.id)) is not None
+        assert await jobs.get(engine_jobs.max_duration_id(d.run.id, 1)) is not None
+        assert await jobs.get(engine_jobs.heartbeat_id(d.run.id, d.snapshot.id)) is None
+        assert await jobs.get(engine_jobs.ttl_id(d.run.id)) is None
+    await h.advance(45)  # past the TTL: a started run does not expire
+    assert all([(await h.engine.latest_snapshot(d.run.id)).engine_status == "EXECUTING" for d in got])
+    first = got[0]
+    assert first.started is not None
+    with pytest.raises(StaleSnapshotError):  # the PENDING_EXECUTING snapshot cannot be started twice
+        await h.engine.start_attempt(first.run.id, first.snapshot.id)
+    await h.engine.complete_attempt(first.run.id, first.started.snapshot.id, ok=True, output=1)
+    assert (await h.engine.get_run(first.run.id)).status == "COMPLETED"  # type: ignore[union-attr]
+    # the others still hold their slots; their heartbeat timeout (60 s from the start) retries them
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == {d.run.id for d in got[1:]}
+
+
+async def test_dequeue_that_starts_resumes_a_restored_run(h: Harness) -> None:
+    """A run dequeued after a suspension resumes its attempt (no new attempt) when the dequeue
+    starts it, as a separate start would."""
+    run = await h.engine.trigger(req(h))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1, start=True)
+    assert d.started is not None
+    token, _ = await h.engine.create_token(h.env.env_id, timeout_s=3600)
+    blocked = await h.engine.block(run.id, d.started.snapshot.id, sequence=0, kind="token", key=token.id,
+                                   waitpoint_ids=[token.id])
+    assert blocked.blocked
+    await h.engine.suspend(run.id, blocked.snapshot.id)
+    assert await h.engine.complete_waitpoint(token.id, {"x": 1})
+    (again,) = await h.engine.dequeue(h.env.worker_group_id, 1, start=True)
+    assert again.started is not None and again.started.attempt_number == 1  # the same attempt, by replay
+    assert again.started.snapshot.checkpoint_id is not None and again.snapshot.checkpoint_id is not None
+    await h.engine.complete_attempt(run.id, again.started.snapshot.id, ok=True, output=2)
+    assert (await h.engine.get_run(run.id)).status == "COMPLETED"  # type: ignore[union-attr]
+    assert await h.statuses(run.id) == [
+        "QUEUED", "PENDING_EXECUTING", "EXECUTING", "EXECUTING_WITH_WAITPOINTS", "SUSPENDED",
+        "QUEUED_EXECUTING", "PENDING_EXECUTING", "EXECUTING", "FINISHED"]
 
 
 async def test_retry_after_failure_waits_the_policy_delay(h: Harness) -> None:
