@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from run_engine.errors import StaleSnapshotError
 from run_engine.events import RunEvent
 from run_engine.statuses import CANCEL_AT_ONCE, EXECUTING, ExecutionStatus, RunStatus
 from systems.resources import SystemResources
@@ -33,6 +34,16 @@ class CancelSystem:
         return status
 
     async def _cancel_one(self, run_id: str) -> RunStatus:
+        # A transition that takes no run lock (a successful completion) may move the run between
+        # the read and the compare-and-set below: read again and decide again.
+        for _ in range(4):
+            try:
+                return await self._cancel_latest(run_id)
+            except StaleSnapshotError:
+                continue
+        return await self._cancel_latest(run_id)
+
+    async def _cancel_latest(self, run_id: str) -> RunStatus:
         async with self.r.locker.lock("cancel", run_id):
             latest = await self.execution_snapshot.latest(run_id)
             status = ExecutionStatus(latest.engine_status)

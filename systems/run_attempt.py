@@ -143,13 +143,18 @@ class RunAttemptSystem:
         output_type: str = "application/json", error: dict[str, Any] | None = None,
         retryable: bool | None = None,
     ) -> AttemptOutcome:
+        if ok:
+            return await self._succeed(run_id, snapshot_id, output, output_type)
         async with self.r.locker.lock("complete_attempt", run_id):
-            if ok:
-                return await self._succeed(run_id, snapshot_id, output, output_type)
             return await self._fail(run_id, snapshot_id, error or {"type": "UNKNOWN", "message": "unknown error"},
                                     retryable=retryable)
 
     async def _succeed(self, run_id: str, snapshot_id: str, output: Any, output_type: str) -> AttemptOutcome:
+        """No run lock: the snapshot's compare-and-set decides (one statement, and the chain's
+        unique index makes a concurrent transition after the same snapshot lose), and every other
+        transition out of EXECUTING writes its side effects only after its own has applied; once
+        FINISHED (COMPLETED) nothing moves the run again, so the ack and the jobs below are the
+        last word whatever runs beside them."""
         try:
             result = await self.execution_snapshot.apply(
                 run_id, E.FINISHED, RunStatus.COMPLETED,
@@ -159,7 +164,8 @@ class RunAttemptSystem:
             )
         except StaleSnapshotError as exc:
             if exc.latest_status == E.PENDING_CANCEL:
-                return await self.finish_cancel_requested(run_id, exc.latest_snapshot_id)
+                async with self.r.locker.lock("complete_attempt", run_id):
+                    return await self.finish_cancel_requested(run_id, exc.latest_snapshot_id)
             raise
         await self._finalize(result)
         assert result.run is not None and result.snapshot is not None

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from psycopg import AsyncConnection
+from psycopg.errors import UniqueViolation
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
@@ -181,6 +182,8 @@ WITH input AS (
            coalesce(completed, '{}')
     FROM allowed
     ORDER BY ord
+    -- a concurrent transition appended after the same snapshot first: this one did not apply
+    ON CONFLICT (previous_snapshot_id) WHERE is_valid AND previous_snapshot_id IS NOT NULL DO NOTHING
     RETURNING *
 ), upd AS (
     UPDATE task_run r SET
@@ -193,17 +196,32 @@ WITH input AS (
         output_type = CASE WHEN a.output IS NOT NULL THEN a.output_type ELSE r.output_type END,
         error = CASE WHEN a.reopen THEN NULL WHEN a.error IS NOT NULL THEN a.error ELSE r.error END,
         queued_at = CASE WHEN a.engine_status = 'QUEUED' THEN now() ELSE r.queued_at END
-    FROM allowed a
+    FROM allowed a JOIN ins ON ins.id = a.new_id
     WHERE r.id = a.run_id
     RETURNING r.*
 )
 SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_latest_status,
-       to_jsonb(ins.*) AS t_snapshot, to_jsonb(upd.*) AS t_run
+       to_jsonb(ins.*) AS t_snapshot, to_jsonb(upd.*) AS t_run,
+       (ins.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict
 FROM latest l
-LEFT JOIN ins ON ins.run_id = l.run_id
-LEFT JOIN upd ON upd.id = l.run_id
+LEFT JOIN ins ON ins.id = l.new_id
+LEFT JOIN upd ON upd.id = l.run_id AND ins.id IS NOT NULL
 ORDER BY l.ord
 """
+
+_LATEST_OF_RUNS = """
+-- the latest valid snapshot of each run (after a transition lost a race, to report what won)
+SELECT DISTINCT ON (run_id) run_id, id, engine_status FROM task_run_execution_snapshot
+WHERE run_id = ANY(%s) AND is_valid ORDER BY run_id, seq DESC
+"""
+
+#: the unique index that keeps a run's snapshots one chain (migrations/0013_snapshot_chain.sql)
+CHAIN_INDEX = "snapshot_chain_uq"
+
+
+def chain_conflict(exc: BaseException) -> bool:
+    """Whether ``exc`` is a snapshot appended after one that another transition appended after first."""
+    return isinstance(exc, UniqueViolation) and exc.diag.constraint_name == CHAIN_INDEX
 
 
 def _parse_ts(value: Any) -> Any:
@@ -425,20 +443,22 @@ class RunRepository:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_TRANSITION_SQL, self._transition_params(transitions))
-            return self._transition_results(await cur.fetchall())
+            return await self._transition_results(conn, await cur.fetchall())
 
     async def transition_chain(self, steps: Sequence[Sequence[Transition]]) -> list[list[TransitionResult]]:
         """Apply ``steps`` one after the other in one transaction, sent together (one round trip,
         one commit): a step's transitions may expect the snapshots the step before it appends.
         Each step's results in order; a transition that did not apply leaves the others be."""
-        async with self.pool.connection() as conn, conn.pipeline():
-            cursors = []
-            async with conn.transaction():
-                for step in steps:
-                    cur = conn.cursor(row_factory=dict_row)
-                    await cur.execute(_TRANSITION_SQL, self._transition_params(step))
-                    cursors.append(cur)
-            return [self._transition_results(await cur.fetchall()) for cur in cursors]
+        async with self.pool.connection() as conn:
+            async with conn.pipeline():
+                cursors = []
+                async with conn.transaction():
+                    for step in steps:
+                        cur = conn.cursor(row_factory=dict_row)
+                        await cur.execute(_TRANSITION_SQL, self._transition_params(step))
+                        cursors.append(cur)
+                rows = [await cur.fetchall() for cur in cursors]
+            return [await self._transition_results(conn, r) for r in rows]
 
     @staticmethod
     def _transition_params(transitions: Sequence[Transition]) -> dict[str, Any]:
@@ -454,9 +474,21 @@ class RunRepository:
         return {"rows": Jsonb(rows)}
 
     @staticmethod
-    def _transition_results(rows: Sequence[dict[str, Any]]) -> list[TransitionResult]:
-        return [transition_result(row["t_run_id"], row["t_latest_id"], row["t_latest_status"], row["t_snapshot"],
-                                  row["t_run"]) for row in rows]
+    async def _transition_results(conn: AsyncConnection[Any], rows: Sequence[dict[str, Any]]) -> list[TransitionResult]:
+        """The statement's rows as results; a transition that lost the race for its run's next
+        snapshot reports the snapshot that won (one more query, only then)."""
+        lost = [row["t_run_id"] for row in rows if row["t_conflict"]]
+        latest: dict[str, tuple[str, str]] = {}
+        if lost:
+            cur = await conn.execute(_LATEST_OF_RUNS, (lost,))
+            latest = {r[0]: (r[1], r[2]) for r in await cur.fetchall()}
+        out = []
+        for row in rows:
+            latest_id, latest_status = row["t_latest_id"], row["t_latest_status"]
+            if row["t_conflict"]:
+                latest_id, latest_status = latest.get(row["t_run_id"], (latest_id, latest_status))
+            out.append(transition_result(row["t_run_id"], latest_id, latest_status, row["t_snapshot"], row["t_run"]))
+        return out
 
     async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
         async with self.pool.connection() as conn:

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from psycopg.errors import UniqueViolation
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, to_columns
-from run_engine.db.runs import TransitionResult, transition_result
+from run_engine.db.runs import TransitionResult, chain_conflict, transition_result
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,10 +336,16 @@ class WaitpointRepository:
         (see _BLOCK); the caller holds the run's lock."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_BLOCK, {
-                "run": run_id, "expected": expected_snapshot_id, "seq": entry.sequence, "kind": entry.kind,
-                "key": entry.key, "result": Jsonb(entry.result), "wp": entry.waitpoint_id,
-                "wps": list(waitpoint_ids), "new": new_snapshot_id, "description": description})
+            try:
+                await cur.execute(_BLOCK, {
+                    "run": run_id, "expected": expected_snapshot_id, "seq": entry.sequence, "kind": entry.kind,
+                    "key": entry.key, "result": Jsonb(entry.result), "wp": entry.waitpoint_id,
+                    "wps": list(waitpoint_ids), "new": new_snapshot_id, "description": description})
+            except UniqueViolation as exc:
+                if not chain_conflict(exc):
+                    raise
+                # another transition appended after the same snapshot first; nothing was written
+                return Blocked(await self._moved_on(run_id), None, False, 0)
             row = await cur.fetchone()
         assert row is not None
         e = row["existing"]
@@ -353,8 +360,13 @@ class WaitpointRepository:
         result and the run's pending waitpoints. The caller holds the run's lock."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_SUSPEND, {"run": run_id, "expected": expected_snapshot_id, "checkpoint": checkpoint_id,
-                                         "new": new_snapshot_id})
+            try:
+                await cur.execute(_SUSPEND, {"run": run_id, "expected": expected_snapshot_id,
+                                             "checkpoint": checkpoint_id, "new": new_snapshot_id})
+            except UniqueViolation as exc:
+                if not chain_conflict(exc):
+                    raise
+                return await self._moved_on(run_id), 0  # another transition came first; nothing written
             row = await cur.fetchone()
         assert row is not None
         return (transition_result(run_id, row["latest_id"], row["latest_status"], row["snapshot"], row["run"]),
@@ -392,6 +404,11 @@ class WaitpointRepository:
                 """SELECT w.* FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
                    WHERE trw.run_id = %s AND w.status = 'PENDING' ORDER BY w.created_at LIMIT %s""", (run_id, limit))
             return [_waitpoint(r) for r in await cur.fetchall()]
+
+    async def _moved_on(self, run_id: str) -> TransitionResult:
+        """A transition of the run that did not apply: its latest snapshot as it is now."""
+        latest_id, latest_status, _ = await self.blocking_state(run_id)
+        return transition_result(run_id, latest_id, latest_status, None, None)
 
     async def blocking_state(self, run_id: str) -> tuple[str | None, str | None, int]:
         """Latest valid snapshot id and status of the run, and its pending waitpoints: one query."""

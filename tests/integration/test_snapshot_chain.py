@@ -1,0 +1,118 @@
+"""A run's snapshots stay one chain when two transitions race for the same snapshot without a run
+lock (a successful completion takes none; a lock can be lost to a failover): the unique index on
+``previous_snapshot_id`` makes the second one lose, and it reports the snapshot that won."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from psycopg.rows import dict_row
+
+from run_engine.db.runs import _TRANSITION_SQL, RunRepository, Transition
+from run_engine.db.waitpoints import JournalEntry
+from run_engine.engine import TriggerRequest
+from run_engine.errors import StaleSnapshotError
+from run_engine.ids import new_id
+from run_engine.statuses import RunStatus
+
+from .conftest import Harness
+
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
+
+async def executing(h: Harness) -> tuple[str, str]:
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1, start=True)
+    assert d.started is not None and d.run.id == run.id
+    return run.id, d.started.snapshot.id
+
+
+def finish(run_id: str, expected: str) -> Transition:
+    return Transition(run_id=run_id, new_snapshot_id=new_id("snapshot"), engine_status="FINISHED",
+                      run_status="COMPLETED", from_statuses=("EXECUTING",), expected_snapshot_id=expected,
+                      description="test", set_finished=True, output={"by": "first"})
+
+
+async def valid_after(h: Harness, snapshot_id: str) -> list[str]:
+    async with h.engine.resources.repo.pool.connection() as conn:
+        cur = await conn.execute("SELECT id FROM task_run_execution_snapshot WHERE previous_snapshot_id = %s "
+                                 "AND is_valid", (snapshot_id,))
+        return [r[0] for r in await cur.fetchall()]
+
+
+async def test_a_transition_that_loses_the_race_reports_the_winner_and_writes_nothing(h: Harness) -> None:
+    run_id, executing_id = await executing(h)
+    other, _ = await executing(h)
+    first = finish(run_id, executing_id)
+    async with h.engine.resources.repo.pool.connection() as conn:
+        async with conn.transaction():
+            # the first transition has appended, not committed: the second reads the same latest
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_TRANSITION_SQL, RunRepository._transition_params([first]))
+            assert (await cur.fetchone())["t_snapshot"] is not None  # type: ignore[index]
+            second = Transition(run_id=run_id, new_snapshot_id=new_id("snapshot"), engine_status="PENDING_CANCEL",
+                                run_status="EXECUTING", from_statuses=("EXECUTING",),
+                                expected_snapshot_id=executing_id, description="racing")
+            other_done = finish(other, (await h.engine.latest_snapshot(other)).id)
+            racing = asyncio.ensure_future(h.engine.resources.repo.runs.transition_many([second, other_done]))
+            await asyncio.sleep(0.2)
+            assert not racing.done()  # it waits on the first one's index entry
+        lost, unrelated = await racing
+    assert not lost.applied and lost.snapshot is None and lost.run is None
+    assert lost.latest_snapshot_id == first.new_snapshot_id and lost.latest_status == "FINISHED"
+    assert unrelated.applied  # one lost race does not fail the others of the statement
+    assert await valid_after(h, executing_id) == [first.new_snapshot_id]
+    row = await h.engine.get_run(run_id)
+    assert row is not None and row.status == "COMPLETED" and row.output == {"by": "first"}
+    assert await h.statuses(run_id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "FINISHED"]
+
+
+async def test_a_block_that_loses_the_race_writes_nothing(h: Harness) -> None:
+    run_id, executing_id = await executing(h)
+    token, _ = await h.engine.create_token(h.env.env_id)
+    first = finish(run_id, executing_id)
+    async with h.engine.resources.repo.pool.connection() as conn:
+        async with conn.transaction():
+            await conn.execute(_TRANSITION_SQL, RunRepository._transition_params([first]))
+            racing = asyncio.ensure_future(h.engine.resources.repo.waitpoints.block_executing(
+                run_id, executing_id, JournalEntry(0, "token", token.id, None, token.id), [token.id],
+                new_id("snapshot"), "racing"))
+            await asyncio.sleep(0.2)
+            assert not racing.done()
+        blocked = await racing
+    assert not blocked.transition.applied and blocked.transition.latest_snapshot_id == first.new_snapshot_id
+    assert await h.engine.journal(run_id) == []  # the journal entry went with the statement
+    assert await h.engine.blocking_waitpoints(run_id) == []
+
+
+async def test_duplicate_completions_without_a_lock_finish_the_run_once(h: Harness) -> None:
+    runs = [await executing(h) for _ in range(20)]
+    outcomes = await asyncio.gather(*(h.engine.complete_attempt(run_id, snap, ok=True, output=i)
+                                      for run_id, snap in runs for i in (1, 2)), return_exceptions=True)
+    for (run_id, snap), pair in zip(runs, zip(outcomes[::2], outcomes[1::2], strict=True), strict=True):
+        won = [o for o in pair if not isinstance(o, BaseException)]
+        assert len(won) == 1 and won[0].status == RunStatus.COMPLETED, pair
+        assert all(isinstance(o, StaleSnapshotError) for o in pair if isinstance(o, BaseException)), pair
+        assert len(await valid_after(h, snap)) == 1
+        assert h.names(run_id).count("run_succeeded") == 1
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == set()
+
+
+async def test_a_completion_racing_a_cancel_ends_the_run_once(h: Harness) -> None:
+    runs = [await executing(h) for _ in range(10)]
+    results = await asyncio.gather(*(op for run_id, snap in runs for op in (
+        h.engine.complete_attempt(run_id, snap, ok=True, output=1), h.engine.cancel(run_id))),
+        return_exceptions=True)
+    # a cancel never fails for the race (it reads again); a completion may find the cancel first
+    assert not [r for r in results[1::2] if isinstance(r, BaseException)], results
+    assert not [r for r in results[::2] if isinstance(r, BaseException) and not isinstance(r, StaleSnapshotError)]
+    for run_id, snap in runs:
+        row = await h.engine.get_run(run_id)
+        assert row is not None
+        assert len(await valid_after(h, snap)) == 1
+        statuses = await h.statuses(run_id)
+        # completed first, or cancel requested first (then the completion finishes the cancel)
+        assert statuses in (["QUEUED", "PENDING_EXECUTING", "EXECUTING", "FINISHED"],
+                            ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "PENDING_CANCEL", "FINISHED"]), statuses
+        assert row.status in ("COMPLETED", "CANCELED")
