@@ -137,6 +137,11 @@ async def _check_group(ctx: ApiContext, group: WorkerGroup, run_id: str) -> str:
     """``run_id`` if the run belongs to the caller's worker group (and, for an environment's
     token, to that environment); 404 otherwise. Runs this process handed out are remembered, so
     the hot path needs no query."""
+    return (await _check_group_env(ctx, group, run_id))[0]
+
+
+async def _check_group_env(ctx: ApiContext, group: WorkerGroup, run_id: str) -> tuple[str, str]:
+    """(``run_id``, its environment) as :func:`_check_group` checks them."""
     owner = ctx.run_group(run_id)
     if owner is None:
         run = await ctx.engine.get_run(run_id) if looks_like_id(run_id, "run") else None
@@ -147,7 +152,7 @@ async def _check_group(ctx: ApiContext, group: WorkerGroup, run_id: str) -> str:
     scoped = group.scoped_env_id
     if owner[0] != group.id or (scoped and owner[1] != scoped):
         raise ApiError(404, "not_found", "run not found")
-    return run_id
+    return run_id, owner[1]
 
 
 async def _group_run_id(ctx: ApiContext, request: Request) -> str:
@@ -309,17 +314,15 @@ def _block_response(outcome: Any, **extra: Any) -> Response:
            security="workerToken")
 async def wait_duration(request: Request) -> Response:
     ctx = ctx_of(request)
-    run_id = await _group_run_id(ctx, request)
+    run_id, env_id = await _check_group_env(ctx, await ctx.worker_group(request), request.path_params["run_id"])
     req = await body(request, WaitDurationBody)
-    run = await ctx.engine.get_run(run_id)
-    assert run is not None
     if (req.seconds is None) == (req.date is None):
         raise ApiError(400, "invalid_input", "body: give exactly one of seconds and date")
     if req.date is not None:
         at = req.date if req.date.tzinfo else req.date.replace(tzinfo=UTC)
     else:
         at = datetime.fromtimestamp(ctx.engine.now() + (req.seconds or 0), UTC)
-    wp = await ctx.engine.create_datetime_waitpoint(run.env_id, at, idempotency_key=req.idempotencyKey)
+    wp = await ctx.engine.create_datetime_waitpoint(env_id, at, idempotency_key=req.idempotencyKey)
     outcome = await ctx.engine.block(run_id, request.path_params["snapshot_id"], sequence=req.sequence, kind="wait",
                                      key=wp.id, waitpoint_ids=[wp.id])
     return _block_response(outcome, waitpointId=wp.id)
@@ -328,16 +331,16 @@ async def wait_duration(request: Request) -> Response:
 @operation("Block on a token or run waitpoint", S.Blocked, body=WaitBody, security="workerToken")
 async def wait_waitpoint(request: Request) -> Response:
     ctx = ctx_of(request)
-    run_id = await _group_run_id(ctx, request)
+    # the run's environment as the group check knows it (remembered at dequeue): no query
+    run_id, env_id = await _check_group_env(ctx, await ctx.worker_group(request), request.path_params["run_id"])
     req = await body(request, WaitBody)
     waitpoint_id = request.path_params["waitpoint_id"]
-    run = await ctx.engine.get_run(run_id)
-    if run is not None and looks_like_id(waitpoint_id, "run"):  # wait on any run: its RUN waitpoint
+    if looks_like_id(waitpoint_id, "run"):  # wait on any run: its RUN waitpoint
         if waitpoint_id == run_id:
             raise ApiError(400, "invalid_input", "a run cannot wait on itself")
-        wp: Waitpoint | None = await ctx.engine.run_waitpoint(run.env_id, waitpoint_id)
+        wp: Waitpoint | None = await ctx.engine.run_waitpoint(env_id, waitpoint_id)
     else:
-        wp = await ctx.engine.get_waitpoint(waitpoint_id, run.env_id if run else None)
+        wp = await ctx.engine.get_waitpoint(waitpoint_id, env_id)
     if wp is None:
         raise ApiError(404, "not_found", "waitpoint not found")
     entry = None
