@@ -34,8 +34,8 @@ class CancelSystem:
         return status
 
     async def _cancel_one(self, run_id: str) -> RunStatus:
-        # A transition that takes no run lock (a successful completion) may move the run between
-        # the read and the compare-and-set below: read again and decide again.
+        # A transition that takes no run lock (a dequeue, a start, a successful completion) may move
+        # the run between the read and the compare-and-set below: read again and decide again.
         for _ in range(4):
             try:
                 return await self._cancel_latest(run_id)
@@ -52,12 +52,14 @@ class CancelSystem:
             if status in CANCEL_AT_ONCE:
                 run = await self.r.repo.runs.get_run(run_id)
                 assert run is not None
-                # Out of the queue first: a cancelled run must never be handed out again.
-                await self.r.queue.remove(run.env_id, run_id)
+                # The snapshot first: a dequeue or a start (no lock) that got in before it makes it
+                # stale (read again above), and a message handed out after it is dropped by that
+                # dequeue's own compare-and-set; then out of the queue.
                 outcome = await self.run_attempt.finish(
                     run_id, RunStatus.CANCELED, error=CANCEL_ERROR, expected_snapshot_id=latest.id,
                     from_statuses=(status,), description=f"Cancelled while {status}",
                 )
+                await self.r.queue.remove(run.env_id, run_id)
                 return outcome.status
             if status in EXECUTING:
                 result = await self.execution_snapshot.apply(

@@ -46,23 +46,12 @@ class DeadLetterSystem:
         self.waitpoints = waitpoints
 
     async def requeue_undelivered(self, run_id: str, latest: Snapshot) -> None:
-        """PENDING_EXECUTING timed out (caller holds the lock): nack, or DLQ past the limit."""
+        """PENDING_EXECUTING timed out (caller holds the lock): back to the queue, or to the DLQ
+        past the delivery limit. The snapshot first: a start (which takes no lock) that got in
+        before it leaves this one stale and the queue untouched; a crash before the nack leaves a
+        QUEUED run whose message is still handed out, which the reconciler makes ready."""
         run = await self.r.repo.runs.get_run(run_id)
         assert run is not None
-        outcome = await self.r.queue.nack(run.env_id, run_id, self.r.now_ms())
-        if outcome.dead_lettered:
-            result = await self.execution_snapshot.apply(
-                run_id, E.FINISHED, RunStatus.SYSTEM_FAILURE, from_statuses=(E.PENDING_EXECUTING,),
-                expected_snapshot_id=latest.id, operation="dead-letter", description="Moved to the DLQ",
-                set_finished=True, error=DLQ_ERROR,
-            )
-            await self.r.change_jobs(cancel=[engine_jobs.heartbeat_id(run_id, latest.id)])
-            assert result.snapshot is not None and result.run is not None
-            if result.run.resume_parent_on_completion:
-                await self.waitpoints.on_runs_finished([result.run])
-            self.r.events.emit(RunEvent("run_dead_lettered", run_id, run.env_id, result.snapshot.id,
-                                        {"deliveries": outcome.deliveries}, attempt=result.run.attempt_number))
-            return
         # A run being restored from a checkpoint goes back as QUEUED_EXECUTING (keeps its checkpoint).
         back_to = E.QUEUED_EXECUTING if latest.checkpoint_id else E.QUEUED
         result = await self.execution_snapshot.apply(
@@ -70,8 +59,22 @@ class DeadLetterSystem:
             expected_snapshot_id=latest.id, operation="requeue",
             description="Requeued: the attempt did not start in time",
         )
-        await self.r.change_jobs(cancel=[engine_jobs.heartbeat_id(run_id, latest.id)])
         assert result.snapshot is not None
+        await self.r.change_jobs(cancel=[engine_jobs.heartbeat_id(run_id, latest.id)])
+        outcome = await self.r.queue.nack(run.env_id, run_id, self.r.now_ms())
+        if outcome.dead_lettered:
+            # the message is in the DLQ now (nobody can dequeue it) and the caller holds the lock
+            dead = await self.execution_snapshot.apply(
+                run_id, E.FINISHED, RunStatus.SYSTEM_FAILURE, from_statuses=(back_to,),
+                expected_snapshot_id=result.snapshot.id, operation="dead-letter", description="Moved to the DLQ",
+                set_finished=True, error=DLQ_ERROR,
+            )
+            assert dead.snapshot is not None and dead.run is not None
+            if dead.run.resume_parent_on_completion:
+                await self.waitpoints.on_runs_finished([dead.run])
+            self.r.events.emit(RunEvent("run_dead_lettered", run_id, run.env_id, dead.snapshot.id,
+                                        {"deliveries": outcome.deliveries}, attempt=dead.run.attempt_number))
+            return
         self.r.events.emit(RunEvent("run_requeued", run_id, run.env_id, result.snapshot.id,
                                     {"reason": "not started in time", "deliveries": outcome.deliveries},
                                     attempt=run.attempt_number))

@@ -116,9 +116,11 @@ class DelayedRunsSystem:
                 return False
             run = await self.r.repo.runs.get_run(run_id)
             assert run is not None
-            await self.r.queue.remove(run.env_id, run_id)
+            # the snapshot first (a dequeue takes no lock: one that got in first wins, and this one
+            # changes nothing); a message handed out after it is dropped by that dequeue
             await self.run_attempt.finish(
                 run_id, RunStatus.EXPIRED, expected_snapshot_id=latest.id, from_statuses=EXPIRABLE,
                 description="TTL passed before the run started",
                 error={"type": "EXPIRED", "message": f"the run was not started within its TTL of {run.ttl_s}s"})
+            await self.r.queue.remove(run.env_id, run_id)
         return True

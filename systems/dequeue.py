@@ -72,55 +72,56 @@ class DequeueSystem:
             messages.retry_at_ms = retry_at
         if not messages:
             return messages
-        run_ids = [m.run_id for m in messages]
         froms = tuple(DEQUEUEABLE)
-        async with self.r.locker.lock("dequeue", *run_ids):
-            pending = [
-                Transition(
-                    run_id=m.run_id,
-                    new_snapshot_id=new_id("snapshot"),
-                    engine_status=ExecutionStatus.PENDING_EXECUTING,
-                    run_status=RunStatus.DEQUEUED,
-                    from_statuses=froms,
-                    description="Dequeued by a worker",
-                    worker_id=worker_id,
-                )
-                for m in messages
-            ]
-            starts: Sequence[TransitionResult | None]
-            if start:
-                # one transaction: each start expects the PENDING_EXECUTING snapshot appended before it
-                results, starts = await self.r.repo.runs.transition_chain([pending, [
-                    Transition(run_id=t.run_id, new_snapshot_id=new_id("snapshot"),
-                               engine_status=ExecutionStatus.EXECUTING, run_status=RunStatus.EXECUTING,
-                               **self.run_attempt.start_transition(t.new_snapshot_id, worker_id))
-                    for t in pending]])
+        # No run lock: the compare-and-set from a dequeueable status decides. A run that moved on
+        # meanwhile (a cancel or a TTL applies its snapshot before it touches the queue) is not
+        # applied here and its message is dropped; the others' jobs are keyed by snapshot.
+        pending = [
+            Transition(
+                run_id=m.run_id,
+                new_snapshot_id=new_id("snapshot"),
+                engine_status=ExecutionStatus.PENDING_EXECUTING,
+                run_status=RunStatus.DEQUEUED,
+                from_statuses=froms,
+                description="Dequeued by a worker",
+                worker_id=worker_id,
+            )
+            for m in messages
+        ]
+        starts: Sequence[TransitionResult | None]
+        if start:
+            # one transaction: each start expects the PENDING_EXECUTING snapshot appended before it
+            results, starts = await self.r.repo.runs.transition_chain([pending, [
+                Transition(run_id=t.run_id, new_snapshot_id=new_id("snapshot"),
+                           engine_status=ExecutionStatus.EXECUTING, run_status=RunStatus.EXECUTING,
+                           **self.run_attempt.start_transition(t.new_snapshot_id, worker_id))
+                for t in pending]])
+        else:
+            results = await self.execution_snapshot.append_many(pending)
+            starts = [None] * len(results)
+        dequeued: list[DequeuedRun] = []
+        stray: list[tuple[str, str]] = []
+        cancel: list[str] = []
+        schedule: list[engine_jobs.JobSpec] = []
+        timeout = self.r.settings.pending_executing_timeout_s
+        for message, result, started in zip(messages, results, starts, strict=True):
+            if not (result.applied and result.snapshot is not None and result.run is not None):
+                # The run moved on (finished, cancelled) while its message was queued: drop it.
+                stray.append((message.env_id, message.run_id))
+            elif started is not None and started.applied and started.run is not None \
+                    and started.snapshot is not None:
+                attempt, c, s = await self.run_attempt.attempt_started(
+                    started.run, started.snapshot, result.snapshot.id, pending_job=False)
+                cancel += c
+                schedule += s
+                dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries, attempt))
             else:
-                results = await self.execution_snapshot.append_many(pending)
-                starts = [None] * len(results)
-            dequeued: list[DequeuedRun] = []
-            stray: list[tuple[str, str]] = []
-            cancel: list[str] = []
-            schedule: list[engine_jobs.JobSpec] = []
-            timeout = self.r.settings.pending_executing_timeout_s
-            for message, result, started in zip(messages, results, starts, strict=True):
-                if not (result.applied and result.snapshot is not None and result.run is not None):
-                    # The run moved on (finished, cancelled) while its message was queued: drop it.
-                    stray.append((message.env_id, message.run_id))
-                elif started is not None and started.applied and started.run is not None \
-                        and started.snapshot is not None:
-                    attempt, c, s = await self.run_attempt.attempt_started(
-                        started.run, started.snapshot, result.snapshot.id, pending_job=False)
-                    cancel += c
-                    schedule += s
-                    dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries, attempt))
-                else:
-                    schedule.append(engine_jobs.heartbeat(result.run.id, result.snapshot.id,
-                                                          self.r.clock.now() + timeout))
-                    dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries))
-            if stray:
-                await self.r.queue.ack(stray)
-            await self.r.change_jobs(cancel, schedule)
+                schedule.append(engine_jobs.heartbeat(result.run.id, result.snapshot.id,
+                                                      self.r.clock.now() + timeout))
+                dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries))
+        if stray:
+            await self.r.queue.ack(stray)
+        await self.r.change_jobs(cancel, schedule)
         for d in dequeued:
             self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.env_id, d.snapshot.id,
                                         attempt=d.run.attempt_number))

@@ -85,16 +85,20 @@ class RunAttemptSystem:
 
     async def start_attempt(self, run_id: str, snapshot_id: str, worker_id: str | None = None) -> StartedAttempt:
         """Start the next attempt of a dequeued run; a run restored from a checkpoint (dequeued
-        after a suspension) resumes its attempt instead, by journal replay."""
-        async with self.r.locker.lock("start_attempt", run_id):
-            result = await self.execution_snapshot.apply(
-                run_id, E.EXECUTING, RunStatus.EXECUTING, **self.start_transition(snapshot_id, worker_id),
-                operation="start an attempt of",
-            )
-            assert result.run is not None and result.snapshot is not None
-            started, cancel, schedule = await self.attempt_started(result.run, result.snapshot, snapshot_id,
-                                                                   pending_job=True)
-            await self.r.change_jobs(cancel, schedule)
+        after a suspension) resumes its attempt instead, by journal replay.
+
+        No run lock: the compare-and-set from the caller's PENDING_EXECUTING snapshot decides
+        (see :meth:`_succeed`); the transitions that race it (a cancel, the PENDING_EXECUTING
+        timeout) apply theirs before touching the queue, and the jobs below are keyed by snapshot
+        and attempt, so one that lands after another transition is stale when it fires."""
+        result = await self.execution_snapshot.apply(
+            run_id, E.EXECUTING, RunStatus.EXECUTING, **self.start_transition(snapshot_id, worker_id),
+            operation="start an attempt of",
+        )
+        assert result.run is not None and result.snapshot is not None
+        started, cancel, schedule = await self.attempt_started(result.run, result.snapshot, snapshot_id,
+                                                               pending_job=True)
+        await self.r.change_jobs(cancel, schedule)
         self.emit_started(started)
         return started
 

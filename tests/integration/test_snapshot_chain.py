@@ -116,3 +116,38 @@ async def test_a_completion_racing_a_cancel_ends_the_run_once(h: Harness) -> Non
         assert statuses in (["QUEUED", "PENDING_EXECUTING", "EXECUTING", "FINISHED"],
                             ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "PENDING_CANCEL", "FINISHED"]), statuses
         assert row.status in ("COMPLETED", "CANCELED")
+
+
+async def test_a_start_that_beats_the_pending_timeout_keeps_the_queue_untouched(h: Harness) -> None:
+    """The PENDING_EXECUTING timeout read the run before a start (which takes no lock) moved it
+    on: its compare-and-set comes first, so it neither hands the message out again nor DLQs it."""
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(run.id, d.snapshot.id)
+    with pytest.raises(StaleSnapshotError):
+        await h.engine.systems.dead_letter.requeue_undelivered(run.id, d.snapshot)  # what the timeout had read
+    h.clock.advance(3600)  # past any nack back-off
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # not handed out again
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == {run.id}  # its slot still held
+    assert await h.engine.resources.queue.list_dlq(h.env.env_id) == []
+    await h.engine.complete_attempt(run.id, started.snapshot.id, ok=True, output=1)
+    assert await h.statuses(run.id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "FINISHED"]
+
+
+async def test_dequeues_racing_cancels_hand_out_only_runs_they_moved_first(h: Harness) -> None:
+    runs = [(await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))).id for _ in range(30)]
+    # the cancels newest first, the dequeues (oldest first) a moment later: they meet in the middle
+    cancels = [asyncio.ensure_future(h.engine.cancel(run_id)) for run_id in reversed(runs)]
+    await asyncio.sleep(0.01)
+    got = await asyncio.gather(*(h.engine.dequeue(h.env.worker_group_id, 3, start=True) for _ in range(10)))
+    await asyncio.gather(*cancels)
+    handed = {d.run.id for batch in got for d in batch}
+    for run_id in runs:
+        latest = await h.engine.latest_snapshot(run_id)
+        if run_id in handed:  # started first: the cancel asks the executing run to stop
+            assert latest.engine_status == "PENDING_CANCEL", run_id
+        else:  # cancelled first: never handed out
+            assert latest.engine_status == "FINISHED" and latest.run_status == "CANCELED", run_id
+    h.clock.advance(3600)
+    assert await h.engine.dequeue(h.env.worker_group_id, 50) == []  # nothing left to hand out
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == handed
