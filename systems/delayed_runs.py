@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from run_engine.db.runs import DebounceReplacement, RunRow
-from run_engine.errors import InvalidTransitionError, NotFoundError
+from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError
 from run_engine.events import RunEvent
 from run_engine.statuses import ExecutionStatus, RunStatus
 from systems import engine_jobs
@@ -118,9 +118,12 @@ class DelayedRunsSystem:
             assert run is not None
             # the snapshot first (a dequeue takes no lock: one that got in first wins, and this one
             # changes nothing); a message handed out after it is dropped by that dequeue
-            await self.run_attempt.finish(
-                run_id, RunStatus.EXPIRED, expected_snapshot_id=latest.id, from_statuses=EXPIRABLE,
-                description="TTL passed before the run started",
-                error={"type": "EXPIRED", "message": f"the run was not started within its TTL of {run.ttl_s}s"})
+            try:
+                await self.run_attempt.finish(
+                    run_id, RunStatus.EXPIRED, expected_snapshot_id=latest.id, from_statuses=EXPIRABLE,
+                    description="TTL passed before the run started",
+                    error={"type": "EXPIRED", "message": f"the run was not started within its TTL of {run.ttl_s}s"})
+            except StaleSnapshotError:
+                return False  # dequeued meanwhile: it started in time
             await self.r.queue.remove(run.env_id, run_id)
         return True

@@ -6,6 +6,7 @@ Retry decisions are data (:class:`AttemptOutcome`), never exceptions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -271,7 +272,8 @@ class RunAttemptSystem:
                 return  # the run moved on; this job is stale
             status = ExecutionStatus(latest.engine_status)
             if status == E.PENDING_EXECUTING:
-                await self.dead_letter.requeue_undelivered(run_id, latest)
+                with contextlib.suppress(StaleSnapshotError):  # started meanwhile (a start takes no lock)
+                    await self.dead_letter.requeue_undelivered(run_id, latest)
             elif status == E.EXECUTING_WITH_WAITPOINTS:
                 # Its worker went away while the run waited: checkpoint it on the worker's behalf;
                 # it is restored by replay when its waitpoints complete.
