@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import psycopg
+import pytest
 
 from run_engine.db.migrations import available_migrations, migrate_sync
 
@@ -81,3 +82,33 @@ def test_an_index_built_concurrently_is_valid_and_rebuilt_when_left_invalid(empt
     assert valid() == [False]
     assert migrate_sync(empty_database) == ["0012"]
     assert valid() == [True]
+
+
+def test_snapshot_chain_migration_keeps_the_latest_of_a_forked_chain(empty_database: str) -> None:
+    """An upgrade over snapshots that an earlier version forked (two transitions after the same
+    snapshot): the newest branch stays valid, so every run's latest snapshot is what it was, and
+    the unique index that forbids forks from then on is built."""
+    migrate_sync(empty_database)
+    with psycopg.connect(empty_database, autocommit=True) as conn:
+        conn.execute("DROP INDEX snapshot_chain_uq")  # the database as it was before 0013
+        conn.execute("DELETE FROM schema_migration WHERE version = '0013'")
+        conn.execute("SET session_replication_role = replica")  # snapshots of runs this test does not make
+        chain = [("s1", None), ("s2", "s1"), ("s3a", "s2"), ("s3b", "s2"), ("s4", "s3a"), ("s5a", "s4"), ("s5b", "s4")]
+        for sid, prev in chain:
+            conn.execute("INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, "
+                         "previous_snapshot_id) VALUES (%s, 'run_forked', 'EXECUTING', 'EXECUTING', %s)", (sid, prev))
+        conn.execute("INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, "
+                     "previous_snapshot_id) VALUES ('t1', 'run_plain', 'QUEUED', 'QUEUED', NULL)")
+    assert migrate_sync(empty_database) == ["0013"]
+    with psycopg.connect(empty_database) as conn:
+        valid = [r[0] for r in conn.execute("SELECT id FROM task_run_execution_snapshot WHERE run_id = 'run_forked' "
+                                            "AND is_valid ORDER BY seq")]
+        assert valid == ["s1", "s2", "s3b", "s4", "s5b"]  # the newest of each fork; the latest (s5b) unchanged
+        assert conn.execute("SELECT is_valid FROM task_run_execution_snapshot WHERE id = 't1'").fetchone() == (True,)
+        index = conn.execute("SELECT i.indisunique, i.indisvalid FROM pg_index i JOIN pg_class c "
+                             "ON c.oid = i.indexrelid WHERE c.relname = 'snapshot_chain_uq'").fetchone()
+        assert index == (True, True)
+        conn.execute("SET session_replication_role = replica")
+        with pytest.raises(psycopg.errors.UniqueViolation):  # a second snapshot after s4
+            conn.execute("INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, "
+                         "previous_snapshot_id) VALUES ('s6', 'run_forked', 'FINISHED', 'COMPLETED', 's4')")
