@@ -139,7 +139,7 @@ while #out < max * 7 and budget > 0 do
   end
   if q then
     local deliveries = redis.call('HINCRBY', mk, 'deliveries', 1)
-    redis.call('HSET', mk, 'state', 'held')
+    redis.call('HSET', mk, 'state', 'held', 'held_at', now)
     local task = redis.call('HGET', mk, 'task') or ''
     redis.call('SADD', ekey(env) .. ':running', run)
     redis.call('SADD', qkey(env, q) .. ':running', run)

@@ -141,24 +141,27 @@ class ReconcilerSystem:
 
         async for runs in self._pages("queued", fetch, _run_id, full):
             report.scanned += len(runs)
-            states = await self.r.queue.placements([(r.env_id, r.id) for r in runs])
+            # a run handed out less than the grace ago is a dequeue still writing its snapshot
+            states = await self.r.queue.placements([(r.env_id, r.id) for r in runs], now_ms=self.r.now_ms(),
+                                                   held_grace_ms=grace * 1000)
             suspect = [(run, state) for run, state in zip(runs, states, strict=True)
                        if state in (None, "held", "lost")]
             if broken := [run.id for run, state in zip(runs, states, strict=True) if state == "broken"]:
                 log.error("reconciler: the queue messages of runs %s cannot be read (not hashes)", broken[:20])
             if suspect:
-                outcomes = await asyncio.gather(*(self._requeue(run, state, report) for run, state in suspect),
+                outcomes = await asyncio.gather(*(self._requeue(run, state, report, grace) for run, state in suspect),
                                                 return_exceptions=True)
                 for (run, _), outcome in zip(suspect, outcomes, strict=True):
                     if isinstance(outcome, Exception):
                         log.error("reconciler: could not requeue run %s: %r", run.id, outcome)
 
-    async def _requeue(self, run, state, report: ReconcileReport) -> None:  # type: ignore[no-untyped-def]
+    async def _requeue(self, run, state, report: ReconcileReport, grace: float) -> None:  # type: ignore[no-untyped-def]
         async with self.r.locker.lock("reconcile", run.id):
             latest = await self.r.repo.runs.latest_snapshot(run.id)
             if latest is None or latest.engine_status not in (E.QUEUED, E.QUEUED_EXECUTING):
                 return  # moved on meanwhile
-            current = (await self.r.queue.placements([(run.env_id, run.id)]))[0]
+            current = (await self.r.queue.placements([(run.env_id, run.id)], now_ms=self.r.now_ms(),
+                                                     held_grace_ms=grace * 1000))[0]
             if current != state:
                 return
             await self.r.enqueue_items([self.enqueue.item_for(run, reset_deliveries=state is None)])

@@ -405,30 +405,35 @@ class RunQueue:
             pipe.hget(self.keys.message(env_id, run_id), "state")
         return [None if x is None else _s(x) for x in await pipe.execute()] if items else []
 
-    async def placements(self, items: Sequence[tuple[str, str]]) -> list[str | None]:
+    async def placements(self, items: Sequence[tuple[str, str]], *, now_ms: int | None = None,
+                         held_grace_ms: float = 0) -> list[str | None]:
         """Like :meth:`message_states`, but ``"lost"`` for a run whose message says ``ready`` or
         ``delayed`` while the run is not in that set (a dequeue that failed half-way, a partial
-        flush): the reconciler puts such runs back; ``"broken"`` when the message cannot be read.
-        Two pipelined round trips."""
+        flush): the reconciler puts such runs back; ``"broken"`` when the message cannot be read;
+        ``"handing out"`` for one held (handed out) less than ``held_grace_ms`` before ``now_ms``:
+        its dequeue may still be writing the snapshot. Two pipelined round trips."""
         if not items:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for env_id, run_id in items:
-            pipe.hmget(self.keys.message(env_id, run_id), "state", "wg", "queue", "ck")
+            pipe.hmget(self.keys.message(env_id, run_id), "state", "wg", "queue", "ck", "held_at")
         # one unreadable message (not a hash) must not hide the others: it is reported "broken"
-        rows = [[b"broken", None, None, None] if isinstance(row, Exception) else row
+        rows = [[b"broken", None, None, None, None] if isinstance(row, Exception) else row
                 for row in await pipe.execute(raise_on_error=False)]
         pipe = self.redis.pipeline(transaction=False)
         checked: list[int] = []
-        for i, ((env_id, run_id), (state, wg, queue, ck)) in enumerate(zip(items, rows, strict=True)):
-            if _s(state) == "ready":
+        out: list[str | None] = [None if row[0] is None else _s(row[0]) for row in rows]
+        for i, ((env_id, run_id), (state, wg, queue, ck, held_at)) in enumerate(zip(items, rows, strict=True)):
+            if _s(state) == "held" and now_ms is not None and held_at is not None \
+                    and now_ms - float(held_at) < held_grace_ms:
+                out[i] = "handing out"
+            elif _s(state) == "ready":
                 pipe.zscore(self.keys.ready(env_id, _name(wg), _name(queue), _name(ck)), encode_name(run_id))
             elif _s(state) == "delayed":
                 pipe.zscore(self.keys.delayed(self.keys.shard_of(env_id)), encode_name(run_id))
             else:
                 continue
             checked.append(i)
-        out = [None if row[0] is None else _s(row[0]) for row in rows]
         if checked:
             for i, score in zip(checked, await pipe.execute(), strict=True):
                 if score is None:

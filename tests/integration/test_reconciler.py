@@ -83,6 +83,26 @@ async def test_a_dequeue_lost_before_postgres_saw_it_is_made_ready_again(private
     assert d.run.id == run.id
 
 
+async def test_a_run_being_handed_out_is_left_to_its_dequeue(private: Harness) -> None:
+    """A backlogged run (touched long ago) that a dequeue has just taken from the queue and not yet
+    written PENDING_EXECUTING for is not made ready again by a pass in between: a second dequeue
+    would only drop it, and free the slot of the run executing meanwhile."""
+    h = private
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    async with h.engine.resources.repo.pool.connection() as conn:
+        await conn.execute("UPDATE task_run SET updated_at = now() - interval '1 hour' WHERE id = %s", (run.id,))
+    assert [m.run_id for m in await h.engine.resources.queue.dequeue(
+        h.env.worker_group_id, 5, h.engine.resources.now_ms())] == [run.id]
+    report = await h.engine.systems.reconciler.reconcile(grace_s=30, full=True)
+    assert report.requeued_stuck == 0
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+    h.clock.advance(31)  # held longer than the grace: its dequeue died before writing the snapshot
+    report = await h.engine.systems.reconciler.reconcile(grace_s=30, full=True)
+    assert report.requeued_stuck == 1
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert d.run.id == run.id
+
+
 async def test_a_slot_held_by_a_finished_run_is_freed(private: Harness) -> None:
     h = private
     run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
