@@ -1,13 +1,32 @@
 from __future__ import annotations
 
+import os
+import re
+
 from run_engine.ids import new_id
 from run_engine.statuses import FINAL_RUN_STATUSES, PUBLIC_STATUS, ExecutionStatus, RunStatus
 
 
 def test_ids_are_prefixed_random_and_long() -> None:
-    ids = {new_id("run") for _ in range(1000)}
-    assert len(ids) == 1000
-    assert all(i.startswith("run_") and len(i) >= 4 + 21 for i in ids)
+    ids = {new_id("run") for _ in range(10_000)}  # many batches of the pool
+    assert len(ids) == 10_000
+    assert all(re.fullmatch(r"run_[a-z2-7]{24}", i) for i in ids)
+
+
+def test_a_forked_child_never_hands_out_its_parents_ids() -> None:
+    new_id("run")  # the pool holds ids now; a fork copies them
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        os.write(write, "\n".join(new_id("run") for _ in range(100)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        child = set(f.read().split("\n"))
+    os.waitpid(pid, 0)
+    parent = {new_id("run") for _ in range(100)}
+    assert len(child) == 100 and not child & parent
 
 
 def test_every_non_final_execution_status_has_a_public_status() -> None:
