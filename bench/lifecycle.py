@@ -1,7 +1,7 @@
 """Engine lifecycle benchmark: N runs through trigger → dequeue → start → complete, in process,
 on real PostgreSQL and Redis, with concurrent producers and consumers.
 
-    python bench/lifecycle.py [--runs 5000] [--consumers 32] [--producers 16] [--batch 20] [--enqueue-first]
+    python bench/lifecycle.py [--runs 5000] [--consumers 32] [--producers 16] [--batch 20] [--enqueue-first] [--start-in-dequeue]
 
 ``--enqueue-first`` triggers all N runs first (the batch trigger, 500 a call), then drains them.
 
@@ -58,7 +58,7 @@ async def run(args: argparse.Namespace, database_url: str, redis_url: str) -> fl
         async def execute(d) -> None:  # type: ignore[no-untyped-def]
             nonlocal done
             t = time.perf_counter()
-            s = await engine.start_attempt(d.run.id, d.snapshot.id)
+            s = d.started or await engine.start_attempt(d.run.id, d.snapshot.id)
             t2 = time.perf_counter()
             await engine.complete_attempt(d.run.id, s.snapshot.id, ok=True, output={"ok": True})
             t3 = time.perf_counter()
@@ -70,7 +70,8 @@ async def run(args: argparse.Namespace, database_url: str, redis_url: str) -> fl
             idle = 0.001
             while done < args.runs:
                 t = time.perf_counter()
-                got = await engine.dequeue(env.worker_group_id, args.batch, deployments=deployments)
+                got = await engine.dequeue(env.worker_group_id, args.batch, deployments=deployments,
+                                           start=args.start_in_dequeue)
                 if not got:
                     if produced.is_set() and done >= args.runs:
                         return
@@ -126,6 +127,9 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=8)
     parser.add_argument("--enqueue-first", action="store_true",
                         help="trigger every run first (batches of 500), then drain: the peers' batch mode")
+    parser.add_argument("--start-in-dequeue", action="store_true",
+                        help="the dequeue starts the attempts in its own transaction (what the supervisor asks "
+                             "for over HTTP) instead of one start call per run")
     parser.add_argument("--deployment-filter", action=argparse.BooleanOptionalAction, default=True,
                         help="dequeue as a supervisor does, naming its deployment (only its tasks' runs)")
     args = parser.parse_args()
