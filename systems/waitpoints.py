@@ -245,27 +245,18 @@ class WaitpointsSystem:
         return latest
 
     async def try_continue(self, run_id: str) -> Snapshot | None:
-        """Continue a blocked run if nothing blocks it any more (idempotent); its new snapshot."""
+        """Continue a blocked run if nothing blocks it any more (idempotent); its new snapshot.
+        One statement decides and writes it (see ``WaitpointRepository.continue_blocked``)."""
         async with self.r.locker.lock("continue", run_id):
-            latest_id, latest_status, pending = await self.wp.blocking_state(run_id)
-            if latest_id is None or latest_status not in BLOCKED or pending > 0:
+            result = await self.wp.continue_blocked(run_id, new_id("snapshot"))
+            if not result.applied:
                 return None
-            completed = tuple(await self.wp.unblock(run_id))
-            if latest_status == E.EXECUTING_WITH_WAITPOINTS:
-                result = await self.execution_snapshot.apply(
-                    run_id, E.EXECUTING, RunStatus.EXECUTING, from_statuses=(E.EXECUTING_WITH_WAITPOINTS,),
-                    expected_snapshot_id=latest_id, operation="continue", description="Waitpoints completed",
-                    completed_waitpoint_ids=completed)
-                assert result.snapshot is not None
-                await self.execution_snapshot.after_transition(latest_id, latest_status, result.snapshot)
-            else:
-                result = await self.execution_snapshot.apply(
-                    run_id, E.QUEUED_EXECUTING, RunStatus.QUEUED, from_statuses=(E.SUSPENDED,),
-                    expected_snapshot_id=latest_id, operation="continue",
-                    description="Waitpoints completed: queued to restore", completed_waitpoint_ids=completed)
-                assert result.run is not None and result.snapshot is not None
+            assert result.run is not None and result.snapshot is not None
+            if result.snapshot.engine_status == E.EXECUTING:  # still in its executor
+                await self.execution_snapshot.after_transition(result.snapshot.previous_snapshot_id,
+                                                               E.EXECUTING_WITH_WAITPOINTS, result.snapshot)
+            else:  # suspended: queued to be restored
                 await self.r.enqueue_items([self.enqueue.item_for(result.run, reset_deliveries=True)])
-        assert result.run is not None and result.snapshot is not None
         self.r.events.emit(RunEvent("run_continued", run_id, result.run.env_id, result.snapshot.id,
                                     {"status": result.snapshot.engine_status}, attempt=result.run.attempt_number))
         return result.snapshot

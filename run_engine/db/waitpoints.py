@@ -192,6 +192,40 @@ SELECT l.id AS latest_id, l.engine_status AS latest_status, to_jsonb(snap.*) AS 
 FROM (SELECT 1) one LEFT JOIN latest l ON true LEFT JOIN snap ON true LEFT JOIN upd ON true
 """
 
+_CONTINUE = """
+-- continue: a blocked run (EXECUTING_WITH_WAITPOINTS, or SUSPENDED) none of whose waitpoints is pending
+-- any more loses its blocking rows and goes on: EXECUTING in its executor, or QUEUED_EXECUTING to be
+-- restored (keeping its checkpoint), carrying the waitpoints it was blocked on. One statement; nothing
+-- is written unless the run is blocked and nothing blocks it.
+WITH latest AS (
+    SELECT id, engine_status, attempt_number, checkpoint_id FROM task_run_execution_snapshot
+    WHERE run_id = %(run)s AND is_valid ORDER BY seq DESC LIMIT 1
+), ok AS (
+    SELECT l.*, l.engine_status = 'SUSPENDED' AS restore FROM latest l
+    WHERE l.engine_status IN ('EXECUTING_WITH_WAITPOINTS', 'SUSPENDED') AND """ + _PENDING_OF_RUN + """ = 0
+), del AS (
+    DELETE FROM task_run_waitpoint WHERE run_id = %(run)s AND EXISTS (SELECT 1 FROM ok) RETURNING waitpoint_id
+), snap AS (
+    INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
+                                             previous_snapshot_id, checkpoint_id, completed_waitpoint_ids)
+    SELECT %(new)s, %(run)s,
+           CASE WHEN ok.restore THEN 'QUEUED_EXECUTING' ELSE 'EXECUTING' END,
+           CASE WHEN ok.restore THEN 'QUEUED' ELSE 'EXECUTING' END,
+           ok.attempt_number,
+           CASE WHEN ok.restore THEN 'Waitpoints completed: queued to restore' ELSE 'Waitpoints completed' END,
+           ok.id, CASE WHEN ok.restore THEN ok.checkpoint_id END,
+           coalesce((SELECT array_agg(waitpoint_id ORDER BY waitpoint_id) FROM del), '{}')
+    FROM ok
+    ON CONFLICT (previous_snapshot_id) WHERE is_valid AND previous_snapshot_id IS NOT NULL DO NOTHING
+    RETURNING *
+), upd AS (
+    UPDATE task_run r SET status = snap.run_status, updated_at = now() FROM snap WHERE r.id = snap.run_id
+    RETURNING r.*
+)
+SELECT l.id AS latest_id, l.engine_status AS latest_status, to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run
+FROM (SELECT 1) one LEFT JOIN latest l ON true LEFT JOIN snap ON true LEFT JOIN upd ON true
+"""
+
 _BLOCK = """
 -- block: journal the wait at %(seq)s, block the run on %(wps)s and move it to EXECUTING_WITH_WAITPOINTS,
 -- applied only if the latest valid snapshot is %(expected)s in EXECUTING. An entry already at %(seq)s is
@@ -404,6 +438,16 @@ class WaitpointRepository:
                 """SELECT w.* FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
                    WHERE trw.run_id = %s AND w.status = 'PENDING' ORDER BY w.created_at LIMIT %s""", (run_id, limit))
             return [_waitpoint(r) for r in await cur.fetchall()]
+
+    async def continue_blocked(self, run_id: str, new_snapshot_id: str) -> TransitionResult:
+        """Continue the run if it is blocked and nothing blocks it any more (see _CONTINUE): applied
+        with its new snapshot, or not (the latest snapshot as it was). The caller holds the lock."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_CONTINUE, {"run": run_id, "new": new_snapshot_id})
+            row = await cur.fetchone()
+        assert row is not None
+        return transition_result(run_id, row["latest_id"], row["latest_status"], row["snapshot"], row["run"])
 
     async def _moved_on(self, run_id: str) -> TransitionResult:
         """A transition of the run that did not apply: its latest snapshot as it is now."""

@@ -402,3 +402,24 @@ async def test_a_suspend_after_the_wait_completed_queues_the_run_to_restore(h: H
     snapshot = await h.engine.suspend(run.id, out.snapshot.id)
     assert snapshot.engine_status == "QUEUED_EXECUTING"
     assert (await h.statuses(run.id))[-2:] == ["SUSPENDED", "QUEUED_EXECUTING"]
+
+
+async def test_a_run_continues_only_when_its_last_waitpoint_completes(h: Harness) -> None:
+    run, s = await started_run(h)
+    first, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    second, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=first.id,
+                               waitpoint_ids=[first.id, second.id])
+    assert out.blocked
+    await h.engine.waitpoints.complete(first.id, 1)
+    assert await h.engine.waitpoints.try_continue(run.id) is None  # one still pending: nothing written
+    assert (await h.engine.latest_snapshot(run.id)).id == out.snapshot.id
+    assert [w.id for w in await h.engine.blocking_waitpoints(run.id)] == [second.id]
+    await h.engine.waitpoints.complete(second.id, 2)  # continues it
+    latest = await h.engine.latest_snapshot(run.id)
+    assert latest.engine_status == "EXECUTING" and latest.previous_snapshot_id == out.snapshot.id
+    assert sorted(latest.completed_waitpoint_ids) == sorted([first.id, second.id])
+    assert await h.engine.waitpoints.try_continue(run.id) is None  # idempotent: not blocked any more
+    async with h.engine.resources.repo.pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) FROM task_run_waitpoint WHERE run_id = %s", (run.id,))
+        assert await cur.fetchone() == (0,)
