@@ -1,7 +1,8 @@
 """Engine lifecycle benchmark: N runs through trigger → dequeue → start → complete, in process,
 on real PostgreSQL and Redis, with concurrent producers and consumers.
 
-    python bench/lifecycle.py [--runs 5000] [--consumers 32] [--producers 16] [--batch 20] [--enqueue-first] [--start-in-dequeue]
+    python bench/lifecycle.py [--runs 5000] [--consumers 32] [--producers 16] [--batch 20] [--enqueue-first]
+                              [--start-in-dequeue]
 
 ``--enqueue-first`` triggers all N runs first (the batch trigger, 500 a call), then drains them.
 
