@@ -49,7 +49,6 @@ CHILDREN_REFUSED = (ValidationError, QueueFullError, ConflictError, NotFoundErro
 RUN_IDS = "runIds"
 
 
-BLOCKED = (E.EXECUTING_WITH_WAITPOINTS, E.SUSPENDED)
 TOKEN_TIMEOUT_ERROR = {"type": "WAITPOINT_TIMEOUT", "message": "The token timed out before it was completed"}
 
 

@@ -151,3 +151,19 @@ async def test_dequeues_racing_cancels_hand_out_only_runs_they_moved_first(h: Ha
     h.clock.advance(3600)
     assert await h.engine.dequeue(h.env.worker_group_id, 50) == []  # nothing left to hand out
     assert await h.engine.resources.queue.running_ids(h.env.env_id) == handed
+
+
+async def test_a_cancel_that_died_after_its_snapshot_leaves_nothing_to_hand_out(h: Harness) -> None:
+    """Cancel and TTL expiry write the snapshot first, then touch the queue. A crash between the
+    two leaves a FINISHED run whose message is still ready: the next dequeue's compare-and-set
+    fails, it drops the message, and nothing is handed out or held."""
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    queued = await h.engine.latest_snapshot(run.id)
+    await h.engine.systems.execution_snapshot.apply(  # the cancel's snapshot, and then the crash
+        run.id, "FINISHED", RunStatus.CANCELED, from_statuses=("QUEUED",), expected_snapshot_id=queued.id,
+        operation="cancel", description="Cancelled while QUEUED", set_finished=True)
+    assert await h.engine.resources.queue.placements([(h.env.env_id, run.id)]) == ["ready"]
+    assert await h.engine.dequeue(h.env.worker_group_id, 5, start=True) == []
+    assert await h.engine.resources.queue.placements([(h.env.env_id, run.id)]) == [None]  # message gone
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == set()
+    assert await h.statuses(run.id) == ["QUEUED", "FINISHED"]
