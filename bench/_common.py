@@ -8,6 +8,7 @@ import secrets
 import statistics
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import psycopg
@@ -76,3 +77,72 @@ def wait_healthy(url: str, timeout_s: float = 60) -> None:
         if time.monotonic() > deadline:
             raise SystemExit("server did not start")
         time.sleep(0.1)
+
+
+# --- CPU of processes, read from /proc ---------------------------------------------------------
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int, children: bool = False) -> float:
+    """utime + stime of a process (and, with ``children``, of its children it has reaped)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    total = int(fields[11]) + int(fields[12]) + ((int(fields[13]) + int(fields[14])) if children else 0)
+    return total / TICK
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children_of(p)
+    return out
+
+
+def pids_named(name: str) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == name:
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
+
+
+def executor_pids(supervisor: int) -> list[int]:
+    """The supervisor's executors: its descendants but multiprocessing's helpers (the fork server
+    the executors are forked from, the resource tracker)."""
+    helpers = set()
+    for p in children_of(supervisor):
+        try:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"forkserver" in cmdline or b"resource_tracker" in cmdline:
+            helpers.add(p)
+    return [p for p in descendants(supervisor)[1:] if p not in helpers]
+
+
+def tree_cpu(pid: int) -> float:
+    return sum(cpu_s(p, children=True) for p in descendants(pid) if Path(f"/proc/{p}").exists())
+
+
+def postgres_cpu() -> float:
+    """Every postgres process, and the backends the postmaster has reaped."""
+    return sum(cpu_s(p, children=True) for p in pids_named("postgres"))

@@ -33,48 +33,18 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, wait_healthy  # noqa: E402
+from bench._common import (  # noqa: E402
+    DEFAULT_REDIS,
+    cpu_s,
+    delete_prefix,
+    descendants,
+    fresh_database,
+    pids_named,
+    postgres_cpu,
+    tree_cpu,
+    wait_healthy,
+)
 from bench.http_e2e import free_port, trigger_all, wait_done  # noqa: E402
-from bench.waits import children_of  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int, children: bool = False) -> float:
-    """utime + stime of a process (and, with ``children``, of its children it has reaped)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    total = int(fields[11]) + int(fields[12]) + ((int(fields[13]) + int(fields[14])) if children else 0)
-    return total / TICK
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children_of(p)
-    return out
-
-
-def pids_named(name: str) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().strip() == name:
-                    out.append(int(entry.name))
-            except OSError:
-                continue
-    return out
-
-
-def tree_cpu(pid: int) -> float:
-    return sum(cpu_s(p, children=True) for p in descendants(pid) if Path(f"/proc/{p}").exists())
-
-
-def postgres_cpu() -> float:
-    """Every postgres process, and the backends the postmaster has reaped."""
-    return sum(cpu_s(p, children=True) for p in pids_named("postgres"))
 
 
 def redis_stats(client: redis.Redis) -> dict[str, int]:

@@ -8,6 +8,10 @@
    and the concurrency slots in use (target: none held);
 3. completes every token over HTTP and waits until every run has been restored by replay and
    completed. Last line: ``waits resumed/s: <n>`` (runs completed per second in step 3).
+
+Steps 1 and 3 also print the CPU milliseconds per run each process spent in them (server,
+supervisor, executors, PostgreSQL, Redis, this load generator), read from /proc: steadier than
+runs/s on a shared machine.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -28,21 +33,19 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, wait_healthy  # noqa: E402
+from bench._common import (  # noqa: E402
+    DEFAULT_REDIS,
+    cpu_s,
+    delete_prefix,
+    executor_pids,
+    fresh_database,
+    pids_named,
+    postgres_cpu,
+    tree_cpu,
+    wait_healthy,
+)
 from bench.http_e2e import RawClient, free_port  # noqa: E402
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry.name))
-    return out
+from bench.per_run_costs import executor_cpu  # noqa: E402
 
 
 def count(database_url: str, sql: str) -> int:
@@ -87,7 +90,26 @@ async def until(predicate, what: str, timeout_s: float, every_s: float = 0.5) ->
     return time.perf_counter() - start
 
 
-async def bench(args: argparse.Namespace, url: str, key: str, database_url: str, supervisor_pid: int) -> float:
+def cpu_now(server: int, supervisor: int) -> dict[str, Any]:
+    return {"server": tree_cpu(server), "supervisor": cpu_s(supervisor), "executor_pids": executor_cpu(supervisor),
+            "postgres": postgres_cpu(), "redis": sum(cpu_s(p) for p in pids_named("redis-server")),
+            "load": cpu_s(os.getpid())}
+
+
+def print_cpu(phase: str, before: dict[str, Any], after: dict[str, Any], n: int) -> None:
+    """CPU ms per run of each process over a phase; executors the pool started in the phase
+    (imports, ~0.1-0.3 s each) are shown apart: the others' figures are steady costs per run."""
+    was, now = before["executor_pids"], after["executor_pids"]
+    per_run = {k: (after[k] - before[k]) * 1000 / n for k in before if k != "executor_pids"}
+    per_run["executors"] = sum(v - was.get(p, 0.0) for p, v in now.items() if p in was) * 1000 / n
+    started = [p for p in now if p not in was]
+    parts = "  ".join(f"{k} {v:.2f}" for k, v in per_run.items())
+    print(f"  {phase} CPU ms/run: {parts}  total {sum(per_run.values()):.2f}"
+          f"  (+ {len(started)} executors started: {sum(now[p] for p in started) * 1000 / n:.2f})", flush=True)
+
+
+async def bench(args: argparse.Namespace, url: str, key: str, database_url: str, server_pid: int,
+                supervisor_pid: int) -> float:
     n = args.runs
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120,
                                  limits=httpx.Limits(max_connections=args.clients + 4)) as client:
@@ -97,6 +119,7 @@ async def bench(args: argparse.Namespace, url: str, key: str, database_url: str,
         print(f"created {n} tokens in {time.perf_counter() - t0:.1f}s", flush=True)
 
         t0 = time.perf_counter()
+        cpu0 = cpu_now(server_pid, supervisor_pid)
         for start in range(0, n, 1000):
             items = [{"task": "wait-token", "payload": {"token": t}} for t in tokens[start:start + 1000]]
             r = await client.post("/api/v1/tasks/batch", json={"items": items})
@@ -105,10 +128,11 @@ async def bench(args: argparse.Namespace, url: str, key: str, database_url: str,
                     "all runs suspended", args.timeout)
         suspend_s = time.perf_counter() - t0
         print(f"triggered {n} runs; all waiting and suspended after {suspend_s:.1f}s ({n / suspend_s:.0f} runs/s)")
+        print_cpu("trigger + wait + suspend", cpu0, cpu_now(server_pid, supervisor_pid), n)
 
         queue = (await client.get("/api/v1/queues/task/wait-token")).json()
         waiting = count(database_url, "SELECT count(*) FROM task_run WHERE status = 'WAITING'")
-        executors = len(children_of(supervisor_pid))
+        executors = len(executor_pids(supervisor_pid))
         print(f"while all {waiting} runs wait: executor processes alive {executors} (idle in the pool), "
               f"runs holding an executor or slot {queue['running']}, concurrency slots in use {queue['running']}")
 
@@ -117,11 +141,13 @@ async def bench(args: argparse.Namespace, url: str, key: str, database_url: str,
 
         bodies = [(f"/api/v1/waitpoints/tokens/{t}/complete", b'{"data": %d}' % i) for i, t in enumerate(tokens)]
         t0 = time.perf_counter()
+        cpu0 = cpu_now(server_pid, supervisor_pid)
         await post_all(url, key, bodies, args.clients)
         completed_tokens_s = time.perf_counter() - t0
         await until(lambda: count(database_url, "SELECT count(*) FROM task_run WHERE status = 'COMPLETED'") >= n,
                     "all runs resumed and completed", args.timeout, every_s=0.2)
         resume_s = time.perf_counter() - t0
+        print_cpu("complete token + restore + complete run", cpu0, cpu_now(server_pid, supervisor_pid), n)
         wrong = count(database_url, "SELECT count(*) FROM task_run WHERE status = 'COMPLETED' "
                                     "AND (output->>'got')::int IS NULL")
         restored = count(database_url, "SELECT count(*) FROM task_run WHERE attempt_number = 1")
@@ -160,7 +186,7 @@ def main() -> None:
             wait_healthy(url)
             print(f"runs: {args.runs}  supervisor concurrency: {args.concurrency}  "
                   f"suspend after: {args.suspend_after}s  HTTP clients: {args.clients}", flush=True)
-            rate = asyncio.run(bench(args, url, creds["apiKey"], database_url, supervisor.pid))
+            rate = asyncio.run(bench(args, url, creds["apiKey"], database_url, procs[0].pid, supervisor.pid))
         finally:
             for p in reversed(procs):
                 p.terminate()

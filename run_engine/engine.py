@@ -353,13 +353,15 @@ class RunEngine:
         await self.systems.waitpoints.append_journal(run_id, snapshot_id, sequence, kind, key, result)
 
     async def block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
-                    waitpoint_ids: Sequence[str], result: Any = None) -> BlockOutcome:
+                    waitpoint_ids: Sequence[str], result: Any = None, suspend: bool = False) -> BlockOutcome:
+        """Block the executing run on waitpoints (journaled at ``sequence``); with ``suspend``,
+        checkpoint it at once if it is blocked (``BlockOutcome.suspended``)."""
         return await self.systems.waitpoints.block(run_id, snapshot_id, sequence=sequence, kind=kind, key=key,
-                                                   waitpoint_ids=waitpoint_ids, result=result)
+                                                   waitpoint_ids=waitpoint_ids, result=result, suspend=suspend)
 
     async def trigger_and_wait(self, parent_run_id: str, snapshot_id: str, sequence: int,
-                               requests: Sequence[TriggerRequest], *,
-                               batch: bool = False) -> tuple[list[str], BlockOutcome]:
+                               requests: Sequence[TriggerRequest], *, batch: bool = False,
+                               suspend: bool = False) -> tuple[list[str], BlockOutcome]:
         """Trigger children of an executing run and block it until they finish (one RUN
         waitpoint, or one BATCH waitpoint for ``batch``); journaled at ``sequence``."""
         parent = await self.resources.repo.runs.get_run(parent_run_id)
@@ -367,7 +369,8 @@ class RunEngine:
             raise NotFoundError("run", parent_run_id)
         children = [dataclasses.replace(r, parent_run_id=parent.id, root_run_id=parent.root_run_id or parent.id,
                                         depth=parent.depth + 1) for r in requests]
-        return await self.systems.waitpoints.trigger_and_wait(parent, snapshot_id, sequence, children, batch=batch)
+        return await self.systems.waitpoints.trigger_and_wait(parent, snapshot_id, sequence, children, batch=batch,
+                                                              suspend=suspend)
 
     async def suspend(self, run_id: str, snapshot_id: str) -> Snapshot:
         return await self.systems.waitpoints.suspend(run_id, snapshot_id)

@@ -42,7 +42,9 @@ class SupervisorConfig:
     heartbeat_interval_s: float = 20.0
     poll_wait_ms: int = 10_000
     environments: tuple[str, ...] = ()
-    suspend_after_s: float = 5.0  # a blocked run waits this long in its executor, then is checkpointed
+    # a blocked run waits this long in its executor, then is checkpointed (at once while runs queue
+    # for the slots: see Supervisor._suspend_at_once)
+    suspend_after_s: float = 5.0
     completion_retry_s: float = 600.0  # how long a completion is retried while the engine cannot take it
     wait_retry_s: float = 120.0  # how long a wait or trigger-and-wait call is retried likewise
     metrics_port: int | None = None  # serve Prometheus metrics on this port (supervisor/metrics.py)
@@ -120,6 +122,7 @@ class Supervisor:
         self._release: asyncio.Task[None] | None = None
         self.completed = 0
         self.suspended = 0
+        self._backlog = False  # the last dequeue left runs of the group ready (more than the free slots)
         self.runs_started = 0
         self.metrics = None if config.metrics_port is None else \
             MetricsServer(self, config.metrics_host, config.metrics_port)
@@ -279,6 +282,7 @@ class Supervisor:
             await asyncio.sleep(0.5)
             return []
         runs: list[dict[str, Any]] = response.data["runs"]
+        self._backlog = bool(response.data.get("backlog"))
         return runs
 
     async def _worker_heartbeats(self) -> None:
@@ -439,14 +443,15 @@ class Supervisor:
         base = f"/runs/{state.run_id}/snapshots/{state.snapshot_id}"
         # journaled at ``seq``, so repeating the call is safe: a repeat finds the wait (and the
         # children it created) instead of making another
+        head = {"sequence": seq, **({"suspend": True} if self._suspend_at_once() else {})}
         if msg.get("waitpointId"):
             reply = await self._post_until_answered(f"{base}/waitpoints/{msg['waitpointId']}/wait",
-                                                    {"sequence": seq, "kind": kind})
+                                                    {**head, "kind": kind})
         elif kind == "wait":
             when = {"date": msg["date"]} if msg.get("date") else {"seconds": msg.get("seconds", 0)}
-            reply = await self._post_until_answered(f"{base}/wait/duration", {"sequence": seq, **when})
+            reply = await self._post_until_answered(f"{base}/wait/duration", {**head, **when})
         else:
-            reply = await self._post_until_answered(f"{base}/trigger", {"sequence": seq, "batch": msg["batch"],
+            reply = await self._post_until_answered(f"{base}/trigger", {**head, "batch": msg["batch"],
                                                                         "items": msg["items"]})
         if reply.status != 200:
             return self._answer(reply, {})
@@ -454,6 +459,9 @@ class Supervisor:
         state.snapshot_id = data["snapshot"]["id"]
         if not data["blocked"]:
             return {"result": data["entry"]["result"]}
+        if data.get("suspended"):  # checkpointed with the wait: the executor stops, the slot frees
+            executor.suspend()
+            return None
         deadline = time.monotonic() + self.config.suspend_after_s
         while True:
             remaining = deadline - time.monotonic()
@@ -479,6 +487,13 @@ class Supervisor:
             if entries and entries[0]["sequence"] == seq and entries[0]["resolved"]:
                 return {"result": entries[0]["result"]}
             return {"error": f"the wait at journal position {seq} continued without a result"}
+
+    def _suspend_at_once(self) -> bool:
+        """Suspend a run that blocks without the grace period: when there is none, or when runs
+        queue for this supervisor's slots (none is free, and its last dequeue said runs of the
+        group were still ready). A waiting run then holds no slot another run could use; at
+        worst (another worker took those runs) it pays a restore it could have saved."""
+        return self.config.suspend_after_s <= 0 or (self._backlog and self._slots.locked())
 
     async def _watch_cancel(self, state: RunState, executor: Any) -> None:
         """Stop the executor within a moment of a cancel instead of at the next heartbeat: a run

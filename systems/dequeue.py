@@ -55,7 +55,8 @@ class DequeueSystem:
                       start: bool = False) -> Handed:
         """Up to ``max_runs`` runs as :class:`DequeuedRun` (only of ``environments`` when given, only
         of tasks the worker's ``deployments`` have when given); the result's ``retry_at_ms`` says
-        when a rate-limited queue of the group may serve again. With ``start``, each run's attempt
+        when a rate-limited queue of the group may serve again, its ``backlog`` whether runs of
+        the group were still ready once it was done. With ``start``, each run's attempt
         is started in the same transaction (PENDING_EXECUTING, then EXECUTING: both snapshots
         kept) and comes back as its ``started``."""
         began = time.perf_counter()
@@ -67,9 +68,9 @@ class DequeueSystem:
                        environments: Sequence[str], deployments: Sequence[str], start: bool) -> Handed:
         messages = await self.r.queue.dequeue(worker_group_id, max_runs, self.r.now_ms(), environments)
         if messages and deployments:
-            retry_at = messages.retry_at_ms
+            retry_at, backlog = messages.retry_at_ms, messages.backlog
             messages = Handed(await self._runnable(messages, worker_group_id, deployments))
-            messages.retry_at_ms = retry_at
+            messages.retry_at_ms, messages.backlog = retry_at, backlog
         if not messages:
             return messages
         froms = tuple(DEQUEUEABLE)
@@ -128,7 +129,7 @@ class DequeueSystem:
             if d.started is not None:
                 self.run_attempt.emit_started(d.started)
         out = Handed(dequeued)
-        out.retry_at_ms = messages.retry_at_ms
+        out.retry_at_ms, out.backlog = messages.retry_at_ms, messages.backlog
         return out
 
     async def _tasks_of(self, deployments: Sequence[str]) -> dict[str, frozenset[str]]:

@@ -55,11 +55,14 @@ TOKEN_TIMEOUT_ERROR = {"type": "WAITPOINT_TIMEOUT", "message": "The token timed 
 @dataclass(frozen=True, slots=True)
 class BlockOutcome:
     """``blocked``: the run now waits (EXECUTING_WITH_WAITPOINTS); otherwise the wait is over and
-    ``entry`` is its resolved journal entry. ``snapshot`` is the run's latest snapshot."""
+    ``entry`` is its resolved journal entry. ``snapshot`` is the run's latest snapshot.
+    ``suspended``: the run was also checkpointed (a wait asked to suspend at once): its executor
+    stops, and the run comes back through the queue to be restored by replay."""
 
     blocked: bool
     snapshot: Snapshot
     entry: dict[str, Any] | None = None
+    suspended: bool = False
 
 
 def run_result(run_id: str, status: str, output: Any, error: Any) -> dict[str, Any]:
@@ -187,26 +190,47 @@ class WaitpointsSystem:
         return wp
 
     async def block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
-                    waitpoint_ids: Sequence[str], result: Any = None) -> BlockOutcome:
-        """Journal the wait at ``sequence`` and block the executing run on ``waitpoint_ids``."""
+                    waitpoint_ids: Sequence[str], result: Any = None, suspend: bool = False) -> BlockOutcome:
+        """Journal the wait at ``sequence`` and block the executing run on ``waitpoint_ids``;
+        with ``suspend``, checkpoint it too if it is blocked (see :meth:`_then_suspend`)."""
         async with self.r.locker.lock("block", run_id):
-            entry = JournalEntry(sequence, kind, key, result, waitpoint_ids[0])
-            done = await self.wp.block_executing(run_id, snapshot_id, entry, waitpoint_ids, new_id("snapshot"),
-                                                 f"Waiting ({kind} {key})")
-            t = done.transition
-            if t.latest_snapshot_id is None:
-                raise NotFoundError("run", run_id)
-            if t.latest_snapshot_id != snapshot_id and not t.applied:
-                raise StaleSnapshotError(run_id, snapshot_id, t.latest_snapshot_id, str(t.latest_status))
-            if t.latest_status != E.EXECUTING and not t.applied:
-                raise InvalidTransitionError(run_id, str(t.latest_status), "block")
-            if not done.allowed:
-                raise DuplicateExecutionError(run_id, sequence)
-            if not t.applied:  # nothing pending any more: the run goes on at once
-                await self.wp.unblock(run_id)
-                return BlockOutcome(False, await self.execution_snapshot.latest(run_id),
-                                    await self.resolved_entry(run_id, sequence))
-            return await self._after_block(run_id, snapshot_id, sequence, t)
+            outcome = await self._block(run_id, snapshot_id, sequence=sequence, kind=kind, key=key,
+                                        waitpoint_ids=waitpoint_ids, result=result)
+            return await self._then_suspend(run_id, outcome) if suspend else outcome
+
+    async def _then_suspend(self, run_id: str, outcome: BlockOutcome) -> BlockOutcome:
+        """A blocked run suspended at once, under the lock its block took (one request instead of
+        a wait, a poll and a suspend: what a supervisor asks for when runs queue for its slots).
+        Should the run have moved on meanwhile (a cancel takes no lock), the outcome stays as it
+        was and the caller finds out as it would after a plain block."""
+        if not outcome.blocked:
+            return outcome
+        try:
+            snapshot = await self.suspend(run_id, outcome.snapshot.id)
+        except (StaleSnapshotError, InvalidTransitionError):
+            return outcome
+        return BlockOutcome(True, snapshot, suspended=True)
+
+    async def _block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
+                     waitpoint_ids: Sequence[str], result: Any) -> BlockOutcome:
+        """:meth:`block`'s body; the caller holds the lock."""
+        entry = JournalEntry(sequence, kind, key, result, waitpoint_ids[0])
+        done = await self.wp.block_executing(run_id, snapshot_id, entry, waitpoint_ids, new_id("snapshot"),
+                                             f"Waiting ({kind} {key})")
+        t = done.transition
+        if t.latest_snapshot_id is None:
+            raise NotFoundError("run", run_id)
+        if t.latest_snapshot_id != snapshot_id and not t.applied:
+            raise StaleSnapshotError(run_id, snapshot_id, t.latest_snapshot_id, str(t.latest_status))
+        if t.latest_status != E.EXECUTING and not t.applied:
+            raise InvalidTransitionError(run_id, str(t.latest_status), "block")
+        if not done.allowed:
+            raise DuplicateExecutionError(run_id, sequence)
+        if not t.applied:  # nothing pending any more: the run goes on at once
+            await self.wp.unblock(run_id)
+            return BlockOutcome(False, await self.execution_snapshot.latest(run_id),
+                                await self.resolved_entry(run_id, sequence))
+        return await self._after_block(run_id, snapshot_id, sequence, t)
 
     async def _blocked(self, run_id: str, snapshot_id: str, sequence: int, what: str, pending: int) -> BlockOutcome:
         """The blocking rows are written (caller holds the lock): move the run to
@@ -284,10 +308,12 @@ class WaitpointsSystem:
     # --- child runs ---------------------------------------------------------------------------
 
     async def trigger_and_wait(self, parent: RunRow, snapshot_id: str, sequence: int,
-                               requests: Sequence[Any], *, batch: bool) -> tuple[list[str], BlockOutcome]:
+                               requests: Sequence[Any], *, batch: bool,
+                               suspend: bool = False) -> tuple[list[str], BlockOutcome]:
         """Create child runs and block ``parent`` on them (a RUN waitpoint, or one BATCH waitpoint
         for a batch), journaled at ``sequence``. A replay of the same call re-blocks on the
-        children it created the first time instead of creating new ones."""
+        children it created the first time instead of creating new ones. ``suspend``: as for
+        :meth:`block`."""
         journal = {e.sequence: e for e in await self.wp.journal(parent.id, sequence)}
         kind = "batch" if batch else "child"
         existing = journal.get(sequence)
@@ -299,7 +325,7 @@ class WaitpointsSystem:
                 await self._create_missing_children(parent, run_ids, requests, existing.key if batch else None)
             return run_ids, await self.block(parent.id, snapshot_id, sequence=sequence, kind=kind,
                                              key=existing.key, waitpoint_ids=[existing.waitpoint_id],
-                                             result=existing.result)
+                                             result=existing.result, suspend=suspend)
         async with self.r.locker.lock("trigger_and_wait", parent.id):
             await self._executing(parent.id, snapshot_id, "trigger and wait from")
             run_ids = [new_id("run") for _ in requests]
@@ -347,7 +373,8 @@ class WaitpointsSystem:
                 run_ids, key = await self._wait_on_existing(parent.id, sequence, kind, wp.id, run_ids, key,
                                                             taken, batch_id)
                 pending = await self.wp.pending_count(parent.id)
-            return run_ids, await self._blocked(parent.id, snapshot_id, sequence, f"{kind} {key}", pending)
+            outcome = await self._blocked(parent.id, snapshot_id, sequence, f"{kind} {key}", pending)
+            return run_ids, await self._then_suspend(parent.id, outcome) if suspend else outcome
 
     async def _create_missing_children(self, parent: RunRow, run_ids: list[str], requests: Sequence[Any],
                                        batch_id: str | None) -> None:

@@ -504,8 +504,14 @@ class TokenCompleteBody(_Body):
     data: Any = None
 
 
-class WaitDurationBody(_Body):
+class _WaitBody(_Body):
+    """A wait of an executing run; ``suspend``: checkpoint the run at once if it is blocked."""
+
     sequence: int = Field(ge=0, le=1_000_000)
+    suspend: bool = False
+
+
+class WaitDurationBody(_WaitBody):
     seconds: float | None = Field(default=None, ge=0, le=10 * 365 * 86400)
     date: datetime | None = None
 
@@ -516,13 +522,11 @@ class WaitDurationBody(_Body):
     idempotencyKey: str | None = Field(default=None, max_length=256)
 
 
-class WaitBody(_Body):
-    sequence: int = Field(ge=0, le=1_000_000)
+class WaitBody(_WaitBody):
     kind: Literal["token", "wait", "child", "batch"] = "token"
 
 
-class ChildTriggerBody(_Body):
-    sequence: int = Field(ge=0, le=1_000_000)
+class ChildTriggerBody(_WaitBody):
     batch: bool = False
     items: list[BatchItem] = Field(min_length=1, max_length=1000)
 

@@ -315,6 +315,7 @@ class Dequeued(_Out):
 
 class DequeueOut(_Out):
     runs: list[Dequeued]
+    backlog: bool = Field(default=False, description="runs of the worker group were still ready after this dequeue")
 
 
 class ItemResult(_Out):
@@ -338,6 +339,8 @@ class Blocked(_Out):
     blocked: bool
     snapshot: Snapshot
     entry: dict[str, Any] = Field(default_factory=dict)
+    suspended: bool = Field(default=False, description="the wait asked to suspend and the run was checkpointed: "
+                                                       "stop its executor; it is restored from the queue")
 
 
 class JournalOut(_Out):

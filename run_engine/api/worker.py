@@ -130,7 +130,9 @@ async def dequeue(request: Request) -> Response:
                               else _start(ctx, d.run.id, d.snapshot.id))
         for item, attempt in zip(items, started, strict=True):
             item["attempt"] = attempt
-    return json_response({"runs": items})
+    # backlog (only when true): runs of the group were still ready after this dequeue (a supervisor
+    # whose slots are all busy then suspends a run that blocks at once rather than after its grace)
+    return json_response({"runs": items, "backlog": True} if got.backlog else {"runs": items})
 
 
 async def _check_group(ctx: ApiContext, group: WorkerGroup, run_id: str) -> str:
@@ -305,6 +307,8 @@ async def run_heartbeat(request: Request) -> Response:
 
 def _block_response(outcome: Any, **extra: Any) -> Response:
     out = {"blocked": outcome.blocked, "snapshot": snapshot_object(outcome.snapshot), **extra}
+    if outcome.suspended:
+        out["suspended"] = True
     if outcome.entry is not None:
         out["entry"] = outcome.entry
     return json_response(out)
@@ -324,7 +328,7 @@ async def wait_duration(request: Request) -> Response:
         at = datetime.fromtimestamp(ctx.engine.now() + (req.seconds or 0), UTC)
     wp = await ctx.engine.create_datetime_waitpoint(env_id, at, idempotency_key=req.idempotencyKey)
     outcome = await ctx.engine.block(run_id, request.path_params["snapshot_id"], sequence=req.sequence, kind="wait",
-                                     key=wp.id, waitpoint_ids=[wp.id])
+                                     key=wp.id, waitpoint_ids=[wp.id], suspend=req.suspend)
     return _block_response(outcome, waitpointId=wp.id)
 
 
@@ -349,7 +353,7 @@ async def wait_waitpoint(request: Request) -> Response:
         entry = entries[0].result if entries and entries[0].sequence == req.sequence else None
     outcome = await ctx.engine.block(run_id, request.path_params["snapshot_id"], sequence=req.sequence, kind=req.kind,
                                      key=wp.completed_by_batch_id or wp.completed_by_run_id or wp.id,
-                                     waitpoint_ids=[wp.id], result=entry)
+                                     waitpoint_ids=[wp.id], result=entry, suspend=req.suspend)
     return _block_response(outcome, waitpointId=wp.id)
 
 
@@ -374,7 +378,7 @@ async def trigger_children(request: Request) -> Response:
     requests = [trigger_request(ctx, auth, item.task, item.payload, item.options, f"items.{i}")
                 for i, item in enumerate(req.items)]
     run_ids, outcome = await ctx.engine.trigger_and_wait(run_id, request.path_params["snapshot_id"], req.sequence,
-                                                         requests, batch=req.batch)
+                                                         requests, batch=req.batch, suspend=req.suspend)
     return _block_response(outcome, runIds=run_ids)
 
 

@@ -142,6 +142,7 @@ class RunQueue:
                 ],
             )
             active, rate_next = int(flat.pop()), _s(flat.pop())
+            out.backlog = out.backlog or active > 0
             if visit:
                 visit.visited(shard, active, served=len(flat) // 7)
             if rate_next:  # a rate-limited queue was skipped: when it may serve again

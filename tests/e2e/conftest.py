@@ -54,14 +54,14 @@ class Stack:
         return Stack(url=self.url, env=self.env, api_key=creds["apiKey"], token=creds["workerGroupToken"],
                      procs=self.procs, logs=self.logs)
 
-    def start_supervisor(self, name: str, concurrency: int = 4,
-                         tasks: str = "tests.e2e.tasks_e2e") -> subprocess.Popen[bytes]:
+    def start_supervisor(self, name: str, concurrency: int = 4, tasks: str = "tests.e2e.tasks_e2e",
+                         env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(self.logs / f"supervisor-{name}.log", "wb") as log:  # the child keeps its own copy
             proc = subprocess.Popen(
                 [sys.executable, "-m", "run_engine.cli", "supervisor", "--token", self.token, "--tasks", tasks,
                  "--api-url", self.url, "--concurrency", str(concurrency), "--name", name,
                  "--heartbeat-interval", "0.5"],
-                env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                env={**self.env, **(env or {})}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from .conftest import Stack, stop
@@ -230,3 +231,38 @@ def test_a_run_waits_for_any_run_of_its_environment(waiting: Stack, stack: Stack
     theirs = stack.project("waits-for-run-other").trigger("echo", {})
     denied = waiting.wait_for(waiting.trigger("waits-for-run", {"run": theirs}))
     assert denied["status"] == "FAILED", denied
+
+
+def test_a_run_that_blocks_while_runs_queue_for_the_slots_is_suspended_at_once(stack: Stack) -> None:
+    """One slot and a grace period of two minutes: the first run that blocks would hold the slot
+    for that long, but the dequeue that handed it out said more runs were ready, so it suspends
+    at once and the others get the slot (each wait_for below gives up long before the grace)."""
+    own = stack.project("waits-backlog")
+    own.start_supervisor("backlog-waiter", concurrency=1, env={"RUN_ENGINE_SUSPEND_AFTER_S": "120"})
+    tokens = [create_token(own)["id"] for _ in range(2)]
+    items = [*({"task": "waits-for-token", "payload": {"token": t}} for t in tokens), {"task": "echo", "payload": 3}]
+    with own.client() as c:
+        r = c.post("/api/v1/tasks/batch", json={"items": items})
+    assert r.status_code == 200, r.text
+    a, b, echo = [run["id"] for run in r.json()["runs"]]
+    for run_id in (a, b):
+        until_suspended(own, run_id)
+    assert own.wait_for(echo, timeout=30)["status"] == "COMPLETED"
+    # the last run of the backlog blocks with nothing queued behind it: it waits in its executor
+    token = create_token(own)["id"]
+    last = own.trigger("waits-for-token", {"token": token})
+    own.wait_for(last, lambda run: run["status"] == "WAITING", timeout=30)
+    for i, t in enumerate([*tokens, token]):
+        complete_token(own, t, i)
+    for i, run_id in enumerate((a, b)):
+        run = own.wait_for(run_id, timeout=30)
+        assert run["status"] == "COMPLETED" and run["output"]["output"] == i and run["attemptCount"] == 1, run
+    assert own.wait_for(last, timeout=30)["output"]["output"] == 2
+    with psycopg.connect(own.env["DATABASE_URL"]) as conn:
+        history = {run_id: [row[0] for row in conn.execute(
+            "SELECT engine_status FROM task_run_execution_snapshot WHERE run_id = %s ORDER BY seq", (run_id,))]
+            for run_id in (a, b, last)}
+    for run_id in (a, b):  # blocked, then suspended in the same call: both snapshots kept
+        h = history[run_id]
+        assert ("EXECUTING_WITH_WAITPOINTS", "SUSPENDED") in zip(h, h[1:], strict=False), h
+    assert "SUSPENDED" not in history[last] and "EXECUTING_WITH_WAITPOINTS" in history[last], history[last]

@@ -44,6 +44,16 @@ async def test_enqueue_dequeue_ack_frees_the_slot(q: RunQueue) -> None:
     assert await q.has_messages([("envA", "r1"), ("envA", "r2")]) == [False, True]
 
 
+async def test_a_dequeue_says_whether_runs_it_could_hand_out_are_left(q: RunQueue) -> None:
+    await q.enqueue([item(f"r{i}", score=NOW + i) for i in range(3)] + [item("other", env="envB")], NOW)
+    got = await q.dequeue("wg", 2, NOW, ["envA"])
+    assert len(got) == 2 and got.backlog  # r2 is still ready
+    got = await q.dequeue("wg", 5, NOW, ["envA"])
+    assert [m.run_id for m in got] == ["r2"]
+    got = await q.dequeue("wg", 5, NOW)
+    assert [m.run_id for m in got] == ["other"] and not got.backlog
+
+
 async def test_a_run_is_only_handed_to_its_own_worker_group(q: RunQueue) -> None:
     await q.enqueue([EnqueueItem("r1", "envA", "task/a", "other", NOW)], NOW)
     assert await q.dequeue("wg", 5, NOW) == []

@@ -423,3 +423,51 @@ async def test_a_run_continues_only_when_its_last_waitpoint_completes(h: Harness
     async with h.engine.resources.repo.pool.connection() as conn:
         cur = await conn.execute("SELECT count(*) FROM task_run_waitpoint WHERE run_id = %s", (run.id,))
         assert await cur.fetchone() == (0,)
+
+
+async def test_a_wait_that_asks_to_suspend_is_checkpointed_in_the_same_call(h: Harness) -> None:
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                               waitpoint_ids=[token.id], suspend=True)
+    assert out.blocked and out.suspended and out.snapshot.engine_status == "SUSPENDED"
+    assert out.snapshot.checkpoint_id and out.snapshot.description == "Suspended: checkpoint at journal position 1"
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == set()  # its slot is free at once
+    assert await h.statuses(run.id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "EXECUTING_WITH_WAITPOINTS",
+                                        "SUSPENDED"]  # both snapshots kept
+    assert h.names(run.id)[-2:] == ["run_blocked", "run_suspended"]
+    assert await h.engine.waitpoints.complete(token.id, "go")
+    resumed = await restore(h, run.id)
+    again = await h.engine.block(run.id, resumed.snapshot.id, sequence=0, kind="token", key=token.id,
+                                 waitpoint_ids=[token.id], suspend=True)  # the replay: nothing to wait for
+    assert not again.blocked and not again.suspended and again.entry is not None
+    assert again.entry["result"] == {"ok": True, "output": "go"}
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
+
+
+async def test_a_wait_that_asks_to_suspend_on_a_completed_token_goes_on_in_its_executor(h: Harness) -> None:
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    await h.engine.waitpoints.complete(token.id, 7)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                               waitpoint_ids=[token.id], suspend=True)
+    assert not out.blocked and not out.suspended and out.entry is not None
+    assert out.entry["result"] == {"ok": True, "output": 7}
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == {run.id}  # still running: slot kept
+    assert await h.statuses(run.id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING"]
+
+
+async def test_trigger_and_wait_that_asks_to_suspend_checkpoints_the_parent(h: Harness) -> None:
+    parent, s = await started_run(h)
+    run_ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h, payload={"x": 1})],
+                                                suspend=True)
+    assert out.blocked and out.suspended and out.snapshot.engine_status == "SUSPENDED"
+    (child_run,) = run_ids
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert d.run.id == child_run
+    child = await h.engine.start_attempt(child_run, d.snapshot.id)
+    await h.engine.complete_attempt(child_run, child.snapshot.id, ok=True, output="c")
+    resumed = await restore(h, parent.id)
+    assert resumed.attempt_number == 1
+    journal = await h.engine.waitpoints.resolved_journal(parent.id)
+    assert journal[0]["resolved"] and journal[0]["result"] == {"ok": True, "id": child_run, "output": "c"}

@@ -4,9 +4,10 @@ both ways, on the supervisor's uvloop (issue 11: a 2 MB call was lost 5 times in
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
-from supervisor.executor import Executor
+from supervisor.executor import Executor, ExecutorPool
 
 MB = 1024 * 1024
 
@@ -49,3 +50,26 @@ def test_multi_megabyte_messages_cross_the_pipe_both_ways_on_uvloop() -> None:
     import uvloop  # the supervisor runs on it (a dependency on Linux)
 
     uvloop.run(asyncio.wait_for(_scenario(), 120))
+
+
+async def _where() -> list[dict[str, int]]:
+    pool = ExecutorPool("tests.unit.big_tasks")
+    executors = [await pool.acquire() for _ in range(3)]
+    try:
+        out = [await ex.run(_run("where", None), max_duration_s=60, memory_mb=None) for ex in executors]
+    finally:
+        for ex in executors:
+            pool.release(ex)
+        pool.close()
+    return [o["output"] for o in out]
+
+
+def test_executors_are_forked_with_the_task_module_already_imported() -> None:
+    """A new executor costs a fork, not an interpreter start and the task module's imports: the
+    module was imported once, in the fork server, before any executor existed."""
+    import uvloop
+
+    where = uvloop.run(asyncio.wait_for(_where(), 120))
+    assert len({w["runs_in"] for w in where}) == 3
+    (imported_in,) = {w["imported_in"] for w in where}
+    assert imported_in not in {w["runs_in"] for w in where} and imported_in != os.getpid()
