@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -82,7 +82,7 @@ class WaitpointsSystem:
         self.wp = resources.repo.waitpoints
         # Concurrent completions (API calls, timeouts, finished children) share one UPDATE and
         # one look-up of the runs they unblock.
-        self._completions: Batcher[Completion, tuple[bool, list[str]]] = Batcher(self._complete_batch)
+        self._completions: Batcher[Completion, bool] = Batcher(self._complete_batch)
 
     def _at(self, seconds_from_now: float) -> datetime:
         return datetime.fromtimestamp(self.r.clock.now() + seconds_from_now, UTC)
@@ -116,27 +116,24 @@ class WaitpointsSystem:
 
     async def complete(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False) -> bool:
         """Complete one waitpoint; False when it was already complete (the first output stays)."""
-        completed, runs = await self._completions.submit(Completion(output, is_error, id=waitpoint_id))
-        if completed:
-            await asyncio.gather(self.r.change_jobs(cancel=[engine_jobs.waitpoint_timeout_id(waitpoint_id),
-                                                              engine_jobs.waitpoint_datetime_id(waitpoint_id)]),
-                                 *(self.try_continue(run_id) for run_id in runs))
-        return completed
+        return await self._completions.submit(Completion(output, is_error, id=waitpoint_id))
 
-    async def _complete_batch(self, completions: list[Completion]) -> list[tuple[bool, list[str]]]:
-        done = set(await self.wp.complete(completions))
-        blocked: dict[str, list[str]] = {}
-        for waitpoint_id, run_id in await self.wp.blocked_runs(list(done)) if done else []:
-            blocked.setdefault(waitpoint_id, []).append(run_id)
-        return [(c.id in done, blocked.get(c.id or "", [])) for c in completions]
+    async def _complete_batch(self, completions: list[Completion]) -> list[bool]:
+        """Concurrent :meth:`complete` calls, together: one completion statement, one query for
+        the blocked runs, one continuation statement, one queue call and one jobs call."""
+        done = set(await self.complete_many(completions, cancel_timeouts=True))
+        return [c.id in done for c in completions]
 
-    async def complete_many(self, completions: Sequence[Completion]) -> list[str]:
+    async def complete_many(self, completions: Sequence[Completion], *, cancel_timeouts: bool = False) -> list[str]:
         """Complete waitpoints, then continue every run whose last blocking waitpoint that was;
-        each run is continued once however many of its waitpoints completed here."""
+        each run is continued once however many of its waitpoints completed here. With
+        ``cancel_timeouts``, the timeout and date jobs of the waitpoints completed are cancelled."""
         done = await self.wp.complete(completions)
         if done:
             runs = {run_id for _, run_id in await self.wp.blocked_runs(done)}
-            await asyncio.gather(*(self.try_continue(run_id) for run_id in runs))
+            cancel = [job for w in done for job in (engine_jobs.waitpoint_timeout_id(w),
+                                                     engine_jobs.waitpoint_datetime_id(w))] if cancel_timeouts else []
+            await self.continue_runs(runs, cancel)
         return done
 
     async def on_runs_finished(self, runs: Sequence[RunRow]) -> None:
@@ -268,21 +265,44 @@ class WaitpointsSystem:
         return latest
 
     async def try_continue(self, run_id: str) -> Snapshot | None:
-        """Continue a blocked run if nothing blocks it any more (idempotent); its new snapshot.
-        One statement decides and writes it (see ``WaitpointRepository.continue_blocked``)."""
-        async with self.r.locker.lock("continue", run_id):
-            result = await self.wp.continue_blocked(run_id, new_id("snapshot"))
-            if not result.applied:
-                return None
+        """Continue a blocked run if nothing blocks it any more (idempotent); its new snapshot."""
+        return (await self.continue_runs([run_id])).get(run_id)
+
+    async def continue_runs(self, run_ids: Iterable[str], cancel_jobs: Sequence[str] = ()) -> dict[str, Snapshot]:
+        """Continue every run of ``run_ids`` that is blocked and that nothing blocks any more
+        (idempotent): run id -> new snapshot of those continued. No run lock: one statement
+        decides and writes each run's continuation by compare-and-set (see
+        ``WaitpointRepository.continue_blocked``); a run whose place was taken by another writer
+        (a suspend, a cancel) is looked at again. Then one queue call restores the suspended ones
+        and one jobs call (with ``cancel_jobs``) re-arms the timeouts of those still executing.
+        Dying in between: the reconciler finds a QUEUED_EXECUTING run missing from the queue."""
+        todo = sorted(set(run_ids))
+        done: list[TransitionResult] = []
+        for _ in range(5):
+            if not todo:
+                break
+            results = await self.wp.continue_blocked([(run_id, new_id("snapshot")) for run_id in todo])
+            done += [r for r, _ in results if r.applied]
+            todo = [r.run_id for r, conflict in results if conflict]
+        cancel, schedule, restore = list(cancel_jobs), [], []
+        for result in done:
             assert result.run is not None and result.snapshot is not None
             if result.snapshot.engine_status == E.EXECUTING:  # still in its executor
-                await self.execution_snapshot.after_transition(result.snapshot.previous_snapshot_id,
-                                                               E.EXECUTING_WITH_WAITPOINTS, result.snapshot)
+                c, s = self.execution_snapshot.rearm(result.snapshot.previous_snapshot_id,
+                                                     E.EXECUTING_WITH_WAITPOINTS, result.snapshot)
+                cancel += c
+                schedule += s
             else:  # suspended: queued to be restored
-                await self.r.enqueue_items([self.enqueue.item_for(result.run, reset_deliveries=True)])
-        self.r.events.emit(RunEvent("run_continued", run_id, result.run.env_id, result.snapshot.id,
-                                    {"status": result.snapshot.engine_status}, attempt=result.run.attempt_number))
-        return result.snapshot
+                restore.append(self.enqueue.item_for(result.run, reset_deliveries=True))
+        await asyncio.gather(self.r.change_jobs(cancel, schedule),
+                             *([self.r.enqueue_items(restore)] if restore else []))
+        out = {}
+        for result in done:
+            assert result.run is not None and result.snapshot is not None
+            self.r.events.emit(RunEvent("run_continued", result.run_id, result.run.env_id, result.snapshot.id,
+                                        {"status": result.snapshot.engine_status}, attempt=result.run.attempt_number))
+            out[result.run_id] = result.snapshot
+        return out
 
     async def suspend(self, run_id: str, snapshot_id: str) -> Snapshot:
         """Checkpoint a blocked run: REPLAY checkpoint at the journal position, SUSPENDED,
@@ -479,8 +499,7 @@ class WaitpointsSystem:
             else:
                 completions.append(Completion(None, id=row["id"]))
         done = await self.complete_many(completions)
-        for run_id in found["stuck_runs"]:
-            await self.try_continue(run_id)
+        await self.continue_runs(found["stuck_runs"])
         if done or found["stuck_runs"]:
             log.info("waitpoint sweep: completed %d waitpoints, checked %d blocked runs", len(done),
                      len(found["stuck_runs"]))

@@ -193,37 +193,50 @@ FROM (SELECT 1) one LEFT JOIN latest l ON true LEFT JOIN snap ON true LEFT JOIN 
 """
 
 _CONTINUE = """
--- continue: a blocked run (EXECUTING_WITH_WAITPOINTS, or SUSPENDED) none of whose waitpoints is pending
--- any more loses its blocking rows and goes on: EXECUTING in its executor, or QUEUED_EXECUTING to be
--- restored (keeping its checkpoint), carrying the waitpoints it was blocked on. One statement; nothing
--- is written unless the run is blocked and nothing blocks it.
-WITH latest AS (
-    SELECT id, engine_status, attempt_number, checkpoint_id FROM task_run_execution_snapshot
-    WHERE run_id = %(run)s AND is_valid ORDER BY seq DESC LIMIT 1
+-- continue: each blocked run (EXECUTING_WITH_WAITPOINTS, or SUSPENDED) none of whose waitpoints is
+-- pending any more goes on: EXECUTING in its executor, or QUEUED_EXECUTING to be restored (keeping its
+-- checkpoint), carrying the waitpoints it was blocked on, and loses its blocking rows. One statement
+-- for many runs, no run lock: nothing is written for a run unless it is blocked, nothing blocks it and
+-- its new snapshot won the run's next place in the chain (its blocking rows are only deleted then).
+-- `conflict`: the run was ready to continue but another writer (a suspend, a cancel, another
+-- continue) took that place first; the caller looks again. Runs in id order (lock order).
+WITH input AS (
+    SELECT * FROM unnest(%(runs)s::text[], %(news)s::text[]) AS i(run_id, new_id)
+), latest AS (
+    SELECT i.run_id, i.new_id, l.id, l.engine_status, l.attempt_number, l.checkpoint_id
+    FROM input i LEFT JOIN LATERAL (
+        SELECT s.id, s.engine_status, s.attempt_number, s.checkpoint_id FROM task_run_execution_snapshot s
+        WHERE s.run_id = i.run_id AND s.is_valid ORDER BY s.seq DESC LIMIT 1) l ON true
 ), ok AS (
-    SELECT l.*, l.engine_status = 'SUSPENDED' AS restore FROM latest l
-    WHERE l.engine_status IN ('EXECUTING_WITH_WAITPOINTS', 'SUSPENDED') AND """ + _PENDING_OF_RUN + """ = 0
-), del AS (
-    DELETE FROM task_run_waitpoint WHERE run_id = %(run)s AND EXISTS (SELECT 1 FROM ok) RETURNING waitpoint_id
+    SELECT l.*, l.engine_status = 'SUSPENDED' AS restore,
+           coalesce((SELECT array_agg(trw.waitpoint_id ORDER BY trw.waitpoint_id) FROM task_run_waitpoint trw
+                     WHERE trw.run_id = l.run_id), '{}') AS waitpoints
+    FROM latest l
+    WHERE l.engine_status IN ('EXECUTING_WITH_WAITPOINTS', 'SUSPENDED')
+      AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
+                      WHERE trw.run_id = l.run_id AND w.status = 'PENDING')
 ), snap AS (
     INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
                                              previous_snapshot_id, checkpoint_id, completed_waitpoint_ids)
-    SELECT %(new)s, %(run)s,
+    SELECT ok.new_id, ok.run_id,
            CASE WHEN ok.restore THEN 'QUEUED_EXECUTING' ELSE 'EXECUTING' END,
            CASE WHEN ok.restore THEN 'QUEUED' ELSE 'EXECUTING' END,
            ok.attempt_number,
            CASE WHEN ok.restore THEN 'Waitpoints completed: queued to restore' ELSE 'Waitpoints completed' END,
-           ok.id, CASE WHEN ok.restore THEN ok.checkpoint_id END,
-           coalesce((SELECT array_agg(waitpoint_id ORDER BY waitpoint_id) FROM del), '{}')
-    FROM ok
+           ok.id, CASE WHEN ok.restore THEN ok.checkpoint_id END, ok.waitpoints
+    FROM ok ORDER BY ok.run_id
     ON CONFLICT (previous_snapshot_id) WHERE is_valid AND previous_snapshot_id IS NOT NULL DO NOTHING
     RETURNING *
+), del AS (
+    DELETE FROM task_run_waitpoint trw USING snap WHERE trw.run_id = snap.run_id RETURNING trw.run_id
 ), upd AS (
     UPDATE task_run r SET status = snap.run_status, updated_at = now() FROM snap WHERE r.id = snap.run_id
     RETURNING r.*
 )
-SELECT l.id AS latest_id, l.engine_status AS latest_status, to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run
-FROM (SELECT 1) one LEFT JOIN latest l ON true LEFT JOIN snap ON true LEFT JOIN upd ON true
+SELECT l.run_id, l.id AS latest_id, l.engine_status AS latest_status, to_jsonb(snap.*) AS snapshot,
+       to_jsonb(upd.*) AS run, (ok.run_id IS NOT NULL AND snap.id IS NULL) AS conflict
+FROM latest l LEFT JOIN ok ON ok.run_id = l.run_id LEFT JOIN snap ON snap.run_id = l.run_id
+LEFT JOIN upd ON upd.id = l.run_id
 """
 
 _BLOCK = """
@@ -439,15 +452,20 @@ class WaitpointRepository:
                    WHERE trw.run_id = %s AND w.status = 'PENDING' ORDER BY w.created_at LIMIT %s""", (run_id, limit))
             return [_waitpoint(r) for r in await cur.fetchall()]
 
-    async def continue_blocked(self, run_id: str, new_snapshot_id: str) -> TransitionResult:
-        """Continue the run if it is blocked and nothing blocks it any more (see _CONTINUE): applied
-        with its new snapshot, or not (the latest snapshot as it was). The caller holds the lock."""
+    async def continue_blocked(self, runs: Sequence[tuple[str, str]]) -> list[tuple[TransitionResult, bool]]:
+        """Continue each (run id, new snapshot id) whose run is blocked and nothing blocks any more
+        (see _CONTINUE), in one statement: per run, its result (applied with the new snapshot, or
+        the latest snapshot as it was) and whether it lost its place to another writer."""
+        if not runs:
+            return []
+        ordered = sorted(dict(runs).items())
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_CONTINUE, {"run": run_id, "new": new_snapshot_id})
-            row = await cur.fetchone()
-        assert row is not None
-        return transition_result(run_id, row["latest_id"], row["latest_status"], row["snapshot"], row["run"])
+            await cur.execute(_CONTINUE, {"runs": [r for r, _ in ordered], "news": [n for _, n in ordered]})
+            rows = {row["run_id"]: row for row in await cur.fetchall()}
+        return [(transition_result(run_id, rows[run_id]["latest_id"], rows[run_id]["latest_status"],
+                                   rows[run_id]["snapshot"], rows[run_id]["run"]), bool(rows[run_id]["conflict"]))
+                for run_id, _ in ordered]
 
     async def _moved_on(self, run_id: str) -> TransitionResult:
         """A transition of the run that did not apply: its latest snapshot as it is now."""

@@ -10,7 +10,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from run_engine.db.runs import _TRANSITION_SQL, RunRepository, Transition
-from run_engine.db.waitpoints import JournalEntry
+from run_engine.db.waitpoints import _SUSPEND, JournalEntry
 from run_engine.engine import TriggerRequest
 from run_engine.errors import StaleSnapshotError
 from run_engine.ids import new_id
@@ -167,3 +167,50 @@ async def test_a_cancel_that_died_after_its_snapshot_leaves_nothing_to_hand_out(
     assert await h.engine.resources.queue.placements([(h.env.env_id, run.id)]) == [None]  # message gone
     assert await h.engine.resources.queue.running_ids(h.env.env_id) == set()
     assert await h.statuses(run.id) == ["QUEUED", "FINISHED"]
+
+
+async def test_a_continue_that_loses_its_place_to_a_suspend_looks_again_and_restores_the_run(h: Harness) -> None:
+    """Continue takes no run lock. A suspend counted the token as pending, then the token completed
+    and its continue read the run as still EXECUTING_WITH_WAITPOINTS: both append after the same
+    snapshot. The suspend wins; the continue must neither drop the blocking rows nor give up, or
+    the run would stay suspended for ever with nothing left to wake it."""
+    run_id, executing_id = await executing(h)
+    token, _ = await h.engine.create_token(h.env.env_id)
+    blocked = await h.engine.block(run_id, executing_id, sequence=0, kind="token", key=token.id,
+                                   waitpoint_ids=[token.id])
+    assert blocked.blocked
+    suspended_id = new_id("snapshot")
+    async with h.engine.resources.repo.pool.connection() as conn:
+        async with conn.transaction():
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_SUSPEND, {"run": run_id, "expected": blocked.snapshot.id,
+                                         "checkpoint": new_id("checkpoint"), "new": suspended_id})
+            assert (await cur.fetchone())["pending"] == 1  # type: ignore[index]
+            completing = asyncio.ensure_future(h.engine.waitpoints.complete(token.id, "late"))
+            await asyncio.sleep(0.3)
+            assert not completing.done()  # its continue waits on the suspend's index entry
+    assert await completing
+    latest = await h.engine.latest_snapshot(run_id)
+    assert latest.engine_status == "QUEUED_EXECUTING" and latest.previous_snapshot_id == suspended_id
+    assert latest.completed_waitpoint_ids == [token.id]  # the losing attempt deleted nothing
+    assert await h.statuses(run_id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "EXECUTING_WITH_WAITPOINTS",
+                                        "SUSPENDED", "QUEUED_EXECUTING"]
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)  # queued to be restored
+    assert d.run.id == run_id and d.snapshot.checkpoint_id is not None
+
+
+async def test_one_completion_continues_every_run_it_blocked_in_one_go(h: Harness) -> None:
+    token, _ = await h.engine.create_token(h.env.env_id)
+    runs = [await executing(h) for _ in range(3)]
+    blocked = [await h.engine.block(r, s, sequence=0, kind="token", key=token.id, waitpoint_ids=[token.id])
+               for r, s in runs]
+    for (run_id, _), b in zip(runs[:2], blocked[:2], strict=True):
+        await h.engine.suspend(run_id, b.snapshot.id)
+    assert await h.engine.waitpoints.complete(token.id, 1)
+    assert not await h.engine.waitpoints.complete(token.id, 2)  # the first completion wins
+    latest = [(await h.engine.latest_snapshot(r)).engine_status for r, _ in runs]
+    assert latest == ["QUEUED_EXECUTING", "QUEUED_EXECUTING", "EXECUTING"]  # the third never left its executor
+    for run_id, _ in runs:
+        assert h.names(run_id).count("run_continued") == 1
+    restored = {d.run.id for d in await h.engine.dequeue(h.env.worker_group_id, 10)}
+    assert restored == {runs[0][0], runs[1][0]}
