@@ -334,9 +334,11 @@ class RunEngine:
         """The RUN waitpoint of a run of the environment (made on demand; NotFoundError otherwise)."""
         return await self.systems.waitpoints.run_waitpoint(env_id, run_id)
 
-    async def complete_waitpoint(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False) -> bool:
-        """Complete a waitpoint; False when it was complete already (the first output stays)."""
-        return await self.systems.waitpoints.complete(waitpoint_id, output, is_error=is_error)
+    async def complete_waitpoint(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False,
+                                 env_id: str | None = None) -> bool:
+        """Complete a waitpoint; False when it was complete already (the first output stays). With
+        ``env_id``, only a token (MANUAL) of that environment: False for any other waitpoint."""
+        return await self.systems.waitpoints.complete(waitpoint_id, output, is_error=is_error, env_id=env_id)
 
     async def blocking_waitpoints(self, run_id: str) -> list[Waitpoint]:
         """The pending waitpoints a run waits on."""

@@ -114,9 +114,11 @@ class WaitpointsSystem:
 
     # --- completing ---------------------------------------------------------------------------
 
-    async def complete(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False) -> bool:
-        """Complete one waitpoint; False when it was already complete (the first output stays)."""
-        return await self._completions.submit(Completion(output, is_error, id=waitpoint_id))
+    async def complete(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False,
+                       env_id: str | None = None) -> bool:
+        """Complete one waitpoint; False when it was already complete (the first output stays).
+        With ``env_id``, only a token of that environment (False for anything else)."""
+        return await self._completions.submit(Completion(output, is_error, id=waitpoint_id, env_id=env_id))
 
     async def _complete_batch(self, completions: list[Completion]) -> list[bool]:
         """Concurrent :meth:`complete` calls, together: one completion statement, one query for

@@ -140,9 +140,14 @@ async def complete_token(request: Request) -> Response:
     waitpoint_id = request.path_params["waitpoint_id"]
     if not allows(auth.scopes, "write:all", "write:waitpoints", f"write:waitpoints:{waitpoint_id}"):
         raise forbidden()
-    wp = await _own_token(ctx, auth.env_id, waitpoint_id)
+    if not looks_like_id(waitpoint_id, "waitpoint"):
+        raise ApiError(404, "not_found", "waitpoint token not found")
     req = await body(request, TokenCompleteBody, required=False)
-    await complete(ctx, wp, req.data)
+    ctx.check_size(req.data, "data")
+    # the completion itself checks that this is a token of the caller's environment (no read
+    # first); one that did not complete is looked up: another's or none (404), or complete already
+    if not await ctx.engine.complete_waitpoint(waitpoint_id, req.data, env_id=auth.env_id):
+        await _own_token(ctx, auth.env_id, waitpoint_id)
     return json_response({"success": True})
 
 

@@ -85,12 +85,15 @@ class Blocked:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """Complete the waitpoint ``id`` (or the RUN waitpoint of ``run_id``) with ``output``."""
+    """Complete the waitpoint ``id`` (or the RUN waitpoint of ``run_id``) with ``output``; with
+    ``env_id``, only a MANUAL waitpoint (a token) of that environment (a completion by API key:
+    another environment's waitpoint is left alone as if it did not exist)."""
 
     output: Any
     is_error: bool = False
     id: str | None = None
     run_id: str | None = None
+    env_id: str | None = None
 
 
 _INSERT_WAITPOINT = """
@@ -108,14 +111,17 @@ RETURNING *
 
 _COMPLETE = """
 -- complete pending waitpoints by id or by the run that completes them; first completion wins
+-- (a completion naming an environment only completes a token of that environment)
 WITH input AS (
-    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(id text, run_id text, output jsonb, is_error bool)
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(id text, run_id text, output jsonb, is_error bool,
+                                                          env_id text)
 )
 UPDATE waitpoint w SET status = 'COMPLETED', completed_at = now(), output = i.output, output_is_error = i.is_error
 FROM input i
 WHERE w.status = 'PENDING'
   AND ((i.id IS NOT NULL AND w.id = i.id)
        OR (i.run_id IS NOT NULL AND w.completed_by_run_id = i.run_id AND w.type = 'RUN'))
+  AND (i.env_id IS NULL OR (w.environment_id = i.env_id AND w.type = 'MANUAL'))
 RETURNING w.id
 """
 
@@ -341,7 +347,8 @@ class WaitpointRepository:
         """Complete pending waitpoints (first completion wins); the ids actually completed."""
         if not completions:
             return []
-        rows = [{"id": c.id, "run_id": c.run_id, "output": c.output, "is_error": c.is_error} for c in completions]
+        rows = [{"id": c.id, "run_id": c.run_id, "output": c.output, "is_error": c.is_error, "env_id": c.env_id}
+                for c in completions]
         async with self.pool.connection() as conn:
             cur = await conn.execute(_COMPLETE, {"rows": Jsonb(rows)})
             return [r[0] for r in await cur.fetchall()]

@@ -471,3 +471,21 @@ async def test_trigger_and_wait_that_asks_to_suspend_checkpoints_the_parent(h: H
     assert resumed.attempt_number == 1
     journal = await h.engine.waitpoints.resolved_journal(parent.id)
     assert journal[0]["resolved"] and journal[0]["result"] == {"ok": True, "id": child_run, "output": "c"}
+
+
+async def test_a_completion_by_api_key_completes_only_a_token_of_its_own_environment(h: Harness, unique: str) -> None:
+    from run_engine.tenancy import ensure_environment
+
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org=f"org-other-{unique}",
+                                     project="proj", env="dev")
+    theirs, _ = await h.engine.waitpoints.create_token(other.env_id)
+    ours, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    date = await h.engine.create_datetime_waitpoint(h.env.env_id, datetime(2100, 1, 1, tzinfo=UTC))
+    assert not await h.engine.complete_waitpoint(theirs.id, "pwned", env_id=h.env.env_id)
+    assert not await h.engine.complete_waitpoint(date.id, "early", env_id=h.env.env_id)  # not a token
+    assert await h.engine.complete_waitpoint(ours.id, "ok", env_id=h.env.env_id)
+    assert not await h.engine.complete_waitpoint(ours.id, "again", env_id=h.env.env_id)  # the first one wins
+    for wp_id, status in ((theirs.id, "PENDING"), (date.id, "PENDING"), (ours.id, "COMPLETED")):
+        wp = await h.engine.get_waitpoint(wp_id)
+        assert wp is not None and wp.status == status
+    assert (await h.engine.get_waitpoint(ours.id)).output == "ok"  # type: ignore[union-attr]
