@@ -19,6 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -127,6 +128,17 @@ def cancel_leftovers(loop: asyncio.AbstractEventLoop, grace_s: float = 1.0) -> i
 
 # --- the supervisor's side ----------------------------------------------------------------------
 
+def preload(tasks_module: str) -> list[str]:
+    """What the fork server imports before it forks any executor: the task module, the main module
+    of this process (``python -m run_engine.cli``: each child sets it up again, as multiprocessing
+    does, which is then cheap) and ``supervisor.forkserver_preload``."""
+    main = getattr(sys.modules["__main__"].__spec__, "name", None)
+    modules = [tasks_module]
+    if main and main != "__main__" and not main.endswith(".__main__"):
+        modules.append(main)
+    return [*modules, "supervisor.forkserver_preload"]
+
+
 _GONE = object()  # the reader's last word: the pipe is closed (the process exited or was killed)
 
 
@@ -144,7 +156,7 @@ class Executor:
         # single-threaded (no lock held by another thread is copied into a child), and it starts
         # again by itself should it die
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([tasks_module])
+        ctx.set_forkserver_preload(preload(tasks_module))
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=executor_main, args=(child, tasks_module), daemon=True)
         self.process.start()

@@ -73,3 +73,20 @@ def test_executors_are_forked_with_the_task_module_already_imported() -> None:
     assert len({w["runs_in"] for w in where}) == 3
     (imported_in,) = {w["imported_in"] for w in where}
     assert imported_in not in {w["runs_in"] for w in where} and imported_in != os.getpid()
+
+
+def test_the_fork_server_also_imports_the_main_module_each_executor_sets_up_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import importlib.util
+    import sys
+    import types
+
+    from supervisor.executor import preload
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = importlib.util.find_spec("run_engine.cli")  # python -m run_engine.cli supervisor ...
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert preload("my.tasks") == ["my.tasks", "run_engine.cli", "supervisor.forkserver_preload"]
+    main.__spec__ = importlib.util.find_spec("pytest.__main__")  # a package's __main__ is never set up again
+    assert preload("my.tasks") == ["my.tasks", "supervisor.forkserver_preload"]
+    main.__spec__ = None  # a script: multiprocessing runs it by path
+    assert preload("my.tasks") == ["my.tasks", "supervisor.forkserver_preload"]
