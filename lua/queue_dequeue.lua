@@ -16,10 +16,11 @@
 -- KEYS[1] B:delayed
 -- ARGV[1] B, ARGV[2] wg, ARGV[3] now ms, ARGV[4] max runs, ARGV[5] promote limit,
 -- ARGV[6] default env limit, ARGV[7] scan window, ARGV[8..] only these environments (optional)
--- returns: flat array of 7 fields per run: run, env, queue, ck, score, deliveries, task; then two
+-- returns: flat array of 7 fields per run: run, env, queue, ck, score, deliveries, task; then three
 -- more: the earliest ms a skipped rate-limited queue may hand out a run ('' if none was skipped),
--- and how many environments of the group still have ready runs on this shard (the caller weighs
--- its choice of shard by it, so that environments on different shards get even shares)
+-- how many environments of the group still have ready runs on this shard (the caller weighs its
+-- choice of shard by it, so that environments on different shards get even shares), and how many
+-- of those are ones this call may serve (all of them, or those of ARGV[8..]): the caller's backlog
 local wg, now, max = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local default_env_limit, window = tonumber(ARGV[6]), tonumber(ARGV[7])
 promote(now, tonumber(ARGV[5]))
@@ -156,5 +157,14 @@ while #out < max * 7 and budget > 0 do
   end
 end
 out[#out + 1] = rate_next and tostring(rate_next) or ''
-out[#out + 1] = redis.call('ZCARD', g .. ':envs')
+local active = redis.call('ZCARD', g .. ':envs')
+out[#out + 1] = active
+local mine = active
+if #only > 0 then
+  mine = 0
+  for _, e in ipairs(only) do
+    if redis.call('ZSCORE', g .. ':envs', e) then mine = mine + 1 end
+  end
+end
+out[#out + 1] = mine
 return out

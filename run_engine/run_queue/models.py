@@ -27,8 +27,8 @@ class EnqueueItem:
 class Handed(list):  # type: ignore[type-arg]
     """What a dequeue returns: the runs handed out (a list), and ``retry_at_ms``, the earliest time
     a queue skipped for its rate limit may hand out a run again (None if none was). ``backlog``:
-    environments of the group still had ready runs once this dequeue was done (a hint: another
-    worker may take them first)."""
+    environments this dequeue may serve (the group's, or those it was narrowed to) still had ready
+    runs once it was done (a hint: another worker may take them first)."""
 
     retry_at_ms: int | None = None
     backlog: bool = False

@@ -141,8 +141,8 @@ class RunQueue:
                     *only.get(shard, ()),
                 ],
             )
-            active, rate_next = int(flat.pop()), _s(flat.pop())
-            out.backlog = out.backlog or active > 0
+            mine, active, rate_next = int(flat.pop()), int(flat.pop()), _s(flat.pop())
+            out.backlog = out.backlog or mine > 0
             if visit:
                 visit.visited(shard, active, served=len(flat) // 7)
             if rate_next:  # a rate-limited queue was skipped: when it may serve again

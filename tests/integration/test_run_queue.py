@@ -50,6 +50,7 @@ async def test_a_dequeue_says_whether_runs_it_could_hand_out_are_left(q: RunQueu
     assert len(got) == 2 and got.backlog  # r2 is still ready
     got = await q.dequeue("wg", 5, NOW, ["envA"])
     assert [m.run_id for m in got] == ["r2"]
+    assert not got.backlog  # envB's run is not a backlog of a worker narrowed to envA
     got = await q.dequeue("wg", 5, NOW)
     assert [m.run_id for m in got] == ["other"] and not got.backlog
 
