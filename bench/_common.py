@@ -146,3 +146,10 @@ def tree_cpu(pid: int) -> float:
 def postgres_cpu() -> float:
     """Every postgres process, and the backends the postmaster has reaped."""
     return sum(cpu_s(p, children=True) for p in pids_named("postgres"))
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all CPUs have been busy (not idle or waiting for I/O), from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / TICK

@@ -31,6 +31,7 @@ import httpx
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
+CPUS = os.cpu_count() or 1
 sys.path.insert(0, str(ROOT))
 
 from bench._common import (  # noqa: E402
@@ -39,6 +40,7 @@ from bench._common import (  # noqa: E402
     delete_prefix,
     executor_pids,
     fresh_database,
+    machine_busy_s,
     pids_named,
     postgres_cpu,
     tree_cpu,
@@ -93,19 +95,20 @@ async def until(predicate, what: str, timeout_s: float, every_s: float = 0.5) ->
 def cpu_now(server: int, supervisor: int) -> dict[str, Any]:
     return {"server": tree_cpu(server), "supervisor": cpu_s(supervisor), "executor_pids": executor_cpu(supervisor),
             "postgres": postgres_cpu(), "redis": sum(cpu_s(p) for p in pids_named("redis-server")),
-            "load": cpu_s(os.getpid())}
+            "load": cpu_s(os.getpid()), "machine": machine_busy_s(), "at": time.monotonic()}
 
 
 def print_cpu(phase: str, before: dict[str, Any], after: dict[str, Any], n: int) -> None:
     """CPU ms per run of each process over a phase; executors the pool started in the phase
     (imports, ~0.1-0.3 s each) are shown apart: the others' figures are steady costs per run."""
     was, now = before["executor_pids"], after["executor_pids"]
-    per_run = {k: (after[k] - before[k]) * 1000 / n for k in before if k != "executor_pids"}
+    per_run = {k: (after[k] - before[k]) * 1000 / n for k in before if k not in ("executor_pids", "machine", "at")}
     per_run["executors"] = sum(v - was.get(p, 0.0) for p, v in now.items() if p in was) * 1000 / n
     started = [p for p in now if p not in was]
     parts = "  ".join(f"{k} {v:.2f}" for k, v in per_run.items())
     print(f"  {phase} CPU ms/run: {parts}  total {sum(per_run.values()):.2f}"
-          f"  (+ {len(started)} executors started: {sum(now[p] for p in started) * 1000 / n:.2f})", flush=True)
+          f"  (+ {len(started)} executors started: {sum(now[p] for p in started) * 1000 / n:.2f}); all CPUs "
+          f"{(after['machine'] - before['machine']) / (after['at'] - before['at']) / CPUS:.0%} busy", flush=True)
 
 
 async def bench(args: argparse.Namespace, url: str, key: str, database_url: str, server_pid: int,

@@ -167,6 +167,7 @@ class EngineSettings:
             "max_streams_per_key": "RUN_ENGINE_MAX_STREAMS_PER_KEY",
             "max_long_polls_per_token": "RUN_ENGINE_MAX_LONG_POLLS_PER_TOKEN",
             "metrics_token": "RUN_ENGINE_METRICS_TOKEN",
+            "db_pool_max": "RUN_ENGINE_DB_POOL_MAX",
         }
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, Any] = {}

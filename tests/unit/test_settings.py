@@ -40,9 +40,11 @@ def test_settings_from_env_reads_documented_variables() -> None:
     s = EngineSettings.from_env({
         "DATABASE_URL": "postgresql://x/db", "REDIS_URL": "redis://y", "RUN_ENGINE_MAX_DELIVERIES": "4",
         "RUN_ENGINE_PENDING_EXECUTING_TIMEOUT_S": "1.5", "RUN_ENGINE_ENV_CONCURRENCY": "7",
+        "RUN_ENGINE_DB_POOL_MAX": "12",
     })
     assert (s.database_url, s.redis_url, s.max_deliveries, s.pending_executing_timeout_s, s.env_concurrency) == (
         "postgresql://x/db", "redis://y", 4, 1.5, 7)
+    assert s.db_pool_max == 12 and EngineSettings.from_env({}).db_pool_max == 8
     assert s.heartbeat_timeout_s(ExecutionStatus.PENDING_EXECUTING) == 1.5
     assert s.heartbeat_timeout_s(ExecutionStatus.QUEUED) is None
 
