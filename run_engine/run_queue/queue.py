@@ -428,7 +428,8 @@ class RunQueue:
             if _s(state) == "held" and now_ms is not None and held_at is not None \
                     and now_ms - float(held_at) < held_grace_ms:
                 out[i] = "handing out"
-            elif _s(state) == "ready":
+                continue
+            if _s(state) == "ready":
                 pipe.zscore(self.keys.ready(env_id, _name(wg), _name(queue), _name(ck)), encode_name(run_id))
             elif _s(state) == "delayed":
                 pipe.zscore(self.keys.delayed(self.keys.shard_of(env_id)), encode_name(run_id))

@@ -90,6 +90,18 @@ async def test_placements_find_runs_lost_from_their_set(q: RunQueue) -> None:
         ["lost", "ready", "lost", None]
 
 
+async def test_placements_with_a_run_being_handed_out_beside_others(q: RunQueue) -> None:
+    """A run handed out within the grace is reported as such, and the runs checked after it still
+    get their own answers (it once counted as checked without a command sent: the call failed)."""
+    await q.enqueue([EnqueueItem(f"h{i}", "envH", "task/h", "wg", NOW + i) for i in range(3)], NOW)
+    (m,) = await q.dequeue("wg", 1, NOW)
+    assert m.run_id == "h0"
+    await q.redis.zrem(q.keys.ready("envH", "wg", "task/h", None), "h2")  # lost, as a failed script leaves it
+    items = [("envH", "h0"), ("envH", "h1"), ("envH", "h2")]
+    assert await q.placements(items, now_ms=NOW + 1_000, held_grace_ms=30_000) == ["handing out", "ready", "lost"]
+    assert await q.placements(items, now_ms=NOW + 60_000, held_grace_ms=30_000) == ["held", "ready", "lost"]
+
+
 async def test_the_scripts_write_the_keys_that_queue_keys_builds(q: RunQueue) -> None:
     """run_queue/keys.py and lua/queue_lib.lua agree on the key layout: each key the scripts
     write for a run is the one QueueKeys builds (names with every escaped character included), and
