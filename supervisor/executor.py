@@ -4,28 +4,31 @@ fork server that imported the task module first: a new executor costs a few mill
 instead of an interpreter start and every import (~0.1-0.3 s each when spawned), which matters
 when the pool grows under load or replaces an executor that died.
 
-The supervisor talks to an executor over a ``multiprocessing`` pipe: it sends
-``{"type": "run", ...}`` and gets ``{"ok": True, "output": ...}`` or ``{"ok": False, "error": ...,
-"retryable": bool}`` back. It watches the process: past the run's max duration, over its memory
-limit, or dead, the executor is killed (if need be) and replaced.
+The supervisor talks to an executor over a socket pair, one JSON document per frame (the 4-byte
+length header of ``multiprocessing``'s ``send_bytes``): it sends ``{"type": "run", ...}`` and gets
+``{"ok": True, "output": ...}`` or ``{"ok": False, "error": ..., "retryable": bool}`` back. JSON,
+never pickle: an executor runs a tenant's code, and what it sends must not be able to run code in
+the supervisor. The supervisor reads and writes its end on its event loop (no thread per executor).
+It watches the process: past the run's max duration, over its memory limit, or dead, the executor
+is killed (if need be) and replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import logging
 import multiprocessing as mp
 import os
-import queue
+import socket
+import struct
 import sys
-import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -96,10 +99,10 @@ async def _run_one(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
 def executor_main(conn: Connection, tasks_module: str) -> None:
     importlib.import_module(tasks_module)
     loop = asyncio.new_event_loop()
-    conn.send({"type": "ready", "pid": os.getpid()})
+    conn.send_bytes(orjson.dumps({"type": "ready", "pid": os.getpid()}))
     while True:
         try:
-            msg = conn.recv()
+            msg = orjson.loads(conn.recv_bytes())
         except (EOFError, KeyboardInterrupt):
             return
         if msg.get("type") == "stop":
@@ -111,7 +114,7 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
         finally:
             os.environ.pop("RUN_ENGINE_RUN_TOKEN", None)
             cancel_leftovers(loop)
-        conn.send(result)
+        conn.send_bytes(orjson.dumps(result))
 
 
 def cancel_leftovers(loop: asyncio.AbstractEventLoop, grace_s: float = 1.0) -> int:
@@ -140,16 +143,75 @@ def preload(tasks_module: str) -> list[str]:
 
 
 _GONE = object()  # the reader's last word: the pipe is closed (the process exited or was killed)
+_HEADER = struct.Struct("!i")  # multiprocessing's frame header; -1, then 8 bytes, for 2 GiB and over
+_BIG = struct.Struct("!Q")
+
+
+def frame(msg: dict[str, Any]) -> bytes:
+    """``msg`` as the executor's ``Connection.recv_bytes`` reads it: a length header and JSON."""
+    body = orjson.dumps(msg)
+    if len(body) > 0x7FFFFFFF:
+        return _HEADER.pack(-1) + _BIG.pack(len(body)) + body
+    return _HEADER.pack(len(body)) + body
+
+
+class _Frames(asyncio.Protocol):
+    """The supervisor's end of an executor's socket, on the event loop: bytes are gathered until a
+    frame is whole (a multi-megabyte message arrives in many reads), then decoded and handed on.
+    Anything but a JSON object ends the pipe: the executor is then treated as dead."""
+
+    def __init__(self, deliver: Callable[[Any], None]) -> None:
+        self.deliver = deliver
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while len(buf) >= 4:
+            (n,) = _HEADER.unpack_from(buf)
+            start = 4
+            if n == -1:
+                if len(buf) < 12:
+                    return
+                (n,) = _BIG.unpack_from(buf, 4)
+                start = 12
+            end = start + n
+            if n < 0 or len(buf) < end:
+                if n < 0:
+                    self._broken(f"a frame header of length {n}")
+                return
+            with memoryview(buf) as view, view[start:end] as body:
+                try:
+                    msg = orjson.loads(body)
+                except orjson.JSONDecodeError as exc:
+                    msg = exc
+            del buf[:end]
+            if not isinstance(msg, dict):
+                self._broken(f"a frame that is not a JSON object ({msg!r:.100})")
+                return
+            self.deliver(msg)
+
+    def _broken(self, what: str) -> None:
+        log.warning("executor pipe: %s; the executor is treated as dead", what)
+        self.buf.clear()
+        if self.transport is not None:
+            self.transport.abort()  # connection_lost follows: _GONE
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.deliver(_GONE)
 
 
 class Executor:
     """One warm executor process, seen from the supervisor's event loop.
 
-    The pipe is read and written by two threads with blocking I/O, never by the loop: a loop's
-    reader callback (uvloop sets the fd non-blocking) could see a multi-megabyte message half
-    there and tear it, and a blocking write would stall every other run. The reader hands each
-    whole message to the loop; the writer sends in order. Nothing is dropped silently: a failed
-    write is logged and the executor treated as dead."""
+    Its end of the socket pair is read and written by the loop (a transport): reads are gathered
+    into whole frames, so a multi-megabyte message is never torn, and a write never blocks the
+    loop (the transport buffers what the executor has not read yet). Nothing is dropped silently:
+    a message that cannot be sent is logged and the executor treated as dead."""
 
     def __init__(self, tasks_module: str) -> None:
         # the fork server is one per supervisor process, started with the first executor; it is
@@ -157,41 +219,49 @@ class Executor:
         # again by itself should it die
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(preload(tasks_module))
-        self.conn, child = ctx.Pipe()
+        conn, child = ctx.Pipe()
         self.process = ctx.Process(target=executor_main, args=(child, tasks_module), daemon=True)
         self.process.start()
         child.close()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno()))
+        conn.close()
         self.runs = 0
         self._loop = asyncio.get_running_loop()
-        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
-        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._transport: asyncio.Transport | None = None
+        self._messages: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._broken: BaseException | None = None
-        threading.Thread(target=self._read, name=f"executor-{self.process.pid}-read", daemon=True).start()
-        threading.Thread(target=self._write, name=f"executor-{self.process.pid}-write", daemon=True).start()
 
-    def _read(self) -> None:
-        try:
-            while True:
-                msg = self.conn.recv()
-                self._loop.call_soon_threadsafe(self._inbox.put_nowait, msg)
-        except (EOFError, OSError, RuntimeError):  # RuntimeError: the loop closed at shutdown
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._inbox.put_nowait, _GONE)
+    def _deliver(self, msg: Any) -> None:
+        self._messages.append(msg)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
-    def _write(self) -> None:
-        while (msg := self._outbox.get()) is not None:
+    async def _next(self, timeout_s: float) -> Any:
+        """The next message, or None after ``timeout_s`` without one (a watchdog tick)."""
+        if not self._messages:
+            waiter = self._waiter = self._loop.create_future()
+            tick = self._loop.call_later(timeout_s, _wake, waiter)
             try:
-                self.conn.send(msg)
-            except (OSError, ValueError) as exc:
-                self._broken = exc
-                log.warning("executor %s: a message of type %s could not be sent (%s); the executor is "
-                            "treated as dead", self.process.pid, msg.get("type"), exc)
-                return
+                await waiter
+            finally:
+                tick.cancel()
+                self._waiter = None
+        return self._messages.popleft() if self._messages else None
 
     def _send(self, msg: dict[str, Any]) -> None:
-        self._outbox.put(msg)
+        transport = self._transport
+        try:
+            if transport is None or transport.is_closing():
+                raise ConnectionError("the pipe is closed")
+            transport.write(frame(msg))
+        except (OSError, TypeError, ValueError) as exc:  # TypeError: not JSON (a bug of ours)
+            self._broken = exc
+            log.warning("executor %s: a message of type %s could not be sent (%s); the executor is "
+                        "treated as dead", self.process.pid, msg.get("type"), exc)
 
     async def ready(self, timeout_s: float = 60) -> None:
+        self._transport, _ = await self._loop.connect_accepted_socket(lambda: _Frames(self._deliver), self._sock)
         msg = await self._receive(timeout_s=timeout_s, max_duration_s=None, memory_mb=None)
         if msg.get("type") != "ready":
             raise RuntimeError(f"executor sent {msg!r} instead of ready")
@@ -207,8 +277,10 @@ class Executor:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5)
-        self._outbox.put(None)
-        self.conn.close()
+        if self._transport is not None:
+            self._transport.abort()
+        else:
+            self._sock.close()
 
     def stop(self) -> None:
         self._send({"type": "stop"})
@@ -217,7 +289,8 @@ class Executor:
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive() and not self.conn.closed and self._broken is None
+        return (self._broken is None and self._transport is not None and not self._transport.is_closing()
+                and self.process.is_alive())
 
     async def run(self, msg: dict[str, Any], *, max_duration_s: float | None, memory_mb: int | None,
                   on_call: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -242,10 +315,7 @@ class Executor:
         started = time.monotonic()
         while True:
             # a message, or a watchdog tick to check duration, memory and liveness
-            try:
-                msg = await asyncio.wait_for(self._inbox.get(), 0.1)
-            except TimeoutError:
-                msg = None
+            msg = await self._next(0.1)
             if msg is not None and msg is not _GONE:
                 if msg.get("type") != "call":
                     return dict(msg)
@@ -272,6 +342,11 @@ class Executor:
             if timeout_s is not None and elapsed > timeout_s:
                 self.kill()
                 raise RuntimeError("executor did not start in time")
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class ExecutorPool:

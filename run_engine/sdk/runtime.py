@@ -56,7 +56,7 @@ class Channel:
     def _readable(self) -> None:
         try:
             while self.conn.poll():
-                msg = self.conn.recv()
+                msg = orjson.loads(self.conn.recv_bytes())
                 if msg.get("type") == "reply":
                     fut = self._waiting.pop(msg["id"], None)
                     if fut is not None and not fut.done():
@@ -71,9 +71,11 @@ class Channel:
 
     async def call(self, op: str, **data: Any) -> dict[str, Any]:
         call_id = next(_call_ids)
+        # JSON, as every message to the supervisor: what cannot be sent fails this call, in the task
+        frame = orjson.dumps({"type": "call", "id": call_id, "op": op, **data})
         fut: asyncio.Future[dict[str, Any]] = self.loop.create_future()
         self._waiting[call_id] = fut
-        self.conn.send({"type": "call", "id": call_id, "op": op, **data})
+        self.conn.send_bytes(frame)
         reply = await fut
         if reply.get("duplicate"):
             raise DuplicateExecution(reply.get("message", "duplicate execution"))

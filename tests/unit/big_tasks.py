@@ -1,9 +1,10 @@
-"""Tasks for tests/unit/test_executor_pipe.py: messages of several megabytes both ways, and where
-the task module was imported."""
+"""Tasks for tests/unit/test_executor_pipe.py: messages of several megabytes both ways, where
+the task module was imported, and a task that writes to its executor's pipe itself."""
 
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
 
 from run_engine.sdk import task
@@ -34,3 +35,26 @@ IMPORTED_IN = os.getpid()  # the process that imported this module
 @task(id="where")
 async def where(payload: Any, ctx: Any) -> dict[str, int]:
     return {"imported_in": IMPORTED_IN, "runs_in": os.getpid()}
+
+
+class _RunsCode:
+    """Unpickled, it would run ``touch <path>`` in whoever unpickles it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.path}",))
+
+
+@task(id="writes-to-its-pipe")
+async def writes_to_its_pipe(payload: dict[str, Any], ctx: Any) -> str:
+    """Tenant code that sends a frame of its own over the executor's pipe: a pickle that would run
+    code in the supervisor, or bytes that are no JSON."""
+    from run_engine.sdk import runtime
+
+    rt = runtime.current()
+    assert rt is not None
+    frame = pickle.dumps(_RunsCode(payload["marker"])) if payload["kind"] == "pickle" else b"\x00not json"
+    rt.channel.conn.send_bytes(frame)
+    return "sent"

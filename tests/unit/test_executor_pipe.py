@@ -7,7 +7,9 @@ import asyncio
 import os
 from typing import Any
 
-from supervisor.executor import Executor, ExecutorPool
+import pytest
+
+from supervisor.executor import Executor, ExecutorFailure, ExecutorPool
 
 MB = 1024 * 1024
 
@@ -90,3 +92,28 @@ def test_the_fork_server_also_imports_the_main_module_each_executor_sets_up_agai
     assert preload("my.tasks") == ["my.tasks", "supervisor.forkserver_preload"]
     main.__spec__ = None  # a script: multiprocessing runs it by path
     assert preload("my.tasks") == ["my.tasks", "supervisor.forkserver_preload"]
+
+
+async def _hostile(kind: str, marker: str) -> None:
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        with pytest.raises(ExecutorFailure) as failed:
+            await ex.run(_run("writes-to-its-pipe", {"kind": kind, "marker": marker}), max_duration_s=60,
+                         memory_mb=None)
+        assert failed.value.error["type"] == "TASK_PROCESS_EXITED"
+        assert not ex.alive
+    finally:
+        ex.kill()
+
+
+@pytest.mark.parametrize("kind", ["pickle", "garbage"])
+def test_a_frame_the_task_writes_itself_is_never_unpickled_and_ends_the_executor(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An executor runs a tenant's code: what comes over its pipe is read as JSON only. A pickle
+    that would run code in the supervisor, or bytes that are no JSON, end that executor (its run
+    fails and is retried by policy) and run nothing in the supervisor."""
+    import uvloop
+
+    marker = tmp_path / "ran-in-the-supervisor"
+    uvloop.run(asyncio.wait_for(_hostile(kind, str(marker)), 60))
+    assert not marker.exists()
