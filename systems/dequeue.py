@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from run_engine.db.runs import RunRow, Snapshot, Transition, TransitionResult
+from run_engine.db.runs import DequeueStart, RunRow, Snapshot, Transition, TransitionResult
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.run_queue import Handed
@@ -49,6 +49,7 @@ class DequeueSystem:
         self._deployments: dict[str, tuple[str, frozenset[str]]] = {}
 
     GIVE_BACK_MS = 500  # a run given back is ready again this much later (the others' turn first)
+    DESCRIPTION = "Dequeued by a worker"
 
     async def dequeue(self, worker_group_id: str, max_runs: int, worker_id: str | None = None,
                       environments: Sequence[str] = (), deployments: Sequence[str] = (),
@@ -73,32 +74,24 @@ class DequeueSystem:
             messages.retry_at_ms, messages.backlog = retry_at, backlog
         if not messages:
             return messages
-        froms = tuple(DEQUEUEABLE)
         # No run lock: the compare-and-set from a dequeueable status decides. A run that moved on
         # meanwhile (a cancel or a TTL applies its snapshot before it touches the queue) is not
         # applied here and its message is dropped; the others' jobs are keyed by snapshot.
-        pending = [
-            Transition(
-                run_id=m.run_id,
-                new_snapshot_id=new_id("snapshot"),
-                engine_status=ExecutionStatus.PENDING_EXECUTING,
-                run_status=RunStatus.DEQUEUED,
-                from_statuses=froms,
-                description="Dequeued by a worker",
-                worker_id=worker_id,
-            )
-            for m in messages
-        ]
+        results: Sequence[TransitionResult]
         starts: Sequence[TransitionResult | None]
         if start:
-            # one transaction: each start expects the PENDING_EXECUTING snapshot appended before it
-            results, starts = await self.r.repo.runs.transition_chain([pending, [
-                Transition(run_id=t.run_id, new_snapshot_id=new_id("snapshot"),
-                           engine_status=ExecutionStatus.EXECUTING, run_status=RunStatus.EXECUTING,
-                           **self.run_attempt.start_transition(t.new_snapshot_id, worker_id))
-                for t in pending]])
+            # one statement: PENDING_EXECUTING, then the attempt's EXECUTING after it (both kept)
+            pairs = await self.r.repo.runs.dequeue_and_start(
+                [DequeueStart(m.run_id, new_id("snapshot"), new_id("snapshot"), worker_id) for m in messages],
+                self.DESCRIPTION, self.run_attempt.START_DESCRIPTION)
+            results, starts = [p for p, _ in pairs], [s for _, s in pairs]
         else:
-            results = await self.execution_snapshot.append_many(pending)
+            froms = tuple(DEQUEUEABLE)
+            results = await self.execution_snapshot.append_many([
+                Transition(run_id=m.run_id, new_snapshot_id=new_id("snapshot"),
+                           engine_status=ExecutionStatus.PENDING_EXECUTING, run_status=RunStatus.DEQUEUED,
+                           from_statuses=froms, description=self.DESCRIPTION, worker_id=worker_id)
+                for m in messages])
             starts = [None] * len(results)
         dequeued: list[DequeuedRun] = []
         stray: list[tuple[str, str]] = []

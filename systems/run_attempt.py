@@ -103,11 +103,14 @@ class RunAttemptSystem:
         self.emit_started(started)
         return started
 
-    @staticmethod
-    def start_transition(snapshot_id: str, worker_id: str | None) -> dict[str, Any]:
-        """The changes of a start, from the dequeued run's PENDING_EXECUTING ``snapshot_id``."""
+    START_DESCRIPTION = "Attempt started"
+
+    @classmethod
+    def start_transition(cls, snapshot_id: str, worker_id: str | None) -> dict[str, Any]:
+        """The changes of a start, from the dequeued run's PENDING_EXECUTING ``snapshot_id`` (the
+        dequeue that starts its runs makes the same changes: ``RunRepository.dequeue_and_start``)."""
         return {"from_statuses": (E.PENDING_EXECUTING,), "expected_snapshot_id": snapshot_id,
-                "description": "Attempt started", "attempt_delta": 1, "set_started": True, "worker_id": worker_id,
+                "description": cls.START_DESCRIPTION, "attempt_delta": 1, "set_started": True, "worker_id": worker_id,
                 "resume_checkpoint": True}
 
     async def attempt_started(self, run: RunRow, snapshot: Snapshot, pending_snapshot_id: str, *,

@@ -9,7 +9,7 @@ is one round trip and one commit, however many runs a batch carries.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -129,6 +129,16 @@ class Transition:
 
 
 @dataclass(frozen=True, slots=True)
+class DequeueStart:
+    """A run to dequeue and start at once (:meth:`RunRepository.dequeue_and_start`)."""
+
+    run_id: str
+    pending_snapshot_id: str
+    executing_snapshot_id: str
+    worker_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TransitionResult:
     """``applied`` with the new snapshot and run; otherwise the latest snapshot's id and status
     (``None`` when the run does not exist)."""
@@ -206,6 +216,69 @@ SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_la
 FROM latest l
 LEFT JOIN ins ON ins.id = l.new_id
 LEFT JOIN upd ON upd.id = l.run_id AND ins.id IS NOT NULL
+ORDER BY l.ord
+"""
+
+_DEQUEUE_START_SQL = """
+-- dequeue_and_start: per input row, a dequeued run's PENDING_EXECUTING snapshot, its attempt's
+-- EXECUTING snapshot appended after it and the run row updated once: one statement, one commit,
+-- both snapshots kept. The checks and changes are transition_many's for the two transitions
+-- (from QUEUED or QUEUED_EXECUTING; a run restored from a checkpoint resumes its attempt).
+WITH input AS (
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(
+        ord int, run_id text, pending_id text, executing_id text, worker_id text)
+), latest AS (
+    SELECT i.ord, i.run_id, i.pending_id, i.executing_id, i.worker_id,
+           l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number AS latest_attempt,
+           l.checkpoint_id AS latest_checkpoint
+    FROM input i
+    LEFT JOIN LATERAL (
+        SELECT s.id, s.engine_status, s.attempt_number, s.checkpoint_id
+        FROM task_run_execution_snapshot s
+        WHERE s.run_id = i.run_id AND s.is_valid
+        ORDER BY s.seq DESC
+        LIMIT 1
+    ) l ON true
+), allowed AS (
+    SELECT *, CASE WHEN latest_checkpoint IS NULL THEN 1 ELSE 0 END AS attempt_delta FROM latest
+    WHERE latest_status IN ('QUEUED', 'QUEUED_EXECUTING')
+), pending AS (
+    INSERT INTO task_run_execution_snapshot (
+        id, run_id, engine_status, run_status, attempt_number, description, previous_snapshot_id, worker_id,
+        checkpoint_id)
+    SELECT pending_id, run_id, 'PENDING_EXECUTING', 'DEQUEUED', latest_attempt, %(pending_description)s, latest_id,
+           worker_id, latest_checkpoint
+    FROM allowed
+    ORDER BY ord
+    -- a concurrent transition appended after the same snapshot first: this run is not dequeued
+    ON CONFLICT (previous_snapshot_id) WHERE is_valid AND previous_snapshot_id IS NOT NULL DO NOTHING
+    RETURNING *
+), executing AS (
+    INSERT INTO task_run_execution_snapshot (
+        id, run_id, engine_status, run_status, attempt_number, description, previous_snapshot_id, worker_id,
+        checkpoint_id)
+    SELECT a.executing_id, a.run_id, 'EXECUTING', 'EXECUTING', a.latest_attempt + a.attempt_delta,
+           %(start_description)s, p.id, a.worker_id, a.latest_checkpoint
+    FROM allowed a JOIN pending p ON p.id = a.pending_id
+    ORDER BY a.ord
+    RETURNING *
+), upd AS (
+    UPDATE task_run r SET
+        status = 'EXECUTING',
+        updated_at = now(),
+        attempt_number = r.attempt_number + a.attempt_delta,
+        started_at = coalesce(r.started_at, now())
+    FROM allowed a JOIN executing e ON e.id = a.executing_id
+    WHERE r.id = a.run_id
+    RETURNING r.*
+)
+SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_latest_status,
+       to_jsonb(p.*) AS t_pending, to_jsonb(e.*) AS t_executing, to_jsonb(upd.*) AS t_run,
+       (p.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict
+FROM latest l
+LEFT JOIN pending p ON p.id = l.pending_id
+LEFT JOIN executing e ON e.id = l.executing_id
+LEFT JOIN upd ON upd.id = l.run_id AND e.id IS NOT NULL
 ORDER BY l.ord
 """
 
@@ -445,20 +518,44 @@ class RunRepository:
             await cur.execute(_TRANSITION_SQL, self._transition_params(transitions))
             return await self._transition_results(conn, await cur.fetchall())
 
-    async def transition_chain(self, steps: Sequence[Sequence[Transition]]) -> list[list[TransitionResult]]:
-        """Apply ``steps`` one after the other in one transaction, sent together (one round trip,
-        one commit): a step's transitions may expect the snapshots the step before it appends.
-        Each step's results in order; a transition that did not apply leaves the others be."""
+    async def dequeue_and_start(self, runs: Sequence[DequeueStart], pending_description: str,
+                                start_description: str) -> list[tuple[TransitionResult, TransitionResult]]:
+        """Dequeue and start each run in one statement (:data:`_DEQUEUE_START_SQL`): per run, the
+        PENDING_EXECUTING result (its run as it was dequeued, before the start) and the EXECUTING
+        one. A run that moved on (or lost its next snapshot to a concurrent transition) has
+        neither applied."""
+        params = {"rows": Jsonb([{"ord": i, "run_id": r.run_id, "pending_id": r.pending_snapshot_id,
+                                  "executing_id": r.executing_snapshot_id, "worker_id": r.worker_id}
+                                 for i, r in enumerate(runs)]),
+                  "pending_description": pending_description, "start_description": start_description}
         async with self.pool.connection() as conn:
-            async with conn.pipeline():
-                cursors = []
-                async with conn.transaction():
-                    for step in steps:
-                        cur = conn.cursor(row_factory=dict_row)
-                        await cur.execute(_TRANSITION_SQL, self._transition_params(step))
-                        cursors.append(cur)
-                rows = [await cur.fetchall() for cur in cursors]
-            return [await self._transition_results(conn, r) for r in rows]
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_DEQUEUE_START_SQL, params)
+            rows = await cur.fetchall()
+            lost = [row["t_run_id"] for row in rows if row["t_conflict"]]
+            latest: dict[str, tuple[str, str]] = {}
+            if lost:
+                found = await conn.execute(_LATEST_OF_RUNS, (lost,))
+                latest = {r[0]: (r[1], r[2]) for r in await found.fetchall()}
+        out = []
+        for row in rows:
+            run_id, pending, executing = row["t_run_id"], row["t_pending"], row["t_executing"]
+            if pending is None or executing is None or row["t_run"] is None:
+                latest_id, latest_status = latest.get(run_id, (row["t_latest_id"], row["t_latest_status"]))
+                missed = TransitionResult(run_id, False, latest_id, latest_status)
+                out.append((missed, missed))
+                continue
+            run = run_from_json(row["t_run"])
+            pending_snapshot, executing_snapshot = snapshot_from_json(pending), snapshot_from_json(executing)
+            # the run as the dequeue left it: the start's changes (status, attempt, first start) undone
+            before = run.attempt_number - (executing_snapshot.attempt_number - pending_snapshot.attempt_number)
+            dequeued = replace(run, status="DEQUEUED", attempt_number=before,
+                               started_at=run.started_at if before else None)
+            out.append((TransitionResult(run_id, True, pending_snapshot.id, pending_snapshot.engine_status,
+                                         pending_snapshot, dequeued),
+                        TransitionResult(run_id, True, executing_snapshot.id, executing_snapshot.engine_status,
+                                         executing_snapshot, run)))
+        return out
 
     @staticmethod
     def _transition_params(transitions: Sequence[Transition]) -> dict[str, Any]:

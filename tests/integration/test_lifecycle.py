@@ -96,6 +96,33 @@ async def test_dequeue_that_starts_resumes_a_restored_run(h: Harness) -> None:
         "QUEUED_EXECUTING", "PENDING_EXECUTING", "EXECUTING", "FINISHED"]
 
 
+async def test_dequeue_that_starts_writes_what_a_dequeue_then_a_start_write(h: Harness) -> None:
+    """One statement appends both snapshots (``RunRepository.dequeue_and_start``): the same
+    snapshots and run row as a dequeue followed by a start, for a first attempt and for a retry;
+    the dequeued run is seen as the dequeue left it (before the start)."""
+    run = await h.engine.trigger(req(h))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1, "worker-1", start=True)
+    assert d.started is not None
+    assert (d.run.status, d.run.attempt_number, d.run.started_at) == ("DEQUEUED", 0, None)
+    first = d.started.run.started_at
+    assert (d.started.run.status, d.started.run.attempt_number) == ("EXECUTING", 1) and first is not None
+    outcome = await h.engine.complete_attempt(run.id, d.started.snapshot.id, ok=False,
+                                              error={"type": "Error", "message": "once"})
+    assert outcome.action == "retry" and outcome.delay_ms is not None
+    await h.advance(outcome.delay_ms / 1000 + 1)
+    (d2,) = await h.engine.dequeue(h.env.worker_group_id, 1, "worker-2", start=True)
+    assert d2.started is not None and d2.started.attempt_number == 2
+    assert (d2.run.status, d2.run.attempt_number, d2.run.started_at) == ("DEQUEUED", 1, first)
+    assert (d2.started.run.attempt_number, d2.started.run.started_at) == (2, first)
+    row = await h.engine.get_run(run.id)
+    assert row is not None and (row.status, row.attempt_number, row.started_at) == ("EXECUTING", 2, first)
+    snaps = await h.engine.snapshots(run.id)
+    assert [(s.engine_status, s.run_status, s.attempt_number, s.worker_id, s.description) for s in snaps[-2:]] == [
+        ("PENDING_EXECUTING", "DEQUEUED", 1, "worker-2", "Dequeued by a worker"),
+        ("EXECUTING", "EXECUTING", 2, "worker-2", "Attempt started")]
+    assert snaps[-1].previous_snapshot_id == snaps[-2].id and snaps[-2].previous_snapshot_id == snaps[-3].id
+
+
 async def test_retry_after_failure_waits_the_policy_delay(h: Harness) -> None:
     run = await h.engine.trigger(req(h))
     delays = []
