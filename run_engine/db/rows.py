@@ -29,8 +29,22 @@ def columns_of(cls: type[DataclassInstance]) -> tuple[tuple[str, str], ...]:
     return pairs
 
 
+_ROW_GETTERS: dict[type[Any], Callable[[Mapping[str, Any]], tuple[Any, ...]]] = {}
+
+
 def from_row(cls: type[T], row: Mapping[str, Any]) -> T:
-    return cls(**{name: row[column] for name, column in columns_of(cls) if column in row})
+    get = _ROW_GETTERS.get(cls)
+    if get is None:
+        pairs = columns_of(cls)
+        if len(pairs) == 1:
+            (_, column), = pairs
+            get = _ROW_GETTERS[cls] = lambda r: (r[column],)
+        else:
+            get = _ROW_GETTERS[cls] = operator.itemgetter(*(c for _, c in pairs))
+    try:
+        return cls(*get(row))  # every column there: positional, the fields' order (the common case)
+    except KeyError:  # a column the class gives a default is missing
+        return cls(**{name: row[column] for name, column in columns_of(cls) if column in row})
 
 
 def from_row_or_none(cls: type[T], row: Mapping[str, Any] | None) -> T | None:
