@@ -27,6 +27,7 @@ from run_engine.api.context import ApiContext
 from run_engine.api.http import ApiError, handle_exception, json_response
 from run_engine.api.inputs import RejectUnstorable
 from run_engine.api.openapi import openapi_document, operation
+from run_engine.api.routing import IndexedRouter
 from run_engine.api.schemas import Health, Index
 from run_engine.dependencies import DEPENDENCY_ERRORS
 from run_engine.errors import RunEngineError
@@ -89,5 +90,7 @@ def create_app(ctx: ApiContext) -> Starlette:
                             HTTPException: handle_exception, **dict.fromkeys(DEPENDENCY_ERRORS, handle_exception),
                             Exception: handle_exception},
     )
+    # the same routes, tried only where the path can match (run_engine/api/routing.py)
+    app.router = IndexedRouter(app.router.routes)
     app.state.ctx = ctx
     return app

@@ -76,7 +76,9 @@ async def heartbeat(request: Request) -> Response:
     return json_response({"ok": True})
 
 
-def _run_payload(ctx: ApiContext, run: RunRow, snapshot: Any) -> dict[str, Any]:
+def _run_payload(ctx: ApiContext, run: RunRow, snapshot: Any, token: str | None = None) -> dict[str, Any]:
+    """A dequeued run as the worker gets it; ``token``: the run token of the attempt the dequeue
+    started (else one is minted for the next attempt)."""
     attempt = run.attempt_number + 1
     expires = int(ctx.engine.now()) + ctx.run_token_ttl_s
     return {
@@ -84,7 +86,7 @@ def _run_payload(ctx: ApiContext, run: RunRow, snapshot: Any) -> dict[str, Any]:
                 "environmentId": run.env_id, "attemptNumber": attempt, "maxDuration": run.max_duration_s,
                 "machine": run.machine, "tags": run.tags, "concurrencyKey": run.concurrency_key},
         "snapshot": snapshot_object(snapshot),
-        "runToken": ctx.tokens.mint(run.id, attempt, expires),
+        "runToken": token or ctx.tokens.mint(run.id, attempt, expires),
     }
 
 
@@ -123,13 +125,14 @@ async def dequeue(request: Request) -> Response:
                                                req.deployments or (), start=req.startAttempts)
     for d in got:
         ctx.remember_run_group(d.run.id, group.id, d.run.env_id)
-    items = [_run_payload(ctx, d.run, d.snapshot) for d in got]
     if req.startAttempts and got:
-        # started in the dequeue's own transaction; one it could not start is started here
+        # started in the dequeue's own statement; one it could not start is started here
         started = await _each(got, lambda d: _attempt(ctx, d.started) if d.started is not None
                               else _start(ctx, d.run.id, d.snapshot.id))
-        for item, attempt in zip(items, started, strict=True):
-            item["attempt"] = attempt
+        items = [{**_run_payload(ctx, d.run, d.snapshot, attempt.get("runToken")), "attempt": attempt}
+                 for d, attempt in zip(got, started, strict=True)]
+    else:
+        items = [_run_payload(ctx, d.run, d.snapshot) for d in got]
     # backlog (only when true): runs of the group were still ready after this dequeue (a supervisor
     # whose slots are all busy then suspends a run that blocks at once rather than after its grace)
     return json_response({"runs": items, "backlog": True} if got.backlog else {"runs": items})
