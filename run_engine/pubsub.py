@@ -31,6 +31,7 @@ class Subscription:
         self.name = name
         self._task: asyncio.Task[None] | None = None
         self._attempt = 0
+        self.subscribed = False  # the connection is subscribed now (messages published now are seen)
 
     @property
     def running(self) -> bool:
@@ -60,6 +61,7 @@ class Subscription:
                 client = self._client()
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(*self.channels)
+                self.subscribed = True
                 try:
                     # get_message with a timeout, not listen(): a stop is seen within a second even
                     # when redis-py swallows the cancel (it can, mid-connect)
@@ -71,6 +73,7 @@ class Subscription:
                             self.on_message(channel.decode() if isinstance(channel, bytes) else str(channel),
                                             data.decode())
                 finally:
+                    self.subscribed = False
                     await pubsub.aclose()
             except asyncio.CancelledError:
                 raise

@@ -4,6 +4,11 @@ When runs are enqueued for a worker group (or its runs finish and free concurren
 calls :meth:`WakeUps.notify`: waiters in this process wake at once, and a Redis PUBLISH wakes the
 waiters of every other server process. A waiter re-checks the queue after each wake-up, so a lost
 message only costs a bounded wait, never a lost run.
+
+A server alone on a standalone Redis (its last PUBLISH reached only its own subscription) skips
+the PUBLISH for :data:`ALONE_RECHECK_S`: nobody else would hear it. A server process that starts
+meanwhile is heard from at the next PUBLISH, at most that long later; until then its waiters fall
+back to their bounded wait.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import time
 from redis.asyncio import Redis
 
 from run_engine.pubsub import Subscription
+from run_engine.redis_connect import clustered
 from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
+ALONE_RECHECK_S = 1.0
 
 
 class WakeUps:
@@ -32,6 +39,8 @@ class WakeUps:
         self._subscription = Subscription(redis, [channel], self._on_message, "wake-up")
         self._released: dict[str, float] = {}  # worker instance -> when it said it is stopping
         self._stopping = False
+        self._alone_until = 0.0  # no other process subscribed when last looked: no PUBLISH till then
+        self.published = 0
 
     def _event(self, group: str) -> asyncio.Event:
         event = self._events.get(group)
@@ -54,10 +63,18 @@ class WakeUps:
     async def _publish(self) -> None:
         await asyncio.sleep(0)
         groups, self._pending = self._pending, set()
+        now = time.monotonic()
+        if now < self._alone_until and self._subscription.subscribed:
+            return  # nobody else listens: the local wake-up was all there was to do
         try:
-            await self.redis.publish(self.channel, ",".join(sorted(groups)))
+            receivers = await self.redis.publish(self.channel, ",".join(sorted(groups)))
         except Exception:  # waiters fall back to their bounded wait
             log.warning("could not publish wake-ups", exc_info=True)
+            return
+        self.published += 1
+        # only our own subscription heard it (a cluster counts one node's subscribers: always publish)
+        alone = receivers == 1 and self._subscription.subscribed and not clustered(self.redis)
+        self._alone_until = now + ALONE_RECHECK_S if alone else 0.0
 
     def release(self, instance: str, group: str) -> None:
         """A worker instance is stopping: its long-polls here and elsewhere end without runs."""
