@@ -96,6 +96,13 @@ class Completion:
     env_id: str | None = None
 
 
+# Whether the waitpoint ``{id}`` names is pending, asked per row through its primary key. A join on
+# ``w.status = 'PENDING'`` lets the planner take the partial index of pending waitpoints instead, which
+# on a table that grew faster than its statistics (a burst of tokens, a new installation) it believes
+# tiny: it then read every pending waitpoint for each run or completion (quadratic under load).
+_IS_PENDING = "(SELECT w.status FROM waitpoint w WHERE w.id = {id}) = 'PENDING'"
+
+
 _INSERT_WAITPOINT = """
 INSERT INTO waitpoint (id, environment_id, type, completed_by_run_id, completed_by_batch_id, completed_after,
                        idempotency_key, idempotency_key_expires_at, user_provided_idempotency_key, timeout_at, tags)
@@ -112,16 +119,23 @@ RETURNING *
 _COMPLETE = """
 -- complete pending waitpoints by id or by the run that completes them; first completion wins
 -- (a completion naming an environment only completes a token of that environment)
+-- The waitpoints are found per input row (primary key, or the run's index) and then updated by id; the
+-- status is tested in a CASE so that the planner cannot read the pending ones through their partial
+-- index instead (see _IS_PENDING).
 WITH input AS (
     SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(id text, run_id text, output jsonb, is_error bool,
                                                           env_id text)
+), targets AS MATERIALIZED (
+    SELECT i.output, i.is_error, i.env_id, x.id FROM input i CROSS JOIN LATERAL (
+        SELECT w.id FROM waitpoint w WHERE w.id = i.id
+        UNION ALL
+        SELECT w.id FROM waitpoint w WHERE i.id IS NULL AND w.completed_by_run_id = i.run_id AND w.type = 'RUN') x
 )
-UPDATE waitpoint w SET status = 'COMPLETED', completed_at = now(), output = i.output, output_is_error = i.is_error
-FROM input i
-WHERE w.status = 'PENDING'
-  AND ((i.id IS NOT NULL AND w.id = i.id)
-       OR (i.run_id IS NOT NULL AND w.completed_by_run_id = i.run_id AND w.type = 'RUN'))
-  AND (i.env_id IS NULL OR (w.environment_id = i.env_id AND w.type = 'MANUAL'))
+UPDATE waitpoint w SET status = 'COMPLETED', completed_at = now(), output = t.output, output_is_error = t.is_error
+FROM targets t
+WHERE w.id = ANY(ARRAY(SELECT id FROM targets)) AND w.id = t.id
+  AND CASE WHEN w.status = 'PENDING' THEN true ELSE false END
+  AND (t.env_id IS NULL OR (w.environment_id = t.env_id AND w.type = 'MANUAL'))
 RETURNING w.id
 """
 
@@ -157,19 +171,25 @@ WHERE w.status = 'PENDING' AND w.type = 'BATCH'
 LIMIT %(limit)s
 """
 
+_BATCH_WAITPOINTS = """
+-- the pending BATCH waitpoints of %(batches)s (the status in a CASE: not the pending index, see _IS_PENDING)
+SELECT id FROM waitpoint
+WHERE completed_by_batch_id = ANY(%(batches)s) AND CASE WHEN status = 'PENDING' THEN true ELSE false END
+"""
+
 _SWEEP_STUCK_RUNS = """
 -- runs shown as WAITING that no pending waitpoint blocks any more (a lost continuation)
 SELECT r.id FROM task_run r
 WHERE r.status = 'WAITING'
-  AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
-                  WHERE trw.run_id = r.id AND w.status = 'PENDING')
+  AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint trw
+                  WHERE trw.run_id = r.id AND """ + _IS_PENDING.format(id="trw.waitpoint_id") + """)
   AND r.updated_at < now() - make_interval(secs => %(grace_s)s)
 LIMIT %(limit)s
 """
 
 
-_PENDING_OF_RUN = """(SELECT count(*) FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
-                      WHERE trw.run_id = %(run)s AND w.status = 'PENDING')"""
+_PENDING_OF_RUN = """(SELECT count(*) FROM task_run_waitpoint trw
+                      WHERE trw.run_id = %(run)s AND """ + _IS_PENDING.format(id="trw.waitpoint_id") + ")"
 
 _SUSPEND = """
 -- suspend: the run's REPLAY checkpoint at its journal position and the SUSPENDED snapshot carrying it,
@@ -219,8 +239,8 @@ WITH input AS (
                      WHERE trw.run_id = l.run_id), '{}') AS waitpoints
     FROM latest l
     WHERE l.engine_status IN ('EXECUTING_WITH_WAITPOINTS', 'SUSPENDED')
-      AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
-                      WHERE trw.run_id = l.run_id AND w.status = 'PENDING')
+      AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint trw
+                      WHERE trw.run_id = l.run_id AND """ + _IS_PENDING.format(id="trw.waitpoint_id") + """)
 ), snap AS (
     INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
                                              previous_snapshot_id, checkpoint_id, completed_waitpoint_ids)
@@ -270,8 +290,9 @@ WITH latest AS (
     INSERT INTO task_run_waitpoint (run_id, waitpoint_id) SELECT %(run)s, unnest(%(wps)s::text[]) FROM allowed
     ON CONFLICT DO NOTHING RETURNING waitpoint_id
 ), pending AS (
-    SELECT count(*) AS n FROM waitpoint w WHERE w.status = 'PENDING' AND w.id IN (
-        SELECT unnest(%(wps)s::text[]) UNION SELECT waitpoint_id FROM task_run_waitpoint WHERE run_id = %(run)s)
+    SELECT count(*) AS n FROM (
+        SELECT unnest(%(wps)s::text[]) AS id UNION SELECT waitpoint_id FROM task_run_waitpoint WHERE run_id = %(run)s
+    ) ids WHERE """ + _IS_PENDING.format(id="ids.id") + """
 ), snap AS (
     INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
                                              previous_snapshot_id)
@@ -441,8 +462,8 @@ class WaitpointRepository:
                                    (batch_shrink[1], batch_shrink[0]))
 
     async def pending_count(self, run_id: str, conn: Any = None) -> int:
-        sql = """SELECT count(*) FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
-                 WHERE trw.run_id = %s AND w.status = 'PENDING'"""
+        sql = "SELECT count(*) FROM task_run_waitpoint trw WHERE trw.run_id = %s AND " \
+              + _IS_PENDING.format(id="trw.waitpoint_id")
         if conn is not None:
             cur = await conn.execute(sql, (run_id,))
             return _first_int(await cur.fetchone())
@@ -455,7 +476,9 @@ class WaitpointRepository:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
-                """SELECT w.* FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
+                # each of the run's rows looked up by primary key (see _IS_PENDING)
+                """SELECT w.* FROM task_run_waitpoint trw
+                   CROSS JOIN LATERAL (SELECT * FROM waitpoint w WHERE w.id = trw.waitpoint_id OFFSET 0) w
                    WHERE trw.run_id = %s AND w.status = 'PENDING' ORDER BY w.created_at LIMIT %s""", (run_id, limit))
             return [_waitpoint(r) for r in await cur.fetchall()]
 
@@ -484,8 +507,7 @@ class WaitpointRepository:
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 """SELECT s.id, s.engine_status,
-                          (SELECT count(*) FROM task_run_waitpoint trw JOIN waitpoint w ON w.id = trw.waitpoint_id
-                           WHERE trw.run_id = %(run)s AND w.status = 'PENDING')
+                          """ + _PENDING_OF_RUN + """
                    FROM (SELECT 1) one
                    LEFT JOIN LATERAL (SELECT id, engine_status FROM task_run_execution_snapshot
                                       WHERE run_id = %(run)s AND is_valid ORDER BY seq DESC LIMIT 1) s ON true""",
@@ -566,9 +588,7 @@ class WaitpointRepository:
 
     async def batch_waitpoints(self, batch_ids: Sequence[str]) -> list[str]:
         async with self.pool.connection() as conn:
-            cur = await conn.execute(
-                "SELECT id FROM waitpoint WHERE completed_by_batch_id = ANY(%s) AND status = 'PENDING'",
-                (list(batch_ids),))
+            cur = await conn.execute(_BATCH_WAITPOINTS, {"batches": list(batch_ids)})
             return [r[0] for r in await cur.fetchall()]
 
     # --- the sweeper --------------------------------------------------------------------------

@@ -1,0 +1,52 @@
+"""The waits' statements find a run's waitpoints through the run's own rows and primary keys, even
+when the table grew faster than its statistics (a burst of tokens in a young database): they must
+never read the pending waitpoints through their partial index, which the planner then believes
+tiny, and which made each block, suspend, continue and completion read every pending waitpoint."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+
+from run_engine.db import waitpoints as w
+from tests.conftest import fresh_database
+
+STATEMENTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "complete": (w._COMPLETE, {"rows": Jsonb([{"id": "waitpoint_5"}, {"run_id": "run_7"}])}),
+    "block": (w._BLOCK, {"run": "run_5", "expected": "snapshot_1", "seq": 0, "kind": "token", "key": "k",
+                         "result": Jsonb(None), "wp": "waitpoint_5", "wps": ["waitpoint_5"], "new": "snapshot_2",
+                         "description": "d"}),
+    "suspend": (w._SUSPEND, {"run": "run_5", "expected": "snapshot_1", "checkpoint": "checkpoint_1",
+                             "new": "snapshot_2"}),
+    "continue": (w._CONTINUE, {"runs": ["run_5", "run_6"], "news": ["snapshot_2", "snapshot_3"]}),
+    "sweep stuck runs": (w._SWEEP_STUCK_RUNS, {"limit": 100, "grace_s": 30}),
+    "batch waitpoints": (w._BATCH_WAITPOINTS, {"batches": ["batch_1"]}),
+}
+
+
+@pytest.fixture(scope="module")
+def young_database(database_server: str) -> Iterator[str]:
+    """10,000 pending waitpoints and their blocking rows, inserted at once and never analysed."""
+    with fresh_database(database_server, f"re_plans_{secrets.token_hex(4)}") as url:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("SET session_replication_role = replica")  # the fixture's rows need no parents
+            conn.execute("INSERT INTO waitpoint (id, environment_id, type) "
+                         "SELECT 'waitpoint_' || g, 'env', 'MANUAL' FROM generate_series(1, 10000) g")
+            conn.execute("INSERT INTO task_run_waitpoint (run_id, waitpoint_id) "
+                         "SELECT 'run_' || g, 'waitpoint_' || g FROM generate_series(1, 10000) g")
+        yield url
+
+
+@pytest.mark.parametrize("name", sorted(STATEMENTS))
+def test_no_statement_reads_the_pending_waitpoints_by_their_index(young_database: str, name: str) -> None:
+    sql, params = STATEMENTS[name]
+    with psycopg.connect(young_database, autocommit=True) as conn:
+        plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + sql, params).fetchall())
+    assert "waitpoint_pending" not in plan, plan
+    if name != "sweep stuck runs":  # (the sweeper reads blocked runs; the others start from their input)
+        assert "Seq Scan on waitpoint" not in plan, plan
