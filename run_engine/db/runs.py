@@ -151,6 +151,16 @@ class TransitionResult:
     run: RunRow | None = None
 
 
+#: each input row's latest valid snapshot as ``l`` (the input aliased ``i``)
+_LATEST_OF_INPUT = """    LEFT JOIN LATERAL (
+        SELECT s.id, s.engine_status, s.attempt_number, s.checkpoint_id
+        FROM task_run_execution_snapshot s
+        WHERE s.run_id = i.run_id AND s.is_valid
+        ORDER BY s.seq DESC
+        LIMIT 1
+    ) l ON true
+"""
+
 _TRANSITION_SQL = """
 -- transition_many: per input row, append a snapshot if the latest valid one matches, update the run.
 -- params: rows, a JSON array with one object per transition (see Transition); one orjson dump
@@ -169,14 +179,7 @@ WITH input AS (
            l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number AS latest_attempt,
            l.checkpoint_id AS latest_checkpoint
     FROM input i
-    LEFT JOIN LATERAL (
-        SELECT s.id, s.engine_status, s.attempt_number, s.checkpoint_id
-        FROM task_run_execution_snapshot s
-        WHERE s.run_id = i.run_id AND s.is_valid
-        ORDER BY s.seq DESC
-        LIMIT 1
-    ) l ON true
-), allowed AS (
+""" + _LATEST_OF_INPUT + """), allowed AS (
     SELECT * FROM latest
     WHERE latest_id IS NOT NULL
       AND (expected IS NULL OR latest_id = expected)
@@ -232,14 +235,7 @@ WITH input AS (
            l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number AS latest_attempt,
            l.checkpoint_id AS latest_checkpoint
     FROM input i
-    LEFT JOIN LATERAL (
-        SELECT s.id, s.engine_status, s.attempt_number, s.checkpoint_id
-        FROM task_run_execution_snapshot s
-        WHERE s.run_id = i.run_id AND s.is_valid
-        ORDER BY s.seq DESC
-        LIMIT 1
-    ) l ON true
-), allowed AS (
+""" + _LATEST_OF_INPUT + """), allowed AS (
     SELECT *, CASE WHEN latest_checkpoint IS NULL THEN 1 ELSE 0 END AS attempt_delta FROM latest
     WHERE latest_status IN ('QUEUED', 'QUEUED_EXECUTING')
 ), pending AS (
@@ -532,11 +528,7 @@ class RunRepository:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_DEQUEUE_START_SQL, params)
             rows = await cur.fetchall()
-            lost = [row["t_run_id"] for row in rows if row["t_conflict"]]
-            latest: dict[str, tuple[str, str]] = {}
-            if lost:
-                found = await conn.execute(_LATEST_OF_RUNS, (lost,))
-                latest = {r[0]: (r[1], r[2]) for r in await found.fetchall()}
+            latest = await self._winners(conn, rows)
         out = []
         for row in rows:
             run_id, pending, executing = row["t_run_id"], row["t_pending"], row["t_executing"]
@@ -571,14 +563,20 @@ class RunRepository:
         return {"rows": Jsonb(rows)}
 
     @staticmethod
+    async def _winners(conn: AsyncConnection[Any], rows: Sequence[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+        """run id -> (id, status) of the snapshot that won, for each row whose transition lost the
+        race for its run's next snapshot (``t_conflict``): one query, only when there are any."""
+        lost = [row["t_run_id"] for row in rows if row["t_conflict"]]
+        if not lost:
+            return {}
+        cur = await conn.execute(_LATEST_OF_RUNS, (lost,))
+        return {r[0]: (r[1], r[2]) for r in await cur.fetchall()}
+
+    @staticmethod
     async def _transition_results(conn: AsyncConnection[Any], rows: Sequence[dict[str, Any]]) -> list[TransitionResult]:
         """The statement's rows as results; a transition that lost the race for its run's next
         snapshot reports the snapshot that won (one more query, only then)."""
-        lost = [row["t_run_id"] for row in rows if row["t_conflict"]]
-        latest: dict[str, tuple[str, str]] = {}
-        if lost:
-            cur = await conn.execute(_LATEST_OF_RUNS, (lost,))
-            latest = {r[0]: (r[1], r[2]) for r in await cur.fetchall()}
+        latest = await RunRepository._winners(conn, rows)
         out = []
         for row in rows:
             latest_id, latest_status = row["t_latest_id"], row["t_latest_status"]
