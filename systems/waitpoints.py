@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from run_engine.batching import Batcher
 from run_engine.db.runs import RunRow, Snapshot, TransitionResult
-from run_engine.db.waitpoints import Completion, JournalEntry, NewWaitpoint, Waitpoint
+from run_engine.db.waitpoints import BlockWrite, Completion, JournalEntry, NewWaitpoint, Waitpoint
 from run_engine.errors import (
     ConflictError,
     DuplicateExecutionError,
@@ -65,6 +65,20 @@ class BlockOutcome:
     suspended: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCall:
+    """One :meth:`WaitpointsSystem.block` call, as the batch of concurrent ones carries it."""
+
+    run_id: str
+    snapshot_id: str
+    sequence: int
+    kind: str
+    key: str
+    waitpoint_ids: tuple[str, ...]
+    result: Any = None
+    suspend: bool = False
+
+
 def run_result(run_id: str, status: str, output: Any, error: Any) -> dict[str, Any]:
     """What a parent sees of a finished child: ``{ok, id, output}`` or ``{ok: False, id, error}``."""
     if status == RunStatus.COMPLETED:
@@ -83,6 +97,9 @@ class WaitpointsSystem:
         # Concurrent completions (API calls, timeouts, finished children) share one UPDATE and
         # one look-up of the runs they unblock.
         self._completions: Batcher[Completion, bool] = Batcher(self._complete_batch)
+        # Concurrent blocks (the waits of many runs) share one statement per step and one Redis
+        # call per kind; a run's error is its own outcome, never the batch's.
+        self._blocks: Batcher[BlockCall, BlockOutcome | Exception] = Batcher(self._block_batch, max_batch=100)
 
     def _at(self, seconds_from_now: float) -> datetime:
         return datetime.fromtimestamp(self.r.clock.now() + seconds_from_now, UTC)
@@ -191,17 +208,110 @@ class WaitpointsSystem:
     async def block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
                     waitpoint_ids: Sequence[str], result: Any = None, suspend: bool = False) -> BlockOutcome:
         """Journal the wait at ``sequence`` and block the executing run on ``waitpoint_ids``;
-        with ``suspend``, checkpoint it too if it is blocked (see :meth:`_then_suspend`)."""
-        async with self.r.locker.lock("block", run_id):
-            outcome = await self._block(run_id, snapshot_id, sequence=sequence, kind=kind, key=key,
-                                        waitpoint_ids=waitpoint_ids, result=result)
-            return await self._then_suspend(run_id, outcome) if suspend else outcome
+        with ``suspend``, checkpoint it too if it is blocked (one request instead of a wait, a
+        poll and a suspend: what a supervisor asks for when runs queue for its slots).
+        Concurrent blocks of many runs share their statements and Redis calls (see
+        :meth:`_block_held`)."""
+        call = BlockCall(run_id, snapshot_id, sequence, kind, key, tuple(waitpoint_ids), result, suspend)
+        if self.r.locker.is_held(run_id):  # under the caller's own lock: in its task, not the batch's
+            (outcome,) = await self._block_held([call])
+        else:
+            outcome = await self._blocks.submit(call)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def _block_batch(self, calls: list[BlockCall]) -> list[BlockOutcome | Exception]:
+        """Concurrent :meth:`block` calls: each run locked on its own (one busy run does not hold
+        up the others), then blocked together. A run named twice (a repeated request) is blocked
+        once, then again after: its second call finds the first's journal entry."""
+        seen: set[str] = set()
+        first: list[int] = []
+        again: list[int] = []
+        for i, c in enumerate(calls):
+            (again if c.run_id in seen else first).append(i)
+            seen.add(c.run_id)
+        out: list[BlockOutcome | Exception | None] = [None] * len(calls)
+        async with self.r.locker.lock_each("block", [calls[i].run_id for i in first]) as missing:
+            todo = [i for i in first if calls[i].run_id not in missing]
+            for i in first:
+                if calls[i].run_id in missing:
+                    out[i] = missing[calls[i].run_id]
+            for i, outcome in zip(todo, await self._block_held([calls[i] for i in todo]), strict=True):
+                out[i] = outcome
+        if again:
+            for i, outcome in zip(again, await self._block_batch([calls[i] for i in again]), strict=True):
+                out[i] = outcome
+        return [o if o is not None else RuntimeError("block not done") for o in out]
+
+    async def _block_held(self, calls: Sequence[BlockCall]) -> list[BlockOutcome | Exception]:
+        """Block runs whose locks the caller holds: one statement journals and blocks them all;
+        then one statement suspends those asked to and one counts the others' pending waitpoints
+        again (a completion committed meanwhile did not see their blocking rows), one jobs call
+        re-arms timeouts, and one continuation moves on those found with nothing pending. Each
+        call's outcome, or the error that refused it (stale snapshot, duplicate execution...)."""
+        written = await self.wp.block_executing([
+            BlockWrite(c.run_id, c.snapshot_id, JournalEntry(c.sequence, c.kind, c.key, c.result, c.waitpoint_ids[0]),
+                       c.waitpoint_ids, new_id("snapshot"), f"Waiting ({c.kind} {c.key})") for c in calls])
+        out: list[BlockOutcome | Exception | None] = [None] * len(calls)
+        blocked: list[int] = []
+        over: list[int] = []
+        for i, (c, done) in enumerate(zip(calls, written, strict=True)):
+            t = done.transition
+            if t.latest_snapshot_id is None:
+                out[i] = NotFoundError("run", c.run_id)
+            elif t.latest_snapshot_id != c.snapshot_id and not t.applied:
+                out[i] = StaleSnapshotError(c.run_id, c.snapshot_id, t.latest_snapshot_id, str(t.latest_status))
+            elif t.latest_status != E.EXECUTING and not t.applied:
+                out[i] = InvalidTransitionError(c.run_id, str(t.latest_status), "block")
+            elif not done.allowed:
+                out[i] = DuplicateExecutionError(c.run_id, c.sequence)
+            elif t.applied:
+                blocked.append(i)
+                assert t.snapshot is not None and t.run is not None
+                out[i] = BlockOutcome(True, t.snapshot)
+                self.r.events.emit(RunEvent("run_blocked", c.run_id, t.run.env_id, t.snapshot.id,
+                                            attempt=t.run.attempt_number))
+            else:  # nothing pending any more: the run goes on at once
+                over.append(i)
+        stay = [i for i in blocked if not calls[i].suspend]
+        asked = [i for i in blocked if calls[i].suspend]
+        suspended, counts = await asyncio.gather(
+            self._suspend_held([(calls[i].run_id, written[i].transition.snapshot.id,  # type: ignore[union-attr]
+                                 calls[i].snapshot_id, E.EXECUTING) for i in asked]),
+            self.wp.pending_counts([calls[i].run_id for i in stay]))
+        cancel: list[str] = []
+        schedule: list[engine_jobs.JobSpec] = []
+        ready: list[int] = []
+        for i, outcome in zip(asked, suspended, strict=True):
+            if isinstance(outcome, Snapshot):
+                out[i] = BlockOutcome(True, outcome, suspended=True)
+            else:  # the run moved on meanwhile (a cancel takes no lock): as after a plain block
+                stay.append(i)
+        for i in stay:
+            snapshot = written[i].transition.snapshot
+            assert snapshot is not None
+            off, on = self.execution_snapshot.rearm(calls[i].snapshot_id, E.EXECUTING, snapshot)
+            cancel += off
+            schedule += on
+            if counts.get(calls[i].run_id) == 0:
+                ready.append(i)
+        await self.r.change_jobs(cancel, schedule)
+        continued = await self.continue_runs([calls[i].run_id for i in ready]) if ready else {}
+        for i in ready:
+            if calls[i].run_id in continued:
+                out[i] = BlockOutcome(False, continued[calls[i].run_id],
+                                      await self.resolved_entry(calls[i].run_id, calls[i].sequence))
+        for i in over:
+            await self.wp.unblock(calls[i].run_id)
+            out[i] = BlockOutcome(False, await self.execution_snapshot.latest(calls[i].run_id),
+                                  await self.resolved_entry(calls[i].run_id, calls[i].sequence))
+        return [o if o is not None else RuntimeError("block not done") for o in out]
 
     async def _then_suspend(self, run_id: str, outcome: BlockOutcome) -> BlockOutcome:
-        """A blocked run suspended at once, under the lock its block took (one request instead of
-        a wait, a poll and a suspend: what a supervisor asks for when runs queue for its slots).
-        Should the run have moved on meanwhile (a cancel takes no lock), the outcome stays as it
-        was and the caller finds out as it would after a plain block."""
+        """A blocked run suspended at once, under the lock its block took. Should the run have
+        moved on meanwhile (a cancel takes no lock), the outcome stays as it was and the caller
+        finds out as it would after a plain block."""
         if not outcome.blocked:
             return outcome
         try:
@@ -209,27 +319,6 @@ class WaitpointsSystem:
         except (StaleSnapshotError, InvalidTransitionError):
             return outcome
         return BlockOutcome(True, snapshot, suspended=True)
-
-    async def _block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
-                     waitpoint_ids: Sequence[str], result: Any) -> BlockOutcome:
-        """:meth:`block`'s body; the caller holds the lock."""
-        entry = JournalEntry(sequence, kind, key, result, waitpoint_ids[0])
-        done = await self.wp.block_executing(run_id, snapshot_id, entry, waitpoint_ids, new_id("snapshot"),
-                                             f"Waiting ({kind} {key})")
-        t = done.transition
-        if t.latest_snapshot_id is None:
-            raise NotFoundError("run", run_id)
-        if t.latest_snapshot_id != snapshot_id and not t.applied:
-            raise StaleSnapshotError(run_id, snapshot_id, t.latest_snapshot_id, str(t.latest_status))
-        if t.latest_status != E.EXECUTING and not t.applied:
-            raise InvalidTransitionError(run_id, str(t.latest_status), "block")
-        if not done.allowed:
-            raise DuplicateExecutionError(run_id, sequence)
-        if not t.applied:  # nothing pending any more: the run goes on at once
-            await self.wp.unblock(run_id)
-            return BlockOutcome(False, await self.execution_snapshot.latest(run_id),
-                                await self.resolved_entry(run_id, sequence))
-        return await self._after_block(run_id, snapshot_id, sequence, t)
 
     async def _blocked(self, run_id: str, snapshot_id: str, sequence: int, what: str, pending: int) -> BlockOutcome:
         """The blocking rows are written (caller holds the lock): move the run to
@@ -310,22 +399,51 @@ class WaitpointsSystem:
         """Checkpoint a blocked run: REPLAY checkpoint at the journal position, SUSPENDED,
         concurrency released. A stale ``snapshot_id`` (the run moved on) is refused."""
         async with self.r.locker.lock("suspend", run_id):
-            checkpoint_id = new_id("checkpoint")
-            result, pending = await self.wp.suspend(run_id, snapshot_id, checkpoint_id, new_id("snapshot"))
-            self.execution_snapshot.raise_unless_applied(result, snapshot_id, "suspend")
+            (outcome,) = await self._suspend_held([(run_id, snapshot_id, snapshot_id, E.EXECUTING_WITH_WAITPOINTS)])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def _suspend_held(self, runs: Sequence[tuple[str, str, str, str]]) -> list[Snapshot | Exception]:
+        """Suspend blocked runs whose locks the caller holds, each (run id, its
+        EXECUTING_WITH_WAITPOINTS snapshot id, the snapshot whose heartbeat job is armed and its
+        status): one statement, one jobs call and one queue call (their concurrency released);
+        those found with nothing pending any more continue (restored through the queue). Per run,
+        its latest snapshot, or the error that refused it (the run moved on)."""
+        if not runs:
+            return []
+        checkpoints = [new_id("checkpoint") for _ in runs]
+        results = await self.wp.suspend([(run_id, expected, cp, new_id("snapshot"))
+                                         for (run_id, expected, _, _), cp in zip(runs, checkpoints, strict=True)])
+        out: list[Snapshot | Exception] = []
+        cancel: list[str] = []
+        schedule: list[engine_jobs.JobSpec] = []
+        acks: list[tuple[str, str, str]] = []
+        ready: list[str] = []
+        for (run_id, expected, armed, armed_status), (result, pending) in zip(runs, results, strict=True):
+            try:
+                self.execution_snapshot.raise_unless_applied(result, expected, "suspend")
+            except Exception as exc:
+                out.append(exc)
+                continue
             run, snapshot = result.run, result.snapshot
             assert run is not None and snapshot is not None
-            cancel, schedule = self.execution_snapshot.rearm(snapshot_id, E.EXECUTING_WITH_WAITPOINTS, snapshot)
-            await asyncio.gather(
-                self.r.ack_many([(run.env_id, run.id, run.worker_group_id)]),
-                self.r.change_jobs(cancel=[*cancel, engine_jobs.max_duration_id(run.id, run.attempt_number)],
-                                   schedule=schedule),
-            )
-            self.r.events.emit(RunEvent("run_suspended", run_id, run.env_id, snapshot.id,
-                                        {"checkpoint": checkpoint_id}, attempt=run.attempt_number))
+            c, s = self.execution_snapshot.rearm(armed, armed_status, snapshot)
+            cancel += [*c, engine_jobs.max_duration_id(run.id, run.attempt_number)]
+            schedule += s
+            acks.append((run.env_id, run.id, run.worker_group_id))
+            out.append(snapshot)
             if pending == 0:
-                return await self.try_continue(run_id) or snapshot
-        return snapshot
+                ready.append(run_id)
+        await asyncio.gather(self.r.change_jobs(cancel, schedule), *([self.r.ack_many(acks)] if acks else []))
+        for (run_id, _, _, _), (result, _), cp in zip(runs, results, checkpoints, strict=True):
+            if result.applied:
+                assert result.run is not None and result.snapshot is not None
+                self.r.events.emit(RunEvent("run_suspended", run_id, result.run.env_id, result.snapshot.id,
+                                            {"checkpoint": cp}, attempt=result.run.attempt_number))
+        continued = await self.continue_runs(ready) if ready else {}
+        return [continued.get(run_id, o) if isinstance(o, Snapshot) else o
+                for (run_id, _, _, _), o in zip(runs, out, strict=True)]
 
     # --- child runs ---------------------------------------------------------------------------
 

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from psycopg.errors import UniqueViolation
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, to_columns
-from run_engine.db.runs import TransitionResult, chain_conflict, transition_result
+from run_engine.db.runs import _LATEST_OF_INPUT, TransitionResult, transition_result
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +80,19 @@ class Blocked:
     existing: JournalEntry | None
     allowed: bool
     pending: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWrite:
+    """One run's part of :meth:`WaitpointRepository.block_executing`: journal ``entry`` and block the
+    run, whose latest snapshot must be ``expected_snapshot_id`` in EXECUTING, on ``waitpoint_ids``."""
+
+    run_id: str
+    expected_snapshot_id: str
+    entry: JournalEntry
+    waitpoint_ids: Sequence[str]
+    new_snapshot_id: str
+    description: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,30 +204,46 @@ _PENDING_OF_RUN = """(SELECT count(*) FROM task_run_waitpoint trw
                       WHERE trw.run_id = %(run)s AND """ + _IS_PENDING.format(id="trw.waitpoint_id") + ")"
 
 _SUSPEND = """
--- suspend: the run's REPLAY checkpoint at its journal position and the SUSPENDED snapshot carrying it,
--- applied only if the latest valid snapshot is %(expected)s in EXECUTING_WITH_WAITPOINTS; with the
--- count of its pending waitpoints (its blocking rows were committed by the block before: no race)
-WITH latest AS (
-    SELECT id, engine_status, attempt_number FROM task_run_execution_snapshot
-    WHERE run_id = %(run)s AND is_valid ORDER BY seq DESC LIMIT 1
+-- suspend: for each input run, its REPLAY checkpoint at its journal position and the SUSPENDED snapshot
+-- carrying it, applied only if the run's latest valid snapshot is `expected` in EXECUTING_WITH_WAITPOINTS
+-- and the snapshot wins the run's next place in the chain (`conflict`: another writer took it first;
+-- nothing is written for that run); with the count of its pending waitpoints (its blocking rows were
+-- committed by the block before: no race). One statement for many runs, in id order.
+WITH input AS (
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(run_id text, expected text, checkpoint text, new text)
+), latest AS (
+    SELECT i.*, l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number
+    FROM input i""" + _LATEST_OF_INPUT + """
 ), ok AS (
-    SELECT l.*, (SELECT coalesce(max(sequence) + 1, 0) FROM task_run_journal WHERE run_id = %(run)s) AS position
-    FROM latest l WHERE l.id = %(expected)s AND l.engine_status = 'EXECUTING_WITH_WAITPOINTS'
-), cp AS (
-    INSERT INTO task_run_checkpoint (id, run_id, snapshot_id, type, journal_position)
-    SELECT %(checkpoint)s, %(run)s, id, 'REPLAY', position FROM ok RETURNING id
+    SELECT l.*, (SELECT coalesce(max(sequence) + 1, 0) FROM task_run_journal WHERE run_id = l.run_id) AS position
+    FROM latest l WHERE l.latest_id = l.expected AND l.latest_status = 'EXECUTING_WITH_WAITPOINTS'
 ), snap AS (
     INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
                                              previous_snapshot_id, checkpoint_id)
-    SELECT %(new)s, %(run)s, 'SUSPENDED', 'WAITING', attempt_number,
-           'Suspended: checkpoint at journal position ' || position, id, %(checkpoint)s FROM ok
+    SELECT new, run_id, 'SUSPENDED', 'WAITING', attempt_number,
+           'Suspended: checkpoint at journal position ' || position, latest_id, checkpoint FROM ok ORDER BY run_id
+    ON CONFLICT (previous_snapshot_id) WHERE is_valid AND previous_snapshot_id IS NOT NULL DO NOTHING
     RETURNING *
+), cp AS (
+    INSERT INTO task_run_checkpoint (id, run_id, snapshot_id, type, journal_position)
+    SELECT ok.checkpoint, ok.run_id, ok.latest_id, 'REPLAY', ok.position FROM ok JOIN snap ON snap.run_id = ok.run_id
+    RETURNING id
 ), upd AS (
     UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
 )
-SELECT l.id AS latest_id, l.engine_status AS latest_status, to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run,
-       """ + _PENDING_OF_RUN + """ AS pending
-FROM (SELECT 1) one LEFT JOIN latest l ON true LEFT JOIN snap ON true LEFT JOIN upd ON true
+SELECT l.run_id, l.latest_id, l.latest_status, to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run_row,
+       (ok.run_id IS NOT NULL AND snap.id IS NULL) AS conflict,
+       (SELECT count(*) FROM task_run_waitpoint trw
+        WHERE trw.run_id = l.run_id AND """ + _IS_PENDING.format(id="trw.waitpoint_id") + """) AS pending
+FROM latest l LEFT JOIN ok ON ok.run_id = l.run_id LEFT JOIN snap ON snap.run_id = l.run_id
+LEFT JOIN upd ON upd.id = l.run_id
+"""
+
+_PENDING_OF_RUNS = """
+-- the pending waitpoints of each run of %(runs)s (each blocking row looked up by primary key, see _IS_PENDING)
+SELECT i.run_id, (SELECT count(*) FROM task_run_waitpoint trw
+               WHERE trw.run_id = i.run_id AND """ + _IS_PENDING.format(id="trw.waitpoint_id") + """) AS pending
+FROM unnest(%(runs)s::text[]) AS i(run_id)
 """
 
 _CONTINUE = """
@@ -266,46 +294,60 @@ LEFT JOIN upd ON upd.id = l.run_id
 """
 
 _BLOCK = """
--- block: journal the wait at %(seq)s, block the run on %(wps)s and move it to EXECUTING_WITH_WAITPOINTS,
--- applied only if the latest valid snapshot is %(expected)s in EXECUTING. An entry already at %(seq)s is
--- returned: the same wait (a replay) blocks again; another is a duplicate execution and changes nothing.
--- The snapshot is only written while one of the waitpoints is pending; the caller counts again after
--- the commit (a completion committed meanwhile did not see these blocking rows).
-WITH latest AS (
-    SELECT id, engine_status, attempt_number FROM task_run_execution_snapshot
-    WHERE run_id = %(run)s AND is_valid ORDER BY seq DESC LIMIT 1
+-- block: for each input run, journal the wait at `seq`, block the run on `wps` and move it to
+-- EXECUTING_WITH_WAITPOINTS, applied only if its latest valid snapshot is `expected` in EXECUTING and the
+-- new snapshot wins the run's next place in the chain (`conflict`: another writer took it first, and
+-- nothing is written for that run). An entry already at `seq` is returned: the same wait (a replay)
+-- blocks again; another is a duplicate execution and changes nothing. The snapshot and the blocking
+-- rows are only written while one of the waitpoints is pending (the journal entry is written either
+-- way); the caller counts again after the commit (a completion committed meanwhile did not see these
+-- blocking rows). One statement for many runs, in id order.
+WITH input AS (
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(run_id text, expected text, seq int, kind text, key text,
+                                                          result jsonb, wp text, wps text[], new text,
+                                                          description text)
+), latest AS (
+    SELECT i.*, l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number
+    FROM input i""" + _LATEST_OF_INPUT + """
 ), ok AS (
-    SELECT * FROM latest WHERE id = %(expected)s AND engine_status = 'EXECUTING'
+    SELECT * FROM latest WHERE latest_id = expected AND latest_status = 'EXECUTING'
 ), existing AS (
-    SELECT sequence, kind, key, result, waitpoint_id FROM task_run_journal WHERE run_id = %(run)s AND sequence = %(seq)s
-), journal AS (
-    INSERT INTO task_run_journal (run_id, sequence, kind, key, result, waitpoint_id)
-    SELECT %(run)s, %(seq)s, %(kind)s, %(key)s, %(result)s, %(wp)s FROM ok WHERE NOT EXISTS (SELECT 1 FROM existing)
-    ON CONFLICT DO NOTHING RETURNING sequence
+    SELECT ok.run_id, j.sequence, j.kind, j.key, j.result, j.waitpoint_id
+    FROM ok JOIN task_run_journal j ON j.run_id = ok.run_id AND j.sequence = ok.seq
 ), allowed AS (
     SELECT ok.* FROM ok
-    WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.kind <> %(kind)s
-                      OR e.waitpoint_id IS NULL OR NOT (e.waitpoint_id = ANY(%(wps)s::text[])))
-), blocking AS (
-    INSERT INTO task_run_waitpoint (run_id, waitpoint_id) SELECT %(run)s, unnest(%(wps)s::text[]) FROM allowed
-    ON CONFLICT DO NOTHING RETURNING waitpoint_id
+    WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.run_id = ok.run_id AND (e.kind <> ok.kind
+                      OR e.waitpoint_id IS NULL OR NOT (e.waitpoint_id = ANY(ok.wps))))
 ), pending AS (
-    SELECT count(*) AS n FROM (
-        SELECT unnest(%(wps)s::text[]) AS id UNION SELECT waitpoint_id FROM task_run_waitpoint WHERE run_id = %(run)s
-    ) ids WHERE """ + _IS_PENDING.format(id="ids.id") + """
+    SELECT a.*, (SELECT count(*) FROM (
+        SELECT unnest(a.wps) AS id UNION SELECT waitpoint_id FROM task_run_waitpoint WHERE run_id = a.run_id
+    ) ids WHERE """ + _IS_PENDING.format(id="ids.id") + """) AS n FROM allowed a
 ), snap AS (
     INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
                                              previous_snapshot_id)
-    SELECT %(new)s, %(run)s, 'EXECUTING_WITH_WAITPOINTS', 'WAITING', a.attempt_number, %(description)s, a.id
-    FROM allowed a, pending p WHERE p.n > 0
+    SELECT new, run_id, 'EXECUTING_WITH_WAITPOINTS', 'WAITING', attempt_number, description, latest_id
+    FROM pending WHERE n > 0 ORDER BY run_id
+    ON CONFLICT (previous_snapshot_id) WHERE is_valid AND previous_snapshot_id IS NOT NULL DO NOTHING
     RETURNING *
+), journal AS (
+    INSERT INTO task_run_journal (run_id, sequence, kind, key, result, waitpoint_id)
+    SELECT p.run_id, p.seq, p.kind, p.key, p.result, p.wp FROM pending p
+    WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.run_id = p.run_id)
+      AND (p.n = 0 OR EXISTS (SELECT 1 FROM snap WHERE snap.run_id = p.run_id))
+    ON CONFLICT DO NOTHING RETURNING run_id
+), blocking AS (
+    INSERT INTO task_run_waitpoint (run_id, waitpoint_id)
+    SELECT p.run_id, unnest(p.wps) FROM pending p JOIN snap ON snap.run_id = p.run_id
+    ON CONFLICT DO NOTHING RETURNING run_id
 ), upd AS (
     UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
 )
-SELECT l.id AS latest_id, l.engine_status AS latest_status, (SELECT to_jsonb(e) FROM existing e) AS existing,
-       EXISTS (SELECT 1 FROM allowed) AS allowed, (SELECT n FROM pending) AS pending,
-       to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run
-FROM (SELECT 1) one LEFT JOIN latest l ON true LEFT JOIN snap ON true LEFT JOIN upd ON true
+SELECT l.run_id, l.latest_id, l.latest_status,
+       (SELECT to_jsonb(e) - 'run_id' FROM existing e WHERE e.run_id = l.run_id) AS existing,
+       p.run_id IS NOT NULL AS allowed, p.n AS pending, to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run_row,
+       (p.n > 0 AND snap.id IS NULL) AS conflict
+FROM latest l LEFT JOIN pending p ON p.run_id = l.run_id LEFT JOIN snap ON snap.run_id = l.run_id
+LEFT JOIN upd ON upd.id = l.run_id
 """
 
 
@@ -405,47 +447,61 @@ class WaitpointRepository:
             pending = await self.pending_count(run_id, conn)
         return existing, pending
 
-    async def block_executing(self, run_id: str, expected_snapshot_id: str, entry: JournalEntry,
-                              waitpoint_ids: Sequence[str], new_snapshot_id: str, description: str) -> Blocked:
-        """Journal, block and move an EXECUTING run to EXECUTING_WITH_WAITPOINTS in one statement
-        (see _BLOCK); the caller holds the run's lock."""
+    async def block_executing(self, blocks: Sequence[BlockWrite]) -> list[Blocked]:
+        """Journal, block and move EXECUTING runs to EXECUTING_WITH_WAITPOINTS, in one statement for
+        all (see _BLOCK); the caller holds the runs' locks. A run whose place in the chain another
+        writer took first is answered with its latest snapshot as it is now (nothing was written)."""
+        if not blocks:
+            return []
+        rows = [{"run_id": b.run_id, "expected": b.expected_snapshot_id, "seq": b.entry.sequence,
+                 "kind": b.entry.kind, "key": b.entry.key, "result": b.entry.result, "wp": b.entry.waitpoint_id,
+                 "wps": list(b.waitpoint_ids), "new": b.new_snapshot_id, "description": b.description}
+                for b in blocks]
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            try:
-                await cur.execute(_BLOCK, {
-                    "run": run_id, "expected": expected_snapshot_id, "seq": entry.sequence, "kind": entry.kind,
-                    "key": entry.key, "result": Jsonb(entry.result), "wp": entry.waitpoint_id,
-                    "wps": list(waitpoint_ids), "new": new_snapshot_id, "description": description})
-            except UniqueViolation as exc:
-                if not chain_conflict(exc):
-                    raise
-                # another transition appended after the same snapshot first; nothing was written
-                return Blocked(await self._moved_on(run_id), None, False, 0)
-            row = await cur.fetchone()
-        assert row is not None
-        e = row["existing"]
-        return Blocked(
-            transition_result(run_id, row["latest_id"], row["latest_status"], row["snapshot"], row["run"]),
-            JournalEntry(e["sequence"], e["kind"], e["key"], e["result"], e["waitpoint_id"]) if e else None,
-            bool(row["allowed"]), int(row["pending"] or 0))
+            await cur.execute(_BLOCK, {"rows": Jsonb(rows)})
+            found = {row["run_id"]: row for row in await cur.fetchall()}
+        out = []
+        for b in blocks:
+            row = found[b.run_id]
+            if row["conflict"]:
+                out.append(Blocked(await self._moved_on(b.run_id), None, False, 0))
+                continue
+            e = row["existing"]
+            out.append(Blocked(
+                transition_result(b.run_id, row["latest_id"], row["latest_status"], row["snapshot"], row["run_row"]),
+                JournalEntry(e["sequence"], e["kind"], e["key"], e["result"], e["waitpoint_id"]) if e else None,
+                bool(row["allowed"]), int(row["pending"] or 0)))
+        return out
 
-    async def suspend(self, run_id: str, expected_snapshot_id: str, checkpoint_id: str,
-                      new_snapshot_id: str) -> tuple[TransitionResult, int]:
-        """Checkpoint and suspend a blocked run in one statement (see _SUSPEND): the transition's
-        result and the run's pending waitpoints. The caller holds the run's lock."""
+    async def suspend(self, suspends: Sequence[tuple[str, str, str, str]]) -> list[tuple[TransitionResult, int]]:
+        """Checkpoint and suspend blocked runs, each (run id, expected snapshot id, checkpoint id, new
+        snapshot id), in one statement (see _SUSPEND): per run, the transition's result and its pending
+        waitpoints. The caller holds the runs' locks."""
+        if not suspends:
+            return []
+        rows = [{"run_id": r, "expected": e, "checkpoint": c, "new": n} for r, e, c, n in suspends]
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            try:
-                await cur.execute(_SUSPEND, {"run": run_id, "expected": expected_snapshot_id,
-                                             "checkpoint": checkpoint_id, "new": new_snapshot_id})
-            except UniqueViolation as exc:
-                if not chain_conflict(exc):
-                    raise
-                return await self._moved_on(run_id), 0  # another transition came first; nothing written
-            row = await cur.fetchone()
-        assert row is not None
-        return (transition_result(run_id, row["latest_id"], row["latest_status"], row["snapshot"], row["run"]),
-                int(row["pending"]))
+            await cur.execute(_SUSPEND, {"rows": Jsonb(rows)})
+            found = {row["run_id"]: row for row in await cur.fetchall()}
+        out = []
+        for run_id, *_ in suspends:
+            row = found[run_id]
+            if row["conflict"]:  # another transition came first; nothing was written
+                out.append((await self._moved_on(run_id), 0))
+                continue
+            out.append((transition_result(run_id, row["latest_id"], row["latest_status"], row["snapshot"],
+                                          row["run_row"]), int(row["pending"])))
+        return out
+
+    async def pending_counts(self, run_ids: Sequence[str]) -> dict[str, int]:
+        """The pending waitpoints of each run, in one query."""
+        if not run_ids:
+            return {}
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_PENDING_OF_RUNS, {"runs": list(run_ids)})
+            return {r[0]: int(r[1]) for r in await cur.fetchall()}
 
     async def repoint(self, run_id: str, sequence: int, waitpoint_id: str | None, key: str, result: Any,
                       batch_shrink: tuple[str, int] | None = None) -> None:

@@ -125,3 +125,41 @@ async def test_two_processes_contending_for_one_run(redis_url: str, redis_client
     assert codes == [0, 0]
     assert int(await redis_client.get(counter)) == 120  # no lost update: the read-sleep-write was exclusive
     await redis_client.delete(counter)
+
+
+async def test_lock_each_holds_what_it_can_and_names_what_it_could_not(redis_client: aioredis.Redis,
+                                                                      key_prefix: str, unique: str) -> None:
+    prefix = f"{key_prefix}:le{unique}"
+    holder = RunLocker([redis_client], prefix=prefix)
+    batch = RunLocker([redis_client], prefix=prefix, settings=FAST)
+    calls: list[int] = []  # the keys of each acquire call
+    acquire = batch._acquire_script
+
+    async def counted(node, keys, args):  # type: ignore[no-untyped-def]
+        calls.append(len(keys))
+        return await acquire(node, keys, args)
+
+    batch._acquire_script = counted  # type: ignore[method-assign]
+    taken, done = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:  # another task (in this one, the lock would count as re-entered)
+        async with holder.lock("busy", "run_2"):
+            taken.set()
+            await done.wait()
+
+    holding = asyncio.create_task(hold())
+    await taken.wait()
+    try:
+        async with batch.lock_each("batch", ["run_1", "run_2", "run_3", "run_1"]) as missing:
+            assert set(missing) == {"run_2"} and isinstance(missing["run_2"], LockTimeoutError)
+            assert batch.is_held("run_1") and batch.is_held("run_3") and not batch.is_held("run_2")
+            async with batch.lock("nested", "run_3"):  # re-entrant in the same task
+                pass
+            assert await redis_client.exists(batch.key("run_1"), batch.key("run_3")) == 2
+        assert await redis_client.exists(batch.key("run_1"), batch.key("run_3")) == 0  # released
+        assert not batch.is_held("run_1")
+    finally:
+        done.set()
+        await holding
+    assert calls[0] == 3 and set(calls[1:]) == {1}  # all three in one call; then retries of run_2 alone
+    assert await redis_client.keys(f"{prefix}:*") == []

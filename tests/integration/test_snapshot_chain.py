@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
 from run_engine.db.runs import _TRANSITION_SQL, RunRepository, Transition
-from run_engine.db.waitpoints import _SUSPEND, JournalEntry
+from run_engine.db.waitpoints import _SUSPEND, BlockWrite, JournalEntry
 from run_engine.engine import TriggerRequest
 from run_engine.errors import StaleSnapshotError
 from run_engine.ids import new_id
@@ -70,20 +71,28 @@ async def test_a_transition_that_loses_the_race_reports_the_winner_and_writes_no
 
 async def test_a_block_that_loses_the_race_writes_nothing(h: Harness) -> None:
     run_id, executing_id = await executing(h)
+    other, other_executing = await executing(h)
     token, _ = await h.engine.create_token(h.env.env_id)
     first = finish(run_id, executing_id)
+
+    def write(run: str, expected: str) -> BlockWrite:
+        return BlockWrite(run, expected, JournalEntry(0, "token", token.id, None, token.id), [token.id],
+                          new_id("snapshot"), "racing")
+
     async with h.engine.resources.repo.pool.connection() as conn:
         async with conn.transaction():
             await conn.execute(_TRANSITION_SQL, RunRepository._transition_params([first]))
             racing = asyncio.ensure_future(h.engine.resources.repo.waitpoints.block_executing(
-                run_id, executing_id, JournalEntry(0, "token", token.id, None, token.id), [token.id],
-                new_id("snapshot"), "racing"))
+                [write(run_id, executing_id), write(other, other_executing)]))
             await asyncio.sleep(0.2)
             assert not racing.done()
-        blocked = await racing
+        blocked, unrelated = await racing
     assert not blocked.transition.applied and blocked.transition.latest_snapshot_id == first.new_snapshot_id
-    assert await h.engine.journal(run_id) == []  # the journal entry went with the statement
+    assert await h.engine.journal(run_id) == []  # nothing of the losing run was written
     assert await h.engine.blocking_waitpoints(run_id) == []
+    # the other run of the same statement blocked all the same
+    assert unrelated.transition.applied and [w.id for w in await h.engine.blocking_waitpoints(other)] == [token.id]
+    assert [e.sequence for e in await h.engine.journal(other)] == [0]
 
 
 async def test_duplicate_completions_without_a_lock_finish_the_run_once(h: Harness) -> None:
@@ -183,8 +192,8 @@ async def test_a_continue_that_loses_its_place_to_a_suspend_looks_again_and_rest
     async with h.engine.resources.repo.pool.connection() as conn:
         async with conn.transaction():
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_SUSPEND, {"run": run_id, "expected": blocked.snapshot.id,
-                                         "checkpoint": new_id("checkpoint"), "new": suspended_id})
+            await cur.execute(_SUSPEND, {"rows": Jsonb([{"run_id": run_id, "expected": blocked.snapshot.id,
+                                                         "checkpoint": new_id("checkpoint"), "new": suspended_id}])})
             assert (await cur.fetchone())["pending"] == 1  # type: ignore[index]
             completing = asyncio.ensure_future(h.engine.waitpoints.complete(token.id, "late"))
             await asyncio.sleep(0.3)

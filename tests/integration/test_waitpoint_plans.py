@@ -18,11 +18,14 @@ from tests.conftest import fresh_database
 
 STATEMENTS: dict[str, tuple[str, dict[str, Any]]] = {
     "complete": (w._COMPLETE, {"rows": Jsonb([{"id": "waitpoint_5"}, {"run_id": "run_7"}])}),
-    "block": (w._BLOCK, {"run": "run_5", "expected": "snapshot_1", "seq": 0, "kind": "token", "key": "k",
-                         "result": Jsonb(None), "wp": "waitpoint_5", "wps": ["waitpoint_5"], "new": "snapshot_2",
-                         "description": "d"}),
-    "suspend": (w._SUSPEND, {"run": "run_5", "expected": "snapshot_1", "checkpoint": "checkpoint_1",
-                             "new": "snapshot_2"}),
+    "block": (w._BLOCK, {"rows": Jsonb([{"run_id": f"run_{i}", "expected": "snapshot_1", "seq": 0, "kind": "token",
+                                          "key": "k", "result": None, "wp": f"waitpoint_{i}",
+                                          "wps": [f"waitpoint_{i}"], "new": f"snapshot_{i}", "description": "d"}
+                                         for i in (5, 6)])}),
+    "suspend": (w._SUSPEND, {"rows": Jsonb([{"run_id": f"run_{i}", "expected": "snapshot_1",
+                                            "checkpoint": f"checkpoint_{i}", "new": f"snapshot_{i}"}
+                                           for i in (5, 6)])}),
+    "pending of runs": (w._PENDING_OF_RUNS, {"runs": ["run_5", "run_6"]}),
     "continue": (w._CONTINUE, {"runs": ["run_5", "run_6"], "news": ["snapshot_2", "snapshot_3"]}),
     "sweep stuck runs": (w._SWEEP_STUCK_RUNS, {"limit": 100, "grace_s": 30}),
     "batch waitpoints": (w._BATCH_WAITPOINTS, {"batches": ["batch_1"]}),

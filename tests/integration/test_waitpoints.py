@@ -3,6 +3,7 @@ with a fake clock."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 
 import pytest
@@ -489,3 +490,64 @@ async def test_a_completion_by_api_key_completes_only_a_token_of_its_own_environ
         wp = await h.engine.get_waitpoint(wp_id)
         assert wp is not None and wp.status == status
     assert (await h.engine.get_waitpoint(ours.id)).output == "ok"  # type: ignore[union-attr]
+
+
+async def test_concurrent_blocks_share_one_statement_and_each_gets_its_own_outcome(h: Harness,
+                                                                                   monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The waits of many runs arriving together are written by one block statement and one suspend
+    statement; a refused one (stale snapshot, a repeated request, a run that does not exist) fails
+    alone, and every run ends as it would have on its own."""
+    runs = [await started_run(h) for _ in range(5)]
+    tokens = [(await h.engine.waitpoints.create_token(h.env.env_id))[0] for _ in runs]
+    done_early, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    assert await h.engine.waitpoints.complete(done_early.id, "early")
+    repo = h.engine.resources.repo.waitpoints
+    sizes: dict[str, list[int]] = {"block": [], "suspend": []}
+    block_executing, suspend = repo.block_executing, repo.suspend
+
+    async def counted_block(blocks):  # type: ignore[no-untyped-def]
+        sizes["block"].append(len(blocks))
+        return await block_executing(blocks)
+
+    async def counted_suspend(suspends):  # type: ignore[no-untyped-def]
+        sizes["suspend"].append(len(suspends))
+        return await suspend(suspends)
+
+    monkeypatch.setattr(repo, "block_executing", counted_block)
+    monkeypatch.setattr(repo, "suspend", counted_suspend)
+
+    def block(i: int, snapshot_id: str | None = None, *, suspend: bool = False, token: str | None = None):  # type: ignore[no-untyped-def]
+        run, s = runs[i]
+        wp = token or tokens[i].id
+        return h.engine.block(run.id, snapshot_id or s.snapshot.id, sequence=0, kind="token", key=wp,
+                              waitpoint_ids=[wp], suspend=suspend)
+
+    out = await asyncio.gather(
+        block(0, suspend=True), block(1, suspend=True), block(2), block(3, "snapshot_stale"),
+        block(4, token=done_early.id), block(0, suspend=True),  # run 0 asked twice (a repeated request)
+        h.engine.block("run_missing", "snapshot_x", sequence=0, kind="token", key="k", waitpoint_ids=[tokens[0].id]),
+        return_exceptions=True)
+    assert sizes["block"][0] == 6 and sizes["suspend"][0] == 2  # the five runs and the missing one together
+    assert out[0].suspended and out[0].snapshot.engine_status == "SUSPENDED"  # type: ignore[union-attr]
+    assert out[1].suspended and out[1].snapshot.engine_status == "SUSPENDED"  # type: ignore[union-attr]
+    assert out[2].blocked and not out[2].suspended  # type: ignore[union-attr]
+    assert out[2].snapshot.engine_status == "EXECUTING_WITH_WAITPOINTS"  # type: ignore[union-attr]
+    assert isinstance(out[3], StaleSnapshotError)
+    assert not out[4].blocked and out[4].entry["result"] == {"ok": True, "output": "early"}  # type: ignore[union-attr,index]
+    assert isinstance(out[5], StaleSnapshotError)  # the repeat finds the run moved on by the first
+    assert isinstance(out[6], NotFoundError)
+    running = await h.engine.resources.queue.running_ids(h.env.env_id)
+    assert runs[0][0].id not in running and runs[1][0].id not in running  # the suspended freed their slots
+    assert {runs[2][0].id, runs[3][0].id, runs[4][0].id} <= running
+    assert await h.statuses(runs[3][0].id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING"]
+    assert await _rows(h, runs[3][0].id) == (0, 0, 0)
+    assert await h.statuses(runs[0][0].id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING",
+                                               "EXECUTING_WITH_WAITPOINTS", "SUSPENDED"]
+    assert await _rows(h, runs[0][0].id) == (1, 1, 1)
+    # each completes and continues as usual: the suspended restored through the queue, the other in place
+    for t in tokens[:3]:
+        assert await h.engine.waitpoints.complete(t.id, t.id)
+    assert [(await h.engine.latest_snapshot(r.id)).engine_status for r, _ in runs[:3]] == [
+        "QUEUED_EXECUTING", "QUEUED_EXECUTING", "EXECUTING"]
+    assert [h.names(r.id).count("run_blocked") for r, _ in runs] == [1, 1, 1, 0, 0]
+    assert [h.names(r.id).count("run_suspended") for r, _ in runs] == [1, 1, 0, 0, 0]
