@@ -322,7 +322,7 @@ class RunEngine:
         return await self.systems.waitpoints.create_datetime(env_id, at, idempotency_key=idempotency_key)
 
     async def get_waitpoint(self, waitpoint_id: str, env_id: str | None = None) -> Waitpoint | None:
-        return await self.resources.repo.waitpoints.get(waitpoint_id, env_id)
+        return await self.systems.waitpoints.get(waitpoint_id, env_id)
 
     async def list_tokens(self, env_id: str, *, statuses: Sequence[str] = (), timed_out: bool | None = None,
                           tags: Sequence[str] = (), limit: int = 25,

@@ -100,9 +100,25 @@ class WaitpointsSystem:
         # Concurrent blocks (the waits of many runs) share one statement per step and one Redis
         # call per kind; a run's error is its own outcome, never the batch's.
         self._blocks: Batcher[BlockCall, BlockOutcome | Exception] = Batcher(self._block_batch, max_batch=100)
+        # The waitpoints a wait names and the journals restored runs replay, for many runs at once
+        self._gets: Batcher[str, Waitpoint | None] = Batcher(self._get_batch, max_batch=500)
+        self._journals: Batcher[tuple[str, int], list[JournalEntry]] = Batcher(self._journal_batch, max_batch=200)
 
     def _at(self, seconds_from_now: float) -> datetime:
         return datetime.fromtimestamp(self.r.clock.now() + seconds_from_now, UTC)
+
+    async def get(self, waitpoint_id: str, env_id: str | None = None) -> Waitpoint | None:
+        """A waitpoint (with ``env_id``: only one of that environment); concurrent look-ups share
+        one query."""
+        wp = await self._gets.submit(waitpoint_id)
+        return wp if wp is not None and env_id in (None, wp.env_id) else None
+
+    async def _journal_batch(self, wanted: list[tuple[str, int]]) -> list[list[JournalEntry]]:
+        return await self.wp.journals(wanted)
+
+    async def _get_batch(self, ids: list[str]) -> list[Waitpoint | None]:
+        found = await self.wp.get_many(ids)
+        return [found.get(i) for i in ids]
 
     # --- creating -----------------------------------------------------------------------------
 
@@ -565,7 +581,7 @@ class WaitpointsSystem:
 
     async def resolved_journal(self, run_id: str, from_sequence: int = 0) -> list[dict[str, Any]]:
         """The run's journal with each wait's outcome filled in (``resolved`` False while pending)."""
-        entries = await self.wp.journal(run_id, from_sequence)
+        entries = await self._journals.submit((run_id, from_sequence))
         batch_ids = [rid for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"
                      for rid in e.result[RUN_IDS]]
         runs = await self.wp.run_results(batch_ids) if batch_ids else {}

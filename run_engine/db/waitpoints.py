@@ -239,6 +239,17 @@ FROM latest l LEFT JOIN ok ON ok.run_id = l.run_id LEFT JOIN snap ON snap.run_id
 LEFT JOIN upd ON upd.id = l.run_id
 """
 
+_JOURNALS = """
+-- the journal of each input run from its sequence on, each wait with its waitpoint's state
+SELECT i.ord, j.sequence, j.kind, j.key, j.result, j.waitpoint_id,
+       w.status AS waitpoint_status, w.output AS waitpoint_output,
+       coalesce(w.output_is_error, false) AS waitpoint_output_is_error
+FROM unnest(%(runs)s::text[], %(froms)s::int[]) WITH ORDINALITY AS i(run_id, from_seq, ord)
+JOIN task_run_journal j ON j.run_id = i.run_id AND j.sequence >= i.from_seq
+LEFT JOIN waitpoint w ON w.id = j.waitpoint_id
+ORDER BY i.ord, j.sequence
+"""
+
 _PENDING_OF_RUNS = """
 -- the pending waitpoints of each run of %(runs)s (each blocking row looked up by primary key, see _IS_PENDING)
 SELECT i.run_id, (SELECT count(*) FROM task_run_waitpoint trw
@@ -380,12 +391,15 @@ class WaitpointRepository:
         return _waitpoint(existing), True
 
     async def get(self, waitpoint_id: str, env_id: str | None = None) -> Waitpoint | None:
+        wp = (await self.get_many([waitpoint_id])).get(waitpoint_id)
+        return wp if wp is not None and env_id in (None, wp.env_id) else None
+
+    async def get_many(self, waitpoint_ids: Sequence[str]) -> dict[str, Waitpoint]:
+        """The waitpoints of ``waitpoint_ids`` that exist, by id: one query."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute("SELECT * FROM waitpoint WHERE id = %s AND (%s::text IS NULL OR environment_id = %s)",
-                              (waitpoint_id, env_id, env_id))
-            row = await cur.fetchone()
-        return _waitpoint(row) if row else None
+            await cur.execute("SELECT * FROM waitpoint WHERE id = ANY(%s)", (list(waitpoint_ids),))
+            return {wp.id: wp for wp in map(_waitpoint, await cur.fetchall())}
 
     async def list_tokens(self, env_id: str, *, statuses: Sequence[str] = (), timed_out: bool | None = None,
                           tags: Sequence[str] = (), limit: int = 25, after: tuple[datetime, str] | None = None,
@@ -600,15 +614,17 @@ class WaitpointRepository:
             return await self._insert_journal(conn.cursor(row_factory=dict_row), run_id, entry)
 
     async def journal(self, run_id: str, from_sequence: int = 0) -> list[JournalEntry]:
+        return (await self.journals([(run_id, from_sequence)]))[0]
+
+    async def journals(self, wanted: Sequence[tuple[str, int]]) -> list[list[JournalEntry]]:
+        """The journal of each (run id, from sequence), with each wait's waitpoint: one query."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(
-                """SELECT j.sequence, j.kind, j.key, j.result, j.waitpoint_id,
-                          w.status AS waitpoint_status, w.output AS waitpoint_output,
-                          coalesce(w.output_is_error, false) AS waitpoint_output_is_error
-                   FROM task_run_journal j LEFT JOIN waitpoint w ON w.id = j.waitpoint_id
-                   WHERE j.run_id = %s AND j.sequence >= %s ORDER BY j.sequence""", (run_id, from_sequence))
-            return [JournalEntry(**r) for r in await cur.fetchall()]
+            await cur.execute(_JOURNALS, {"runs": [r for r, _ in wanted], "froms": [f for _, f in wanted]})
+            found: dict[int, list[JournalEntry]] = {}
+            for row in await cur.fetchall():
+                found.setdefault(row.pop("ord"), []).append(JournalEntry(**row))
+        return [found.get(i, []) for i in range(1, len(wanted) + 1)]
 
     async def timed_waitpoints_page(self, after_id: str, limit: int) -> list[tuple[str, str, datetime | None,
                                                                                 datetime | None]]:

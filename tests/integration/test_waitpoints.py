@@ -551,3 +551,35 @@ async def test_concurrent_blocks_share_one_statement_and_each_gets_its_own_outco
         "QUEUED_EXECUTING", "QUEUED_EXECUTING", "EXECUTING"]
     assert [h.names(r.id).count("run_blocked") for r, _ in runs] == [1, 1, 1, 0, 0]
     assert [h.names(r.id).count("run_suspended") for r, _ in runs] == [1, 1, 0, 0, 0]
+
+
+async def test_concurrent_journal_and_waitpoint_reads_share_one_query(h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    runs = [await started_run(h) for _ in range(3)]
+    for n, (run, s) in enumerate(runs):
+        for seq in range(n + 1):
+            await h.engine.waitpoints.append_journal(run.id, s.snapshot.id, seq, "step", f"k{seq}", seq * 10)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    repo = h.engine.resources.repo.waitpoints
+    asked: list[int] = []
+    journals, get_many = repo.journals, repo.get_many
+
+    async def counted_journals(wanted):  # type: ignore[no-untyped-def]
+        asked.append(len(wanted))
+        return await journals(wanted)
+
+    async def counted_get_many(ids):  # type: ignore[no-untyped-def]
+        asked.append(len(ids))
+        return await get_many(ids)
+
+    monkeypatch.setattr(repo, "journals", counted_journals)
+    monkeypatch.setattr(repo, "get_many", counted_get_many)
+    got = await asyncio.gather(*(h.engine.resolved_journal(run.id, n) for n, (run, _) in enumerate(runs)),
+                               h.engine.resolved_journal("run_missing"))
+    assert asked == [4]
+    assert [[(e["sequence"], e["result"]) for e in entries] for entries in got] == [
+        [(0, 0)], [(1, 10)], [(2, 20)], []]
+    asked.clear()
+    found = await asyncio.gather(h.engine.get_waitpoint(token.id), h.engine.get_waitpoint(token.id, h.env.env_id),
+                                 h.engine.get_waitpoint(token.id, "env_other"), h.engine.get_waitpoint("waitpoint_x"))
+    assert asked == [4]
+    assert [wp.id if wp else None for wp in found] == [token.id, token.id, None, None]
