@@ -261,14 +261,16 @@ class WaitpointsSystem:
         return [o if o is not None else RuntimeError("block not done") for o in out]
 
     async def _block_held(self, calls: Sequence[BlockCall]) -> list[BlockOutcome | Exception]:
-        """Block runs whose locks the caller holds: one statement journals and blocks them all;
-        then one statement suspends those asked to and one counts the others' pending waitpoints
-        again (a completion committed meanwhile did not see their blocking rows), one jobs call
-        re-arms timeouts, and one continuation moves on those found with nothing pending. Each
-        call's outcome, or the error that refused it (stale snapshot, duplicate execution...)."""
+        """Block runs whose locks the caller holds: one statement journals and blocks them all (and
+        suspends those asked to: one commit), then one query counts their pending waitpoints again
+        (a completion committed meanwhile did not see their blocking rows), one jobs call re-arms
+        timeouts, one queue call frees the suspended runs' slots, and one continuation moves on
+        those found with nothing pending. Each call's outcome, or the error that refused it
+        (stale snapshot, duplicate execution...)."""
         written = await self.wp.block_executing([
             BlockWrite(c.run_id, c.snapshot_id, JournalEntry(c.sequence, c.kind, c.key, c.result, c.waitpoint_ids[0]),
-                       c.waitpoint_ids, new_id("snapshot"), f"Waiting ({c.kind} {c.key})") for c in calls])
+                       c.waitpoint_ids, new_id("snapshot"), f"Waiting ({c.kind} {c.key})",
+                       (new_id("checkpoint"), new_id("snapshot")) if c.suspend else None) for c in calls])
         out: list[BlockOutcome | Exception | None] = [None] * len(calls)
         blocked: list[int] = []
         over: list[int] = []
@@ -284,40 +286,44 @@ class WaitpointsSystem:
                 out[i] = DuplicateExecutionError(c.run_id, c.sequence)
             elif t.applied:
                 blocked.append(i)
-                assert t.snapshot is not None and t.run is not None
-                out[i] = BlockOutcome(True, t.snapshot)
-                self.r.events.emit(RunEvent("run_blocked", c.run_id, t.run.env_id, t.snapshot.id,
-                                            attempt=t.run.attempt_number))
             else:  # nothing pending any more: the run goes on at once
                 over.append(i)
-        stay = [i for i in blocked if not calls[i].suspend]
-        asked = [i for i in blocked if calls[i].suspend]
-        suspended, counts = await asyncio.gather(
-            self._suspend_held([(calls[i].run_id, written[i].transition.snapshot.id,  # type: ignore[union-attr]
-                                 calls[i].snapshot_id, E.EXECUTING) for i in asked]),
-            self.wp.pending_counts([calls[i].run_id for i in stay]))
+        counts = await self.wp.pending_counts([calls[i].run_id for i in blocked])
         cancel: list[str] = []
         schedule: list[engine_jobs.JobSpec] = []
+        acks: list[tuple[str, str, str]] = []
         ready: list[int] = []
-        for i, outcome in zip(asked, suspended, strict=True):
-            if isinstance(outcome, Snapshot):
-                out[i] = BlockOutcome(True, outcome, suspended=True)
-            else:  # the run moved on meanwhile (a cancel takes no lock): as after a plain block
-                stay.append(i)
-        for i in stay:
-            snapshot = written[i].transition.snapshot
-            assert snapshot is not None
-            off, on = self.execution_snapshot.rearm(calls[i].snapshot_id, E.EXECUTING, snapshot)
+        for i in blocked:
+            t, suspended = written[i].transition, written[i].suspended
+            assert t.snapshot is not None and t.run is not None
+            latest = suspended or t.snapshot
+            off, on = self.execution_snapshot.rearm(calls[i].snapshot_id, E.EXECUTING, latest)
             cancel += off
             schedule += on
+            if suspended is not None:
+                cancel.append(engine_jobs.max_duration_id(t.run.id, t.run.attempt_number))
+                acks.append((t.run.env_id, t.run.id, t.run.worker_group_id))
+            out[i] = BlockOutcome(True, latest, suspended=suspended is not None)
             if counts.get(calls[i].run_id) == 0:
                 ready.append(i)
-        await self.r.change_jobs(cancel, schedule)
+        await asyncio.gather(self.r.change_jobs(cancel, schedule), *([self.r.ack_many(acks)] if acks else []))
+        for i in blocked:
+            t, suspended = written[i].transition, written[i].suspended
+            assert t.snapshot is not None and t.run is not None
+            self.r.events.emit(RunEvent("run_blocked", t.run.id, t.run.env_id, t.snapshot.id,
+                                        attempt=t.run.attempt_number))
+            if suspended is not None:
+                self.r.events.emit(RunEvent("run_suspended", t.run.id, t.run.env_id, suspended.id,
+                                            {"checkpoint": suspended.checkpoint_id}, attempt=t.run.attempt_number))
         continued = await self.continue_runs([calls[i].run_id for i in ready]) if ready else {}
         for i in ready:
-            if calls[i].run_id in continued:
-                out[i] = BlockOutcome(False, continued[calls[i].run_id],
-                                      await self.resolved_entry(calls[i].run_id, calls[i].sequence))
+            c = calls[i]
+            if c.run_id not in continued:
+                continue
+            if written[i].suspended is not None:  # queued to be restored: the executor stops all the same
+                out[i] = BlockOutcome(True, continued[c.run_id], suspended=True)
+            else:
+                out[i] = BlockOutcome(False, continued[c.run_id], await self.resolved_entry(c.run_id, c.sequence))
         for i in over:
             await self.wp.unblock(calls[i].run_id)
             out[i] = BlockOutcome(False, await self.execution_snapshot.latest(calls[i].run_id),

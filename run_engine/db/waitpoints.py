@@ -17,7 +17,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, to_columns
-from run_engine.db.runs import _LATEST_OF_INPUT, TransitionResult, transition_result
+from run_engine.db.runs import _LATEST_OF_INPUT, Snapshot, TransitionResult, snapshot_from_json, transition_result
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,7 @@ class Blocked:
     existing: JournalEntry | None
     allowed: bool
     pending: int
+    suspended: Snapshot | None = None  # the SUSPENDED snapshot, when the write asked to suspend
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,8 @@ class BlockWrite:
     waitpoint_ids: Sequence[str]
     new_snapshot_id: str
     description: str
+    # suspend the run too if it blocks: (checkpoint id, SUSPENDED snapshot id)
+    suspend: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,11 +315,13 @@ _BLOCK = """
 -- blocks again; another is a duplicate execution and changes nothing. The snapshot and the blocking
 -- rows are only written while one of the waitpoints is pending (the journal entry is written either
 -- way); the caller counts again after the commit (a completion committed meanwhile did not see these
--- blocking rows). One statement for many runs, in id order.
+-- blocking rows). With `suspend_new`, a run blocked is also suspended: its REPLAY checkpoint
+-- `checkpoint` at its journal position and the SUSPENDED snapshot carrying it, after the other (one
+-- commit for both). One statement for many runs, in id order.
 WITH input AS (
     SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(run_id text, expected text, seq int, kind text, key text,
                                                           result jsonb, wp text, wps text[], new text,
-                                                          description text)
+                                                          description text, suspend_new text, checkpoint text)
 ), latest AS (
     SELECT i.*, l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number
     FROM input i""" + _LATEST_OF_INPUT + """
@@ -332,7 +337,9 @@ WITH input AS (
 ), pending AS (
     SELECT a.*, (SELECT count(*) FROM (
         SELECT unnest(a.wps) AS id UNION SELECT waitpoint_id FROM task_run_waitpoint WHERE run_id = a.run_id
-    ) ids WHERE """ + _IS_PENDING.format(id="ids.id") + """) AS n FROM allowed a
+    ) ids WHERE """ + _IS_PENDING.format(id="ids.id") + """) AS n,
+           greatest((SELECT max(sequence) FROM task_run_journal WHERE run_id = a.run_id), a.seq) + 1 AS position
+    FROM allowed a
 ), snap AS (
     INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
                                              previous_snapshot_id)
@@ -350,15 +357,27 @@ WITH input AS (
     INSERT INTO task_run_waitpoint (run_id, waitpoint_id)
     SELECT p.run_id, unnest(p.wps) FROM pending p JOIN snap ON snap.run_id = p.run_id
     ON CONFLICT DO NOTHING RETURNING run_id
+), susp AS (
+    INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
+                                             previous_snapshot_id, checkpoint_id)
+    SELECT p.suspend_new, p.run_id, 'SUSPENDED', 'WAITING', snap.attempt_number,
+           'Suspended: checkpoint at journal position ' || p.position, snap.id, p.checkpoint
+    FROM pending p JOIN snap ON snap.run_id = p.run_id WHERE p.suspend_new IS NOT NULL ORDER BY p.run_id
+    RETURNING *
+), cp AS (
+    INSERT INTO task_run_checkpoint (id, run_id, snapshot_id, type, journal_position)
+    SELECT p.checkpoint, p.run_id, snap.id, 'REPLAY', p.position
+    FROM pending p JOIN snap ON snap.run_id = p.run_id WHERE p.suspend_new IS NOT NULL
+    RETURNING id
 ), upd AS (
     UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
 )
 SELECT l.run_id, l.latest_id, l.latest_status,
        (SELECT to_jsonb(e) - 'run_id' FROM existing e WHERE e.run_id = l.run_id) AS existing,
        p.run_id IS NOT NULL AS allowed, p.n AS pending, to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run_row,
-       (p.n > 0 AND snap.id IS NULL) AS conflict
+       (p.n > 0 AND snap.id IS NULL) AS conflict, to_jsonb(susp.*) AS suspended
 FROM latest l LEFT JOIN pending p ON p.run_id = l.run_id LEFT JOIN snap ON snap.run_id = l.run_id
-LEFT JOIN upd ON upd.id = l.run_id
+LEFT JOIN susp ON susp.run_id = l.run_id LEFT JOIN upd ON upd.id = l.run_id
 """
 
 
@@ -469,7 +488,8 @@ class WaitpointRepository:
             return []
         rows = [{"run_id": b.run_id, "expected": b.expected_snapshot_id, "seq": b.entry.sequence,
                  "kind": b.entry.kind, "key": b.entry.key, "result": b.entry.result, "wp": b.entry.waitpoint_id,
-                 "wps": list(b.waitpoint_ids), "new": b.new_snapshot_id, "description": b.description}
+                 "wps": list(b.waitpoint_ids), "new": b.new_snapshot_id, "description": b.description,
+                 "checkpoint": b.suspend[0] if b.suspend else None, "suspend_new": b.suspend[1] if b.suspend else None}
                 for b in blocks]
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
@@ -485,7 +505,8 @@ class WaitpointRepository:
             out.append(Blocked(
                 transition_result(b.run_id, row["latest_id"], row["latest_status"], row["snapshot"], row["run_row"]),
                 JournalEntry(e["sequence"], e["kind"], e["key"], e["result"], e["waitpoint_id"]) if e else None,
-                bool(row["allowed"]), int(row["pending"] or 0)))
+                bool(row["allowed"]), int(row["pending"] or 0),
+                snapshot_from_json(row["suspended"]) if row["suspended"] else None))
         return out
 
     async def suspend(self, suspends: Sequence[tuple[str, str, str, str]]) -> list[tuple[TransitionResult, int]]:

@@ -494,8 +494,8 @@ async def test_a_completion_by_api_key_completes_only_a_token_of_its_own_environ
 
 async def test_concurrent_blocks_share_one_statement_and_each_gets_its_own_outcome(h: Harness,
                                                                                    monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The waits of many runs arriving together are written by one block statement and one suspend
-    statement; a refused one (stale snapshot, a repeated request, a run that does not exist) fails
+    """The waits of many runs arriving together are written by one block statement, which also
+    suspends those asked to (one commit); a refused one (stale snapshot, a repeated request, a run that does not exist) fails
     alone, and every run ends as it would have on its own."""
     runs = [await started_run(h) for _ in range(5)]
     tokens = [(await h.engine.waitpoints.create_token(h.env.env_id))[0] for _ in runs]
@@ -527,7 +527,7 @@ async def test_concurrent_blocks_share_one_statement_and_each_gets_its_own_outco
         block(4, token=done_early.id), block(0, suspend=True),  # run 0 asked twice (a repeated request)
         h.engine.block("run_missing", "snapshot_x", sequence=0, kind="token", key="k", waitpoint_ids=[tokens[0].id]),
         return_exceptions=True)
-    assert sizes["block"][0] == 6 and sizes["suspend"][0] == 2  # the five runs and the missing one together
+    assert sizes["block"][0] == 6 and sizes["suspend"] == []  # the five runs and the missing one together
     assert out[0].suspended and out[0].snapshot.engine_status == "SUSPENDED"  # type: ignore[union-attr]
     assert out[1].suspended and out[1].snapshot.engine_status == "SUSPENDED"  # type: ignore[union-attr]
     assert out[2].blocked and not out[2].suspended  # type: ignore[union-attr]
@@ -544,6 +544,12 @@ async def test_concurrent_blocks_share_one_statement_and_each_gets_its_own_outco
     assert await h.statuses(runs[0][0].id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING",
                                                "EXECUTING_WITH_WAITPOINTS", "SUSPENDED"]
     assert await _rows(h, runs[0][0].id) == (1, 1, 1)
+    suspended = await h.engine.latest_snapshot(runs[0][0].id)
+    assert suspended.description == "Suspended: checkpoint at journal position 1"
+    async with h.engine.resources.repo.pool.connection() as conn:
+        cur = await conn.execute("SELECT snapshot_id, journal_position FROM task_run_checkpoint WHERE id = %s",
+                                 (suspended.checkpoint_id,))
+        assert await cur.fetchone() == (suspended.previous_snapshot_id, 1)  # the checkpoint of the blocked snapshot
     # each completes and continues as usual: the suspended restored through the queue, the other in place
     for t in tokens[:3]:
         assert await h.engine.waitpoints.complete(t.id, t.id)
@@ -583,3 +589,22 @@ async def test_concurrent_journal_and_waitpoint_reads_share_one_query(h: Harness
                                  h.engine.get_waitpoint(token.id, "env_other"), h.engine.get_waitpoint("waitpoint_x"))
     assert asked == [4]
     assert [wp.id if wp else None for wp in found] == [token.id, token.id, None, None]
+
+
+async def test_a_block_that_suspends_at_once_checkpoints_after_its_own_entry(h: Harness) -> None:
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    await h.engine.waitpoints.append_journal(run.id, s.snapshot.id, 0, "step", "load", 1)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=1, kind="token", key=token.id,
+                               waitpoint_ids=[token.id], suspend=True)
+    assert out.suspended and out.snapshot.description == "Suspended: checkpoint at journal position 2"
+    assert await h.statuses(run.id) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "EXECUTING_WITH_WAITPOINTS",
+                                        "SUSPENDED"]
+    assert await _rows(h, run.id) == (2, 1, 1)
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == set()
+    assert await h.engine.waitpoints.complete(token.id, "go")
+    resumed = await restore(h, run.id)
+    assert resumed.attempt_number == 1
+    again = await h.engine.block(run.id, resumed.snapshot.id, sequence=1, kind="token", key=token.id,
+                                 waitpoint_ids=[token.id], suspend=True)
+    assert not again.blocked and again.entry is not None and again.entry["result"] == {"ok": True, "output": "go"}
