@@ -127,6 +127,7 @@ class Supervisor:
         self.completed = 0
         self.suspended = 0
         self._backlog = False  # the last dequeue left runs of the group ready (more than the free slots)
+        self._gathering = False  # a freed slot waits for others before its dequeue (DEQUEUE_GATHER_S)
         self.runs_started = 0
         self.metrics = None if config.metrics_port is None else \
             MetricsServer(self, config.metrics_host, config.metrics_port)
@@ -237,7 +238,11 @@ class Supervisor:
                 await self._slots.acquire()
                 free = 1
                 if self._backlog and self.config.concurrency > 1 and not self._stopping.is_set():
-                    await asyncio.sleep(DEQUEUE_GATHER_S)
+                    self._gathering = True  # the slots freed meanwhile are this dequeue's
+                    try:
+                        await asyncio.sleep(DEQUEUE_GATHER_S)
+                    finally:
+                        self._gathering = False
                 while free < self.config.concurrency and not self._slots.locked():
                     await self._slots.acquire()
                     free += 1
@@ -496,10 +501,11 @@ class Supervisor:
 
     def _suspend_at_once(self) -> bool:
         """Suspend a run that blocks without the grace period: when there is none, or when runs
-        queue for this supervisor's slots (none is free, and its last dequeue said runs of the
-        group were still ready). A waiting run then holds no slot another run could use; at
-        worst (another worker took those runs) it pays a restore it could have saved."""
-        return self.config.suspend_after_s <= 0 or (self._backlog and self._slots.locked())
+        queue for this supervisor's slots (none is free, or the free ones are being gathered for
+        the next dequeue, and its last dequeue said runs of the group were still ready). A
+        waiting run then holds no slot another run could use; at worst (another worker took
+        those runs) it pays a restore it could have saved."""
+        return self.config.suspend_after_s <= 0 or (self._backlog and (self._slots.locked() or self._gathering))
 
     async def _watch_cancel(self, state: RunState, executor: Any) -> None:
         """Stop the executor within a moment of a cancel instead of at the next heartbeat: a run

@@ -495,8 +495,8 @@ async def test_a_completion_by_api_key_completes_only_a_token_of_its_own_environ
 async def test_concurrent_blocks_share_one_statement_and_each_gets_its_own_outcome(h: Harness,
                                                                                    monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The waits of many runs arriving together are written by one block statement, which also
-    suspends those asked to (one commit); a refused one (stale snapshot, a repeated request, a run that does not exist) fails
-    alone, and every run ends as it would have on its own."""
+    suspends those asked to (one commit); a refused one (stale snapshot, a repeated request, a run
+    that does not exist) fails alone, and every run ends as it would have on its own."""
     runs = [await started_run(h) for _ in range(5)]
     tokens = [(await h.engine.waitpoints.create_token(h.env.env_id))[0] for _ in runs]
     done_early, _ = await h.engine.waitpoints.create_token(h.env.env_id)

@@ -63,3 +63,20 @@ async def test_a_repeated_journal_call_refused_as_a_duplicate_of_itself_is_accep
     assert await sup._journal(state, {"sequence": 3, "key": "a", "result": {"v": 1}}) == {}
     other, _ = supervisor([Reply(409, {"error": {"message": "duplicate"}}, "")])
     assert (await other._journal(state, {"sequence": 3, "key": "a", "result": {"v": 2}}))["duplicate"]
+
+
+async def test_a_run_that_blocks_suspends_at_once_only_while_runs_queue_for_the_slots() -> None:
+    import asyncio
+
+    sup, _ = supervisor([])
+    sup._slots = asyncio.Semaphore(2)
+    sup._backlog, sup._gathering = True, False
+    await sup._slots.acquire()
+    assert not sup._suspend_at_once()  # a slot is free and nobody is taking it: the grace period applies
+    sup._gathering = True  # the free slot is being gathered for the next dequeue of the queued runs
+    assert sup._suspend_at_once()
+    sup._gathering = False
+    await sup._slots.acquire()
+    assert sup._suspend_at_once()  # every slot busy
+    sup._backlog = False
+    assert not sup._suspend_at_once()  # nothing queues for them
