@@ -102,6 +102,7 @@ class WaitpointsSystem:
         self._blocks: Batcher[BlockCall, BlockOutcome | Exception] = Batcher(self._block_batch, max_batch=100)
         # The waitpoints a wait names and the journals restored runs replay, for many runs at once
         self._gets: Batcher[str, Waitpoint | None] = Batcher(self._get_batch, max_batch=500)
+        self._creates: Batcher[NewWaitpoint, Waitpoint] = Batcher(self._create_batch, max_batch=500)
         self._journals: Batcher[tuple[str, int], list[JournalEntry]] = Batcher(self._journal_batch, max_batch=200)
 
     def _at(self, seconds_from_now: float) -> datetime:
@@ -122,12 +123,22 @@ class WaitpointsSystem:
 
     # --- creating -----------------------------------------------------------------------------
 
+    async def _create(self, wp: NewWaitpoint, now: datetime | None = None) -> tuple[Waitpoint, bool]:
+        """Insert ``wp`` (see WaitpointRepository.create); without an idempotency key, concurrent
+        creations share one insert."""
+        if wp.idempotency_key is None:
+            return await self._creates.submit(wp), False
+        return await self.wp.create(wp, now)
+
+    async def _create_batch(self, wps: list[NewWaitpoint]) -> list[Waitpoint]:
+        return await self.wp.create_many(wps)
+
     async def create_token(self, env_id: str, *, idempotency_key: str | None = None,
                            idempotency_key_ttl_s: float | None = None, timeout_s: float | None = None,
                            tags: Sequence[str] = ()) -> tuple[Waitpoint, bool]:
         """A MANUAL waitpoint; the same idempotency key returns the same token until the key's TTL
         (default 30 days) passes. A timeout completes it with an error output."""
-        wp, cached = await self.wp.create(NewWaitpoint(
+        wp, cached = await self._create(NewWaitpoint(
             id=new_id("waitpoint"), env_id=env_id, type="MANUAL", idempotency_key=idempotency_key,
             idempotency_key_expires_at=self._at(idempotency_key_ttl_s or 30 * 86400) if idempotency_key else None,
             timeout_at=self._at(timeout_s) if timeout_s is not None else None, tags=tuple(tags)), self._at(0))
@@ -137,7 +148,7 @@ class WaitpointsSystem:
 
     async def create_datetime(self, env_id: str, at: datetime, *, idempotency_key: str | None = None) -> Waitpoint:
         """A DATETIME waitpoint, completed by an engine job at ``at``."""
-        wp, cached = await self.wp.create(NewWaitpoint(
+        wp, cached = await self._create(NewWaitpoint(
             id=new_id("waitpoint"), env_id=env_id, type="DATETIME", completed_after=at,
             idempotency_key=idempotency_key,
             idempotency_key_expires_at=at + timedelta(days=1) if idempotency_key else None), self._at(0))
@@ -205,10 +216,10 @@ class WaitpointsSystem:
         run = await self.r.repo.runs.get_run(run_id, env_id)
         if run is None:
             raise NotFoundError("run", run_id)
-        wp, _ = await self.wp.create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
+        wp, _ = await self._create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
                                                   completed_by_run_id=run_id, idempotency_key=f"run:{run_id}"))
         if wp.type != "RUN" or wp.completed_by_run_id != run_id:  # a token took that key: one of its own
-            wp, _ = await self.wp.create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
+            wp, _ = await self._create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
                                                       completed_by_run_id=run_id))
         if not run.resume_parent_on_completion:
             # its finish completes RUN waitpoints from now on; one that finished in between is seen
@@ -495,12 +506,12 @@ class WaitpointsSystem:
             if batch:
                 batch_id = new_id("batch")
                 await self.r.repo.waitpoints.insert_batch(batch_id, parent.env_id, len(requests), parent.id)
-                wp, _ = await self.wp.create(NewWaitpoint(
+                wp, _ = await self._create(NewWaitpoint(
                     id=new_id("waitpoint"), env_id=parent.env_id, type="BATCH",
                     completed_by_batch_id=batch_id))
                 key = batch_id
             else:
-                wp, _ = await self.wp.create(NewWaitpoint(
+                wp, _ = await self._create(NewWaitpoint(
                     id=new_id("waitpoint"), env_id=parent.env_id, type="RUN",
                     completed_by_run_id=run_ids[0]))
                 key = run_ids[0]

@@ -390,15 +390,16 @@ class WaitpointRepository:
     async def create(self, wp: NewWaitpoint, now: datetime | None = None) -> tuple[Waitpoint, bool]:
         """Insert ``wp``; with an idempotency key that is taken and not expired (at ``now``),
         return the existing waitpoint and ``True`` (cached) instead. An expired key is released."""
+        if wp.idempotency_key is None:
+            return (await self.create_many([wp]))[0], False
         row = to_columns(wp)
         async with self.pool.connection() as conn, conn.transaction():
             cur = conn.cursor(row_factory=dict_row)
-            if wp.idempotency_key is not None:
-                await cur.execute(
-                    """UPDATE waitpoint SET idempotency_key = NULL
-                       WHERE environment_id = %s AND idempotency_key = %s
-                         AND idempotency_key_expires_at <= coalesce(%s, now())""",
-                    (wp.env_id, wp.idempotency_key, now))
+            await cur.execute(
+                """UPDATE waitpoint SET idempotency_key = NULL
+                   WHERE environment_id = %s AND idempotency_key = %s
+                     AND idempotency_key_expires_at <= coalesce(%s, now())""",
+                (wp.env_id, wp.idempotency_key, now))
             await cur.execute(_INSERT_WAITPOINT, {"rows": Jsonb([row])})
             inserted = await cur.fetchone()
             if inserted is not None:
@@ -408,6 +409,16 @@ class WaitpointRepository:
             existing = await cur.fetchone()
         assert existing is not None
         return _waitpoint(existing), True
+
+    async def create_many(self, wps: Sequence[NewWaitpoint]) -> list[Waitpoint]:
+        """Insert waitpoints that have no idempotency key, in one statement."""
+        if any(wp.idempotency_key is not None for wp in wps):
+            raise ValueError("create_many takes waitpoints without an idempotency key (see create)")
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_INSERT_WAITPOINT, {"rows": Jsonb([to_columns(wp) for wp in wps])})
+            found = {r["id"]: _waitpoint(r) for r in await cur.fetchall()}
+        return [found[wp.id] for wp in wps]
 
     async def get(self, waitpoint_id: str, env_id: str | None = None) -> Waitpoint | None:
         wp = (await self.get_many([waitpoint_id])).get(waitpoint_id)

@@ -608,3 +608,30 @@ async def test_a_block_that_suspends_at_once_checkpoints_after_its_own_entry(h: 
     again = await h.engine.block(run.id, resumed.snapshot.id, sequence=1, kind="token", key=token.id,
                                  waitpoint_ids=[token.id], suspend=True)
     assert not again.blocked and again.entry is not None and again.entry["result"] == {"ok": True, "output": "go"}
+
+
+async def test_concurrent_tokens_without_a_key_share_one_insert_and_a_bad_one_fails_alone(
+        h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    repo = h.engine.resources.repo.waitpoints
+    sizes: list[int] = []
+    create_many = repo.create_many
+
+    async def counted(wps):  # type: ignore[no-untyped-def]
+        sizes.append(len(wps))
+        return await create_many(wps)
+
+    monkeypatch.setattr(repo, "create_many", counted)
+    made = await asyncio.gather(
+        *(h.engine.waitpoints.create_token(h.env.env_id, tags=[f"t{i}"], timeout_s=60) for i in range(5)),
+        h.engine.waitpoints.create_token("env_missing"),  # no such environment: its insert fails
+        h.engine.waitpoints.create_token(h.env.env_id, idempotency_key="kept"),  # a key: its own transaction
+        return_exceptions=True)
+    assert sizes[0] == 6  # the five and the bad one in one statement; then split to isolate the bad one
+    assert isinstance(made[5], Exception)
+    tokens = [m for m in made[:5] if not isinstance(m, BaseException)]
+    assert [(t.tags, cached) for t, cached in tokens] == [([f"t{i}"], False) for i in range(5)]
+    for t, _ in tokens:
+        got = await h.engine.get_waitpoint(t.id, h.env.env_id)
+        assert got is not None and got.status == "PENDING" and got.timeout_at is not None
+    keyed = made[6]
+    assert not isinstance(keyed, BaseException) and keyed[0].idempotency_key == "kept" and not keyed[1]
