@@ -143,7 +143,7 @@ def server(
             from run_engine.server_workers import die_with_parent
 
             die_with_parent()
-        if workers > 1:
+        if workers > 1 and fd is None:  # (a child serves its inherited socket, whatever its environment says)
             _serve_workers(workers, host, port, svc.database_url, svc.redis_url, key, json_logs, shutdown)
             return
         _run(serve(settings, host=host, port=port, secret=key, shutdown=shutdown, fd=fd))

@@ -130,5 +130,7 @@ def die_with_parent() -> None:
 
 def child_env(database_url: str, redis_url: str, secret: str) -> dict[str, str]:
     """The children's environment: the URLs the parent resolved (embedded servers included) and
-    the installation secret, so that they neither start servers nor look for the secret again."""
-    return {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "RUN_ENGINE_SECRET": secret}
+    the installation secret, so that they neither start servers nor look for the secret again; not
+    ``RUN_ENGINE_WORKERS`` (each child is one of the processes it asked for)."""
+    env = {k: v for k, v in os.environ.items() if k != "RUN_ENGINE_WORKERS"}
+    return {**env, "DATABASE_URL": database_url, "REDIS_URL": redis_url, "RUN_ENGINE_SECRET": secret}

@@ -150,6 +150,33 @@ def test_runs_through_any_server_reach_their_group_once(cluster: tuple[Stack, li
             c.close()
 
 
+def test_server_workers_asked_for_by_the_environment_serve(stack: Stack) -> None:
+    """``RUN_ENGINE_WORKERS=2`` (a deployment's environment) starts two server processes that
+    serve the port, like ``--workers 2``: the children do not read it as their own count (each
+    tried to start two more and could not listen)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "run_engine.cli", "server", "--port", str(port)]
+    with open(stack.logs / "server-workers-env.log", "wb") as log:
+        parent = subprocess.Popen(argv, env={**stack.env, "RUN_ENGINE_WORKERS": "2"}, cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT)
+    try:
+        _until(lambda: len(_children(parent.pid)) == 2, "two server processes")
+        children = _children(parent.pid)
+
+        def answers() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _until(answers, "the server processes answering")
+        assert _children(parent.pid) == children  # none died and was started again
+        assert b"cannot listen" not in (stack.logs / "server-workers-env.log").read_bytes()
+    finally:
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(60) == 0
+
+
 def test_server_workers_end_with_their_parent(stack: Stack) -> None:
     """A parent killed outright (SIGKILL, the OOM killer) takes its server processes with it: none
     is left holding the port, so a restart can listen on it again."""
