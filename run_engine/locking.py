@@ -115,46 +115,6 @@ class RunLocker:
             _HELD.reset(token)
             await self._release(handle)
 
-    @contextlib.asynccontextmanager
-    async def lock_each(self, name: str, resources: Sequence[str]) -> AsyncIterator[dict[str, Exception]]:
-        """Hold each of ``resources`` on its own for the body (a batch of unrelated runs: one busy
-        run must not hold up the others). The acquisitions share one Lua call per node; the body
-        gets the resources that could not be had, each with its error (:class:`LockTimeoutError`),
-        and must leave those alone. Re-entrant like :meth:`lock`."""
-        held = _held_here()
-        wanted = [r for r in dict.fromkeys(resources) if self.key(r) not in held]
-        tries = [asyncio.ensure_future(self._acquire(name, (r,))) for r in wanted]
-        try:
-            if tries:
-                await asyncio.wait(tries)
-        except BaseException:  # cancelled: what was granted meanwhile is given back
-            for t in tries:
-                t.cancel()
-            await asyncio.gather(*tries, return_exceptions=True)
-            await asyncio.gather(*(self._release(t.result()) for t in tries
-                                   if not t.cancelled() and t.exception() is None))
-            raise
-        handles: list[LockHandle] = []
-        missing: dict[str, Exception] = {}
-        fatal: BaseException | None = None
-        for resource, t in zip(wanted, tries, strict=True):
-            error = t.exception()
-            if error is None:
-                handles.append(t.result())
-            elif isinstance(error, Exception):
-                missing[resource] = error
-            else:
-                fatal = error
-        if fatal is not None:
-            await asyncio.gather(*(self._release(h) for h in handles))
-            raise fatal
-        token = _HELD.set((asyncio.current_task(), held | {k for h in handles for k in h.keys}))
-        try:
-            yield missing
-        finally:
-            _HELD.reset(token)
-            await asyncio.gather(*(self._release(h) for h in handles))
-
     async def start(self) -> None:
         if self._extender is None:
             self._extender = asyncio.create_task(self._extend_loop())

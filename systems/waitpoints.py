@@ -238,20 +238,18 @@ class WaitpointsSystem:
         with ``suspend``, checkpoint it too if it is blocked (one request instead of a wait, a
         poll and a suspend: what a supervisor asks for when runs queue for its slots).
         Concurrent blocks of many runs share their statements and Redis calls (see
-        :meth:`_block_held`)."""
-        call = BlockCall(run_id, snapshot_id, sequence, kind, key, tuple(waitpoint_ids), result, suspend)
-        if self.r.locker.is_held(run_id):  # under the caller's own lock: in its task, not the batch's
-            (outcome,) = await self._block_held([call])
-        else:
-            outcome = await self._blocks.submit(call)
+        :meth:`_block_many`). No run lock: the statement's compare-and-set on the run's snapshot
+        decides, as for a dequeue or a completion (a racing cancel or timeout loses, or wins and
+        the block writes nothing)."""
+        outcome = await self._blocks.submit(
+            BlockCall(run_id, snapshot_id, sequence, kind, key, tuple(waitpoint_ids), result, suspend))
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
 
     async def _block_batch(self, calls: list[BlockCall]) -> list[BlockOutcome | Exception]:
-        """Concurrent :meth:`block` calls: each run locked on its own (one busy run does not hold
-        up the others), then blocked together. A run named twice (a repeated request) is blocked
-        once, then again after: its second call finds the first's journal entry."""
+        """Concurrent :meth:`block` calls, blocked together. A run named twice (a repeated
+        request) is blocked once, then again after: its second call finds the run moved on."""
         seen: set[str] = set()
         first: list[int] = []
         again: list[int] = []
@@ -259,20 +257,15 @@ class WaitpointsSystem:
             (again if c.run_id in seen else first).append(i)
             seen.add(c.run_id)
         out: list[BlockOutcome | Exception | None] = [None] * len(calls)
-        async with self.r.locker.lock_each("block", [calls[i].run_id for i in first]) as missing:
-            todo = [i for i in first if calls[i].run_id not in missing]
-            for i in first:
-                if calls[i].run_id in missing:
-                    out[i] = missing[calls[i].run_id]
-            for i, outcome in zip(todo, await self._block_held([calls[i] for i in todo]), strict=True):
-                out[i] = outcome
+        for i, outcome in zip(first, await self._block_many([calls[i] for i in first]), strict=True):
+            out[i] = outcome
         if again:
             for i, outcome in zip(again, await self._block_batch([calls[i] for i in again]), strict=True):
                 out[i] = outcome
         return [o if o is not None else RuntimeError("block not done") for o in out]
 
-    async def _block_held(self, calls: Sequence[BlockCall]) -> list[BlockOutcome | Exception]:
-        """Block runs whose locks the caller holds: one statement journals and blocks them all (and
+    async def _block_many(self, calls: Sequence[BlockCall]) -> list[BlockOutcome | Exception]:
+        """Block runs (each once): one statement journals and blocks them all (and
         suspends those asked to: one commit), then one query counts their pending waitpoints again
         (a completion committed meanwhile did not see their blocking rows), one jobs call re-arms
         timeouts, one queue call frees the suspended runs' slots, and one continuation moves on

@@ -13,7 +13,7 @@ from psycopg.types.json import Jsonb
 from run_engine.db.runs import _TRANSITION_SQL, RunRepository, Transition
 from run_engine.db.waitpoints import _SUSPEND, BlockWrite, JournalEntry
 from run_engine.engine import TriggerRequest
-from run_engine.errors import StaleSnapshotError
+from run_engine.errors import InvalidTransitionError, StaleSnapshotError
 from run_engine.ids import new_id
 from run_engine.statuses import RunStatus
 
@@ -223,3 +223,27 @@ async def test_one_completion_continues_every_run_it_blocked_in_one_go(h: Harnes
         assert h.names(run_id).count("run_continued") == 1
     restored = {d.run.id for d in await h.engine.dequeue(h.env.worker_group_id, 10)}
     assert restored == {runs[0][0], runs[1][0]}
+
+
+async def test_blocks_racing_cancels_without_a_lock_keep_one_chain(h: Harness) -> None:
+    """A block (that suspends) takes no run lock: against a cancel, either the block wins and the
+    cancel then cancels the suspended run, or the cancel wins and the block is refused; never both
+    after the same snapshot, and a suspended-then-cancelled run holds no slot."""
+    token, _ = await h.engine.create_token(h.env.env_id)
+    runs = [await executing(h) for _ in range(10)]
+    results = await asyncio.gather(*(op for run_id, snap in runs for op in (
+        h.engine.block(run_id, snap, sequence=0, kind="token", key=token.id, waitpoint_ids=[token.id], suspend=True),
+        h.engine.cancel(run_id))), return_exceptions=True)
+    assert not [r for r in results[1::2] if isinstance(r, BaseException)], results  # a cancel reads again
+    for (run_id, snap), blocked in zip(runs, results[::2], strict=True):
+        assert len(await valid_after(h, snap)) == 1
+        statuses = await h.statuses(run_id)
+        if isinstance(blocked, BaseException):  # the cancel came first
+            assert isinstance(blocked, StaleSnapshotError | InvalidTransitionError), blocked
+            assert statuses == ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "PENDING_CANCEL"], statuses
+        else:
+            assert blocked.suspended, blocked
+            assert statuses == ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "EXECUTING_WITH_WAITPOINTS", "SUSPENDED",
+                                "FINISHED"], statuses
+            assert run_id not in await h.engine.resources.queue.running_ids(h.env.env_id)
+            assert (await h.engine.get_run(run_id)).status == "CANCELED"  # type: ignore[union-attr]

@@ -515,6 +515,9 @@ async def test_concurrent_blocks_share_one_statement_and_each_gets_its_own_outco
 
     monkeypatch.setattr(repo, "block_executing", counted_block)
     monkeypatch.setattr(repo, "suspend", counted_suspend)
+    locked: list[str] = []
+    lock = h.engine.resources.locker.lock
+    monkeypatch.setattr(h.engine.resources.locker, "lock", lambda name, *r: locked.append(name) or lock(name, *r))
 
     def block(i: int, snapshot_id: str | None = None, *, suspend: bool = False, token: str | None = None):  # type: ignore[no-untyped-def]
         run, s = runs[i]
@@ -528,6 +531,7 @@ async def test_concurrent_blocks_share_one_statement_and_each_gets_its_own_outco
         h.engine.block("run_missing", "snapshot_x", sequence=0, kind="token", key="k", waitpoint_ids=[tokens[0].id]),
         return_exceptions=True)
     assert sizes["block"][0] == 6 and sizes["suspend"] == []  # the five runs and the missing one together
+    assert locked == []  # no run lock: each run's compare-and-set decides
     assert out[0].suspended and out[0].snapshot.engine_status == "SUSPENDED"  # type: ignore[union-attr]
     assert out[1].suspended and out[1].snapshot.engine_status == "SUSPENDED"  # type: ignore[union-attr]
     assert out[2].blocked and not out[2].suspended  # type: ignore[union-attr]
