@@ -242,6 +242,8 @@ FROM latest l LEFT JOIN ok ON ok.run_id = l.run_id LEFT JOIN snap ON snap.run_id
 LEFT JOIN upd ON upd.id = l.run_id
 """
 
+_SEQUENCE_MAX = 2**31 - 1  # task_run_journal.sequence is an integer
+
 _JOURNALS = """
 -- the journal of each input run from its sequence on, each wait with its waitpoint's state
 SELECT i.ord, j.sequence, j.kind, j.key, j.result, j.waitpoint_id,
@@ -652,7 +654,9 @@ class WaitpointRepository:
         """The journal of each (run id, from sequence), with each wait's waitpoint: one query."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_JOURNALS, {"runs": [r for r, _ in wanted], "froms": [f for _, f in wanted]})
+            # (a sequence is an integer column: a start past its range finds nothing, as it should)
+            await cur.execute(_JOURNALS, {"runs": [r for r, _ in wanted],
+                                          "froms": [max(0, min(f, _SEQUENCE_MAX)) for _, f in wanted]})
             found: dict[int, list[JournalEntry]] = {}
             for row in await cur.fetchall():
                 found.setdefault(row.pop("ord"), []).append(JournalEntry(**row))

@@ -639,3 +639,11 @@ async def test_concurrent_tokens_without_a_key_share_one_insert_and_a_bad_one_fa
         assert got is not None and got.status == "PENDING" and got.timeout_at is not None
     keyed = made[6]
     assert not isinstance(keyed, BaseException) and keyed[0].idempotency_key == "kept" and not keyed[1]
+
+
+async def test_a_journal_asked_from_past_any_sequence_is_empty(h: Harness) -> None:
+    run, s = await started_run(h)
+    await h.engine.waitpoints.append_journal(run.id, s.snapshot.id, 0, "step", "k", 1)
+    assert await h.engine.resolved_journal(run.id, 2**31) == []
+    assert await h.engine.resolved_journal(run.id, 10**30) == []
+    assert [e["sequence"] for e in await h.engine.resolved_journal(run.id, 0)] == [0]
