@@ -119,6 +119,8 @@ class Supervisor:
         # Starts and completions of concurrent runs share one request (the engine batches them too).
         self._starts: Batcher[dict[str, str], dict[str, Any]] = Batcher(self._start_many, max_batch=100)
         self._completions: Batcher[dict[str, Any], dict[str, Any]] = Batcher(self._complete_many, max_batch=100)
+        # so do the waits of concurrent runs on tokens and other runs (one request, one statement)
+        self._waits: Batcher[dict[str, Any], dict[str, Any]] = Batcher(self._wait_many, max_batch=100)
         self._inflight: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
@@ -176,6 +178,27 @@ class Supervisor:
 
     async def _complete_many(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return await self._batch("/attempts/complete", items)
+
+    async def _wait_many(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return await self._batch("/waits", items)
+
+    async def _wait_until_answered(self, item: dict[str, Any]) -> Reply:
+        """A wait on a waitpoint, sent with the concurrent runs' waits (``POST /waits``) and
+        repeated like :meth:`_post_until_answered` while the engine cannot answer; its answer as
+        the single call's would be."""
+        deadline = time.monotonic() + self.config.wait_retry_s
+        delay = 0.2
+        while True:
+            answer = await self._waits.submit(item)
+            status = 200 if answer.get("ok") else int(answer.get("status") or 0)
+            if status not in RETRY_STATUSES or time.monotonic() + delay > deadline:
+                error = answer.get("error")
+                message = str(error.get("message", "")) if isinstance(error, dict) else ""
+                return Reply(status, answer, "" if status == 200 else message)
+            log.warning("wait of run %s not answered (%s); retrying in %.1f s", item["runId"],
+                        status or "unreachable", delay)
+            await asyncio.sleep(delay * (1 + random.random() / 2))
+            delay = min(delay * 2, 5.0)
 
     async def connect(self) -> dict[str, Any]:
         importlib.import_module(self.config.tasks_module)
@@ -456,8 +479,8 @@ class Supervisor:
         # children it created) instead of making another
         head = {"sequence": seq, **({"suspend": True} if self._suspend_at_once() else {})}
         if msg.get("waitpointId"):
-            reply = await self._post_until_answered(f"{base}/waitpoints/{msg['waitpointId']}/wait",
-                                                    {**head, "kind": kind})
+            reply = await self._wait_until_answered({"runId": state.run_id, "snapshotId": state.snapshot_id,
+                                                     "waitpointId": msg["waitpointId"], **head, "kind": kind})
         elif kind == "wait":
             when = {"date": msg["date"]} if msg.get("date") else {"seconds": msg.get("seconds", 0)}
             reply = await self._post_until_answered(f"{base}/wait/duration", {**head, **when})

@@ -526,6 +526,18 @@ class WaitBody(_WaitBody):
     kind: Literal["token", "wait", "child", "batch"] = "token"
 
 
+class BatchWaitItem(WaitBody):
+    """One wait of ``POST /waits``: what ``…/waitpoints/{waitpointId}/wait`` takes, with its path."""
+
+    runId: str = Field(min_length=1, max_length=64)
+    snapshotId: str = Field(min_length=1, max_length=64)
+    waitpointId: str = Field(min_length=1, max_length=64)
+
+
+class BatchWaitBody(_Body):
+    items: list[BatchWaitItem] = Field(min_length=1, max_length=100)
+
+
 class ChildTriggerBody(_WaitBody):
     batch: bool = False
     items: list[BatchItem] = Field(min_length=1, max_length=1000)

@@ -23,6 +23,8 @@ from run_engine.api.models import (
     BatchCompleteBody,
     BatchCompleteItem,
     BatchStartBody,
+    BatchWaitBody,
+    BatchWaitItem,
     ChildTriggerBody,
     CompleteBody,
     ConnectBody,
@@ -308,13 +310,18 @@ async def run_heartbeat(request: Request) -> Response:
 
 # --- waits, suspension, the journal ----------------------------------------------------------
 
-def _block_response(outcome: Any, **extra: Any) -> Response:
+def _blocked(outcome: Any, **extra: Any) -> dict[str, Any]:
+    """A wait's answer: ``{blocked, snapshot, suspended?, entry?}``."""
     out = {"blocked": outcome.blocked, "snapshot": snapshot_object(outcome.snapshot), **extra}
     if outcome.suspended:
         out["suspended"] = True
     if outcome.entry is not None:
         out["entry"] = outcome.entry
-    return json_response(out)
+    return out
+
+
+def _block_response(outcome: Any, **extra: Any) -> Response:
+    return json_response(_blocked(outcome, **extra))
 
 
 @operation("Wait for a duration or until a date (DATETIME waitpoint)", S.Blocked, body=WaitDurationBody,
@@ -341,7 +348,28 @@ async def wait_waitpoint(request: Request) -> Response:
     # the run's environment as the group check knows it (remembered at dequeue): no query
     run_id, env_id = await _check_group_env(ctx, await ctx.worker_group(request), request.path_params["run_id"])
     req = await body(request, WaitBody)
-    waitpoint_id = request.path_params["waitpoint_id"]
+    return json_response(await _wait_on(ctx, run_id, env_id, request.path_params["snapshot_id"],
+                                        request.path_params["waitpoint_id"], req))
+
+
+@operation("Block many runs on token or run waitpoints (per-item results)", S.ItemResults, body=BatchWaitBody,
+           security="workerToken")
+async def wait_waitpoints(request: Request) -> Response:
+    """The waits of many runs in one request (a supervisor under load): each item as
+    ``…/waitpoints/{waitpointId}/wait`` answers it, or its own error."""
+    ctx = ctx_of(request)
+    group = await ctx.worker_group(request)
+    req = await body(request, BatchWaitBody)
+
+    async def one(item: BatchWaitItem) -> dict[str, Any]:
+        run_id, env_id = await _check_group_env(ctx, group, item.runId)
+        return await _wait_on(ctx, run_id, env_id, item.snapshotId, item.waitpointId, item)
+
+    return json_response({"results": await _each(req.items, one)})
+
+
+async def _wait_on(ctx: ApiContext, run_id: str, env_id: str, snapshot_id: str, waitpoint_id: str,
+                   req: WaitBody) -> dict[str, Any]:
     if looks_like_id(waitpoint_id, "run"):  # wait on any run: its RUN waitpoint
         if waitpoint_id == run_id:
             raise ApiError(400, "invalid_input", "a run cannot wait on itself")
@@ -354,10 +382,10 @@ async def wait_waitpoint(request: Request) -> Response:
     if req.kind in ("child", "batch"):  # a replay re-blocking on its children: keep the journaled ids
         entries = await ctx.engine.journal(run_id, req.sequence)
         entry = entries[0].result if entries and entries[0].sequence == req.sequence else None
-    outcome = await ctx.engine.block(run_id, request.path_params["snapshot_id"], sequence=req.sequence, kind=req.kind,
+    outcome = await ctx.engine.block(run_id, snapshot_id, sequence=req.sequence, kind=req.kind,
                                      key=wp.completed_by_batch_id or wp.completed_by_run_id or wp.id,
                                      waitpoint_ids=[wp.id], result=entry, suspend=req.suspend)
-    return _block_response(outcome, waitpointId=wp.id)
+    return _blocked(outcome, waitpointId=wp.id)
 
 
 @operation("Trigger children and wait for them (RUN or BATCH waitpoint)", S.Blocked, body=ChildTriggerBody,
@@ -420,6 +448,7 @@ ROUTES = [
     Route(f"{PREFIX}/dequeue", dequeue, methods=["POST"]),
     Route(f"{PREFIX}/attempts/start", start_attempts, methods=["POST"]),
     Route(f"{PREFIX}/attempts/complete", complete_attempts, methods=["POST"]),
+    Route(f"{PREFIX}/waits", wait_waitpoints, methods=["POST"]),
     Route(f"{PREFIX}/runs/{{run_id}}/snapshots/latest", latest_snapshot, methods=["GET"]),
     Route(f"{PREFIX}/runs/{{run_id}}/snapshots/{{snapshot_id}}/attempts/start", start_attempt, methods=["POST"]),
     Route(f"{PREFIX}/runs/{{run_id}}/snapshots/{{snapshot_id}}/attempts/complete", complete_attempt, methods=["POST"]),

@@ -103,6 +103,7 @@ ROUTES = [
     Route("POST", f"{W}/dequeue", {"maxRuns": 10}, targets=False),
     Route("POST", f"{W}/attempts/start", None, targets=False, items=True),
     Route("POST", f"{W}/attempts/complete", None, targets=False, items=True),
+    Route("POST", f"{W}/waits", None, targets=False, items=True),
     Route("GET", f"{W}/runs/{{run_id}}/snapshots/latest"),
     Route("POST", f"{W}/runs/{{run_id}}/snapshots/{{snapshot_id}}/attempts/start"),
     Route("POST", f"{W}/runs/{{run_id}}/snapshots/{{snapshot_id}}/attempts/complete", {"ok": True, "output": 1}),
@@ -244,6 +245,9 @@ def _public_token(env_id: str, key: str) -> str:
 def _body(route: Route, v: Victim) -> Any:
     if route.items and route.path.endswith("/start"):
         return {"items": [{"runId": v.ids["run_id"], "snapshotId": v.ids["snapshot_id"]}]}
+    if route.items and route.path.endswith("/waits"):
+        return {"items": [{"runId": v.ids["run_id"], "snapshotId": v.ids["snapshot_id"],
+                           "waitpointId": v.ids["waitpoint_id"], "sequence": 0}]}
     if route.items:
         return {"items": [{"runId": v.ids["run_id"], "snapshotId": v.ids["snapshot_id"], "ok": True, "output": 1}]}
     return route.body

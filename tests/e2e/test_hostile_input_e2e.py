@@ -323,3 +323,30 @@ def test_bodies_that_are_not_utf8_or_hold_lone_surrogates_are_400(hostile: Stack
                     b"\xef\xbb\xbf" + b'{"payload": 1}'):
             r = c.post("/api/v1/tasks/t/trigger", content=raw, headers={"content-type": "application/json"})
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_input", (raw, r.text)
+
+
+def test_a_batch_of_waits_answers_each_run_on_its_own(hostile: Stack) -> None:
+    """``POST /waits``: a stale snapshot, an unknown waitpoint and another run's waitpoint id in
+    one request fail alone; the good wait blocks (and suspends) as the single call would."""
+    good, stale, unknown = (hostile.trigger("t", name) for name in ("w-good", "w-stale", "w-unknown"))
+    started = _dequeue(hostile, good, stale, unknown)
+    with hostile.client() as c:
+        token = c.post("/api/v1/waitpoints/tokens", json={}).json()["id"]
+    with hostile.worker() as w:
+        r = w.post(f"{W}/waits", json={"items": [
+            {"runId": good, "snapshotId": started[good]["snapshot"]["id"], "waitpointId": token, "sequence": 0,
+             "suspend": True},
+            {"runId": stale, "snapshotId": "snapshot_stale", "waitpointId": token, "sequence": 0},
+            {"runId": unknown, "snapshotId": started[unknown]["snapshot"]["id"], "waitpointId": "waitpoint_nope",
+             "sequence": 0},
+            {"runId": "run_nope", "snapshotId": "snapshot_x", "waitpointId": token, "sequence": 0}]})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["ok"] for x in results] == [True, False, False, False], results
+        assert results[0]["blocked"] and results[0]["suspended"] and results[0]["waitpointId"] == token
+        assert results[0]["snapshot"]["executionStatus"] == "SUSPENDED"
+        assert [x["status"] for x in results[1:]] == [409, 404, 404], results
+        bad = w.post(f"{W}/waits", json={"items": [{"runId": good, "snapshotId": "s", "waitpointId": token}]})
+        assert bad.status_code == 400 and "sequence" in bad.text  # the body is validated as a whole
+    assert hostile.run(good)["status"] == "WAITING"
+    assert hostile.run(stale)["status"] == "EXECUTING"

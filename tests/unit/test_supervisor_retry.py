@@ -80,3 +80,32 @@ async def test_a_run_that_blocks_suspends_at_once_only_while_runs_queue_for_the_
     assert sup._suspend_at_once()  # every slot busy
     sup._backlog = False
     assert not sup._suspend_at_once()  # nothing queues for them
+
+
+async def test_concurrent_waits_go_in_one_request_and_a_wait_not_answered_is_repeated() -> None:
+    import asyncio
+
+    from run_engine.batching import Batcher
+
+    sup, calls = supervisor([
+        Reply(200, {"results": [{"ok": True, "blocked": True}, {"ok": False, "status": 503, "error": {}},
+                                {"ok": False, "status": 409, "error": {"message": "stale"}}]}, ""),
+        Reply(503, None, "busy"),  # the whole request (a restart): repeated too
+        Reply(200, {"results": [{"ok": True, "blocked": False}]}, "")])
+    sup._waits = Batcher(sup._wait_many, max_batch=100)
+    sent: list[Any] = []
+    post = sup._post
+
+    async def recording(path: str, json: Any = None) -> Reply:
+        sent.append(json)
+        return await post(path, json)
+
+    sup._post = recording  # type: ignore[method-assign]
+    item = {"snapshotId": "s", "waitpointId": "waitpoint_1", "sequence": 0, "kind": "token"}
+    first, second, third = await asyncio.gather(*(sup._wait_until_answered({"runId": f"run_{i}", **item})
+                                                 for i in range(3)))
+    assert calls == ["/waits"] * 3 and len(sent[0]["items"]) == 3  # the three in one request
+    assert first.status == 200 and first.data["blocked"]
+    assert second.status == 200 and second.data["blocked"] is False  # answered at its third try
+    assert third.status == 409 and third.text == "stale"  # refused: not repeated
+    assert [len(s["items"]) for s in sent] == [3, 1, 1]
