@@ -34,6 +34,7 @@ CANCEL_WATCH_POLL_MS = 25_000
 # than one each. Without a backlog a slot dequeues at once (trigger-to-start latency).
 DEQUEUE_GATHER_S = 0.005
 WORKER = "/engine/v1/worker-actions"
+CONNECT_TIMEOUT_S = 10.0  # one /connect attempt (60 are made, 0.5 s apart)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,8 +208,8 @@ class Supervisor:
         if self.config.environments:
             body["environments"] = list(self.config.environments)
         for attempt in range(60):
-            try:
-                response = await self._post("/connect", body)
+            try:  # an engine that takes the connection but never answers counts as unreachable
+                response = await asyncio.wait_for(self._post("/connect", body), CONNECT_TIMEOUT_S)
                 break
             except TransportError:
                 if attempt == 59:
@@ -224,6 +225,23 @@ class Supervisor:
         log.info("connected as %s: deployment %s (version %s), %d tasks", self.name, data["deploymentId"],
                  data["version"], len(body["deployment"]["tasks"]))
         return data
+
+    async def _connect_unless_stopped(self) -> bool:
+        """Connect, unless told to stop first (SIGTERM while the engine does not answer): False."""
+        connecting = asyncio.ensure_future(self.connect())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not connecting.done():
+                connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(connecting, stopping, return_exceptions=True)
+        if connecting.cancelled():
+            return False
+        connecting.result()  # its error, if it failed
+        return True
 
     def stop(self) -> None:
         """Stop polling; in-flight runs finish (SIGTERM). An open long-poll is not cancelled: the
@@ -253,7 +271,10 @@ class Supervisor:
                 await self.metrics.stop()
 
     async def _run(self) -> None:
-        await self.connect()
+        if not await self._connect_unless_stopped():
+            await self.http.close()
+            log.info("stopped before it could connect")
+            return
         await self.pool.warm(min(self.config.concurrency, 2))
         beat = asyncio.create_task(self._worker_heartbeats())
         try:

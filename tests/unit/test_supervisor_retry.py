@@ -109,3 +109,34 @@ async def test_concurrent_waits_go_in_one_request_and_a_wait_not_answered_is_rep
     assert second.status == 200 and second.data["blocked"] is False  # answered at its third try
     assert third.status == 409 and third.text == "stale"  # refused: not repeated
     assert [len(s["items"]) for s in sent] == [3, 1, 1]
+
+
+async def test_a_supervisor_stopped_while_the_engine_never_answers_its_connect_stops() -> None:
+    """An engine that takes the connection and never answers (a server hung at start): SIGTERM
+    ends the supervisor at once instead of after its connect attempts."""
+    import asyncio
+
+    sup, calls = supervisor([])
+    sup.config = SupervisorConfig(api_url="http://x", token="t", tasks_module="json")
+    sup.name, sup._stopping, sup._inflight, sup._poll = "w", asyncio.Event(), set(), None
+    closed: list[bool] = []
+
+    class Http:
+        async def close(self) -> None:
+            closed.append(True)
+
+    sup.http = Http()  # type: ignore[assignment]
+    never = asyncio.Event()
+
+    async def hang(path: str, json: Any = None) -> Reply:
+        calls.append(path)
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    sup._post = hang  # type: ignore[method-assign]
+    running = asyncio.ensure_future(sup._run())
+    while not calls:
+        await asyncio.sleep(0.01)
+    sup.stop()
+    await asyncio.wait_for(running, 10)  # (a bound, not a timing: it returns as soon as it is told)
+    assert calls == ["/connect"] and closed == [True]
