@@ -106,6 +106,10 @@ class WorkerApi:
 
 
 TransportError = (aiohttp.ClientError, TimeoutError, OSError)
+
+
+class WaitsRefused(Exception):
+    """A ``POST /waits`` of several items refused as a whole (400)."""
 #: answers after which a request is worth repeating (0: the engine could not be reached)
 RETRY_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
 
@@ -181,7 +185,12 @@ class Supervisor:
         return await self._batch("/attempts/complete", items)
 
     async def _wait_many(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return await self._batch("/waits", items)
+        results = await self._batch("/waits", items)
+        if len(items) > 1 and results and results[0].get("status") == 400:
+            # the request was refused as a whole (one item's waitpoint id or sequence, from task
+            # code, is malformed): the batcher splits it, so that only that wait fails
+            raise WaitsRefused(results[0])
+        return results
 
     async def _wait_until_answered(self, item: dict[str, Any]) -> Reply:
         """A wait on a waitpoint, sent with the concurrent runs' waits (``POST /waits``) and

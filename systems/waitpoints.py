@@ -292,7 +292,15 @@ class WaitpointsSystem:
                 blocked.append(i)
             else:  # nothing pending any more: the run goes on at once
                 over.append(i)
-        counts = await self.wp.pending_counts([calls[i].run_id for i in blocked])
+        # Committed: from here on nothing may fail the batch (the batcher would run it again and
+        # every run would find itself moved on). Each step is best-effort; what one leaves undone
+        # is repaired as after a crash here (the sweeper continues a WAITING run that nothing
+        # blocks, the reconciler frees a suspended run's slot, a heartbeat re-arms its job).
+        counts: dict[str, int] = {}
+        try:
+            counts = await self.wp.pending_counts([calls[i].run_id for i in blocked])
+        except Exception:
+            log.warning("block: could not count the pending waitpoints again; the sweeper will", exc_info=True)
         cancel: list[str] = []
         schedule: list[engine_jobs.JobSpec] = []
         acks: list[tuple[str, str, str]] = []
@@ -310,7 +318,10 @@ class WaitpointsSystem:
             out[i] = BlockOutcome(True, latest, suspended=suspended is not None)
             if counts.get(calls[i].run_id) == 0:
                 ready.append(i)
-        await asyncio.gather(self.r.change_jobs(cancel, schedule), *([self.r.ack_many(acks)] if acks else []))
+        effects = await asyncio.gather(self.r.change_jobs(cancel, schedule),
+                                       *([self.r.ack_many(acks)] if acks else []), return_exceptions=True)
+        for failed in (e for e in effects if isinstance(e, BaseException)):
+            log.warning("block: jobs or queue call failed (repaired by the reconciler): %r", failed)
         for i in blocked:
             t, suspended = written[i].transition, written[i].suspended
             assert t.snapshot is not None and t.run is not None
@@ -319,7 +330,12 @@ class WaitpointsSystem:
             if suspended is not None:
                 self.r.events.emit(RunEvent("run_suspended", t.run.id, t.run.env_id, suspended.id,
                                             {"checkpoint": suspended.checkpoint_id}, attempt=t.run.attempt_number))
-        continued = await self.continue_runs([calls[i].run_id for i in ready]) if ready else {}
+        continued: dict[str, Snapshot] = {}
+        if ready:
+            try:
+                continued = await self.continue_runs([calls[i].run_id for i in ready])
+            except Exception:
+                log.warning("block: could not continue runs whose wait completed; the sweeper will", exc_info=True)
         for i in ready:
             c = calls[i]
             if c.run_id not in continued:
@@ -327,12 +343,21 @@ class WaitpointsSystem:
             if written[i].suspended is not None:  # queued to be restored: the executor stops all the same
                 out[i] = BlockOutcome(True, continued[c.run_id], suspended=True)
             else:
-                out[i] = BlockOutcome(False, continued[c.run_id], await self.resolved_entry(c.run_id, c.sequence))
+                out[i] = await self._over(c, continued[c.run_id])
         for i in over:
-            await self.wp.unblock(calls[i].run_id)
-            out[i] = BlockOutcome(False, await self.execution_snapshot.latest(calls[i].run_id),
-                                  await self.resolved_entry(calls[i].run_id, calls[i].sequence))
+            out[i] = await self._over(calls[i])
         return [o if o is not None else RuntimeError("block not done") for o in out]
+
+    async def _over(self, call: BlockCall, continued: Snapshot | None = None) -> BlockOutcome | Exception:
+        """A wait that is over at once (its waitpoints completed): the run's snapshot and the
+        resolved entry; a failure is this call's own outcome."""
+        try:
+            if continued is None:
+                await self.wp.unblock(call.run_id)
+            return BlockOutcome(False, continued or await self.execution_snapshot.latest(call.run_id),
+                                await self.resolved_entry(call.run_id, call.sequence))
+        except Exception as exc:
+            return exc
 
     async def _then_suspend(self, run_id: str, outcome: BlockOutcome) -> BlockOutcome:
         """A blocked run suspended at once, under the lock its block took. Should the run have

@@ -499,6 +499,8 @@ class WaitpointRepository:
         writer took first is answered with its latest snapshot as it is now (nothing was written)."""
         if not blocks:
             return []
+        if len({b.run_id for b in blocks}) != len(blocks):
+            raise ValueError("block_executing: each run at most once per statement")
         rows = [{"run_id": b.run_id, "expected": b.expected_snapshot_id, "seq": b.entry.sequence,
                  "kind": b.entry.kind, "key": b.entry.key, "result": b.entry.result, "wp": b.entry.waitpoint_id,
                  "wps": list(b.waitpoint_ids), "new": b.new_snapshot_id, "description": b.description,

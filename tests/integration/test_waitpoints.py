@@ -647,3 +647,31 @@ async def test_a_journal_asked_from_past_any_sequence_is_empty(h: Harness) -> No
     assert await h.engine.resolved_journal(run.id, 2**31) == []
     assert await h.engine.resolved_journal(run.id, 10**30) == []
     assert [e["sequence"] for e in await h.engine.resolved_journal(run.id, 0)] == [0]
+
+
+async def test_a_failure_after_the_block_committed_does_not_fail_the_waits(h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Redis away between the block statement and its jobs and acks: the waits are blocked (and
+    suspended) all the same, and not written twice (a batch run again would find every run moved
+    on); the slot a suspended run still holds is freed by the reconciler."""
+    runs = [await started_run(h) for _ in range(3)]
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    repo = h.engine.resources.repo.waitpoints
+    statements: list[int] = []
+    block_executing = repo.block_executing
+
+    async def counted(blocks):  # type: ignore[no-untyped-def]
+        statements.append(len(blocks))
+        return await block_executing(blocks)
+
+    async def down(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ConnectionError("Redis is away")
+
+    monkeypatch.setattr(repo, "block_executing", counted)
+    monkeypatch.setattr(h.engine.resources, "change_jobs", down)
+    monkeypatch.setattr(h.engine.resources, "ack_many", down)
+    out = await asyncio.gather(*(h.engine.block(r.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                                                waitpoint_ids=[token.id], suspend=n > 0)
+                                 for n, (r, s) in enumerate(runs)))
+    assert statements == [3]
+    assert [(o.blocked, o.suspended, o.snapshot.engine_status) for o in out] == [
+        (True, False, "EXECUTING_WITH_WAITPOINTS"), (True, True, "SUSPENDED"), (True, True, "SUSPENDED")]

@@ -126,17 +126,42 @@ async def test_a_supervisor_stopped_while_the_engine_never_answers_its_connect_s
             closed.append(True)
 
     sup.http = Http()  # type: ignore[assignment]
-    never = asyncio.Event()
+    never, asked = asyncio.Event(), asyncio.Event()
 
     async def hang(path: str, json: Any = None) -> Reply:
         calls.append(path)
+        asked.set()
         await never.wait()
         raise AssertionError("unreachable")
 
     sup._post = hang  # type: ignore[method-assign]
     running = asyncio.ensure_future(sup._run())
-    while not calls:
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(asked.wait(), 10)
     sup.stop()
     await asyncio.wait_for(running, 10)  # (a bound, not a timing: it returns as soon as it is told)
     assert calls == ["/connect"] and closed == [True]
+
+
+async def test_a_batch_of_waits_refused_as_a_whole_is_split_so_that_only_the_bad_wait_fails() -> None:
+    import asyncio
+
+    from run_engine.batching import Batcher
+
+    sup, calls = supervisor([])
+    sup._waits = Batcher(sup._wait_many, max_batch=100)
+
+    async def post(path: str, json: Any = None) -> Reply:
+        calls.append(path)
+        items = json["items"]
+        if any(not i["waitpointId"] for i in items):  # the server checks the body as a whole
+            return Reply(400, {"error": {"code": "invalid_input", "message": "items.0.waitpointId: too short"}}, "")
+        return Reply(200, {"results": [{"ok": True, "blocked": True} for _ in items]}, "")
+
+    sup._post = post  # type: ignore[method-assign]
+    item = {"snapshotId": "s", "sequence": 0, "kind": "token"}
+    answers = await asyncio.gather(*(sup._wait_until_answered({"runId": f"run_{i}", **item,
+                                                                "waitpointId": "" if i == 2 else "waitpoint_1"})
+                                     for i in range(4)))
+    assert [a.status for a in answers] == [200, 200, 400, 200]
+    assert answers[2].text == "items.0.waitpointId: too short"
+    assert len(calls) <= 1 + 2 + 2  # the whole batch, then halves (then the bad half's halves)
