@@ -61,6 +61,7 @@ class Reply:
     status: int
     data: Any
     text: str
+    retried: bool = False  # an earlier try went unanswered (it may have been done all the same)
 
 
 class WorkerApi:
@@ -198,13 +199,15 @@ class Supervisor:
         the single call's would be."""
         deadline = time.monotonic() + self.config.wait_retry_s
         delay = 0.2
+        retried = False
         while True:
             answer = await self._waits.submit(item)
             status = 200 if answer.get("ok") else int(answer.get("status") or 0)
             if status not in RETRY_STATUSES or time.monotonic() + delay > deadline:
                 error = answer.get("error")
                 message = str(error.get("message", "")) if isinstance(error, dict) else ""
-                return Reply(status, answer, "" if status == 200 else message)
+                return Reply(status, answer, "" if status == 200 else message, retried)
+            retried = True
             log.warning("wait of run %s not answered (%s); retrying in %.1f s", item["runId"],
                         status or "unreachable", delay)
             await asyncio.sleep(delay * (1 + random.random() / 2))
@@ -511,6 +514,8 @@ class Supervisor:
         if msg.get("waitpointId"):
             reply = await self._wait_until_answered({"runId": state.run_id, "snapshotId": state.snapshot_id,
                                                      "waitpointId": msg["waitpointId"], **head, "kind": kind})
+            if reply.status == 409 and reply.retried:
+                reply = await self._written_by_an_earlier_try(state, msg) or reply
         elif kind == "wait":
             when = {"date": msg["date"]} if msg.get("date") else {"seconds": msg.get("seconds", 0)}
             reply = await self._post_until_answered(f"{base}/wait/duration", {**head, **when})
@@ -551,6 +556,28 @@ class Supervisor:
             if entries and entries[0]["sequence"] == seq and entries[0]["resolved"]:
                 return {"result": entries[0]["result"]}
             return {"error": f"the wait at journal position {seq} continued without a result"}
+
+    async def _written_by_an_earlier_try(self, state: RunState, msg: dict[str, Any]) -> Reply | None:
+        """A wait refused as stale (409) after a try that went unanswered: if that try got through
+        (the journal holds this very wait at its sequence and the run moved on from it), its
+        outcome as the engine would have answered it; else None (another execution's wait)."""
+        seq, wp_id = msg["sequence"], msg["waitpointId"]
+        journal = await self.http.get(f"/runs/{state.run_id}/journal?from={seq}")
+        entries = journal.data.get("journal", []) if journal.status == 200 and journal.data else []
+        if not (entries and entries[0]["sequence"] == seq and entries[0]["kind"] == msg["kind"]
+                and wp_id in (entries[0]["key"], entries[0].get("waitpointId"))):
+            return None
+        latest = await self._latest(state.run_id)
+        if latest is None:
+            return None
+        status = latest["executionStatus"]
+        if status == "SUSPENDED":
+            return Reply(200, {"blocked": True, "suspended": True, "snapshot": latest}, "")
+        if status == "EXECUTING_WITH_WAITPOINTS":
+            return Reply(200, {"blocked": True, "snapshot": latest}, "")
+        if status == "EXECUTING" and entries[0]["resolved"]:  # continued already
+            return Reply(200, {"blocked": False, "snapshot": latest, "entry": entries[0]}, "")
+        return None
 
     def _suspend_at_once(self) -> bool:
         """Suspend a run that blocks without the grace period: when there is none, or when runs

@@ -165,3 +165,49 @@ async def test_a_batch_of_waits_refused_as_a_whole_is_split_so_that_only_the_bad
     assert [a.status for a in answers] == [200, 200, 400, 200]
     assert answers[2].text == "items.0.waitpointId: too short"
     assert len(calls) <= 1 + 2 + 2  # the whole batch, then halves (then the bad half's halves)
+
+
+async def test_a_wait_refused_after_an_unanswered_try_that_got_through_is_taken_as_done() -> None:
+    """The first POST /waits was done but its answer lost (a 503 after the commit): the repeat is
+    refused as stale (409). The journal holds this very wait and the run is SUSPENDED: the
+    executor is told to stop as after the first answer, not failed as a duplicate."""
+    from run_engine.batching import Batcher
+    from supervisor.supervisor import RunState
+
+    sup, calls = supervisor([Reply(503, None, "lost"),
+                             Reply(200, {"results": [{"ok": False, "status": 409, "error": {"message": "stale"}}]},
+                                   "")])
+    sup._waits = Batcher(sup._wait_many, max_batch=100)
+    sup.config = SupervisorConfig(api_url="http://x", token="t", tasks_module="m", suspend_after_s=0)
+    suspended_snapshot = {"id": "snapshot_2", "executionStatus": "SUSPENDED"}
+
+    class Http:
+        async def get(self, path: str) -> Reply:
+            calls.append(path)
+            if "/journal" in path:
+                return Reply(200, {"journal": [{"sequence": 3, "kind": "token", "key": "waitpoint_1",
+                                                "resolved": False, "waitpointId": "waitpoint_1"}]}, "")
+            return Reply(200, {"snapshot": suspended_snapshot}, "")
+
+    class Executor:
+        stopped = False
+
+        def suspend(self) -> None:
+            self.stopped = True
+
+    sup.http = Http()  # type: ignore[assignment]
+    executor = Executor()
+    state = RunState("run_1", "snapshot_1")
+    msg = {"op": "wait", "sequence": 3, "kind": "token", "waitpointId": "waitpoint_1"}
+    assert await sup._wait(state, executor, msg) is None
+    assert executor.stopped and state.snapshot_id == "snapshot_2"
+    assert calls == ["/waits", "/waits", "/runs/run_1/journal?from=3", "/runs/run_1/snapshots/latest"]
+    # another execution's wait at that sequence (another waitpoint): still a duplicate
+    sup2, _ = supervisor([Reply(503, None, "lost"),
+                          Reply(200, {"results": [{"ok": False, "status": 409, "error": {"message": "stale"}}]},
+                                "")])
+    sup2._waits = Batcher(sup2._wait_many, max_batch=100)
+    sup2.config = sup.config
+    sup2.http = Http()  # type: ignore[assignment]
+    other = {**msg, "waitpointId": "waitpoint_9"}
+    assert (await sup2._wait(RunState("run_1", "snapshot_1"), Executor(), other))["duplicate"]  # type: ignore[index]
