@@ -350,10 +350,9 @@ class WaitpointsSystem:
 
     async def _over(self, call: BlockCall, continued: Snapshot | None = None) -> BlockOutcome | Exception:
         """A wait that is over at once (its waitpoints completed): the run's snapshot and the
-        resolved entry; a failure is this call's own outcome."""
+        resolved entry; a failure is this call's own outcome. (The block wrote no blocking rows
+        then; rows of the run are another wait's, written before its own transition.)"""
         try:
-            if continued is None:
-                await self.wp.unblock(call.run_id)
             return BlockOutcome(False, continued or await self.execution_snapshot.latest(call.run_id),
                                 await self.resolved_entry(call.run_id, call.sequence))
         except Exception as exc:
