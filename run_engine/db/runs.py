@@ -152,7 +152,7 @@ class TransitionResult:
 
 
 #: each input row's latest valid snapshot as ``l`` (the input aliased ``i``)
-_LATEST_OF_INPUT = """    LEFT JOIN LATERAL (
+LATEST_OF_INPUT = """    LEFT JOIN LATERAL (
         SELECT s.id, s.engine_status, s.attempt_number, s.checkpoint_id
         FROM task_run_execution_snapshot s
         WHERE s.run_id = i.run_id AND s.is_valid
@@ -179,7 +179,7 @@ WITH input AS (
            l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number AS latest_attempt,
            l.checkpoint_id AS latest_checkpoint
     FROM input i
-""" + _LATEST_OF_INPUT + """), allowed AS (
+""" + LATEST_OF_INPUT + """), allowed AS (
     SELECT * FROM latest
     WHERE latest_id IS NOT NULL
       AND (expected IS NULL OR latest_id = expected)
@@ -235,7 +235,7 @@ WITH input AS (
            l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number AS latest_attempt,
            l.checkpoint_id AS latest_checkpoint
     FROM input i
-""" + _LATEST_OF_INPUT + """), allowed AS (
+""" + LATEST_OF_INPUT + """), allowed AS (
     SELECT *, CASE WHEN latest_checkpoint IS NULL THEN 1 ELSE 0 END AS attempt_delta FROM latest
     WHERE latest_status IN ('QUEUED', 'QUEUED_EXECUTING')
 ), pending AS (

@@ -17,7 +17,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, to_columns
-from run_engine.db.runs import _LATEST_OF_INPUT, Snapshot, TransitionResult, snapshot_from_json, transition_result
+from run_engine.db.runs import LATEST_OF_INPUT, Snapshot, TransitionResult, snapshot_from_json, transition_result
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +216,7 @@ WITH input AS (
     SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(run_id text, expected text, checkpoint text, new text)
 ), latest AS (
     SELECT i.*, l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number
-    FROM input i""" + _LATEST_OF_INPUT + """
+    FROM input i""" + LATEST_OF_INPUT + """
 ), ok AS (
     SELECT l.*, (SELECT coalesce(max(sequence) + 1, 0) FROM task_run_journal WHERE run_id = l.run_id) AS position
     FROM latest l WHERE l.latest_id = l.expected AND l.latest_status = 'EXECUTING_WITH_WAITPOINTS'
@@ -326,7 +326,7 @@ WITH input AS (
                                                           description text, suspend_new text, checkpoint text)
 ), latest AS (
     SELECT i.*, l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number
-    FROM input i""" + _LATEST_OF_INPUT + """
+    FROM input i""" + LATEST_OF_INPUT + """
 ), ok AS (
     SELECT * FROM latest WHERE latest_id = expected AND latest_status = 'EXECUTING'
 ), existing AS (
