@@ -37,6 +37,13 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+def _answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def _until(check: object, what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not check():  # type: ignore[operator]
@@ -53,13 +60,7 @@ def test_server_workers_share_one_port(stack: Stack) -> None:
     try:
         _until(lambda: len(_children(parent.pid)) == 3, "three server processes")
 
-        def healthy() -> bool:
-            try:
-                return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        _until(healthy, "the port answers")
+        _until(lambda: _answers(port), "the port answers")
         first = _children(parent.pid)
         victim = sorted(first)[0]
         os.kill(victim, signal.SIGKILL)  # a crash of one: the others go on serving, it is started again
@@ -163,13 +164,7 @@ def test_server_workers_asked_for_by_the_environment_serve(stack: Stack) -> None
         _until(lambda: len(_children(parent.pid)) == 2, "two server processes")
         children = _children(parent.pid)
 
-        def answers() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        _until(answers, "the server processes answering")
+        _until(lambda: _answers(port), "the server processes answering")
         assert _children(parent.pid) == children  # none died and was started again
         assert b"cannot listen" not in (stack.logs / "server-workers-env.log").read_bytes()
     finally:
@@ -193,13 +188,7 @@ def test_server_workers_end_with_their_parent(stack: Stack) -> None:
     with open(stack.logs / "server-workers-orphans.log", "ab") as log:
         again = subprocess.Popen(argv, env=stack.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        def answers() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        _until(answers, "a new server on the same port")
+        _until(lambda: _answers(port), "a new server on the same port")
     finally:
         again.send_signal(signal.SIGTERM)
         assert again.wait(60) == 0

@@ -27,6 +27,19 @@ async def started_run(h: Harness, task: str = "hello"):  # type: ignore[no-untyp
     return run, await h.engine.start_attempt(run.id, d.snapshot.id)
 
 
+def count_items(monkeypatch, obj: object, name: str) -> list[int]:  # type: ignore[no-untyped-def]
+    """Wrap ``obj.name`` (a method taking one sequence): the length of each call's sequence."""
+    sizes: list[int] = []
+    method = getattr(obj, name)
+
+    async def counted(items):  # type: ignore[no-untyped-def]
+        sizes.append(len(items))
+        return await method(items)
+
+    monkeypatch.setattr(obj, name, counted)
+    return sizes
+
+
 async def restore(h: Harness, run_id: str):  # type: ignore[no-untyped-def]
     got = await h.engine.dequeue(h.env.worker_group_id, 10)
     (d,) = [g for g in got if g.run.id == run_id]
@@ -502,19 +515,8 @@ async def test_concurrent_blocks_share_one_statement_and_each_gets_its_own_outco
     done_early, _ = await h.engine.waitpoints.create_token(h.env.env_id)
     assert await h.engine.waitpoints.complete(done_early.id, "early")
     repo = h.engine.resources.repo.waitpoints
-    sizes: dict[str, list[int]] = {"block": [], "suspend": []}
-    block_executing, suspend = repo.block_executing, repo.suspend
-
-    async def counted_block(blocks):  # type: ignore[no-untyped-def]
-        sizes["block"].append(len(blocks))
-        return await block_executing(blocks)
-
-    async def counted_suspend(suspends):  # type: ignore[no-untyped-def]
-        sizes["suspend"].append(len(suspends))
-        return await suspend(suspends)
-
-    monkeypatch.setattr(repo, "block_executing", counted_block)
-    monkeypatch.setattr(repo, "suspend", counted_suspend)
+    sizes = {"block": count_items(monkeypatch, repo, "block_executing"),
+             "suspend": count_items(monkeypatch, repo, "suspend")}
     locked: list[str] = []
     lock = h.engine.resources.locker.lock
     monkeypatch.setattr(h.engine.resources.locker, "lock", lambda name, *r: locked.append(name) or lock(name, *r))
@@ -570,25 +572,13 @@ async def test_concurrent_journal_and_waitpoint_reads_share_one_query(h: Harness
             await h.engine.waitpoints.append_journal(run.id, s.snapshot.id, seq, "step", f"k{seq}", seq * 10)
     token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
     repo = h.engine.resources.repo.waitpoints
-    asked: list[int] = []
-    journals, get_many = repo.journals, repo.get_many
-
-    async def counted_journals(wanted):  # type: ignore[no-untyped-def]
-        asked.append(len(wanted))
-        return await journals(wanted)
-
-    async def counted_get_many(ids):  # type: ignore[no-untyped-def]
-        asked.append(len(ids))
-        return await get_many(ids)
-
-    monkeypatch.setattr(repo, "journals", counted_journals)
-    monkeypatch.setattr(repo, "get_many", counted_get_many)
+    asked = count_items(monkeypatch, repo, "journals")
     got = await asyncio.gather(*(h.engine.resolved_journal(run.id, n) for n, (run, _) in enumerate(runs)),
                                h.engine.resolved_journal("run_missing"))
     assert asked == [4]
     assert [[(e["sequence"], e["result"]) for e in entries] for entries in got] == [
         [(0, 0)], [(1, 10)], [(2, 20)], []]
-    asked.clear()
+    asked = count_items(monkeypatch, repo, "get_many")
     found = await asyncio.gather(h.engine.get_waitpoint(token.id), h.engine.get_waitpoint(token.id, h.env.env_id),
                                  h.engine.get_waitpoint(token.id, "env_other"), h.engine.get_waitpoint("waitpoint_x"))
     assert asked == [4]
@@ -616,15 +606,7 @@ async def test_a_block_that_suspends_at_once_checkpoints_after_its_own_entry(h: 
 
 async def test_concurrent_tokens_without_a_key_share_one_insert_and_a_bad_one_fails_alone(
         h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    repo = h.engine.resources.repo.waitpoints
-    sizes: list[int] = []
-    create_many = repo.create_many
-
-    async def counted(wps):  # type: ignore[no-untyped-def]
-        sizes.append(len(wps))
-        return await create_many(wps)
-
-    monkeypatch.setattr(repo, "create_many", counted)
+    sizes = count_items(monkeypatch, h.engine.resources.repo.waitpoints, "create_many")
     made = await asyncio.gather(
         *(h.engine.waitpoints.create_token(h.env.env_id, tags=[f"t{i}"], timeout_s=60) for i in range(5)),
         h.engine.waitpoints.create_token("env_missing"),  # no such environment: its insert fails
@@ -655,18 +637,11 @@ async def test_a_failure_after_the_block_committed_does_not_fail_the_waits(h: Ha
     on); the slot a suspended run still holds is freed by the reconciler."""
     runs = [await started_run(h) for _ in range(3)]
     token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
-    repo = h.engine.resources.repo.waitpoints
-    statements: list[int] = []
-    block_executing = repo.block_executing
-
-    async def counted(blocks):  # type: ignore[no-untyped-def]
-        statements.append(len(blocks))
-        return await block_executing(blocks)
+    statements = count_items(monkeypatch, h.engine.resources.repo.waitpoints, "block_executing")
 
     async def down(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise ConnectionError("Redis is away")
 
-    monkeypatch.setattr(repo, "block_executing", counted)
     monkeypatch.setattr(h.engine.resources, "change_jobs", down)
     monkeypatch.setattr(h.engine.resources, "ack_many", down)
     out = await asyncio.gather(*(h.engine.block(r.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
@@ -675,3 +650,8 @@ async def test_a_failure_after_the_block_committed_does_not_fail_the_waits(h: Ha
     assert statements == [3]
     assert [(o.blocked, o.suspended, o.snapshot.engine_status) for o in out] == [
         (True, False, "EXECUTING_WITH_WAITPOINTS"), (True, True, "SUSPENDED"), (True, True, "SUSPENDED")]
+    queue = h.engine.resources.queue
+    assert {r.id for r, _ in runs} <= await queue.running_ids(h.env.env_id)  # the acks were lost
+    monkeypatch.undo()  # Redis is back: the reconciler frees the suspended runs' slots
+    await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
+    assert {r.id for r, _ in runs} & await queue.running_ids(h.env.env_id) == {runs[0][0].id}
