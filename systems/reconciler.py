@@ -8,6 +8,9 @@ PostgreSQL is the system of record; the Redis queue is rebuilt from it when they
 * such a run whose message says ready or delayed but which is in no set ("lost": a script that
   failed half-way) is enqueued again;
 * a DELAYED run whose date passed long ago (its engine job was lost with Redis) is enqueued;
+* a PENDING_VERSION run whose task the current deployment has (it was created from a stale cache
+  while that deployment registered, after the registration promoted the runs waiting for it) is
+  enqueued;
 * a slot held by a run that is finished or suspended (its ack was lost) is freed.
 Each scan reads at most ``reconcile_budget`` rows a pass and goes on where the previous pass
 stopped (wrapping at the end), so a pass costs the same whatever the backlog; after Redis lost its
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from systems.enqueue import EnqueueSystem
     from systems.execution_snapshot import ExecutionSnapshotSystem
     from systems.run_attempt import RunAttemptSystem
+    from systems.waiting_for_worker import WaitingForWorkerSystem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,6 +54,7 @@ class ReconcileReport:
     requeued_missing: int = 0
     requeued_stuck: int = 0
     delayed_enqueued: int = 0
+    pending_version_enqueued: int = 0
     slots_freed: int = 0
     settings_restored: int = 0
     jobs_rearmed: int = 0
@@ -60,8 +65,10 @@ class ReconcilerSystem:
     PAGE = 500
 
     def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
-                 enqueue: EnqueueSystem, run_attempt: RunAttemptSystem, delayed_runs: DelayedRunsSystem) -> None:
+                 enqueue: EnqueueSystem, run_attempt: RunAttemptSystem, delayed_runs: DelayedRunsSystem,
+                 waiting_for_worker: WaitingForWorkerSystem) -> None:
         self.r = resources
+        self.waiting_for_worker = waiting_for_worker
         self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
         self.run_attempt = run_attempt
@@ -107,14 +114,14 @@ class ReconcilerSystem:
         # each step's coroutine is made only when it runs: a cancel part-way leaves none never awaited
         steps: tuple[Callable[[], Awaitable[None]], ...] = (
             lambda: self._queued_runs(grace, report, full), lambda: self._delayed_runs(grace, report),
-            lambda: self._slots(report, grace))
+            lambda: self._pending_version_runs(grace, report), lambda: self._slots(report, grace))
         for step in steps:
             try:
                 await step()
             except Exception:
                 log.exception("reconciler: a step failed; the others went on")
         if (report.requeued_missing or report.requeued_stuck or report.delayed_enqueued or report.slots_freed
-                or report.jobs_rearmed):
+                or report.jobs_rearmed or report.pending_version_enqueued):
             log.warning("reconciler repaired the queue: %s", report)
         return report
 
@@ -125,6 +132,19 @@ class ReconcilerSystem:
                 report.delayed_enqueued += 1
             except Exception:
                 log.exception("reconciler: could not enqueue delayed run %s", run_id)
+
+    async def _pending_version_runs(self, grace: float, report: ReconcileReport) -> None:
+        by_deployment: dict[str, tuple[list[str], dict[str, str]]] = {}
+        for run_id, deployment_id, task, queue in await self.r.repo.maintenance.deployable_pending_runs(
+                grace, self.PAGE):
+            runs, queue_of = by_deployment.setdefault(deployment_id, ([], {}))
+            runs.append(run_id)
+            queue_of[task] = queue
+        for deployment_id, (runs, queue_of) in by_deployment.items():
+            try:
+                report.pending_version_enqueued += await self.waiting_for_worker.promote(runs, deployment_id, queue_of)
+            except Exception:
+                log.exception("reconciler: could not enqueue the runs waiting for deployment %s", deployment_id)
 
     async def _restore_settings(self) -> int:
         envs = await self.r.repo.maintenance.environment_ids()

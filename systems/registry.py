@@ -54,6 +54,8 @@ class Systems:
                                          run_attempt=run_attempt)
         schedules = SchedulesSystem(r, enqueue=enqueue)
         cancel = CancelSystem(r, execution_snapshot=execution_snapshot, run_attempt=run_attempt)
+        waiting_for_worker = WaitingForWorkerSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
+                                                    schedules=schedules)
         return cls(
             execution_snapshot=execution_snapshot,
             enqueue=enqueue,
@@ -61,13 +63,13 @@ class Systems:
             run_attempt=run_attempt,
             cancel=cancel,
             dead_letter=dead_letter,
-            waiting_for_worker=WaitingForWorkerSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
-                                                      schedules=schedules),
+            waiting_for_worker=waiting_for_worker,
             waitpoints=waitpoints,
             delayed_runs=delayed_runs,
             debounce=DebounceSystem(r, enqueue=enqueue, delayed_runs=delayed_runs),
             reconciler=ReconcilerSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
-                                        run_attempt=run_attempt, delayed_runs=delayed_runs),
+                                        run_attempt=run_attempt, delayed_runs=delayed_runs,
+                                        waiting_for_worker=waiting_for_worker),
             schedules=schedules,
             explain=ExplainSystem(r),
             bulk_actions=BulkActionsSystem(r, enqueue=enqueue, cancel=cancel),

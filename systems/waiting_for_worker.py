@@ -102,10 +102,12 @@ class WaitingForWorkerSystem:
         queue_of = {t.id: t.queue_name for t in tasks}
         enqueued = 0
         for start in range(0, len(waiting), BATCH):
-            enqueued += await self._promote(waiting[start:start + BATCH], dep_id, queue_of)
+            enqueued += await self.promote(waiting[start:start + BATCH], dep_id, queue_of)
         return dep_id, enqueued
 
-    async def _promote(self, run_ids: list[str], deployment_id: str, queue_of: dict[str, str]) -> int:
+    async def promote(self, run_ids: list[str], deployment_id: str, queue_of: dict[str, str]) -> int:
+        """PENDING_VERSION runs → QUEUED on ``deployment_id`` (``queue_of``: task → its queue there);
+        a run no longer PENDING_VERSION is left alone. Returns how many were enqueued."""
         async with self.r.locker.lock("pending_version", *run_ids):
             await self.r.repo.runs.assign_deployment(run_ids, deployment_id, queue_of)
             results = await self.execution_snapshot.append_many([

@@ -81,6 +81,21 @@ class MaintenanceRepository:
                    ORDER BY id LIMIT %s""", (after_id, older_than_s, limit))
             return [run_row(r) for r in await cur.fetchall()]
 
+    async def deployable_pending_runs(self, older_than_s: float, limit: int) -> list[tuple[str, str, str, str]]:
+        """PENDING_VERSION runs, untouched for ``older_than_s``, whose task the current deployment
+        of their environment and worker group has: (run id, deployment id, task, its queue there).
+        A deployment's registration promotes the runs waiting for it; these are the ones it missed
+        (a run created from a stale cache while it registered)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT r.id, d.id, r.task_identifier, dt.queue_name FROM task_run r
+                   JOIN deployment d ON d.environment_id = r.environment_id
+                                    AND d.worker_group_id = r.worker_group_id AND d.is_current
+                   JOIN deployment_task dt ON dt.deployment_id = d.id AND dt.task_identifier = r.task_identifier
+                   WHERE r.status = 'PENDING_VERSION' AND r.updated_at < now() - make_interval(secs => %s)
+                   ORDER BY r.id LIMIT %s""", (older_than_s, limit))
+            return [(r[0], r[1], r[2], r[3]) for r in await cur.fetchall()]
+
     async def due_delayed_runs(self, older_than_s: float, limit: int) -> list[str]:
         async with self.pool.connection() as conn:
             cur = await conn.execute(

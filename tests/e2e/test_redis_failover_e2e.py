@@ -65,7 +65,8 @@ def test_a_master_killed_mid_load_loses_no_run_and_runs_none_twice(
         "DATABASE_URL": empty_database, "REDIS_URL": failover_cluster.url, "RUN_ENGINE_KEY_PREFIX": prefix,
         "RUN_ENGINE_SECRET": "e2e-secret-not-for-production", "RUN_ENGINE_API_URL": f"http://127.0.0.1:{port}",
         "RUN_ENGINE_EXECUTING_TIMEOUT_S": "5", "RUN_ENGINE_PENDING_EXECUTING_TIMEOUT_S": "3",
-        "RUN_ENGINE_RECONCILE_INTERVAL_S": "1", "RUN_ENGINE_RECONCILE_GRACE_S": "2", "PYTHONPATH": str(ROOT),
+        "RUN_ENGINE_RECONCILE_INTERVAL_S": "1", "RUN_ENGINE_RECONCILE_GRACE_S": "2", "RUN_ENGINE_REARM_INTERVAL_S": "5",
+        "PYTHONPATH": str(ROOT),
     }
     subprocess.run([sys.executable, "-m", "run_engine.cli", "migrate"], env=env, cwd=ROOT, check=True,
                    capture_output=True, timeout=120)

@@ -136,6 +136,33 @@ async def test_a_delayed_run_whose_job_was_lost_is_enqueued(private: Harness) ->
     assert d.run.id == run.id
 
 
+async def test_a_pending_version_run_the_registration_missed_is_enqueued(
+        private: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run created from a server's stale "no deployment" cache while the deployment registered
+    elsewhere: the registration's promotion did not see it; the reconciler enqueues it."""
+    h = private
+    missed = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="later", payload=1))
+    never = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="undeployed", payload=2))
+    assert missed.status == never.status == "PENDING_VERSION"
+    repo = h.engine.resources.repo.runs
+
+    async def nothing_waits(*args: object) -> list[str]:
+        return []
+
+    monkeypatch.setattr(repo, "pending_version_runs", nothing_waits)  # the registration's read ran first
+    await h.deploy({"id": "hello"}, {"id": "limited", "queue": "limited"}, {"id": "later", "queue": "later-q"},
+                   queues=[{"name": "limited", "concurrencyLimit": 1}], version="2")
+    monkeypatch.undo()
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+    report = await h.engine.systems.reconciler.reconcile(grace_s=-60)
+    assert report.pending_version_enqueued >= 1  # (other tests' runs in this database may count too)
+    assert (await h.engine.latest_snapshot(never.id)).engine_status == "PENDING_VERSION"  # no deployment has it
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert d.run.id == missed.id and d.run.queue == "later-q"
+    assert await h.statuses(missed.id) == ["PENDING_VERSION", "QUEUED", "PENDING_EXECUTING"]
+    assert (await h.engine.systems.reconciler.reconcile(grace_s=-60)).pending_version_enqueued == 0
+
+
 async def test_retention_deletes_old_finished_runs_with_their_history(make_engine) -> None:  # type: ignore[no-untyped-def]
     h = await make_engine(retention_days=1e-9, retention_batch=500)  # everything finished is "old"
     await h.deploy({"id": "hello"})
@@ -197,6 +224,29 @@ async def test_a_heartbeat_rearms_a_lost_timeout_job(h: Harness) -> None:
     assert await h.engine.resources.jobs.missing([job]) == [job]
     await h.engine.heartbeat(run.id, started.snapshot.id)
     assert await h.engine.resources.jobs.missing([job]) == []
+
+
+async def test_a_dequeue_whose_jobs_update_fails_after_its_commit_still_hands_the_runs_out(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis fails between the dequeue's commit and its jobs (a master lost in a failover): the
+    worker gets its runs all the same, and their heartbeat arms the timeout that was not."""
+    runs = [await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)) for i in range(2)]
+
+    async def redis_down(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("Redis is down")
+
+    monkeypatch.setattr(h.engine.resources, "change_jobs", redis_down)
+    got = await h.engine.dequeue(h.env.worker_group_id, 5, start=True)
+    monkeypatch.undo()
+    assert sorted(d.run.id for d in got) == sorted(r.id for r in runs)
+    for d in got:
+        assert d.started is not None
+        job = f"hb.{d.run.id}.{d.started.snapshot.id}"
+        assert await h.engine.resources.jobs.missing([job]) == [job]  # the update was lost
+        await h.engine.heartbeat(d.run.id, d.started.snapshot.id)
+        assert await h.engine.resources.jobs.missing([job]) == []
+        await h.engine.complete_attempt(d.run.id, d.started.snapshot.id, ok=True, output=1)
+        assert (await h.engine.get_run(d.run.id)).status == "COMPLETED"
 
 
 async def test_a_pass_reads_its_budget_and_the_next_goes_on_where_it_stopped(make_engine) -> None:  # type: ignore[no-untyped-def]
