@@ -222,11 +222,14 @@ class Supervisor:
         for attempt in range(60):
             try:  # an engine that takes the connection but never answers counts as unreachable
                 response = await asyncio.wait_for(self._post("/connect", body), CONNECT_TIMEOUT_S)
-                break
             except TransportError:
                 if attempt == 59:
                     raise
-                await asyncio.sleep(0.5)
+            else:  # an engine that cannot serve now (429, 5xx: its Redis or PostgreSQL away) is retried too
+                if response.status not in RETRY_STATUSES or attempt == 59:
+                    break
+                log.warning("connect answered %s; retrying", response.status)
+            await asyncio.sleep(0.5)
         if response.status != 200:
             raise SystemExit(f"connect failed: {response.status} {response.text}")
         data: dict[str, Any] = response.data

@@ -113,16 +113,11 @@ class DequeueSystem:
                 schedule.append(engine_jobs.heartbeat(result.run.id, result.snapshot.id,
                                                       self.r.clock.now() + timeout))
                 dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries))
-        try:
-            if stray:
-                await self.r.queue.ack(stray)
-            await self.r.change_jobs(cancel, schedule)
-        except Exception as exc:
-            # Committed: the runs are the worker's now, answered all the same (an error here would
-            # strand them until the reconciler re-armed their jobs). A stray's message stays held
-            # (the reconciler drops it); the jobs are armed again by the runs' start or heartbeat.
-            log.warning("dequeue: runs %s handed out, their queue or job update failed (%r); their start or "
-                        "heartbeat re-arms the jobs", [d.run.id for d in dequeued][:20], exc)
+        # committed: the runs are the worker's now, answered all the same (a stray's message the
+        # ack missed stays held until the reconciler drops it; a lost job is re-armed by the runs'
+        # start or heartbeat)
+        await self.r.after_commit("dequeue", *([self.r.queue.ack(stray)] if stray else []),
+                                  self.r.change_jobs(cancel, schedule))
         for d in dequeued:
             self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.env_id, d.snapshot.id,
                                         attempt=d.run.attempt_number))

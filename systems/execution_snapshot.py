@@ -65,8 +65,10 @@ class ExecutionSnapshotSystem:
     async def after_transition(self, previous_snapshot_id: str | None, previous_status: str | None,
                                snapshot: Snapshot) -> None:
         """Re-arm heartbeat timeouts: cancel the previous snapshot's job, schedule the new one's
-        (plus ``extra`` jobs), in one batched Redis call."""
-        await self.r.change_jobs(*self.rearm(previous_snapshot_id, previous_status, snapshot))
+        (plus ``extra`` jobs), in one batched Redis call. After the snapshot's commit: a failure is
+        logged (the run's next heartbeat or the leader's re-arm schedules the job again)."""
+        await self.r.after_commit("re-arm", self.r.change_jobs(*self.rearm(previous_snapshot_id, previous_status,
+                                                                            snapshot)))
 
     def rearm(self, previous_snapshot_id: str | None, previous_status: str | None,
               snapshot: Snapshot) -> tuple[list[str], list[JobSpec]]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from run_engine.batching import Batcher
@@ -16,6 +18,8 @@ from run_engine.locking import RunLocker
 from run_engine.run_queue import EnqueueItem, RunQueue
 from run_engine.settings import EngineSettings
 from systems.engine_jobs import JobSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,20 @@ class SystemResources:
     async def _insert_runs(self, runs: list[NewRun]) -> list[bool]:
         inserted = await self.repo.runs.insert_runs(runs)
         return [r.id in inserted for r in runs]
+
+    @staticmethod
+    async def after_commit(what: str, *calls: Awaitable[object]) -> None:
+        """The Redis calls (queue, jobs) that follow a committed PostgreSQL change, together; one
+        that fails is logged, not raised: the change stands, and an error would tell its caller
+        (a worker, which then gives the run up) that it did not. What the call would have done is
+        repaired later: a lost job by the run's next heartbeat or the leader's re-arm, a lost
+        enqueue or ack by the reconciler, a lost continuation by the waitpoint sweeper."""
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                log.warning("%s: committed, but a queue or jobs call after it failed (repaired later): %r",
+                            what, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     async def change_jobs(self, cancel: Sequence[str] = (), schedule: Sequence[JobSpec] = ()) -> None:
         """Cancel and (re)schedule engine jobs; concurrent callers share one Redis call."""

@@ -5,8 +5,8 @@ Retry decisions are data (:class:`AttemptOutcome`), never exceptions."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from systems.enqueue import EnqueueSystem
     from systems.execution_snapshot import ExecutionSnapshotSystem
     from systems.waitpoints import WaitpointsSystem
+
+log = logging.getLogger(__name__)
 
 E = ExecutionStatus
 
@@ -99,7 +101,7 @@ class RunAttemptSystem:
         assert result.run is not None and result.snapshot is not None
         started, cancel, schedule = await self.attempt_started(result.run, result.snapshot, snapshot_id,
                                                                pending_job=True)
-        await self.r.change_jobs(cancel, schedule)
+        await self.r.after_commit("start", self.r.change_jobs(cancel, schedule))
         self.emit_started(started)
         return started
 
@@ -215,9 +217,10 @@ class RunAttemptSystem:
             operation="retry", description=f"Retrying after attempt {run.attempt_number} failed", error=error,
         )
         assert result.run is not None and result.snapshot is not None
-        await self._ack_attempt_jobs(run_id, snapshot_id, run.attempt_number)
         available_at = self.r.now_ms() + int(delay_s * 1000)
-        await self.r.enqueue_items([self.enqueue.item_for(result.run, available_at, reset_deliveries=True)])
+        await self.r.after_commit(
+            "retry", self._ack_attempt_jobs(run_id, snapshot_id, run.attempt_number),
+            self.r.enqueue_items([self.enqueue.item_for(result.run, available_at, reset_deliveries=True)]))
         self.r.events.emit(RunEvent("run_failed", run_id, run.env_id, result.snapshot.id,
                                     {"error": error, "final": False}, attempt=run.attempt_number))
         self.r.events.emit(RunEvent("retry_scheduled", run_id, run.env_id, result.snapshot.id,
@@ -251,10 +254,14 @@ class RunAttemptSystem:
         cancel = [engine_jobs.heartbeat_id(run.id, previous)] if previous else []
         if run.attempt_number:
             cancel.append(engine_jobs.max_duration_id(run.id, run.attempt_number))
-        await asyncio.gather(self.r.ack_many([(run.env_id, run.id, run.worker_group_id)]),
-                             self.r.change_jobs(cancel))
+        await self.r.after_commit("finish", self.r.ack_many([(run.env_id, run.id, run.worker_group_id)]),
+                                  self.r.change_jobs(cancel))
         if run.resume_parent_on_completion:
-            await self.waitpoints.on_runs_finished([run])
+            try:
+                await self.waitpoints.on_runs_finished([run])
+            except Exception:  # the sweeper completes the RUN waitpoints of finished runs
+                log.warning("run %s finished; completing what its parent waits on failed (the sweeper will)",
+                            run.id, exc_info=True)
 
     async def _ack_attempt_jobs(self, run_id: str, snapshot_id: str, attempt: int) -> None:
         await self.r.change_jobs([engine_jobs.heartbeat_id(run_id, snapshot_id),

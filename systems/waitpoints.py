@@ -10,7 +10,6 @@ from where the next executor restores it by replaying the journal.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections import Counter
@@ -318,10 +317,8 @@ class WaitpointsSystem:
             out[i] = BlockOutcome(True, latest, suspended=suspended is not None)
             if counts.get(calls[i].run_id) == 0:
                 ready.append(i)
-        effects = await asyncio.gather(self.r.change_jobs(cancel, schedule),
-                                       *([self.r.ack_many(acks)] if acks else []), return_exceptions=True)
-        for failed in (e for e in effects if isinstance(e, BaseException)):
-            log.warning("block: jobs or queue call failed (repaired by the reconciler): %r", failed)
+        await self.r.after_commit("block", self.r.change_jobs(cancel, schedule),
+                                  *([self.r.ack_many(acks)] if acks else []))
         for i in blocked:
             t, suspended = written[i].transition, written[i].suspended
             assert t.snapshot is not None and t.run is not None
@@ -391,10 +388,14 @@ class WaitpointsSystem:
         self.r.events.emit(RunEvent("run_blocked", run_id, result.run.env_id, result.snapshot.id,
                                     attempt=result.run.attempt_number))
         # A completion that committed before our blocking rows did found nobody to continue.
-        if await self.wp.pending_count(run_id) == 0:
-            continued = await self.try_continue(run_id)
-            if continued is not None:
-                return BlockOutcome(False, continued, await self.resolved_entry(run_id, sequence))
+        try:
+            if await self.wp.pending_count(run_id) == 0:
+                continued = await self.try_continue(run_id)
+                if continued is not None:
+                    return BlockOutcome(False, continued, await self.resolved_entry(run_id, sequence))
+        except Exception:  # blocked all the same: the sweeper continues a run nothing blocks
+            log.warning("run %s blocked; the check for a wait already over failed (the sweeper will)", run_id,
+                        exc_info=True)
         return BlockOutcome(True, result.snapshot)
 
     async def _executing(self, run_id: str, snapshot_id: str, operation: str) -> Snapshot:
@@ -435,8 +436,8 @@ class WaitpointsSystem:
                 schedule += s
             else:  # suspended: queued to be restored
                 restore.append(self.enqueue.item_for(result.run, reset_deliveries=True))
-        await asyncio.gather(self.r.change_jobs(cancel, schedule),
-                             *([self.r.enqueue_items(restore)] if restore else []))
+        await self.r.after_commit("continue", self.r.change_jobs(cancel, schedule),
+                                  *([self.r.enqueue_items(restore)] if restore else []))
         out = {}
         for result in done:
             assert result.run is not None and result.snapshot is not None
@@ -485,13 +486,19 @@ class WaitpointsSystem:
             out.append(snapshot)
             if pending == 0:
                 ready.append(run_id)
-        await asyncio.gather(self.r.change_jobs(cancel, schedule), *([self.r.ack_many(acks)] if acks else []))
+        await self.r.after_commit("suspend", self.r.change_jobs(cancel, schedule),
+                                  *([self.r.ack_many(acks)] if acks else []))
         for (run_id, _, _, _), (result, _), cp in zip(runs, results, checkpoints, strict=True):
             if result.applied:
                 assert result.run is not None and result.snapshot is not None
                 self.r.events.emit(RunEvent("run_suspended", run_id, result.run.env_id, result.snapshot.id,
                                             {"checkpoint": cp}, attempt=result.run.attempt_number))
-        continued = await self.continue_runs(ready) if ready else {}
+        continued: dict[str, Snapshot] = {}
+        if ready:
+            try:
+                continued = await self.continue_runs(ready)
+            except Exception:  # suspended all the same: the sweeper continues a run nothing blocks
+                log.warning("suspend: could not continue runs whose wait completed; the sweeper will", exc_info=True)
         return [continued.get(run_id, o) if isinstance(o, Snapshot) else o
                 for (run_id, _, _, _), o in zip(runs, out, strict=True)]
 

@@ -211,3 +211,21 @@ async def test_a_wait_refused_after_an_unanswered_try_that_got_through_is_taken_
     sup2.http = Http()  # type: ignore[assignment]
     other = {**msg, "waitpointId": "waitpoint_9"}
     assert (await sup2._wait(RunState("run_1", "snapshot_1"), Executor(), other))["duplicate"]  # type: ignore[index]
+
+
+async def test_connect_is_repeated_while_the_engine_cannot_serve_and_not_when_it_refuses() -> None:
+    """A 503 (the engine's Redis or PostgreSQL away for a moment) does not end the supervisor: the
+    connect is repeated like an unreachable engine; a refusal (400) ends it at once."""
+    import pytest
+
+    connected = {"deploymentId": "d", "version": "1", "deployments": [{"environmentId": "e", "deploymentId": "d"}]}
+    sup, calls = supervisor([Reply(503, None, ""), OSError("refused"), Reply(200, connected, "")])
+    sup.config = SupervisorConfig(api_url="http://x", token="t", tasks_module="json")
+    sup.name, sup._deployments = "w", []
+    assert await sup.connect() == connected
+    assert calls == ["/connect"] * 3 and sup._deployments == ["d"]
+    refused, calls = supervisor([Reply(400, {"error": {"message": "bad"}}, "bad deployment")])
+    refused.config, refused.name = sup.config, "w"
+    with pytest.raises(SystemExit, match="connect failed: 400"):
+        await refused.connect()
+    assert calls == ["/connect"]

@@ -1,0 +1,99 @@
+"""A Redis call that fails after its PostgreSQL change committed (a master lost in a failover, a
+connection refused) does not fail the change: the caller gets its answer (a worker told "failed"
+would give the run up), and what the call would have done is repaired later: a lost job by the
+run's heartbeat or the leader's re-arm, a lost enqueue or ack by the reconciler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from run_engine.engine import TriggerRequest
+from run_engine.statuses import RunStatus
+
+from .conftest import Harness
+
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
+
+def req(h: Harness, **kw: Any) -> TriggerRequest:
+    return TriggerRequest(env_id=h.env.env_id, task_id="hello", **kw)
+
+
+def redis_down(monkeypatch: pytest.MonkeyPatch, h: Harness, *names: str) -> list[str]:
+    """Make the resources' ``names`` (change_jobs, ack_many, enqueue_items) fail; the calls made."""
+    calls: list[str] = []
+
+    def failing(name: str) -> Any:
+        async def call(*args: object, **kwargs: object) -> None:
+            calls.append(name)
+            raise ConnectionError(f"{name}: Redis is down")
+        return call
+
+    for name in names:
+        monkeypatch.setattr(h.engine.resources, name, failing(name))
+    return calls
+
+
+async def test_a_start_whose_jobs_call_fails_is_started_and_its_heartbeat_arms_the_timeout(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = await h.engine.trigger(req(h))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    calls = redis_down(monkeypatch, h, "change_jobs")
+    started = await h.engine.start_attempt(run.id, d.snapshot.id)
+    monkeypatch.undo()
+    assert calls == ["change_jobs"] and started.snapshot.engine_status == "EXECUTING"
+    job = f"hb.{run.id}.{started.snapshot.id}"
+    assert await h.engine.resources.jobs.missing([job]) == [job]
+    await h.engine.heartbeat(run.id, started.snapshot.id)
+    assert await h.engine.resources.jobs.missing([job]) == []
+
+
+async def test_a_completion_whose_ack_fails_is_taken_and_the_reconciler_frees_the_slot(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = await h.engine.trigger(req(h))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(run.id, d.snapshot.id)
+    calls = redis_down(monkeypatch, h, "ack_many", "change_jobs")
+    done = await h.engine.complete_attempt(run.id, started.snapshot.id, ok=True, output=1)
+    monkeypatch.undo()
+    assert done.status == RunStatus.COMPLETED and sorted(calls) == ["ack_many", "change_jobs"]
+    assert run.id in await h.engine.resources.queue.running_ids(h.env.env_id)  # the slot the ack missed
+    await h.engine.systems.reconciler.reconcile(grace_s=-1)
+    assert run.id not in await h.engine.resources.queue.running_ids(h.env.env_id)
+
+
+async def test_a_retry_whose_jobs_call_fails_is_still_enqueued(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = await h.engine.trigger(req(h, retry={"max_attempts": 3, "min_delay_ms": 0, "max_delay_ms": 0,
+                                               "factor": 1, "randomize": False}))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(run.id, d.snapshot.id)
+    calls = redis_down(monkeypatch, h, "change_jobs")
+    out = await h.engine.complete_attempt(run.id, started.snapshot.id, ok=False, error={"message": "boom"})
+    monkeypatch.undo()
+    assert out.status == RunStatus.QUEUED and calls == ["change_jobs"]
+    h.clock.advance(1)
+    (again,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    assert again.run.id == run.id and again.run.attempt_number == 1
+
+
+async def test_a_token_completion_whose_enqueue_fails_is_taken_and_the_reconciler_restores_the_run(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = await h.engine.trigger(req(h))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(run.id, d.snapshot.id)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    out = await h.engine.block(run.id, started.snapshot.id, sequence=0, kind="token", key=token.id,
+                               waitpoint_ids=[token.id])
+    await h.engine.suspend(run.id, out.snapshot.id)
+    calls = redis_down(monkeypatch, h, "enqueue_items")
+    assert await h.engine.waitpoints.complete(token.id, {"ok": 1})
+    monkeypatch.undo()
+    assert calls == ["enqueue_items"]
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED_EXECUTING"
+    assert [g for g in await h.engine.dequeue(h.env.worker_group_id, 5) if g.run.id == run.id] == []
+    assert (await h.engine.systems.reconciler.reconcile(grace_s=-1)).requeued_missing >= 1
+    got = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert [g.run.id for g in got if g.run.id == run.id] == [run.id]
