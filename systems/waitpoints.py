@@ -141,7 +141,9 @@ class WaitpointsSystem:
             id=new_id("waitpoint"), env_id=env_id, type="MANUAL", idempotency_key=idempotency_key,
             idempotency_key_expires_at=self._at(idempotency_key_ttl_s or 30 * 86400) if idempotency_key else None,
             timeout_at=self._at(timeout_s) if timeout_s is not None else None, tags=tuple(tags)), self._at(0))
-        if not cached and wp.timeout_at is not None:
+        # a repeat (same key) schedules the job too: the first call may have stored the token and
+        # failed on the way to Redis; the job's fixed id makes it the same job
+        if wp.status == "PENDING" and wp.timeout_at is not None:
             await self.r.change_jobs(schedule=[engine_jobs.waitpoint_timeout(wp.id, wp.timeout_at.timestamp())])
         return wp, cached
 
@@ -151,8 +153,8 @@ class WaitpointsSystem:
             id=new_id("waitpoint"), env_id=env_id, type="DATETIME", completed_after=at,
             idempotency_key=idempotency_key,
             idempotency_key_expires_at=at + timedelta(days=1) if idempotency_key else None), self._at(0))
-        if not cached:
-            await self.r.change_jobs(schedule=[engine_jobs.waitpoint_datetime(wp.id, at.timestamp())])
+        if wp.status == "PENDING" and wp.completed_after is not None:  # a repeat too (see create_token)
+            await self.r.change_jobs(schedule=[engine_jobs.waitpoint_datetime(wp.id, wp.completed_after.timestamp())])
         return wp
 
     # --- completing ---------------------------------------------------------------------------

@@ -97,3 +97,22 @@ async def test_a_token_completion_whose_enqueue_fails_is_taken_and_the_reconcile
     assert (await h.engine.systems.reconciler.reconcile(grace_s=-1)).requeued_missing >= 1
     got = await h.engine.dequeue(h.env.worker_group_id, 5)
     assert [g.run.id for g in got if g.run.id == run.id] == [run.id]
+
+
+async def test_a_token_stored_before_its_timeout_job_failed_gets_the_job_when_the_call_is_repeated(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Creating a waitpoint is not a worker's state change: its failure is answered (503) and the
+    client repeats the call with its idempotency key, which then arms the job the first missed."""
+    calls = redis_down(monkeypatch, h, "change_jobs")
+    with pytest.raises(ConnectionError):
+        await h.engine.waitpoints.create_token(h.env.env_id, idempotency_key="k", timeout_s=60)
+    monkeypatch.undo()
+    assert calls == ["change_jobs"]
+    token, cached = await h.engine.waitpoints.create_token(h.env.env_id, idempotency_key="k", timeout_s=60)
+    assert cached
+    job = f"wpto.{token.id}"
+    assert await h.engine.resources.jobs.missing([job]) == []
+    h.clock.advance(61)
+    await h.engine.run_due_jobs()
+    done = await h.engine.waitpoints.get(token.id)
+    assert done is not None and done.status == "COMPLETED" and done.output_is_error
