@@ -10,13 +10,15 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
+
+from run_engine.records import record
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RunEvent:
     """``name`` is one of :data:`EVENT_NAMES`; ``data`` carries event-specific fields; ``attempt`` is
     the run's attempt number at the change (0 before its first attempt; None when not known)."""

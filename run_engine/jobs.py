@@ -17,7 +17,6 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -26,12 +25,13 @@ from redis.asyncio import Redis
 from run_engine.clock import Clock
 from run_engine.dependencies import log_failure
 from run_engine.lua_scripts import LuaScript
+from run_engine.records import record
 from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Job:
     id: str
     kind: str

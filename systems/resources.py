@@ -15,6 +15,7 @@ from run_engine.db.runs import NewRun, Transition, TransitionResult
 from run_engine.events import EventBus
 from run_engine.jobs import JobQueue
 from run_engine.locking import RunLocker
+from run_engine.records import record
 from run_engine.run_queue import EnqueueItem, RunQueue
 from run_engine.settings import EngineSettings
 from systems.engine_jobs import JobSpec
@@ -22,7 +23,7 @@ from systems.engine_jobs import JobSpec
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class JobChange:
     cancel: tuple[str, ...]
     schedule: tuple[JobSpec, ...]

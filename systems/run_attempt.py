@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from run_engine.db.deployments import DeploymentTask
 from run_engine.db.runs import RunRow, Snapshot, TransitionResult
 from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError
 from run_engine.events import RunEvent
+from run_engine.records import record
 from run_engine.settings import RetryPolicy
 from run_engine.statuses import EXECUTING, ExecutionStatus, RunStatus
 from systems import engine_jobs
@@ -35,7 +35,7 @@ ERROR_ABORT = "ABORT"
 ERROR_OOM = "TASK_PROCESS_OOM_KILLED"  # the supervisor killed the attempt for its memory
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class StartedAttempt:
     run: RunRow
     snapshot: Snapshot
@@ -45,7 +45,7 @@ class StartedAttempt:
     machine: str | None = None  # the machine preset the attempt runs on (None: the supervisor's default)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class AttemptOutcome:
     """``finished`` with the run's final status, or ``retry`` after ``delay_ms``."""
 

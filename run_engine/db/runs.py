@@ -20,9 +20,10 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, to_columns
+from run_engine.records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Snapshot:
     id: str
     run_id: str
@@ -48,7 +49,7 @@ class BatchView:
     created_at: datetime
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RunRow:
     id: str
     env_id: str
@@ -98,7 +99,7 @@ def snapshot_row(row: dict[str, Any]) -> Snapshot:
     return from_row(Snapshot, row)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Transition:
     """One requested state change of one run.
 
@@ -128,7 +129,7 @@ class Transition:
     resume_checkpoint: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DequeueStart:
     """A run to dequeue and start at once (:meth:`RunRepository.dequeue_and_start`)."""
 
@@ -138,7 +139,7 @@ class DequeueStart:
     worker_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TransitionResult:
     """``applied`` with the new snapshot and run; otherwise the latest snapshot's id and status
     (``None`` when the run does not exist)."""
@@ -325,7 +326,7 @@ def snapshot_from_json(data: dict[str, Any]) -> Snapshot:
     return snapshot_row(data)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class NewRun:
     """A run to insert together with its first snapshot."""
 

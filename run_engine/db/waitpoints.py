@@ -8,7 +8,6 @@ runs. Whichever commits second sees the other's write, and continuing a run is i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -18,9 +17,10 @@ from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, to_columns
 from run_engine.db.runs import LATEST_OF_INPUT, Snapshot, TransitionResult, snapshot_from_json, transition_result
+from run_engine.records import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Waitpoint:
     id: str
     env_id: str
@@ -43,7 +43,7 @@ def _waitpoint(row: dict[str, Any]) -> Waitpoint:
     return from_row(Waitpoint, row)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class NewWaitpoint:
     id: str
     env_id: str
@@ -57,7 +57,7 @@ class NewWaitpoint:
     tags: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class JournalEntry:
     sequence: int
     kind: str
@@ -69,7 +69,7 @@ class JournalEntry:
     waitpoint_output_is_error: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Blocked:
     """What :meth:`WaitpointRepository.block_executing` did: the transition (not applied when the
     run was not the caller's EXECUTING snapshot, or nothing was pending), the journal entry that
@@ -83,7 +83,7 @@ class Blocked:
     suspended: Snapshot | None = None  # the SUSPENDED snapshot, when the write asked to suspend
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class BlockWrite:
     """One run's part of :meth:`WaitpointRepository.block_executing`: journal ``entry`` and block the
     run, whose latest snapshot must be ``expected_snapshot_id`` in EXECUTING, on ``waitpoint_ids``."""
@@ -98,7 +98,7 @@ class BlockWrite:
     suspend: tuple[str, str] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Completion:
     """Complete the waitpoint ``id`` (or the RUN waitpoint of ``run_id``) with ``output``; with
     ``env_id``, only a MANUAL waitpoint (a token) of that environment (a completion by API key:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from run_engine.records import record
 
-@dataclass(frozen=True, slots=True)
+
+@record
 class EnqueueItem:
     """A run to put in the queue.
 
@@ -48,7 +50,7 @@ class RateLimit:
         return interval, interval * (self.burst - 1)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DequeuedMessage:
     """A run handed out by :meth:`RunQueue.dequeue`; it holds a slot at env, queue and key level
     until it is acked, nacked, released, removed, dead-lettered or enqueued again."""
