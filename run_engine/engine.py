@@ -27,6 +27,7 @@ from run_engine.ids import new_id
 from run_engine.jobs import Job, JobQueue, JobWorker
 from run_engine.leader import LeaderLease
 from run_engine.locking import RunLocker
+from run_engine.redis_connect import close_fully
 from run_engine.redis_connect import connect as connect_redis
 from run_engine.run_queue import Handed, QueueStats, RunQueue
 from run_engine.settings import EngineSettings
@@ -87,7 +88,7 @@ class RunEngine:
             repo = await Repository.open(settings.database_url, min_size=settings.db_pool_min,
                                          max_size=settings.db_pool_max)
         except BaseException:
-            await redis.aclose()
+            await close_fully(redis)  # a cancelled start (a stop signal) leaves no socket open
             raise
         queue = RunQueue(redis, prefix=f"{settings.key_prefix}:q", shards=settings.queue_shards,
                          max_deliveries=settings.max_deliveries, default_env_limit=settings.env_concurrency)

@@ -24,8 +24,21 @@ async def is_cluster(url: str, *, connect_timeout_s: float = 5.0) -> bool:
     try:
         info = await probe.info("cluster")
     finally:
-        await probe.aclose()
+        await close_fully(probe)
     return str(info.get("cluster_enabled", 0)) == "1"
+
+
+async def close_fully(client: aioredis.Redis) -> None:
+    """``client.aclose()``, carried to its end even when the caller is cancelled meanwhile (a stop
+    signal during start-up): redis-py closes the pool's connections in tasks of a ``gather``, and a
+    cancel that reaches the gather before they start leaves their sockets open. The cancel goes on
+    once the client is closed."""
+    closing = asyncio.ensure_future(client.aclose())
+    try:
+        await asyncio.shield(closing)
+    except asyncio.CancelledError:
+        await asyncio.wait([closing])
+        raise
 
 
 async def connect(url: str, *, max_connections: int = 64, connect_timeout_s: float = 5.0,

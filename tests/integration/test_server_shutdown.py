@@ -47,3 +47,23 @@ async def test_a_cancel_from_an_embedding_program_propagates(database_url: str, 
     serving.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(serving, 30)
+
+
+async def test_a_cancel_during_a_redis_close_still_closes_its_connections(redis_url: str) -> None:
+    """redis-py closes a pool's connections in the tasks of a gather: a cancel that reaches the
+    gather first leaves their sockets open (a stop signal during start-up did, one run in ~12 of
+    this file). ``close_fully`` closes them, then lets the cancel go on."""
+    import redis.asyncio as aioredis
+
+    from run_engine.redis_connect import close_fully
+
+    client = aioredis.Redis.from_url(redis_url)
+    await client.ping()
+    (conn,) = client.connection_pool._available_connections  # type: ignore[attr-defined]
+    assert conn.is_connected
+    closing = asyncio.ensure_future(close_fully(client))
+    await asyncio.sleep(0)  # inside the pool's gather, its tasks not started yet
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert not conn.is_connected  # (redis-py's aclose, cancelled there, leaves it connected)
