@@ -111,6 +111,8 @@ TransportError = (aiohttp.ClientError, TimeoutError, OSError)
 
 class WaitsRefused(Exception):
     """A ``POST /waits`` of several items refused as a whole (400)."""
+
+
 #: answers after which a request is worth repeating (0: the engine could not be reached)
 RETRY_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
 

@@ -99,15 +99,18 @@ class WaitingForWorkerSystem:
         self.enqueue.invalidate()
         await self.schedules.sync_declarative(env_id, tasks)
         waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, [t.id for t in tasks])
-        queue_of = {t.id: t.queue_name for t in tasks}
-        enqueued = 0
-        for start in range(0, len(waiting), BATCH):
-            enqueued += await self.promote(waiting[start:start + BATCH], dep_id, queue_of)
-        return dep_id, enqueued
+        return dep_id, await self.promote(waiting, dep_id, {t.id: t.queue_name for t in tasks})
 
     async def promote(self, run_ids: list[str], deployment_id: str, queue_of: dict[str, str]) -> int:
-        """PENDING_VERSION runs → QUEUED on ``deployment_id`` (``queue_of``: task → its queue there);
-        a run no longer PENDING_VERSION is left alone. Returns how many were enqueued."""
+        """PENDING_VERSION runs → QUEUED on ``deployment_id`` (``queue_of``: task → its queue there),
+        ``BATCH`` at a time (a lock call, a statement, a queue call each); a run no longer
+        PENDING_VERSION is left alone. Returns how many were enqueued."""
+        enqueued = 0
+        for start in range(0, len(run_ids), BATCH):
+            enqueued += await self._promote(run_ids[start:start + BATCH], deployment_id, queue_of)
+        return enqueued
+
+    async def _promote(self, run_ids: list[str], deployment_id: str, queue_of: dict[str, str]) -> int:
         async with self.r.locker.lock("pending_version", *run_ids):
             await self.r.repo.runs.assign_deployment(run_ids, deployment_id, queue_of)
             results = await self.execution_snapshot.append_many([
