@@ -131,6 +131,12 @@ class Supervisor:
         self._waits: Batcher[dict[str, Any], dict[str, Any]] = Batcher(self._wait_many, max_batch=100)
         self._inflight: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(config.concurrency)
+        # A run gives its slot back as soon as its executor is done: its completion is reported
+        # while the slot's next run is dequeued (the two requests overlap). At most `concurrency`
+        # completions wait for their answer so; past that a finished run keeps its slot until
+        # its completion gets through (a server that takes dequeues and refuses completions
+        # cannot make this supervisor take run after run).
+        self._reporting = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
         self._poll: asyncio.Task[Any] | None = None
         self._release: asyncio.Task[None] | None = None
@@ -364,14 +370,15 @@ class Supervisor:
                 await self._post("/heartbeat", {"workerInstanceName": self.name})
 
     async def _handle(self, item: dict[str, Any]) -> None:
+        slot = _Slot(self._slots)
         try:
-            await self._execute(item)
+            await self._execute(item, slot)
         except Exception:
             log.exception("run %s: supervisor error", item["run"]["id"])
         finally:
-            self._slots.release()
+            slot.release()
 
-    async def _execute(self, item: dict[str, Any]) -> None:
+    async def _execute(self, item: dict[str, Any], slot: _Slot) -> None:
         run_id = item["run"]["id"]
         started = item.get("attempt") or await self._starts.submit(
             {"runId": run_id, "snapshotId": item["snapshot"]["id"]})
@@ -425,7 +432,9 @@ class Supervisor:
         # heartbeats go on while the completion is retried: a short outage must not stall the run
         beat = asyncio.create_task(self._run_heartbeats(state, None))
         try:
-            complete = await self._complete(run_id, {"runId": run_id, "snapshotId": state.snapshot_id, **result})
+            async with self._reporting:
+                slot.release()  # the next run may start while this one's completion is on its way
+                complete = await self._complete(run_id, {"runId": run_id, "snapshotId": state.snapshot_id, **result})
         finally:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -632,6 +641,22 @@ class Supervisor:
                 state.cancelled = True
                 executor.kill()
                 return
+
+
+class _Slot:
+    """One of the supervisor's slots held by a run; released once, whichever comes first: its
+    executor done (the completion then goes on without it) or the run's end."""
+
+    __slots__ = ("_held", "_slots")
+
+    def __init__(self, slots: asyncio.Semaphore) -> None:
+        self._slots = slots
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._slots.release()
 
 
 @dataclass(eq=False)
