@@ -15,6 +15,7 @@ import random
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +30,10 @@ from supervisor.metrics import MetricsServer
 log = logging.getLogger("run_engine.supervisor")
 CANCEL_WATCH_AFTER_S = 1.0  # a run executing longer than this is watched for a cancel (a long-poll)
 CANCEL_WATCH_POLL_MS = 25_000
-# While runs queue for this supervisor's slots, a freed slot waits this long for others to free
-# before it dequeues: one dequeue (a request, a queue call, a statement) for several runs rather
-# than one each. Without a backlog a slot dequeues at once (trigger-to-start latency).
+# While runs queue for this supervisor's slots, a freed slot waits up to this long for others to
+# free before it dequeues (less once no run holds a slot): one dequeue (a request, a queue call, a
+# statement) for several runs rather than one each. Without a backlog a slot dequeues at once
+# (trigger-to-start latency).
 DEQUEUE_GATHER_S = 0.005
 WORKER = "/engine/v1/worker-actions"
 CONNECT_TIMEOUT_S = 10.0  # one /connect attempt (60 are made, 0.5 s apart)
@@ -144,6 +146,8 @@ class Supervisor:
         self.suspended = 0
         self._backlog = False  # the last dequeue left runs of the group ready (more than the free slots)
         self._gathering = False  # a freed slot waits for others before its dequeue (DEQUEUE_GATHER_S)
+        self._executing = 0  # runs holding a slot; the gathering ends early once none does
+        self._none_executing = asyncio.Event()
         self.runs_started = 0
         self.metrics = None if config.metrics_port is None else \
             MetricsServer(self, config.metrics_host, config.metrics_port)
@@ -307,7 +311,10 @@ class Supervisor:
                 if self._backlog and self.config.concurrency > 1 and not self._stopping.is_set():
                     self._gathering = True  # the slots freed meanwhile are this dequeue's
                     try:
-                        await asyncio.sleep(DEQUEUE_GATHER_S)
+                        if self._executing:  # no longer than it takes the last of them to free
+                            with contextlib.suppress(TimeoutError):
+                                async with asyncio.timeout(DEQUEUE_GATHER_S):
+                                    await self._none_executing.wait()
                     finally:
                         self._gathering = False
                 while free < self.config.concurrency and not self._slots.locked():
@@ -319,6 +326,8 @@ class Supervisor:
                     break
                 runs = await self._dequeue(free)
                 for item in runs:
+                    self._executing += 1
+                    self._none_executing.clear()
                     task = asyncio.create_task(self._handle(item))
                     self._inflight.add(task)
                     task.add_done_callback(self._inflight.discard)
@@ -370,13 +379,19 @@ class Supervisor:
                 await self._post("/heartbeat", {"workerInstanceName": self.name})
 
     async def _handle(self, item: dict[str, Any]) -> None:
-        slot = _Slot(self._slots)
+        slot = _Slot(self._slot_freed)
         try:
             await self._execute(item, slot)
         except Exception:
             log.exception("run %s: supervisor error", item["run"]["id"])
         finally:
             slot.release()
+
+    def _slot_freed(self) -> None:
+        self._slots.release()
+        self._executing -= 1
+        if not self._executing:
+            self._none_executing.set()
 
     async def _execute(self, item: dict[str, Any], slot: _Slot) -> None:
         run_id = item["run"]["id"]
@@ -647,16 +662,16 @@ class _Slot:
     """One of the supervisor's slots held by a run; released once, whichever comes first: its
     executor done (the completion then goes on without it) or the run's end."""
 
-    __slots__ = ("_held", "_slots")
+    __slots__ = ("_free", "_held")
 
-    def __init__(self, slots: asyncio.Semaphore) -> None:
-        self._slots = slots
+    def __init__(self, free: Callable[[], None]) -> None:
+        self._free = free
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._slots.release()
+            self._free()
 
 
 @dataclass(eq=False)

@@ -26,6 +26,12 @@ class Pool:
     def release(self, _: Executor) -> None:
         self.busy -= 1
 
+    async def warm(self, n: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
 
 class Completions:
     """Completions that wait for the test to answer them."""
@@ -47,6 +53,14 @@ def item(run_id: str) -> dict[str, Any]:
                         "run": {"taskIdentifier": "noop", "tags": [], "queue": "task/noop"}}}
 
 
+async def handed(sup: Supervisor, run: dict[str, Any]) -> asyncio.Task[None]:
+    """A dequeued run handed to its slot, as the run loop does."""
+    await sup._slots.acquire()
+    sup._executing += 1
+    sup._none_executing.clear()
+    return asyncio.create_task(sup._handle(run))
+
+
 async def until(predicate: Any) -> None:
     for _ in range(1000):
         if predicate():
@@ -60,14 +74,12 @@ async def test_a_finished_run_frees_its_slot_while_its_completion_is_on_its_way(
     sup.pool = Pool()  # type: ignore[assignment]
     completions = sup._completions = Completions()  # type: ignore[assignment]
     try:
-        await sup._slots.acquire()  # as the run loop does before its dequeue
-        first = asyncio.create_task(sup._handle(item("run_1")))
+        first = await handed(sup, item("run_1"))
         await until(lambda: completions.sent == ["run_1"])
         assert not sup._slots.locked()  # the slot is back while run_1's completion waits
         assert sup.pool.busy == 0
 
-        await sup._slots.acquire()
-        second = asyncio.create_task(sup._handle(item("run_2")))
+        second = await handed(sup, item("run_2"))
         await until(lambda: sup.pool.busy == 0)
         await asyncio.sleep(0.01)
         # one completion (the concurrency) already waits: run_2 keeps its slot until it can report
@@ -90,8 +102,44 @@ async def test_a_run_that_fails_before_its_executor_returns_its_slot_once() -> N
 
     sup.pool = Broken()  # type: ignore[assignment]
     try:
-        await sup._slots.acquire()
-        await sup._handle(item("run_1"))  # logged, not raised
-        assert sup._slots._value == 2
+        await (await handed(sup, item("run_1")))  # logged, not raised
+        assert sup._slots._value == 2 and sup._executing == 0
     finally:
         await sup.http.close()
+
+
+async def test_a_dequeue_gathering_freed_slots_goes_once_no_run_holds_one(monkeypatch: Any) -> None:
+    """While runs queue for the slots, a freed slot waits for the others (DEQUEUE_GATHER_S), but no
+    longer than until every run has given its slot back. Made an hour long here: the second
+    dequeue still comes, for both slots."""
+    from supervisor import supervisor as module
+
+    monkeypatch.setattr(module, "DEQUEUE_GATHER_S", 3600.0)
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=2))
+    sup.pool = Pool()  # type: ignore[assignment]
+
+    class Answered(Completions):
+        async def submit(self, item: dict[str, Any]) -> dict[str, Any]:
+            self.sent.append(item["runId"])
+            return {"ok": True}
+
+    sup._completions = Answered()  # type: ignore[assignment]
+    asked: list[int] = []
+
+    async def dequeue(max_runs: int) -> list[dict[str, Any]]:
+        asked.append(max_runs)
+        if len(asked) == 1:
+            sup._backlog = True
+            return [item("run_1"), item("run_2")]
+        sup.stop()
+        return []
+
+    sup._dequeue = dequeue  # type: ignore[method-assign]
+    sup._connect_unless_stopped = lambda: _true()  # type: ignore[method-assign]
+    await asyncio.wait_for(sup._run(), 10)
+    assert asked == [2, 2]  # the second dequeue took both freed slots, without the hour's wait
+    assert sup.completed == 2
+
+
+async def _true() -> bool:
+    return True
