@@ -349,6 +349,11 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+#: how long a run waits for an executor that is on its way back (told to stop a suspended run)
+#: before a new one is started for it
+RETURN_WAIT_S = 1.0
+
+
 class ExecutorPool:
     """Idle executors wait here for the next run; one per concurrent run at most."""
 
@@ -358,19 +363,40 @@ class ExecutorPool:
         self.started = 0
         self.busy = 0  # executors handed out and not released yet
         self.restarts = 0  # executors that died or were killed, so replaced
+        # executors still busy whose run gave its slot back (suspended: they are stopping); a run
+        # that finds no idle executor waits for one of them rather than start another process
+        self._returning: set[Executor] = set()
+        self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
     def idle(self) -> int:
         return len(self._idle)
 
+    def returning(self, ex: Executor) -> None:
+        """``ex`` was told to stop its run and is about to be released."""
+        self._returning.add(ex)
+
     async def acquire(self) -> Executor:
-        while self._idle:
-            ex = self._idle.pop()
-            if ex.alive:
-                self.busy += 1
-                return ex
-            ex.kill()
-            self.restarts += 1
+        while True:
+            while self._idle:
+                ex = self._idle.pop()
+                if ex.alive:
+                    self.busy += 1
+                    return ex
+                ex.kill()
+                self.restarts += 1
+            if not self._returning:
+                break
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                async with asyncio.timeout(RETURN_WAIT_S):
+                    await waiter
+            except TimeoutError:
+                break  # not back in time (a task that ignores its cancel): start another
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
         ex = Executor(self.tasks_module)
         self.started += 1
         await ex.ready()
@@ -379,11 +405,20 @@ class ExecutorPool:
 
     def release(self, ex: Executor) -> None:
         self.busy -= 1
+        self._returning.discard(ex)
         if ex.alive:
             self._idle.append(ex)
         else:
             ex.kill()
             self.restarts += 1
+        # the first run waiting takes it; once none is on its way back, every run waiting looks
+        # again (and starts an executor if none is idle)
+        woken = 0
+        while self._waiters and (not woken or not self._returning):
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                woken += 1
 
     async def warm(self, n: int) -> None:
         """Start ``n`` executors ahead of the first runs."""

@@ -400,7 +400,7 @@ class Supervisor:
         if not started["ok"]:
             log.info("run %s: not started (%s %s)", run_id, started.get("status"), started.get("error"))
             return
-        state = RunState(run_id, started["snapshot"]["id"])
+        state = RunState(run_id, started["snapshot"]["id"], slot=slot)
         self.runs_started += 1
         executor = await self.pool.acquire()
         beat = asyncio.create_task(self._run_heartbeats(state, executor))
@@ -558,7 +558,7 @@ class Supervisor:
         if not data["blocked"]:
             return {"result": data["entry"]["result"]}
         if data.get("suspended"):  # checkpointed with the wait: the executor stops, the slot frees
-            executor.suspend()
+            self._suspend(state, executor)
             return None
         deadline = time.monotonic() + self.config.suspend_after_s
         while True:
@@ -566,7 +566,7 @@ class Supervisor:
             if remaining <= 0:
                 suspended = await self._post(f"/runs/{state.run_id}/snapshots/{state.snapshot_id}/suspend")
                 if suspended.status == 200:
-                    executor.suspend()
+                    self._suspend(state, executor)
                     return None
                 deadline = time.monotonic() + self.config.suspend_after_s  # moved on: look at it below
                 remaining = 0
@@ -607,6 +607,15 @@ class Supervisor:
         if status == "EXECUTING" and entries[0]["resolved"]:  # continued already
             return Reply(200, {"blocked": False, "snapshot": latest, "entry": entries[0]}, "")
         return None
+
+    def _suspend(self, state: RunState, executor: Any) -> None:
+        """The run is checkpointed: tell its executor to stop, and give its slot back at once (the
+        next dequeue need not wait for the executor's answer; the pool hands that executor to the
+        next run when it is back)."""
+        executor.suspend()
+        self.pool.returning(executor)
+        if state.slot is not None:
+            state.slot.release()
 
     def _suspend_at_once(self) -> bool:
         """Suspend a run that blocks without the grace period: when there is none, or when runs
@@ -681,6 +690,7 @@ class RunState:
     run_id: str
     snapshot_id: str
     cancelled: bool = False
+    slot: _Slot | None = None  # given back once the run is suspended, before its executor is back
 
 
 def run_supervisor(config: SupervisorConfig) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from supervisor.executor import ExecutorPool
 from supervisor.supervisor import Reply, Supervisor, SupervisorConfig
 
 
 def supervisor(replies: list[Any], retry_s: float = 30.0) -> tuple[Supervisor, list[str]]:
     sup = Supervisor.__new__(Supervisor)
     sup.config = SupervisorConfig(api_url="http://x", token="t", tasks_module="m", wait_retry_s=retry_s)
+    sup.pool = ExecutorPool("m")  # no process until one is acquired
     calls: list[str] = []
 
     async def post(path: str, json: Any = None) -> Reply:

@@ -143,3 +143,80 @@ async def test_a_dequeue_gathering_freed_slots_goes_once_no_run_holds_one(monkey
 
 async def _true() -> bool:
     return True
+
+
+class Returning:
+    """An executor, as the pool sees it, stopping its suspended run."""
+
+    alive = True
+
+    def kill(self) -> None:
+        self.alive = False
+
+
+async def test_a_run_waits_for_an_executor_on_its_way_back_instead_of_starting_one(monkeypatch: Any) -> None:
+    from supervisor import executor as module
+
+    started: list[str] = []
+    monkeypatch.setattr(module, "Executor", lambda tasks: started.append(tasks))  # would fork one
+    pool = module.ExecutorPool("m")
+    back: Any = Returning()
+    pool.busy = 1
+    pool.returning(back)
+    waiting = asyncio.create_task(pool.acquire())
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and started == []
+    pool.release(back)
+    assert await asyncio.wait_for(waiting, 5) is back and started == [] and pool.busy == 1
+
+
+async def test_runs_waiting_for_an_executor_start_one_when_none_is_on_its_way_back(monkeypatch: Any) -> None:
+    """Two runs wait for one executor coming back: one takes it, the other starts one at once
+    rather than after RETURN_WAIT_S; one that is not back within RETURN_WAIT_S is not waited for."""
+    from supervisor import executor as module
+
+    class New(Returning):
+        def __init__(self, tasks: str) -> None:
+            pass
+
+        async def ready(self) -> None:
+            return None
+
+    monkeypatch.setattr(module, "Executor", New)
+    monkeypatch.setattr(module, "RETURN_WAIT_S", 3600.0)
+    pool = module.ExecutorPool("m")
+    back: Any = Returning()
+    pool.returning(back)
+    first, second = asyncio.create_task(pool.acquire()), asyncio.create_task(pool.acquire())
+    await asyncio.sleep(0.01)
+    pool.release(back)
+    got = await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert back in got and isinstance(got[0] if got[1] is back else got[1], New) and pool.started == 1
+
+    monkeypatch.setattr(module, "RETURN_WAIT_S", 0.01)
+    stuck: Any = Returning()
+    pool.returning(stuck)  # a task that ignores its cancel
+    assert isinstance(await asyncio.wait_for(pool.acquire(), 5), New) and pool.started == 2
+
+
+async def test_a_suspended_run_gives_its_slot_back_before_its_executor_is_back() -> None:
+    from supervisor.supervisor import RunState
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1))
+    try:
+        await sup._slots.acquire()
+        sup._executing = 1
+        stopping: Any = Returning()
+        told: list[str] = []
+        stopping.suspend = lambda: told.append("suspend")
+        from supervisor.supervisor import _Slot
+
+        state = RunState("run_1", "snapshot_1", slot=_Slot(sup._slot_freed))
+        sup._suspend(state, stopping)
+        assert told == ["suspend"] and not sup._slots.locked() and sup._executing == 0
+        assert stopping in sup.pool._returning
+        assert state.slot is not None
+        state.slot.release()  # the run's end releases it again: nothing more is freed
+        assert sup._slots._value == 1
+    finally:
+        await sup.http.close()
