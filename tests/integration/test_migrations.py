@@ -112,3 +112,22 @@ def test_snapshot_chain_migration_keeps_the_latest_of_a_forked_chain(empty_datab
         with pytest.raises(psycopg.errors.UniqueViolation):  # a second snapshot after s4
             conn.execute("INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, "
                          "previous_snapshot_id) VALUES ('s6', 'run_forked', 'FINISHED', 'COMPLETED', 's4')")
+
+
+def test_a_runs_snapshots_are_found_by_index_for_its_delete_and_its_latest(database_url: str) -> None:
+    """Retention deletes runs, which cascades to their snapshots by run_id: an index must serve
+    that for every snapshot (valid or not), not a scan of the whole table per run; the latest
+    snapshot of a run is read through the same index. Nothing indexes snapshots by creation."""
+    with psycopg.connect(database_url) as conn:
+        conn.execute("SET enable_seqscan = off")  # what the planner picks once the table is large
+        cascade = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN DELETE FROM task_run_execution_snapshot WHERE run_id = 'run_x'"))
+        assert "Seq Scan" not in cascade and "snapshot_run_seq" in cascade
+        latest = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT id FROM task_run_execution_snapshot WHERE run_id = 'run_x' AND is_valid "
+            "ORDER BY seq DESC LIMIT 1"))
+        assert "snapshot_run_seq" in latest
+        names = {r[0] for r in conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'task_run_execution_snapshot'")}
+        assert names == {"task_run_execution_snapshot_pkey", "snapshot_run_seq", "snapshot_chain_uq"}
+        conn.rollback()
