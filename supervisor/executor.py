@@ -53,7 +53,9 @@ def _error_of(exc: BaseException) -> dict[str, Any]:
             "stackTrace": "".join(traceback.format_exception(exc))}
 
 
-async def _run_one(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+async def _run_one(msg: dict[str, Any], conn: Connection, channel: Any = None) -> dict[str, Any]:
+    """Run ``msg``'s task on this executor's ``channel`` (one for all its runs; without one, a
+    channel for this run only)."""
     from run_engine.sdk import runtime
     from run_engine.sdk.context import AttemptInfo, Context, QueueInfo, RunInfo, TaskInfo
     from run_engine.sdk.errors import AbortTaskRunError
@@ -63,16 +65,19 @@ async def _run_one(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
     if task is None:
         return {"ok": False, "retryable": False,
                 "error": {"type": "TASK_NOT_FOUND", "message": f"no task {msg['task']!r} in this worker"}}
-    os.environ["RUN_ENGINE_API_URL"] = msg["apiUrl"]
+    if os.environ.get("RUN_ENGINE_API_URL") != msg["apiUrl"]:
+        os.environ["RUN_ENGINE_API_URL"] = msg["apiUrl"]
     os.environ["RUN_ENGINE_RUN_TOKEN"] = msg["runToken"]
     ctx = Context(run=RunInfo(msg["runId"], msg.get("tags") or []), attempt=AttemptInfo(msg["attempt"]),
                   task=TaskInfo(task.id), queue=QueueInfo(msg.get("queue", "")))
-    channel = runtime.Channel(conn, asyncio.get_running_loop())
+    own = channel is None
+    if own:
+        channel = runtime.Channel(conn, asyncio.get_running_loop())
+    # this task is what a suspension cancels; the task's code runs in it (and in its context)
+    channel.begin(asyncio.current_task())
     token = runtime.activate(runtime.Runtime(channel, msg.get("journal") or []))
     try:
-        # a task of its own, so that a suspension can cancel it; it inherits the runtime context
-        channel.task = asyncio.ensure_future(task.execute(msg["payload"], ctx))
-        output = await channel.task
+        output = await task.execute(msg["payload"], ctx)
     except asyncio.CancelledError:
         return {"type": "suspended" if channel.suspended else "abandoned"}
     except runtime.DuplicateExecution as exc:
@@ -84,7 +89,10 @@ async def _run_one(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
     except Exception as exc:
         return {"ok": False, "retryable": True, "error": _error_of(exc)}
     finally:
-        channel.close()
+        if own:
+            channel.close()
+        else:
+            channel.end()
         runtime.activate(None)
         del token
     try:
@@ -97,8 +105,13 @@ async def _run_one(msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
 
 
 def executor_main(conn: Connection, tasks_module: str) -> None:
+    from run_engine.sdk import runtime
+
     importlib.import_module(tasks_module)
     loop = asyncio.new_event_loop()
+    # one channel for every run: its reader is registered once (the loop reads it only while a run
+    # runs; between runs the messages are read here)
+    channel = runtime.Channel(conn, loop)
     conn.send_bytes(orjson.dumps({"type": "ready", "pid": os.getpid()}))
     while True:
         try:
@@ -110,7 +123,7 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
         if msg.get("type") != "run":
             continue  # a late reply or suspend for a run that already ended
         try:
-            result = loop.run_until_complete(_run_one(msg, conn))
+            result = loop.run_until_complete(_run_one(msg, conn, channel))
         finally:
             os.environ.pop("RUN_ENGINE_RUN_TOKEN", None)
             cancel_leftovers(loop)

@@ -48,10 +48,22 @@ class Channel:
         # and written whole, never torn by EAGAIN half-way
         os.set_blocking(conn.fileno(), True)
 
+    def begin(self, task: asyncio.Task[Any] | None) -> None:
+        """A new run on this channel (an executor keeps one for all its runs): ``task`` is what a
+        ``suspend`` cancels."""
+        self.task = task
+        self.suspended = False
+
+    def end(self) -> None:
+        """The run is over: calls it left unanswered are cancelled; the channel stays open."""
+        self.task = None
+        waiting, self._waiting = self._waiting, {}
+        for fut in waiting.values():
+            fut.cancel()
+
     def close(self) -> None:
         self.loop.remove_reader(self.conn.fileno())
-        for fut in self._waiting.values():
-            fut.cancel()
+        self.end()
 
     def _readable(self) -> None:
         try:

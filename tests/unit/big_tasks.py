@@ -58,3 +58,10 @@ async def writes_to_its_pipe(payload: dict[str, Any], ctx: Any) -> str:
     frame = pickle.dumps(_RunsCode(payload["marker"])) if payload["kind"] == "pickle" else b"\x00not json"
     rt.channel.conn.send_bytes(frame)
     return "sent"
+
+
+@task(id="waits-on-a-token")
+async def waits_on_a_token(payload: Any, ctx: Any) -> Any:
+    from run_engine.sdk import wait
+
+    return await wait.for_token(payload["token"])

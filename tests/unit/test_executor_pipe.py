@@ -117,3 +117,40 @@ def test_a_frame_the_task_writes_itself_is_never_unpickled_and_ends_the_executor
     marker = tmp_path / "ran-in-the-supervisor"
     uvloop.run(asyncio.wait_for(_hostile(kind, str(marker)), 60))
     assert not marker.exists()
+
+
+async def _suspensions() -> None:
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        for i in range(3):  # one executor, run after run: each suspension stops its own run only
+            waits: list[dict[str, Any]] = []
+
+            def on_call(msg: dict[str, Any]) -> None:
+                waits.append(msg)
+                ex.suspend()  # checkpointed: the executor stops the task
+
+            token = {"token": f"waitpoint_{i}"}
+            out = await ex.run(_run("waits-on-a-token", token), max_duration_s=60, memory_mb=None, on_call=on_call)
+            assert out == {"type": "suspended"} and waits[0]["op"] == "wait"
+            # late messages for the run that ended: a suspend and the wait's answer
+            ex.suspend()
+            ex.reply(waits[0]["id"], {"result": "late"})
+            out = await ex.run(_run("big-output", {"size": 3}), max_duration_s=60, memory_mb=None)
+            assert out == {"ok": True, "output": "ooo"}
+            answered: list[int] = []
+
+            def answer(msg: dict[str, Any]) -> None:
+                answered.append(msg["id"])
+                ex.reply(msg["id"], {"result": {"ok": True, "output": i}})
+
+            out = await ex.run(_run("waits-on-a-token", token), max_duration_s=60, memory_mb=None, on_call=answer)
+            assert out["ok"] and out["output"]["output"] == i and len(answered) == 1
+    finally:
+        ex.stop()
+
+
+def test_an_executor_stops_a_suspended_run_and_runs_the_next_unaffected_by_late_messages() -> None:
+    import uvloop
+
+    uvloop.run(asyncio.wait_for(_suspensions(), 60))
