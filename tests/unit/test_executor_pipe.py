@@ -124,30 +124,34 @@ async def _suspensions() -> None:
     try:
         await ex.ready()
         for i in range(3):  # one executor, run after run: each suspension stops its own run only
-            waits: list[dict[str, Any]] = []
-
-            def on_call(msg: dict[str, Any]) -> None:
-                waits.append(msg)
-                ex.suspend()  # checkpointed: the executor stops the task
-
-            token = {"token": f"waitpoint_{i}"}
-            out = await ex.run(_run("waits-on-a-token", token), max_duration_s=60, memory_mb=None, on_call=on_call)
-            assert out == {"type": "suspended"} and waits[0]["op"] == "wait"
-            # late messages for the run that ended: a suspend and the wait's answer
-            ex.suspend()
-            ex.reply(waits[0]["id"], {"result": "late"})
-            out = await ex.run(_run("big-output", {"size": 3}), max_duration_s=60, memory_mb=None)
-            assert out == {"ok": True, "output": "ooo"}
-            answered: list[int] = []
-
-            def answer(msg: dict[str, Any]) -> None:
-                answered.append(msg["id"])
-                ex.reply(msg["id"], {"result": {"ok": True, "output": i}})
-
-            out = await ex.run(_run("waits-on-a-token", token), max_duration_s=60, memory_mb=None, on_call=answer)
-            assert out["ok"] and out["output"]["output"] == i and len(answered) == 1
+            await _suspended_then_answered(ex, i)
     finally:
         ex.stop()
+
+
+async def _suspended_then_answered(ex: Executor, i: int) -> None:
+    waits: list[dict[str, Any]] = []
+
+    def on_call(msg: dict[str, Any]) -> None:
+        waits.append(msg)
+        ex.suspend()  # checkpointed: the executor stops the task
+
+    token = {"token": f"waitpoint_{i}"}
+    out = await ex.run(_run("waits-on-a-token", token), max_duration_s=60, memory_mb=None, on_call=on_call)
+    assert out == {"type": "suspended"} and waits[0]["op"] == "wait"
+    # late messages for the run that ended: a suspend and the wait's answer
+    ex.suspend()
+    ex.reply(waits[0]["id"], {"result": "late"})
+    out = await ex.run(_run("big-output", {"size": 3}), max_duration_s=60, memory_mb=None)
+    assert out == {"ok": True, "output": "ooo"}
+    answered: list[int] = []
+
+    def answer(msg: dict[str, Any]) -> None:
+        answered.append(msg["id"])
+        ex.reply(msg["id"], {"result": {"ok": True, "output": i}})
+
+    out = await ex.run(_run("waits-on-a-token", token), max_duration_s=60, memory_mb=None, on_call=answer)
+    assert out["ok"] and out["output"]["output"] == i and len(answered) == 1
 
 
 def test_an_executor_stops_a_suspended_run_and_runs_the_next_unaffected_by_late_messages() -> None:
