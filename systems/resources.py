@@ -47,7 +47,8 @@ class SystemResources:
         self.transitions: Batcher[Transition, TransitionResult] = Batcher(self.repo.runs.transition_many)
         self.inserts: Batcher[NewRun, bool] = Batcher(self._insert_runs)
         self.enqueues: Batcher[EnqueueItem, None] = Batcher(self._enqueue)
-        self.acks: Batcher[tuple[str, str, str], None] = Batcher(self._ack)  # env, run, worker group
+        # env, run, worker group, held only
+        self.acks: Batcher[tuple[str, str, str, bool], None] = Batcher(self._ack)
         self._work_listeners: list[Callable[[str], None]] = []
         self.job_changes: Batcher[JobChange, None] = Batcher(self._apply_jobs)
 
@@ -110,11 +111,13 @@ class SystemResources:
         self.work_available(i.worker_group for i in items)
         return [None] * len(items)
 
-    async def ack_many(self, items: Sequence[tuple[str, str, str]]) -> None:
-        """Remove finished runs from the queue, freeing their concurrency (env, run, worker group)."""
-        await self.acks.submit_many(items)
+    async def ack_many(self, items: Sequence[tuple[str, str, str]], *, held_only: bool = False) -> None:
+        """Remove finished runs from the queue, freeing their concurrency (env, run, worker group).
+        ``held_only`` (a suspension): only messages still held by the dequeue that handed the runs
+        out; a run that a continuation enqueued again in the meantime keeps its new message."""
+        await self.acks.submit_many([(env, run, group, held_only) for env, run, group in items])
 
-    async def _ack(self, items: list[tuple[str, str, str]]) -> list[None]:
-        await self.queue.ack([(env, run) for env, run, _ in items])
-        self.work_available(group for _, _, group in items)
+    async def _ack(self, items: list[tuple[str, str, str, bool]]) -> list[None]:
+        await self.queue.ack([(env, run) for env, run, _, _ in items], held_only=[h for *_, h in items])
+        self.work_available(group for _, _, group, _ in items)
         return [None] * len(items)

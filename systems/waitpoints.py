@@ -319,8 +319,9 @@ class WaitpointsSystem:
             out[i] = BlockOutcome(True, latest, suspended=suspended is not None)
             if counts.get(calls[i].run_id) == 0:
                 ready.append(i)
+        # held only: a continuation that enqueued a suspended run again meanwhile keeps its message
         await self.r.after_commit("block", self.r.change_jobs(cancel, schedule),
-                                  *([self.r.ack_many(acks)] if acks else []))
+                                  *([self.r.ack_many(acks, held_only=True)] if acks else []))
         for i in blocked:
             t, suspended = written[i].transition, written[i].suspended
             assert t.snapshot is not None and t.run is not None
@@ -489,7 +490,7 @@ class WaitpointsSystem:
             if pending == 0:
                 ready.append(run_id)
         await self.r.after_commit("suspend", self.r.change_jobs(cancel, schedule),
-                                  *([self.r.ack_many(acks)] if acks else []))
+                                  *([self.r.ack_many(acks, held_only=True)] if acks else []))
         for (run_id, _, _, _), (result, _), cp in zip(runs, results, checkpoints, strict=True):
             if result.applied:
                 assert result.run is not None and result.snapshot is not None

@@ -174,11 +174,15 @@ class RunQueue:
 
     # --- after a dequeue ------------------------------------------------------------------------
 
-    async def ack(self, items: Sequence[tuple[str, str]]) -> None:
-        """``(env_id, run_id)`` pairs are done: free their slots and forget them."""
+    async def ack(self, items: Sequence[tuple[str, str]], *, held_only: Sequence[bool] = ()) -> None:
+        """``(env_id, run_id)`` pairs are done: free their slots and forget them. A run whose
+        ``held_only`` is true (by position) is forgotten only if its message is still held by the
+        dequeue that handed it out: a suspended run that a continuation enqueued again meanwhile
+        keeps that new message."""
         by_shard: dict[int, list[str]] = defaultdict(list)
-        for env_id, run_id in items:
-            by_shard[self.keys.shard_of(env_id)].append(encode_name(run_id))
+        for i, (env_id, run_id) in enumerate(items):
+            by_shard[self.keys.shard_of(env_id)] += [encode_name(run_id), "1" if i < len(held_only)
+                                                     and held_only[i] else "0"]
         await asyncio.gather(
             *(
                 self._ack(self.redis, [self.keys.delayed(shard)], [self.keys.base(shard), *runs])

@@ -44,6 +44,26 @@ async def test_enqueue_dequeue_ack_frees_the_slot(q: RunQueue) -> None:
     assert await q.has_messages([("envA", "r1"), ("envA", "r2")]) == [False, True]
 
 
+async def test_a_held_only_ack_leaves_a_message_enqueued_again(q: RunQueue) -> None:
+    """A suspension acks its run after its commit; a continuation may have enqueued the run again
+    in between (a restore). The suspension's ack (held only) must leave that message, or the run
+    would wait for the reconciler; a message still held is deleted and its slot freed."""
+    await q.set_queue_limit("envA", "task/a", 1)
+    await q.enqueue([item("r1"), item("r2", score=NOW + 1)], NOW)
+    await q.dequeue("wg", 1, NOW)
+    await q.enqueue([item("r1")], NOW)  # the continuation's restore: ready again, its slot freed
+    await q.ack([("envA", "r1")], held_only=[True])
+    assert await q.has_messages([("envA", "r1")]) == [True]
+    [m] = await q.dequeue("wg", 5, NOW)
+    assert m.run_id == "r1"  # the restore is handed out
+    await q.ack([("envA", "r1"), ("envA", "r2")], held_only=[True, True])  # r1 held: gone; r2 ready: kept
+    assert await q.has_messages([("envA", "r1"), ("envA", "r2")]) == [False, True]
+    assert await q.running_ids("envA") == set()
+    await q.ack([("envA", "r2")])  # a plain ack deletes it wherever it is
+    assert await q.has_messages([("envA", "r2")]) == [False]
+    assert (await q.queue_stats("envA", "task/a")).queued == 0
+
+
 async def test_a_dequeue_says_whether_runs_it_could_hand_out_are_left(q: RunQueue) -> None:
     await q.enqueue([item(f"r{i}", score=NOW + i) for i in range(3)] + [item("other", env="envB")], NOW)
     got = await q.dequeue("wg", 2, NOW, ["envA"])

@@ -459,6 +459,28 @@ async def test_a_wait_that_asks_to_suspend_is_checkpointed_in_the_same_call(h: H
     assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
 
 
+async def test_a_run_restored_before_its_suspension_acked_it_keeps_its_message(h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The suspension commits, then acks the run in the queue. A completion of its token in between
+    (another request) continues the run and enqueues its restore; the ack must not delete that
+    message, or the run would sit QUEUED with nothing in the queue until the reconciler."""
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    r = h.engine.resources
+    ack_many = r.ack_many
+
+    async def completed_first(items, *, held_only=False):  # type: ignore[no-untyped-def]
+        assert await h.engine.waitpoints.complete(token.id, "go")  # the restore is enqueued now
+        await ack_many(items, held_only=held_only)
+
+    monkeypatch.setattr(r, "ack_many", completed_first)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                               waitpoint_ids=[token.id], suspend=True)
+    assert out.suspended
+    monkeypatch.setattr(r, "ack_many", ack_many)
+    resumed = await restore(h, run.id)  # its message is there: handed out at once
+    assert resumed.snapshot.engine_status == "EXECUTING"
+
+
 async def test_a_wait_that_asks_to_suspend_on_a_completed_token_goes_on_in_its_executor(h: Harness) -> None:
     run, s = await started_run(h)
     token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
