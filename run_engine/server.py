@@ -12,6 +12,7 @@ from typing import Any
 
 import uvicorn
 
+from run_engine import heap
 from run_engine.api.access_log import AccessLog
 from run_engine.api.app import create_app
 from run_engine.api.context import ApiContext
@@ -203,5 +204,6 @@ async def _announce(server: uvicorn.Server, serving: asyncio.Future[None], url: 
         await asyncio.sleep(0.02)
     if server.started:
         log.info("run-engine API listening on %s", url)
+        heap.settle()  # start-up is over: out of the full collections' way (run_engine/heap.py)
         if on_started is not None:
             on_started()

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from run_engine import heap
 from run_engine.batching import Batcher
 from run_engine.sdk.tasks import MACHINES, deployment
 from supervisor.executor import ExecutorFailure, ExecutorPool
@@ -303,6 +304,7 @@ class Supervisor:
             log.info("stopped before it could connect")
             return
         await self.pool.warm(min(self.config.concurrency, 2))
+        heap.settle()  # start-up is over: out of the full collections' way (run_engine/heap.py)
         beat = asyncio.create_task(self._worker_heartbeats())
         try:
             while not self._stopping.is_set():
