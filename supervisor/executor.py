@@ -28,9 +28,12 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
+
+if TYPE_CHECKING:
+    from run_engine.sdk.runtime import Channel
 
 log = logging.getLogger("run_engine.supervisor")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -53,9 +56,8 @@ def _error_of(exc: BaseException) -> dict[str, Any]:
             "stackTrace": "".join(traceback.format_exception(exc))}
 
 
-async def _run_one(msg: dict[str, Any], conn: Connection, channel: Any = None) -> dict[str, Any]:
-    """Run ``msg``'s task on this executor's ``channel`` (one for all its runs; without one, a
-    channel for this run only)."""
+async def _run_one(msg: dict[str, Any], channel: Channel) -> dict[str, Any]:
+    """Run ``msg``'s task; its calls go over ``channel``, the executor's for all its runs."""
     from run_engine.sdk import runtime
     from run_engine.sdk.context import AttemptInfo, Context, QueueInfo, RunInfo, TaskInfo
     from run_engine.sdk.errors import AbortTaskRunError
@@ -70,9 +72,6 @@ async def _run_one(msg: dict[str, Any], conn: Connection, channel: Any = None) -
     os.environ["RUN_ENGINE_RUN_TOKEN"] = msg["runToken"]
     ctx = Context(run=RunInfo(msg["runId"], msg.get("tags") or []), attempt=AttemptInfo(msg["attempt"]),
                   task=TaskInfo(task.id), queue=QueueInfo(msg.get("queue", "")))
-    own = channel is None
-    if own:
-        channel = runtime.Channel(conn, asyncio.get_running_loop())
     # this task is what a suspension cancels; the task's code runs in it (and in its context)
     channel.begin(asyncio.current_task())
     token = runtime.activate(runtime.Runtime(channel, msg.get("journal") or []))
@@ -89,10 +88,7 @@ async def _run_one(msg: dict[str, Any], conn: Connection, channel: Any = None) -
     except Exception as exc:
         return {"ok": False, "retryable": True, "error": _error_of(exc)}
     finally:
-        if own:
-            channel.close()
-        else:
-            channel.end()
+        channel.end()
         runtime.activate(None)
         del token
     try:
@@ -123,7 +119,7 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
         if msg.get("type") != "run":
             continue  # a late reply or suspend for a run that already ended
         try:
-            result = loop.run_until_complete(_run_one(msg, conn, channel))
+            result = loop.run_until_complete(_run_one(msg, channel))
         finally:
             os.environ.pop("RUN_ENGINE_RUN_TOKEN", None)
             cancel_leftovers(loop)
@@ -376,9 +372,11 @@ class ExecutorPool:
         self.started = 0
         self.busy = 0  # executors handed out and not released yet
         self.restarts = 0  # executors that died or were killed, so replaced
-        # executors still busy whose run gave its slot back (suspended: they are stopping); a run
-        # that finds no idle executor waits for one of them rather than start another process
-        self._returning: set[Executor] = set()
+        # executors still busy whose run gave its slot back (suspended: they are stopping), and
+        # since when; a run that finds no idle executor waits for one of them rather than start
+        # another process, one run per executor, and not for one that is late (a task that
+        # ignores its cancel: no run waits for it again)
+        self._returning: dict[Executor, float] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
@@ -387,7 +385,12 @@ class ExecutorPool:
 
     def returning(self, ex: Executor) -> None:
         """``ex`` was told to stop its run and is about to be released."""
-        self._returning.add(ex)
+        self._returning[ex] = time.monotonic()
+
+    def _coming_back(self) -> int:
+        """Executors told to stop less than RETURN_WAIT_S ago, not released yet."""
+        since = time.monotonic() - RETURN_WAIT_S
+        return sum(1 for told in self._returning.values() if told > since)
 
     async def acquire(self) -> Executor:
         while True:
@@ -398,8 +401,8 @@ class ExecutorPool:
                     return ex
                 ex.kill()
                 self.restarts += 1
-            if not self._returning:
-                break
+            if len(self._waiters) >= self._coming_back():
+                break  # none on its way back for this run
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
@@ -418,16 +421,16 @@ class ExecutorPool:
 
     def release(self, ex: Executor) -> None:
         self.busy -= 1
-        self._returning.discard(ex)
+        self._returning.pop(ex, None)
         if ex.alive:
             self._idle.append(ex)
         else:
             ex.kill()
             self.restarts += 1
-        # the first run waiting takes it; once none is on its way back, every run waiting looks
-        # again (and starts an executor if none is idle)
+        # the first run waiting takes it; runs waiting beyond the executors still coming back look
+        # again too (and start one)
         woken = 0
-        while self._waiters and (not woken or not self._returning):
+        while self._waiters and (not woken or len(self._waiters) > self._coming_back()):
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)

@@ -179,10 +179,12 @@ class RunQueue:
         ``held_only`` is true (by position) is forgotten only if its message is still held by the
         dequeue that handed it out: a suspended run that a continuation enqueued again meanwhile
         keeps that new message."""
+        if held_only and len(held_only) != len(items):
+            raise ValueError(f"held_only has {len(held_only)} flags for {len(items)} runs")
+        flags = held_only or [False] * len(items)
         by_shard: dict[int, list[str]] = defaultdict(list)
-        for i, (env_id, run_id) in enumerate(items):
-            by_shard[self.keys.shard_of(env_id)] += [encode_name(run_id), "1" if i < len(held_only)
-                                                     and held_only[i] else "0"]
+        for (env_id, run_id), held in zip(items, flags, strict=True):
+            by_shard[self.keys.shard_of(env_id)] += [encode_name(run_id), "1" if held else "0"]
         await asyncio.gather(
             *(
                 self._ack(self.redis, [self.keys.delayed(shard)], [self.keys.base(shard), *runs])

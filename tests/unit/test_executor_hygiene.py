@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 
 from run_engine.sdk import task
+from run_engine.sdk.runtime import Channel
 from supervisor.executor import _run_one, cancel_leftovers
 
 seen_tokens: list[str | None] = []
@@ -39,17 +40,19 @@ def _msg(task_id: str, token: str) -> dict[str, object]:
 def test_background_tasks_of_one_run_do_not_see_the_next_run() -> None:
     parent, child = mp.Pipe()
     loop = asyncio.new_event_loop()
+    channel = Channel(child, loop)  # the executor's, for all its runs
     try:
         os.environ["RUN_ENGINE_RUN_TOKEN"] = "rt_first"
-        assert loop.run_until_complete(_run_one(_msg("leaves-a-background-task", "rt_first"), child))["ok"]
+        assert loop.run_until_complete(_run_one(_msg("leaves-a-background-task", "rt_first"), channel))["ok"]
         assert cancel_leftovers(loop) == 1
         seen_tokens.clear()
         os.environ["RUN_ENGINE_RUN_TOKEN"] = "rt_second"
-        assert loop.run_until_complete(_run_one(_msg("plain", "rt_second"), child))["ok"]
+        assert loop.run_until_complete(_run_one(_msg("plain", "rt_second"), channel))["ok"]
         assert seen_tokens == []  # the spy of the first run never ran during the second
         assert cancel_leftovers(loop) == 0
     finally:
         os.environ.pop("RUN_ENGINE_RUN_TOKEN", None)
+        channel.close()
         loop.close()
         parent.close()
         child.close()

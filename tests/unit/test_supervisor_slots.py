@@ -170,9 +170,10 @@ async def test_a_run_waits_for_an_executor_on_its_way_back_instead_of_starting_o
     assert await asyncio.wait_for(waiting, 5) is back and started == [] and pool.busy == 1
 
 
-async def test_runs_waiting_for_an_executor_start_one_when_none_is_on_its_way_back(monkeypatch: Any) -> None:
-    """Two runs wait for one executor coming back: one takes it, the other starts one at once
-    rather than after RETURN_WAIT_S; one that is not back within RETURN_WAIT_S is not waited for."""
+async def test_only_one_run_waits_for_each_executor_coming_back_and_none_for_a_late_one(monkeypatch: Any) -> None:
+    """Two runs, one executor coming back: the first waits for it, the second starts one at once.
+    An executor not back within RETURN_WAIT_S (a task that ignores its cancel: another tenant's
+    code) makes no run wait again: one tenant's task cannot stall the others' starts."""
     from supervisor import executor as module
 
     class New(Returning):
@@ -187,16 +188,21 @@ async def test_runs_waiting_for_an_executor_start_one_when_none_is_on_its_way_ba
     pool = module.ExecutorPool("m")
     back: Any = Returning()
     pool.returning(back)
-    first, second = asyncio.create_task(pool.acquire()), asyncio.create_task(pool.acquire())
+    first = asyncio.create_task(pool.acquire())
     await asyncio.sleep(0.01)
+    second = await asyncio.wait_for(pool.acquire(), 5)  # started at once: back is the first run's
+    assert isinstance(second, New) and pool.started == 1 and not first.done()
     pool.release(back)
-    got = await asyncio.wait_for(asyncio.gather(first, second), 5)
-    assert back in got and isinstance(got[0] if got[1] is back else got[1], New) and pool.started == 1
+    assert await asyncio.wait_for(first, 5) is back and pool.started == 1
 
-    monkeypatch.setattr(module, "RETURN_WAIT_S", 0.01)
     stuck: Any = Returning()
-    pool.returning(stuck)  # a task that ignores its cancel
-    assert isinstance(await asyncio.wait_for(pool.acquire(), 5), New) and pool.started == 2
+    pool.returning(stuck)
+    monkeypatch.setattr(module, "RETURN_WAIT_S", 0.05)
+    waited = asyncio.create_task(pool.acquire())
+    assert isinstance(await asyncio.wait_for(waited, 5), New) and pool.started == 2  # waited, then started one
+    late = asyncio.create_task(pool.acquire())
+    await asyncio.sleep(0)
+    assert late.done() and isinstance(late.result(), New) and pool.started == 3  # no wait for a late one
 
 
 async def test_a_suspended_run_gives_its_slot_back_before_its_executor_is_back() -> None:
