@@ -356,11 +356,14 @@ class RunEngine:
         await self.systems.waitpoints.append_journal(run_id, snapshot_id, sequence, kind, key, result)
 
     async def block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
-                    waitpoint_ids: Sequence[str], result: Any = None, suspend: bool = False) -> BlockOutcome:
+                    waitpoint_ids: Sequence[str], result: Any = None, suspend: bool = False,
+                    env_id: str | None = None) -> BlockOutcome:
         """Block the executing run on waitpoints (journaled at ``sequence``); with ``suspend``,
-        checkpoint it at once if it is blocked (``BlockOutcome.suspended``)."""
+        checkpoint it at once if it is blocked (``BlockOutcome.suspended``). With ``env_id``, the
+        one waitpoint must be of that environment (else NotFoundError) and keys the entry."""
         return await self.systems.waitpoints.block(run_id, snapshot_id, sequence=sequence, kind=kind, key=key,
-                                                   waitpoint_ids=waitpoint_ids, result=result, suspend=suspend)
+                                                   waitpoint_ids=waitpoint_ids, result=result, suspend=suspend,
+                                                   env_id=env_id)
 
     async def trigger_and_wait(self, parent_run_id: str, snapshot_id: str, sequence: int,
                                requests: Sequence[TriggerRequest], *, batch: bool = False,

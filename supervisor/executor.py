@@ -387,6 +387,12 @@ class ExecutorPool:
         """``ex`` was told to stop its run and is about to be released."""
         self._returning[ex] = time.monotonic()
 
+    def not_returning(self, ex: Executor) -> None:
+        """``ex`` was counted as coming back (:meth:`returning`) but keeps its run: runs waiting
+        for it look again (and start an executor if none other is on its way)."""
+        if self._returning.pop(ex, None) is not None:
+            self._wake_beyond()
+
     def _coming_back(self) -> int:
         """Executors told to stop less than RETURN_WAIT_S ago, not released yet."""
         since = time.monotonic() - RETURN_WAIT_S
@@ -429,12 +435,17 @@ class ExecutorPool:
             self.restarts += 1
         # the first run waiting takes it; runs waiting beyond the executors still coming back look
         # again too (and start one)
-        woken = 0
-        while self._waiters and (not woken or len(self._waiters) > self._coming_back()):
+        while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-                woken += 1
+                break
+        self._wake_beyond()
+
+    def _wake_beyond(self) -> None:
+        """Wake the runs waiting beyond the executors still coming back (each starts one)."""
+        while len(self._waiters) > self._coming_back():
+            _wake(self._waiters.popleft())
 
     async def warm(self, n: int) -> None:
         """Start ``n`` executors ahead of the first runs."""

@@ -15,7 +15,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +148,7 @@ class Supervisor:
         self._backlog = False  # the last dequeue left runs of the group ready (more than the free slots)
         self._gathering = False  # a freed slot waits for others before its dequeue (DEQUEUE_GATHER_S)
         self._executing = 0  # runs holding a slot; the gathering ends early once none does
+        self._lent = 0  # runs whose wait asks to suspend them, their slot lent to the next dequeue
         self._none_executing = asyncio.Event()
         self.runs_started = 0
         self.metrics = None if config.metrics_port is None else \
@@ -381,7 +382,7 @@ class Supervisor:
                 await self._post("/heartbeat", {"workerInstanceName": self.name})
 
     async def _handle(self, item: dict[str, Any]) -> None:
-        slot = _Slot(self._slot_freed)
+        slot = _Slot(self._slot_freed, self._slot_taken)
         try:
             await self._execute(item, slot)
         except Exception:
@@ -394,6 +395,11 @@ class Supervisor:
         self._executing -= 1
         if not self._executing:
             self._none_executing.set()
+
+    async def _slot_taken(self) -> None:
+        await self._slots.acquire()
+        self._executing += 1
+        self._none_executing.clear()
 
     async def _execute(self, item: dict[str, Any], slot: _Slot) -> None:
         run_id = item["run"]["id"]
@@ -537,22 +543,24 @@ class Supervisor:
     async def _wait(self, state: RunState, executor: Any, msg: dict[str, Any]) -> dict[str, Any] | None:
         """Block the run; answer when the wait is over, or suspend the run after the grace period
         (``None``: the executor is told to stop instead)."""
-        seq, kind = msg["sequence"], msg["kind"]
-        base = f"/runs/{state.run_id}/snapshots/{state.snapshot_id}"
-        # journaled at ``seq``, so repeating the call is safe: a repeat finds the wait (and the
-        # children it created) instead of making another
-        head = {"sequence": seq, **({"suspend": True} if self._suspend_at_once() else {})}
-        if msg.get("waitpointId"):
-            reply = await self._wait_until_answered({"runId": state.run_id, "snapshotId": state.snapshot_id,
-                                                     "waitpointId": msg["waitpointId"], **head, "kind": kind})
-            if reply.status == 409 and reply.retried:
-                reply = await self._written_by_an_earlier_try(state, msg) or reply
-        elif kind == "wait":
-            when = {"date": msg["date"]} if msg.get("date") else {"seconds": msg.get("seconds", 0)}
-            reply = await self._post_until_answered(f"{base}/wait/duration", {**head, **when})
-        else:
-            reply = await self._post_until_answered(f"{base}/trigger", {**head, "batch": msg["batch"],
-                                                                        "items": msg["items"]})
+        seq = msg["sequence"]
+        suspend = self._suspend_at_once()
+        if suspend:
+            # Asked to suspend, a run nearly always is: its slot goes to the next dequeue while
+            # the wait is asked rather than once it is answered, and its executor counts as on
+            # its way back. A run that goes on after all (its wait was over, or refused) takes a
+            # slot again before its task goes on.
+            self._lend(state, executor)
+        try:
+            reply = await self._ask_wait(state, msg, suspend)
+        except Exception:  # the task is told of the error and goes on
+            if suspend:
+                await self._lent_back(state, executor)
+            raise
+        finally:
+            self._lent -= suspend
+        if suspend and not (reply.status == 200 and reply.data["blocked"] and reply.data.get("suspended")):
+            await self._lent_back(state, executor)
         if reply.status != 200:
             return self._answer(reply, {})
         data = reply.data
@@ -588,6 +596,39 @@ class Supervisor:
                 return {"result": entries[0]["result"]}
             return {"error": f"the wait at journal position {seq} continued without a result"}
 
+    async def _ask_wait(self, state: RunState, msg: dict[str, Any], suspend: bool) -> Reply:
+        seq, kind = msg["sequence"], msg["kind"]
+        base = f"/runs/{state.run_id}/snapshots/{state.snapshot_id}"
+        # journaled at ``seq``, so repeating the call is safe: a repeat finds the wait (and the
+        # children it created) instead of making another
+        head = {"sequence": seq, **({"suspend": True} if suspend else {})}
+        if msg.get("waitpointId"):
+            reply = await self._wait_until_answered({"runId": state.run_id, "snapshotId": state.snapshot_id,
+                                                     "waitpointId": msg["waitpointId"], **head, "kind": kind})
+            if reply.status == 409 and reply.retried:
+                reply = await self._written_by_an_earlier_try(state, msg) or reply
+            return reply
+        if kind == "wait":
+            when = {"date": msg["date"]} if msg.get("date") else {"seconds": msg.get("seconds", 0)}
+            return await self._post_until_answered(f"{base}/wait/duration", {**head, **when})
+        return await self._post_until_answered(f"{base}/trigger", {**head, "batch": msg["batch"],
+                                                                   "items": msg["items"]})
+
+    def _lend(self, state: RunState, executor: Any) -> None:
+        """The run's slot is free for the next dequeue and its executor counts as coming back,
+        before the engine has said the run is suspended (see :meth:`_wait`)."""
+        self._lent += 1
+        self.pool.returning(executor)
+        if state.slot is not None:
+            state.slot.release()
+
+    async def _lent_back(self, state: RunState, executor: Any) -> None:
+        """The run was not suspended after all: its executor stays, and it waits for a free slot
+        before its task goes on (at most ``concurrency`` runs execute, as ever)."""
+        self.pool.not_returning(executor)
+        if state.slot is not None:
+            await state.slot.take_back()
+
     async def _written_by_an_earlier_try(self, state: RunState, msg: dict[str, Any]) -> Reply | None:
         """A wait refused as stale (409) after a try that went unanswered: if that try got through
         (the journal holds this very wait at its sequence and the run moved on from it), its
@@ -622,10 +663,11 @@ class Supervisor:
     def _suspend_at_once(self) -> bool:
         """Suspend a run that blocks without the grace period: when there is none, or when runs
         queue for this supervisor's slots (none is free, or the free ones are being gathered for
-        the next dequeue, and its last dequeue said runs of the group were still ready). A
-        waiting run then holds no slot another run could use; at worst (another worker took
-        those runs) it pays a restore it could have saved."""
-        return self.config.suspend_after_s <= 0 or (self._backlog and (self._slots.locked() or self._gathering))
+        the next dequeue or were lent by runs being suspended, and its last dequeue said runs
+        of the group were still ready). A waiting run then holds no slot another run could use;
+        at worst (another worker took those runs) it pays a restore it could have saved."""
+        return self.config.suspend_after_s <= 0 or (
+            self._backlog and (self._slots.locked() or self._gathering or self._lent > 0))
 
     async def _watch_cancel(self, state: RunState, executor: Any) -> None:
         """Stop the executor within a moment of a cancel instead of at the next heartbeat: a run
@@ -673,16 +715,24 @@ class _Slot:
     """One of the supervisor's slots held by a run; released once, whichever comes first: its
     executor done (the completion then goes on without it) or the run's end."""
 
-    __slots__ = ("_free", "_held")
+    __slots__ = ("_free", "_held", "_take")
 
-    def __init__(self, free: Callable[[], None]) -> None:
+    def __init__(self, free: Callable[[], None], take: Callable[[], Awaitable[None]] | None = None) -> None:
         self._free = free
+        self._take = take
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
             self._free()
+
+    async def take_back(self) -> None:
+        """Hold the slot again (a run lent it while its wait was asked and goes on after all):
+        waits for a free one, as a dequeue does."""
+        if not self._held and self._take is not None:
+            await self._take()
+            self._held = True
 
 
 @dataclass(eq=False)

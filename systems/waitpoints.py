@@ -76,6 +76,7 @@ class BlockCall:
     waitpoint_ids: tuple[str, ...]
     result: Any = None
     suspend: bool = False
+    env_id: str | None = None  # the waitpoint must be of this environment; the key is then its own
 
 
 def run_result(run_id: str, status: str, output: Any, error: Any) -> dict[str, Any]:
@@ -234,16 +235,21 @@ class WaitpointsSystem:
         return wp
 
     async def block(self, run_id: str, snapshot_id: str, *, sequence: int, kind: str, key: str,
-                    waitpoint_ids: Sequence[str], result: Any = None, suspend: bool = False) -> BlockOutcome:
+                    waitpoint_ids: Sequence[str], result: Any = None, suspend: bool = False,
+                    env_id: str | None = None) -> BlockOutcome:
         """Journal the wait at ``sequence`` and block the executing run on ``waitpoint_ids``;
         with ``suspend``, checkpoint it too if it is blocked (one request instead of a wait, a
-        poll and a suspend: what a supervisor asks for when runs queue for its slots).
+        poll and a suspend: what a supervisor asks for when runs queue for its slots). With
+        ``env_id``, the one waitpoint must be of that environment (else :class:`NotFoundError`)
+        and the entry's key is the waitpoint's, not ``key``: the same statement looks it up.
         Concurrent blocks of many runs share their statements and Redis calls (see
         :meth:`_block_many`). No run lock: the statement's compare-and-set on the run's snapshot
         decides, as for a dequeue or a completion (a racing cancel or timeout loses, or wins and
         the block writes nothing)."""
+        if env_id is not None and len(waitpoint_ids) != 1:
+            raise ValueError("block: a wait looked up by environment names one waitpoint")
         outcome = await self._blocks.submit(
-            BlockCall(run_id, snapshot_id, sequence, kind, key, tuple(waitpoint_ids), result, suspend))
+            BlockCall(run_id, snapshot_id, sequence, kind, key, tuple(waitpoint_ids), result, suspend, env_id))
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -275,13 +281,16 @@ class WaitpointsSystem:
         written = await self.wp.block_executing([
             BlockWrite(c.run_id, c.snapshot_id, JournalEntry(c.sequence, c.kind, c.key, c.result, c.waitpoint_ids[0]),
                        c.waitpoint_ids, new_id("snapshot"), f"Waiting ({c.kind} {c.key})",
-                       (new_id("checkpoint"), new_id("snapshot")) if c.suspend else None) for c in calls])
+                       (new_id("checkpoint"), new_id("snapshot")) if c.suspend else None, c.env_id)
+            for c in calls])
         out: list[BlockOutcome | Exception | None] = [None] * len(calls)
         blocked: list[int] = []
         over: list[int] = []
         for i, (c, done) in enumerate(zip(calls, written, strict=True)):
             t = done.transition
-            if t.latest_snapshot_id is None:
+            if done.missing:
+                out[i] = NotFoundError("waitpoint", c.waitpoint_ids[0])
+            elif t.latest_snapshot_id is None:
                 out[i] = NotFoundError("run", c.run_id)
             elif t.latest_snapshot_id != c.snapshot_id and not t.applied:
                 out[i] = StaleSnapshotError(c.run_id, c.snapshot_id, t.latest_snapshot_id, str(t.latest_status))

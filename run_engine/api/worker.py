@@ -370,6 +370,12 @@ async def wait_waitpoints(request: Request) -> Response:
 
 async def _wait_on(ctx: ApiContext, run_id: str, env_id: str, snapshot_id: str, waitpoint_id: str,
                    req: WaitBody) -> dict[str, Any]:
+    if not looks_like_id(waitpoint_id, "run") and req.kind not in ("child", "batch"):
+        # a token, a date, another batch's waitpoint: the block statement looks it up (its
+        # environment, the key of its entry), no query of its own
+        outcome = await ctx.engine.block(run_id, snapshot_id, sequence=req.sequence, kind=req.kind, key=waitpoint_id,
+                                         waitpoint_ids=[waitpoint_id], suspend=req.suspend, env_id=env_id)
+        return _blocked(outcome, waitpointId=waitpoint_id)
     if looks_like_id(waitpoint_id, "run"):  # wait on any run: its RUN waitpoint
         if waitpoint_id == run_id:
             raise ApiError(400, "invalid_input", "a run cannot wait on itself")

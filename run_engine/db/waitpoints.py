@@ -81,6 +81,7 @@ class Blocked:
     allowed: bool
     pending: int
     suspended: Snapshot | None = None  # the SUSPENDED snapshot, when the write asked to suspend
+    missing: bool = False  # the waitpoint is not one of the write's environment: nothing was written
 
 
 @record
@@ -96,6 +97,8 @@ class BlockWrite:
     description: str
     # suspend the run too if it blocks: (checkpoint id, SUSPENDED snapshot id)
     suspend: tuple[str, str] | None = None
+    # the environment the entry's waitpoint must be of; its key is then the waitpoint's
+    env_id: str | None = None
 
 
 @record
@@ -319,16 +322,28 @@ _BLOCK = """
 -- way); the caller counts again after the commit (a completion committed meanwhile did not see these
 -- blocking rows). With `suspend_new`, a run blocked is also suspended: its REPLAY checkpoint
 -- `checkpoint` at its journal position and the SUSPENDED snapshot carrying it, after the other (one
--- commit for both). One statement for many runs, in id order.
-WITH input AS (
+-- commit for both). With `env`, `wp` must be a waitpoint of that environment (`missing`: it is not, and
+-- nothing is written) and the entry's key is the waitpoint's (the batch or run it stands for, or its id).
+-- One statement for many runs, in id order.
+WITH given AS (
     SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(run_id text, expected text, seq int, kind text, key text,
                                                           result jsonb, wp text, wps text[], new text,
-                                                          description text, suspend_new text, checkpoint text)
+                                                          description text, suspend_new text, checkpoint text,
+                                                          env text)
+), looked_up AS (
+    SELECT g.*, CASE WHEN g.env IS NOT NULL THEN (
+        SELECT coalesce(w.completed_by_batch_id, w.completed_by_run_id, w.id) FROM waitpoint w
+        WHERE w.id = g.wp AND w.environment_id = g.env) END AS wp_key  -- per row, by primary key
+    FROM given g
+), input AS (
+    SELECT run_id, expected, seq, kind, coalesce(wp_key, key) AS key, result, wp, wps, new, description, suspend_new,
+           checkpoint, (env IS NOT NULL AND wp_key IS NULL) AS missing
+    FROM looked_up
 ), latest AS (
     SELECT i.*, l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number
     FROM input i""" + LATEST_OF_INPUT + """
 ), ok AS (
-    SELECT * FROM latest WHERE latest_id = expected AND latest_status = 'EXECUTING'
+    SELECT * FROM latest WHERE latest_id = expected AND latest_status = 'EXECUTING' AND NOT missing
 ), existing AS (
     SELECT ok.run_id, j.sequence, j.kind, j.key, j.result, j.waitpoint_id
     FROM ok JOIN task_run_journal j ON j.run_id = ok.run_id AND j.sequence = ok.seq
@@ -374,7 +389,7 @@ WITH input AS (
 ), upd AS (
     UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
 )
-SELECT l.run_id, l.latest_id, l.latest_status,
+SELECT l.run_id, l.latest_id, l.latest_status, l.missing,
        (SELECT to_jsonb(e) - 'run_id' FROM existing e WHERE e.run_id = l.run_id) AS existing,
        p.run_id IS NOT NULL AS allowed, p.n AS pending, to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run_row,
        (p.n > 0 AND snap.id IS NULL) AS conflict, to_jsonb(susp.*) AS suspended
@@ -504,7 +519,8 @@ class WaitpointRepository:
         rows = [{"run_id": b.run_id, "expected": b.expected_snapshot_id, "seq": b.entry.sequence,
                  "kind": b.entry.kind, "key": b.entry.key, "result": b.entry.result, "wp": b.entry.waitpoint_id,
                  "wps": list(b.waitpoint_ids), "new": b.new_snapshot_id, "description": b.description,
-                 "checkpoint": b.suspend[0] if b.suspend else None, "suspend_new": b.suspend[1] if b.suspend else None}
+                 "checkpoint": b.suspend[0] if b.suspend else None, "suspend_new": b.suspend[1] if b.suspend else None,
+                 "env": b.env_id}
                 for b in blocks]
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
@@ -513,6 +529,10 @@ class WaitpointRepository:
         out = []
         for b in blocks:
             row = found[b.run_id]
+            if row["missing"]:
+                out.append(Blocked(transition_result(b.run_id, row["latest_id"], row["latest_status"], None, None),
+                                   None, False, 0, missing=True))
+                continue
             if row["conflict"]:
                 out.append(Blocked(await self._moved_on(b.run_id), None, False, 0))
                 continue

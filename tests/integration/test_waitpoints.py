@@ -677,3 +677,31 @@ async def test_a_failure_after_the_block_committed_does_not_fail_the_waits(h: Ha
     monkeypatch.undo()  # Redis is back: the reconciler frees the suspended runs' slots
     await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
     assert {r.id for r, _ in runs} & await queue.running_ids(h.env.env_id) == {runs[0][0].id}
+
+
+async def test_a_wait_looked_up_by_environment_keys_its_entry_and_never_blocks_on_another_s(
+        h: Harness, unique: str) -> None:
+    """``block(env_id=...)``: the block statement itself checks that the waitpoint is one of the
+    run's environment (nothing is written for another's, or an unknown id) and journals the wait
+    under the waitpoint's key (a RUN waitpoint's run), with no query of its own before."""
+    from run_engine.tenancy import ensure_environment
+
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org=f"org-other-{unique}",
+                                     project="proj", env="dev")
+    theirs, _ = await h.engine.waitpoints.create_token(other.env_id)
+    run, s = await started_run(h)
+    for wp_id in (theirs.id, "waitpoint_unknown"):
+        with pytest.raises(NotFoundError) as refused:
+            await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=wp_id, waitpoint_ids=[wp_id],
+                                 suspend=True, env_id=h.env.env_id)
+        assert refused.value.kind == "waitpoint"
+    assert (await h.engine.latest_snapshot(run.id)).id == s.snapshot.id  # nothing written
+    assert await h.engine.journal(run.id) == []
+
+    child = await h.engine.trigger(req(h))
+    child_wp = await h.engine.run_waitpoint(h.env.env_id, child.id)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key="not-this",
+                               waitpoint_ids=[child_wp.id], env_id=h.env.env_id)
+    assert out.blocked
+    (entry,) = await h.engine.journal(run.id)
+    assert entry.key == child.id and entry.waitpoint_id == child_wp.id

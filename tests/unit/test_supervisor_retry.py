@@ -13,6 +13,7 @@ def supervisor(replies: list[Any], retry_s: float = 30.0) -> tuple[Supervisor, l
     sup = Supervisor.__new__(Supervisor)
     sup.config = SupervisorConfig(api_url="http://x", token="t", tasks_module="m", wait_retry_s=retry_s)
     sup.pool = ExecutorPool("m")  # no process until one is acquired
+    sup._lent = 0
     calls: list[str] = []
 
     async def post(path: str, json: Any = None) -> Reply:
@@ -78,6 +79,9 @@ async def test_a_run_that_blocks_suspends_at_once_only_while_runs_queue_for_the_
     sup._gathering = True  # the free slot is being gathered for the next dequeue of the queued runs
     assert sup._suspend_at_once()
     sup._gathering = False
+    sup._lent = 1  # the free slot is one a run being suspended lent to the next dequeue
+    assert sup._suspend_at_once()
+    sup._lent = 0
     await sup._slots.acquire()
     assert sup._suspend_at_once()  # every slot busy
     sup._backlog = False

@@ -226,3 +226,94 @@ async def test_a_suspended_run_gives_its_slot_back_before_its_executor_is_back()
         assert sup._slots._value == 1
     finally:
         await sup.http.close()
+
+
+class Waits:
+    """The supervisor's wait requests, answered when the test says; records whether the run's
+    slot was free while each was asked."""
+
+    def __init__(self, sup: Supervisor, answer: dict[str, Any]) -> None:
+        self.sup, self.answer = sup, answer
+        self.slot_free_while_asked: list[bool] = []
+        self.go = asyncio.Event()
+
+    async def submit(self, item: dict[str, Any]) -> dict[str, Any]:
+        self.slot_free_while_asked.append(not self.sup._slots.locked())
+        await self.go.wait()
+        return self.answer
+
+
+def suspending(answer: dict[str, Any]) -> tuple[Supervisor, Waits, Any, Any]:
+    """A one-slot supervisor whose run holds the slot and blocks while runs queue for it."""
+    from supervisor.supervisor import RunState, _Slot
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1))
+    waits = Waits(sup, answer)
+    sup._waits = waits  # type: ignore[assignment]
+    sup._backlog = True
+    executor: Any = Returning()
+    executor.told = []
+    executor.suspend = lambda: executor.told.append("suspend")
+    state = RunState("run_1", "snapshot_1", slot=_Slot(sup._slot_freed, sup._slot_taken))
+    return sup, waits, executor, state
+
+
+async def test_a_run_asked_to_suspend_lends_its_slot_to_the_next_dequeue_while_its_wait_is_asked() -> None:
+    suspended = {"ok": True, "blocked": True, "suspended": True, "snapshot": {"id": "snapshot_2"}}
+    sup, waits, executor, state = suspending(suspended)
+    try:
+        await sup._slots.acquire()
+        sup._executing = 1
+        wait = asyncio.create_task(sup._wait(state, executor, {"sequence": 0, "kind": "token", "waitpointId": "wp"}))
+        await until(lambda: waits.slot_free_while_asked == [True])
+        assert executor in sup.pool._returning and sup._executing == 0 and sup._suspend_at_once()
+        waits.go.set()
+        assert await asyncio.wait_for(wait, 5) is None  # the executor is told to stop instead
+        assert executor.told == ["suspend"] and sup._slots._value == 1 and sup._lent == 0
+    finally:
+        await sup.http.close()
+
+
+async def test_a_run_whose_wait_is_over_takes_a_slot_again_before_its_task_goes_on() -> None:
+    over = {"ok": True, "blocked": False, "snapshot": {"id": "snapshot_2"}, "entry": {"result": {"ok": True}}}
+    sup, waits, executor, state = suspending(over)
+    try:
+        await sup._slots.acquire()
+        sup._executing = 1
+        wait = asyncio.create_task(sup._wait(state, executor, {"sequence": 0, "kind": "token", "waitpointId": "wp"}))
+        await until(lambda: waits.slot_free_while_asked == [True])
+        await sup._slots.acquire()  # the next dequeue took the lent slot for another run
+        waits.go.set()
+        await asyncio.sleep(0.01)
+        assert not wait.done()  # the run goes on only once a slot is free again
+        assert executor not in sup.pool._returning
+        sup._slots.release()  # the other run is done
+        assert await asyncio.wait_for(wait, 5) == {"result": {"ok": True}}
+        assert sup._slots.locked() and sup._executing == 1 and state.snapshot_id == "snapshot_2"
+        assert state.slot is not None
+        state.slot.release()
+        assert sup._slots._value == 1 and sup._executing == 0
+    finally:
+        await sup.http.close()
+
+
+async def test_a_run_waiting_for_an_executor_that_keeps_its_run_after_all_starts_one(monkeypatch: Any) -> None:
+    from supervisor import executor as module
+
+    class New(Returning):
+        def __init__(self, tasks: str) -> None:
+            pass
+
+        async def ready(self) -> None:
+            return None
+
+    monkeypatch.setattr(module, "Executor", New)
+    monkeypatch.setattr(module, "RETURN_WAIT_S", 3600.0)
+    pool = module.ExecutorPool("m")
+    lent: Any = Returning()
+    pool.returning(lent)
+    waiting = asyncio.create_task(pool.acquire())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    pool.not_returning(lent)  # its run was not suspended after all
+    assert isinstance(await asyncio.wait_for(waiting, 5), New) and pool.started == 1
