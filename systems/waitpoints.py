@@ -175,12 +175,14 @@ class WaitpointsSystem:
     async def complete_many(self, completions: Sequence[Completion], *, cancel_timeouts: bool = False) -> list[str]:
         """Complete waitpoints, then continue every run whose last blocking waitpoint that was;
         each run is continued once however many of its waitpoints completed here. With
-        ``cancel_timeouts``, the timeout and date jobs of the waitpoints completed are cancelled."""
-        done = await self.wp.complete(completions)
+        ``cancel_timeouts``, the timeout and date jobs of the waitpoints completed are cancelled
+        (only of those that have one: a token without a timeout costs no jobs call)."""
+        completed = await self.wp.complete(completions)
+        done = [w for w, _ in completed]
         if done:
             runs = {run_id for _, run_id in await self.wp.blocked_runs(done)}
-            cancel = [job for w in done for job in (engine_jobs.waitpoint_timeout_id(w),
-                                                     engine_jobs.waitpoint_datetime_id(w))] if cancel_timeouts else []
+            cancel = [job for w, timed in completed if timed and cancel_timeouts
+                      for job in (engine_jobs.waitpoint_timeout_id(w), engine_jobs.waitpoint_datetime_id(w))]
             await self.continue_runs(runs, cancel)
         return done
 

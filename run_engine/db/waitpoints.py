@@ -154,7 +154,7 @@ FROM targets t
 WHERE w.id = ANY(ARRAY(SELECT id FROM targets)) AND w.id = t.id
   AND CASE WHEN w.status = 'PENDING' THEN true ELSE false END
   AND (t.env_id IS NULL OR (w.environment_id = t.env_id AND w.type = 'MANUAL'))
-RETURNING w.id
+RETURNING w.id, (w.timeout_at IS NOT NULL OR w.type = 'DATETIME') AS timed  -- `timed`: an engine job is armed
 """
 
 _SWEEP_RUN_WAITPOINTS = """
@@ -467,15 +467,16 @@ class WaitpointRepository:
                  "after_id": after[1] if after else None, "limit": limit})
             return [_waitpoint(r) for r in await cur.fetchall()]
 
-    async def complete(self, completions: Sequence[Completion]) -> list[str]:
-        """Complete pending waitpoints (first completion wins); the ids actually completed."""
+    async def complete(self, completions: Sequence[Completion]) -> list[tuple[str, bool]]:
+        """Complete pending waitpoints (first completion wins): (id, timed) of those actually
+        completed; ``timed``: a timeout or a date of it has an engine job to cancel."""
         if not completions:
             return []
         rows = [{"id": c.id, "run_id": c.run_id, "output": c.output, "is_error": c.is_error, "env_id": c.env_id}
                 for c in completions]
         async with self.pool.connection() as conn:
             cur = await conn.execute(_COMPLETE, {"rows": Jsonb(rows)})
-            return [r[0] for r in await cur.fetchall()]
+            return [(r[0], bool(r[1])) for r in await cur.fetchall()]
 
     async def blocked_runs(self, waitpoint_ids: Sequence[str]) -> list[tuple[str, str]]:
         """(waitpoint id, run id) of every run blocked on one of ``waitpoint_ids``."""

@@ -705,3 +705,30 @@ async def test_a_wait_looked_up_by_environment_keys_its_entry_and_never_blocks_o
     assert out.blocked
     (entry,) = await h.engine.journal(run.id)
     assert entry.key == child.id and entry.waitpoint_id == child_wp.id
+
+
+async def test_completing_a_token_cancels_engine_jobs_only_of_waitpoints_that_have_them(
+        h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A token without a timeout has no engine job: its completion makes no jobs call; a token
+    with one has its timeout job cancelled."""
+    from systems import engine_jobs
+
+    jobs = h.engine.resources.jobs
+    cancelled: list[list[str]] = []
+    apply = jobs.apply
+
+    async def counted(cancel, schedule):  # type: ignore[no-untyped-def]
+        cancelled.append(list(cancel))
+        await apply(cancel, schedule)
+
+    monkeypatch.setattr(jobs, "apply", counted)
+    plain, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    timed, _ = await h.engine.waitpoints.create_token(h.env.env_id, timeout_s=3600)
+    assert await jobs.get(engine_jobs.waitpoint_timeout_id(timed.id)) is not None
+    cancelled.clear()
+    assert await h.engine.complete_waitpoint(plain.id, 1, env_id=h.env.env_id)
+    assert cancelled == []
+    assert await h.engine.complete_waitpoint(timed.id, 2, env_id=h.env.env_id)
+    assert [c for c in cancelled if c] == [[engine_jobs.waitpoint_timeout_id(timed.id),
+                                            engine_jobs.waitpoint_datetime_id(timed.id)]]
+    assert await jobs.get(engine_jobs.waitpoint_timeout_id(timed.id)) is None
