@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from run_engine.db.runs import DequeueStart, RunRow, Snapshot, Transition, TransitionResult
+from run_engine.db.waitpoints import journal_entry
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.run_queue import Handed
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from systems.enqueue import EnqueueSystem
     from systems.execution_snapshot import ExecutionSnapshotSystem
     from systems.run_attempt import RunAttemptSystem, StartedAttempt
+    from systems.waitpoints import WaitpointsSystem
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +43,12 @@ class DequeuedRun:
 
 class DequeueSystem:
     def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
-                 enqueue: EnqueueSystem, run_attempt: RunAttemptSystem) -> None:
+                 enqueue: EnqueueSystem, run_attempt: RunAttemptSystem, waitpoints: WaitpointsSystem) -> None:
         self.r = resources
         self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
         self.run_attempt = run_attempt
+        self.waitpoints = waitpoints
         self._deployments: dict[str, tuple[str, frozenset[str]]] = {}
 
     GIVE_BACK_MS = 500  # a run given back is ready again this much later (the others' turn first)
@@ -81,10 +84,11 @@ class DequeueSystem:
         starts: Sequence[TransitionResult | None]
         if start:
             # one statement: PENDING_EXECUTING, then the attempt's EXECUTING after it (both kept)
-            pairs = await self.r.repo.runs.dequeue_and_start(
+            triples = await self.r.repo.runs.dequeue_and_start(
                 [DequeueStart(m.run_id, new_id("snapshot"), new_id("snapshot"), worker_id) for m in messages],
                 self.DESCRIPTION, self.run_attempt.START_DESCRIPTION)
-            results, starts = [p for p, _ in pairs], [s for _, s in pairs]
+            results, starts = [p for p, _, _ in triples], [s for _, s, _ in triples]
+            journals = [j for _, _, j in triples]
         else:
             froms = tuple(DEQUEUEABLE)
             results = await self.execution_snapshot.append_many([
@@ -93,19 +97,22 @@ class DequeueSystem:
                            from_statuses=froms, description=self.DESCRIPTION, worker_id=worker_id)
                 for m in messages])
             starts = [None] * len(results)
+            journals = [None] * len(results)
         dequeued: list[DequeuedRun] = []
         stray: list[tuple[str, str]] = []
         cancel: list[str] = []
         schedule: list[engine_jobs.JobSpec] = []
         timeout = self.r.settings.pending_executing_timeout_s
-        for message, result, started in zip(messages, results, starts, strict=True):
+        for message, result, started, journal in zip(messages, results, starts, journals, strict=True):
             if not (result.applied and result.snapshot is not None and result.run is not None):
                 # The run moved on (finished, cancelled) while its message was queued: drop it.
                 stray.append((message.env_id, message.run_id))
             elif started is not None and started.applied and started.run is not None \
                     and started.snapshot is not None:
                 attempt, c, s = await self.run_attempt.attempt_started(
-                    started.run, started.snapshot, result.snapshot.id, pending_job=False)
+                    started.run, started.snapshot, result.snapshot.id, pending_job=False,
+                    journal=None if journal is None else await self.waitpoints.resolve_journal(
+                        [journal_entry(e) for e in journal]))
                 cancel += c
                 schedule += s
                 dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries, attempt))

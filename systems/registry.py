@@ -59,7 +59,8 @@ class Systems:
         return cls(
             execution_snapshot=execution_snapshot,
             enqueue=enqueue,
-            dequeue=DequeueSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue, run_attempt=run_attempt),
+            dequeue=DequeueSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue, run_attempt=run_attempt,
+                                  waitpoints=waitpoints),
             run_attempt=run_attempt,
             cancel=cancel,
             dead_letter=dead_letter,

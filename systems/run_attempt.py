@@ -43,6 +43,9 @@ class StartedAttempt:
     retry: RetryPolicy
     max_duration_s: int | None = None
     machine: str | None = None  # the machine preset the attempt runs on (None: the supervisor's default)
+    # the resolved journal of a run restored or retried, when the dequeue read it with the start
+    # (None: not read; ask WaitpointsSystem.resolved_journal)
+    journal: list[dict[str, Any]] | None = None
 
 
 @record
@@ -115,8 +118,9 @@ class RunAttemptSystem:
                 "description": cls.START_DESCRIPTION, "attempt_delta": 1, "set_started": True, "worker_id": worker_id,
                 "resume_checkpoint": True}
 
-    async def attempt_started(self, run: RunRow, snapshot: Snapshot, pending_snapshot_id: str, *,
-                              pending_job: bool) -> tuple[StartedAttempt, list[str], list[engine_jobs.JobSpec]]:
+    async def attempt_started(self, run: RunRow, snapshot: Snapshot, pending_snapshot_id: str, *, pending_job: bool,
+                              journal: list[dict[str, Any]] | None = None,
+                              ) -> tuple[StartedAttempt, list[str], list[engine_jobs.JobSpec]]:
         """What a start applied means: the attempt, and the engine jobs to cancel and schedule
         (the pending snapshot's heartbeat job when ``pending_job``, the TTL; the new heartbeat, the
         max duration)."""
@@ -137,7 +141,8 @@ class RunAttemptSystem:
             schedule.append(engine_jobs.max_duration(
                 run.id, run.attempt_number,
                 self.r.clock.now() + max_duration + self.r.settings.max_duration_grace_s))
-        return StartedAttempt(run, snapshot, run.attempt_number, policy, max_duration, machine), cancel, schedule
+        started = StartedAttempt(run, snapshot, run.attempt_number, policy, max_duration, machine, journal)
+        return started, cancel, schedule
 
     def emit_started(self, started: StartedAttempt) -> None:
         run, snapshot = started.run, started.snapshot

@@ -636,7 +636,11 @@ class WaitpointsSystem:
 
     async def resolved_journal(self, run_id: str, from_sequence: int = 0) -> list[dict[str, Any]]:
         """The run's journal with each wait's outcome filled in (``resolved`` False while pending)."""
-        entries = await self._journals.submit((run_id, from_sequence))
+        return await self.resolve_journal(await self._journals.submit((run_id, from_sequence)))
+
+    async def resolve_journal(self, entries: Sequence[JournalEntry]) -> list[dict[str, Any]]:
+        """Journal entries (with their waitpoints' state) as a replay reads them: each wait's
+        outcome filled in, ``resolved`` False while it is pending."""
         batch_ids = [rid for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"
                      for rid in e.result[RUN_IDS]]
         runs = await self.wp.run_results(batch_ids) if batch_ids else {}

@@ -202,9 +202,11 @@ async def _attempt(ctx: ApiContext, started: StartedAttempt) -> dict[str, Any]:
     return {
         "run": run_object(r), "snapshot": snapshot_object(started.snapshot), "attemptNumber": started.attempt_number,
         "payload": r.payload, "machine": started.machine or "small-1x",
-        # a first attempt has nothing journaled yet: no query on the hot path
-        "journal": (await ctx.engine.resolved_journal(r.id)
-                    if started.snapshot.checkpoint_id or started.attempt_number > 1 else []),
+        # a first attempt has nothing journaled yet: no query on the hot path; a dequeue that
+        # started a restored run read its journal in the same statement
+        "journal": started.journal if started.journal is not None else (
+            await ctx.engine.resolved_journal(r.id) if started.snapshot.checkpoint_id or started.attempt_number > 1
+            else []),
         "maxDuration": started.max_duration_s, "retry": started.retry.to_json(),
         "runToken": ctx.tokens.mint(r.id, started.attempt_number,
                                     int(ctx.engine.now()) + ctx.run_token_ttl_s),

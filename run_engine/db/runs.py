@@ -271,7 +271,16 @@ WITH input AS (
 )
 SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_latest_status,
        to_jsonb(p.*) AS t_pending, to_jsonb(e.*) AS t_executing, to_jsonb(upd.*) AS t_run,
-       (p.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict
+       (p.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict,
+       -- a run restored from its checkpoint, or retried, replays its journal: each entry with its
+       -- waitpoint's state (what WaitpointRepository.journals reads), in the same round trip
+       CASE WHEN e.id IS NOT NULL AND (e.checkpoint_id IS NOT NULL OR e.attempt_number > 1) THEN coalesce((
+           SELECT jsonb_agg(jsonb_build_object(
+               'sequence', j.sequence, 'kind', j.kind, 'key', j.key, 'result', j.result,
+               'waitpoint_id', j.waitpoint_id, 'waitpoint_status', w.status, 'waitpoint_output', w.output,
+               'waitpoint_output_is_error', coalesce(w.output_is_error, false)) ORDER BY j.sequence)
+           FROM task_run_journal j LEFT JOIN waitpoint w ON w.id = j.waitpoint_id WHERE j.run_id = l.run_id),
+           '[]'::jsonb) END AS t_journal
 FROM latest l
 LEFT JOIN pending p ON p.id = l.pending_id
 LEFT JOIN executing e ON e.id = l.executing_id
@@ -515,12 +524,13 @@ class RunRepository:
             await cur.execute(_TRANSITION_SQL, self._transition_params(transitions))
             return await self._transition_results(conn, await cur.fetchall())
 
-    async def dequeue_and_start(self, runs: Sequence[DequeueStart], pending_description: str,
-                                start_description: str) -> list[tuple[TransitionResult, TransitionResult]]:
+    async def dequeue_and_start(self, runs: Sequence[DequeueStart], pending_description: str, start_description: str,
+                                ) -> list[tuple[TransitionResult, TransitionResult, list[dict[str, Any]] | None]]:
         """Dequeue and start each run in one statement (:data:`_DEQUEUE_START_SQL`): per run, the
-        PENDING_EXECUTING result (its run as it was dequeued, before the start) and the EXECUTING
-        one. A run that moved on (or lost its next snapshot to a concurrent transition) has
-        neither applied."""
+        PENDING_EXECUTING result (its run as it was dequeued, before the start), the EXECUTING
+        one, and for a run restored or retried its journal (entries as JSON objects with their
+        waitpoint's state: ``waitpoints.journal_entry`` reads them). A run that moved on (or
+        lost its next snapshot to a concurrent transition) has neither applied."""
         params = {"rows": Jsonb([{"ord": i, "run_id": r.run_id, "pending_id": r.pending_snapshot_id,
                                   "executing_id": r.executing_snapshot_id, "worker_id": r.worker_id}
                                  for i, r in enumerate(runs)]),
@@ -530,13 +540,13 @@ class RunRepository:
             await cur.execute(_DEQUEUE_START_SQL, params)
             rows = await cur.fetchall()
             latest = await self._winners(conn, rows)
-        out = []
+        out: list[tuple[TransitionResult, TransitionResult, list[dict[str, Any]] | None]] = []
         for row in rows:
             run_id, pending, executing = row["t_run_id"], row["t_pending"], row["t_executing"]
             if pending is None or executing is None or row["t_run"] is None:
                 latest_id, latest_status = latest.get(run_id, (row["t_latest_id"], row["t_latest_status"]))
                 missed = TransitionResult(run_id, False, latest_id, latest_status)
-                out.append((missed, missed))
+                out.append((missed, missed, None))
                 continue
             run = run_from_json(row["t_run"])
             pending_snapshot, executing_snapshot = snapshot_from_json(pending), snapshot_from_json(executing)
@@ -547,7 +557,7 @@ class RunRepository:
             out.append((TransitionResult(run_id, True, pending_snapshot.id, pending_snapshot.engine_status,
                                          pending_snapshot, dequeued),
                         TransitionResult(run_id, True, executing_snapshot.id, executing_snapshot.engine_status,
-                                         executing_snapshot, run)))
+                                         executing_snapshot, run), row["t_journal"]))
         return out
 
     @staticmethod

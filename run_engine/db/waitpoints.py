@@ -69,6 +69,13 @@ class JournalEntry:
     waitpoint_output_is_error: bool = False
 
 
+def journal_entry(row: dict[str, Any]) -> JournalEntry:
+    """An entry as :data:`_JOURNALS` reads it, or as a JSON object of the same fields (the journal
+    that ``RunRepository.dequeue_and_start`` returns with a restored run)."""
+    return JournalEntry(row["sequence"], row["kind"], row["key"], row["result"], row["waitpoint_id"],
+                        row["waitpoint_status"], row["waitpoint_output"], bool(row["waitpoint_output_is_error"]))
+
+
 @record
 class Blocked:
     """What :meth:`WaitpointRepository.block_executing` did: the transition (not applied when the
@@ -682,7 +689,7 @@ class WaitpointRepository:
                                           "froms": [max(0, min(f, _SEQUENCE_MAX)) for _, f in wanted]})
             found: dict[int, list[JournalEntry]] = {}
             for row in await cur.fetchall():
-                found.setdefault(row.pop("ord"), []).append(JournalEntry(**row))
+                found.setdefault(row.pop("ord"), []).append(journal_entry(row))
         return [found.get(i, []) for i in range(1, len(wanted) + 1)]
 
     async def timed_waitpoints_page(self, after_id: str, limit: int) -> list[tuple[str, str, datetime | None,

@@ -732,3 +732,28 @@ async def test_completing_a_token_cancels_engine_jobs_only_of_waitpoints_that_ha
     assert [c for c in cancelled if c] == [[engine_jobs.waitpoint_timeout_id(timed.id),
                                             engine_jobs.waitpoint_datetime_id(timed.id)]]
     assert await jobs.get(engine_jobs.waitpoint_timeout_id(timed.id)) is None
+
+
+async def test_a_dequeue_that_starts_a_restored_run_reads_its_journal_in_the_same_statement(
+        h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A restored run started by its dequeue comes with its resolved journal (the step and the
+    completed token) from the dequeue's own statement: no journal query of its own, the same
+    entries as ``resolved_journal``. A first attempt comes with none to read."""
+    run, s = await started_run(h)
+    await h.engine.append_journal(run.id, s.snapshot.id, 0, "step", "a", {"v": 1})
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=1, kind="token", key=token.id,
+                               waitpoint_ids=[token.id], suspend=True)
+    assert out.suspended
+    fresh = await h.engine.trigger(req(h))
+    assert await h.engine.waitpoints.complete(token.id, {"approved": True})
+    sizes = count_items(monkeypatch, h.engine.resources.repo.waitpoints, "journals")
+    got = {d.run.id: d for d in await h.engine.dequeue(h.env.worker_group_id, 10, start=True)}
+    assert sizes == []  # no journal query: the dequeue's statement read it
+    restored, first = got[run.id].started, got[fresh.id].started
+    assert restored is not None and first is not None
+    assert restored.snapshot.checkpoint_id is not None and first.journal is None
+    assert restored.journal == await h.engine.resolved_journal(run.id) == [
+        {"sequence": 0, "kind": "step", "key": "a", "resolved": True, "result": {"v": 1}},
+        {"sequence": 1, "kind": "token", "key": token.id, "resolved": True,
+         "result": {"ok": True, "output": {"approved": True}}}]
