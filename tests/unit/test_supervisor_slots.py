@@ -317,3 +317,83 @@ async def test_a_run_waiting_for_an_executor_that_keeps_its_run_after_all_starts
     assert not waiting.done()
     pool.not_returning(lent)  # its run was not suspended after all
     assert isinstance(await asyncio.wait_for(waiting, 5), New) and pool.started == 1
+
+
+async def test_while_runs_queue_a_slot_freed_during_a_dequeue_goes_in_a_second_one(monkeypatch: Any) -> None:
+    """While runs queue for the slots, a slot freed while a dequeue is being answered is dequeued
+    for at once in a second request (never more than two at once); without a backlog, one."""
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=2))
+    finish = asyncio.Event()  # run_1 finishes once the second dequeue is on its way
+
+    class Slow(Executor):
+        async def run(self, msg: dict[str, Any], **_: Any) -> dict[str, Any]:
+            await finish.wait()
+            return {"ok": True, "output": None}
+
+    class SlowPool(Pool):
+        async def acquire(self) -> Executor:
+            self.busy += 1
+            return Slow()
+
+    sup.pool = SlowPool()  # type: ignore[assignment]
+
+    class Answered(Completions):
+        async def submit(self, item: dict[str, Any]) -> dict[str, Any]:
+            self.sent.append(item["runId"])
+            return {"ok": True}
+
+    sup._completions = Answered()  # type: ignore[assignment]
+    hang = asyncio.Event()
+    in_flight: list[int] = []  # dequeues in flight when each began
+    current = 0
+
+    async def dequeue(max_runs: int) -> list[dict[str, Any]]:
+        nonlocal current
+        in_flight.append(current)
+        current += 1
+        try:
+            if len(in_flight) == 1:
+                sup._backlog = True
+                return [item("run_1")]  # run_1 finishes while the next dequeue hangs
+            if len(in_flight) == 2:
+                finish.set()
+                await hang.wait()
+                return []
+            sup.stop()
+            hang.set()
+            return []
+        finally:
+            current -= 1
+
+    sup._dequeue = dequeue  # type: ignore[method-assign]
+    sup._connect_unless_stopped = lambda: _true()  # type: ignore[method-assign]
+    await asyncio.wait_for(sup._run(), 10)
+    assert in_flight == [0, 0, 1]  # the third began while the second was still unanswered
+    assert sup.completed == 1 and sup._slots._value == 2
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=2))
+    sup.pool = SlowPool()  # type: ignore[assignment]
+    sup._completions = Answered()  # type: ignore[assignment]
+    in_flight.clear()
+    finish.clear()
+
+    async def no_backlog(max_runs: int) -> list[dict[str, Any]]:
+        nonlocal current
+        in_flight.append(current)
+        current += 1
+        try:
+            if len(in_flight) == 1:
+                return [item("run_1")]
+            if len(in_flight) == 2:
+                finish.set()
+                asyncio.get_running_loop().call_later(0.05, sup.stop)
+                await asyncio.sleep(0.1)  # a long-poll: the freed slot waits for its answer
+                return []
+            return []
+        finally:
+            current -= 1
+
+    sup._dequeue = no_backlog  # type: ignore[method-assign]
+    sup._connect_unless_stopped = lambda: _true()  # type: ignore[method-assign]
+    await asyncio.wait_for(sup._run(), 10)
+    assert in_flight == [0, 0]  # one at a time, and none asked once stopped
