@@ -36,7 +36,6 @@ CANCEL_WATCH_POLL_MS = 25_000
 # statement) for several runs rather than one each. Without a backlog a slot dequeues at once
 # (trigger-to-start latency).
 DEQUEUE_GATHER_S = 0.005
-DEQUEUES_IN_FLIGHT = 2  # while runs queue for the slots (one otherwise: it may be a long-poll)
 WORKER = "/engine/v1/worker-actions"
 CONNECT_TIMEOUT_S = 10.0  # one /connect attempt (60 are made, 0.5 s apart)
 
@@ -142,8 +141,7 @@ class Supervisor:
         # cannot make this supervisor take run after run).
         self._reporting = asyncio.Semaphore(config.concurrency)
         self._stopping = asyncio.Event()
-        self._polls = 0  # dequeue requests in flight
-        self._dequeues: set[asyncio.Task[None]] = set()
+        self._poll: asyncio.Task[Any] | None = None
         self._release: asyncio.Task[None] | None = None
         self.completed = 0
         self.suspended = 0
@@ -283,7 +281,7 @@ class Supervisor:
             return
         log.info("stopping: draining %d in-flight runs", len(self._inflight))
         self._stopping.set()
-        if self._polls:
+        if self._poll is not None:
             self._release = asyncio.get_running_loop().create_task(self._say_stopping())
 
     async def _say_stopping(self) -> None:
@@ -325,19 +323,19 @@ class Supervisor:
                 while free < self.config.concurrency and not self._slots.locked():
                     await self._slots.acquire()
                     free += 1
-                # While runs queue for the slots, the slots freed during a dequeue go in a second
-                # one instead of waiting for the first to be answered (no more than two at once)
-                while len(self._dequeues) >= (DEQUEUES_IN_FLIGHT if self._backlog else 1):
-                    await asyncio.wait(self._dequeues, return_when=asyncio.FIRST_COMPLETED)
-                if self._stopping.is_set():  # stopped while every slot was busy, or a dequeue went
+                if self._stopping.is_set():  # stopped while every slot was busy
                     for _ in range(free):
                         self._slots.release()
                     break
-                dequeue = asyncio.create_task(self._dequeue_and_hand_out(free))
-                self._dequeues.add(dequeue)
-                dequeue.add_done_callback(self._dequeues.discard)
-            if self._dequeues:
-                await asyncio.gather(*self._dequeues, return_exceptions=True)
+                runs = await self._dequeue(free)
+                for item in runs:
+                    self._executing += 1
+                    self._none_executing.clear()
+                    task = asyncio.create_task(self._handle(item))
+                    self._inflight.add(task)
+                    task.add_done_callback(self._inflight.discard)
+                for _ in range(free - len(runs)):
+                    self._slots.release()
             if self._inflight:
                 await asyncio.gather(*self._inflight, return_exceptions=True)
         finally:
@@ -350,29 +348,15 @@ class Supervisor:
             await self.http.close()
         log.info("stopped after %d runs", self.completed)
 
-    async def _dequeue_and_hand_out(self, free: int) -> None:
-        """Dequeue up to ``free`` runs for as many slots taken, each run to its slot's task; the
-        slots left over are given back."""
-        runs = await self._dequeue(free)
-        for item in runs:
-            self._executing += 1
-            self._none_executing.clear()
-            task = asyncio.create_task(self._handle(item))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
-        for _ in range(free - len(runs)):
-            self._slots.release()
-
     async def _dequeue(self, max_runs: int) -> list[dict[str, Any]]:
         # startAttempts: the server starts the attempts in the same request (one round trip less
         # per run); each run comes back with its `attempt`.
-        self._polls += 1
-        poll = asyncio.create_task(self._post("/dequeue", {
+        self._poll = asyncio.create_task(self._post("/dequeue", {
             "maxRuns": max_runs, "waitMs": self.config.poll_wait_ms, "workerInstanceName": self.name,
             "startAttempts": True, "deployments": self._deployments,
             **({"environments": self._environments} if self._environments else {})}))
         try:
-            response = await poll
+            response = await self._poll
         except asyncio.CancelledError:
             if self._stopping.is_set():
                 return []
@@ -382,7 +366,7 @@ class Supervisor:
             await asyncio.sleep(0.5)
             return []
         finally:
-            self._polls -= 1
+            self._poll = None
         if response.status != 200:
             log.warning("dequeue answered %s: %s", response.status, response.text[:200])
             await asyncio.sleep(0.5)

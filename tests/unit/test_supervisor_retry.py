@@ -124,7 +124,7 @@ async def test_a_supervisor_stopped_while_the_engine_never_answers_its_connect_s
 
     sup, calls = supervisor([])
     sup.config = SupervisorConfig(api_url="http://x", token="t", tasks_module="json")
-    sup.name, sup._stopping, sup._inflight, sup._polls = "w", asyncio.Event(), set(), 0
+    sup.name, sup._stopping, sup._inflight, sup._poll = "w", asyncio.Event(), set(), None
     closed: list[bool] = []
 
     class Http:
