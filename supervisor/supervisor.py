@@ -553,13 +553,17 @@ class Supervisor:
             self._lend(state, executor)
         try:
             reply = await self._ask_wait(state, msg, suspend)
+        except asyncio.CancelledError:  # the run is over: its slot stays free
+            self._lent -= suspend
+            raise
         except Exception:  # the task is told of the error and goes on
+            self._lent -= suspend
             if suspend:
                 await self._lent_back(state, executor)
             raise
-        finally:
-            self._lent -= suspend
-        if suspend and not (reply.status == 200 and reply.data["blocked"] and reply.data.get("suspended")):
+        self._lent -= suspend
+        if suspend and not (reply.status == 200 and isinstance(reply.data, dict) and reply.data.get("blocked")
+                            and reply.data.get("suspended")):
             await self._lent_back(state, executor)
         if reply.status != 200:
             return self._answer(reply, {})
