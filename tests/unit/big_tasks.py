@@ -65,3 +65,11 @@ async def waits_on_a_token(payload: Any, ctx: Any) -> Any:
     from run_engine.sdk import wait
 
     return await wait.for_token(payload["token"])
+
+
+@task(id="steps-at-once")
+async def steps_at_once(payload: dict[str, Any], ctx: Any) -> list[Any]:
+    """Several journaled steps asked at once: their answers may reach the executor together."""
+    import asyncio
+
+    return list(await asyncio.gather(*(ctx.step(f"s{i}", lambda i=i: i) for i in range(payload["n"]))))

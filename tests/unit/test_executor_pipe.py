@@ -158,3 +158,29 @@ def test_an_executor_stops_a_suspended_run_and_runs_the_next_unaffected_by_late_
     import uvloop
 
     uvloop.run(asyncio.wait_for(_suspensions(), 60))
+
+
+async def _answers_together() -> None:
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        asked: list[dict[str, Any]] = []
+
+        def on_call(msg: dict[str, Any]) -> None:  # every answer written at once, once all are asked
+            asked.append(msg)
+            if len(asked) == 5:
+                for m in asked:
+                    ex.reply(m["id"], {})
+
+        out = await ex.run(_run("steps-at-once", {"n": 5}), max_duration_s=60, memory_mb=None, on_call=on_call)
+        assert out == {"ok": True, "output": [0, 1, 2, 3, 4]}
+    finally:
+        ex.stop()
+
+
+def test_answers_that_reach_an_executor_together_are_each_delivered() -> None:
+    """The executor reads one message each time its pipe is readable (the loop calls again while
+    more is there): five answers written back to back all reach their calls."""
+    import uvloop
+
+    uvloop.run(asyncio.wait_for(_answers_together(), 60))
