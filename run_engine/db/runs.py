@@ -195,7 +195,9 @@ WITH input AS (
                 THEN coalesce(checkpoint_id, latest_checkpoint) ELSE checkpoint_id END,
            coalesce(completed, '{}')
     FROM allowed
-    ORDER BY ord
+    -- in run id order, as every statement that appends snapshots for many runs: two of them that
+    -- want the same runs wait for each other in one order, never in a cycle (a deadlock)
+    ORDER BY run_id, ord
     -- a concurrent transition appended after the same snapshot first: this one did not apply
     ON CONFLICT (previous_snapshot_id) WHERE is_valid AND previous_snapshot_id IS NOT NULL DO NOTHING
     RETURNING *
@@ -246,7 +248,7 @@ WITH input AS (
     SELECT pending_id, run_id, 'PENDING_EXECUTING', 'DEQUEUED', latest_attempt, %(pending_description)s, latest_id,
            worker_id, latest_checkpoint
     FROM allowed
-    ORDER BY ord
+    ORDER BY run_id, ord  -- run id order: see _TRANSITION_SQL
     -- a concurrent transition appended after the same snapshot first: this run is not dequeued
     ON CONFLICT (previous_snapshot_id) WHERE is_valid AND previous_snapshot_id IS NOT NULL DO NOTHING
     RETURNING *
@@ -257,7 +259,7 @@ WITH input AS (
     SELECT a.executing_id, a.run_id, 'EXECUTING', 'EXECUTING', a.latest_attempt + a.attempt_delta,
            %(start_description)s, p.id, a.worker_id, a.latest_checkpoint
     FROM allowed a JOIN pending p ON p.id = a.pending_id
-    ORDER BY a.ord
+    ORDER BY a.run_id, a.ord
     RETURNING *
 ), upd AS (
     UPDATE task_run r SET
