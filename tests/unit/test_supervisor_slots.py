@@ -154,6 +154,16 @@ class Returning:
         self.alive = False
 
 
+class New(Returning):
+    """An executor the pool starts (instead of forking one)."""
+
+    def __init__(self, tasks: str) -> None:
+        pass
+
+    async def ready(self) -> None:
+        return None
+
+
 async def test_a_run_waits_for_an_executor_on_its_way_back_instead_of_starting_one(monkeypatch: Any) -> None:
     from supervisor import executor as module
 
@@ -175,13 +185,6 @@ async def test_only_one_run_waits_for_each_executor_coming_back_and_none_for_a_l
     An executor not back within RETURN_WAIT_S (a task that ignores its cancel: another tenant's
     code) makes no run wait again: one tenant's task cannot stall the others' starts."""
     from supervisor import executor as module
-
-    class New(Returning):
-        def __init__(self, tasks: str) -> None:
-            pass
-
-        async def ready(self) -> None:
-            return None
 
     monkeypatch.setattr(module, "Executor", New)
     monkeypatch.setattr(module, "RETURN_WAIT_S", 3600.0)
@@ -299,13 +302,6 @@ async def test_a_run_whose_wait_is_over_takes_a_slot_again_before_its_task_goes_
 
 async def test_a_run_waiting_for_an_executor_that_keeps_its_run_after_all_starts_one(monkeypatch: Any) -> None:
     from supervisor import executor as module
-
-    class New(Returning):
-        def __init__(self, tasks: str) -> None:
-            pass
-
-        async def ready(self) -> None:
-            return None
 
     monkeypatch.setattr(module, "Executor", New)
     monkeypatch.setattr(module, "RETURN_WAIT_S", 3600.0)
