@@ -9,8 +9,9 @@ Each system runs in its own subprocess (its venv's Python; the project's .venv f
 process group, with a timeout, on its own fresh database (CREATE DATABASE peers_<name>_<random>, dropped
 afterwards) or its own empty Redis DB number (FLUSHDB afterwards):
 
-  run-engine in process   bench/lifecycle.py: batch mode (--enqueue-first), then concurrent (producers and
-                          consumers at once); bench/peers/run_engine_bench.py adds CPU markers
+  run-engine in process   bench/lifecycle.py --start-in-dequeue (consumers take runs as the supervisor does: the
+                          dequeue starts their attempts): batch mode (--enqueue-first), then concurrent
+                          (producers and consumers at once); bench/peers/run_engine_bench.py adds CPU markers
   run-engine over HTTP    bench/http_e2e.py, unchanged: server + supervisor + executors; its full-load phase
   pgqueuer, celery, arq, procrastinate, dbos
                           bench/peers/<peer>_bench.py: warm-up, batch, concurrent and latency phases
@@ -91,8 +92,9 @@ class System:
 # bench/_common.py's fresh_database() names its databases re_bench_<hex>
 RUN_ENGINE_SCOPE = Scope(postgres=True, redis=True, databases=("re_bench_",))
 SYSTEMS: list[System] = [
-    System("run-engine", "run-engine in process", None, "run_engine_bench.py", ("lifecycle",),
-           protocol_phases=False, how="bench/lifecycle.py", scope=RUN_ENGINE_SCOPE),
+    # its consumers dequeue as the supervisor does, asking the dequeue to start the attempts in its own statement
+    System("run-engine", "run-engine in process", None, "run_engine_bench.py", ("lifecycle", "--start-in-dequeue"),
+           protocol_phases=False, how="bench/lifecycle.py --start-in-dequeue", scope=RUN_ENGINE_SCOPE),
     # the API's default limit of 2000 requests/s per key answers 429 to http_e2e's bursts: off, as bench/chaos.py does
     System("run-engine-http", "run-engine over HTTP", None, "run_engine_bench.py", ("http",), protocol_phases=False,
            env=(("RUN_ENGINE_API_RATE_LIMIT", "0"),), how="bench/http_e2e.py", scope=RUN_ENGINE_SCOPE),

@@ -138,8 +138,9 @@ def main() -> None:
         runs = runs_arg(rest, 5000)
         rates = re.findall(r"^lifecycle runs/s: ([\d.]+)\s*$", text, re.M)
         result["jobs"] = 2 * runs
+        started = " the dequeue starts the attempts," if "--start-in-dequeue" in rest else ""
         result["how"] = ("in process: bench/lifecycle.py (batch: --enqueue-first, trigger_many of 500; concurrent: "
-                         "16 producers; 32 consumers, dequeue batch 20, pool 8)")
+                         f"16 producers; 32 consumers, dequeue batch 20,{started} pool 8)")
         if len(rates) == 2:
             result["batch"] = {"jobs_s": float(rates[0])}
         concurrent = rates[-1] if rates else None
