@@ -371,27 +371,31 @@ WITH given AS (
     FROM pending WHERE n > 0 ORDER BY run_id
     ON CONFLICT (previous_snapshot_id) WHERE is_valid AND previous_snapshot_id IS NOT NULL DO NOTHING
     RETURNING *
+), blocked AS MATERIALIZED (
+    -- each run blocked, to its new snapshot's id and attempt: one object, computed once and looked
+    -- up by each row below. Never a join of `pending` and `snap`: the planner expects one row of each
+    -- and joins them by a nested loop, n^2 rows read (see runs.py's _TRANSITION_SQL)
+    SELECT coalesce(jsonb_object_agg(run_id, jsonb_build_array(id, attempt_number)), '{}') AS m FROM snap
 ), journal AS (
     INSERT INTO task_run_journal (run_id, sequence, kind, key, result, waitpoint_id)
-    SELECT p.run_id, p.seq, p.kind, p.key, p.result, p.wp FROM pending p
-    WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.run_id = p.run_id)
-      AND (p.n = 0 OR EXISTS (SELECT 1 FROM snap WHERE snap.run_id = p.run_id))
+    SELECT p.run_id, p.seq, p.kind, p.key, p.result, p.wp FROM pending p CROSS JOIN blocked b
+    WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.run_id = p.run_id) AND (p.n = 0 OR b.m ? p.run_id)
     ON CONFLICT DO NOTHING RETURNING run_id
 ), blocking AS (
     INSERT INTO task_run_waitpoint (run_id, waitpoint_id)
-    SELECT p.run_id, unnest(p.wps) FROM pending p JOIN snap ON snap.run_id = p.run_id
+    SELECT p.run_id, unnest(p.wps) FROM pending p CROSS JOIN blocked b WHERE b.m ? p.run_id
     ON CONFLICT DO NOTHING RETURNING run_id
 ), susp AS (
     INSERT INTO task_run_execution_snapshot (id, run_id, engine_status, run_status, attempt_number, description,
                                              previous_snapshot_id, checkpoint_id)
-    SELECT p.suspend_new, p.run_id, 'SUSPENDED', 'WAITING', snap.attempt_number,
-           'Suspended: checkpoint at journal position ' || p.position, snap.id, p.checkpoint
-    FROM pending p JOIN snap ON snap.run_id = p.run_id WHERE p.suspend_new IS NOT NULL ORDER BY p.run_id
+    SELECT p.suspend_new, p.run_id, 'SUSPENDED', 'WAITING', (b.m -> p.run_id ->> 1)::int,
+           'Suspended: checkpoint at journal position ' || p.position, b.m -> p.run_id ->> 0, p.checkpoint
+    FROM pending p CROSS JOIN blocked b WHERE b.m ? p.run_id AND p.suspend_new IS NOT NULL ORDER BY p.run_id
     RETURNING *
 ), cp AS (
     INSERT INTO task_run_checkpoint (id, run_id, snapshot_id, type, journal_position)
-    SELECT p.checkpoint, p.run_id, snap.id, 'REPLAY', p.position
-    FROM pending p JOIN snap ON snap.run_id = p.run_id WHERE p.suspend_new IS NOT NULL
+    SELECT p.checkpoint, p.run_id, b.m -> p.run_id ->> 0, 'REPLAY', p.position
+    FROM pending p CROSS JOIN blocked b WHERE b.m ? p.run_id AND p.suspend_new IS NOT NULL
     RETURNING id
 ), upd AS (
     UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
