@@ -39,6 +39,63 @@ local function limit_of(hkey, field, default)
   return default
 end
 
+-- What this call reads again and again is read once and kept up to date by its own writes (Redis
+-- runs one script at a time: nothing else changes it meanwhile). Written through at once, but for
+-- the queued counters, added up and written at the end.
+local envs_seen = {}   -- env -> {limit, running}
+local queues_seen = {} -- env\0q -> {paused, limit, rate_t, rate_tau, tat, key_limit, running}
+local keys_running = {} -- env\0q\0ck -> runs holding the key's slots (queues with a key limit only)
+local clocks = {}      -- a queue's or the group's key -> its virtual clock
+local queued = {}      -- env\0q -> {env, q, delta}
+
+local function env_seen(env)
+  local e = envs_seen[env]
+  if not e then
+    e = {limit = limit_of(ekey(env) .. ':meta', 'limit', default_env_limit),
+         running = redis.call('SCARD', ekey(env) .. ':running')}
+    envs_seen[env] = e
+  end
+  return e
+end
+
+local function queue_seen(env, q)
+  local id = env .. '\0' .. q
+  local c = queues_seen[id]
+  if not c then
+    local meta = redis.call('HMGET', qkey(env, q) .. ':meta', 'paused', 'limit', 'rate_t', 'rate_tau', 'tat', 'key_limit')
+    c = {paused = meta[1] == '1', limit = tonumber(meta[2]), rate_t = tonumber(meta[3]),
+         rate_tau = tonumber(meta[4]) or 0, tat = tonumber(meta[5]) or 0, key_limit = tonumber(meta[6])}
+    if c.limit and not c.paused then c.running = redis.call('SCARD', qkey(env, q) .. ':running') end
+    queues_seen[id] = c
+  end
+  return c
+end
+
+local function key_running(env, q, ck)
+  local id = env .. '\0' .. q .. '\0' .. ck
+  local n = keys_running[id]
+  if not n then
+    n = redis.call('SCARD', qkey(env, q) .. ':k:' .. ck .. ':running')
+    keys_running[id] = n
+  end
+  return n
+end
+
+local function clock(key, read)
+  local v = clocks[key]
+  if not v then
+    v = tonumber(read() or '0')
+    clocks[key] = v
+  end
+  return v
+end
+
+local function add_queued(env, q, delta)
+  local id = env .. '\0' .. q
+  local c = queued[id]
+  if c then c[3] = c[3] + delta else queued[id] = {env, q, delta} end
+end
+
 -- the first candidate of a ZSET (ascending) not in `skip`, scanning `window` at a time
 local function first_free(zkey, skip, prefix)
   local offset = 0
@@ -54,14 +111,12 @@ local function first_free(zkey, skip, prefix)
   return nil
 end
 
-local function pick_key(env, q)
+local function pick_key(env, q, key_limit)
   local r = rkey(wg, env, q)
-  local qm = qkey(env, q) .. ':meta'
-  local key_limit = limit_of(qm, 'key_limit', nil)
   while budget > 0 do
     local ck, kvt = first_free(r .. ':ks', skip_k, env .. '\0' .. q .. '\0')
     if not ck then return nil end
-    if key_limit and redis.call('SCARD', qkey(env, q) .. ':k:' .. ck .. ':running') >= key_limit then
+    if key_limit and key_running(env, q, ck) >= key_limit then
       park_key(wg, env, q, ck)
     else
       return ck, kvt
@@ -75,26 +130,23 @@ local function pick_queue(env)
   while budget > 0 do
     local q = first_free(qs, skip_q, env .. '\0')
     if not q then return nil end
-    local qm = qkey(env, q) .. ':meta'
-    local meta = redis.call('HMGET', qm, 'paused', 'limit', 'rate_t', 'rate_tau', 'tat')
-    local paused = meta[1] == '1'
-    local limit = tonumber(meta[2])
-    local rate_t, tat = tonumber(meta[3]), nil
-    if rate_t then
-      tat = math.max(tonumber(meta[5]) or 0, now)
-      local allowed_at = tat - (tonumber(meta[4]) or 0)
+    local c = queue_seen(env, q)
+    local tat = nil
+    if c.rate_t then
+      tat = math.max(c.tat, now)
+      local allowed_at = tat - c.rate_tau
       if allowed_at > now then
         if not rate_next or allowed_at < rate_next then rate_next = allowed_at end
         tat = false
       end
     end
-    if paused or (limit and redis.call('SCARD', qkey(env, q) .. ':running') >= limit) then
+    if c.paused or (c.limit and c.running >= c.limit) then
       park_queue(wg, env, q)
     elseif tat == false then
       skip_q[env .. '\0' .. q] = true -- ahead of its rate
     else
-      local ck, kvt = pick_key(env, q)
-      if ck then return q, ck, kvt, tat and (tat + rate_t) end
+      local ck, kvt = pick_key(env, q, c.key_limit)
+      if ck then return q, ck, kvt, tat and (tat + c.rate_t) end
       skip_q[env .. '\0' .. q] = true
     end
   end
@@ -115,12 +167,35 @@ local function pick_env()
   return best, best_vt
 end
 
+-- After a run of key `ck` was popped and the key's and env's virtual times moved to kvt and evt:
+-- refresh_key's work (queue_lib) without the reads whose answers this pass already has. The key
+-- is still listed (its :ks entry was just updated), and neither it, its queue nor its env is
+-- parked for this group (the pass chose them from the group's indexes).
+local function after_pop(env, q, ck, r, kvt)
+  local head = redis.call('ZRANGE', r .. ':k:' .. ck, 0, 0, 'WITHSCORES')
+  if head[1] then
+    redis.call('ZADD', r .. ':heads', head[2], ck)
+  else
+    redis.call('ZREM', r .. ':heads', ck)
+    if kvt > clocks[r .. ':vt'] then redis.call('HSET', r .. ':kvt', ck, kvt) end
+    redis.call('ZREM', r .. ':ks', ck)
+  end
+  local qhead = redis.call('ZRANGE', r .. ':heads', 0, 0, 'WITHSCORES')
+  if qhead[1] then
+    -- the env still has this ready queue and is listed: nothing to change at its level
+    redis.call('ZADD', g .. ':e:' .. env .. ':qs', qhead[2], q)
+  else
+    redis.call('ZREM', g .. ':e:' .. env .. ':qs', q)
+    refresh_env(wg, env)
+  end
+end
+
 while #out < max * 7 and budget > 0 do
   local env, evt = pick_env()
   if not env then break end
-  local env_limit = limit_of(ekey(env) .. ':meta', 'limit', default_env_limit)
+  local e = env_seen(env)
   local q, ck, kvt, next_tat = nil, nil, nil, nil
-  if redis.call('SCARD', ekey(env) .. ':running') >= env_limit then
+  if e.running >= e.limit then
     park_env(wg, env)
   else
     q, ck, kvt, next_tat = pick_queue(env)
@@ -134,7 +209,7 @@ while #out < max * 7 and budget > 0 do
     -- an index entry with no ready run, or a run without its message: nothing to hand out. Drop
     -- it and choose again (never fail the call: writes made before an error would stay). A run
     -- popped here is found by the reconciler (PostgreSQL still has it QUEUED).
-    if run then count_queued(env, q, -1) end
+    if run then add_queued(env, q, -1) end
     refresh_key(wg, env, q, ck)
     q = nil
   end
@@ -145,17 +220,32 @@ while #out < max * 7 and budget > 0 do
     redis.call('SADD', ekey(env) .. ':running', run)
     redis.call('SADD', qkey(env, q) .. ':running', run)
     redis.call('SADD', qkey(env, q) .. ':k:' .. ck .. ':running', run)
-    count_queued(env, q, -1)
+    local c = queues_seen[env .. '\0' .. q]
+    e.running = e.running + 1
+    if c.running then c.running = c.running + 1 end
+    local kid = env .. '\0' .. q .. '\0' .. ck
+    if keys_running[kid] then keys_running[kid] = keys_running[kid] + 1 end
+    add_queued(env, q, -1)
     -- virtual times: the key and the env advance by one run; the clocks move to the served tag
     redis.call('ZADD', r .. ':ks', 'XX', kvt + 1, ck)
-    if kvt > tonumber(redis.call('GET', r .. ':vt') or '0') then redis.call('SET', r .. ':vt', kvt) end
+    if kvt > clock(r .. ':vt', function() return redis.call('GET', r .. ':vt') end) then
+      redis.call('SET', r .. ':vt', kvt)
+      clocks[r .. ':vt'] = kvt
+    end
     redis.call('ZADD', g .. ':envs', 'XX', evt + 1, env)
-    if evt > tonumber(redis.call('HGET', g .. ':meta', 'vt') or '0') then redis.call('HSET', g .. ':meta', 'vt', evt) end
-    if next_tat then redis.call('HSET', qkey(env, q) .. ':meta', 'tat', next_tat) end
-    refresh_key(wg, env, q, ck)
+    if evt > clock(g .. ':meta', function() return redis.call('HGET', g .. ':meta', 'vt') end) then
+      redis.call('HSET', g .. ':meta', 'vt', evt)
+      clocks[g .. ':meta'] = evt
+    end
+    if next_tat then
+      redis.call('HSET', qkey(env, q) .. ':meta', 'tat', next_tat)
+      c.tat = next_tat
+    end
+    after_pop(env, q, ck, r, kvt + 1)
     for _, v in ipairs({run, env, q, ck, score, deliveries, task}) do out[#out + 1] = v end
   end
 end
+for _, c in pairs(queued) do count_queued(c[1], c[2], c[3]) end
 out[#out + 1] = rate_next and tostring(rate_next) or ''
 local active = redis.call('ZCARD', g .. ':envs')
 out[#out + 1] = active
