@@ -5,14 +5,32 @@
 --   dequeue that handed the run out; a run suspended while a continuation enqueued it again
 --   keeps that new message. '0': wherever the message is)
 -- returns: number of messages deleted (unknown runs are ignored)
+-- A held run's slots are freed at once; what they unpark (its key, queue and env, parked while at a
+-- limit) is unparked once per key, queue and env at the end, not once per run: a batch of acks
+-- frees many slots of few keys.
 local n = 0
+local freed_keys, freed_queues, freed_envs = {}, {}, {}
 for i = 2, #ARGV, 2 do
-  local mk = B .. ':msg:' .. ARGV[i]
+  local run = ARGV[i]
+  local mk = B .. ':msg:' .. run
   local m = msg_fields(mk)
   if m and (ARGV[i + 1] ~= '1' or m.state == 'held') then
-    detach(ARGV[i], m)
+    if m.state == 'held' then
+      redis.call('SREM', ekey(m.env) .. ':running', run)
+      redis.call('SREM', qkey(m.env, m.queue) .. ':running', run)
+      redis.call('SREM', qkey(m.env, m.queue) .. ':k:' .. m.ck .. ':running', run)
+      freed_keys[m.env .. '\0' .. m.queue .. '\0' .. m.ck] = m
+      freed_queues[m.env .. '\0' .. m.queue] = m
+      freed_envs[m.env] = m
+    else
+      detach(run, m)
+    end
     redis.call('DEL', mk)
     n = n + 1
   end
 end
+-- in free_slots' order: keys, then queues, then environments
+for _, m in pairs(freed_keys) do unpark_key(m.env, m.queue, m.ck) end
+for _, m in pairs(freed_queues) do unpark_queue(m.env, m.queue) end
+for _, m in pairs(freed_envs) do unpark_env(m.env) end
 return n
