@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import base64
 import os
 
-_BATCH = 256  # ids drawn from the OS at once: one getrandom call and one base32 encoding per batch
+_BATCH = 256  # ids drawn from the OS at once: one getrandom call and one translation per batch
+_SYMBOLS = b"abcdefghijklmnopqrstuvwxyz234567"  # base32's, lower case
+# each random byte becomes the symbol of its low 5 bits: 256 is 8 x 32, so every symbol is equally
+# likely and a character carries 5 random bits, 120 in an id's 24 (as base32 of 15 bytes, in C)
+_TO_SYMBOL = bytes(_SYMBOLS[b % 32] for b in range(256))
 _pool: list[str] = []
 
 
 def _refill() -> list[str]:
-    # 15 random bytes are exactly 24 base32 characters, so one long encoding cut every 24
-    # characters is the encoding of each 15 bytes on its own
-    text = base64.b32encode(os.urandom(15 * _BATCH)).decode().lower()
+    text = os.urandom(24 * _BATCH).translate(_TO_SYMBOL).decode()
     return [text[i:i + 24] for i in range(0, len(text), 24)]
 
 
