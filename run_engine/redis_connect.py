@@ -11,6 +11,7 @@ works on any node (a cluster forwards PUBLISH to every node).
 from __future__ import annotations
 
 import asyncio
+import codecs
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -80,9 +81,18 @@ async def connect(url: str, *, max_connections: int = 64, connect_timeout_s: flo
 class _PackInC:
     """redis-py's asyncio connections pack every command in Python, joining bytes argument by
     argument (a Lua call with a batch's hundreds of arguments cost ~0.8 ms of CPU); its sync client
-    hands the arguments to hiredis's C packer, as this does. Same bytes on the wire."""
+    hands the arguments to hiredis's C packer, as this does. Same bytes on the wire: hiredis writes
+    text as strict UTF-8, so a connection told another encoding (``?encoding=`` in the URL) keeps
+    redis-py's packer."""
+
+    _in_c: bool | None = None  # whether this connection's text encoding is hiredis's
 
     def pack_command(self, *args: Any) -> list[bytes]:
+        if self._in_c is None:
+            encoder = self.encoder  # type: ignore[attr-defined]
+            self._in_c = encoder.encoding_errors == "strict" and codecs.lookup(encoder.encoding).name == "utf-8"
+        if not self._in_c:
+            return cast(list[bytes], super().pack_command(*args))  # type: ignore[misc]
         head = args[0]
         if isinstance(head, str):
             args = tuple(head.encode().split()) + args[1:]

@@ -32,6 +32,14 @@ def test_the_c_packer_writes_the_bytes_redis_py_writes(args: tuple[object, ...])
     assert b"".join(ours.pack_command(*args)) == b"".join(theirs.pack_command(*args))
 
 
+@pytest.mark.parametrize("encoding", [("latin-1", "strict"), ("utf-8", "surrogateescape")], ids=str)
+def test_a_connection_told_another_text_encoding_keeps_redis_py_s_packer(encoding: tuple[str, str]) -> None:
+    args = ("SET", "k", "é\udcff" if encoding[1] == "surrogateescape" else "é")
+    ours = packing_in_c(Connection)(encoding=encoding[0], encoding_errors=encoding[1])
+    theirs = Connection(encoding=encoding[0], encoding_errors=encoding[1])
+    assert b"".join(ours.pack_command(*args)) == b"".join(theirs.pack_command(*args))
+
+
 @pytest.mark.parametrize("bad", [None, True, {"a": 1}, [1], "\ud800"], ids=repr)
 def test_what_redis_py_refuses_the_c_packer_refuses_with_the_same_error(bad: object) -> None:
     with pytest.raises((DataError, UnicodeEncodeError)) as theirs:
