@@ -26,29 +26,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database  # noqa: E402
+from bench._common import DEFAULT_REDIS, cpu_s, delete_prefix, fresh_database, pids_named, postgres_cpu  # noqa: E402
 from run_engine.engine import RunEngine, TaskSpec, TriggerRequest  # noqa: E402
 from run_engine.settings import EngineSettings  # noqa: E402
 from run_engine.tenancy import ensure_environment  # noqa: E402
-
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def server_cpu_us(name: str) -> float:
-    """utime + stime of every process called ``name`` (postgres: postmaster, backends, workers)."""
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if stat[stat.index("(") + 1:stat.rindex(")")] == name:
-            fields = stat[stat.rindex(")") + 2:].split()
-            total += int(fields[11]) + int(fields[12])
-    return total * 1e6 / CLK
 
 
 def engine_cpu_us() -> float:
@@ -57,7 +38,8 @@ def engine_cpu_us() -> float:
 
 
 def read() -> tuple[float, float, float]:
-    return server_cpu_us("postgres"), server_cpu_us("redis-server"), engine_cpu_us()
+    redis_s = sum(cpu_s(p, children=True) for p in pids_named("redis-server"))
+    return postgres_cpu() * 1e6, redis_s * 1e6, engine_cpu_us()
 
 
 async def measure(size: int, runs: int, database_url: str, redis_url: str) -> dict[str, tuple[float, float, float]]:
