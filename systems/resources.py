@@ -75,18 +75,25 @@ class SystemResources:
         that fails is logged, not raised: the change stands, and an error would tell its caller
         (a worker, which then gives the run up) that it did not. What the call would have done is
         repaired later: a lost job by the run's next heartbeat or the leader's re-arm, a lost
-        enqueue or ack by the reconciler, a lost continuation by the waitpoint sweeper."""
-        for outcome in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(outcome, Exception):
-                log.warning("%s: committed, but a queue or jobs call after it failed (repaired later): %r",
-                            what, outcome)
-            elif isinstance(outcome, BaseException):
-                raise outcome
+        enqueue or ack by the reconciler, a lost continuation by the waitpoint sweeper.
 
-    async def change_jobs(self, cancel: Sequence[str] = (), schedule: Sequence[JobSpec] = ()) -> None:
-        """Cancel and (re)schedule engine jobs; concurrent callers share one Redis call."""
-        if cancel or schedule:
-            await self.job_changes.submit(JobChange(tuple(cancel), tuple(schedule)))
+        The calls of :meth:`change_jobs`, :meth:`ack_many` and :meth:`enqueue_items` are futures,
+        their items already with their batchers: they go on together with no task of their own.
+        A coroutine among several becomes a task first, so that each call starts before any is
+        waited for."""
+        started = [asyncio.ensure_future(c) for c in calls] if len(calls) > 1 else calls
+        for call in started:
+            try:
+                await call
+            except Exception as exc:  # noqa: PERF203 (two or three calls)
+                log.warning("%s: committed, but a queue or jobs call after it failed (repaired later): %r",
+                            what, exc)
+
+    def change_jobs(self, cancel: Sequence[str] = (), schedule: Sequence[JobSpec] = ()) -> Awaitable[object]:
+        """Cancel and (re)schedule engine jobs; concurrent callers share one Redis call. The
+        change is with the batcher when this returns; await the result to know it was made."""
+        return self.job_changes.submit_many_now((JobChange(tuple(cancel), tuple(schedule)),) if cancel or schedule
+                                                else ())
 
     async def _apply_jobs(self, changes: list[JobChange]) -> list[None]:
         await self.jobs.apply([i for c in changes for i in c.cancel], [j for c in changes for j in c.schedule])
@@ -102,20 +109,22 @@ class SystemResources:
             for listener in self._work_listeners:
                 listener(group)
 
-    async def enqueue_items(self, items: Sequence[EnqueueItem]) -> None:
-        """Put runs into the run queue (one Lua call, shared with concurrent callers)."""
-        await self.enqueues.submit_many(items)
+    def enqueue_items(self, items: Sequence[EnqueueItem]) -> Awaitable[object]:
+        """Put runs into the run queue (one Lua call, shared with concurrent callers); queued with
+        the batcher when this returns, as :meth:`change_jobs`."""
+        return self.enqueues.submit_many_now(items)
 
     async def _enqueue(self, items: list[EnqueueItem]) -> list[None]:
         await self.queue.enqueue(items, self.now_ms())
         self.work_available(i.worker_group for i in items)
         return [None] * len(items)
 
-    async def ack_many(self, items: Sequence[tuple[str, str, str]], *, held_only: bool = False) -> None:
+    def ack_many(self, items: Sequence[tuple[str, str, str]], *, held_only: bool = False) -> Awaitable[object]:
         """Remove finished runs from the queue, freeing their concurrency (env, run, worker group).
         ``held_only`` (a suspension): only messages still held by the dequeue that handed the runs
-        out; a run that a continuation enqueued again in the meantime keeps its new message."""
-        await self.acks.submit_many([(env, run, group, held_only) for env, run, group in items])
+        out; a run that a continuation enqueued again in the meantime keeps its new message.
+        Queued with the batcher when this returns, as :meth:`change_jobs`."""
+        return self.acks.submit_many_now([(env, run, group, held_only) for env, run, group in items])
 
     async def _ack(self, items: list[tuple[str, str, str, bool]]) -> list[None]:
         await self.queue.ack([(env, run) for env, run, _, _ in items], held_only=[h for *_, h in items])

@@ -9,7 +9,7 @@ is one round trip and one commit, however many runs a batch carries.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -20,7 +20,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, to_columns
-from run_engine.records import record
+from run_engine.records import evolve, record
 
 
 @record
@@ -566,8 +566,8 @@ class RunRepository:
             pending_snapshot, executing_snapshot = snapshot_from_json(pending), snapshot_from_json(executing)
             # the run as the dequeue left it: the start's changes (status, attempt, first start) undone
             before = run.attempt_number - (executing_snapshot.attempt_number - pending_snapshot.attempt_number)
-            dequeued = replace(run, status="DEQUEUED", attempt_number=before,
-                               started_at=run.started_at if before else None)
+            dequeued = evolve(run, status="DEQUEUED", attempt_number=before,
+                              started_at=run.started_at if before else None)
             out.append((TransitionResult(run_id, True, pending_snapshot.id, pending_snapshot.engine_status,
                                          pending_snapshot, dequeued),
                         TransitionResult(run_id, True, executing_snapshot.id, executing_snapshot.engine_status,

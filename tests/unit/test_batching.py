@@ -158,3 +158,46 @@ async def test_a_failing_group_fails_together_and_spares_the_other_callers() -> 
                                    return_exceptions=True)
     assert isinstance(results[0], ValueError)  # 5, 6 and 8 are not flushed without 7: all or nothing
     assert results[1:] == [1, [2, 3]]
+
+
+async def test_submit_many_now_queues_the_items_before_it_returns() -> None:
+    calls: list[list[int]] = []
+
+    async def flush(items: list[int]) -> list[int]:
+        calls.append(items)
+        return [-i for i in items]
+
+    batcher: Batcher[int, int] = Batcher(flush, max_in_flight=1)
+    first, second = batcher.submit_many_now([1, 2]), batcher.submit_many_now([3])
+    assert list(batcher._pending) == [([1, 2], first), ([3], second)]  # queued, not yet flushed
+    assert await second == [-3] and await first == [-1, -2]
+    assert calls == [[1, 2, 3]]  # both groups in one flush
+    empty = batcher.submit_many_now([])
+    assert empty.done() and empty.result() == [] and calls == [[1, 2, 3]]
+
+
+async def test_after_commit_waits_for_every_call_logs_failures_and_starts_all_before_waiting(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from systems.resources import SystemResources
+
+    async def flush(items: list[int]) -> list[int]:
+        if 0 in items:
+            raise ConnectionError("Redis is down")
+        return items
+
+    batcher: Batcher[int, int] = Batcher(flush, split=False)
+    failing, fine = batcher.submit_many_now([0]), Batcher(flush).submit_many_now([1])
+    await SystemResources.after_commit("test", failing, fine)
+    assert fine.result() == [1] and "test: committed, but a queue or jobs call after it failed" in caplog.text
+
+    # coroutines among several run side by side: the first waits for what the second does
+    second_ran = asyncio.Event()
+
+    async def first() -> None:
+        await second_ran.wait()
+
+    async def second() -> None:
+        second_ran.set()
+
+    await asyncio.wait_for(SystemResources.after_commit("test", first(), second()), 10)
+    assert second_ran.is_set()
