@@ -73,3 +73,15 @@ async def steps_at_once(payload: dict[str, Any], ctx: Any) -> list[Any]:
     import asyncio
 
     return list(await asyncio.gather(*(ctx.step(f"s{i}", lambda i=i: i) for i in range(payload["n"]))))
+
+
+@task(id="exits-leaving-a-child")
+async def exits_leaving_a_child(payload: dict[str, Any], ctx: Any) -> str:
+    """The executor forks a child that keeps every descriptor (its pipe to the supervisor too) and
+    sleeps, then the executor dies: the pipe stays open, only the process is gone."""
+    if os.fork() == 0:
+        import time
+
+        time.sleep(payload["child_s"])
+        os._exit(0)
+    os._exit(3)

@@ -184,3 +184,51 @@ def test_answers_that_reach_an_executor_together_are_each_delivered() -> None:
     import uvloop
 
     uvloop.run(asyncio.wait_for(_answers_together(), 60))
+
+
+async def _dies_behind_an_open_pipe() -> float:
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        assert ex.alive
+        began = asyncio.get_running_loop().time()
+        with pytest.raises(ExecutorFailure) as failed:
+            await ex.run(_run("exits-leaving-a-child", {"child_s": 30}), max_duration_s=60, memory_mb=None)
+        assert failed.value.error["type"] == "TASK_PROCESS_EXITED" and "code 3" in failed.value.error["message"]
+        assert not ex.alive
+        return asyncio.get_running_loop().time() - began
+    finally:
+        ex.kill()
+
+
+def test_an_executor_that_dies_while_a_child_keeps_its_pipe_open_is_seen_dead() -> None:
+    """Liveness is the process's, not the pipe's: the run fails at once (not after the child's 30 s
+    or the run's max duration), and the executor is not handed another run."""
+    import uvloop
+
+    assert uvloop.run(asyncio.wait_for(_dies_behind_an_open_pipe(), 20)) < 20
+
+
+async def _killed_while_idle() -> None:
+    pool = ExecutorPool("tests.unit.big_tasks")
+    try:
+        await pool.warm(1)
+        (ex,) = pool._idle
+        os.kill(ex.process.pid, 9)
+        deadline = asyncio.get_running_loop().time() + 10
+        while ex.alive:  # told by the loop, without asking the process
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        fresh = await pool.acquire()
+        assert fresh is not ex and fresh.alive and pool.restarts == 1
+        out = await fresh.run(_run("big-output", {"size": 2}), max_duration_s=60, memory_mb=None)
+        assert out == {"ok": True, "output": "oo"}
+        pool.release(fresh)
+    finally:
+        pool.close()
+
+
+def test_an_idle_executor_killed_from_outside_is_replaced() -> None:
+    import uvloop
+
+    uvloop.run(asyncio.wait_for(_killed_while_idle(), 30))
