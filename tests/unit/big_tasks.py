@@ -80,8 +80,12 @@ async def exits_leaving_a_child(payload: dict[str, Any], ctx: Any) -> str:
     """The executor forks a child that keeps every descriptor (its pipe to the supervisor too) and
     sleeps, then the executor dies: the pipe stays open, only the process is gone."""
     if os.fork() == 0:
-        import time
-
-        time.sleep(payload["child_s"])
-        os._exit(0)
+        _sleep_then_exit(payload["child_s"])
     os._exit(3)
+
+
+def _sleep_then_exit(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+    os._exit(0)
