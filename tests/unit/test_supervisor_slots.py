@@ -313,3 +313,29 @@ async def test_a_run_waiting_for_an_executor_that_keeps_its_run_after_all_starts
     assert not waiting.done()
     pool.not_returning(lent)  # its run was not suspended after all
     assert isinstance(await asyncio.wait_for(waiting, 5), New) and pool.started == 1
+
+
+async def test_a_later_coroutine_is_a_timer_until_due_and_stops_either_way() -> None:
+    from supervisor.supervisor import _Later
+
+    started: list[str] = []
+    ended = asyncio.Event()
+
+    async def beat(name: str) -> None:
+        started.append(name)
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.set()
+
+    early = _Later(3600, lambda: beat("early"))
+    await early.stop()  # stopped before due: never started, no task made
+    assert early._task is None and started == []
+
+    due = _Later(0, lambda: beat("due"))
+    deadline = asyncio.get_running_loop().time() + 10
+    while not started:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    await due.stop()  # started: cancelled and waited for
+    assert started == ["due"] and ended.is_set() and due._task is not None and due._task.cancelled()
