@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -21,6 +22,15 @@ from run_engine.settings import EngineSettings
 from systems.engine_jobs import JobSpec
 
 log = logging.getLogger(__name__)
+
+
+def _log_lost_call(what: str, exc: BaseException | None) -> None:
+    log.warning("%s: committed, but a queue or jobs call after it failed (repaired later): %r", what, exc)
+
+
+def _log_if_failed(what: str, call: asyncio.Future[object]) -> None:
+    if not call.cancelled() and call.exception() is not None:
+        _log_lost_call(what, call.exception())
 
 
 @record
@@ -82,12 +92,16 @@ class SystemResources:
         A coroutine among several becomes a task first, so that each call starts before any is
         waited for."""
         started = [asyncio.ensure_future(c) for c in calls] if len(calls) > 1 else calls
-        for call in started:
+        for i, call in enumerate(started):
             try:
                 await call
             except Exception as exc:  # noqa: PERF203 (two or three calls)
-                log.warning("%s: committed, but a queue or jobs call after it failed (repaired later): %r",
-                            what, exc)
+                _log_lost_call(what, exc)
+            except BaseException:  # cancelled: the calls not waited for go on; their failures are logged
+                for rest in started[i + 1:]:
+                    if isinstance(rest, asyncio.Future):
+                        rest.add_done_callback(functools.partial(_log_if_failed, what))
+                raise
 
     def change_jobs(self, cancel: Sequence[str] = (), schedule: Sequence[JobSpec] = ()) -> Awaitable[object]:
         """Cancel and (re)schedule engine jobs; concurrent callers share one Redis call. The

@@ -201,3 +201,20 @@ async def test_after_commit_waits_for_every_call_logs_failures_and_starts_all_be
 
     await asyncio.wait_for(SystemResources.after_commit("test", first(), second()), 10)
     assert second_ran.is_set()
+
+
+async def test_after_commit_cancelled_still_logs_what_the_calls_it_did_not_wait_for_failed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from systems.resources import SystemResources
+
+    first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    second: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.ensure_future(SystemResources.after_commit("test", first, second))
+    await asyncio.sleep(0)
+    waiting.cancel()  # while it waits for the first call
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    second.set_exception(ConnectionError("Redis is down"))
+    await asyncio.sleep(0)
+    assert "test: committed, but a queue or jobs call after it failed" in caplog.text
+    assert "Redis is down" in caplog.text
