@@ -54,12 +54,13 @@ class CancelSystem:
                 assert run is not None
                 # The snapshot first: a dequeue or a start (no lock) that got in before it makes it
                 # stale (read again above), and a message handed out after it is dropped by that
-                # dequeue's own compare-and-set; then out of the queue.
+                # dequeue's own compare-and-set; then out of the queue (after the commit: a message
+                # the removal misses is dropped by the next dequeue, whose compare-and-set fails).
                 outcome = await self.run_attempt.finish(
                     run_id, RunStatus.CANCELED, error=CANCEL_ERROR, expected_snapshot_id=latest.id,
                     from_statuses=(status,), description=f"Cancelled while {status}",
                 )
-                await self.r.queue.remove(run.env_id, run_id)
+                await self.r.after_commit("cancel", self.r.queue.remove(run.env_id, run_id))
                 return outcome.status
             if status in EXECUTING:
                 result = await self.execution_snapshot.apply(

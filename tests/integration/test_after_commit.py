@@ -116,3 +116,23 @@ async def test_a_token_stored_before_its_timeout_job_failed_gets_the_job_when_th
     await h.engine.run_due_jobs()
     done = await h.engine.waitpoints.get(token.id)
     assert done is not None and done.status == "COMPLETED" and done.output_is_error
+
+
+async def test_a_cancel_whose_queue_removal_fails_is_answered_and_the_next_dequeue_drops_the_message(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = await h.engine.trigger(req(h))
+    removed: list[str] = []
+
+    async def remove(env_id: str, run_id: str) -> None:
+        removed.append(run_id)
+        raise ConnectionError("Redis is down")
+
+    monkeypatch.setattr(h.engine.resources.queue, "remove", remove)
+    assert await h.engine.cancel(run.id) == RunStatus.CANCELED  # committed: answered, not raised
+    monkeypatch.undo()
+    assert removed == [run.id]
+    got = await h.engine.get_run(run.id)
+    assert got is not None and got.status == RunStatus.CANCELED
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # its message is dropped, not handed out
+    assert run.id not in await h.engine.resources.queue.running_ids(h.env.env_id)
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
