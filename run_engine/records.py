@@ -27,8 +27,8 @@ _COPIERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 
 def evolve(obj: R, **changes: Any) -> R:
     """``dataclasses.replace`` for a record: a copy of ``obj`` with ``changes``, built from all its
-    fields read at once instead of through replace's walk of every field's metadata (3 against
-    17 us for ``RunRow``). Every field of a record is an ``__init__`` argument, in order."""
+    fields read at once instead of through replace's walk of every field's metadata (2.5 against
+    5.8 us for ``RunRow``). Every field of a record is an ``__init__`` argument, in order."""
     cls = type(obj)
     get = _COPIERS.get(cls)
     if get is None:
