@@ -71,7 +71,7 @@ async def _run_one(msg: dict[str, Any], channel: Channel) -> dict[str, Any]:
         os.environ["RUN_ENGINE_API_URL"] = msg["apiUrl"]
     os.environ["RUN_ENGINE_RUN_TOKEN"] = msg["runToken"]
     ctx = Context(run=RunInfo(msg["runId"], msg.get("tags") or []), attempt=AttemptInfo(msg["attempt"]),
-                  task=TaskInfo(task.id), queue=QueueInfo(msg.get("queue", "")))
+                  task=TaskInfo(task.id), queue=QueueInfo(msg.get("queue", ""))) if task.wants_ctx else None
     # this task is what a suspension cancels; the task's code runs in it (and in its context)
     channel.begin(asyncio.current_task())
     token = runtime.activate(runtime.Runtime(channel, msg.get("journal") or []))

@@ -93,10 +93,12 @@ class Task:
     machine: str | None = None
     cron: str | dict[str, str] | None = None
     wants_ctx: bool = field(init=False)
+    is_async: bool = field(init=False)
 
     def __post_init__(self) -> None:
         params = inspect.signature(self.fn).parameters
         self.wants_ctx = len(params) >= 2
+        self.is_async = inspect.iscoroutinefunction(self.fn)
 
     def declaration(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id}
@@ -115,7 +117,7 @@ class Task:
     async def execute(self, payload: Any, ctx: Any) -> Any:
         """Run the task function: async ones on the loop, sync ones in a thread."""
         args = (payload, ctx) if self.wants_ctx else (payload,)
-        if inspect.iscoroutinefunction(self.fn):
+        if self.is_async:
             return await self.fn(*args)
         return await asyncio.to_thread(self.fn, *args)
 

@@ -89,3 +89,21 @@ def _sleep_then_exit(seconds: float) -> None:
 
     time.sleep(seconds)
     os._exit(0)
+
+
+@task(id="shape-async-ctx")
+async def shape_async_ctx(payload: Any, ctx: Any) -> dict[str, Any]:
+    return {"run": ctx.run.id, "attempt": ctx.attempt.number, "task": ctx.task.id, "queue": ctx.queue.name,
+            "tags": ctx.run.tags}
+
+
+@task(id="shape-async")
+async def shape_async(payload: Any) -> Any:
+    return payload
+
+
+@task(id="shape-sync-ctx")
+def shape_sync_ctx(payload: Any, ctx: Any) -> dict[str, Any]:
+    import threading
+
+    return {"run": ctx.run.id, "main_thread": threading.current_thread() is threading.main_thread()}

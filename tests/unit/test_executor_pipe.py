@@ -232,3 +232,23 @@ def test_an_idle_executor_killed_from_outside_is_replaced() -> None:
     import uvloop
 
     uvloop.run(asyncio.wait_for(_killed_while_idle(), 30))
+
+
+async def _shapes() -> None:
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        msg = {**_run("shape-async-ctx", None), "attempt": 3, "tags": ["a"]}
+        out = await ex.run(msg, max_duration_s=30, memory_mb=None)
+        assert out == {"ok": True, "output": {"run": "run_pipe", "attempt": 3, "task": "shape-async-ctx",
+                                              "queue": "q", "tags": ["a"]}}
+        out = await ex.run(_run("shape-async", {"x": 1}), max_duration_s=30, memory_mb=None)
+        assert out == {"ok": True, "output": {"x": 1}}
+        out = await ex.run(_run("shape-sync-ctx", None), max_duration_s=30, memory_mb=None)
+        assert out == {"ok": True, "output": {"run": "run_pipe", "main_thread": False}}  # sync: in a thread
+    finally:
+        ex.stop()
+
+
+def test_a_task_gets_its_context_only_if_it_takes_one_and_a_sync_task_runs_in_a_thread() -> None:
+    asyncio.run(_shapes())
