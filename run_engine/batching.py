@@ -18,12 +18,14 @@ items succeed or fail together while other callers' groups are isolated from the
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 class Batcher(Generic[T, R]):
@@ -106,9 +108,15 @@ class Batcher(Generic[T, R]):
                 await self._settle(batch[:middle])
                 await self._settle(batch[middle:])
                 return
+            gone = 0
             for _, future in batch:
                 if not future.done():
                     future.set_exception(exc)
+                else:
+                    gone += 1
+            if gone:  # no caller is left to hear of it (cancelled while it waited): say it here
+                log.warning("a batch flush of %s failed after %d of its callers stopped waiting: %r",
+                            getattr(self._flush, "__qualname__", self._flush), gone, exc)
             return
         except BaseException as exc:  # cancelled: every caller of the batch learns it, then it propagates
             for _, future in batch:

@@ -410,9 +410,15 @@ class Supervisor:
             return
         state = RunState(run_id, started["snapshot"]["id"], slot=slot)
         self.runs_started += 1
+        # built before an executor is taken: an answer missing a field fails here, holding nothing
+        msg = {"type": "run", "runId": run_id, "task": started["run"]["taskIdentifier"],
+               "payload": started["payload"], "attempt": started["attemptNumber"], "tags": started["run"]["tags"],
+               "queue": started["run"]["queue"], "runToken": started["runToken"], "apiUrl": self.config.api_url,
+               "journal": started.get("journal") or []}
         executor = await self.pool.acquire()
-        beat = _Later(self.config.heartbeat_interval_s, lambda: self._run_heartbeats(state, executor))
-        watch = _Later(CANCEL_WATCH_AFTER_S, lambda: self._watch_cancel(state, executor))
+        beat = _Later(self.config.heartbeat_interval_s, lambda: self._run_heartbeats(state, executor), run_id,
+                      "heartbeats")
+        watch = _Later(CANCEL_WATCH_AFTER_S, lambda: self._watch_cancel(state, executor), run_id, "cancel watch")
         calls: set[asyncio.Task[None]] = set()
 
         def on_call(msg: dict[str, Any]) -> None:
@@ -420,10 +426,6 @@ class Supervisor:
             calls.add(task)
             task.add_done_callback(calls.discard)
 
-        msg = {"type": "run", "runId": run_id, "task": started["run"]["taskIdentifier"],
-               "payload": started["payload"], "attempt": started["attemptNumber"], "tags": started["run"]["tags"],
-               "queue": started["run"]["queue"], "runToken": started["runToken"], "apiUrl": self.config.api_url,
-               "journal": started.get("journal") or []}
         try:
             result = await executor.run(msg, max_duration_s=started.get("maxDuration"),
                                         memory_mb=MACHINES.get(started.get("machine") or "small-1x"), on_call=on_call)
@@ -436,9 +438,13 @@ class Supervisor:
         finally:
             for task in list(calls):
                 task.cancel()
-            await beat.stop()
-            await watch.stop()
-            self.pool.release(executor)
+            beat.cancel()
+            watch.cancel()
+            try:
+                await beat.stop()
+                await watch.stop()
+            finally:
+                self.pool.release(executor)
         if result.get("type") == "suspended":
             self.suspended += 1
             return  # checkpointed: restored by replay when its waitpoints complete
@@ -450,7 +456,8 @@ class Supervisor:
             if latest is None or latest.get("executionStatus") != "PENDING_CANCEL":
                 return
         # heartbeats go on while the completion is retried: a short outage must not stall the run
-        beat = _Later(self.config.heartbeat_interval_s, lambda: self._run_heartbeats(state, None))
+        beat = _Later(self.config.heartbeat_interval_s, lambda: self._run_heartbeats(state, None), run_id,
+                      "heartbeats while its completion is reported")
         try:
             async with self._reporting:
                 slot.release()  # the next run may start while this one's completion is on its way
@@ -690,10 +697,17 @@ class Supervisor:
 
     async def _run_heartbeats(self, state: RunState, executor: Any | None) -> None:
         """Heartbeat the run every interval, the first once one has passed (started by a timer, see
-        :class:`_Later`); when it moved on (cancelled), kill its executor (None: nothing runs)."""
+        :class:`_Later`); when it moved on (cancelled), kill its executor (None: nothing runs).
+        A heartbeat that fails otherwise than by transport (an answer of an unexpected shape) is
+        logged and the next one goes out: a run whose heartbeats stopped would be taken for stalled
+        and run again while it still runs."""
         while True:
-            if await self._heartbeat(state, executor):
-                return
+            try:
+                if await self._heartbeat(state, executor):
+                    return
+            except Exception:
+                log.warning("run %s: a heartbeat failed; the next one is due in %ss", state.run_id,
+                            self.config.heartbeat_interval_s, exc_info=True)
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _heartbeat(self, state: RunState, executor: Any | None) -> bool:
@@ -720,25 +734,41 @@ class Supervisor:
 class _Later:
     """A coroutine started after ``delay_s`` unless stopped first: until then a timer, not a task.
     Most runs end before their first heartbeat or cancel watch is due, and a task that is made,
-    sleeps and is cancelled costs ten times a timer (~10 against ~1 us, three per run)."""
+    sleeps and is cancelled costs ten times a timer (~10 against ~1 us, three per run).
 
-    __slots__ = ("_factory", "_handle", "_task")
+    The coroutine is a run's helper (heartbeats, cancel watch): an error it ends with is logged by
+    :meth:`stop`, never raised into the run, whose completion must still be reported and whose
+    executor must still go back to the pool."""
 
-    def __init__(self, delay_s: float, factory: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+    __slots__ = ("_factory", "_handle", "_run_id", "_task", "_what")
+
+    def __init__(self, delay_s: float, factory: Callable[[], Coroutine[Any, Any, Any]], run_id: str,
+                 what: str) -> None:
         self._factory = factory
+        self._run_id = run_id
+        self._what = what
         self._task: asyncio.Task[Any] | None = None
         self._handle = asyncio.get_running_loop().call_later(delay_s, self._start)
 
     def _start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._factory())
 
-    async def stop(self) -> None:
-        """Cancel the timer, or the coroutine once started (and wait for it to end)."""
+    def cancel(self) -> None:
+        """Cancel the timer, or the coroutine once started (without waiting for it)."""
         self._handle.cancel()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+
+    async def stop(self) -> None:
+        """Cancel, and wait for the coroutine to end if it started; its error, if it ended with
+        one, is logged. Raises only if the caller itself is cancelled meanwhile."""
+        self.cancel()
+        task = self._task
+        if task is None:
+            return
+        await asyncio.wait((task,))
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("run %s: its %s failed", self._run_id, self._what, exc_info=exc)
 
 
 class _Slot:

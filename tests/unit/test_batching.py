@@ -218,3 +218,27 @@ async def test_after_commit_cancelled_still_logs_what_the_calls_it_did_not_wait_
     await asyncio.sleep(0)
     assert "test: committed, but a queue or jobs call after it failed" in caplog.text
     assert "Redis is down" in caplog.text
+
+
+async def test_a_flush_that_fails_after_its_caller_stopped_waiting_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def flush(items: list[int]) -> list[int]:
+        started.set()
+        await release.wait()
+        raise RuntimeError("the Redis call failed")
+
+    batcher: Batcher[int, int] = Batcher(flush)
+    caller = asyncio.create_task(batcher.submit(1))
+    await asyncio.wait_for(started.wait(), 5)
+    caller.cancel()  # e.g. after_commit cancelled while it waited for this call
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    with caplog.at_level("WARNING", logger="run_engine.batching"):
+        release.set()
+        for _ in range(100):
+            if "failed after 1 of its callers stopped waiting" in caplog.text:
+                break
+            await asyncio.sleep(0.01)
+    assert "the Redis call failed" in caplog.text and "flush" in caplog.text

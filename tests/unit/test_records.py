@@ -27,3 +27,26 @@ def test_evolve_is_dataclasses_replace_without_touching_the_original() -> None:
     assert run.status == "status-value" and run.attempt_number == 2  # the original is as it was
     assert evolve(run) == run and evolve(run) is not run
     assert evolve(_One(1), only=2) == _One(2) and evolve(_One(1)) == _One(1)
+
+
+@record
+class _Checked:
+    value: int
+
+    def __post_init__(self) -> None:
+        if self.value < 0:
+            raise ValueError("negative")
+
+
+@record
+class _Derived:
+    value: int
+    double: int = dataclasses.field(init=False, default=0)
+
+
+def test_evolve_refuses_a_record_whose_init_does_more_than_set_its_fields() -> None:
+    import pytest
+
+    for obj in (_Checked(1), _Derived(1)):
+        with pytest.raises(TypeError, match="use dataclasses.replace"):
+            evolve(obj, value=-1)

@@ -328,14 +328,100 @@ async def test_a_later_coroutine_is_a_timer_until_due_and_stops_either_way() -> 
         finally:
             ended.set()
 
-    early = _Later(3600, lambda: beat("early"))
+    early = _Later(3600, lambda: beat("early"), "run_x", "beat")
     await early.stop()  # stopped before due: never started, no task made
     assert early._task is None and started == []
 
-    due = _Later(0, lambda: beat("due"))
+    due = _Later(0, lambda: beat("due"), "run_x", "beat")
     deadline = asyncio.get_running_loop().time() + 10
     while not started:
         assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.01)
     await due.stop()  # started: cancelled and waited for
     assert started == ["due"] and ended.is_set() and due._task is not None and due._task.cancelled()
+
+
+async def test_a_later_coroutine_that_failed_is_logged_and_a_cancelled_caller_stays_cancelled(caplog: Any) -> None:
+    from supervisor.supervisor import _Later
+
+    async def broken() -> None:
+        raise AttributeError("'str' object has no attribute 'get'")
+
+    failed = _Later(0, broken, "run_x", "heartbeats")
+    await until(lambda: failed._task is not None and failed._task.done())
+    with caplog.at_level("ERROR", logger="run_engine.supervisor"):
+        await failed.stop()  # logged, not raised into the run
+    assert "run run_x: its heartbeats failed" in caplog.text
+
+    release = asyncio.Event()
+
+    async def slow_to_stop() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await release.wait()  # ends only when the test says so
+
+    slow = _Later(0, slow_to_stop, "run_x", "cancel watch")
+    await until(lambda: slow._task is not None)
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(slow.stop())
+    await asyncio.sleep(0.01)
+    stopping.cancel()  # the caller of stop() is cancelled while it waits: it must not swallow that
+    release.set()
+    try:
+        await stopping
+    except asyncio.CancelledError:
+        pass
+    else:
+        raise AssertionError("stop() swallowed its caller's cancellation")
+
+
+async def test_a_run_whose_heartbeats_fail_keeps_beating_reports_stops_its_cancel_watch_and_frees_its_executor(
+        monkeypatch: Any, caplog: Any) -> None:
+    import supervisor.supervisor as supervisor_module
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
+                                      heartbeat_interval_s=0.01))
+    watch_ended = asyncio.Event()
+    beats = 0
+
+    class SlowExecutor(Executor):
+        async def run(self, msg: dict[str, Any], **_: Any) -> dict[str, Any]:
+            await until(lambda: beats > 2 and watch_started.is_set())  # both helpers ran meanwhile
+            return {"ok": True, "output": msg["runId"]}
+
+    class SlowPool(Pool):
+        async def acquire(self) -> Executor:
+            self.busy += 1
+            return SlowExecutor()
+
+    watch_started = asyncio.Event()
+
+    async def heartbeat(state: Any, executor: Any) -> bool:
+        nonlocal beats
+        beats += 1
+        raise AttributeError("'str' object has no attribute 'get'")  # an answer of an unexpected shape
+
+    async def watch(state: Any, executor: Any) -> None:
+        watch_started.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            watch_ended.set()
+
+    monkeypatch.setattr(supervisor_module, "CANCEL_WATCH_AFTER_S", 0.01)
+    monkeypatch.setattr(sup, "_heartbeat", heartbeat)
+    monkeypatch.setattr(sup, "_watch_cancel", watch)
+    sup.pool = SlowPool()  # type: ignore[assignment]
+    completions = sup._completions = Completions()  # type: ignore[assignment]
+    completions.answer.set()
+    try:
+        with caplog.at_level("WARNING", logger="run_engine.supervisor"):
+            await asyncio.wait_for(await handed(sup, item("run_1")), 5)
+        assert beats > 2  # a failed heartbeat is followed by the next: the run is not taken for stalled
+        assert completions.sent == ["run_1"] and sup.completed == 1  # the result is reported
+        assert watch_ended.is_set()  # the cancel watch does not outlive its run
+        assert sup.pool.busy == 0 and not sup._slots.locked()  # executor and slot are back
+        assert "run run_1: a heartbeat failed" in caplog.text
+    finally:
+        await sup.http.close()
