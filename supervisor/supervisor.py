@@ -116,6 +116,11 @@ class WaitsRefused(Exception):
     """A ``POST /waits`` of several items refused as a whole (400)."""
 
 
+class CompletionsTooLarge(Exception):
+    """A ``POST /attempts/complete`` of several items refused as a whole (413: over the request
+    limit together): the batcher splits it until each run's completion goes alone."""
+
+
 #: answers after which a request is worth repeating (0: the engine could not be reached)
 RETRY_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
 
@@ -197,7 +202,10 @@ class Supervisor:
         return await self._batch("/attempts/start", items)
 
     async def _complete_many(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return await self._batch("/attempts/complete", items)
+        results = await self._batch("/attempts/complete", items)
+        if len(items) > 1 and results and results[0].get("status") == 413:
+            raise CompletionsTooLarge(results[0])
+        return results
 
     async def _wait_many(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         results = await self._batch("/waits", items)
@@ -477,6 +485,11 @@ class Supervisor:
         while True:
             answer = await self._completions.submit(item)
             status = 200 if answer["ok"] else answer.get("status", 0)
+            if status == 413 and item.get("ok"):
+                # the output is over the engine's limit: it would be the same on every attempt, so
+                # the run fails now instead of staying EXECUTING until its heartbeat timeout
+                item = too_large(item, answer)
+                continue
             if status not in RETRY_STATUSES:
                 if status == 409:
                     log.info("run %s: the completion was already taken (or the run moved on)", run_id)
@@ -793,6 +806,15 @@ class _Slot:
         if not self._held and self._take is not None:
             await self._take()
             self._held = True
+
+
+def too_large(item: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """A successful attempt's completion refused for its output's size, as a non-retryable failure."""
+    error = answer.get("error")
+    why = error.get("message") if isinstance(error, dict) else None
+    return {"runId": item["runId"], "snapshotId": item["snapshotId"], "ok": False, "retryable": False,
+            "error": {"type": "OUTPUT_TOO_LARGE", "name": "OutputTooLarge",
+                      "message": f"the task's output is larger than the engine accepts ({why or 'HTTP 413'})"}}
 
 
 @dataclass(eq=False)

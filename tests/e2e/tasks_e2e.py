@@ -38,6 +38,11 @@ def not_json(payload):
     return {"when": object()}
 
 
+@task(id="sized-output", retry={"max_attempts": 3, "min_timeout": 0.2})
+def sized_output(payload):
+    return "o" * int(payload["bytes"])
+
+
 @task(id="sleeper", max_duration=2)
 def sleeper(payload):
     time.sleep(float(payload.get("seconds", 30)))

@@ -51,6 +51,22 @@ def test_output_that_is_not_json_fails_clearly(supervised: Stack) -> None:
     assert run["status"] == "FAILED" and "not JSON" in run["error"]["message"]
 
 
+def test_outputs_over_the_request_limit_together_complete_and_one_over_the_payload_limit_fails_at_once(
+        supervised: Stack) -> None:
+    # four outputs of 2.75 MiB finishing together are over the 10 MiB request limit as one
+    # completion request: they are sent apart and every run completes
+    big = [supervised.trigger("sized-output", {"bytes": 2_883_584}) for _ in range(4)]
+    too_big = supervised.trigger("sized-output", {"bytes": 3_200_000})  # over the 3 MiB payload limit
+    for run_id in big:
+        run = supervised.wait_for(run_id)
+        assert run["status"] == "COMPLETED" and len(run["output"]) == 2_883_584, (run["status"], run.get("error"))
+        assert run["attemptCount"] == 1  # its result was not lost with the others' (then run again)
+    run = supervised.wait_for(too_big)
+    # the same output on every attempt: failed at its first, not left EXECUTING until it is taken for stalled
+    assert run["status"] == "FAILED" and run["attemptCount"] == 1, (run["status"], run["attemptCount"])
+    assert run["error"]["type"] == "OUTPUT_TOO_LARGE" and "larger than" in run["error"]["message"]
+
+
 def test_max_duration_times_out(supervised: Stack) -> None:
     run = supervised.wait_for(supervised.trigger("sleeper", {"seconds": 30}))
     assert run["status"] == "TIMED_OUT" and run["attemptCount"] == 1, (run["error"], run["attemptCount"])

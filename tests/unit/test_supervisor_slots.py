@@ -425,3 +425,40 @@ async def test_a_run_whose_heartbeats_fail_keeps_beating_reports_stops_its_cance
         assert "run run_1: a heartbeat failed" in caplog.text
     finally:
         await sup.http.close()
+
+
+async def test_completions_over_the_request_limit_together_are_split_and_an_output_too_large_fails_its_run(
+        monkeypatch: Any) -> None:
+    from supervisor.supervisor import Reply
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=4))
+    sent: list[list[dict[str, Any]]] = []
+
+    async def post(path: str, json: Any = None) -> Reply:
+        assert path == "/attempts/complete"
+        items = json["items"]
+        sent.append(items)
+        if len(items) > 1:  # together over the request limit
+            return Reply(413, {"error": {"code": "payload_too_large", "message": "request body is larger"}}, "")
+        results = [{"ok": False, "status": 413, "error": {"code": "payload_too_large", "message": "output: larger "
+                                                          "than 3145728 bytes"}} if i.get("output") == "huge"
+                   else {"ok": True, "action": "finished"} for i in items]
+        return Reply(200, {"results": results}, "")
+
+    monkeypatch.setattr(sup, "_post", post)
+    try:
+        def completion(run: str, output: str) -> dict[str, Any]:
+            return {"runId": run, "snapshotId": f"s_{run}", "ok": True, "output": output}
+
+        answers = await asyncio.wait_for(asyncio.gather(
+            sup._complete("r1", completion("r1", "big")), sup._complete("r2", completion("r2", "big")),
+            sup._complete("r3", completion("r3", "huge"))), 10)
+        assert [a["ok"] for a in answers] == [True, True, True]
+        assert len(sent[0]) == 3  # refused together, then split in halves down to one run each
+        alone = [items[0] for items in sent if len(items) == 1]
+        assert [i["runId"] for i in alone if i["ok"]] == ["r1", "r2", "r3"]
+        r3 = [i for i in alone if i["runId"] == "r3"]
+        assert len(r3) == 2 and r3[-1]["ok"] is False and r3[-1]["retryable"] is False  # fails, not retried
+        assert r3[-1]["error"]["type"] == "OUTPUT_TOO_LARGE" and "3145728" in r3[-1]["error"]["message"]
+    finally:
+        await sup.http.close()
