@@ -122,20 +122,28 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
             result = loop.run_until_complete(_run_one(msg, channel))
         finally:
             os.environ.pop("RUN_ENGINE_RUN_TOKEN", None)
-            cancel_leftovers(loop)
+            left = cancel_leftovers(loop)
+        if left:
+            result["retire"] = True
         conn.send_bytes(orjson.dumps(result))
+        if left:
+            # a task this run started ignored its cancellation: it would go on during the next run
+            # on this executor (maybe another environment's), call the supervisor in its name and
+            # read its run token. The executor is not reused (the supervisor starts another).
+            return
 
 
 def cancel_leftovers(loop: asyncio.AbstractEventLoop, grace_s: float = 1.0) -> int:
     """Cancel the tasks a run left behind (background tasks its code started and never awaited):
     in a reused executor they would otherwise run on during the next run, possibly another
-    environment's, and see its run token. Returns how many there were."""
+    environment's, and see its run token. Returns how many are still there after ``grace_s``
+    (tasks that ignore their cancellation: the executor must not be reused)."""
     pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
     for t in pending:
         t.cancel()
     if pending:
         loop.run_until_complete(asyncio.wait(pending, timeout=grace_s))
-    return len(pending)
+    return sum(1 for t in pending if not t.done())
 
 
 # --- the supervisor's side ----------------------------------------------------------------------
@@ -235,6 +243,7 @@ class Executor:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno()))
         conn.close()
         self.runs = 0
+        self.retired = False  # its last run left a task that ignored its cancellation: not reused
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._messages: deque[Any] = deque()
@@ -354,7 +363,10 @@ class Executor:
             msg = await self._next(0.1)
             if msg is not None and msg is not _GONE:
                 if msg.get("type") != "call":
-                    return dict(msg)
+                    result = dict(msg)
+                    if result.pop("retire", False):
+                        self.retired = True  # see executor_main: the pool replaces it
+                    return result
                 if on_call is not None:
                     on_call(msg)
                 continue
@@ -456,7 +468,7 @@ class ExecutorPool:
     def release(self, ex: Executor) -> None:
         self.busy -= 1
         self._returning.pop(ex, None)
-        if ex.alive:
+        if ex.alive and not ex.retired:
             self._idle.append(ex)
         else:
             ex.kill()

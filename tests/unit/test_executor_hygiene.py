@@ -26,6 +26,20 @@ async def leaves_a_background_task(payload: object, ctx: object) -> str:
     return "done"
 
 
+@task(id="leaves-a-stubborn-task")
+async def leaves_a_stubborn_task(payload: object, ctx: object) -> int:
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                continue  # ignores its cancellation
+
+    asyncio.get_running_loop().create_task(stubborn())
+    await asyncio.sleep(0)
+    return os.getpid()
+
+
 @task(id="plain")
 async def plain(payload: object, ctx: object) -> str:
     await asyncio.sleep(0.1)
@@ -44,7 +58,7 @@ def test_background_tasks_of_one_run_do_not_see_the_next_run() -> None:
     try:
         os.environ["RUN_ENGINE_RUN_TOKEN"] = "rt_first"
         assert loop.run_until_complete(_run_one(_msg("leaves-a-background-task", "rt_first"), channel))["ok"]
-        assert cancel_leftovers(loop) == 1
+        assert cancel_leftovers(loop) == 0  # cancelled, and gone: the executor may be reused
         seen_tokens.clear()
         os.environ["RUN_ENGINE_RUN_TOKEN"] = "rt_second"
         assert loop.run_until_complete(_run_one(_msg("plain", "rt_second"), channel))["ok"]
@@ -56,3 +70,48 @@ def test_background_tasks_of_one_run_do_not_see_the_next_run() -> None:
         loop.close()
         parent.close()
         child.close()
+
+
+def test_a_task_that_ignores_its_cancellation_is_counted() -> None:
+    loop = asyncio.new_event_loop()
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                continue
+
+    try:
+        loop.create_task(stubborn())
+        loop.run_until_complete(asyncio.sleep(0.02))
+        assert cancel_leftovers(loop, grace_s=0.1) == 1
+    finally:
+        for t in asyncio.all_tasks(loop):
+            t.cancel()
+        loop.stop()
+        loop.close()
+
+
+async def _stubborn_run_retires_its_executor() -> None:
+    from supervisor.executor import ExecutorPool
+
+    pool = ExecutorPool("tests.unit.test_executor_hygiene")
+    try:
+        ex = await pool.acquire()
+        out = await ex.run(_msg("leaves-a-stubborn-task", "rt_first"), max_duration_s=30, memory_mb=None)
+        assert out == {"ok": True, "output": ex.process.pid}  # its result arrives, without the flag
+        assert ex.retired
+        pool.release(ex)
+        nxt = await pool.acquire()  # another process: the stubborn task never sees the next run
+        assert nxt is not ex and nxt.process.pid != ex.process.pid
+        out = await nxt.run(_msg("plain", "rt_second"), max_duration_s=30, memory_mb=None)
+        assert out == {"ok": True, "output": "ok"}
+        pool.release(nxt)
+        assert pool.restarts == 1 and pool.idle == 1
+    finally:
+        pool.close()
+
+
+def test_an_executor_whose_run_left_a_task_that_ignores_cancellation_is_not_reused() -> None:
+    asyncio.run(_stubborn_run_retires_its_executor())
