@@ -149,6 +149,7 @@ class Returning:
     """An executor, as the pool sees it, stopping its suspended run."""
 
     alive = True
+    retired = False
 
     def kill(self) -> None:
         self.alive = False
