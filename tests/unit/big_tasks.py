@@ -107,3 +107,20 @@ def shape_sync_ctx(payload: Any, ctx: Any) -> dict[str, Any]:
     import threading
 
     return {"run": ctx.run.id, "main_thread": threading.current_thread() is threading.main_thread()}
+
+
+@task(id="leaves-a-stubborn-task")
+async def leaves_a_stubborn_task(payload: Any, ctx: Any) -> int:
+    """Leaves a background task that ignores its cancellation (tests/unit/test_executor_hygiene.py)."""
+    import asyncio
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                continue
+
+    asyncio.get_running_loop().create_task(stubborn())
+    await asyncio.sleep(0)
+    return os.getpid()
