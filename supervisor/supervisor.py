@@ -187,6 +187,24 @@ class Supervisor:
             await asyncio.sleep(delay * (1 + random.random() / 2))
             delay = min(delay * 2, 5.0)
 
+    async def _get_until_answered(self, path: str) -> Reply:
+        """GET ``path``, repeated like :meth:`_post_until_answered` while the engine cannot answer."""
+        deadline = time.monotonic() + self.config.wait_retry_s
+        delay = 0.2
+        while True:
+            try:
+                reply = await self.http.get(path)
+                if reply.status not in RETRY_STATUSES or time.monotonic() + delay > deadline:
+                    return reply
+                status: int | str = reply.status
+            except TransportError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                status = type(exc).__name__
+            log.warning("%s not answered (%s); retrying in %.1f s", path, status, delay)
+            await asyncio.sleep(delay * (1 + random.random() / 2))
+            delay = min(delay * 2, 5.0)
+
     async def _batch(self, path: str, items: list[Any]) -> list[dict[str, Any]]:
         try:
             reply = await self._post(path, {"items": items})
@@ -524,6 +542,9 @@ class Supervisor:
                 executor.reply(msg["id"], {"error": f"unknown call {msg['op']!r}"})
         except TransportError as exc:
             executor.reply(msg["id"], {"error": f"the engine could not be reached: {exc}"})
+        except Exception as exc:  # never leave the task's call unanswered: it would wait until max duration
+            log.exception("run %s: a %s call of its task failed", state.run_id, msg.get("op"))
+            executor.reply(msg["id"], {"error": f"the supervisor could not handle the call: {exc!r}"})
 
     @staticmethod
     def _answer(reply: Reply, ok: dict[str, Any]) -> dict[str, Any]:
@@ -593,8 +614,12 @@ class Supervisor:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                suspended = await self._post(f"/runs/{state.run_id}/snapshots/{state.snapshot_id}/suspend")
-                if suspended.status == 200:
+                try:
+                    suspended: Reply | None = await self._post(
+                        f"/runs/{state.run_id}/snapshots/{state.snapshot_id}/suspend")
+                except TransportError:  # the engine away (a restart): look at the run below, ask again later
+                    suspended = None
+                if suspended is not None and suspended.status == 200:
                     self._suspend(state, executor)
                     return None
                 deadline = time.monotonic() + self.config.suspend_after_s  # moved on: look at it below
@@ -604,12 +629,16 @@ class Supervisor:
                 if latest is None:
                     await asyncio.sleep(0.2)
                 continue
+            if latest["executionStatus"] == "SUSPENDED":  # a suspend that got through, its answer lost
+                state.snapshot_id = latest["id"]
+                self._suspend(state, executor)
+                return None
             if latest["executionStatus"] != "EXECUTING":  # cancelled, or finished meanwhile
                 state.cancelled = latest["executionStatus"] == "PENDING_CANCEL"
                 executor.kill()
                 return None
             state.snapshot_id = latest["id"]
-            journal = await self.http.get(f"/runs/{state.run_id}/journal?from={seq}")
+            journal = await self._get_until_answered(f"/runs/{state.run_id}/journal?from={seq}")
             entries = journal.data["journal"] if journal.status == 200 else []
             if entries and entries[0]["sequence"] == seq and entries[0]["resolved"]:
                 return {"result": entries[0]["result"]}

@@ -463,3 +463,92 @@ async def test_completions_over_the_request_limit_together_are_split_and_an_outp
         assert r3[-1]["error"]["type"] == "OUTPUT_TOO_LARGE" and "3145728" in r3[-1]["error"]["message"]
     finally:
         await sup.http.close()
+
+
+async def test_an_engine_away_when_a_blocked_run_is_to_be_suspended_is_waited_out(monkeypatch: Any) -> None:
+    from supervisor.supervisor import Reply, RunState
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
+                                      suspend_after_s=0.01))
+    executor: Any = Returning()
+    executor.told = []
+    executor.suspend = lambda: executor.told.append("suspend")
+    executor.kill = lambda: executor.told.append("kill")
+    state = RunState("run_1", "snapshot_1")
+    blocked = Reply(200, {"blocked": True, "snapshot": {"id": "snapshot_2"}}, "")
+    suspends: list[str] = []
+
+    async def ask_wait(state: Any, msg: Any, suspend: bool) -> Reply:
+        return blocked
+
+    async def post(path: str, json: Any = None) -> Reply:
+        suspends.append(path)
+        if len(suspends) == 1:
+            raise ConnectionRefusedError("the server restarts")
+        return Reply(200, {}, "")
+
+    async def latest(run_id: str, after: Any = None, wait_ms: int = 0) -> Any:
+        return None  # the engine is away: looked at again
+
+    monkeypatch.setattr(sup, "_ask_wait", ask_wait)
+    monkeypatch.setattr(sup, "_post", post)
+    monkeypatch.setattr(sup, "_latest", latest)
+    sup.pool = Pool()  # type: ignore[assignment]
+    sup.pool.returning = lambda ex: None  # type: ignore[attr-defined]
+    try:
+        answer = await asyncio.wait_for(sup._wait(state, executor, {"sequence": 0, "kind": "token",
+                                                                   "waitpointId": "waitpoint_1"}), 10)
+        assert answer is None and executor.told == ["suspend"]  # suspended at the second try, not failed
+        assert suspends == ["/runs/run_1/snapshots/snapshot_2/suspend"] * 2
+    finally:
+        await sup.http.close()
+
+
+async def test_a_suspend_whose_answer_was_lost_is_seen_in_the_run_s_snapshot(monkeypatch: Any) -> None:
+    from supervisor.supervisor import Reply, RunState
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
+                                      suspend_after_s=0.01))
+    executor: Any = Returning()
+    executor.told = []
+    executor.suspend = lambda: executor.told.append("suspend")
+    executor.kill = lambda: executor.told.append("kill")
+    state = RunState("run_1", "snapshot_1")
+
+    async def ask_wait(state: Any, msg: Any, suspend: bool) -> Reply:
+        return Reply(200, {"blocked": True, "snapshot": {"id": "snapshot_2"}}, "")
+
+    async def post(path: str, json: Any = None) -> Reply:
+        raise TimeoutError("the answer was lost")  # the suspension was made all the same
+
+    async def latest(run_id: str, after: Any = None, wait_ms: int = 0) -> Any:
+        return {"id": "snapshot_3", "executionStatus": "SUSPENDED"}
+
+    monkeypatch.setattr(sup, "_ask_wait", ask_wait)
+    monkeypatch.setattr(sup, "_post", post)
+    monkeypatch.setattr(sup, "_latest", latest)
+    sup.pool = Pool()  # type: ignore[assignment]
+    sup.pool.returning = lambda ex: None  # type: ignore[attr-defined]
+    try:
+        answer = await asyncio.wait_for(sup._wait(state, executor, {"sequence": 0, "kind": "token",
+                                                                   "waitpointId": "waitpoint_1"}), 10)
+        # told to stop as suspended (restored later by replay), not killed as if cancelled
+        assert answer is None and executor.told == ["suspend"] and state.snapshot_id == "snapshot_3"
+        assert not state.cancelled
+    finally:
+        await sup.http.close()
+
+
+async def test_a_call_of_the_task_that_fails_unexpectedly_is_answered_with_the_error() -> None:
+    from supervisor.supervisor import RunState
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1))
+    replies: list[tuple[int, dict[str, Any]]] = []
+    executor: Any = Returning()
+    executor.reply = lambda call_id, data: replies.append((call_id, data))
+    try:
+        # a journal call without its key: the task waits for an answer, which must come
+        await sup._on_call(RunState("run_1", "snapshot_1"), executor, {"id": 7, "op": "journal", "sequence": 0})
+        assert len(replies) == 1 and replies[0][0] == 7 and "could not handle the call" in replies[0][1]["error"]
+    finally:
+        await sup.http.close()
