@@ -170,11 +170,12 @@ class Supervisor:
         ``wait_retry_s``; the last answer otherwise."""
         deadline = time.monotonic() + self.config.wait_retry_s
         delay = 0.2
+        retried = False
         while True:
             try:
                 reply = await self._post(path, json)
                 if reply.status not in RETRY_STATUSES:
-                    return reply
+                    return Reply(reply.status, reply.data, reply.text, retried)
                 status: int | str = reply.status
             except TransportError as exc:
                 if time.monotonic() + delay > deadline:
@@ -182,7 +183,8 @@ class Supervisor:
                 status = type(exc).__name__
             else:
                 if time.monotonic() + delay > deadline:
-                    return reply
+                    return Reply(reply.status, reply.data, reply.text, retried)
+            retried = True
             log.warning("%s not answered (%s); retrying in %.1f s", path, status, delay)
             await asyncio.sleep(delay * (1 + random.random() / 2))
             delay = min(delay * 2, 5.0)
@@ -434,7 +436,7 @@ class Supervisor:
         if not started["ok"]:
             log.info("run %s: not started (%s %s)", run_id, started.get("status"), started.get("error"))
             return
-        state = RunState(run_id, started["snapshot"]["id"], slot=slot)
+        state = RunState(run_id, started["snapshot"]["id"], slot=slot, attempt=started.get("attemptNumber"))
         self.runs_started += 1
         # built before an executor is taken: an answer missing a field fails here, holding nothing
         msg = {"type": "run", "runId": run_id, "task": started["run"]["taskIdentifier"],
@@ -658,9 +660,13 @@ class Supervisor:
             return reply
         if kind == "wait":
             when = {"date": msg["date"]} if msg.get("date") else {"seconds": msg.get("seconds", 0)}
-            return await self._post_until_answered(f"{base}/wait/duration", {**head, **when})
-        return await self._post_until_answered(f"{base}/trigger", {**head, "batch": msg["batch"],
-                                                                   "items": msg["items"]})
+            reply = await self._post_until_answered(f"{base}/wait/duration", {**head, **when})
+        else:
+            reply = await self._post_until_answered(f"{base}/trigger", {**head, "batch": msg["batch"],
+                                                                        "items": msg["items"]})
+        if reply.status == 409 and reply.retried:  # stale: maybe our own try, whose answer was lost
+            reply = await self._written_by_an_earlier_try(state, msg) or reply
+        return reply
 
     def _lend(self, state: RunState, executor: Any) -> None:
         """The run's slot is free for the next dequeue and its executor counts as coming back,
@@ -681,15 +687,15 @@ class Supervisor:
         """A wait refused as stale (409) after a try that went unanswered: if that try got through
         (the journal holds this very wait at its sequence and the run moved on from it), its
         outcome as the engine would have answered it; else None (another execution's wait)."""
-        seq, wp_id = msg["sequence"], msg["waitpointId"]
+        seq, wp_id = msg["sequence"], msg.get("waitpointId")  # none for a duration or a trigger
         journal = await self.http.get(f"/runs/{state.run_id}/journal?from={seq}")
         entries = journal.data.get("journal", []) if journal.status == 200 and journal.data else []
         if not (entries and entries[0]["sequence"] == seq and entries[0]["kind"] == msg["kind"]
-                and wp_id in (entries[0]["key"], entries[0].get("waitpointId"))):
+                and (wp_id is None or wp_id in (entries[0]["key"], entries[0].get("waitpointId")))):
             return None
         latest = await self._latest(state.run_id)
-        if latest is None:
-            return None
+        if latest is None or (state.attempt is not None and latest.get("attemptNumber") != state.attempt):
+            return None  # unknown, or another attempt's: not ours
         status = latest["executionStatus"]
         if status == "SUSPENDED":
             return Reply(200, {"blocked": True, "suspended": True, "snapshot": latest}, "")
@@ -762,9 +768,17 @@ class Supervisor:
         if response.status != 409:
             return False
         latest = (response.data or {}).get("error", {}).get("latestSnapshot", {})
-        if latest.get("executionStatus") in ("EXECUTING", "EXECUTING_WITH_WAITPOINTS") or \
-                snapshot_id != state.snapshot_id:
-            return False  # a wait moved the snapshot on; the waiter picks the new one up
+        if snapshot_id != state.snapshot_id:
+            return False  # a wait moved the snapshot on meanwhile; the next heartbeat names the new one
+        if latest.get("executionStatus") in ("EXECUTING", "EXECUTING_WITH_WAITPOINTS"):
+            # a wait moving the snapshot on (the waiter picks the new one up), or another attempt
+            # running: this one was taken for stalled while this supervisor could not reach the
+            # engine, and must stop (the snapshot says whose attempt it is)
+            full = await self._latest(state.run_id)
+            if full is None or state.attempt is None or full.get("attemptNumber") in (None, state.attempt):
+                return False
+            latest = full
+        # cancelled, finished, or another attempt's: this execution stops
         if executor is None:
             return True
         log.info("run %s moved on to %s: stopping its executor", state.run_id, latest.get("executionStatus"))
@@ -854,6 +868,7 @@ class RunState:
     snapshot_id: str
     cancelled: bool = False
     slot: _Slot | None = None  # given back once the run is suspended, before its executor is back
+    attempt: int | None = None  # the attempt this supervisor runs (a restore continues it)
 
 
 def run_supervisor(config: SupervisorConfig) -> None:

@@ -552,3 +552,70 @@ async def test_a_call_of_the_task_that_fails_unexpectedly_is_answered_with_the_e
         assert len(replies) == 1 and replies[0][0] == 7 and "could not handle the call" in replies[0][1]["error"]
     finally:
         await sup.http.close()
+
+
+async def test_a_duration_wait_whose_answer_was_lost_is_found_in_the_journal_not_taken_for_a_duplicate(
+        monkeypatch: Any) -> None:
+    from supervisor.supervisor import Reply, RunState
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1))
+    tries: list[str] = []
+    latest_attempt = 2
+
+    async def post(path: str, json: Any = None) -> Reply:
+        tries.append(path)
+        if len(tries) == 1:
+            raise TimeoutError("the answer was lost")  # the wait was made all the same: S1 -> S2
+        return Reply(409, {"error": {"code": "conflict", "message": "stale snapshot"}}, "stale snapshot")
+
+    async def get(path: str) -> Reply:
+        assert path == "/runs/run_1/journal?from=3"
+        return Reply(200, {"journal": [{"sequence": 3, "kind": "wait", "key": "3", "resolved": False,
+                                        "waitpointId": "waitpoint_d"}]}, "")
+
+    async def latest(run_id: str, after: Any = None, wait_ms: int = 0) -> Any:
+        return {"id": "snapshot_2", "executionStatus": "EXECUTING_WITH_WAITPOINTS", "attemptNumber": latest_attempt}
+
+    monkeypatch.setattr(sup, "_post", post)
+    monkeypatch.setattr(sup.http, "get", get)
+    monkeypatch.setattr(sup, "_latest", latest)
+    monkeypatch.setattr("supervisor.supervisor.random.random", lambda: 0.0)
+    try:
+        msg = {"sequence": 3, "kind": "wait", "seconds": 30}
+        reply = await sup._ask_wait(RunState("run_1", "snapshot_1", attempt=2), msg, False)
+        assert reply.status == 200 and reply.data["blocked"] and reply.data["snapshot"]["id"] == "snapshot_2"
+        assert tries == ["/runs/run_1/snapshots/snapshot_1/wait/duration"] * 2
+        # the same journal entry but another attempt running: not ours, the 409 stands (a duplicate)
+        latest_attempt = 3
+        tries.clear()
+        reply = await sup._ask_wait(RunState("run_1", "snapshot_1", attempt=2), msg, False)
+        assert reply.status == 409
+    finally:
+        await sup.http.close()
+
+
+async def test_an_execution_taken_for_stalled_stops_once_another_attempt_runs(monkeypatch: Any) -> None:
+    from supervisor.supervisor import Reply, RunState
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1))
+    executor: Any = Returning()
+    killed: list[bool] = []
+    executor.kill = lambda: killed.append(True)
+    running = {"attemptNumber": 2}
+
+    async def post(path: str, json: Any = None) -> Reply:  # the snapshot moved on while we were away
+        return Reply(409, {"error": {"code": "conflict", "latestSnapshot": {
+            "id": "snapshot_9", "executionStatus": "EXECUTING"}}}, "")
+
+    async def latest(run_id: str, after: Any = None, wait_ms: int = 0) -> Any:
+        return {"id": "snapshot_9", "executionStatus": "EXECUTING", **running}
+
+    monkeypatch.setattr(sup, "_post", post)
+    monkeypatch.setattr(sup, "_latest", latest)
+    try:
+        state = RunState("run_1", "snapshot_1", attempt=2)
+        assert await sup._heartbeat(state, executor) is False and killed == []  # our attempt: a wait moved it
+        running["attemptNumber"] = 3  # the run was failed as stalled and its next attempt started elsewhere
+        assert await sup._heartbeat(state, executor) is True and killed == [True] and state.cancelled
+    finally:
+        await sup.http.close()
