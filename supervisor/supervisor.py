@@ -355,7 +355,12 @@ class Supervisor:
                     for _ in range(free):
                         self._slots.release()
                     break
-                runs = await self._dequeue(free)
+                try:
+                    runs = await self._dequeue(free)
+                except Exception:  # an answer of an unexpected shape: never out of the loop (runs in flight)
+                    log.exception("dequeue failed; retrying")
+                    runs = []
+                    await asyncio.sleep(0.5)
                 for item in runs:
                     self._executing += 1
                     self._none_executing.clear()
@@ -443,7 +448,19 @@ class Supervisor:
                "payload": started["payload"], "attempt": started["attemptNumber"], "tags": started["run"]["tags"],
                "queue": started["run"]["queue"], "runToken": started["runToken"], "apiUrl": self.config.api_url,
                "journal": started.get("journal") or []}
-        executor = await self.pool.acquire()
+        try:
+            executor = await self.pool.acquire()
+        except Exception as exc:
+            # reported at once, retryable: the run is not left EXECUTING without heartbeats until
+            # the engine takes it for stalled
+            log.error("run %s: no executor could be started: %r", run_id, exc)
+            async with self._reporting:
+                slot.release()
+                await self._complete(run_id, {"runId": run_id, "snapshotId": state.snapshot_id, "ok": False,
+                                              "retryable": True, "error": {
+                                                  "type": "TASK_PROCESS_START_FAILED",
+                                                  "message": f"no executor process could be started: {exc!r}"}})
+            return
         beat = _Later(self.config.heartbeat_interval_s, lambda: self._run_heartbeats(state, executor), run_id,
                       "heartbeats")
         watch = _Later(CANCEL_WATCH_AFTER_S, lambda: self._watch_cancel(state, executor), run_id, "cancel watch")
@@ -600,6 +617,8 @@ class Supervisor:
                 await self._lent_back(state, executor)
             raise
         self._lent -= suspend
+        if reply.status == 200 and isinstance(reply.data, dict) and isinstance(reply.data.get("snapshot"), dict):
+            state.snapshot_id = reply.data["snapshot"]["id"]  # before waiting for a slot: heartbeats name it
         if suspend and not (reply.status == 200 and isinstance(reply.data, dict) and reply.data.get("blocked")
                             and reply.data.get("suspended")):
             await self._lent_back(state, executor)

@@ -101,9 +101,23 @@ async def test_a_run_that_fails_before_its_executor_returns_its_slot_once() -> N
             raise RuntimeError("no executor")
 
     sup.pool = Broken()  # type: ignore[assignment]
+    completions = sup._completions = Completions()  # type: ignore[assignment]
+    completions.answer.set()
+    reported: list[dict[str, Any]] = []
+    submit = completions.submit
+
+    async def record(item: dict[str, Any]) -> dict[str, Any]:
+        reported.append(item)
+        return await submit(item)
+
+    completions.submit = record  # type: ignore[method-assign]
     try:
         await (await handed(sup, item("run_1")))  # logged, not raised
         assert sup._slots._value == 2 and sup._executing == 0
+        # reported at once as a retryable failure, not left EXECUTING until taken for stalled
+        (failure,) = reported
+        assert failure["runId"] == "run_1" and failure["ok"] is False and failure["retryable"] is True
+        assert failure["error"]["type"] == "TASK_PROCESS_START_FAILED" and "no executor" in failure["error"]["message"]
     finally:
         await sup.http.close()
 
@@ -619,3 +633,26 @@ async def test_an_execution_taken_for_stalled_stops_once_another_attempt_runs(mo
         assert await sup._heartbeat(state, executor) is True and killed == [True] and state.cancelled
     finally:
         await sup.http.close()
+
+
+async def test_a_dequeue_answer_of_an_unexpected_shape_does_not_end_the_poll_loop(monkeypatch: Any) -> None:
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1))
+    sup.pool = Pool()  # type: ignore[assignment]
+    calls = 0
+
+    async def connect() -> bool:
+        return True
+
+    async def dequeue(max_runs: int) -> list[dict[str, Any]]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise KeyError("runs")  # a 200 without its runs
+        sup._stopping.set()
+        return []
+
+    monkeypatch.setattr(sup, "_connect_unless_stopped", connect)
+    monkeypatch.setattr(sup, "_dequeue", dequeue)
+    monkeypatch.setattr("supervisor.supervisor.heap.settle", lambda: None)
+    await asyncio.wait_for(sup._run(), 10)
+    assert calls == 2  # polled again after the bad answer, then stopped as asked
