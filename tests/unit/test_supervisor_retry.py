@@ -30,14 +30,16 @@ def supervisor(replies: list[Any], retry_s: float = 30.0) -> tuple[Supervisor, l
 async def test_repeats_while_unavailable_then_returns_the_answer() -> None:
     ok = Reply(200, {"blocked": True}, "")
     sup, calls = supervisor([Reply(503, None, ""), OSError("refused"), Reply(502, None, ""), ok])
-    assert await sup._post_until_answered("/runs/r/snapshots/s/trigger", {"sequence": 0}) is ok
+    # the answer, marked as one that came after tries that went unanswered (they may have been done)
+    assert await sup._post_until_answered("/runs/r/snapshots/s/trigger", {"sequence": 0}) == Reply(
+        200, {"blocked": True}, "", retried=True)
     assert len(calls) == 4
 
 
 async def test_an_answer_that_is_not_an_outage_is_not_repeated() -> None:
     refused = Reply(409, {"error": {"message": "stale"}}, "")
     sup, calls = supervisor([refused, Reply(200, {}, "")])
-    assert await sup._post_until_answered("/p", {}) is refused
+    assert await sup._post_until_answered("/p", {}) == refused and not refused.retried
     assert len(calls) == 1
 
 
