@@ -145,6 +145,7 @@ class Supervisor:
         # its completion gets through (a server that takes dequeues and refuses completions
         # cannot make this supervisor take run after run).
         self._reporting = asyncio.Semaphore(config.concurrency)
+        self._start_failures = 0  # executors that could not be started, in a row
         self._stopping = asyncio.Event()
         self._poll: asyncio.Task[Any] | None = None
         self._release: asyncio.Task[None] | None = None
@@ -208,30 +209,36 @@ class Supervisor:
             delay = min(delay * 2, 5.0)
 
     async def _batch(self, path: str, items: list[Any]) -> list[dict[str, Any]]:
+        return (await self._batch_reply(path, items))[0]
+
+    async def _batch_reply(self, path: str, items: list[Any]) -> tuple[list[dict[str, Any]], int]:
+        """Per-item results, and the request's own status (not 200: refused or not answered as a
+        whole, every item's result then saying so; an item's own status is in its result)."""
         try:
             reply = await self._post(path, {"items": items})
         except TransportError as exc:
-            return [{"ok": False, "status": 0, "error": {"code": "transport", "message": str(exc)}}] * len(items)
+            return [{"ok": False, "status": 0, "error": {"code": "transport", "message": str(exc)}}] * len(items), 0
         if reply.status != 200:
             return [{"ok": False, "status": reply.status,
-                     **(reply.data or {"error": {"message": reply.text}})}] * len(items)
+                     **(reply.data or {"error": {"message": reply.text}})}] * len(items), reply.status
         results: list[dict[str, Any]] = reply.data["results"]
-        return results
+        return results, 200
 
     async def _start_many(self, items: list[dict[str, str]]) -> list[dict[str, Any]]:
         return await self._batch("/attempts/start", items)
 
     async def _complete_many(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        results = await self._batch("/attempts/complete", items)
-        if len(items) > 1 and results and results[0].get("status") == 413:
+        results, status = await self._batch_reply("/attempts/complete", items)
+        if len(items) > 1 and status == 413:  # the request, not one item: the others were not applied
             raise CompletionsTooLarge(results[0])
         return results
 
     async def _wait_many(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        results = await self._batch("/waits", items)
-        if len(items) > 1 and results and results[0].get("status") == 400:
+        results, status = await self._batch_reply("/waits", items)
+        if len(items) > 1 and status == 400:
             # the request was refused as a whole (one item's waitpoint id or sequence, from task
-            # code, is malformed): the batcher splits it, so that only that wait fails
+            # code, is malformed): the batcher splits it, so that only that wait fails. An item
+            # refused on its own (400 in its result) is that item's answer: the others were applied
             raise WaitsRefused(results[0])
         return results
 
@@ -451,16 +458,26 @@ class Supervisor:
         try:
             executor = await self.pool.acquire()
         except Exception as exc:
-            # reported at once, retryable: the run is not left EXECUTING without heartbeats until
-            # the engine takes it for stalled
-            log.error("run %s: no executor could be started: %r", run_id, exc)
-            async with self._reporting:
-                slot.release()
-                await self._complete(run_id, {"runId": run_id, "snapshotId": state.snapshot_id, "ok": False,
-                                              "retryable": True, "error": {
-                                                  "type": "TASK_PROCESS_START_FAILED",
-                                                  "message": f"no executor process could be started: {exc!r}"}})
+            # reported, retryable: the run is not left EXECUTING without heartbeats until the
+            # engine takes it for stalled. The slot is kept for a back-off that doubles with each
+            # failure in a row (up to 30 s, under the EXECUTING timeout), so that a supervisor that
+            # cannot fork does not dequeue and fail runs as fast as it can.
+            self._start_failures += 1
+            log.error("run %s: no executor could be started (%d in a row): %r", run_id, self._start_failures, exc)
+            await asyncio.sleep(min(30.0, 0.5 * 2 ** (self._start_failures - 1)))
+            beat = _Later(self.config.heartbeat_interval_s, lambda: self._run_heartbeats(state, None), run_id,
+                          "heartbeats while its failure is reported")
+            try:
+                async with self._reporting:
+                    slot.release()
+                    await self._complete(run_id, {
+                        "runId": run_id, "snapshotId": state.snapshot_id, "ok": False, "retryable": True,
+                        "error": {"type": "TASK_PROCESS_START_FAILED",
+                                  "message": f"no executor process could be started: {exc!r}"}})
+            finally:
+                await beat.stop()
             return
+        self._start_failures = 0
         beat = _Later(self.config.heartbeat_interval_s, lambda: self._run_heartbeats(state, executor), run_id,
                       "heartbeats")
         watch = _Later(CANCEL_WATCH_AFTER_S, lambda: self._watch_cancel(state, executor), run_id, "cancel watch")
@@ -519,13 +536,15 @@ class Supervisor:
         twice. Gives up (logged) after ``completion_retry_s``."""
         deadline = time.monotonic() + self.config.completion_retry_s
         delay = 0.2
+        shrunk = False
         while True:
             answer = await self._completions.submit(item)
             status = 200 if answer["ok"] else answer.get("status", 0)
-            if status == 413 and item.get("ok"):
-                # the output is over the engine's limit: it would be the same on every attempt, so
-                # the run fails now instead of staying EXECUTING until its heartbeat timeout
-                item = too_large(item, answer)
+            if status == 413 and not shrunk:
+                # an output over the engine's limit would be the same on every attempt: the run
+                # fails now; an error too large is cut down. Either way the run does not stay
+                # EXECUTING until its heartbeat timeout
+                item, shrunk = too_large(item, answer), True
                 continue
             if status not in RETRY_STATUSES:
                 if status == 409:
@@ -658,6 +677,12 @@ class Supervisor:
                 state.cancelled = latest["executionStatus"] == "PENDING_CANCEL"
                 executor.kill()
                 return None
+            if latest.get("previousSnapshotId") not in (None, state.snapshot_id):
+                # EXECUTING, but not continued from our wait: the engine suspended the run itself
+                # (its waiting timeout) and it was restored elsewhere. That execution is the run's
+                log.info("run %s executes elsewhere (restored): stopping this execution", state.run_id)
+                executor.kill()
+                return None
             state.snapshot_id = latest["id"]
             journal = await self._get_until_answered(f"/runs/{state.run_id}/journal?from={seq}")
             entries = journal.data["journal"] if journal.status == 200 else []
@@ -713,7 +738,7 @@ class Supervisor:
                 and (wp_id is None or wp_id in (entries[0]["key"], entries[0].get("waitpointId")))):
             return None
         latest = await self._latest(state.run_id)
-        if latest is None or (state.attempt is not None and latest.get("attemptNumber") != state.attempt):
+        if latest is None or (state.attempt is not None and latest.get("attemptNumber") not in (None, state.attempt)):
             return None  # unknown, or another attempt's: not ours
         status = latest["executionStatus"]
         if status == "SUSPENDED":
@@ -870,13 +895,29 @@ class _Slot:
             self._held = True
 
 
+#: what is kept of an attempt's error message and stack trace refused as too large
+ERROR_KEPT_CHARS = 64 * 1024
+
+
 def too_large(item: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-    """A successful attempt's completion refused for its output's size, as a non-retryable failure."""
+    """A completion refused for its size (413), as it is sent again (once): a successful attempt's
+    as a non-retryable OUTPUT_TOO_LARGE failure, a failed attempt's with its error's message and
+    stack trace cut down."""
     error = answer.get("error")
     why = error.get("message") if isinstance(error, dict) else None
-    return {"runId": item["runId"], "snapshotId": item["snapshotId"], "ok": False, "retryable": False,
-            "error": {"type": "OUTPUT_TOO_LARGE", "name": "OutputTooLarge",
-                      "message": f"the task's output is larger than the engine accepts ({why or 'HTTP 413'})"}}
+    base = {"runId": item["runId"], "snapshotId": item["snapshotId"], "ok": False}
+    if item.get("ok"):
+        return {**base, "retryable": False, "error": {
+            "type": "OUTPUT_TOO_LARGE", "name": "OutputTooLarge",
+            "message": f"the task's output is larger than the engine accepts ({why or 'HTTP 413'})"}}
+    cut: dict[str, Any] = {}
+    for key, value in (item.get("error") or {}).items():
+        if key in ("message", "stackTrace") and isinstance(value, str) and len(value) > ERROR_KEPT_CHARS:
+            value = value[:ERROR_KEPT_CHARS] + f"… [cut: {len(value)} characters in all]"
+        if key in ("type", "name", "message", "stackTrace", "code"):
+            cut[key] = value if not isinstance(value, str) else value[:ERROR_KEPT_CHARS * 2]
+    cut.setdefault("message", "the attempt's error was too large to store")
+    return {**base, "retryable": item.get("retryable", True), "error": cut}
 
 
 @dataclass(eq=False)

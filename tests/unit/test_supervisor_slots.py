@@ -656,3 +656,92 @@ async def test_a_dequeue_answer_of_an_unexpected_shape_does_not_end_the_poll_loo
     monkeypatch.setattr("supervisor.supervisor.heap.settle", lambda: None)
     await asyncio.wait_for(sup._run(), 10)
     assert calls == 2  # polled again after the bad answer, then stopped as asked
+
+
+async def test_an_item_refused_on_its_own_is_its_answer_and_the_others_are_not_sent_again(monkeypatch: Any) -> None:
+    from supervisor.supervisor import Reply
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=4))
+    sent: list[list[str]] = []
+
+    async def post(path: str, json: Any = None) -> Reply:
+        items = json["items"]
+        sent.append([i["runId"] for i in items])
+        if path == "/attempts/complete":  # r1's output alone is over the payload limit: a 413 of its own
+            return Reply(200, {"results": [
+                {"ok": False, "status": 413, "error": {"message": "output: larger than 3145728 bytes"}}
+                if i["runId"] == "r1" and i["ok"] else {"ok": True, "action": "finished"} for i in items]}, "")
+        # /waits: r1's wait refused on its own (400), r2's applied
+        return Reply(200, {"results": [
+            {"ok": False, "status": 400, "error": {"message": "a run cannot wait on itself"}}
+            if i["runId"] == "r1" else {"ok": True, "blocked": True, "snapshot": {"id": "s2"}} for i in items]}, "")
+
+    monkeypatch.setattr(sup, "_post", post)
+    try:
+        answers = await asyncio.wait_for(asyncio.gather(*(
+            sup._complete(r, {"runId": r, "snapshotId": f"s_{r}", "ok": True, "output": 1}) for r in ("r1", "r2"))), 10)
+        assert [a["ok"] for a in answers] == [True, True]
+        assert sent == [["r1", "r2"], ["r1"]]  # r2 once; r1 again alone, as its failure
+        sent.clear()
+        results = await asyncio.wait_for(asyncio.gather(*(sup._waits.submit(
+            {"runId": r, "snapshotId": f"s_{r}", "waitpointId": "w", "sequence": 0, "kind": "token"})
+            for r in ("r1", "r2"))), 10)
+        assert [r.get("status") for r in results] == [400, None] and sent == [["r1", "r2"]]  # r2 not sent again
+    finally:
+        await sup.http.close()
+
+
+async def test_a_failed_attempt_whose_error_is_too_large_is_reported_with_its_error_cut_down(monkeypatch: Any) -> None:
+    from supervisor.supervisor import ERROR_KEPT_CHARS, Reply
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1))
+    sent: list[dict[str, Any]] = []
+
+    async def post(path: str, json: Any = None) -> Reply:
+        (item,) = json["items"]
+        sent.append(item)
+        if len(item["error"]["stackTrace"]) > 1_000_000:
+            return Reply(413, {"error": {"code": "payload_too_large", "message": "request body is larger"}}, "")
+        return Reply(200, {"results": [{"ok": True, "action": "retry"}]}, "")
+
+    monkeypatch.setattr(sup, "_post", post)
+    try:
+        huge = {"type": "BUILT_IN_ERROR", "name": "ValueError", "message": "m" * 100, "stackTrace": "t" * 11_000_000}
+        answer = await asyncio.wait_for(sup._complete("r1", {"runId": "r1", "snapshotId": "s1", "ok": False,
+                                                             "retryable": True, "error": huge}), 10)
+        assert answer["ok"] and len(sent) == 2
+        again = sent[1]
+        assert again["ok"] is False and again["retryable"] is True and again["error"]["name"] == "ValueError"
+        assert again["error"]["message"] == "m" * 100  # short fields kept as they were
+        assert len(again["error"]["stackTrace"]) < ERROR_KEPT_CHARS + 100 and "11000000 characters" in \
+            again["error"]["stackTrace"]
+    finally:
+        await sup.http.close()
+
+
+async def test_a_run_restored_elsewhere_while_this_execution_waited_out_an_outage_is_not_adopted(
+        monkeypatch: Any) -> None:
+    from supervisor.supervisor import Reply, RunState
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
+                                      suspend_after_s=30))
+    executor: Any = Returning()
+    executor.told = []
+    executor.kill = lambda: executor.told.append("kill")
+
+    async def ask_wait(state: Any, msg: Any, suspend: bool) -> Reply:
+        return Reply(200, {"blocked": True, "snapshot": {"id": "snapshot_2"}}, "")
+
+    async def latest(run_id: str, after: Any = None, wait_ms: int = 0) -> Any:
+        # suspended by the engine, queued, restored and executing on another worker
+        return {"id": "snapshot_6", "executionStatus": "EXECUTING", "previousSnapshotId": "snapshot_5",
+                "attemptNumber": 1}
+
+    monkeypatch.setattr(sup, "_ask_wait", ask_wait)
+    monkeypatch.setattr(sup, "_latest", latest)
+    try:
+        answer = await asyncio.wait_for(sup._wait(RunState("run_1", "snapshot_1", attempt=1), executor,
+                                                  {"sequence": 0, "kind": "token", "waitpointId": "w"}), 10)
+        assert answer is None and executor.told == ["kill"]  # this execution stops; the other is the run's
+    finally:
+        await sup.http.close()
