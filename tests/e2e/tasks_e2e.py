@@ -73,6 +73,8 @@ def hog_then_larger(payload, ctx):
 
 @task(id="long", retry={"max_attempts": 3, "min_timeout": 0.2, "randomize": False})
 async def long(payload, ctx):
+    if payload.get("started"):  # a file the test waits for: the task runs in its executor
+        await asyncio.to_thread(Path(payload["started"]).write_text, ctx.run.id)
     await asyncio.sleep(float(payload.get("seconds", 3)))
     return {"attempt": ctx.attempt.number, "pid": os.getpid()}
 

@@ -28,8 +28,15 @@ def test_a_completion_during_a_server_outage_is_delivered_when_it_returns(stack:
              "tests.e2e.tasks_e2e", "--api-url", url, "--concurrency", "2", "--name", "outage",
              "--heartbeat-interval", "0.5"], env=stack.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
-        run_id = own.trigger("long", {"seconds": 3})
-        own.wait_for(run_id, lambda r: r["status"] == "EXECUTING", timeout=60)
+        started = stack.logs / f"outage-long-started-{port}"
+        run_id = own.trigger("long", {"seconds": 3, "started": str(started)})
+        # running in its executor: EXECUTING alone is not enough (the server commits the start
+        # before the dequeue's answer reaches the supervisor; killed in between, the run would
+        # only come back at its heartbeat timeout)
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert time.monotonic() < deadline, own.run(run_id)
+            time.sleep(0.05)
         stop(server, signal.SIGKILL)  # the run finishes while the server is gone
         time.sleep(7)
         _, server = start_server(stack.env, stack.logs / "outage-server.log", port=port, **settings)
