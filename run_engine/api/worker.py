@@ -38,6 +38,7 @@ from run_engine.api.models import (
 from run_engine.api.openapi import Query, operation
 from run_engine.api.serialize import run_object, snapshot_object
 from run_engine.engine import RunRow, StartedAttempt, Waitpoint, WorkerGroup
+from run_engine.errors import StaleSnapshotError
 
 PREFIX = "/engine/v1/worker-actions"
 LATEST_RECHECK_S = 5.0  # a snapshot long-poll re-reads the run this often without a wake-up
@@ -192,7 +193,18 @@ async def latest_snapshot(request: Request) -> Response:
     return json_response({"snapshot": snapshot_object(snapshot)})
 
 
+async def _snapshot_of(ctx: ApiContext, run_id: str, snapshot_id: str) -> str:
+    """``snapshot_id`` if it has the shape of a snapshot id; else the 409 any other snapshot but the
+    run's latest gets, without the id ever reaching a statement that other runs' items share (a
+    NUL in it would fail that statement for all of them)."""
+    if looks_like_id(snapshot_id, "snapshot"):
+        return snapshot_id
+    latest = await ctx.engine.latest_snapshot(run_id)
+    raise StaleSnapshotError(run_id, "(malformed)", latest.id, latest.engine_status)
+
+
 async def _start(ctx: ApiContext, run_id: str, snapshot_id: str) -> dict[str, Any]:
+    snapshot_id = await _snapshot_of(ctx, run_id, snapshot_id)
     return await _attempt(ctx, await ctx.engine.start_attempt(run_id, snapshot_id))
 
 
@@ -221,6 +233,7 @@ def _storable_error(error: dict[str, Any]) -> dict[str, Any]:
 
 async def _complete(ctx: ApiContext, run_id: str, snapshot_id: str, req: CompleteBody,
                     field: str = "output") -> dict[str, Any]:
+    snapshot_id = await _snapshot_of(ctx, run_id, snapshot_id)  # the body is not scanned: see above
     problem = None
     if req.ok:
         try:
@@ -372,6 +385,7 @@ async def wait_waitpoints(request: Request) -> Response:
 
 async def _wait_on(ctx: ApiContext, run_id: str, env_id: str, snapshot_id: str, waitpoint_id: str,
                    req: WaitBody) -> dict[str, Any]:
+    snapshot_id = await _snapshot_of(ctx, run_id, snapshot_id)
     if not looks_like_id(waitpoint_id, "run") and req.kind not in ("child", "batch"):
         # a token, a date, another batch's waitpoint: the block statement looks it up (its
         # environment, the key of its entry), no query of its own

@@ -350,3 +350,21 @@ def test_a_batch_of_waits_answers_each_run_on_its_own(hostile: Stack) -> None:
         assert bad.status_code == 400 and "sequence" in bad.text  # the body is validated as a whole
     assert hostile.run(good)["status"] == "WAITING"
     assert hostile.run(stale)["status"] == "EXECUTING"
+
+
+def test_a_malformed_snapshot_id_in_a_completion_fails_only_its_own_item(hostile: Stack) -> None:
+    """The completions' body is not scanned for NUL (an output with one fails its run instead): a
+    snapshot id with NUL must still never reach the statement the other items share."""
+    bad, good = hostile.trigger("t", "bad-snapshot"), hostile.trigger("t", "good-snapshot")
+    started = _dequeue(hostile, bad, good)
+    b = started[good]
+    with hostile.worker() as w:
+        r = w.post(f"{W}/attempts/complete", json={"items": [
+            {"runId": bad, "snapshotId": f"snapshot_{NUL}x", "ok": True, "output": 1},
+            {"runId": good, "snapshotId": b["snapshot"]["id"], "ok": True, "output": {"y": 2}}]})
+    assert r.status_code == 200, r.text
+    first, second = r.json()["results"]
+    assert first["ok"] is False and first["status"] == 409, first  # as any snapshot but the latest
+    assert first["error"]["latestSnapshot"]["id"] == started[bad]["snapshot"]["id"]
+    assert second["ok"] is True
+    assert hostile.run(good)["status"] == "COMPLETED" and hostile.run(bad)["status"] == "EXECUTING"
