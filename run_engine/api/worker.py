@@ -375,12 +375,20 @@ async def wait_waitpoints(request: Request) -> Response:
     ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, BatchWaitBody)
+    # A run waits on one thing at a time: a run named again in the same request is refused (409)
+    # without reaching the engine, whose batch would otherwise take one statement per repeat, in
+    # turn, while every other caller of that batch waits.
+    first: dict[str, int] = {}
+    repeats = {i for i, item in enumerate(req.items) if first.setdefault(item.runId, i) != i}
 
-    async def one(item: BatchWaitItem) -> dict[str, Any]:
+    async def one(pair: tuple[int, BatchWaitItem]) -> dict[str, Any]:
+        i, item = pair
+        if i in repeats:
+            raise ApiError(409, "conflict", f"run {item.runId} is named more than once in this request")
         run_id, env_id = await _check_group_env(ctx, group, item.runId)
         return await _wait_on(ctx, run_id, env_id, item.snapshotId, item.waitpointId, item)
 
-    return json_response({"results": await _each(req.items, one)})
+    return json_response({"results": await _each(list(enumerate(req.items)), one)})
 
 
 async def _wait_on(ctx: ApiContext, run_id: str, env_id: str, snapshot_id: str, waitpoint_id: str,

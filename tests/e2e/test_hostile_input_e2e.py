@@ -368,3 +368,19 @@ def test_a_malformed_snapshot_id_in_a_completion_fails_only_its_own_item(hostile
     assert first["error"]["latestSnapshot"]["id"] == started[bad]["snapshot"]["id"]
     assert second["ok"] is True
     assert hostile.run(good)["status"] == "COMPLETED" and hostile.run(bad)["status"] == "EXECUTING"
+
+
+def test_a_run_named_twice_in_one_batch_of_waits_waits_once(hostile: Stack) -> None:
+    run_id = hostile.trigger("t", "w-twice")
+    started = _dequeue(hostile, run_id)[run_id]
+    with hostile.client() as c:
+        token = c.post("/api/v1/waitpoints/tokens", json={}).json()["id"]
+    item = {"runId": run_id, "snapshotId": started["snapshot"]["id"], "waitpointId": token, "sequence": 0}
+    with hostile.worker() as w:
+        r = w.post(f"{W}/waits", json={"items": [item] + [{**item, "sequence": i} for i in range(1, 50)]})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert results[0]["ok"] and results[0]["blocked"] and results[0]["waitpointId"] == token
+        assert all(x["status"] == 409 and "more than once" in x["error"]["message"] for x in results[1:]), results
+        journal = w.get(f"{W}/runs/{run_id}/journal").json()["journal"]
+    assert [e["sequence"] for e in journal] == [0]  # the repeats wrote nothing
