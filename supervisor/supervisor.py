@@ -169,41 +169,29 @@ class Supervisor:
         """POST an idempotent call, repeating it with back-off and jitter while the engine cannot
         answer (unreachable, 429, 5xx: a server restart, PostgreSQL or Redis away) for up to
         ``wait_retry_s``; the last answer otherwise."""
+        return await self._until_answered(path, lambda: self._post(path, json))
+
+    async def _get_until_answered(self, path: str) -> Reply:
+        """GET ``path``, repeated like :meth:`_post_until_answered` while the engine cannot answer."""
+        return await self._until_answered(path, lambda: self.http.get(path))
+
+    async def _until_answered(self, path: str, call: Callable[[], Awaitable[Reply]]) -> Reply:
+        """``call`` until the engine answers (see :meth:`_post_until_answered`); the answer says
+        whether earlier tries went unanswered (``retried``: they may have been done all the same)."""
         deadline = time.monotonic() + self.config.wait_retry_s
         delay = 0.2
         retried = False
         while True:
             try:
-                reply = await self._post(path, json)
-                if reply.status not in RETRY_STATUSES:
-                    return Reply(reply.status, reply.data, reply.text, retried)
-                status: int | str = reply.status
-            except TransportError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                status = type(exc).__name__
-            else:
-                if time.monotonic() + delay > deadline:
-                    return Reply(reply.status, reply.data, reply.text, retried)
-            retried = True
-            log.warning("%s not answered (%s); retrying in %.1f s", path, status, delay)
-            await asyncio.sleep(delay * (1 + random.random() / 2))
-            delay = min(delay * 2, 5.0)
-
-    async def _get_until_answered(self, path: str) -> Reply:
-        """GET ``path``, repeated like :meth:`_post_until_answered` while the engine cannot answer."""
-        deadline = time.monotonic() + self.config.wait_retry_s
-        delay = 0.2
-        while True:
-            try:
-                reply = await self.http.get(path)
+                reply = await call()
                 if reply.status not in RETRY_STATUSES or time.monotonic() + delay > deadline:
-                    return reply
+                    return Reply(reply.status, reply.data, reply.text, retried)
                 status: int | str = reply.status
             except TransportError as exc:
                 if time.monotonic() + delay > deadline:
                     raise
                 status = type(exc).__name__
+            retried = True
             log.warning("%s not answered (%s); retrying in %.1f s", path, status, delay)
             await asyncio.sleep(delay * (1 + random.random() / 2))
             delay = min(delay * 2, 5.0)
@@ -464,10 +452,10 @@ class Supervisor:
             # cannot fork does not dequeue and fail runs as fast as it can.
             self._start_failures += 1
             log.error("run %s: no executor could be started (%d in a row): %r", run_id, self._start_failures, exc)
-            await asyncio.sleep(min(30.0, 0.5 * 2 ** (self._start_failures - 1)))
             beat = _Later(self.config.heartbeat_interval_s, lambda: self._run_heartbeats(state, None), run_id,
                           "heartbeats while its failure is reported")
             try:
+                await asyncio.sleep(min(30.0, 0.5 * 2 ** (self._start_failures - 1)))
                 async with self._reporting:
                     slot.release()
                     await self._complete(run_id, {

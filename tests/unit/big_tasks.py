@@ -109,18 +109,22 @@ def shape_sync_ctx(payload: Any, ctx: Any) -> dict[str, Any]:
     return {"run": ctx.run.id, "main_thread": threading.current_thread() is threading.main_thread()}
 
 
-@task(id="leaves-a-stubborn-task")
-async def leaves_a_stubborn_task(payload: Any, ctx: Any) -> int:
-    """Leaves a background task that ignores its cancellation (tests/unit/test_executor_hygiene.py)."""
+async def ignores_cancellation() -> None:
+    """A background task that ignores its cancellation."""
     import asyncio
 
-    async def stubborn() -> None:
-        while True:
-            try:
-                await asyncio.sleep(0.01)
-            except asyncio.CancelledError:
-                continue
+    while True:
+        try:
+            await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            continue
 
-    asyncio.get_running_loop().create_task(stubborn())
+
+@task(id="leaves-a-stubborn-task")
+async def leaves_a_stubborn_task(payload: Any, ctx: Any) -> int:
+    """Leaves a task that ignores its cancellation (tests/unit/test_executor_hygiene.py)."""
+    import asyncio
+
+    asyncio.get_running_loop().create_task(ignores_cancellation())
     await asyncio.sleep(0)
     return os.getpid()

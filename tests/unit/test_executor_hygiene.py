@@ -59,17 +59,11 @@ def test_background_tasks_of_one_run_do_not_see_the_next_run() -> None:
 
 
 def test_a_task_that_ignores_its_cancellation_is_counted() -> None:
+    from tests.unit.big_tasks import ignores_cancellation
+
     loop = asyncio.new_event_loop()
-
-    async def stubborn() -> None:
-        while True:
-            try:
-                await asyncio.sleep(0.01)
-            except asyncio.CancelledError:
-                continue
-
     try:
-        loop.create_task(stubborn())
+        loop.create_task(ignores_cancellation())
         loop.run_until_complete(asyncio.sleep(0.02))
         assert cancel_leftovers(loop, grace_s=0.1) == 1
     finally:

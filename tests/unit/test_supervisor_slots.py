@@ -93,8 +93,16 @@ async def test_a_finished_run_frees_its_slot_while_its_completion_is_on_its_way(
         await sup.http.close()
 
 
-async def test_a_run_that_fails_before_its_executor_returns_its_slot_once() -> None:
-    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=2))
+async def test_a_run_that_fails_before_its_executor_returns_its_slot_once(monkeypatch: Any) -> None:
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=2,
+                                      heartbeat_interval_s=0.05))
+    beats: list[str] = []
+
+    async def heartbeat(state: Any, executor: Any) -> bool:
+        beats.append(state.run_id)
+        return False
+
+    monkeypatch.setattr(sup, "_heartbeat", heartbeat)
 
     class Broken(Pool):
         async def acquire(self) -> Executor:
@@ -118,6 +126,7 @@ async def test_a_run_that_fails_before_its_executor_returns_its_slot_once() -> N
         (failure,) = reported
         assert failure["runId"] == "run_1" and failure["ok"] is False and failure["retryable"] is True
         assert failure["error"]["type"] == "TASK_PROCESS_START_FAILED" and "no executor" in failure["error"]["message"]
+        assert beats  # the run's heartbeats went on during the back-off (0.5 s): not taken for stalled
     finally:
         await sup.http.close()
 
@@ -479,16 +488,25 @@ async def test_completions_over_the_request_limit_together_are_split_and_an_outp
         await sup.http.close()
 
 
-async def test_an_engine_away_when_a_blocked_run_is_to_be_suspended_is_waited_out(monkeypatch: Any) -> None:
-    from supervisor.supervisor import Reply, RunState
+def blocked_run(suspend_after_s: float) -> tuple[Supervisor, Any, Any]:
+    """A one-slot supervisor, a stand-in executor that records what it is told, and a run's state."""
+    from supervisor.supervisor import RunState
 
     sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
-                                      suspend_after_s=0.01))
+                                      suspend_after_s=suspend_after_s))
     executor: Any = Returning()
     executor.told = []
     executor.suspend = lambda: executor.told.append("suspend")
     executor.kill = lambda: executor.told.append("kill")
-    state = RunState("run_1", "snapshot_1")
+    sup.pool = Pool()  # type: ignore[assignment]
+    sup.pool.returning = lambda ex: None  # type: ignore[attr-defined]
+    return sup, executor, RunState("run_1", "snapshot_1", attempt=1)
+
+
+async def test_an_engine_away_when_a_blocked_run_is_to_be_suspended_is_waited_out(monkeypatch: Any) -> None:
+    from supervisor.supervisor import Reply
+
+    sup, executor, state = blocked_run(0.01)
     blocked = Reply(200, {"blocked": True, "snapshot": {"id": "snapshot_2"}}, "")
     suspends: list[str] = []
 
@@ -507,8 +525,6 @@ async def test_an_engine_away_when_a_blocked_run_is_to_be_suspended_is_waited_ou
     monkeypatch.setattr(sup, "_ask_wait", ask_wait)
     monkeypatch.setattr(sup, "_post", post)
     monkeypatch.setattr(sup, "_latest", latest)
-    sup.pool = Pool()  # type: ignore[assignment]
-    sup.pool.returning = lambda ex: None  # type: ignore[attr-defined]
     try:
         answer = await asyncio.wait_for(sup._wait(state, executor, {"sequence": 0, "kind": "token",
                                                                    "waitpointId": "waitpoint_1"}), 10)
@@ -519,15 +535,9 @@ async def test_an_engine_away_when_a_blocked_run_is_to_be_suspended_is_waited_ou
 
 
 async def test_a_suspend_whose_answer_was_lost_is_seen_in_the_run_s_snapshot(monkeypatch: Any) -> None:
-    from supervisor.supervisor import Reply, RunState
+    from supervisor.supervisor import Reply
 
-    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
-                                      suspend_after_s=0.01))
-    executor: Any = Returning()
-    executor.told = []
-    executor.suspend = lambda: executor.told.append("suspend")
-    executor.kill = lambda: executor.told.append("kill")
-    state = RunState("run_1", "snapshot_1")
+    sup, executor, state = blocked_run(0.01)
 
     async def ask_wait(state: Any, msg: Any, suspend: bool) -> Reply:
         return Reply(200, {"blocked": True, "snapshot": {"id": "snapshot_2"}}, "")
@@ -541,8 +551,6 @@ async def test_a_suspend_whose_answer_was_lost_is_seen_in_the_run_s_snapshot(mon
     monkeypatch.setattr(sup, "_ask_wait", ask_wait)
     monkeypatch.setattr(sup, "_post", post)
     monkeypatch.setattr(sup, "_latest", latest)
-    sup.pool = Pool()  # type: ignore[assignment]
-    sup.pool.returning = lambda ex: None  # type: ignore[attr-defined]
     try:
         answer = await asyncio.wait_for(sup._wait(state, executor, {"sequence": 0, "kind": "token",
                                                                    "waitpointId": "waitpoint_1"}), 10)
@@ -721,13 +729,9 @@ async def test_a_failed_attempt_whose_error_is_too_large_is_reported_with_its_er
 
 async def test_a_run_restored_elsewhere_while_this_execution_waited_out_an_outage_is_not_adopted(
         monkeypatch: Any) -> None:
-    from supervisor.supervisor import Reply, RunState
+    from supervisor.supervisor import Reply
 
-    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
-                                      suspend_after_s=30))
-    executor: Any = Returning()
-    executor.told = []
-    executor.kill = lambda: executor.told.append("kill")
+    sup, executor, state = blocked_run(30)
 
     async def ask_wait(state: Any, msg: Any, suspend: bool) -> Reply:
         return Reply(200, {"blocked": True, "snapshot": {"id": "snapshot_2"}}, "")
@@ -740,8 +744,8 @@ async def test_a_run_restored_elsewhere_while_this_execution_waited_out_an_outag
     monkeypatch.setattr(sup, "_ask_wait", ask_wait)
     monkeypatch.setattr(sup, "_latest", latest)
     try:
-        answer = await asyncio.wait_for(sup._wait(RunState("run_1", "snapshot_1", attempt=1), executor,
-                                                  {"sequence": 0, "kind": "token", "waitpointId": "w"}), 10)
+        answer = await asyncio.wait_for(sup._wait(state, executor, {"sequence": 0, "kind": "token",
+                                                                   "waitpointId": "w"}), 10)
         assert answer is None and executor.told == ["kill"]  # this execution stops; the other is the run's
     finally:
         await sup.http.close()
