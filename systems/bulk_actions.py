@@ -88,7 +88,11 @@ class BulkActionsSystem:
         action, cached = await self.r.repo.bulk_actions.create(
             id=new_id("bulk"), env_id=env_id, kind=kind, filter=run_filter.stored(), idempotency_key=idempotency_key)
         if action.status == "PENDING":
-            await self.r.change_jobs(schedule=[engine_jobs.bulk_action(action.id, self.r.clock.now())])
+            job = engine_jobs.bulk_action(action.id, self.r.clock.now())
+            # A repeated request must not make the job due again while a worker runs its page (a
+            # second worker would take the same page at once); it re-arms only a job that is gone.
+            if not cached or await self.r.jobs.missing([job[0]]):
+                await self.r.change_jobs(schedule=[job])
         return action, cached
 
     async def get(self, env_id: str, action_id: str) -> BulkAction | None:
@@ -106,7 +110,7 @@ class BulkActionsSystem:
         runs = await self.r.repo.runs.list_runs(
             action.env_id, statuses=f.statuses, tasks=f.tasks, tags=f.tags, queues=f.queues, batches=f.batches,
             limit=PAGE, after=after, created_from=f.created_from, created_to=created_to)
-        succeeded = await (self._cancel(runs) if action.kind == "CANCEL" else self._replay(action, runs))
+        succeeded = await (self._cancel(action, runs) if action.kind == "CANCEL" else self._replay(action, runs))
         done = len(runs) < PAGE
         last = (runs[-1].created_at, runs[-1].id) if runs else None
         moved = await self.r.repo.bulk_actions.advance(
@@ -114,10 +118,16 @@ class BulkActionsSystem:
             succeeded=succeeded, done=done)
         return moved and not done
 
-    async def _cancel(self, runs: list[RunRow]) -> int:
+    async def _cancel(self, action: BulkAction, runs: list[RunRow]) -> int:
+        """How many of ``runs`` this action cancelled: a run cancelled since the action was made
+        counts too, as an earlier try at this page (one that died before recording it, or a second
+        worker on it) cancelled it; a run that had finished before is left alone and not counted."""
         cancelled = 0
         for run in runs:
             if RunStatus(run.status) in FINAL_RUN_STATUSES:
+                if (run.status == RunStatus.CANCELED and run.finished_at is not None
+                        and run.finished_at >= action.created_at):
+                    cancelled += 1
                 continue
             try:
                 await self.cancel.cancel(run.id)
@@ -139,4 +149,5 @@ class BulkActionsSystem:
                     made += await self.enqueue.trigger_many([req])
                 except Exception:
                     log.warning("bulk replay: run of %s could not be replayed", req.task_id, exc_info=True)
-        return sum(1 for m in made if not m.is_cached)
+        # a run found by its key was made by an earlier try at this page: the key is the action's own
+        return len(made)

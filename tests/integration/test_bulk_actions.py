@@ -77,3 +77,62 @@ async def test_an_action_whose_job_was_lost_is_rearmed_and_finishes(h: Any) -> N
         if done.status == "COMPLETED":
             break
     assert (done.status, done.processed, done.succeeded) == ("COMPLETED", 3, 3)
+
+
+@pytest.mark.parametrize("kind", ["CANCEL", "REPLAY"])
+async def test_a_try_that_died_before_recording_its_page_counts_once_on_the_next(
+        h: Any, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker acts on the whole page, then dies before the page is recorded: the next try
+    finds the page's runs already cancelled (or replayed) by this action and counts them."""
+    await h.deploy({"id": "t"})
+    await _runs(h, PAGE + 7, "died")
+    action, _ = await h.engine.create_bulk_action(h.env.env_id, kind, RunFilter(tags=("died",)))
+    bulk = h.engine.systems.bulk_actions
+    real = bulk.r.repo.bulk_actions.advance
+
+    async def dies(*args: Any, **kwargs: Any) -> bool:
+        monkeypatch.setattr(bulk.r.repo.bulk_actions, "advance", real)
+        raise ConnectionError("the process died here")
+
+    monkeypatch.setattr(bulk.r.repo.bulk_actions, "advance", dies)
+    with pytest.raises(ConnectionError):
+        await bulk.run_page(action.id)
+    while await bulk.run_page(action.id):
+        pass
+    done = await h.engine.bulk_action(h.env.env_id, action.id)
+    assert (done.status, done.processed, done.succeeded) == ("COMPLETED", PAGE + 7, PAGE + 7)
+    tagged = await h.engine.list_runs(h.env.env_id, tags=["died"], limit=1000)
+    if kind == "CANCEL":
+        assert {r.status for r in tagged} == {"CANCELED"}
+    else:
+        assert len(tagged) == 2 * (PAGE + 7)  # each run replayed once
+
+
+async def test_two_workers_on_one_cancel_page_count_each_run_once(h: Any) -> None:
+    await h.deploy({"id": "t"})
+    await _runs(h, PAGE + 3, "twice")
+    action, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("twice",)))
+    bulk = h.engine.systems.bulk_actions
+    assert sorted(await asyncio.gather(bulk.run_page(action.id), bulk.run_page(action.id))) == [False, True]
+    while await bulk.run_page(action.id):
+        pass
+    done = await h.engine.bulk_action(h.env.env_id, action.id)
+    assert (done.processed, done.succeeded) == (PAGE + 3, PAGE + 3)
+
+
+async def test_a_repeated_request_does_not_hand_the_page_to_a_second_worker(h: Any) -> None:
+    """The same idempotency key again while a worker holds the action's job leaves the job alone
+    (making it due again would start the same page twice at once); a job that is gone is re-armed."""
+    from systems import engine_jobs
+
+    await h.deploy({"id": "t"})
+    await _runs(h, 3, "again")
+    action, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("again",)), "same")
+    job_id = engine_jobs.bulk_action_id(action.id)
+    jobs = h.engine.resources.jobs
+    assert job_id in {j.id for j in await jobs.claim(100)}  # a worker holds it now
+    _, cached = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("again",)), "same")
+    assert cached and job_id not in {j.id for j in await jobs.claim(100)}
+    await h.engine.resources.change_jobs(cancel=[job_id])  # lost
+    await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("again",)), "same")
+    assert await jobs.missing([job_id]) == []
