@@ -8,7 +8,10 @@ no delay.
 A batch carries the items of many callers, often of many tenants, so one bad item must not fail
 the others: when a flush of several callers' items raises, the batch is split in halves and each
 half is flushed again, down to single callers, and only the callers whose items fail on their own
-get the error (``split=False`` turns this off for flushes that are not safe to repeat).
+get the error (``split=False`` turns this off for flushes that are not safe to repeat). A flush
+that fails after its writes committed (a look-up after the statement) says so with
+:func:`committed`: its batch is not flushed again, as every run in it would find itself moved on;
+each caller gets the error, as if its answer were lost on the way.
 
 One item and many items take the same path: :meth:`Batcher.submit_many` hands a caller's items
 over as one group, flushed together (one statement, one Lua call) and never split, so a caller's
@@ -18,14 +21,32 @@ items succeed or fail together while other callers' groups are isolated from the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
 log = logging.getLogger(__name__)
+COMMITTED = "raised after the batch's writes committed: not flushed again"
+
+
+@contextlib.contextmanager
+def committed() -> Iterator[None]:
+    """Around what a flush does after its writes committed: an error raised there is marked (a
+    note on the exception, also in its traceback) so that the batcher does not flush the batch
+    again."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(COMMITTED)
+        raise
+
+
+def _after_commit(exc: BaseException) -> bool:
+    return COMMITTED in getattr(exc, "__notes__", ())
 
 
 class Batcher(Generic[T, R]):
@@ -103,7 +124,7 @@ class Batcher(Generic[T, R]):
             if len(results) != len(items):
                 raise RuntimeError(f"batch flush returned {len(results)} results for {len(items)} items")
         except Exception as exc:
-            if self._split and len(batch) > 1:
+            if self._split and len(batch) > 1 and not _after_commit(exc):
                 middle = len(batch) // 2
                 await self._settle(batch[:middle])
                 await self._settle(batch[middle:])

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from run_engine.batching import Batcher
 from run_engine.db.runs import RunRow, Snapshot, TransitionResult
 from run_engine.db.waitpoints import BlockWrite, Completion, JournalEntry, NewWaitpoint, Waitpoint
+from run_engine.dependencies import log_failure
 from run_engine.errors import (
     ConflictError,
     DuplicateExecutionError,
@@ -179,11 +180,20 @@ class WaitpointsSystem:
         (only of those that have one: a token without a timeout costs no jobs call)."""
         completed = await self.wp.complete(completions)
         done = [w for w, _ in completed]
-        if done:
+        if not done:
+            return done
+        # Committed: the callers are answered that their waitpoints completed whatever follows (an
+        # error would make the batcher complete them again, and every one would be found done
+        # already); a continuation left undone is the sweeper's, a timeout job left armed fires
+        # on a completed waitpoint and does nothing.
+        try:
             runs = {run_id for _, run_id in await self.wp.blocked_runs(done)}
             cancel = [job for w, timed in completed if timed and cancel_timeouts
                       for job in (engine_jobs.waitpoint_timeout_id(w), engine_jobs.waitpoint_datetime_id(w))]
             await self.continue_runs(runs, cancel)
+        except Exception as exc:
+            log_failure(log, exc, "%d waitpoints completed; continuing the runs they blocked failed (the sweeper"
+                        " will)", len(done))
         return done
 
     async def on_runs_finished(self, runs: Sequence[RunRow]) -> None:

@@ -8,6 +8,7 @@ is one round trip and one commit, however many runs a batch carries.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,8 +20,11 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from run_engine.batching import committed
 from run_engine.db.rows import from_row, to_columns
 from run_engine.records import evolve, record
+
+log = logging.getLogger(__name__)
 
 
 @record
@@ -536,7 +540,9 @@ class RunRepository:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_TRANSITION_SQL, self._transition_params(transitions))
-            return await self._transition_results(conn, await cur.fetchall())
+            rows = await cur.fetchall()
+            with committed():
+                return await self._transition_results(conn, rows)
 
     async def dequeue_and_start(self, runs: Sequence[DequeueStart], pending_description: str, start_description: str,
                                 ) -> list[tuple[TransitionResult, TransitionResult, list[dict[str, Any]] | None]]:
@@ -553,7 +559,11 @@ class RunRepository:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_DEQUEUE_START_SQL, params)
             rows = await cur.fetchall()
-            latest = await self._winners(conn, rows)
+            try:
+                latest = await self._winners(conn, rows)
+            except Exception:  # committed: a run that lost its race is dropped whatever won it
+                log.warning("dequeue: could not read the snapshots that won %d races", len(rows), exc_info=True)
+                latest = {}
         out: list[tuple[TransitionResult, TransitionResult, list[dict[str, Any]] | None]] = []
         for row in rows:
             run_id, pending, executing = row["t_run_id"], row["t_pending"], row["t_executing"]

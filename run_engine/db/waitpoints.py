@@ -15,6 +15,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from run_engine.batching import committed
 from run_engine.db.rows import from_row, to_columns
 from run_engine.db.runs import LATEST_OF_INPUT, Snapshot, TransitionResult, snapshot_from_json, transition_result
 from run_engine.records import record
@@ -546,7 +547,8 @@ class WaitpointRepository:
                                    None, False, 0, missing=True))
                 continue
             if row["conflict"]:
-                out.append(Blocked(await self._moved_on(b.run_id), None, False, 0))
+                with committed():  # the others' writes stand
+                    out.append(Blocked(await self._moved_on(b.run_id), None, False, 0))
                 continue
             e = row["existing"]
             out.append(Blocked(
@@ -571,7 +573,8 @@ class WaitpointRepository:
         for run_id, *_ in suspends:
             row = found[run_id]
             if row["conflict"]:  # another transition came first; nothing was written
-                out.append((await self._moved_on(run_id), 0))
+                with committed():  # the others' writes stand
+                    out.append((await self._moved_on(run_id), 0))
                 continue
             out.append((transition_result(run_id, row["latest_id"], row["latest_status"], row["snapshot"],
                                           row["run_row"]), int(row["pending"])))

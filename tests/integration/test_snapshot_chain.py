@@ -247,3 +247,72 @@ async def test_blocks_racing_cancels_without_a_lock_keep_one_chain(h: Harness) -
                                 "FINISHED"], statuses
             assert run_id not in await h.engine.resources.queue.running_ids(h.env.env_id)
             assert (await h.engine.get_run(run_id)).status == "CANCELED"  # type: ignore[union-attr]
+
+
+async def test_a_batch_whose_lookup_fails_after_its_commit_is_not_applied_again(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The statement committed, then the look-up of a lost race's winner failed: the batcher
+    must not run the batch again (the transition that applied would be told its run moved on)."""
+    from run_engine.batching import COMMITTED
+    from run_engine.db import runs as runs_module
+
+    run_id, executing_id = await executing(h)
+    other, _ = await executing(h)
+    first = finish(run_id, executing_id)
+    monkeypatch.setattr(runs_module, "_LATEST_OF_RUNS", "SELECT no_such_function(%s)")
+    transitions = h.engine.resources.transitions
+    async with h.engine.resources.repo.pool.connection() as conn:
+        async with conn.transaction():
+            await conn.execute(_TRANSITION_SQL, RunRepository._transition_params([first]))
+            second = Transition(run_id=run_id, new_snapshot_id=new_id("snapshot"), engine_status="PENDING_CANCEL",
+                                run_status="EXECUTING", from_statuses=("EXECUTING",),
+                                expected_snapshot_id=executing_id, description="racing")
+            other_done = finish(other, (await h.engine.latest_snapshot(other)).id)
+            racing = asyncio.gather(transitions.submit(second), transitions.submit(other_done),
+                                    return_exceptions=True)
+            await asyncio.sleep(0.2)
+            assert not racing.done()
+    lost, unrelated = await racing
+    # both callers lose their answer (as over a dropped connection); nothing is written twice
+    assert isinstance(lost, Exception) and COMMITTED in lost.__notes__
+    assert isinstance(unrelated, Exception) and COMMITTED in unrelated.__notes__
+    assert await h.statuses(other) == ["QUEUED", "PENDING_EXECUTING", "EXECUTING", "FINISHED"]
+    assert await valid_after(h, executing_id) == [first.new_snapshot_id]
+
+
+async def test_a_block_whose_lookup_fails_after_its_commit_says_so(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    from run_engine.batching import COMMITTED
+    from run_engine.db.waitpoints import WaitpointRepository
+
+    run_id, executing_id = await executing(h)
+    other, other_executing = await executing(h)
+    token, _ = await h.engine.create_token(h.env.env_id)
+
+    async def lost(self: WaitpointRepository, run_id: str) -> None:
+        raise ConnectionError("connection lost after the commit")
+
+    monkeypatch.setattr(WaitpointRepository, "_moved_on", lost)
+    async with h.engine.resources.repo.pool.connection() as conn:
+        async with conn.transaction():
+            await conn.execute(_TRANSITION_SQL, RunRepository._transition_params([finish(run_id, executing_id)]))
+            racing = asyncio.ensure_future(h.engine.resources.repo.waitpoints.block_executing(
+                [BlockWrite(r, e, JournalEntry(0, "token", token.id, None, token.id), [token.id], new_id("snapshot"),
+                            "racing") for r, e in ((run_id, executing_id), (other, other_executing))]))
+            await asyncio.sleep(0.2)
+    with pytest.raises(ConnectionError) as raised:
+        await racing
+    assert COMMITTED in raised.value.__notes__
+    assert [w.id for w in await h.engine.blocking_waitpoints(other)] == [token.id]  # its write stands
+
+
+async def test_a_dequeue_whose_lookup_fails_after_its_commit_still_hands_its_runs_over(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+
+    async def lost(conn: object, rows: object) -> dict[str, tuple[str, str]]:
+        raise ConnectionError("connection lost after the commit")
+
+    monkeypatch.setattr(RunRepository, "_winners", staticmethod(lost))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1, start=True)
+    assert d.run.id == run.id and d.started is not None

@@ -757,3 +757,24 @@ async def test_a_dequeue_that_starts_a_restored_run_reads_its_journal_in_the_sam
         {"sequence": 0, "kind": "step", "key": "a", "resolved": True, "result": {"v": 1}},
         {"sequence": 1, "kind": "token", "key": token.id, "resolved": True,
          "result": {"ok": True, "output": {"approved": True}}}]
+
+
+async def test_a_completion_whose_continuation_fails_is_answered_and_the_sweeper_continues(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Completed is completed: a failure after the completion's commit does not fail its caller
+    (the batcher would complete it again and find it done); the sweeper continues the run."""
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id, waitpoint_ids=[token.id])
+    wp = h.engine.systems.waitpoints.wp
+
+    async def lost(waitpoint_ids: object) -> list[tuple[str, str]]:
+        raise ConnectionError("connection lost after the commit")
+
+    monkeypatch.setattr(wp, "blocked_runs", lost)
+    assert await h.engine.waitpoints.complete(token.id, "yes") is True
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING_WITH_WAITPOINTS"
+    monkeypatch.undo()
+    await h.engine.waitpoints.sweep(grace_s=0)
+    latest = await h.engine.latest_snapshot(run.id)
+    assert latest.engine_status == "EXECUTING" and latest.completed_waitpoint_ids == [token.id]

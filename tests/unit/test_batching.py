@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from run_engine.batching import Batcher
+from run_engine.batching import COMMITTED, Batcher, committed
 
 
 async def test_concurrent_submissions_share_one_flush() -> None:
@@ -75,6 +75,26 @@ async def test_without_split_a_failed_flush_fails_the_whole_batch() -> None:
     batcher: Batcher[int, int] = Batcher(flush, max_in_flight=1, split=False)
     results = await asyncio.gather(*(batcher.submit(i) for i in range(4)), return_exceptions=True)
     assert all(isinstance(r, ValueError) for r in results)
+
+
+async def test_a_flush_that_fails_after_its_commit_is_not_flushed_again() -> None:
+    """Flushed again, every item would find its write done already (its run moved on): each
+    caller of the batch gets the error instead, as if its answer were lost."""
+    calls: list[list[int]] = []
+
+    async def flush(items: list[int]) -> list[int]:
+        calls.append(items)
+        # the writes of every item commit here; then a look-up for item 2's answer fails
+        with committed():
+            if 2 in items:
+                raise ConnectionError("connection lost after the commit")
+        return items
+
+    batcher: Batcher[int, int] = Batcher(flush, max_in_flight=1)
+    results = await asyncio.gather(*(batcher.submit(i) for i in range(4)), return_exceptions=True)
+    assert calls == [[0, 1, 2, 3]]
+    assert all(isinstance(r, ConnectionError) and COMMITTED in r.__notes__ for r in results)
+    assert await batcher.submit(7) == 7  # and the batcher goes on
 
 
 async def test_a_flush_with_the_wrong_number_of_results_fails_its_callers_instead_of_hanging() -> None:
