@@ -84,6 +84,17 @@ class QueueFullError(RunEngineError):
         self.limit = limit
 
 
+class TooManyError(RunEngineError):
+    """A per-environment limit on things under way (HTTP 429): retry once some have finished."""
+
+    code = "too_many"
+
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(f"the environment has {limit} {what} under way, its most; retry when one has finished")
+        self.what = what
+        self.limit = limit
+
+
 class LockTimeoutError(RunEngineError):
     code = "lock_timeout"
 

@@ -9,6 +9,7 @@ each replay carries an idempotency key made of the action and the run, so it is 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,7 +17,15 @@ from typing import Any
 
 from run_engine.db.bulk_actions import BulkAction
 from run_engine.db.runs import RunRow
-from run_engine.errors import ValidationError
+from run_engine.errors import (
+    ConflictError,
+    DuplicateExecutionError,
+    InvalidTransitionError,
+    NotFoundError,
+    TooManyError,
+    UnprocessableError,
+    ValidationError,
+)
 from run_engine.ids import new_id
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 from systems import engine_jobs
@@ -26,6 +35,7 @@ from systems.resources import SystemResources
 
 log = logging.getLogger(__name__)
 PAGE = 100
+MAX_PENDING = 10  # bulk actions under way per environment
 KINDS = ("CANCEL", "REPLAY")
 FILTERS = ("statuses", "tasks", "tags", "queues", "batches")
 
@@ -85,8 +95,12 @@ class BulkActionsSystem:
             values = getattr(run_filter, name)
             if len(values) > 100 or any(not v or len(v) > 256 for v in values):
                 raise ValidationError(name, "at most 100 values of 1..256 characters")
-        action, cached = await self.r.repo.bulk_actions.create(
-            id=new_id("bulk"), env_id=env_id, kind=kind, filter=run_filter.stored(), idempotency_key=idempotency_key)
+        made, cached = await self.r.repo.bulk_actions.create(
+            id=new_id("bulk"), env_id=env_id, kind=kind, filter=run_filter.stored(), idempotency_key=idempotency_key,
+            max_pending=MAX_PENDING)
+        if made is None:  # one tenant's actions must not fill the engine jobs every tenant needs
+            raise TooManyError("bulk actions", MAX_PENDING)
+        action = made
         if action.status == "PENDING":
             job = engine_jobs.bulk_action(action.id, self.r.clock.now())
             # A repeated request must not make the job due again while a worker runs its page (a
@@ -113,28 +127,31 @@ class BulkActionsSystem:
         succeeded = await (self._cancel(action, runs) if action.kind == "CANCEL" else self._replay(action, runs))
         done = len(runs) < PAGE
         last = (runs[-1].created_at, runs[-1].id) if runs else None
-        moved = await self.r.repo.bulk_actions.advance(
-            action.id, expected=(action.cursor_created_at, action.cursor_id), cursor=last, processed=len(runs),
-            succeeded=succeeded, done=done)
-        return moved and not done
+        if await self.r.repo.bulk_actions.advance(
+                action.id, expected=(action.cursor_created_at, action.cursor_id), cursor=last, processed=len(runs),
+                succeeded=succeeded, done=done):
+            return not done
+        # Another worker recorded this page first: the next page is ours to start as well should
+        # that worker have died before it scheduled it (a page done twice counts once).
+        now = await self.r.repo.bulk_actions.get(action.id)
+        return now is not None and now.status == "PENDING"
 
     async def _cancel(self, action: BulkAction, runs: list[RunRow]) -> int:
-        """How many of ``runs`` this action cancelled: a run cancelled since the action was made
-        counts too, as an earlier try at this page (one that died before recording it, or a second
-        worker on it) cancelled it; a run that had finished before is left alone and not counted."""
+        """How many of ``runs`` this action cancelled, all of them at once (the engine's batchers
+        make few round trips of them). A run cancelled since the action was made counts too, as
+        an earlier try at this page (one that died before recording it, or a second worker on it)
+        cancelled it; a run that had finished before is left alone and not counted."""
         cancelled = 0
+        todo: list[RunRow] = []
         for run in runs:
-            if RunStatus(run.status) in FINAL_RUN_STATUSES:
-                if (run.status == RunStatus.CANCELED and run.finished_at is not None
-                        and run.finished_at >= action.created_at):
-                    cancelled += 1
-                continue
-            try:
-                await self.cancel.cancel(run.id)
+            if RunStatus(run.status) not in FINAL_RUN_STATUSES:
+                todo.append(run)
+            elif (run.status == RunStatus.CANCELED and run.finished_at is not None
+                  and run.finished_at >= action.created_at):
                 cancelled += 1
-            except Exception:  # one run that cannot be cancelled now must not stop the others
-                log.warning("bulk cancel: run %s could not be cancelled", run.id, exc_info=True)
-        return cancelled
+        outcomes = await asyncio.gather(*(self.cancel.cancel(run.id) for run in todo), return_exceptions=True)
+        _retry_unless_refused("cancel", [(run.id, o) for run, o in zip(todo, outcomes, strict=True)])
+        return cancelled + sum(1 for o in outcomes if not isinstance(o, BaseException))
 
     async def _replay(self, action: BulkAction, runs: list[RunRow]) -> int:
         if not runs:
@@ -143,11 +160,31 @@ class BulkActionsSystem:
         try:
             made = await self.enqueue.trigger_many(requests)
         except Exception:  # one run that cannot be replayed must not stop the others: one at a time
-            made = []
-            for req in requests:
-                try:
-                    made += await self.enqueue.trigger_many([req])
-                except Exception:
-                    log.warning("bulk replay: run of %s could not be replayed", req.task_id, exc_info=True)
+            outcomes = await asyncio.gather(*(self.enqueue.trigger_many([req]) for req in requests),
+                                            return_exceptions=True)
+            _retry_unless_refused("replay", [(run.id, o) for run, o in zip(runs, outcomes, strict=True)])
+            made = [m for o in outcomes if not isinstance(o, BaseException) for m in o]
         # a run found by its key was made by an earlier try at this page: the key is the action's own
         return len(made)
+
+
+def _retry_unless_refused(what: str, outcomes: list[tuple[str, object]]) -> None:
+    """A run the engine refuses (gone, not a state it can leave, its task no longer valid...) is
+    skipped and not counted; any other error (a lock busy, PostgreSQL or Redis away, a full queue)
+    fails the page, whose job is tried again later: doing a page again does nothing twice."""
+    failed = []
+    for run_id, outcome in outcomes:
+        if isinstance(outcome, REFUSED):
+            log.warning("bulk %s: run %s skipped: %s", what, run_id, outcome)
+        elif isinstance(outcome, Exception):
+            failed.append((run_id, outcome))
+        elif isinstance(outcome, BaseException):
+            raise outcome
+    if failed:
+        run_id, first = failed[0]
+        raise RuntimeError(f"bulk {what}: {len(failed)} runs could not be done now (first {run_id}: {first!r}); "
+                           "the page is tried again") from first
+
+
+REFUSED = (NotFoundError, InvalidTransitionError, ValidationError, UnprocessableError, ConflictError,
+           DuplicateExecutionError)

@@ -29,6 +29,7 @@ from run_engine.errors import (
     QueueFullError,
     RunEngineError,
     StaleSnapshotError,
+    TooManyError,
     UnprocessableError,
     ValidationError,
 )
@@ -82,7 +83,7 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
         return err(400, exc.code, f"{field}: {exc.message}")
     if isinstance(exc, UnprocessableError):
         return err(422, exc.code, str(exc))
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, QueueFullError | TooManyError):
         return err(429, exc.code, str(exc), headers={"Retry-After": "1"})
     if isinstance(exc, LockTimeoutError):
         return err(503, exc.code, "the run is busy; try again", headers={"Retry-After": "1"})

@@ -34,23 +34,29 @@ class BulkActionRepository:
         self.pool = pool
 
     async def create(self, *, id: str, env_id: str, kind: str, filter: dict[str, Any],
-                     idempotency_key: str | None) -> tuple[BulkAction, bool]:
-        """The new action, or the one the same idempotency key made before (and True)."""
+                     idempotency_key: str | None, max_pending: int) -> tuple[BulkAction | None, bool]:
+        """The new action, or the one the same idempotency key made before (and True); None when
+        the environment has ``max_pending`` actions under way already (and nothing was made)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
                 """INSERT INTO bulk_action (id, environment_id, kind, filter, idempotency_key)
-                   VALUES (%s, %s, %s, %s, %s)
+                   SELECT %(id)s, %(env)s, %(kind)s, %(filter)s, %(key)s
+                   WHERE (SELECT count(*) FROM bulk_action
+                          WHERE environment_id = %(env)s AND status = 'PENDING') < %(max)s
                    ON CONFLICT (environment_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-                   RETURNING *""", (id, env_id, kind, Jsonb(filter), idempotency_key))
+                   RETURNING *""",
+                {"id": id, "env": env_id, "kind": kind, "filter": Jsonb(filter), "key": idempotency_key,
+                 "max": max_pending})
             made = await cur.fetchone()
             if made is not None:
                 return from_row(BulkAction, made), False
+            if idempotency_key is None:
+                return None, False
             await cur.execute("SELECT * FROM bulk_action WHERE environment_id = %s AND idempotency_key = %s",
                               (env_id, idempotency_key))
             found = await cur.fetchone()
-            assert found is not None  # the conflict was with this row
-            return from_row(BulkAction, found), True
+            return (from_row(BulkAction, found), True) if found is not None else (None, False)
 
     async def get(self, action_id: str, env_id: str | None = None) -> BulkAction | None:
         async with self.pool.connection() as conn:
