@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from systems.waiting_for_worker import WaitingForWorkerSystem
 
 log = logging.getLogger(__name__)
+BULK_PAGE = 1000  # bulk actions under way re-armed per query
 T = TypeVar("T")
 E = ExecutionStatus
 #: execution statuses in which a run legitimately holds a queue slot
@@ -234,8 +235,13 @@ class ReconcilerSystem:
         total = 0
         total += await self._schedule_missing(  # the sweeper re-arms itself, from the first one on
             [engine_jobs.sweep(now + self.r.settings.waitpoint_sweep_interval_s)])
-        total += await self._schedule_missing(  # bulk actions under way go on
-            [engine_jobs.bulk_action(a, now) for a in await self.r.repo.bulk_actions.pending()])
+        after = ""
+        while True:  # bulk actions under way go on
+            pending = await self.r.repo.bulk_actions.pending(after, BULK_PAGE)
+            total += await self._schedule_missing([engine_jobs.bulk_action(a, now) for a in pending])
+            if len(pending) < BULK_PAGE:
+                break
+            after = pending[-1]
         async def active(after: str, limit: int) -> list[tuple[RunRow, Snapshot]]:
             return await self.r.repo.maintenance.active_runs_page(after, grace, limit)
 

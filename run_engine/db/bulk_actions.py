@@ -83,9 +83,10 @@ class BulkActionRepository:
                  "processed": processed, "succeeded": succeeded, "done": done, "ets": expected[0], "eid": expected[1]})
             return cur.rowcount > 0
 
-    async def pending(self, limit: int = 1000) -> list[str]:
-        """Ids of the actions not finished (the reconciler re-arms their jobs)."""
+    async def pending(self, after: str = "", limit: int = 1000) -> list[str]:
+        """Ids of the actions not finished, after ``after`` in id order (the reconciler re-arms
+        their jobs a page at a time)."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute("SELECT id FROM bulk_action WHERE status = 'PENDING' ORDER BY id LIMIT %s",
-                                     (limit,))
+            cur = await conn.execute(
+                "SELECT id FROM bulk_action WHERE status = 'PENDING' AND id > %s ORDER BY id LIMIT %s", (after, limit))
             return [r[0] for r in await cur.fetchall()]

@@ -187,3 +187,18 @@ async def test_one_environment_has_at_most_ten_actions_under_way(h: Any) -> None
     assert (await h.engine.create_bulk_action(other.env_id, "CANCEL", RunFilter(tags=("none",))))[0].id
     await h.engine.systems.bulk_actions.run_page(made[0][0].id)  # one finishes: room for one more
     assert (await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("none",))))[0].id
+
+
+async def test_the_re_arm_reads_every_action_under_way_a_page_at_a_time(
+        h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from systems import engine_jobs, reconciler
+
+    monkeypatch.setattr(reconciler, "BULK_PAGE", 2)
+    await h.deploy({"id": "t"})
+    ids = [(await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("x",))))[0].id
+           for _ in range(5)]
+    jobs = [engine_jobs.bulk_action_id(i) for i in ids]
+    await h.engine.resources.change_jobs(cancel=jobs)  # all lost
+    assert sorted(await h.engine.resources.jobs.missing(jobs)) == sorted(jobs)
+    await h.engine.systems.reconciler.rearm_jobs(grace_s=-1, full=True)
+    assert await h.engine.resources.jobs.missing(jobs) == []
