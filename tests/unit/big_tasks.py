@@ -79,8 +79,11 @@ async def steps_at_once(payload: dict[str, Any], ctx: Any) -> list[Any]:
 async def exits_leaving_a_child(payload: dict[str, Any], ctx: Any) -> str:
     """The executor forks a child that keeps every descriptor (its pipe to the supervisor too) and
     sleeps, then the executor dies: the pipe stays open, only the process is gone."""
-    if os.fork() == 0:
+    child = os.fork()
+    if child == 0:
         _sleep_then_exit(payload["child_s"])
+    fd = os.open(payload["pid_file"], os.O_WRONLY | os.O_CREAT)  # the test ends the child when it is done
+    os.write(fd, str(child).encode())
     os._exit(3)
 
 

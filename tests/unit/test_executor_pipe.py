@@ -4,7 +4,10 @@ both ways, on the supervisor's uvloop (issue 11: a 2 MB call was lost 5 times in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -186,14 +189,15 @@ def test_answers_that_reach_an_executor_together_are_each_delivered() -> None:
     uvloop.run(asyncio.wait_for(_answers_together(), 60))
 
 
-async def _dies_behind_an_open_pipe() -> float:
+async def _dies_behind_an_open_pipe(pid_file: Path) -> float:
     ex = Executor("tests.unit.big_tasks")
     try:
         await ex.ready()
         assert ex.alive
         began = asyncio.get_running_loop().time()
         with pytest.raises(ExecutorFailure) as failed:
-            await ex.run(_run("exits-leaving-a-child", {"child_s": 30}), max_duration_s=60, memory_mb=None)
+            await ex.run(_run("exits-leaving-a-child", {"child_s": 30, "pid_file": str(pid_file)}),
+                         max_duration_s=60, memory_mb=None)
         assert failed.value.error["type"] == "TASK_PROCESS_EXITED" and "code 3" in failed.value.error["message"]
         assert not ex.alive
         return asyncio.get_running_loop().time() - began
@@ -201,12 +205,17 @@ async def _dies_behind_an_open_pipe() -> float:
         ex.kill()
 
 
-def test_an_executor_that_dies_while_a_child_keeps_its_pipe_open_is_seen_dead() -> None:
+def test_an_executor_that_dies_while_a_child_keeps_its_pipe_open_is_seen_dead(tmp_path: Path) -> None:
     """Liveness is the process's, not the pipe's: the run fails at once (not after the child's 30 s
     or the run's max duration), and the executor is not handed another run."""
     import uvloop
 
-    assert uvloop.run(asyncio.wait_for(_dies_behind_an_open_pipe(), 20)) < 20
+    pid_file = tmp_path / "child.pid"
+    try:
+        assert uvloop.run(asyncio.wait_for(_dies_behind_an_open_pipe(pid_file), 20)) < 20
+    finally:
+        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)  # the child the task left behind
 
 
 async def _killed_while_idle() -> None:
