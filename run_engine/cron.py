@@ -27,7 +27,7 @@ def _field(text: str, lo: int, hi: int, names: dict[str, int] | None = None) -> 
         step = 1
         if "/" in part:
             part, step_text = part.split("/", 1)
-            if not step_text.isdigit() or int(step_text) == 0:
+            if not (step_text.isascii() and step_text.isdigit()) or int(step_text) == 0:
                 raise CronError(f"bad step in {text!r}")
             step = int(step_text)
         if part in ("*", ""):
@@ -47,7 +47,7 @@ def _field(text: str, lo: int, hi: int, names: dict[str, int] | None = None) -> 
 def _value(text: str, names: dict[str, int] | None) -> int:
     if names and text in names:
         return names[text]
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):
         raise CronError(f"{text!r} is not a number")
     return int(text)
 

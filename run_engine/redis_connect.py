@@ -148,4 +148,4 @@ def _db_of(url: str) -> int | None:
     from urllib.parse import urlparse
 
     path = urlparse(url).path.strip("/")
-    return int(path) if path.isdigit() else None
+    return int(path) if path.isascii() and path.isdigit() else None

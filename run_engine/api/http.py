@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from run_engine.api.inputs import needs_scan, unstorable
+from run_engine.api.inputs import is_number, needs_scan, unstorable
 from run_engine.dependencies import unavailable_dependency
 from run_engine.errors import (
     ConflictError,
@@ -124,7 +124,7 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 async def read_body(request: Request, limit: int) -> bytearray:
     """The request body; 413 as soon as it is (or says it will be) larger than ``limit``."""
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    if declared and is_number(declared) and int(declared) > limit:
         raise ApiError(413, "payload_too_large", f"request body is larger than {limit} bytes")
     body = bytearray()
     async for chunk in request.stream():

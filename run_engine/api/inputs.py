@@ -46,6 +46,11 @@ def unstorable(value: Any, path: str = "body") -> str | None:
     return None
 
 
+def is_number(raw: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes "²" and other digits that ``int`` refuses."""
+    return raw.isascii() and raw.isdigit()
+
+
 def needs_scan(raw: bytes | bytearray) -> bool:
     """Whether a JSON body could hold a NUL or be too deep (cheap C-speed byte searches)."""
     return _NUL_ESCAPE in raw or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH

@@ -16,7 +16,7 @@ from run_engine.api import schemas as S
 from run_engine.api.auth import token_headers
 from run_engine.api.context import RUN_TOKEN_SCOPE, ApiContext, EnvAuth, ctx_of
 from run_engine.api.http import ApiError, body, json_response
-from run_engine.api.inputs import looks_like_id, unstorable
+from run_engine.api.inputs import is_number, looks_like_id, unstorable
 from run_engine.api.models import (
     BatchBody,
     BatchV2Body,
@@ -245,7 +245,7 @@ def _csv(request: Request, name: str) -> list[str]:
 
 def _page_size(request: Request) -> int:
     raw = request.query_params.get("page[size]", "25")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+    if not is_number(raw) or not 1 <= int(raw) <= 100:
         raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
     return int(raw)
 
@@ -357,8 +357,8 @@ async def list_queues(request: Request) -> Response:
     auth = await ctx.env_auth(request)
     rows = await ctx.engine.list_queues(auth.env_id)
     number, per_page = request.query_params.get("page", "1"), request.query_params.get("perPage")
-    if not number.isdigit() or int(number) < 1 or (per_page is not None and not (
-            per_page.isdigit() and 1 <= int(per_page) <= 1000)):
+    if not is_number(number) or int(number) < 1 or (per_page is not None and not (
+            is_number(per_page) and 1 <= int(per_page) <= 1000)):
         raise ApiError(400, "invalid_input", "page: an integer from 1; perPage: an integer 1..1000")
     size = int(per_page) if per_page else max(1, len(rows))
     start = (int(number) - 1) * size

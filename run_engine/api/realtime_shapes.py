@@ -6,6 +6,7 @@ it asks for (``read:tags:<tag>``), or for the batch (``read:batch:<id>``)."""
 
 from __future__ import annotations
 
+import hashlib
 from datetime import UTC, datetime, timedelta
 
 from starlette.requests import Request
@@ -65,7 +66,9 @@ async def runs_with_tags(request: Request) -> Response:
         return await ctx.engine.list_runs(env_id, tags=tags, tasks=tasks, created_from=since, limit=MAX_TAG_RUNS,
                                           updated_after=changed_after)
 
-    return await shape(ctx, auth, request, f"tags:{','.join(tags)}", load, env_key(env_id),
+    # the handle is a header: the tags' digest, not the tags (a header holds Latin-1 only)
+    handle = "tags-" + hashlib.sha256("\0".join(tags).encode()).hexdigest()[:32]
+    return await shape(ctx, auth, request, handle, load, env_key(env_id),
                        min_interval_s=MIN_INTERVAL_S)
 
 

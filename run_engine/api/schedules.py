@@ -13,7 +13,7 @@ from starlette.routing import Route
 from run_engine.api import schemas as S
 from run_engine.api.context import ApiContext, ctx_of
 from run_engine.api.http import ApiError, body, json_response
-from run_engine.api.inputs import looks_like_id
+from run_engine.api.inputs import is_number, looks_like_id
 from run_engine.api.models import ScheduleBody
 from run_engine.api.openapi import PAGE, Query, operation
 from run_engine.api.serialize import iso, pagination
@@ -60,7 +60,7 @@ def _int_param(request: Request, name: str, low: int, high: int, default: int) -
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    if not is_number(raw) or not low <= int(raw) <= high:
         raise ApiError(400, "invalid_input", f"{name}: must be an integer {low}..{high}")
     return int(raw)
 

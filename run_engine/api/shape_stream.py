@@ -26,6 +26,7 @@ from starlette.responses import Response
 
 from run_engine.api.context import ApiContext, EnvAuth
 from run_engine.api.http import ApiError
+from run_engine.api.inputs import is_number
 from run_engine.engine import RunRow
 
 LIVE_WAIT_S = 20.0
@@ -84,11 +85,14 @@ def _key(run: RunRow) -> str:
     return f'"public"."TaskRun"/"{run.id}"'
 
 
+MAX_OFFSET_US = 253_402_214_400_000_000  # 9999-12-31: a date Python can still hold (a greater offset: 400)
+
+
 def _since(offset: str) -> tuple[int, int]:
     """The newest change sent (µs) and the checksum of the runs changed within GRACE of it, as an
     offset this server answered with (``<µs>_<checksum>``) carries them; 400 for anything else."""
     head, _, tail = offset.partition("_")
-    if not head.isdigit() or not tail.isdigit() or len(head) > 20 or len(tail) > 12:
+    if not is_number(head) or not is_number(tail) or len(head) > 20 or len(tail) > 12 or int(head) > MAX_OFFSET_US:
         raise ApiError(400, "invalid_input", "offset: not an offset this server answered with")
     return int(head), int(tail)
 

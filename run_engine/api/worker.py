@@ -18,7 +18,7 @@ from starlette.routing import Route
 from run_engine.api import schemas as S
 from run_engine.api.context import ApiContext, EnvAuth, ctx_of, worker_bucket
 from run_engine.api.http import ApiError, body, error_payload, json_response
-from run_engine.api.inputs import looks_like_id, needs_scan, unstorable
+from run_engine.api.inputs import is_number, looks_like_id, needs_scan, unstorable
 from run_engine.api.models import (
     BatchCompleteBody,
     BatchCompleteItem,
@@ -179,7 +179,7 @@ async def latest_snapshot(request: Request) -> Response:
     run_id = await _check_group(ctx, group, request.path_params["run_id"])
     after = request.query_params.get("after")
     raw_wait = request.query_params.get("waitMs", "0")
-    if not raw_wait.isdigit() or int(raw_wait) > 60_000:
+    if not is_number(raw_wait) or int(raw_wait) > 60_000:
         raise ApiError(400, "invalid_input", "waitMs: must be an integer 0..60000")
     deadline = time.monotonic() + int(raw_wait) / 1000
     snapshot = await ctx.engine.latest_snapshot(run_id)
@@ -467,7 +467,7 @@ async def get_journal(request: Request) -> Response:
     ctx = ctx_of(request)
     run_id = await _group_run_id(ctx, request)
     raw = request.query_params.get("from", "0")
-    if not raw.isdigit():
+    if not is_number(raw):
         raise ApiError(400, "invalid_input", "from: must be a non-negative integer")
     return json_response({"journal": await ctx.engine.resolved_journal(run_id, int(raw))})
 

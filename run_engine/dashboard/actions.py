@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from run_engine.api.http import ApiError
-from run_engine.api.inputs import looks_like_id, unstorable
+from run_engine.api.inputs import is_number, looks_like_id, unstorable
 from run_engine.api.models import parse_when
 from run_engine.api.public import trigger_request
 from run_engine.api.tokens import complete
@@ -103,7 +103,7 @@ async def queue_concurrency(request: Request, dash: Dash, form: dict[str, str]) 
     """Override the queue's concurrency limit, or (an empty value) go back to the deployed one."""
     row = await _queue(dash, form)
     raw = form.get("limit", "").strip()
-    if raw and not (raw.isdigit() and int(raw) <= 100_000):
+    if raw and not (is_number(raw) and int(raw) <= 100_000):
         raise ApiError(400, "invalid_input", "limit: a whole number 0..100000, or empty to reset")
     await dash.ctx.engine.set_queue_concurrency_override(dash.env.id, row.name, int(raw) if raw else None)
     return redirect(request, "/dashboard/queues", f"{row.name}: limit {'set to ' + raw if raw else 'reset'}")

@@ -135,6 +135,12 @@ BAD_REQUESTS: list[tuple[str, str, int]] = [
     ("POST", "/api/v1/tasks/" + "x" * 200 + "/trigger", 400),
     ("GET", "/api/v1/runs/run_x/explain", 404),
     ("GET", "/realtime/v1/runs/%00", 400),
+    # digits that str.isdigit takes and int refuses ("²"), and an offset past any date
+    ("GET", "/api/v1/runs?page[size]=%C2%B2", 400),
+    ("GET", "/api/v1/waitpoints/tokens?page[size]=%C2%B2", 400),
+    ("GET", "/api/v1/queues?page=%C2%B2", 400),
+    ("GET", "/realtime/v1/runs?tags=a&offset=%C2%B2_0&live=true", 400),
+    ("GET", "/realtime/v1/runs?tags=a&offset=99999999999999999999_0&live=true", 400),
 ]
 
 
@@ -384,3 +390,22 @@ def test_a_run_named_twice_in_one_batch_of_waits_waits_once(hostile: Stack) -> N
         assert all(x["status"] == 409 and "more than once" in x["error"]["message"] for x in results[1:]), results
         journal = w.get(f"{W}/runs/{run_id}/journal").json()["journal"]
     assert [e["sequence"] for e in journal] == [0]  # the repeats wrote nothing
+
+
+def test_a_tag_shape_of_any_tag_answers(hostile: Stack) -> None:
+    """The shape's handle is a header: tags outside Latin-1 (or with a newline) must not reach it."""
+    with hostile.client() as c:
+        for tags in ("中,🙂", "a\nb"):
+            r = c.get("/realtime/v1/runs", params={"tags": tags, "offset": "-1"})
+            assert r.status_code == 200, r.text
+            assert r.headers["electric-handle"].isascii() and r.json()[-1]["headers"]["control"] == "up-to-date"
+
+
+def test_worker_queries_with_digits_int_refuses_are_400(hostile: Stack) -> None:
+    run_id = hostile.trigger("t")
+    with hostile.worker() as w:
+        for path in (f"{W}/runs/{run_id}/snapshots/latest?after=x&waitMs=%C2%B2",
+                     f"{W}/runs/{run_id}/journal?from=%C2%B2"):
+            r = w.get(path)
+            assert r.status_code == 400, (path, r.text)
+            assert set(r.json()["error"]) >= {"code", "message"}
