@@ -4,11 +4,13 @@ Redrive puts it back in its queue directly."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from run_engine.db.runs import RunRow, Snapshot
+from run_engine.dependencies import log_failure
 from run_engine.errors import InvalidTransitionError, NotFoundError
 from run_engine.events import RunEvent
 from run_engine.run_queue.models import DlqEntry
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from systems.execution_snapshot import ExecutionSnapshotSystem
     from systems.waitpoints import WaitpointsSystem
 
+log = logging.getLogger(__name__)
 E = ExecutionStatus
 DLQ_ERROR = {
     "type": "INTERNAL_ERROR",
@@ -93,9 +96,15 @@ class DeadLetterSystem:
                 operation="redrive", description="Redriven from the DLQ", reopen=True,
             )
             assert result.snapshot is not None and result.run is not None
-            if not await self.r.queue.redrive(env_id, run_id, self.r.now_ms()):
-                # The DLQ entry is gone (e.g. Redis was flushed): enqueue it afresh.
-                await self.r.enqueue_items([self.enqueue.item_for(result.run, reset_deliveries=True)])
+            # Committed: the run is redriven whatever follows (a message left in the DLQ by a
+            # failure here is put back in its queue by the reconciler, which finds it QUEUED).
+            try:
+                if not await self.r.queue.redrive(env_id, run_id, self.r.now_ms()):
+                    # The DLQ entry is gone (e.g. Redis was flushed): enqueue it afresh.
+                    await self.r.enqueue_items([self.enqueue.item_for(result.run, reset_deliveries=True)])
+            except Exception as exc:
+                log_failure(log, exc, "run %s redriven; moving its queue message failed (the reconciler will)",
+                            run_id)
         self.r.events.emit(RunEvent("run_redriven", run_id, env_id, result.snapshot.id,
                                     attempt=result.run.attempt_number))
         return result.snapshot.id

@@ -42,9 +42,8 @@ class DelayedRunsSystem:
                 return  # cancelled, expired or already enqueued
             if run.delay_until is not None and run.delay_until.timestamp() > self.r.clock.now() + 0.001:
                 return  # rescheduled later; its job was moved with it
-            if run.locked_to_deployment_id is None:
-                env = await self.enqueue.environment(run.env_id)
-                task = await self.enqueue.current_task(run.env_id, env.worker_group_id, run.task_id)
+            if run.locked_to_deployment_id is None:  # the deployment of the group the run was routed to
+                task = await self.enqueue.current_task(run.env_id, run.worker_group_id, run.task_id)
                 if task.deployment_id is not None:
                     await self.r.repo.runs.assign_deployment([run_id], task.deployment_id,
                                                         {run.task_id: task.queue or run.queue})
@@ -116,6 +115,13 @@ class DelayedRunsSystem:
                 return False
             run = await self.r.repo.runs.get_run(run_id)
             assert run is not None
+            if run.ttl_s is not None:
+                # a job of an earlier date (the run was rescheduled or debounced, and the process
+                # died before moving the job): not yet; the job goes to the date the TTL ends
+                ends = (run.delay_until or run.created_at).timestamp() + run.ttl_s
+                if ends > self.r.clock.now() + 0.001:
+                    await self.r.change_jobs(schedule=[engine_jobs.ttl(run_id, ends)])
+                    return False
             # the snapshot first (a dequeue takes no lock: one that got in first wins, and this one
             # changes nothing); a message handed out after it is dropped by that dequeue
             try:

@@ -165,8 +165,11 @@ class ReconcilerSystem:
             # a run handed out less than the grace ago is a dequeue still writing its snapshot
             states = await self.r.queue.placements([(r.env_id, r.id) for r in runs], now_ms=self.r.now_ms(),
                                                    held_grace_ms=grace * 1000)
+            # "dlq": a process died between a run's move to the DLQ and its SYSTEM_FAILURE snapshot,
+            # or between a redrive's QUEUED snapshot and its move out of the DLQ; either way the
+            # run is QUEUED and nothing would hand it out: it goes back to its queue afresh
             suspect = [(run, state) for run, state in zip(runs, states, strict=True)
-                       if state in (None, "held", "lost")]
+                       if state in (None, "held", "lost", "dlq")]
             if broken := [run.id for run, state in zip(runs, states, strict=True) if state == "broken"]:
                 log.error("reconciler: the queue messages of runs %s cannot be read (not hashes)", broken[:20])
             if suspect:
@@ -185,7 +188,7 @@ class ReconcilerSystem:
                                                      held_grace_ms=grace * 1000))[0]
             if current != state:
                 return
-            await self.r.enqueue_items([self.enqueue.item_for(run, reset_deliveries=state is None)])
+            await self.r.enqueue_items([self.enqueue.item_for(run, reset_deliveries=state in (None, "dlq"))])
         if state is None:
             report.requeued_missing += 1
         else:

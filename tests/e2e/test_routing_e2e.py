@@ -37,8 +37,10 @@ def routed(stack: Stack) -> Iterator[Stack]:
 def test_a_run_goes_to_the_group_it_names(routed: Stack) -> None:
     stays = routed.trigger("echo", {"n": 0})  # the default group: nobody serves it
     sent = routed.trigger("echo", {"n": 1}, workerGroup="gpu")
+    delayed = routed.trigger("echo", {"n": 2}, workerGroup="gpu", delay="1s")  # its group's deployment when due
     assert routed.wait_for(sent)["status"] == "COMPLETED"
     assert routed.run(stays)["status"] == "PENDING_VERSION"  # no deployment in its group
+    assert routed.wait_for(delayed)["status"] == "COMPLETED"
     with routed.client() as c:
         bad = c.post("/api/v1/tasks/echo/trigger", json={"options": {"workerGroup": "no-such-group"}})
         assert bad.status_code == 400 and "options.workerGroup" in bad.json()["error"]["message"]

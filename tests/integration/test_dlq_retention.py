@@ -126,3 +126,47 @@ async def test_retention_keeps_a_completed_waitpoint_a_live_journal_names(make_e
     journal = await h.engine.waitpoints.resolved_journal(run.id)
     assert journal == [{"sequence": 0, "kind": "token", "key": token.id, "resolved": True,
                         "result": {"ok": True, "output": {"approved": True}}}]
+
+
+async def test_a_redrive_whose_queue_move_fails_is_answered_and_the_reconciler_queues_the_run(
+        dlq: tuple[Harness, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    h, _ = dlq
+    (run_id,) = await dead_letter(h, "hello", 1)
+    queue = h.engine.resources.queue
+
+    async def lost(*args: object) -> bool:
+        raise ConnectionError("Redis went away after the commit")
+
+    monkeypatch.setattr(queue, "redrive", lost)
+    await h.engine.redrive(h.env.env_id, run_id)  # the QUEUED snapshot stands: answered as redriven
+    monkeypatch.undo()
+    assert (await h.engine.get_run(run_id)).status == "QUEUED"  # type: ignore[union-attr]
+    assert await queue.message_states([(h.env.env_id, run_id)]) == ["dlq"]
+    report = await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
+    assert report.requeued_stuck >= 1
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert d.run.id == run_id
+
+
+async def test_a_run_moved_to_the_dlq_by_a_process_that_died_before_failing_it_is_queued_again(
+        dlq: tuple[Harness, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    h, _ = dlq
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    assert [d.run.id for d in await h.engine.dequeue(h.env.worker_group_id, 5)] == [run.id]
+    snapshots = h.engine.systems.dead_letter.execution_snapshot
+    real = snapshots.apply
+
+    async def dies_before_the_failure(*args: object, **kwargs: object) -> object:
+        if kwargs.get("operation") == "dead-letter":
+            raise ConnectionError("the process died here")
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(snapshots, "apply", dies_before_the_failure)
+    await h.advance(61)  # PENDING_EXECUTING timed out: the message goes to the DLQ, the failure is not written
+    monkeypatch.undo()
+    await h.advance(61)  # the job again: the run moved on (QUEUED), nothing to do
+    assert (await h.engine.get_run(run.id)).status == "QUEUED"  # type: ignore[union-attr]
+    assert await h.engine.resources.queue.message_states([(h.env.env_id, run.id)]) == ["dlq"]
+    await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert d.run.id == run.id and d.deliveries <= 1

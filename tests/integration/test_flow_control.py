@@ -154,3 +154,31 @@ async def test_a_declared_queue_is_custom_and_a_task_queue_is_task(h: Harness) -
     await h.deploy({"id": "hello"}, queues=[{"name": "nightly", "concurrencyLimit": 1}], version="2")
     nightly = await h.engine.task_queue(h.env.env_id, "nightly")
     assert nightly is not None and nightly.type == "custom" and nightly.effective_limit == 1
+
+
+async def test_a_delayed_run_takes_the_deployment_of_the_group_it_was_routed_to(h: Harness) -> None:
+    from run_engine.api.models import TaskDecl
+    from run_engine.tenancy import create_worker_group
+
+    gpu, _ = await create_worker_group(h.engine.resources.repo, secret="test-secret", name="gpu",
+                                       project_id=h.env.project_id)
+    # triggered before its group had a deployment of the task: it finds one when its delay is over
+    run = await h.engine.trigger(req(h, "gpu-only", delay_until=at(h, 5), worker_group_id=gpu))
+    await h.engine.register_deployment(env_id=h.env.env_id, worker_group_id=gpu, version="g1", content_hash="g1",
+                                       tasks=[TaskDecl.model_validate({"id": "gpu-only"}).spec()], queues=[])
+    await h.advance(6)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED"  # not PENDING_VERSION
+    (d,) = await h.engine.dequeue(gpu, 5)
+    assert d.run.id == run.id
+
+
+async def test_a_ttl_job_of_an_earlier_date_does_not_expire_a_rescheduled_run(h: Harness) -> None:
+    """The process died after a reschedule committed and before it moved the jobs: the old TTL job
+    fires at the old date's end; the run's TTL runs from its new date."""
+    run = await h.engine.trigger(req(h, delay_until=at(h, 10), ttl_s=20))
+    await h.engine.resources.repo.runs.set_delay_until(run.id, at(h, 100))  # the jobs stay where they were
+    h.clock.advance(31)
+    assert not await h.engine.systems.delayed_runs.expire(run.id)
+    assert (await h.engine.get_run(run.id)).status == "DELAYED"  # type: ignore[union-attr]
+    await h.advance(100)  # its new date, then its TTL from there (the job moved): expired, never started
+    assert (await h.engine.get_run(run.id)).status == "EXPIRED"  # type: ignore[union-attr]
