@@ -127,8 +127,13 @@ async def trigger(request: Request) -> Response:
     trigger_req = await _with_parent(ctx, auth, trigger_request(ctx, auth, task, req.payload, req.options, "body"),
                                      "options.parentRunId", {})
     run = await ctx.engine.trigger(trigger_req)
+    # A run found by its idempotency or debounce key may be anyone's run of the environment: a
+    # caller whose token is scoped (a public token that may only trigger, a run's token) is not
+    # handed a token to read it, only its id.
+    scoped = auth.scopes is not None or auth.run_id is not None
     return json_response({"id": run.id, "isCached": run.is_cached},
-                         headers=await token_headers(ctx, auth, f"read:runs:{run.id}", 3600))
+                         headers={} if run.is_cached and scoped else
+                         await token_headers(ctx, auth, f"read:runs:{run.id}", 3600))
 
 
 async def _with_parent(ctx: ApiContext, auth: EnvAuth, req: TriggerRequest, field: str,

@@ -165,6 +165,19 @@ def test_shapes_of_tags_and_batches(own: Stack) -> None:
         assert c.get(f"/realtime/v1/batches/{batch_id}", params={"offset": "-1"}).status_code == 403
 
 
+def test_a_trigger_only_token_gets_no_read_token_for_a_run_found_by_its_key(own: Stack) -> None:
+    """The key may be another user's: a scoped caller learns the run's id, not a way to read it."""
+    with own.client() as c:  # someone's run, made with the secret key
+        theirs = c.post("/api/v1/tasks/echo/trigger", json={"payload": {"card": "4242"},
+                                                            "options": {"idempotencyKey": "order-42"}}).json()["id"]
+    with as_token(own, token(own, ["trigger:tasks:echo"])) as c:
+        fresh = c.post("/api/v1/tasks/echo/trigger", json={"options": {"idempotencyKey": "order-43"}})
+        assert fresh.status_code == 200 and "x-trigger-jwt" in fresh.headers  # its own new run: readable
+        found = c.post("/api/v1/tasks/echo/trigger", json={"options": {"idempotencyKey": "order-42"}})
+        assert found.status_code == 200 and found.json() == {"id": theirs, "isCached": True}
+        assert "x-trigger-jwt" not in found.headers
+
+
 def test_a_rotated_key_ends_its_tokens(own: Stack) -> None:
     run_id = own.trigger("echo", {"n": 7})
     env_id = env_id_of(own)
@@ -179,3 +192,4 @@ def test_a_rotated_key_ends_its_tokens(own: Stack) -> None:
             time.sleep(0.2)
     with as_token(own, token(own, [f"read:runs:{run_id}"], key=new_key, sub=env_id)) as c:
         assert c.get(f"/api/v3/runs/{run_id}").status_code == 200
+
