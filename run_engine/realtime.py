@@ -1,7 +1,8 @@
 """Realtime run updates across server processes (Redis pub/sub), for Server-Sent Events.
 
 Only watched runs cost anything: a process serving an SSE client for run X records X in the
-``<prefix>:rt:watch`` hash (with an expiry it keeps pushing back) and announces it on
+``<prefix>:rt:watching`` sorted set (scored by an expiry it keeps pushing back; what expired is
+dropped, here and in every process's memory, at most once per ``WATCH_TTL_S``) and announces it on
 ``<prefix>:rt:ctl``; every process keeps that set in memory, and when its engine emits an event
 for a watched run it publishes the run id on ``<prefix>:rt:run`` (one PUBLISH per loop tick for all
 such runs). The process holding the client then re-reads the run. A whole environment is watched
@@ -16,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 from redis.asyncio import Redis
 
@@ -37,8 +39,9 @@ class RealtimeHub:
         self.redis = redis
         self.ctl = f"{prefix}:rt:ctl"
         self.channel = f"{prefix}:rt:run"
-        self.watch_key = f"{prefix}:rt:watch"
+        self.watch_key = f"{prefix}:rt:watching"
         self._watched: dict[str, float] = {}  # run id → expiry (monotonic), cluster-wide
+        self._pruned = time.monotonic()
         self._local: dict[str, set[asyncio.Event]] = {}
         self._pending: set[str] = set()
         self._flush: asyncio.Task[None] | None = None
@@ -76,12 +79,14 @@ class RealtimeHub:
         ``env_key(env_id)``, whenever any run of the environment may have."""
         changed = asyncio.Event()
         self._local.setdefault(run_id, set()).add(changed)
-        await self._announce(run_id)  # before the caller reads the run: later changes are published
-        keeper = asyncio.create_task(self._keep_watching(run_id))
+        keeper: asyncio.Task[None] | None = None
         try:
+            await self._announce(run_id)  # before the caller reads the run: later changes are published
+            keeper = asyncio.create_task(self._keep_watching(run_id))
             yield changed
         finally:
-            keeper.cancel()
+            if keeper is not None:
+                keeper.cancel()
             subs = self._local.get(run_id)
             if subs is not None:
                 subs.discard(changed)
@@ -91,8 +96,21 @@ class RealtimeHub:
     async def _announce(self, run_id: str) -> None:
         self._watched[run_id] = time.monotonic() + WATCH_TTL_S
         with contextlib.suppress(Exception):
-            await self.redis.hset(self.watch_key, run_id, str(time.time() + WATCH_TTL_S))
+            now = time.time()
+            await self.redis.zadd(self.watch_key, {run_id: now + WATCH_TTL_S})
             await self.redis.publish(self.ctl, f"{run_id} {WATCH_TTL_S}")
+            if self._prune():
+                await self.redis.zremrangebyscore(self.watch_key, "-inf", now)
+
+    def _prune(self) -> bool:
+        """Forget the watches that expired (runs nobody streams any more), at most once per
+        ``WATCH_TTL_S``; True when it did (the caller drops them from Redis too)."""
+        now = time.monotonic()
+        if now - self._pruned < WATCH_TTL_S:
+            return False
+        self._pruned = now
+        self._watched = {key: expiry for key, expiry in self._watched.items() if expiry > now}
+        return True
 
     async def _keep_watching(self, run_id: str) -> None:
         while True:
@@ -104,18 +122,18 @@ class RealtimeHub:
             return
         with contextlib.suppress(Exception):
             now = time.time()
-            for run, expires in (await self.redis.hgetall(self.watch_key)).items():
-                left = float(expires) - now
-                if left > 0:
-                    self._watched[run.decode() if isinstance(run, bytes) else run] = time.monotonic() + left
-                else:
-                    await self.redis.hdel(self.watch_key, run)
+            await self.redis.zremrangebyscore(self.watch_key, "-inf", now)
+            watching = cast("list[tuple[bytes | str, float]]",
+                            await self.redis.zrange(self.watch_key, 0, -1, withscores=True))
+            for run, expires in watching:
+                self._watched[run.decode() if isinstance(run, bytes) else run] = time.monotonic() + expires - now
         self._subscription.start()
 
     def _on_message(self, channel: str, data: str) -> None:
         if channel == self.ctl:
             run_id, ttl = data.split(" ", 1)
             self._watched[run_id] = time.monotonic() + float(ttl)
+            self._prune()
         else:
             for run_id in data.split(","):
                 for event in self._local.get(run_id, ()):

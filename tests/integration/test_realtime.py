@@ -57,7 +57,7 @@ async def test_a_change_on_one_process_wakes_the_watcher_on_another(redis_url: s
             engine_side.on_event(RunEvent("attempt_started", "run_w", "env"))
             await asyncio.wait_for(changed.wait(), 10)
         assert published == ["run_w"]
-        # a process started later learns the watched runs from the hash
+        # a process started later learns the watched runs from Redis
         late = RealtimeHub(ra, prefix=f"{key_prefix}:{unique}")
         await late.start()
         assert "run_w" in late._watched
@@ -67,3 +67,28 @@ async def test_a_change_on_one_process_wakes_the_watcher_on_another(redis_url: s
             await hub.stop()
         await ra.aclose()
         await rb.aclose()
+
+
+async def test_watches_nobody_renews_are_forgotten_in_memory_and_in_redis(
+        redis_url: str, key_prefix: str, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run ever streamed stayed watched: in each process's memory and in Redis, for good."""
+    from run_engine import realtime
+
+    monkeypatch.setattr(realtime, "WATCH_TTL_S", 0.2)
+    redis = await connect_redis(redis_url)
+    hub = RealtimeHub(redis, prefix=f"{key_prefix}:{unique}")
+    try:
+        async with hub.watch("run_gone"):
+            pass
+        assert "run_gone" in hub._watched
+        deadline = time.monotonic() + 10
+        while "run_gone" in hub._watched or await redis.zscore(hub.watch_key, "run_gone") is not None:
+            assert time.monotonic() < deadline, "the expired watch is still there"
+            async with hub.watch("run_live"):  # someone streams another run: the prune comes with it
+                pass
+            await asyncio.sleep(0.05)
+        assert "run_live" in hub._watched
+    finally:
+        await hub.stop()
+        await redis.delete(hub.watch_key)
+        await redis.aclose()
