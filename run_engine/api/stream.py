@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from datetime import datetime
 
 import orjson
@@ -26,12 +28,32 @@ from run_engine.api.shape_stream import shape
 from run_engine.engine import RunRow
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
+log = logging.getLogger(__name__)
 RECHECK_S = 10.0  # a safety net only: changes arrive through RealtimeHub at once
 KEEPALIVE_S = 15.0
 
 
 def _event(data: dict[str, object]) -> bytes:
     return b"event: run\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+async def while_allowed(chunks: AsyncGenerator[bytes, None], allowed: Callable[[], Awaitable[bool]],
+                        every_s: float | None = None) -> AsyncIterator[bytes]:
+    """``chunks`` for as long as the credential that opened the stream holds (a token that expires,
+    a key rotated, a session ended: the stream ends), checked before a chunk goes out at most every
+    ``every_s``. A check that cannot be made now (PostgreSQL away) is made again at the next chunk."""
+    every_s = RECHECK_S if every_s is None else every_s
+    checked = time.monotonic()
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            if time.monotonic() - checked >= every_s:
+                try:
+                    if not await allowed():
+                        return
+                    checked = time.monotonic()
+                except Exception as exc:  # noqa: BLE001 (anything but a refusal: look again later)
+                    log.warning("a stream's credential could not be checked again: %r", exc)
+            yield chunk
 
 
 @operation("Server-Sent Events: the run object on every status change", None, media="text/event-stream",
@@ -59,7 +81,14 @@ async def run_stream(request: Request) -> Response:
     # counted against the credential's cap (429 over it) until the stream ends, however it ends
     release = ctx.acquire("streams", auth.bucket)
 
-    async def events() -> AsyncIterator[bytes]:
+    async def still_allowed() -> bool:
+        try:
+            again = await ctx.env_auth(request, public=True)
+        except ApiError:
+            return False
+        return again.env_id == auth.env_id and can_read(again, run)
+
+    async def events() -> AsyncGenerator[bytes, None]:
         try:
             async with hub.watch(run_id) as changed:
                 last_status = None
@@ -84,7 +113,8 @@ async def run_stream(request: Request) -> Response:
         finally:
             release()
 
-    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(release),
+    return StreamingResponse(while_allowed(events(), still_allowed), media_type="text/event-stream",
+                             background=BackgroundTask(release),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -14,7 +14,8 @@ from starlette.responses import Response, StreamingResponse
 
 from run_engine.api.http import ApiError
 from run_engine.api.inputs import looks_like_id
-from run_engine.dashboard.core import SECURITY_HEADERS, Dash, page
+from run_engine.api.stream import while_allowed
+from run_engine.dashboard.core import SECURITY_HEADERS, Dash, page, signed_in
 from run_engine.realtime import env_key
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
@@ -23,12 +24,16 @@ THROTTLE_S = 1.0
 RECHECK_S = 10.0  # a run is also re-read this often (a lost notification only delays a refresh)
 
 
-def _stream(dash: Dash, events: AsyncIterator[bytes]) -> Response:
+def _stream(request: Request, dash: Dash, events: AsyncGenerator[bytes, None]) -> Response:
     release = dash.ctx.acquire("streams", dash.auth.bucket)
+
+    async def still_signed_in() -> bool:
+        again = await signed_in(request)  # the session may have expired, or its key been rotated
+        return again is not None and again.env.id == dash.env.id
 
     async def guarded() -> AsyncIterator[bytes]:
         try:
-            async for chunk in events:
+            async for chunk in while_allowed(events, still_signed_in):
                 yield chunk
         finally:
             release()
@@ -47,7 +52,7 @@ async def run_events(request: Request, dash: Dash) -> Response:
     if hub is None:
         raise ApiError(503, "unavailable", "realtime is not running in this process")
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events() -> AsyncGenerator[bytes, None]:
         async with hub.watch(run_id) as changed:
             last = None
             while True:
@@ -69,7 +74,7 @@ async def run_events(request: Request, dash: Dash) -> Response:
                 if not changed.is_set():
                     yield b": keep-alive\n\n"
 
-    return _stream(dash, events())
+    return _stream(request, dash, events())
 
 
 @page
@@ -78,7 +83,7 @@ async def env_events(request: Request, dash: Dash) -> Response:
     if hub is None:
         raise ApiError(503, "unavailable", "realtime is not running in this process")
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events() -> AsyncGenerator[bytes, None]:
         async with hub.watch(env_key(dash.env.id)) as changed:
             while True:
                 changed.clear()
@@ -90,4 +95,4 @@ async def env_events(request: Request, dash: Dash) -> Response:
                 yield b"event: changed\ndata: runs\n\n"
                 await asyncio.sleep(THROTTLE_S)
 
-    return _stream(dash, events())
+    return _stream(request, dash, events())
