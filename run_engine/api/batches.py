@@ -20,7 +20,8 @@ from run_engine.api.http import MAX_REQUEST_BYTES, ApiError, body, json_response
 from run_engine.api.inputs import looks_like_id, needs_scan, unstorable
 from run_engine.api.models import BatchStreamItem, OpenBatchBody, TriggerOptions
 from run_engine.api.openapi import operation
-from run_engine.api.public import trigger_request
+from run_engine.api.public import trigger_request, with_parent
+from run_engine.db.runs import RunRow
 
 
 @operation("Open a batch (Trigger.dev's two-phase batch, phase 1)", S.BatchOpened, body=OpenBatchBody)
@@ -68,12 +69,15 @@ async def stream_items(request: Request) -> Response:
         raise ApiError(404, "not_found", "batch not found")
     items = _items(await read_body(request, MAX_REQUEST_BYTES), size)
     requests = []
+    parents: dict[str, RunRow] = {}
     for item in items:
         options = item.options or TriggerOptions()
         if options.idempotencyKey is None:  # the index deduplicates a retried stream
             options = options.model_copy(update={"idempotencyKey": f"{batch_id}:{item.index}"})
-        requests.append(trigger_request(ctx, auth, item.task, item.payload, options, f"items.{item.index}",
-                                        batch_id=batch_id, trigger_function="batchTrigger"))
+        # a parent must be a run of the caller's environment (400 otherwise), as for any trigger
+        requests.append(await with_parent(ctx, auth, trigger_request(
+            ctx, auth, item.task, item.payload, options, f"items.{item.index}", batch_id=batch_id,
+            trigger_function="batchTrigger"), f"items.{item.index}.options.parentRunId", parents))
     runs = await ctx.engine.trigger_many(requests) if requests else []  # the batch row exists (phase 1)
     deduplicated = sum(1 for r in runs if r.is_cached)
     # sealed once every index was triggered (an item may have joined a run of another batch); a

@@ -233,7 +233,7 @@ class OpenBatchBody(_Body):
     runCount: int = Field(ge=1, le=1000)
     taskIdentifiers: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(default=None,
                                                                                             max_length=1000)
-    idempotencyKey: str | None = Field(default=None, min_length=1, max_length=2048)
+    idempotencyKey: str | None = Field(default=None, min_length=1, max_length=256)  # an index entry: bounded
     parentRunId: str | None = Field(default=None, max_length=128)
 
 

@@ -124,7 +124,7 @@ async def trigger(request: Request) -> Response:
         raise ApiError(400, "invalid_input", "taskId: must be 1..128 characters")
     _may_trigger(auth, task, "trigger")
     req = await body(request, TriggerBody)
-    trigger_req = await _with_parent(ctx, auth, trigger_request(ctx, auth, task, req.payload, req.options, "body"),
+    trigger_req = await with_parent(ctx, auth, trigger_request(ctx, auth, task, req.payload, req.options, "body"),
                                      "options.parentRunId", {})
     run = await ctx.engine.trigger(trigger_req)
     # A run found by its idempotency or debounce key may be anyone's run of the environment: a
@@ -136,7 +136,7 @@ async def trigger(request: Request) -> Response:
                          await token_headers(ctx, auth, f"read:runs:{run.id}", 3600))
 
 
-async def _with_parent(ctx: ApiContext, auth: EnvAuth, req: TriggerRequest, field: str,
+async def with_parent(ctx: ApiContext, auth: EnvAuth, req: TriggerRequest, field: str,
                        seen: dict[str, RunRow]) -> TriggerRequest:
     """The request with its parent's root and depth; the parent must be a run of the caller's
     environment (400 otherwise: a run of another tenant is never named a parent)."""
@@ -167,7 +167,7 @@ async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody) -> tupl
         options = item.options
         if top:
             options = (options or TriggerOptions()).model_copy(update=top)
-        requests.append(await _with_parent(ctx, auth, trigger_request(ctx, auth, item.task, item.payload, options,
+        requests.append(await with_parent(ctx, auth, trigger_request(ctx, auth, item.task, item.payload, options,
                                                                       f"items.{i}", batch_id=batch_id,
                                                                       trigger_function="batchTrigger"),
                                            f"items.{i}.options.parentRunId", parents))

@@ -81,6 +81,8 @@ BAD_BODIES: list[tuple[str, str, Any, int, str]] = [
     ("POST", "/api/v1/schedules", {"task": NUL, "cron": "* * * * *"}, 400, "task"),
     ("POST", "/api/v1/schedules", {"task": "t", "cron": "* * * * *", "timezone": NUL}, 400, "timezone"),
     ("POST", "/api/v1/dlq/redrive", {"taskIdentifier": NUL}, 400, "taskIdentifier"),
+    # a key past what a unique index entry holds (~2.7 kB)
+    ("POST", "/api/v3/batches", {"runCount": 1, "idempotencyKey": "é" * 2000}, 400, "idempotencyKey"),
 ]
 
 
