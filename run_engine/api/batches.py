@@ -21,7 +21,7 @@ from run_engine.api.inputs import looks_like_id, needs_scan, unstorable
 from run_engine.api.models import BatchStreamItem, OpenBatchBody, TriggerOptions
 from run_engine.api.openapi import operation
 from run_engine.api.public import trigger_request, with_parent
-from run_engine.db.runs import RunRow
+from run_engine.engine import RunRow
 
 
 @operation("Open a batch (Trigger.dev's two-phase batch, phase 1)", S.BatchOpened, body=OpenBatchBody)
