@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from run_engine.cron import Cron, CronError
 from run_engine.db.deployments import TaskSpec
 from run_engine.db.schedules import Schedule
-from run_engine.errors import NotFoundError, UnprocessableError, ValidationError
+from run_engine.errors import NotFoundError, RunEngineError, UnprocessableError, ValidationError
 from run_engine.ids import new_id
 from run_engine.tasks import stop_task
 from systems.enqueue import TriggerRequest
@@ -132,11 +132,19 @@ class SchedulesSystem:
             current = await self.r.repo.schedules.get(row.id)
             if current is None or not current.active or current.next_run_at != tick:
                 return 0  # fired by another process meanwhile (a read, not a write), or changed
-            run = await self.enqueue.trigger_many([TriggerRequest(
-                env_id=row.env_id, task_id=row.task_id, payload=scheduled_payload(row, tick),
-                idempotency_key=schedule_key(row.id, tick), idempotency_key_ttl_s=30 * 86400,
-                trigger_function="trigger", tags=(f"schedule:{row.id}",))])
             after = max(tick, self._now())  # a schedule that fell behind resumes from now, not every missed tick
+            try:
+                run = await self.enqueue.trigger_many([TriggerRequest(
+                    env_id=row.env_id, task_id=row.task_id, payload=scheduled_payload(row, tick),
+                    idempotency_key=schedule_key(row.id, tick), idempotency_key_ttl_s=30 * 86400,
+                    trigger_function="trigger", tags=(f"schedule:{row.id}",))])
+            except RunEngineError as refused:
+                # Refused for the environment's own reasons (its queue is full, its task cannot be
+                # triggered): this tick is skipped, not tried again at every poll, where it would
+                # stay at the head of the due list, before every other tenant's schedules.
+                log.warning("schedule %s: the tick of %s was refused and is skipped: %s", row.id, tick, refused)
+                await self.r.repo.schedules.advance(row.id, tick, self.next_tick(row.cron, row.timezone, after))
+                return 0
             await self.r.repo.schedules.advance(row.id, tick, self.next_tick(row.cron, row.timezone, after))
             return 0 if run[0].is_cached else 1
         except Exception:

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from run_engine.engine import TriggerRequest
 from run_engine.errors import ValidationError
 
 from .conftest import Harness
@@ -113,3 +114,17 @@ async def test_a_deployment_with_a_bad_cron_or_twice_the_same_task_is_refused(h:
         await h.deploy({"id": "hello"}, {"id": "nightly", "cron": "61 * * * *"})
     with pytest.raises(ValidationError, match="task ids must be unique"):
         await h.deploy({"id": "hello"}, {"id": "hello"})
+
+
+async def test_a_refused_tick_is_skipped_not_retried_at_the_head_of_the_due_list(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A full queue refuses the tick's run: the schedule moves on to its next tick (it stayed due,
+    first in line before every other tenant's schedules, and was refused again at every poll)."""
+    h: Harness = await make_engine(max_queue_length=1)
+    await h.deploy({"id": "hello"})
+    await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))  # the queue is full now
+    sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *")
+    tick = sched.next_run_at
+    h.clock.advance((tick - ts(h)).total_seconds())
+    assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 0
+    after = await h.engine.resources.repo.schedules.get(sched.id)
+    assert after is not None and after.next_run_at > tick and await runs_of(h, sched.id) == []
