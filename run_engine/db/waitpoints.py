@@ -719,16 +719,23 @@ class WaitpointRepository:
 
     # --- batches ------------------------------------------------------------------------------
 
-    async def count_finished_children(self, batch_counts: dict[str, int]) -> list[str]:
-        """Add finished children to their batches; the batches now complete."""
+    async def count_finished_children(self, batch_ids: Sequence[str]) -> list[str]:
+        """Count the finished children of these batches again; the batches now complete. A count,
+        not an increment: a child that finishes twice (dead-lettered, redriven, finished again) or
+        is reported twice counts once. Never lower than before (a statement that read the runs
+        before another child's finish committed must not undo that child's count)."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """UPDATE batch_task_run b SET completed_count = b.completed_count + i.n,
-                       status = CASE WHEN b.completed_count + i.n >= b.size THEN 'COMPLETED' ELSE b.status END,
-                       completed_at = CASE WHEN b.completed_count + i.n >= b.size THEN now() END
-                   FROM (SELECT unnest(%s::text[]) AS id, unnest(%s::int[]) AS n) i
+                """UPDATE batch_task_run b SET completed_count = c.n,
+                       status = CASE WHEN c.n >= b.size THEN 'COMPLETED' ELSE b.status END,
+                       completed_at = CASE WHEN c.n >= b.size THEN now() END
+                   FROM unnest(%s::text[]) AS i(id)
+                   JOIN batch_task_run cur ON cur.id = i.id
+                   CROSS JOIN LATERAL (
+                       SELECT greatest(cur.completed_count, count(*)) AS n FROM task_run r
+                       WHERE r.batch_id = i.id AND r.finished_at IS NOT NULL) c
                    WHERE b.id = i.id AND b.status = 'PENDING' RETURNING b.id, b.status""",
-                (list(batch_counts), list(batch_counts.values())))
+                (list(batch_ids),))
             return [r[0] for r in await cur.fetchall() if r[1] == "COMPLETED"]
 
     async def batch_waitpoints(self, batch_ids: Sequence[str]) -> list[str]:

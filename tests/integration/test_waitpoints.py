@@ -778,3 +778,26 @@ async def test_a_completion_whose_continuation_fails_is_answered_and_the_sweeper
     await h.engine.waitpoints.sweep(grace_s=0)
     latest = await h.engine.latest_snapshot(run.id)
     assert latest.engine_status == "EXECUTING" and latest.completed_waitpoint_ids == [token.id]
+
+
+async def test_a_child_reported_finished_twice_counts_once_in_its_batch(h: Harness) -> None:
+    """A child that finishes twice (dead-lettered, redriven, finished again) or whose finish is
+    reported twice must not end its parent's batch wait while another child still runs."""
+    parent, s = await started_run(h)
+    ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0,
+                                               [req(h, payload=i) for i in range(3)], batch=True)
+    await h.engine.suspend(parent.id, out.snapshot.id)
+    got = {d.run.id: d for d in await h.engine.dequeue(h.env.worker_group_id, 10)}
+
+    async def finish(child: str) -> None:
+        st = await h.engine.start_attempt(child, got[child].snapshot.id)
+        await h.engine.complete_attempt(child, st.snapshot.id, ok=True, output=1)
+
+    await finish(ids[0])
+    first = await h.engine.get_run(ids[0])
+    assert first is not None
+    await h.engine.systems.waitpoints.on_runs_finished([first])  # reported again
+    await finish(ids[1])
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "SUSPENDED"  # ids[2] still runs
+    await finish(ids[2])
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "QUEUED_EXECUTING"
