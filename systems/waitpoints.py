@@ -590,7 +590,7 @@ class WaitpointsSystem:
                 raise
             taken = {rid: t for rid, t in zip(run_ids, triggered, strict=True) if t.is_cached}
             if taken:
-                run_ids, key = await self._wait_on_existing(parent.id, sequence, kind, wp.id, run_ids, key,
+                run_ids, key = await self._wait_on_existing(parent, sequence, kind, wp.id, run_ids, key,
                                                             taken, batch_id)
                 pending = await self.wp.pending_count(parent.id)
             outcome = await self._blocked(parent.id, snapshot_id, sequence, f"{kind} {key}", pending)
@@ -611,12 +611,15 @@ class WaitpointsSystem:
                                     resume_parent_on_completion=True, trigger_function=function)
                 for rid, req in missing])
 
-    async def _wait_on_existing(self, parent_id: str, sequence: int, kind: str, waitpoint_id: str,
+    async def _wait_on_existing(self, parent: RunRow, sequence: int, kind: str, waitpoint_id: str,
                                 run_ids: list[str], key: str, taken: dict[str, Any],
                                 batch_id: str | None) -> tuple[list[str], str]:
         """Children whose idempotency key returned an existing run: the parent waits on that run.
         The journal and (for a single child) the RUN waitpoint name it; if it has finished already
-        the waitpoint completes now, else the run's finish or the sweeper completes it."""
+        the waitpoint completes now, else the run's finish or the sweeper completes it. In a
+        batch, the parent also waits on each such run's RUN waitpoint: the batch completes with
+        the runs it created, and must not give the parent results of runs still going."""
+        parent_id = parent.id
         run_ids = [taken[rid].id if rid in taken else rid for rid in run_ids]
         if batch_id is None:
             key = run_ids[0]
@@ -629,6 +632,8 @@ class WaitpointsSystem:
         else:  # the batch completes with the runs it created; results come from the runs named here
             await self.wp.repoint(parent_id, sequence, None, key, {RUN_IDS: run_ids},
                                   batch_shrink=(batch_id, len(taken)))
+            joined = [await self.run_waitpoint(parent.env_id, held) for held in sorted({t.id for t in taken.values()})]
+            await self.wp.block(parent_id, [w.id for w in joined], None)
         return run_ids, key
 
     # --- the journal --------------------------------------------------------------------------

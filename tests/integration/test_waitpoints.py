@@ -801,3 +801,28 @@ async def test_a_child_reported_finished_twice_counts_once_in_its_batch(h: Harne
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "SUSPENDED"  # ids[2] still runs
     await finish(ids[2])
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "QUEUED_EXECUTING"
+
+
+async def test_a_batch_wait_that_joined_a_running_run_waits_for_it_too(h: Harness) -> None:
+    """An item whose idempotency key names a run still going: the batch completes with the runs it
+    created, and the parent waited no longer (it resumed with that item unfinished)."""
+    parent, s = await started_run(h)
+    holder = await h.engine.trigger(req(h, payload="slow", idempotency_key="slow-1"))
+    ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0,
+                                               [req(h, payload="slow", idempotency_key="slow-1"),
+                                                req(h, payload="fast")], batch=True)
+    assert ids[0] == holder.id and out.blocked
+    got = {d.run.id: d for d in await h.engine.dequeue(h.env.worker_group_id, 10)}
+
+    async def finish(child: str, output: str) -> None:
+        st = await h.engine.start_attempt(child, got[child].snapshot.id)
+        await h.engine.complete_attempt(child, st.snapshot.id, ok=True, output=output)
+
+    await finish(ids[1], "fast done")
+    await h.engine.waitpoints.sweep(grace_s=0)
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING_WITH_WAITPOINTS"
+    await finish(holder.id, "slow done")
+    await h.engine.waitpoints.sweep(grace_s=0)  # the holder was not triggered to wait: at the latest the sweeper
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
+    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    assert [r["output"] for r in entry["result"]] == ["slow done", "fast done"]
