@@ -540,12 +540,15 @@ class WaitpointsSystem:
         if existing is not None:
             if existing.kind != kind or existing.waitpoint_id is None:
                 raise DuplicateExecutionError(parent.id, sequence)
-            run_ids = existing.result[RUN_IDS]
+            run_ids, key, result = existing.result[RUN_IDS], existing.key, existing.result
             if existing.waitpoint_status == "PENDING" and len(run_ids) == len(requests):
-                await self._create_missing_children(parent, run_ids, requests, existing.key if batch else None)
+                created = await self._create_missing_children(parent, sequence, kind, existing.waitpoint_id,
+                                                              run_ids, key, requests, key if batch else None)
+                if created != (run_ids, key):  # a child's key named an existing run: waited on instead
+                    (run_ids, key), result = created, {RUN_IDS: created[0]}
             return run_ids, await self.block(parent.id, snapshot_id, sequence=sequence, kind=kind,
-                                             key=existing.key, waitpoint_ids=[existing.waitpoint_id],
-                                             result=existing.result, suspend=suspend)
+                                             key=key, waitpoint_ids=[existing.waitpoint_id],
+                                             result=result, suspend=suspend)
         async with self.r.locker.lock("trigger_and_wait", parent.id):
             await self._executing(parent.id, snapshot_id, "trigger and wait from")
             run_ids = [new_id("run") for _ in requests]
@@ -596,20 +599,27 @@ class WaitpointsSystem:
             outcome = await self._blocked(parent.id, snapshot_id, sequence, f"{kind} {key}", pending)
             return run_ids, await self._then_suspend(parent.id, outcome) if suspend else outcome
 
-    async def _create_missing_children(self, parent: RunRow, run_ids: list[str], requests: Sequence[Any],
-                                       batch_id: str | None) -> None:
+    async def _create_missing_children(self, parent: RunRow, sequence: int, kind: str, waitpoint_id: str,
+                                       run_ids: list[str], key: str, requests: Sequence[Any],
+                                       batch_id: str | None) -> tuple[list[str], str]:
         """A journaled trigger whose children were not all created (the first call failed part-way,
-        e.g. PostgreSQL went away): create the missing ones, with the ids the journal recorded."""
+        e.g. PostgreSQL went away): create the missing ones, with the ids the journal recorded. A
+        child whose idempotency key names an existing run is waited on as the first call would
+        have (:meth:`_wait_on_existing`). The run ids and key the journal names after."""
         async with self.r.locker.lock("trigger_and_wait", parent.id):
             have = await self.wp.run_results(run_ids)
             missing = [(rid, req) for rid, req in zip(run_ids, requests, strict=True) if rid not in have]
             if not missing:
-                return
+                return run_ids, key
             function = "batchTriggerAndWait" if batch_id else "triggerAndWait"
-            await self.enqueue.trigger_many([
+            triggered = await self.enqueue.trigger_many([
                 dataclasses.replace(req, run_id=rid, batch_id=batch_id or req.batch_id,
                                     resume_parent_on_completion=True, trigger_function=function)
                 for rid, req in missing])
+            taken = {rid: t for (rid, _), t in zip(missing, triggered, strict=True) if t.is_cached}
+            if not taken:
+                return run_ids, key
+            return await self._wait_on_existing(parent, sequence, kind, waitpoint_id, run_ids, key, taken, batch_id)
 
     async def _wait_on_existing(self, parent: RunRow, sequence: int, kind: str, waitpoint_id: str,
                                 run_ids: list[str], key: str, taken: dict[str, Any],

@@ -826,3 +826,33 @@ async def test_a_batch_wait_that_joined_a_running_run_waits_for_it_too(h: Harnes
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
     (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
     assert [r["output"] for r in entry["result"]] == ["slow done", "fast done"]
+
+
+async def test_a_repeated_batch_trigger_whose_first_try_failed_waits_on_runs_its_keys_name(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call journaled the wait and failed before its children existed; the repeat finds an
+    item's key held by another run: the parent waits on that run (the sweeper failed the wait, the
+    batch short of a run it would never get)."""
+    parent, s = await started_run(h)
+    holder = await h.engine.trigger(req(h, payload="theirs", idempotency_key="shared"))
+    items = [req(h, payload="theirs", idempotency_key="shared"), req(h, payload="mine")]
+    enqueue = h.engine.systems.waitpoints.enqueue
+    real = enqueue.trigger_many
+
+    async def fails_once(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(enqueue, "trigger_many", real)
+        raise ConnectionError("PostgreSQL went away")
+
+    monkeypatch.setattr(enqueue, "trigger_many", fails_once)
+    with pytest.raises(ConnectionError):
+        await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=True)
+    ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=True)
+    assert ids[0] == holder.id and out.blocked
+    got = {d.run.id: d for d in await h.engine.dequeue(h.env.worker_group_id, 10)}
+    for child in ids:
+        st = await h.engine.start_attempt(child, got[child].snapshot.id)
+        await h.engine.complete_attempt(child, st.snapshot.id, ok=True, output=f"{child} done")
+    await h.engine.waitpoints.sweep(grace_s=0)
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
+    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    assert [r.get("output") for r in entry["result"]] == [f"{child} done" for child in ids]
