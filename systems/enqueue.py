@@ -200,6 +200,7 @@ class EnqueueSystem:
         now = self.r.clock.now()
         new_runs: list[NewRun] = []
         items: list[EnqueueItem] = []
+        item_requests: list[TriggerRequest] = []
         results: list[TriggeredRun] = []
         jobs: list[tuple[str, str, dict[str, Any], float]] = []
         keyed: dict[str, list[tuple[str, str]]] = {}
@@ -212,9 +213,15 @@ class EnqueueSystem:
             new_runs.append(run)
             if item is not None:
                 items.append(item)
+                item_requests.append(req)
             jobs += run_jobs
             results.append(result)
-        await self._check_queue_length(items)
+        try:
+            await self._check_queue_length(items)
+        except QueueFullError:
+            # a request whose idempotency key a run holds creates nothing: a client repeating its
+            # trigger while the queue is full gets that run back, not a 429
+            await self._check_queue_length(await self._not_held(items, item_requests, now))
         for env_id, keys in keyed.items():
             await self.r.repo.runs.release_expired_idempotency_keys(env_id, keys, datetime.fromtimestamp(now, UTC))
         inserted = await self.r.insert_runs(new_runs)
@@ -356,6 +363,20 @@ class EnqueueSystem:
         keep = {r.id for r in new_runs if r.id in inserted}
         return (out, [i for i in items if i.run_id in keep], [j for j in jobs if j[2]["run_id"] in keep],
                 new_runs)
+
+    async def _not_held(self, items: Sequence[EnqueueItem], requests: Sequence[TriggerRequest],
+                        now: float) -> list[EnqueueItem]:
+        """The items whose requests' idempotency keys no run holds (unexpired) now."""
+        keyed: dict[str, list[tuple[str, str]]] = {}
+        for req in requests:
+            if req.idempotency_key is not None:
+                keyed.setdefault(req.env_id, []).append((req.task_id, req.idempotency_key))
+        held: set[tuple[str, str, str]] = set()
+        for env_id, keys in keyed.items():
+            found = await self.r.repo.runs.runs_by_idempotency_key(env_id, keys, datetime.fromtimestamp(now, UTC))
+            held |= {(env_id, task, key) for task, key in found}
+        return [item for item, req in zip(items, requests, strict=True)
+                if (req.env_id, req.task_id, req.idempotency_key or "") not in held]
 
     async def _check_queue_length(self, items: Sequence[EnqueueItem]) -> None:
         """Refuse the whole call if it would take an environment past its maximum queue length (a

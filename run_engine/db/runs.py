@@ -524,16 +524,19 @@ class RunRepository:
                      AND r.idempotency_key_expires_at <= %s""",
                 ([t for t, _ in keys], [k for _, k in keys], env_id, now))
 
-    async def runs_by_idempotency_key(self, env_id: str,
-                                      keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], RunRow]:
+    async def runs_by_idempotency_key(self, env_id: str, keys: Sequence[tuple[str, str]],
+                                      held_at: datetime | None = None) -> dict[tuple[str, str], RunRow]:
+        """The runs holding these (task, key) pairs; with ``held_at``, only keys not expired then."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
                 """SELECT r.* FROM task_run r
                    JOIN (SELECT unnest(%s::text[]) AS task, unnest(%s::text[]) AS key) k
                      ON r.task_identifier = k.task AND r.idempotency_key = k.key
-                   WHERE r.environment_id = %s""",
-                ([t for t, _ in keys], [k for _, k in keys], env_id))
+                   WHERE r.environment_id = %s
+                     AND (%s::timestamptz IS NULL OR r.idempotency_key_expires_at IS NULL
+                          OR r.idempotency_key_expires_at > %s)""",
+                ([t for t, _ in keys], [k for _, k in keys], env_id, held_at, held_at))
             return {(r["task_identifier"], r["idempotency_key"]): run_row(r) for r in await cur.fetchall()}
 
     async def transition_many(self, transitions: Sequence[Transition]) -> list[TransitionResult]:

@@ -182,3 +182,15 @@ async def test_a_ttl_job_of_an_earlier_date_does_not_expire_a_rescheduled_run(h:
     assert (await h.engine.get_run(run.id)).status == "DELAYED"  # type: ignore[union-attr]
     await h.advance(100)  # its new date, then its TTL from there (the job moved): expired, never started
     assert (await h.engine.get_run(run.id)).status == "EXPIRED"  # type: ignore[union-attr]
+
+
+async def test_a_trigger_repeated_with_its_key_gets_its_run_back_while_the_queue_is_full(make_engine) -> None:  # type: ignore[no-untyped-def]
+    from run_engine.errors import QueueFullError
+
+    h: Harness = await make_engine(max_queue_length=1)
+    await h.deploy({"id": "hello"})
+    first = await h.engine.trigger(req(h, idempotency_key="order-1"))  # the queue is full now
+    again = await h.engine.trigger(req(h, idempotency_key="order-1"))
+    assert again.id == first.id and again.is_cached
+    with pytest.raises(QueueFullError):  # a run it would make is still refused
+        await h.engine.trigger(req(h, idempotency_key="order-2"))
