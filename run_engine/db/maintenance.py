@@ -119,7 +119,11 @@ class MaintenanceRepository:
         entries of runs that are gone."""
         async with self.pool.connection() as conn, conn.transaction():
             cur = await conn.execute(
+                # a child of a batch still pending stays: the batch counts its children to end its
+                # parent's wait, and one deleted would make it look short of runs (failed)
                 """SELECT id, environment_id FROM task_run WHERE finished_at < now() - make_interval(secs => %s)
+                     AND NOT EXISTS (SELECT 1 FROM batch_task_run b
+                                     WHERE b.id = task_run.batch_id AND b.status = 'PENDING')
                    ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED""", (age_s, limit))
             doomed = [(env_id, run_id) for run_id, env_id in await cur.fetchall()]
             if doomed:

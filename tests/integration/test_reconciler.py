@@ -182,6 +182,26 @@ async def test_retention_deletes_old_finished_runs_with_their_history(make_engin
     assert await h.engine.get_run(alive.id) is not None
 
 
+async def test_retention_keeps_the_finished_children_of_a_batch_still_waited_on(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Deleted, they made the batch look short of runs, and the sweeper failed the parent's wait
+    while a child still ran."""
+    h = await make_engine(retention_days=1e-9, retention_batch=500)
+    await h.deploy({"id": "hello"})
+    parent = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    s = await h.engine.start_attempt(parent.id, d.snapshot.id)
+    ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [
+        TriggerRequest(env_id=h.env.env_id, task_id="hello") for _ in range(2)], batch=True)
+    got = {x.run.id: x for x in await h.engine.dequeue(h.env.worker_group_id, 5)}
+    st = await h.engine.start_attempt(ids[0], got[ids[0]].snapshot.id)
+    await h.engine.complete_attempt(ids[0], st.snapshot.id, ok=True)  # the other child still runs
+    await asyncio.sleep(0.01)
+    await h.engine.systems.reconciler.retention()
+    assert await h.engine.get_run(ids[0]) is not None
+    await h.engine.waitpoints.sweep(grace_s=0)
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING_WITH_WAITPOINTS"
+
+
 async def test_lost_engine_jobs_are_rearmed_and_fire(private: Harness) -> None:
     """Issue 11: after a flush a token's timeout, an executing run's heartbeat timeout and max
     duration, a delayed run's date, a TTL and the waitpoint sweeper were gone for good."""
