@@ -96,17 +96,30 @@ local function add_queued(env, q, delta)
   if c then c[3] = c[3] + delta else queued[id] = {env, q, delta} end
 end
 
--- the first candidate of a ZSET (ascending) not in `skip`, scanning `window` at a time
+-- Where the next scan of a ZSET may start: every entry before it was skipped by this call. A
+-- candidate returned is not passed (it may be parked, which removes it, or skipped). Serving a
+-- candidate only moves it later (its head's score, its virtual time only grow), never before the
+-- entries skipped; an index entry dropped is repaired with reads this call did not make, and every
+-- scan starts from the top again.
+local resume = {}
+
+-- the first candidate of a ZSET (ascending) not in `skip`, scanning `window` at a time (from where
+-- the last scan of it stopped: a long run of skipped entries is paid for once per call, not once
+-- per candidate after it)
 local function first_free(zkey, skip, prefix)
-  local offset = 0
+  local offset = resume[zkey] or 0
   while budget > 0 do
     local items = redis.call('ZRANGE', zkey, offset, offset + window - 1, 'WITHSCORES')
     if #items == 0 then return nil end
     for i = 1, #items, 2 do
       budget = budget - 1
-      if not skip[prefix .. items[i]] then return items[i], tonumber(items[i + 1]) end
+      if not skip[prefix .. items[i]] then
+        resume[zkey] = offset + (i - 1) / 2
+        return items[i], tonumber(items[i + 1])
+      end
     end
     offset = offset + window
+    resume[zkey] = offset
   end
   return nil
 end
@@ -211,6 +224,7 @@ while #out < max * 7 and budget > 0 do
     -- popped here is found by the reconciler (PostgreSQL still has it QUEUED).
     if run then add_queued(env, q, -1) end
     refresh_key(wg, env, q, ck)
+    resume = {}
     q = nil
   end
   if q then

@@ -586,3 +586,23 @@ async def test_environments_on_different_shards_get_even_shares(redis_client: ai
     jain = sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))
     assert jain >= 0.97, sorted(handed.items())
     assert max(shares) <= 1.2 * min(shares), sorted(handed.items())
+
+
+async def test_many_rate_limited_queues_of_one_environment_do_not_stall_the_others(
+        redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:
+    """Seventy queues of one environment, each ahead of its rate, at the front of its list: every
+    dequeue rescanned them from the start for each one skipped, spent its whole budget on that
+    environment and handed nothing out, so the other environments of its shard were not served."""
+    from run_engine.run_queue import RateLimit
+
+    q = RunQueue(redis_client, prefix=f"{key_prefix}:q{unique}", shards=1, max_deliveries=3,
+                 default_env_limit=1000)
+    await q.load_scripts()
+    for i in range(70):
+        await q.set_rate_limit("noisy", f"rl{i}", RateLimit(limit=1, period_ms=3_600_000, burst=1))
+    await q.enqueue([item(f"n{i}-{j}", env="noisy", queue=f"rl{i}", score=NOW - 1000 + i)
+                     for i in range(70) for j in range(2)], NOW)
+    first = await q.dequeue("wg", 100, NOW)  # one run of each queue: every queue is now ahead of its rate
+    assert len(first) == 70
+    await q.enqueue([item("quiet-1", env="quiet", queue="task/q", score=NOW)], NOW)
+    assert [m.run_id for m in await q.dequeue("wg", 10, NOW + 1)] == ["quiet-1"]
