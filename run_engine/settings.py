@@ -36,7 +36,11 @@ class RetryPolicy:
     def delay_s(self, failed_attempt: int, rng: random.Random | None = None) -> float:
         """Back-off before the attempt after ``failed_attempt`` (1-based): min·factor^(n-1), capped,
         times a random factor in [1, 2) when ``randomize`` (as Trigger.dev and p-retry do)."""
-        delay = self.min_timeout_s * self.factor ** max(0, failed_attempt - 1)
+        exponent = max(0, failed_attempt - 1)
+        try:  # in floats: a JSON factor is an int, and int powers grow without bound
+            delay = float(self.min_timeout_s) * float(self.factor) ** exponent
+        except OverflowError:  # a factor of 100 at the 156th attempt: far past any maximum
+            delay = float(self.max_timeout_s)
         if self.randomize:
             delay *= 1 + (rng or random).random()
         return min(delay, self.max_timeout_s)
@@ -66,6 +70,11 @@ class RetryPolicy:
         # the default 10 s maximum must not make every later attempt fail to compute its policy)
         if "max_timeout_s" not in changes and changes.get("min_timeout_s", 0) > base.max_timeout_s:
             changes["max_timeout_s"] = changes["min_timeout_s"]
+        # and a maximum below the inherited minimum lowers the minimum (a trigger's 0.5 s maximum
+        # under the default 1 s minimum made every computation of the run's policy fail)
+        if "min_timeout_s" not in changes and "max_timeout_s" in changes \
+                and 0 <= changes["max_timeout_s"] < base.min_timeout_s:
+            changes["min_timeout_s"] = changes["max_timeout_s"]
         return replace(base, **changes)
 
     def to_json(self) -> dict[str, Any]:

@@ -109,10 +109,19 @@ class DequeueSystem:
                 stray.append((message.env_id, message.run_id))
             elif started is not None and started.applied and started.run is not None \
                     and started.snapshot is not None:
-                attempt, c, s = await self.run_attempt.attempt_started(
-                    started.run, started.snapshot, result.snapshot.id, pending_job=False,
-                    journal=None if journal is None else await self.waitpoints.resolve_journal(
-                        [journal_entry(e) for e in journal]))
+                try:
+                    attempt, c, s = await self.run_attempt.attempt_started(
+                        started.run, started.snapshot, result.snapshot.id, pending_job=False,
+                        journal=None if journal is None else await self.waitpoints.resolve_journal(
+                            [journal_entry(e) for e in journal]))
+                except Exception:
+                    # Committed: the run is EXECUTING, but what its worker needs could not be
+                    # worked out (its policy, its journal). It is not handed out, and the other runs
+                    # of this dequeue (of any tenant) go on; its heartbeat job times it out and
+                    # it is retried.
+                    log.exception("dequeue: run %s started, but its attempt could not be prepared", message.run_id)
+                    schedule += self.execution_snapshot.rearm(None, None, started.snapshot)[1]
+                    continue
                 cancel += c
                 schedule += s
                 dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries, attempt))

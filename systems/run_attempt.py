@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from run_engine.db.deployments import DeploymentTask
 from run_engine.db.runs import RunRow, Snapshot, TransitionResult
-from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError
+from run_engine.errors import InvalidTransitionError, NotFoundError, StaleSnapshotError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.records import record
 from run_engine.settings import RetryPolicy
@@ -82,11 +82,22 @@ class RunAttemptSystem:
         return self._tasks[key]
 
     async def retry_policy(self, run: RunRow) -> RetryPolicy:
+        """The task's policy over the engine's default, the run's over it. A layer that cannot
+        apply over the one below (bounds that contradict it) is left out, with a warning: a run
+        whose policy cannot be worked out could neither start nor fail."""
         task = await self.deployment_task(run)
-        policy = RetryPolicy.from_json(task.retry if task else None, self.r.settings.default_retry)
-        policy = RetryPolicy.from_json(run.retry, policy)
+
+        def over(data: dict[str, Any] | None, base: RetryPolicy) -> RetryPolicy:
+            try:
+                return RetryPolicy.from_json(data, base)
+            except ValidationError as exc:
+                log.warning("run %s: retry options %s left out: %s", run.id, data, exc)
+                return base
+
+        policy = over(task.retry if task else None, self.r.settings.default_retry)
+        policy = over(run.retry, policy)
         if run.max_attempts is not None:
-            policy = RetryPolicy.from_json({"max_attempts": run.max_attempts}, policy)
+            policy = over({"max_attempts": run.max_attempts}, policy)
         return policy
 
     async def start_attempt(self, run_id: str, snapshot_id: str, worker_id: str | None = None) -> StartedAttempt:

@@ -136,3 +136,29 @@ async def test_a_cancel_whose_queue_removal_fails_is_answered_and_the_next_deque
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # its message is dropped, not handed out
     assert run.id not in await h.engine.resources.queue.running_ids(h.env.env_id)
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+
+
+async def test_a_dequeue_whose_run_cannot_be_prepared_hands_out_the_others(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One run's attempt that cannot be worked out after the dequeue committed (its retry options,
+    its journal) stopped the whole dequeue: every run of it (of any tenant) stayed EXECUTING with
+    no heartbeat job and no worker. Now only that run is held back, and its timeout is armed."""
+    from systems import engine_jobs
+
+    await h.deploy({"id": "hello"})
+    bad = await h.engine.trigger(req(h, payload="bad"))
+    good = await h.engine.trigger(req(h, payload="good"))
+    attempts = h.engine.systems.run_attempt
+    real = attempts.retry_policy
+
+    async def policy(run: Any) -> Any:
+        if run.id == bad.id:
+            raise RuntimeError("this run's policy cannot be worked out")
+        return await real(run)
+
+    monkeypatch.setattr(attempts, "retry_policy", policy)
+    handed = await h.engine.dequeue(h.env.worker_group_id, 5, start=True)
+    assert [d.run.id for d in handed] == [good.id] and handed[0].started is not None
+    latest = await h.engine.latest_snapshot(bad.id)
+    assert latest.engine_status == "EXECUTING"
+    assert await h.engine.resources.jobs.missing([engine_jobs.heartbeat_id(bad.id, latest.id)]) == []

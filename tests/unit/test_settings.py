@@ -30,6 +30,20 @@ def test_retry_policy_from_api_keys_over_a_base() -> None:
     assert RetryPolicy.from_json(None, base) is base
 
 
+def test_a_bound_alone_past_the_inherited_other_moves_it() -> None:
+    """A trigger's 0.5 s maximum under the default 1 s minimum made every computation of the run's
+    policy fail (its start, its failure, its heartbeat timeout)."""
+    assert RetryPolicy.from_json({"maxTimeout": 0.5}).min_timeout_s == 0.5
+    assert RetryPolicy.from_json({"minTimeout": 20}).max_timeout_s == 20
+
+
+def test_a_huge_factor_or_attempt_gives_the_maximum_delay() -> None:
+    for randomize in (False, True):
+        policy = RetryPolicy(max_attempts=3000, factor=100, min_timeout_s=1, max_timeout_s=60, randomize=randomize)
+        assert policy.delay_s(200) == 60  # 100 ** 199 does not fit a float
+        assert RetryPolicy(max_attempts=3000, randomize=randomize).delay_s(2000) == 10  # 2 ** 1999 neither
+
+
 @pytest.mark.parametrize("bad", [{"max_attempts": 0}, {"factor": 0.5}, {"min_timeout_s": 5, "max_timeout_s": 1}])
 def test_retry_policy_rejects_nonsense(bad: dict) -> None:
     with pytest.raises(ValidationError):
