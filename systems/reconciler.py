@@ -219,7 +219,9 @@ class ReconcilerSystem:
             stale = [rid for rid in page if rid in suspects
                      and (grace <= 0 or (rid in before and before[rid] == suspects[rid]))]
             if stale:
-                await self.r.queue.ack([(env_id, rid) for rid in stale])
+                # held only: a run enqueued again since (a suspended run continued) has given its
+                # slot back already and keeps its new message
+                await self.r.queue.ack([(env_id, rid) for rid in stale], held_only=[True] * len(stale))
                 report.slots_freed += len(stale)
         if suspects:
             self._slot_suspects[env_id] = suspects

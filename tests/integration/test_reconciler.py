@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,6 +121,32 @@ async def test_a_slot_held_by_a_finished_run_is_freed(private: Harness) -> None:
     assert (await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)).slots_freed == 1
     (d2,) = await h.engine.dequeue(h.env.worker_group_id, 5)
     assert d2.run.id == nxt.id
+
+
+async def test_the_slot_pass_leaves_a_message_enqueued_again_after_it_looked(
+        private: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the pass's read of the slots and its ack, the run was enqueued again (a suspended
+    run continued): its slot is given back already, and its new message must stay."""
+    h = private
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
+    q = h.engine.resources.queue
+    item = h.engine.systems.enqueue.item_for(await h.engine.get_run(run.id))  # type: ignore[arg-type]
+    await q.enqueue([item], h.engine.resources.now_ms())
+    await q.dequeue(h.env.worker_group_id, 5, h.engine.resources.now_ms())  # a slot PostgreSQL does not know
+    runs = h.engine.resources.repo.runs
+    real = runs.slot_holders
+
+    async def then_enqueued_again(ids: Any) -> Any:
+        seen = await real(ids)
+        await q.enqueue([item], h.engine.resources.now_ms())
+        return seen
+
+    monkeypatch.setattr(runs, "slot_holders", then_enqueued_again)
+    await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
+    assert await q.message_states([(h.env.env_id, run.id)]) == ["ready"]
 
 
 async def test_a_delayed_run_whose_job_was_lost_is_enqueued(private: Harness) -> None:
