@@ -396,13 +396,25 @@ class RunQueue:
                 "env_running": int(env_running), "queue_meta": {_s(k): _s(v) for k, v in qmeta.items()},
                 "queue_running": int(q_running), "key_running": int(k_running), "ahead": ahead}
 
+    def _epochs(self) -> list[str]:
+        # one per shard, in the shard's slot: on a Redis Cluster, one master that loses its data
+        # (and its shards' settings) is seen whichever master held a single key
+        return [f"{self.keys.base(shard)}:epoch" for shard in range(self.keys.shards)]
+
     async def has_epoch(self) -> bool:
-        """False when Redis lost the queue's data (a flush or a restart without persistence): the
-        reconciler then restores settings and runs from PostgreSQL and calls :meth:`mark_epoch`."""
-        return bool(await self.redis.exists(f"{self.prefix}:epoch"))
+        """False when Redis lost the queue's data of any shard (a flush, or a restart without
+        persistence, of any node): the reconciler then restores settings and runs from PostgreSQL
+        and calls :meth:`mark_epoch`."""
+        pipe = self.redis.pipeline(transaction=False)
+        for key in self._epochs():
+            pipe.exists(key)
+        return all(await pipe.execute())
 
     async def mark_epoch(self) -> None:
-        await self.redis.set(f"{self.prefix}:epoch", "1")
+        pipe = self.redis.pipeline(transaction=False)
+        for key in self._epochs():
+            pipe.set(key, "1")
+        await pipe.execute()
 
     async def message_states(self, items: Sequence[tuple[str, str]]) -> list[str | None]:
         """Each run's message state (``ready``, ``delayed``, ``held``, ``released``, ``dlq``) or None
