@@ -80,14 +80,17 @@ class ApiContext:
         """(worker group, environment) of a run this process handed out."""
         return self._run_groups.get(run_id)
 
-    async def env_auth(self, request: Request, *, run_token: bool = False, public: bool = False) -> EnvAuth:
+    async def env_auth(self, request: Request, *, run_token: bool = False, public: bool = False,
+                       recheck: bool = False) -> EnvAuth:
         """The environment of an environment secret key, or of the run of a run token. A run token
         is accepted only where the handler allows it (``run_token``; 403 elsewhere) and only while
         its attempt is live: the run is EXECUTING or WAITING in that attempt (401 after). A public
-        access token (a JWT) likewise only where ``public``; the handler then checks its scopes."""
+        access token (a JWT) likewise only where ``public``; the handler then checks its scopes.
+        ``recheck``: the credential of a request already let in, checked again (an open stream):
+        not counted against its rate, nor as the one use of a one-time token."""
         token = bearer(request)
         if looks_like_jwt(token):
-            return await self._public_auth(token, public)
+            return await self._public_auth(token, public, recheck)
         if token.startswith("rt_"):
             claims = self.tokens.verify(token, self.engine.now())
             if claims is None:
@@ -103,7 +106,8 @@ class ApiContext:
             env = await self._env_by_id(run.env_id)
             auth = EnvAuth(env.id, env.project_id, env.organization_id, env.default_worker_group_id,
                            run_id=run.id, attempt=claims.attempt)
-            await self.check_limit(auth.bucket)
+            if not recheck:
+                await self.check_limit(auth.bucket)
             return auth
         found = await self.environment_by_key(token)
         if found is None:
@@ -111,10 +115,11 @@ class ApiContext:
                 raise ApiError(403, "forbidden", "a worker group token cannot call the public API")
             raise ApiError(401, "unauthorized", "invalid API key")
         auth = EnvAuth.of(found)
-        await self.check_limit(auth.bucket)
+        if not recheck:
+            await self.check_limit(auth.bucket)
         return auth
 
-    async def _public_auth(self, token: str, allowed: bool) -> EnvAuth:
+    async def _public_auth(self, token: str, allowed: bool, recheck: bool = False) -> EnvAuth:
         claims = unverified_claims(token)
         env = await self.environment(claims["sub"]) if looks_like_id(claims["sub"], "env") else None
         key = (environment_key(self.secret, env.id, env.type, env.api_key_generation, env.api_key_hash)
@@ -126,6 +131,8 @@ class ApiContext:
             raise forbidden()
         auth = EnvAuth(env.id, env.project_id, env.organization_id, env.default_worker_group_id,
                        scopes=checked.scopes)
+        if recheck:
+            return auth
         await self.check_limit(auth.bucket)
         if checked.one_time:
             used = self.engine.redis.set(f"{self.engine.settings.key_prefix}:otu:{hash_secret(token)}", "1",

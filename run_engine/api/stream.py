@@ -83,7 +83,7 @@ async def run_stream(request: Request) -> Response:
 
     async def still_allowed() -> bool:
         try:
-            again = await ctx.env_auth(request, public=True)
+            again = await ctx.env_auth(request, public=True, recheck=True)
         except ApiError:
             return False
         return again.env_id == auth.env_id and can_read(again, run)
