@@ -7,6 +7,7 @@ send produces a 500.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, TypeVar
@@ -134,6 +135,9 @@ async def read_body(request: Request, limit: int) -> bytearray:
     return body
 
 
+SCAN_OFF_LOOP_BYTES = 256 * 1024
+
+
 async def read_json(request: Request, *, limit: int = MAX_REQUEST_BYTES, required: bool = True,
                     scan: bool = True) -> Any:
     """The request's JSON body: 413 over ``limit``, 400 when malformed, and (with ``scan``) 400 for
@@ -147,8 +151,11 @@ async def read_json(request: Request, *, limit: int = MAX_REQUEST_BYTES, require
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, "invalid_input", f"body: malformed JSON ({exc})") from None
-    if scan and needs_scan(body) and (problem := unstorable(data)) is not None:
-        raise ApiError(400, "invalid_input", problem.removeprefix("body."))
+    if scan and needs_scan(body):
+        # a large body is walked off the event loop: the loop's other requests go on meanwhile
+        problem = await asyncio.to_thread(unstorable, data) if len(body) > SCAN_OFF_LOOP_BYTES else unstorable(data)
+        if problem is not None:
+            raise ApiError(400, "invalid_input", problem.removeprefix("body."))
     return data
 
 

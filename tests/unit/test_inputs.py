@@ -76,3 +76,28 @@ def test_callback_signatures_are_never_logged() -> None:
     assert redact("/api/v1/waitpoints/tokens/waitpoint_x/callback/SECRETSIG") == \
         "/api/v1/waitpoints/tokens/waitpoint_x/callback/[redacted]"
     assert redact("/api/v3/runs/run_x") == "/api/v3/runs/run_x"
+
+
+async def test_a_large_body_is_scanned_off_the_loop_and_still_names_the_field() -> None:
+    """A body of a million small values is walked in a thread (the loop's other requests go on), and
+    a NUL at its end is found and named as in a small one."""
+    from starlette.requests import Request
+
+    from run_engine.api.http import SCAN_OFF_LOOP_BYTES, ApiError, read_json
+
+    async def route(request: Request) -> PlainTextResponse:
+        try:
+            await read_json(request)
+        except ApiError as exc:
+            return PlainTextResponse(exc.message, 400)
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/", route, methods=["POST"])])
+    wide = {"payload": [0] * 1_000_000, "deep": [{}] * (MAX_DEPTH + 1), "last": ["fine", "x\x00"]}
+    body = orjson.dumps(wide)
+    assert len(body) > SCAN_OFF_LOOP_BYTES
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.post("/", content=body)
+        assert (r.status_code, r.text.split(":")[0]) == (400, "last.1")
+        wide["last"] = ["fine"]
+        assert (await c.post("/", content=orjson.dumps(wide))).text == "ok"
