@@ -44,11 +44,30 @@ def _http_protocol() -> type | str:
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _head = 0
         _too_large = False
+        _in_head = True  # a connection starts with a request head
+        _head_raw = 0  # bytes received while in a head (httptools reports a header only once it is
+        # complete, and grows a header without end quadratically: one endless header held the
+        # event loop for seconds before any of the counts below saw it)
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                if self._head_raw > MAX_HEAD_BYTES:
+                    self._too_large = True
+                    self.send_400_response("request head too large")
+                    return
+                self._head_raw += len(data)
+            super().data_received(data)
 
         def on_message_begin(self) -> None:
             self._head = 0
             self._too_large = False
+            self._in_head = True
+            self._head_raw = 0
             super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
 
         def _count(self, n: int) -> None:
             self._head += n

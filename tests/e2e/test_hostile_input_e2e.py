@@ -179,6 +179,30 @@ def test_huge_header_values_are_431_not_held_in_memory(hostile: Stack) -> None:
     assert httpx.get(f"{hostile.url}/healthz").status_code == 200
 
 
+def test_a_header_that_never_ends_is_431_once_past_the_limit(hostile: Stack) -> None:
+    """httptools reports a header only when it ends, and grows an unfinished one quadratically: a
+    client that never ends its header held the event loop (every tenant's requests) for seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(hostile.url)
+    with socket.create_connection((url.hostname, url.port), timeout=20) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        answer = b""
+        try:
+            for _ in range(200):  # up to 12.8 MB, 64 kB at a time, never a line end
+                sock.sendall(b"a" * 65_536)
+        except OSError:
+            pass  # answered and closed while we were still sending
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(65_536)
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert httpx.get(f"{hostile.url}/healthz").status_code == 200
+
+
 # --- the worker API --------------------------------------------------------------------------
 
 def _dequeue(s: Stack, *run_ids: str) -> dict[str, dict[str, Any]]:
