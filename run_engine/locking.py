@@ -86,6 +86,7 @@ class RunLocker:
         self._acquirer: Batcher[LockHandle, bool] = Batcher(self._acquire_batch, max_batch=500, split=False)
         self._releaser: Batcher[LockHandle, None] = Batcher(self._release_batch, max_batch=500)
         self._active: set[LockHandle] = set()
+        self._giving_back: set[asyncio.Task[None]] = set()  # releases of locks taken for a cancelled caller
         self._warned: dict[int, float] = {}  # node index → when its being unreachable was last logged
         self._extender: asyncio.Task[None] | None = None
 
@@ -141,7 +142,7 @@ class RunLocker:
         attempts = 0
         while True:
             attempts += 1
-            if await self._acquirer.submit(handle):
+            if await self._try(handle):
                 self._active.add(handle)
                 TIMINGS.lock_wait(name, time.monotonic() - asked)
                 return handle
@@ -153,6 +154,24 @@ class RunLocker:
             waited += delay
             log.debug("lock %s on %s busy; retry in %.3fs", name, resources, delay)
             await asyncio.sleep(delay)
+
+    async def _try(self, handle: LockHandle) -> bool:
+        """One attempt at ``handle``'s keys, with the batch of this moment. A caller cancelled
+        meanwhile does not stop the batch, which may take the keys all the same: they are given
+        back then (else nobody would hold, extend or release them until they expire)."""
+        attempt = self._acquirer.submit_many_now([handle])
+        try:
+            (ok,) = await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            def give_back(done: asyncio.Future[list[bool]]) -> None:
+                if not done.cancelled() and done.exception() is None and done.result()[0]:
+                    task = asyncio.ensure_future(self._release(handle))
+                    self._giving_back.add(task)
+                    task.add_done_callback(self._giving_back.discard)
+
+            attempt.add_done_callback(give_back)
+            raise
+        return ok
 
     async def _acquire_batch(self, handles: list[LockHandle]) -> list[bool]:
         s = self.settings

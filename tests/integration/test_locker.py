@@ -126,3 +126,23 @@ async def test_two_processes_contending_for_one_run(redis_url: str, redis_client
     assert int(await redis_client.get(counter)) == 120  # no lost update: the read-sleep-write was exclusive
     await redis_client.delete(counter)
 
+
+
+async def test_a_lock_taken_for_a_caller_cancelled_meanwhile_is_given_back(
+        redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:
+    """The caller is cancelled while its attempt waits in the batch; the batch takes the key all the
+    same. Nobody held, extended or released it: the run stayed locked until the lease ran out."""
+    slow = LockSettings(duration_s=30, extend_before_s=1, max_attempts=100, base_delay_s=0.01, max_delay_s=0.05,
+                        max_total_wait_s=3)
+    lk = RunLocker([redis_client], prefix=f"{key_prefix}:lk{unique}", settings=slow)
+    await lk.start()
+    try:
+        doomed = asyncio.ensure_future(lk.lock("test", "run_c").__aenter__())
+        await asyncio.sleep(0)  # its attempt is queued in the batch
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        async with lk.lock("test", "run_c"):  # given back: not a 30 s wait (LockTimeoutError after 3 s)
+            pass
+    finally:
+        await lk.stop()
