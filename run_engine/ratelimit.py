@@ -66,7 +66,12 @@ class RequestLimiter:
             if granted > 1:
                 if len(self._local) > 100_000:
                     self._local.clear()
-                self._local[bucket] = (granted - 1, time.monotonic() + self.GRANT_TTL_S)
+                # added to what is left of a grant another call took meanwhile (calls overlap: up
+                # to four batches at once), not in its place: a grant thrown away refused a busy
+                # tenant below its own rate
+                now = time.monotonic()
+                left, lapse = self._local.get(bucket, (0, 0.0))
+                self._local[bucket] = ((left if now < lapse else 0) + granted - 1, now + self.GRANT_TTL_S)
             return None
         return max(1, math.ceil(-granted / 1000))
 

@@ -66,3 +66,19 @@ async def test_grants_spend_locally_and_the_limit_holds(redis_client: aioredis.R
     burst = await asyncio.gather(*(limiter.retry_after_s("env:g") for _ in range(200)))
     granted = sum(a is None for a in burst)
     assert 10 <= granted <= 50 and granted < 200  # never more than the bucket holds
+
+
+async def test_grants_taken_by_overlapping_calls_are_all_spent(redis_client: aioredis.Redis, key_prefix: str,
+                                                                 unique: str) -> None:
+    """Two calls of one bucket overlapped, each took a grant: the later one replaced what was left
+    of the other's, and requests the bucket had paid for were refused."""
+    limiter = RequestLimiter(redis_client, prefix=f"{key_prefix}:{unique}", rate_per_s=500, burst=50)
+    grants = iter([10, 10])
+
+    async def two_grants(keys: list[str]) -> list[int]:
+        return [next(grants) for _ in keys]
+
+    limiter._decide = two_grants  # type: ignore[method-assign]
+    limiter._batcher = type(limiter._batcher)(two_grants, max_batch=1, max_in_flight=2, split=False)
+    assert await asyncio.gather(limiter.retry_after_s("env:a"), limiter.retry_after_s("env:a")) == [None, None]
+    assert limiter._local["env:a"][0] == 18  # both grants, less the two requests they let in
