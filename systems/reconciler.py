@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 BULK_PAGE = 1000  # bulk actions under way re-armed per query
+SLOT_PAGE = 500  # environments whose slots in use are counted per round trip
 T = TypeVar("T")
 E = ExecutionStatus
 #: execution statuses in which a run legitimately holds a queue slot
@@ -195,11 +196,23 @@ class ReconcilerSystem:
             report.requeued_stuck += 1
 
     async def _slots(self, report: ReconcileReport, grace: float) -> None:
-        for env_id in await self.r.repo.maintenance.environment_ids():
+        """Each environment that holds slots (or had suspects last pass) is looked at; which ones
+        hold any is asked of Redis a page of environments at a time, not one round trip each."""
+        envs = await self.r.repo.maintenance.environment_ids()
+        for start in range(0, len(envs), SLOT_PAGE):
+            page = envs[start:start + SLOT_PAGE]
             try:
-                await self._env_slots(env_id, report, grace)
+                counts = await self.r.queue.running_counts(page)
             except Exception:
-                log.exception("reconciler: could not check the slots of environment %s", env_id)
+                log.exception("reconciler: could not count the slots in use of %d environments", len(page))
+                continue
+            for env_id, n in zip(page, counts, strict=True):
+                if n == 0 and env_id not in self._slot_suspects:
+                    continue
+                try:
+                    await self._env_slots(env_id, report, grace)
+                except Exception:
+                    log.exception("reconciler: could not check the slots of environment %s", env_id)
 
     async def _env_slots(self, env_id: str, report: ReconcileReport, grace: float) -> None:
         """Free the slots of runs that hold one in the queue but not in PostgreSQL. A finished run's

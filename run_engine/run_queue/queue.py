@@ -372,6 +372,13 @@ class RunQueue:
     async def running_ids(self, env_id: str) -> set[str]:
         return {_name(x) for x in await self.redis.smembers(f"{self.keys.env(env_id)}:running")}
 
+    async def running_counts(self, env_ids: Sequence[str]) -> list[int]:
+        """How many runs hold a slot of each environment: one pipelined round trip for all."""
+        pipe = self.redis.pipeline(transaction=False)
+        for env_id in env_ids:
+            pipe.scard(f"{self.keys.env(env_id)}:running")
+        return [int(n) for n in await pipe.execute()] if env_ids else []
+
     async def inspect(self, env_id: str, run_id: str) -> dict[str, object] | None:
         """What the queue knows about a run and what could hold it back (for "explain"): its
         message, the env's and the queue's limits and slots in use, its key's, the queue's pause and

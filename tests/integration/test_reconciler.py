@@ -149,6 +149,28 @@ async def test_the_slot_pass_leaves_a_message_enqueued_again_after_it_looked(
     assert await q.message_states([(h.env.env_id, run.id)]) == ["ready"]
 
 
+async def test_the_slot_pass_reads_only_environments_that_hold_slots(
+        private: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It asked Redis for the slots of every environment, one round trip each, every pass."""
+    h = private
+    idle = [await ensure_environment(h.engine.resources.repo, secret="s", org=f"{h.env.env_id}-idle", project="p",
+                                     env=f"e{i}") for i in range(5)]
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    await h.engine.dequeue(h.env.worker_group_id, 5)
+    looked: list[str] = []
+    q = h.engine.resources.queue
+    real = q.running_ids
+
+    async def spy(env_id: str) -> set[str]:
+        looked.append(env_id)
+        return await real(env_id)
+
+    monkeypatch.setattr(q, "running_ids", spy)
+    await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
+    assert h.env.env_id in looked and not {e.env_id for e in idle} & set(looked)
+    assert run.id in await real(h.env.env_id)  # its slot, held by a run PostgreSQL shows dequeued, stays
+
+
 async def test_a_delayed_run_whose_job_was_lost_is_enqueued(private: Harness) -> None:
     h = private
     when = datetime.fromtimestamp(h.engine.resources.clock.now() + 5, UTC)
