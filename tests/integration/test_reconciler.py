@@ -104,18 +104,25 @@ async def test_a_run_being_handed_out_is_left_to_its_dequeue(private: Harness) -
     assert d.run.id == run.id
 
 
-async def test_a_slot_held_by_a_finished_run_is_freed(private: Harness) -> None:
-    h = private
+async def finished_holding_a_slot(h: Harness) -> tuple[str, Any]:
+    """A run of ``limited`` that finished and still holds its slot in the queue (as before its ack,
+    or when the ack was lost): its id and its queue item."""
     run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
     (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
     s = await h.engine.start_attempt(run.id, d.snapshot.id)
     await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
-    # the ack was lost: the queue still holds the run's slot
     q = h.engine.resources.queue
     item = h.engine.systems.enqueue.item_for(await h.engine.get_run(run.id))  # type: ignore[arg-type]
     await q.enqueue([item], h.engine.resources.now_ms())
     await q.dequeue(h.env.worker_group_id, 5, h.engine.resources.now_ms())
-    assert await q.running_ids(h.env.env_id) == {run.id}
+    assert run.id in await q.running_ids(h.env.env_id)
+    return run.id, item
+
+
+async def test_a_slot_held_by_a_finished_run_is_freed(private: Harness) -> None:
+    h = private
+    run_id, _ = await finished_holding_a_slot(h)  # the ack was lost
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == {run_id}
     nxt = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # limit 1, taken by the ghost
     assert (await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)).slots_freed == 1
@@ -128,14 +135,8 @@ async def test_the_slot_pass_leaves_a_message_enqueued_again_after_it_looked(
     """Between the pass's read of the slots and its ack, the run was enqueued again (a suspended
     run continued): its slot is given back already, and its new message must stay."""
     h = private
-    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
-    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
-    s = await h.engine.start_attempt(run.id, d.snapshot.id)
-    await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
+    run_id, item = await finished_holding_a_slot(h)  # a slot PostgreSQL does not know
     q = h.engine.resources.queue
-    item = h.engine.systems.enqueue.item_for(await h.engine.get_run(run.id))  # type: ignore[arg-type]
-    await q.enqueue([item], h.engine.resources.now_ms())
-    await q.dequeue(h.env.worker_group_id, 5, h.engine.resources.now_ms())  # a slot PostgreSQL does not know
     runs = h.engine.resources.repo.runs
     real = runs.slot_holders
 
@@ -146,7 +147,7 @@ async def test_the_slot_pass_leaves_a_message_enqueued_again_after_it_looked(
 
     monkeypatch.setattr(runs, "slot_holders", then_enqueued_again)
     await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
-    assert await q.message_states([(h.env.env_id, run.id)]) == ["ready"]
+    assert await q.message_states([(h.env.env_id, run_id)]) == ["ready"]
 
 
 async def test_the_slot_pass_reads_only_environments_that_hold_slots(
@@ -352,21 +353,10 @@ async def test_a_slot_is_freed_only_when_two_passes_saw_it_held_by_a_finished_ru
     q = h.engine.resources.queue
     reconciler = h.engine.systems.reconciler
 
-    async def finished_holding_a_slot() -> str:
-        run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
-        (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
-        s = await h.engine.start_attempt(run.id, d.snapshot.id)
-        await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
-        item = h.engine.systems.enqueue.item_for(await h.engine.get_run(run.id))  # type: ignore[arg-type]
-        await q.enqueue([item], h.engine.resources.now_ms())  # its slot taken again, as before its ack
-        await q.dequeue(h.env.worker_group_id, 5, h.engine.resources.now_ms())
-        assert run.id in await q.running_ids(h.env.env_id)
-        return run.id
-
-    acked = await finished_holding_a_slot()
+    acked, _ = await finished_holding_a_slot(h)
     assert (await reconciler.reconcile(grace_s=30)).slots_freed == 0  # seen once: perhaps its ack is on its way
     await q.ack([(h.env.env_id, acked)])  # ... and it was
-    lost = await finished_holding_a_slot()
+    lost, _ = await finished_holding_a_slot(h)
     assert (await reconciler.reconcile(grace_s=30)).slots_freed == 0  # the new one seen once
     assert (await reconciler.reconcile(grace_s=30)).slots_freed == 1  # seen twice, same snapshot: freed
     assert lost not in await q.running_ids(h.env.env_id)

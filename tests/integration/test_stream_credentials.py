@@ -4,7 +4,10 @@ expires while a run waits for months ends its stream. In process (ASGI), the eng
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
 
 import httpx
 import pytest
@@ -20,39 +23,11 @@ from run_engine.wakeups import WakeUps
 from .conftest import Harness
 
 
-async def test_a_stream_ends_when_its_token_expires(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    from run_engine.api import stream
-
-    monkeypatch.setattr(stream, "RECHECK_S", 0.05)
-    monkeypatch.setattr(stream, "KEEPALIVE_S", 0.1)
-    await h.deploy({"id": "hello"})
-    months = datetime.fromtimestamp(h.clock.now() + 90 * 86400, UTC)  # the run waits three months
-    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", delay_until=months))
-    hub = RealtimeHub(h.engine.redis, prefix=h.engine.resources.settings.key_prefix)
-    await hub.start()
-    ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"), public_url="http://t", realtime=hub,
-                     wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"),
-                     secret="test-secret")
-    now = int(h.clock.now())
-    token = sign(h.env.api_key, {"sub": h.env.env_id, "pub": True, "iss": ISSUER, "aud": AUDIENCE, "iat": now,
-                                 "exp": now + 600, "scopes": [f"read:runs:{run.id}"]})
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://t",
-                                     headers={"Authorization": f"Bearer {token}"}) as client:
-            streaming = asyncio.ensure_future(client.get(f"/realtime/v1/runs/{run.id}"))
-            await asyncio.sleep(0.5)
-            assert not streaming.done()  # the token holds: the stream goes on
-            h.clock.advance(3600)  # the token expires
-            answer = await asyncio.wait_for(streaming, 20)  # the stream ended (the transport buffers it)
-        assert answer.status_code == 200 and answer.text.startswith("event: run")
-    finally:
-        await hub.stop()
-
-
-async def test_a_stream_of_a_one_time_token_goes_on_past_its_checks(
-        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Checking the credential again is not a second use of a one-time token (nor a request
-    counted against its rate): the stream goes on until its run ends."""
+@contextlib.asynccontextmanager
+async def streaming(h: Harness, monkeypatch: pytest.MonkeyPatch,
+                    **claims: Any) -> AsyncIterator[tuple[str, asyncio.Future[httpx.Response]]]:
+    """A run that waits three months and its stream, opened with a public token of ``claims``
+    (checked every 0.05 s): the run's id and the answer to come (the transport buffers it)."""
     from run_engine.api import stream
 
     monkeypatch.setattr(stream, "RECHECK_S", 0.05)
@@ -60,22 +35,42 @@ async def test_a_stream_of_a_one_time_token_goes_on_past_its_checks(
     await h.deploy({"id": "hello"})
     months = datetime.fromtimestamp(h.clock.now() + 90 * 86400, UTC)
     run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", delay_until=months))
-    hub = RealtimeHub(h.engine.redis, prefix=h.engine.resources.settings.key_prefix)
+    prefix = h.engine.resources.settings.key_prefix
+    hub = RealtimeHub(h.engine.redis, prefix=prefix)
     await hub.start()
     ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"), public_url="http://t", realtime=hub,
-                     wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"),
-                     secret="test-secret")
+                     wakeups=WakeUps(h.engine.redis, channel=f"{prefix}:wake"), secret="test-secret")
     now = int(h.clock.now())
     token = sign(h.env.api_key, {"sub": h.env.env_id, "pub": True, "iss": ISSUER, "aud": AUDIENCE, "iat": now,
-                                 "exp": now + 600, "scopes": [f"read:runs:{run.id}"], "otu": True})
+                                 "exp": now + 600, "scopes": [f"read:runs:{run.id}"], **claims})
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://t",
                                      headers={"Authorization": f"Bearer {token}"}) as client:
-            streaming = asyncio.ensure_future(client.get(f"/realtime/v1/runs/{run.id}"))
-            await asyncio.sleep(0.5)
-            assert not streaming.done()  # checked several times meanwhile, still open
-            await h.engine.cancel(run.id)
-            answer = await asyncio.wait_for(streaming, 20)
-        assert answer.status_code == 200 and '"status":"CANCELED"' in answer.text
+            answer = asyncio.ensure_future(client.get(f"/realtime/v1/runs/{run.id}"))
+            try:
+                yield run.id, answer
+            finally:
+                answer.cancel()
     finally:
         await hub.stop()
+
+
+async def test_a_stream_ends_when_its_token_expires(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with streaming(h, monkeypatch) as (_, answer):
+        await asyncio.sleep(0.5)
+        assert not answer.done()  # the token holds: the stream goes on
+        h.clock.advance(3600)  # the token expires
+        got = await asyncio.wait_for(answer, 20)  # the stream ended
+    assert got.status_code == 200 and got.text.startswith("event: run")
+
+
+async def test_a_stream_of_a_one_time_token_goes_on_past_its_checks(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checking the credential again is not a second use of a one-time token (nor a request
+    counted against its rate): the stream goes on until its run ends."""
+    async with streaming(h, monkeypatch, otu=True) as (run_id, answer):
+        await asyncio.sleep(0.5)
+        assert not answer.done()  # checked several times meanwhile, still open
+        await h.engine.cancel(run_id)
+        got = await asyncio.wait_for(answer, 20)
+    assert got.status_code == 200 and '"status":"CANCELED"' in got.text
