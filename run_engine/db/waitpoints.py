@@ -726,13 +726,15 @@ class WaitpointRepository:
         before another child's finish committed must not undo that child's count)."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """UPDATE batch_task_run b SET completed_count = c.n,
-                       status = CASE WHEN c.n >= b.size THEN 'COMPLETED' ELSE b.status END,
-                       completed_at = CASE WHEN c.n >= b.size THEN now() END
+                # b.completed_count is the row as it is when the update takes it (after a concurrent
+                # count's commit), so a count read before that one never lowers it
+                """UPDATE batch_task_run b SET completed_count = greatest(b.completed_count, c.n),
+                       status = CASE WHEN greatest(b.completed_count, c.n) >= b.size THEN 'COMPLETED'
+                                     ELSE b.status END,
+                       completed_at = CASE WHEN greatest(b.completed_count, c.n) >= b.size THEN now() END
                    FROM unnest(%s::text[]) AS i(id)
-                   JOIN batch_task_run cur ON cur.id = i.id
                    CROSS JOIN LATERAL (
-                       SELECT greatest(cur.completed_count, count(*)) AS n FROM task_run r
+                       SELECT count(*) AS n FROM task_run r
                        WHERE r.batch_id = i.id AND r.finished_at IS NOT NULL) c
                    WHERE b.id = i.id AND b.status = 'PENDING' RETURNING b.id, b.status""",
                 (list(batch_ids),))
