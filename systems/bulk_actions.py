@@ -36,6 +36,7 @@ from systems.resources import SystemResources
 log = logging.getLogger(__name__)
 PAGE = 100
 MAX_PENDING = 10  # bulk actions under way per environment
+CANCELS_AT_ONCE = 20  # of a page's runs
 KINDS = ("CANCEL", "REPLAY")
 FILTERS = ("statuses", "tasks", "tags", "queues", "batches")
 
@@ -149,7 +150,13 @@ class BulkActionsSystem:
             elif (run.status == RunStatus.CANCELED and run.finished_at is not None
                   and run.finished_at >= action.created_at):
                 cancelled += 1
-        outcomes = await asyncio.gather(*(self.cancel.cancel(run.id) for run in todo), return_exceptions=True)
+        gate = asyncio.Semaphore(CANCELS_AT_ONCE)  # the pool and the locks are every tenant's
+
+        async def cancel(run_id: str) -> object:
+            async with gate:
+                return await self.cancel.cancel(run_id)
+
+        outcomes = await asyncio.gather(*(cancel(run.id) for run in todo), return_exceptions=True)
         _retry_unless_refused("cancel", [(run.id, o) for run, o in zip(todo, outcomes, strict=True)])
         return cancelled + sum(1 for o in outcomes if not isinstance(o, BaseException))
 
