@@ -61,6 +61,9 @@ class ApiContext:
     secret: str = ""  # the installation secret: checks public access tokens (none are accepted without it)
     _envs: TtlCache = field(default_factory=TtlCache)
     _groups: TtlCache = field(default_factory=TtlCache)
+    # hashes of keys that matched nothing, refused for a few seconds without a look-up (a client
+    # left with a wrong or rotated key retries at full speed, two queries a request)
+    _refused: TtlCache = field(default_factory=TtlCache)
     _run_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def check_size(self, value: Any, field: str, encoded: bytes | None = None) -> None:
@@ -109,10 +112,14 @@ class ApiContext:
             if not recheck:
                 await self.check_limit(auth.bucket)
             return auth
+        token_hash = hash_secret(token)
+        if self._refused.get(token_hash):
+            raise ApiError(401, "unauthorized", "invalid API key")
         found = await self.environment_by_key(token)
         if found is None:
-            if await self.engine.worker_group_by_token_hash(hash_secret(token)) is not None:
+            if await self.engine.worker_group_by_token_hash(token_hash) is not None:
                 raise ApiError(403, "forbidden", "a worker group token cannot call the public API")
+            self._refused.put(token_hash, True)
             raise ApiError(401, "unauthorized", "invalid API key")
         auth = EnvAuth.of(found)
         if not recheck:

@@ -4,6 +4,7 @@ per-credential caps on open long-lived requests."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -82,3 +83,32 @@ async def test_grants_taken_by_overlapping_calls_are_all_spent(redis_client: aio
     limiter._batcher = type(limiter._batcher)(two_grants, max_batch=1, max_in_flight=2, split=False)
     assert await asyncio.gather(limiter.retry_after_s("env:a"), limiter.retry_after_s("env:a")) == [None, None]
     assert limiter._local["env:a"][0] == 18  # both grants, less the two requests they let in
+
+
+async def test_a_key_that_matched_nothing_is_refused_for_a_while_without_a_look_up(h: Any) -> None:
+    """A client left with a wrong or rotated key retries at full speed: two queries a request."""
+    import httpx
+
+    from run_engine.api.app import create_app
+    from run_engine.api.context import ApiContext
+    from run_engine.run_tokens import RunTokens
+    from run_engine.wakeups import WakeUps
+
+    looked = 0
+    real = h.engine.environment_by_key_hash
+
+    async def counting(key_hash: str) -> Any:
+        nonlocal looked
+        looked += 1
+        return await real(key_hash)
+
+    h.engine.environment_by_key_hash = counting
+    ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"), public_url="http://t",
+                     wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://t") as c:
+        for _ in range(5):
+            r = await c.get("/api/v1/runs", headers={"Authorization": "Bearer tr_dev_wrong"})
+            assert r.status_code == 401 and r.json()["error"]["message"] == "invalid API key"
+        assert looked == 1
+        ok = await c.get("/api/v1/runs", headers={"Authorization": f"Bearer {h.env.api_key}"})
+        assert ok.status_code == 200
