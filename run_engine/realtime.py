@@ -42,6 +42,7 @@ class RealtimeHub:
         self.watch_key = f"{prefix}:rt:watching"
         self._watched: dict[str, float] = {}  # run id → expiry (monotonic), cluster-wide
         self._pruned = time.monotonic()
+        self._renewals: set[asyncio.Task[None]] = set()
         self._local: dict[str, set[asyncio.Event]] = {}
         self._pending: set[str] = set()
         self._flush: asyncio.Task[None] | None = None
@@ -115,7 +116,12 @@ class RealtimeHub:
     async def _keep_watching(self, run_id: str) -> None:
         while True:
             await asyncio.sleep(WATCH_TTL_S / 3)
-            await self._announce(run_id)
+            # a watch that ends meanwhile cancels this task, not the announcement: cancelled in the
+            # middle of its Redis call, the connection was dropped without being closed
+            renewal = asyncio.ensure_future(self._announce(run_id))
+            self._renewals.add(renewal)
+            renewal.add_done_callback(self._renewals.discard)
+            await asyncio.shield(renewal)
 
     async def start(self) -> None:
         if self._subscription.running:
@@ -142,3 +148,5 @@ class RealtimeHub:
     async def stop(self) -> None:
         await self._subscription.stop()
         await stop_task(self._flush)
+        if self._renewals:
+            await asyncio.wait(self._renewals, timeout=5)
