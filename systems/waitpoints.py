@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -207,9 +208,9 @@ class WaitpointsSystem:
                        r.status != RunStatus.COMPLETED, run_id=r.id)
             for r in singles
         ]
-        batches = {r.batch_id for r in waited if r.batch_id is not None}
+        batches = Counter(r.batch_id for r in waited if r.batch_id is not None)
         if batches:
-            complete_batches = await self.wp.count_finished_children(sorted(batches))
+            complete_batches = await self.wp.count_finished_children(dict(sorted(batches.items())))
             if complete_batches:
                 completions += [Completion(None, id=w) for w in await self.wp.batch_waitpoints(complete_batches)]
         await self.complete_many(completions)

@@ -197,6 +197,9 @@ WHERE w.status = 'PENDING' AND w.type = 'BATCH'
 LIMIT %(limit)s
 """
 
+#: the finished children of batch ``b`` (a scalar subquery of an UPDATE of batch_task_run b)
+_FINISHED_CHILDREN = "(SELECT count(*) FROM task_run r WHERE r.batch_id = b.id AND r.finished_at IS NOT NULL)"
+
 _BATCH_WAITPOINTS = """
 -- the pending BATCH waitpoints of %(batches)s (the status in a CASE: not the pending index, see _IS_PENDING)
 SELECT id FROM waitpoint
@@ -719,25 +722,23 @@ class WaitpointRepository:
 
     # --- batches ------------------------------------------------------------------------------
 
-    async def count_finished_children(self, batch_ids: Sequence[str]) -> list[str]:
-        """Count the finished children of these batches again; the batches now complete. A count,
-        not an increment: a child that finishes twice (dead-lettered, redriven, finished again) or
-        is reported twice counts once. Never lower than before (a statement that read the runs
-        before another child's finish committed must not undo that child's count)."""
+    async def count_finished_children(self, batch_counts: dict[str, int]) -> list[str]:
+        """Add finished children to their batches; the batches now complete. One row update per
+        batch; only when the sum reaches the batch's size are its finished children counted (a
+        child that finished twice, dead-lettered then redriven, or was reported twice, was added
+        twice): the batch completes if they are all there, else its sum becomes that count."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                # b.completed_count is the row as it is when the update takes it (after a concurrent
-                # count's commit), so a count read before that one never lowers it
-                """UPDATE batch_task_run b SET completed_count = greatest(b.completed_count, c.n),
-                       status = CASE WHEN greatest(b.completed_count, c.n) >= b.size THEN 'COMPLETED'
-                                     ELSE b.status END,
-                       completed_at = CASE WHEN greatest(b.completed_count, c.n) >= b.size THEN now() END
-                   FROM unnest(%s::text[]) AS i(id)
-                   CROSS JOIN LATERAL (
-                       SELECT count(*) AS n FROM task_run r
-                       WHERE r.batch_id = i.id AND r.finished_at IS NOT NULL) c
+                """UPDATE batch_task_run b SET
+                       completed_count = CASE WHEN b.completed_count + i.n < b.size THEN b.completed_count + i.n
+                                              ELSE """ + _FINISHED_CHILDREN + """ END,
+                       status = CASE WHEN b.completed_count + i.n >= b.size
+                                      AND """ + _FINISHED_CHILDREN + """ >= b.size THEN 'COMPLETED' ELSE b.status END,
+                       completed_at = CASE WHEN b.completed_count + i.n >= b.size
+                                            AND """ + _FINISHED_CHILDREN + """ >= b.size THEN now() END
+                   FROM (SELECT unnest(%s::text[]) AS id, unnest(%s::int[]) AS n) i
                    WHERE b.id = i.id AND b.status = 'PENDING' RETURNING b.id, b.status""",
-                (list(batch_ids),))
+                (list(batch_counts), list(batch_counts.values())))
             return [r[0] for r in await cur.fetchall() if r[1] == "COMPLETED"]
 
     async def batch_waitpoints(self, batch_ids: Sequence[str]) -> list[str]:
