@@ -229,7 +229,7 @@ WITH input AS (
     RETURNING r.*
 )
 SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_latest_status,
-       to_jsonb(ins.*) AS t_snapshot, to_jsonb(upd.*) AS t_run,
+       row_to_json(ins.*) AS t_snapshot, row_to_json(upd.*) AS t_run,
        (ins.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict
 FROM latest l
 LEFT JOIN ins ON ins.id = l.new_id
@@ -288,7 +288,7 @@ WITH input AS (
     RETURNING r.*
 )
 SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_latest_status,
-       to_jsonb(p.*) AS t_pending, to_jsonb(e.*) AS t_executing, to_jsonb(upd.*) AS t_run,
+       row_to_json(p.*) AS t_pending, row_to_json(e.*) AS t_executing, row_to_json(upd.*) AS t_run,
        (p.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict,
        -- a run restored from its checkpoint, or retried, replays its journal: each entry with its
        -- waitpoint's state (what WaitpointRepository.journals reads), in the same round trip

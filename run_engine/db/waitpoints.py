@@ -248,7 +248,7 @@ WITH input AS (
 ), upd AS (
     UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
 )
-SELECT l.run_id, l.latest_id, l.latest_status, to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run_row,
+SELECT l.run_id, l.latest_id, l.latest_status, row_to_json(snap.*) AS snapshot, row_to_json(upd.*) AS run_row,
        (ok.run_id IS NOT NULL AND snap.id IS NULL) AS conflict,
        (SELECT count(*) FROM task_run_waitpoint trw
         WHERE trw.run_id = l.run_id AND """ + _IS_PENDING.format(id="trw.waitpoint_id") + """) AS pending
@@ -317,8 +317,8 @@ WITH input AS (
     UPDATE task_run r SET status = snap.run_status, updated_at = now() FROM snap WHERE r.id = snap.run_id
     RETURNING r.*
 )
-SELECT l.run_id, l.id AS latest_id, l.engine_status AS latest_status, to_jsonb(snap.*) AS snapshot,
-       to_jsonb(upd.*) AS run, (ok.run_id IS NOT NULL AND snap.id IS NULL) AS conflict
+SELECT l.run_id, l.id AS latest_id, l.engine_status AS latest_status, row_to_json(snap.*) AS snapshot,
+       row_to_json(upd.*) AS run, (ok.run_id IS NOT NULL AND snap.id IS NULL) AS conflict
 FROM latest l LEFT JOIN ok ON ok.run_id = l.run_id LEFT JOIN snap ON snap.run_id = l.run_id
 LEFT JOIN upd ON upd.id = l.run_id
 """
@@ -406,8 +406,8 @@ WITH given AS (
 )
 SELECT l.run_id, l.latest_id, l.latest_status, l.missing,
        (SELECT to_jsonb(e) - 'run_id' FROM existing e WHERE e.run_id = l.run_id) AS existing,
-       p.run_id IS NOT NULL AS allowed, p.n AS pending, to_jsonb(snap.*) AS snapshot, to_jsonb(upd.*) AS run_row,
-       (p.n > 0 AND snap.id IS NULL) AS conflict, to_jsonb(susp.*) AS suspended
+       p.run_id IS NOT NULL AS allowed, p.n AS pending, row_to_json(snap.*) AS snapshot, row_to_json(upd.*) AS run_row,
+       (p.n > 0 AND snap.id IS NULL) AS conflict, row_to_json(susp.*) AS suspended
 FROM latest l LEFT JOIN pending p ON p.run_id = l.run_id LEFT JOIN snap ON snap.run_id = l.run_id
 LEFT JOIN susp ON susp.run_id = l.run_id LEFT JOIN upd ON upd.id = l.run_id
 """
