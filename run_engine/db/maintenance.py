@@ -7,7 +7,8 @@ from collections.abc import Awaitable, Callable
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from run_engine.db.runs import RunRow, Snapshot, run_from_json, run_row, snapshot_from_json
+from run_engine.db.rows import from_prefixed, select_as
+from run_engine.db.runs import RunRow, Snapshot, run_row
 
 
 class MaintenanceRepository:
@@ -51,13 +52,14 @@ class MaintenanceRepository:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
-                """SELECT to_jsonb(r.*) AS run, to_jsonb(s.*) AS snapshot FROM task_run r
-                   CROSS JOIN LATERAL (SELECT * FROM task_run_execution_snapshot
+                "SELECT " + select_as("r", RunRow, "r") + ", " + select_as("s", Snapshot, "s") + """
+                   FROM task_run r CROSS JOIN LATERAL (SELECT * FROM task_run_execution_snapshot
                                        WHERE run_id = r.id AND is_valid ORDER BY seq DESC LIMIT 1) s
                    WHERE r.status IN ('DEQUEUED', 'EXECUTING', 'WAITING') AND r.id > %s
                      AND r.updated_at < now() - make_interval(secs => %s)
                    ORDER BY r.id LIMIT %s""", (after_id, older_than_s, limit))
-            return [(run_from_json(row["run"]), snapshot_from_json(row["snapshot"])) for row in await cur.fetchall()]
+            return [(from_prefixed(RunRow, row, "r"), from_prefixed(Snapshot, row, "s"))  # type: ignore[misc]
+                    for row in await cur.fetchall()]
 
     async def not_started_runs_page(self, after_id: str, limit: int) -> list[RunRow]:
         """DELAYED runs, and runs with a TTL that have not started (their engine jobs)."""

@@ -60,3 +60,28 @@ def to_columns(obj: DataclassInstance) -> dict[str, Any]:
         getter = _GETTERS[type(obj)] = (tuple(c for _, c in pairs), operator.attrgetter(*(n for n, _ in pairs)))
     columns, get = getter
     return dict(zip(columns, get(obj), strict=True))
+
+
+def select_as(alias: str, cls: type[DataclassInstance], prefix: str) -> str:
+    """SQL select list: ``alias.column AS "prefix.column"`` for each column of a row class. A
+    statement that returns rows of several tables (a snapshot and its run) returns them as plain
+    columns this way, read back by :func:`from_prefixed`: ``row_to_json`` of a 40-column row costs
+    PostgreSQL five times the plain columns' output."""
+    return ", ".join(f'{alias}.{column} AS "{prefix}.{column}"' for _, column in columns_of(cls))
+
+
+_PREFIXED: dict[tuple[type[Any], str], tuple[str, Callable[[Mapping[str, Any]], tuple[Any, ...]]]] = {}
+
+
+def from_prefixed(cls: type[T], row: Mapping[str, Any], prefix: str) -> T | None:
+    """The row object a :func:`select_as` list returned, or ``None`` when its first column (the
+    id) is NULL (the outer join found no row)."""
+    found = _PREFIXED.get((cls, prefix))
+    if found is None:
+        names = [f"{prefix}.{column}" for _, column in columns_of(cls)]
+        get: Callable[[Mapping[str, Any]], tuple[Any, ...]] = operator.itemgetter(*names)
+        if len(names) == 1:
+            get = lambda r: (r[names[0]],)  # noqa: E731 - itemgetter of one name answers a value, not a tuple
+        found = _PREFIXED[(cls, prefix)] = (names[0], get)
+    first, get = found
+    return None if row[first] is None else cls(*get(row))

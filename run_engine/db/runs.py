@@ -9,7 +9,7 @@ is one round trip and one commit, however many runs a batch carries.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -21,7 +21,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.batching import committed
-from run_engine.db.rows import from_row, to_columns
+from run_engine.db.rows import from_prefixed, from_row, select_as, to_columns
 from run_engine.records import evolve, record
 
 log = logging.getLogger(__name__)
@@ -229,8 +229,9 @@ WITH input AS (
     RETURNING r.*
 )
 SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_latest_status,
-       row_to_json(ins.*) AS t_snapshot, row_to_json(upd.*) AS t_run,
-       (ins.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict
+       (ins.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict,
+       """ + select_as("ins", Snapshot, "s") + """,
+       """ + select_as("upd", RunRow, "r") + """
 FROM latest l
 LEFT JOIN ins ON ins.id = l.new_id
 LEFT JOIN upd ON upd.id = l.run_id AND ins.id IS NOT NULL
@@ -288,7 +289,9 @@ WITH input AS (
     RETURNING r.*
 )
 SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_latest_status,
-       row_to_json(p.*) AS t_pending, row_to_json(e.*) AS t_executing, row_to_json(upd.*) AS t_run,
+       """ + select_as("p", Snapshot, "p") + """,
+       """ + select_as("e", Snapshot, "e") + """,
+       """ + select_as("upd", RunRow, "r") + """,
        (p.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict,
        -- a run restored from its checkpoint, or retried, replays its journal: each entry with its
        -- waitpoint's state (what WaitpointRepository.journals reads), in the same round trip
@@ -321,36 +324,17 @@ def chain_conflict(exc: BaseException) -> bool:
     return isinstance(exc, UniqueViolation) and exc.diag.constraint_name == CHAIN_INDEX
 
 
-def _parse_ts(value: Any) -> Any:
-    if isinstance(value, str):
-        return datetime.fromisoformat(value)
-    return value
-
-
-_RUN_TS = ("created_at", "updated_at", "queued_at", "queue_timestamp", "started_at", "finished_at", "delay_until")
-
-
 def transition_result(run_id: str, latest_id: str | None, latest_status: str | None,
-                      snapshot: dict[str, Any] | None, run: dict[str, Any] | None) -> TransitionResult:
-    """A transition statement's answer for one run: the new snapshot and run (as JSON) when it
-    applied, else the latest snapshot's id and status (``None``: no such run)."""
-    return TransitionResult(
-        run_id=run_id, applied=snapshot is not None,
-        latest_snapshot_id=snapshot["id"] if snapshot else latest_id,
-        latest_status=snapshot["engine_status"] if snapshot else latest_status,
-        snapshot=snapshot_from_json(snapshot) if snapshot else None,
-        run=run_from_json(run) if run else None)
-
-
-def run_from_json(data: dict[str, Any]) -> RunRow:
-    for key in _RUN_TS:
-        data[key] = _parse_ts(data.get(key))
-    return run_row(data)
-
-
-def snapshot_from_json(data: dict[str, Any]) -> Snapshot:
-    data["created_at"] = _parse_ts(data["created_at"])
-    return snapshot_row(data)
+                      row: Mapping[str, Any] | None) -> TransitionResult:
+    """A transition statement's answer for one run: the new snapshot and run (``row``'s columns
+    ``s.*`` and ``r.*``, see :func:`select_as`) when it applied, else the latest snapshot's id and
+    status (``None``: no such run)."""
+    snapshot = from_prefixed(Snapshot, row, "s") if row is not None else None
+    if snapshot is None:
+        return TransitionResult(run_id=run_id, applied=False, latest_snapshot_id=latest_id, latest_status=latest_status)
+    return TransitionResult(run_id=run_id, applied=True, latest_snapshot_id=snapshot.id,
+                            latest_status=snapshot.engine_status, snapshot=snapshot,
+                            run=from_prefixed(RunRow, row, "r"))  # type: ignore[arg-type]
 
 
 @record
@@ -569,14 +553,14 @@ class RunRepository:
                 latest = {}
         out: list[tuple[TransitionResult, TransitionResult, list[dict[str, Any]] | None]] = []
         for row in rows:
-            run_id, pending, executing = row["t_run_id"], row["t_pending"], row["t_executing"]
-            if pending is None or executing is None or row["t_run"] is None:
+            run_id = row["t_run_id"]
+            pending_snapshot, executing_snapshot = from_prefixed(Snapshot, row, "p"), from_prefixed(Snapshot, row, "e")
+            run = from_prefixed(RunRow, row, "r")
+            if pending_snapshot is None or executing_snapshot is None or run is None:
                 latest_id, latest_status = latest.get(run_id, (row["t_latest_id"], row["t_latest_status"]))
                 missed = TransitionResult(run_id, False, latest_id, latest_status)
                 out.append((missed, missed, None))
                 continue
-            run = run_from_json(row["t_run"])
-            pending_snapshot, executing_snapshot = snapshot_from_json(pending), snapshot_from_json(executing)
             # the run as the dequeue left it: the start's changes (status, attempt, first start) undone
             before = run.attempt_number - (executing_snapshot.attempt_number - pending_snapshot.attempt_number)
             dequeued = evolve(run, status="DEQUEUED", attempt_number=before,
@@ -620,7 +604,7 @@ class RunRepository:
             latest_id, latest_status = row["t_latest_id"], row["t_latest_status"]
             if row["t_conflict"]:
                 latest_id, latest_status = latest.get(row["t_run_id"], (latest_id, latest_status))
-            out.append(transition_result(row["t_run_id"], latest_id, latest_status, row["t_snapshot"], row["t_run"]))
+            out.append(transition_result(row["t_run_id"], latest_id, latest_status, row))
         return out
 
     async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:

@@ -16,8 +16,8 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.batching import committed
-from run_engine.db.rows import from_row, to_columns
-from run_engine.db.runs import LATEST_OF_INPUT, Snapshot, TransitionResult, snapshot_from_json, transition_result
+from run_engine.db.rows import from_prefixed, from_row, select_as, to_columns
+from run_engine.db.runs import LATEST_OF_INPUT, RunRow, Snapshot, TransitionResult, transition_result
 from run_engine.records import record
 
 
@@ -248,7 +248,8 @@ WITH input AS (
 ), upd AS (
     UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
 )
-SELECT l.run_id, l.latest_id, l.latest_status, row_to_json(snap.*) AS snapshot, row_to_json(upd.*) AS run_row,
+SELECT l.run_id, l.latest_id, l.latest_status, """ + select_as("snap", Snapshot, "s") + """,
+       """ + select_as("upd", RunRow, "r") + """,
        (ok.run_id IS NOT NULL AND snap.id IS NULL) AS conflict,
        (SELECT count(*) FROM task_run_waitpoint trw
         WHERE trw.run_id = l.run_id AND """ + _IS_PENDING.format(id="trw.waitpoint_id") + """) AS pending
@@ -317,8 +318,8 @@ WITH input AS (
     UPDATE task_run r SET status = snap.run_status, updated_at = now() FROM snap WHERE r.id = snap.run_id
     RETURNING r.*
 )
-SELECT l.run_id, l.id AS latest_id, l.engine_status AS latest_status, row_to_json(snap.*) AS snapshot,
-       row_to_json(upd.*) AS run, (ok.run_id IS NOT NULL AND snap.id IS NULL) AS conflict
+SELECT l.run_id, l.id AS latest_id, l.engine_status AS latest_status, """ + select_as("snap", Snapshot, "s") + """,
+       """ + select_as("upd", RunRow, "r") + """, (ok.run_id IS NOT NULL AND snap.id IS NULL) AS conflict
 FROM latest l LEFT JOIN ok ON ok.run_id = l.run_id LEFT JOIN snap ON snap.run_id = l.run_id
 LEFT JOIN upd ON upd.id = l.run_id
 """
@@ -406,8 +407,9 @@ WITH given AS (
 )
 SELECT l.run_id, l.latest_id, l.latest_status, l.missing,
        (SELECT to_jsonb(e) - 'run_id' FROM existing e WHERE e.run_id = l.run_id) AS existing,
-       p.run_id IS NOT NULL AS allowed, p.n AS pending, row_to_json(snap.*) AS snapshot, row_to_json(upd.*) AS run_row,
-       (p.n > 0 AND snap.id IS NULL) AS conflict, row_to_json(susp.*) AS suspended
+       p.run_id IS NOT NULL AS allowed, p.n AS pending, """ + select_as("snap", Snapshot, "s") + """,
+       """ + select_as("upd", RunRow, "r") + """,
+       (p.n > 0 AND snap.id IS NULL) AS conflict, """ + select_as("susp", Snapshot, "x") + """
 FROM latest l LEFT JOIN pending p ON p.run_id = l.run_id LEFT JOIN snap ON snap.run_id = l.run_id
 LEFT JOIN susp ON susp.run_id = l.run_id LEFT JOIN upd ON upd.id = l.run_id
 """
@@ -546,7 +548,7 @@ class WaitpointRepository:
         for b in blocks:
             row = found[b.run_id]
             if row["missing"]:
-                out.append(Blocked(transition_result(b.run_id, row["latest_id"], row["latest_status"], None, None),
+                out.append(Blocked(transition_result(b.run_id, row["latest_id"], row["latest_status"], None),
                                    None, False, 0, missing=True))
                 continue
             if row["conflict"]:
@@ -555,10 +557,10 @@ class WaitpointRepository:
                 continue
             e = row["existing"]
             out.append(Blocked(
-                transition_result(b.run_id, row["latest_id"], row["latest_status"], row["snapshot"], row["run_row"]),
+                transition_result(b.run_id, row["latest_id"], row["latest_status"], row),
                 JournalEntry(e["sequence"], e["kind"], e["key"], e["result"], e["waitpoint_id"]) if e else None,
                 bool(row["allowed"]), int(row["pending"] or 0),
-                snapshot_from_json(row["suspended"]) if row["suspended"] else None))
+                from_prefixed(Snapshot, row, "x")))
         return out
 
     async def suspend(self, suspends: Sequence[tuple[str, str, str, str]]) -> list[tuple[TransitionResult, int]]:
@@ -579,8 +581,7 @@ class WaitpointRepository:
                 with committed():  # the others' writes stand
                     out.append((await self._moved_on(run_id), 0))
                 continue
-            out.append((transition_result(run_id, row["latest_id"], row["latest_status"], row["snapshot"],
-                                          row["run_row"]), int(row["pending"])))
+            out.append((transition_result(run_id, row["latest_id"], row["latest_status"], row), int(row["pending"])))
         return out
 
     async def pending_counts(self, run_ids: Sequence[str]) -> dict[str, int]:
@@ -637,14 +638,14 @@ class WaitpointRepository:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_CONTINUE, {"runs": [r for r, _ in ordered], "news": [n for _, n in ordered]})
             rows = {row["run_id"]: row for row in await cur.fetchall()}
-        return [(transition_result(run_id, rows[run_id]["latest_id"], rows[run_id]["latest_status"],
-                                   rows[run_id]["snapshot"], rows[run_id]["run"]), bool(rows[run_id]["conflict"]))
+        return [(transition_result(run_id, rows[run_id]["latest_id"], rows[run_id]["latest_status"], rows[run_id]),
+                 bool(rows[run_id]["conflict"]))
                 for run_id, _ in ordered]
 
     async def _moved_on(self, run_id: str) -> TransitionResult:
         """A transition of the run that did not apply: its latest snapshot as it is now."""
         latest_id, latest_status, _ = await self.blocking_state(run_id)
-        return transition_result(run_id, latest_id, latest_status, None, None)
+        return transition_result(run_id, latest_id, latest_status, None)
 
     async def blocking_state(self, run_id: str) -> tuple[str | None, str | None, int]:
         """Latest valid snapshot id and status of the run, and its pending waitpoints: one query."""

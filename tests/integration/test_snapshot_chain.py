@@ -51,7 +51,7 @@ async def test_a_transition_that_loses_the_race_reports_the_winner_and_writes_no
             # the first transition has appended, not committed: the second reads the same latest
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_TRANSITION_SQL, RunRepository._transition_params([first]))
-            assert (await cur.fetchone())["t_snapshot"] is not None  # type: ignore[index]
+            assert (await cur.fetchone())["s.id"] == first.new_snapshot_id  # type: ignore[index]
             second = Transition(run_id=run_id, new_snapshot_id=new_id("snapshot"), engine_status="PENDING_CANCEL",
                                 run_status="EXECUTING", from_statuses=("EXECUTING",),
                                 expected_snapshot_id=executing_id, description="racing")
