@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
@@ -85,3 +85,9 @@ def from_prefixed(cls: type[T], row: Mapping[str, Any], prefix: str) -> T | None
         found = _PREFIXED[(cls, prefix)] = (names[0], get)
     first, get = found
     return None if row[first] is None else cls(*get(row))
+
+
+def from_slice(cls: type[T], row: Sequence[Any], start: int) -> T | None:
+    """The row object a :func:`select_as` list returned at position ``start`` of a tuple row, or
+    ``None`` when its first column (the id) is NULL."""
+    return None if row[start] is None else cls(*row[start:start + len(columns_of(cls))])

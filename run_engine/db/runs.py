@@ -21,7 +21,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.batching import committed
-from run_engine.db.rows import from_prefixed, from_row, select_as, to_columns
+from run_engine.db.rows import columns_of, from_prefixed, from_row, from_slice, select_as, to_columns
 from run_engine.records import evolve, record
 
 log = logging.getLogger(__name__)
@@ -289,9 +289,6 @@ WITH input AS (
     RETURNING r.*
 )
 SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_latest_status,
-       """ + select_as("p", Snapshot, "p") + """,
-       """ + select_as("e", Snapshot, "e") + """,
-       """ + select_as("upd", RunRow, "r") + """,
        (p.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict,
        -- a run restored from its checkpoint, or retried, replays its journal: each entry with its
        -- waitpoint's state (what WaitpointRepository.journals reads), in the same round trip
@@ -301,7 +298,11 @@ SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_la
                'waitpoint_id', j.waitpoint_id, 'waitpoint_status', w.status, 'waitpoint_output', w.output,
                'waitpoint_output_is_error', coalesce(w.output_is_error, false)) ORDER BY j.sequence)
            FROM task_run_journal j LEFT JOIN waitpoint w ON w.id = j.waitpoint_id WHERE j.run_id = l.run_id),
-           '[]'::jsonb) END AS t_journal
+           '[]'::jsonb) END AS t_journal,
+       -- read back by position (HEAD, then each block: rows.from_slice)
+       """ + select_as("p", Snapshot, "p") + """,
+       """ + select_as("e", Snapshot, "e") + """,
+       """ + select_as("upd", RunRow, "r") + """
 FROM latest l
 LEFT JOIN pending p ON p.id = l.pending_id
 LEFT JOIN executing e ON e.id = l.executing_id
@@ -314,6 +315,10 @@ _LATEST_OF_RUNS = """
 SELECT DISTINCT ON (run_id) run_id, id, engine_status FROM task_run_execution_snapshot
 WHERE run_id = ANY(%s) AND is_valid ORDER BY run_id, seq DESC
 """
+
+#: the columns before the snapshot and run blocks of _TRANSITION_SQL's and _DEQUEUE_START_SQL's rows
+_TRANSITION_HEAD, _DEQUEUE_HEAD = 4, 5
+_SNAPSHOT_COLUMNS = len(columns_of(Snapshot))
 
 #: the unique index that keeps a run's snapshots one chain (migrations/0013_snapshot_chain.sql)
 CHAIN_INDEX = "snapshot_chain_uq"
@@ -525,7 +530,7 @@ class RunRepository:
 
     async def transition_many(self, transitions: Sequence[Transition]) -> list[TransitionResult]:
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
+            cur = conn.cursor()  # tuples, read by position: no dict of 60 columns per run
             await cur.execute(_TRANSITION_SQL, self._transition_params(transitions))
             rows = await cur.fetchall()
             with committed():
@@ -543,7 +548,7 @@ class RunRepository:
                                  for i, r in enumerate(runs)]),
                   "pending_description": pending_description, "start_description": start_description}
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
+            cur = conn.cursor()  # tuples, read by position: no dict of 80 columns per run
             await cur.execute(_DEQUEUE_START_SQL, params)
             rows = await cur.fetchall()
             try:
@@ -553,11 +558,12 @@ class RunRepository:
                 latest = {}
         out: list[tuple[TransitionResult, TransitionResult, list[dict[str, Any]] | None]] = []
         for row in rows:
-            run_id = row["t_run_id"]
-            pending_snapshot, executing_snapshot = from_prefixed(Snapshot, row, "p"), from_prefixed(Snapshot, row, "e")
-            run = from_prefixed(RunRow, row, "r")
+            run_id = row[0]
+            pending_snapshot = from_slice(Snapshot, row, _DEQUEUE_HEAD)
+            executing_snapshot = from_slice(Snapshot, row, _DEQUEUE_HEAD + _SNAPSHOT_COLUMNS)
+            run = from_slice(RunRow, row, _DEQUEUE_HEAD + 2 * _SNAPSHOT_COLUMNS)
             if pending_snapshot is None or executing_snapshot is None or run is None:
-                latest_id, latest_status = latest.get(run_id, (row["t_latest_id"], row["t_latest_status"]))
+                latest_id, latest_status = latest.get(run_id, (row[1], row[2]))
                 missed = TransitionResult(run_id, False, latest_id, latest_status)
                 out.append((missed, missed, None))
                 continue
@@ -568,7 +574,7 @@ class RunRepository:
             out.append((TransitionResult(run_id, True, pending_snapshot.id, pending_snapshot.engine_status,
                                          pending_snapshot, dequeued),
                         TransitionResult(run_id, True, executing_snapshot.id, executing_snapshot.engine_status,
-                                         executing_snapshot, run), row["t_journal"]))
+                                         executing_snapshot, run), row[4]))
         return out
 
     @staticmethod
@@ -585,26 +591,32 @@ class RunRepository:
         return {"rows": Jsonb(rows)}
 
     @staticmethod
-    async def _winners(conn: AsyncConnection[Any], rows: Sequence[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    async def _winners(conn: AsyncConnection[Any], rows: Sequence[Sequence[Any]]) -> dict[str, tuple[str, str]]:
         """run id -> (id, status) of the snapshot that won, for each row whose transition lost the
-        race for its run's next snapshot (``t_conflict``): one query, only when there are any."""
-        lost = [row["t_run_id"] for row in rows if row["t_conflict"]]
+        race for its run's next snapshot (``t_conflict``, the head's fourth column): one query,
+        only when there are any."""
+        lost = [row[0] for row in rows if row[3]]
         if not lost:
             return {}
         cur = await conn.execute(_LATEST_OF_RUNS, (lost,))
         return {r[0]: (r[1], r[2]) for r in await cur.fetchall()}
 
     @staticmethod
-    async def _transition_results(conn: AsyncConnection[Any], rows: Sequence[dict[str, Any]]) -> list[TransitionResult]:
+    async def _transition_results(conn: AsyncConnection[Any], rows: Sequence[Sequence[Any]]) -> list[TransitionResult]:
         """The statement's rows as results; a transition that lost the race for its run's next
         snapshot reports the snapshot that won (one more query, only then)."""
         latest = await RunRepository._winners(conn, rows)
         out = []
         for row in rows:
-            latest_id, latest_status = row["t_latest_id"], row["t_latest_status"]
-            if row["t_conflict"]:
-                latest_id, latest_status = latest.get(row["t_run_id"], (latest_id, latest_status))
-            out.append(transition_result(row["t_run_id"], latest_id, latest_status, row))
+            run_id, latest_id, latest_status, conflict = row[:4]
+            snapshot = from_slice(Snapshot, row, _TRANSITION_HEAD)
+            if snapshot is not None:
+                out.append(TransitionResult(run_id, True, snapshot.id, snapshot.engine_status, snapshot,
+                                            from_slice(RunRow, row, _TRANSITION_HEAD + _SNAPSHOT_COLUMNS)))
+                continue
+            if conflict:
+                latest_id, latest_status = latest.get(run_id, (latest_id, latest_status))
+            out.append(TransitionResult(run_id, False, latest_id, latest_status))
         return out
 
     async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
