@@ -12,6 +12,7 @@ import asyncio
 from typing import Any
 
 import orjson
+from psycopg import AsyncConnection
 from psycopg.types.json import set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
@@ -30,6 +31,13 @@ def _dumps(obj: Any) -> str:
 
 set_json_dumps(_dumps)
 set_json_loads(orjson.loads)
+
+
+async def _configure(conn: AsyncConnection[Any]) -> None:
+    """Every connection of the pool in UTC, whatever the server's or database's default: the API
+    writes times as UTC (``...Z``; a server in another zone gave ``+05:30`` offsets), and
+    psycopg reads a ``timestamptz`` a little faster in the zone it knows as ``UTC``."""
+    await conn.execute("SET TimeZone = 'UTC'")
 
 
 class Repository:
@@ -56,6 +64,7 @@ class Repository:
             min_size=min_size,
             max_size=max_size,
             kwargs={"autocommit": True, "prepare_threshold": 0, "connect_timeout": 5},
+            configure=_configure,
             timeout=acquire_timeout_s,
             open=False,
         )
