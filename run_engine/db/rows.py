@@ -90,4 +90,12 @@ def from_prefixed(cls: type[T], row: Mapping[str, Any], prefix: str) -> T | None
 def from_slice(cls: type[T], row: Sequence[Any], start: int) -> T | None:
     """The row object a :func:`select_as` list returned at position ``start`` of a tuple row, or
     ``None`` when its first column (the id) is NULL."""
-    return None if row[start] is None else cls(*row[start:start + len(columns_of(cls))])
+    if row[start] is None:
+        return None
+    n = _WIDTHS.get(cls)
+    if n is None:
+        n = _WIDTHS[cls] = len(columns_of(cls))
+    return cls(*row[start:start + n])
+
+
+_WIDTHS: dict[type[Any], int] = {}
