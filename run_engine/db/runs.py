@@ -310,11 +310,27 @@ LEFT JOIN upd ON upd.id = l.run_id AND e.id IS NOT NULL
 ORDER BY l.ord
 """
 
+_DROP_ORPHANS = """
+-- snapshots appended by a statement to runs deleted meanwhile (their delete's trigger had run)
+DELETE FROM task_run_execution_snapshot s WHERE s.id = ANY(%s)
+  AND NOT EXISTS (SELECT 1 FROM task_run r WHERE r.id = s.run_id)
+"""
+
 _LATEST_OF_RUNS = """
 -- the latest valid snapshot of each run (after a transition lost a race, to report what won)
 SELECT DISTINCT ON (run_id) run_id, id, engine_status FROM task_run_execution_snapshot
 WHERE run_id = ANY(%s) AND is_valid ORDER BY run_id, seq DESC
 """
+
+#: a page of whole runs holds at most this much payload, output, metadata and error (JSON text;
+#: at least one run): hundred runs of 3 MiB payloads would be 300 MiB, and more as Python objects
+PAGE_BYTES = 16 * 1024 * 1024
+#: a run row without the columns that may be megabytes (payload, output, metadata, error)
+_HEAVY = {"payload", "output", "metadata", "error"}
+_LIGHT_RUN = ", ".join(f"NULL AS {c}" if c in _HEAVY else c for _, c in columns_of(RunRow))
+#: what a run's heavy columns take as JSON text, the measure of a page of whole runs
+_RUN_BYTES = ("coalesce(octet_length(payload::text), 0) + coalesce(octet_length(output::text), 0) "
+              "+ coalesce(octet_length(metadata::text), 0) + coalesce(octet_length(error::text), 0)")
 
 #: the columns before the snapshot and run blocks of _TRANSITION_SQL's and _DEQUEUE_START_SQL's rows
 _TRANSITION_HEAD, _DEQUEUE_HEAD = 4, 5
@@ -335,11 +351,13 @@ def transition_result(run_id: str, latest_id: str | None, latest_status: str | N
     ``s.*`` and ``r.*``, see :func:`select_as`) when it applied, else the latest snapshot's id and
     status (``None``: no such run)."""
     snapshot = from_prefixed(Snapshot, row, "s") if row is not None else None
-    if snapshot is None:
-        return TransitionResult(run_id=run_id, applied=False, latest_snapshot_id=latest_id, latest_status=latest_status)
-    return TransitionResult(run_id=run_id, applied=True, latest_snapshot_id=snapshot.id,
-                            latest_status=snapshot.engine_status, snapshot=snapshot,
-                            run=from_prefixed(RunRow, row, "r"))  # type: ignore[arg-type]
+    run = from_prefixed(RunRow, row, "r") if row is not None else None
+    if snapshot is not None and run is not None:
+        return TransitionResult(run_id=run_id, applied=True, latest_snapshot_id=snapshot.id,
+                                latest_status=snapshot.engine_status, snapshot=snapshot, run=run)
+    if snapshot is not None:  # the run was deleted while the statement appended to it: gone
+        return TransitionResult(run_id=run_id, applied=False, latest_snapshot_id=None, latest_status=None)
+    return TransitionResult(run_id=run_id, applied=False, latest_snapshot_id=latest_id, latest_status=latest_status)
 
 
 @record
@@ -607,16 +625,25 @@ class RunRepository:
         snapshot reports the snapshot that won (one more query, only then)."""
         latest = await RunRepository._winners(conn, rows)
         out = []
+        orphans = []
         for row in rows:
             run_id, latest_id, latest_status, conflict = row[:4]
             snapshot = from_slice(Snapshot, row, _TRANSITION_HEAD)
-            if snapshot is not None:
-                out.append(TransitionResult(run_id, True, snapshot.id, snapshot.engine_status, snapshot,
-                                            from_slice(RunRow, row, _TRANSITION_HEAD + _SNAPSHOT_COLUMNS)))
+            run = from_slice(RunRow, row, _TRANSITION_HEAD + _SNAPSHOT_COLUMNS)
+            if snapshot is not None and run is not None:
+                out.append(TransitionResult(run_id, True, snapshot.id, snapshot.engine_status, snapshot, run))
                 continue
-            if conflict:
+            if snapshot is not None:
+                # The run was deleted (retention) while this statement appended to it: its update
+                # found no row. The snapshot, written after the delete's trigger, is taken back
+                # and the run answered as gone.
+                orphans.append(snapshot.id)
+                latest_id = latest_status = None
+            elif conflict:
                 latest_id, latest_status = latest.get(run_id, (latest_id, latest_status))
             out.append(TransitionResult(run_id, False, latest_id, latest_status))
+        if orphans:
+            await conn.execute(_DROP_ORPHANS, (orphans,))
         return out
 
     async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
@@ -655,15 +682,14 @@ class RunRepository:
             )
             return [snapshot_row(r) for r in await cur.fetchall()]
 
-    async def list_runs(self, env_id: str, *, statuses: Sequence[str] = (), tasks: Sequence[str] = (),
-                        tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
-                        limit: int = 25, after: tuple[datetime, str] | None = None,
-                        created_from: datetime | None = None, created_to: datetime | None = None,
-                        updated_after: datetime | None = None) -> list[RunRow]:
-        """Newest first; ``after`` is the (created_at, id) of the last run of the previous page;
-        ``created_from`` ≤ created_at < ``created_to``; ``updated_after`` < updated_at."""
+    @staticmethod
+    def _run_filter(env_id: str, statuses: Sequence[str], tasks: Sequence[str], tags: Sequence[str],
+                    queues: Sequence[str], batches: Sequence[str], after: tuple[datetime, str] | None,
+                    created_from: datetime | None, created_to: datetime | None,
+                    updated_after: datetime | None) -> tuple[str, dict[str, Any]]:
+        """The WHERE clause and parameters of a run listing (see :meth:`list_runs`)."""
         where = ["environment_id = %(env)s"]
-        params: dict[str, Any] = {"env": env_id, "limit": limit, "from": created_from, "to": created_to}
+        params: dict[str, Any] = {"env": env_id, "from": created_from, "to": created_to}
         if created_from is not None:
             where.append("created_at >= %(from)s")
         if created_to is not None:
@@ -682,13 +708,54 @@ class RunRepository:
         if after is not None:
             where.append("(created_at, id) < (%(after_ts)s, %(after_id)s)")
             params["after_ts"], params["after_id"] = after
+        return " AND ".join(where), params
+
+    async def list_runs(self, env_id: str, *, statuses: Sequence[str] = (), tasks: Sequence[str] = (),
+                        tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
+                        limit: int = 25, after: tuple[datetime, str] | None = None,
+                        created_from: datetime | None = None, created_to: datetime | None = None,
+                        updated_after: datetime | None = None, light: bool = False) -> list[RunRow]:
+        """Newest first; ``after`` is the (created_at, id) of the last run of the previous page;
+        ``created_from`` ≤ created_at < ``created_to``; ``updated_after`` < updated_at. ``light``:
+        without payload, output, metadata and error (``None``), for callers that need none of
+        them: a run's may be megabytes."""
+        where, params = self._run_filter(env_id, statuses, tasks, tags, queues, batches, after, created_from,
+                                         created_to, updated_after)
+        params["limit"] = limit
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(
-                f"SELECT * FROM task_run WHERE {' AND '.join(where)} ORDER BY created_at DESC, id DESC LIMIT %(limit)s",
-                params,
-            )
+            await cur.execute(f"SELECT {_LIGHT_RUN if light else '*'} FROM task_run WHERE {where} "
+                              "ORDER BY created_at DESC, id DESC LIMIT %(limit)s", params)
             return [run_row(r) for r in await cur.fetchall()]
+
+    async def page_runs(self, env_id: str, *, limit: int, max_bytes: int, statuses: Sequence[str] = (),
+                        tasks: Sequence[str] = (), tags: Sequence[str] = (), queues: Sequence[str] = (),
+                        batches: Sequence[str] = (), after: tuple[datetime, str] | None = None,
+                        created_from: datetime | None = None, created_to: datetime | None = None,
+                        updated_after: datetime | None = None) -> tuple[list[RunRow], bool]:
+        """Like :meth:`list_runs`, whole runs, but fewer than ``limit`` when their payloads,
+        outputs and metadata pass ``max_bytes`` (as JSON text; never fewer than one): one tenant's
+        page of hundred 3 MiB payloads must not take the memory every tenant's requests share.
+        Returns the runs and whether more match after the last of them."""
+        where, params = self._run_filter(env_id, statuses, tasks, tags, queues, batches, after, created_from,
+                                         created_to, updated_after)
+        params["limit"] = limit + 1
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                f"SELECT id, {_RUN_BYTES} FROM task_run WHERE {where} "
+                "ORDER BY created_at DESC, id DESC LIMIT %(limit)s", params)
+            sized = await cur.fetchall()
+            kept: list[str] = []
+            total = 0
+            for run_id, size in sized[:limit]:
+                total += size
+                if kept and total > max_bytes:
+                    break
+                kept.append(run_id)
+            whole = conn.cursor(row_factory=dict_row)
+            await whole.execute("SELECT * FROM task_run WHERE id = ANY(%s) ORDER BY created_at DESC, id DESC", (kept,))
+            runs = [run_row(r) for r in await whole.fetchall()]
+        return runs, len(sized) > len(kept)
 
     async def list_batches(self, env_id: str, limit: int = 50) -> list[BatchView]:
         """The environment's batches, newest first, with how many of their runs have finished."""
