@@ -17,7 +17,7 @@ from run_engine.clock import Clock, SystemClock
 from run_engine.db.bulk_actions import BulkAction
 from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec, queue_type
 from run_engine.db.repository import Repository
-from run_engine.db.runs import BatchView, RunRow, Snapshot
+from run_engine.db.runs import PAGE_BYTES, BatchView, RunRow, Snapshot
 from run_engine.db.schedules import Schedule
 from run_engine.db.tenancy import Environment, GroupListing, WorkerGroup, WorkerView
 from run_engine.db.waitpoints import JournalEntry, Waitpoint
@@ -223,12 +223,25 @@ class RunEngine:
                         tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
                         limit: int = 25, after: tuple[datetime, str] | None = None,
                         created_from: datetime | None = None, created_to: datetime | None = None,
-                        updated_after: datetime | None = None) -> list[RunRow]:
-        """Newest first; ``after`` is the (created_at, id) of the last run of the previous page."""
+                        updated_after: datetime | None = None, light: bool = False) -> list[RunRow]:
+        """Newest first; ``after`` is the (created_at, id) of the last run of the previous page;
+        ``light``: without payload, output, metadata and error."""
         return await self.resources.repo.runs.list_runs(env_id, statuses=statuses, tasks=tasks, tags=tags,
                                                         queues=queues, batches=batches, limit=limit, after=after,
                                                         created_from=created_from, created_to=created_to,
-                                                        updated_after=updated_after)
+                                                        updated_after=updated_after, light=light)
+
+    async def page_runs(self, env_id: str, *, limit: int, max_bytes: int = PAGE_BYTES, statuses: Sequence[str] = (),
+                        tasks: Sequence[str] = (), tags: Sequence[str] = (), queues: Sequence[str] = (),
+                        batches: Sequence[str] = (), after: tuple[datetime, str] | None = None,
+                        created_from: datetime | None = None, created_to: datetime | None = None,
+                        updated_after: datetime | None = None) -> tuple[list[RunRow], bool]:
+        """Whole runs, newest first, fewer than ``limit`` when their payloads, outputs and metadata
+        pass ``max_bytes``; and whether more match after the last of them."""
+        return await self.resources.repo.runs.page_runs(
+            env_id, limit=limit, max_bytes=max_bytes, statuses=statuses, tasks=tasks, tags=tags, queues=queues,
+            batches=batches, after=after, created_from=created_from, created_to=created_to,
+            updated_after=updated_after)
 
     async def list_batches(self, env_id: str, limit: int = 50) -> list[BatchView]:
         return await self.resources.repo.runs.list_batches(env_id, limit)

@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from run_engine.db.bulk_actions import BulkAction
-from run_engine.db.runs import RunRow
+from run_engine.db.runs import PAGE_BYTES, RunRow
 from run_engine.errors import (
     ConflictError,
     DuplicateExecutionError,
@@ -122,11 +122,15 @@ class BulkActionsSystem:
         created_to = min(filter(None, (f.created_to, action.created_at)))
         after = ((action.cursor_created_at, action.cursor_id)
                  if action.cursor_created_at is not None and action.cursor_id is not None else None)
-        runs = await self.r.repo.runs.list_runs(
-            action.env_id, statuses=f.statuses, tasks=f.tasks, tags=f.tags, queues=f.queues, batches=f.batches,
-            limit=PAGE, after=after, created_from=f.created_from, created_to=created_to)
-        succeeded = await (self._cancel(action, runs) if action.kind == "CANCEL" else self._replay(action, runs))
-        done = len(runs) < PAGE
+        filters: dict[str, Any] = {"statuses": f.statuses, "tasks": f.tasks, "tags": f.tags, "queues": f.queues,
+                                   "batches": f.batches, "after": after, "created_from": f.created_from,
+                                   "created_to": created_to}
+        if action.kind == "CANCEL":  # a cancel reads no payload: light rows
+            runs = await self.r.repo.runs.list_runs(action.env_id, limit=PAGE, light=True, **filters)
+            succeeded, done = await self._cancel(action, runs), len(runs) < PAGE
+        else:  # a replay copies payloads: a page of them bounded in bytes as well
+            runs, more = await self.r.repo.runs.page_runs(action.env_id, limit=PAGE, max_bytes=PAGE_BYTES, **filters)
+            succeeded, done = await self._replay(action, runs), not more
         last = (runs[-1].created_at, runs[-1].id) if runs else None
         if await self.r.repo.bulk_actions.advance(
                 action.id, expected=(action.cursor_created_at, action.cursor_id), cursor=last, processed=len(runs),

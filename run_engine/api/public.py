@@ -210,7 +210,7 @@ async def get_batch(request: Request) -> Response:
     batch_id = request.path_params["batch_id"]
     if not allows(auth.scopes, "read:all", "read:runs", f"read:batch:{batch_id}"):
         raise forbidden()
-    runs = (await ctx.engine.list_runs(auth.env_id, batches=[batch_id], limit=1000)
+    runs = (await ctx.engine.list_runs(auth.env_id, batches=[batch_id], limit=1000, light=True)
             if looks_like_id(batch_id, "batch") else [])
     if not runs:
         raise ApiError(404, "not_found", "batch not found")
@@ -290,12 +290,12 @@ async def list_runs(request: Request) -> Response:
             after = (datetime.fromisoformat(ts), run_id)
         except ValueError:
             raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
-    runs = await ctx.engine.list_runs(
+    # fewer than page[size] when the runs' payloads and outputs pass PAGE_BYTES (the cursor goes on)
+    page, more = await ctx.engine.page_runs(
         auth.env_id, statuses=statuses, tasks=_csv(request, "filter[taskIdentifier]"),
         tags=_csv(request, "filter[tag]"), queues=_csv(request, "filter[queue]"),
-        batches=_csv(request, "filter[batch]"), limit=size + 1, after=after,
+        batches=_csv(request, "filter[batch]"), limit=size, after=after,
         created_from=_created(request, "from"), created_to=_created(request, "to"))
-    page, more = runs[:size], len(runs) > size
     env = await ctx.environment(auth.env_id)
     where = {"id": auth.env_id, "name": env.slug if env else auth.env_id}  # Trigger.dev's list items carry it
     return json_response({"data": [{**run_object(r), "env": where} for r in page],
