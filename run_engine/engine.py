@@ -340,7 +340,9 @@ class RunEngine:
 
     async def list_tokens(self, env_id: str, *, statuses: Sequence[str] = (), timed_out: bool | None = None,
                           tags: Sequence[str] = (), limit: int = 25,
-                          after: tuple[datetime, str] | None = None) -> list[Waitpoint]:
+                          after: tuple[datetime, str] | None = None) -> tuple[list[Waitpoint], bool]:
+        """Tokens newest first, fewer than ``limit`` when their outputs pass PAGE_BYTES; and
+        whether more follow."""
         return await self.resources.repo.waitpoints.list_tokens(env_id, statuses=statuses, timed_out=timed_out,
                                                                 tags=tags, limit=limit, after=after)
 

@@ -9,7 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from run_engine.db.runs import RunRow, Snapshot
+from run_engine.db.runs import PAGE_BYTES, RunRow, Snapshot, blob_bytes
 from run_engine.dependencies import log_failure
 from run_engine.errors import InvalidTransitionError, NotFoundError
 from run_engine.events import RunEvent
@@ -121,18 +121,20 @@ class DeadLetterSystem:
         queue = self.r.queue
         cursor: str | DlqEntry | None = after
         found: list[DeadRun] = []
+        total = 0  # the found runs' payloads, outputs and metadata: a page ends past PAGE_BYTES
         while True:
             entries = await queue.list_dlq(env_id, limit=self.PAGE, after=cursor)
             for e in entries:
                 if not self._matches(e, tasks, queues):
                     continue
-                if len(found) == size:
+                if len(found) == size or (found and total > PAGE_BYTES):
                     return found, True
                 run = await self.r.repo.runs.get_run(e.run_id, env_id)
                 if run is None:
                     await queue.forget_dead(env_id, e.run_id)
                 else:
                     found.append(DeadRun(run, e))
+                    total += blob_bytes(run)
             if len(entries) < self.PAGE:
                 return found, False
             cursor = entries[-1]  # its place, even if it left the DLQ meanwhile

@@ -119,9 +119,9 @@ async def list_tokens(request: Request) -> Response:
             after = (datetime.fromisoformat(ts), wp_id)
         except ValueError:
             raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
-    rows = await ctx.engine.list_tokens(auth.env_id, statuses=statuses, timed_out=timed_out, tags=tags,
-                                                 limit=size + 1, after=after)
-    page, more = rows[:size], len(rows) > size
+    # fewer than page[size] when their outputs pass PAGE_BYTES (the cursor goes on from there)
+    page, more = await ctx.engine.list_tokens(auth.env_id, statuses=statuses, timed_out=timed_out, tags=tags,
+                                              limit=size, after=after)
     next_cursor = f"{page[-1].created_at.isoformat()}|{page[-1].id}" if more and page else None
     return json_response({"data": [token_object(ctx, w) for w in page], "pagination": pagination(next_cursor)})
 

@@ -70,7 +70,8 @@ async def runs(request: Request, dash: Dash) -> Response:
         dash.env.id, statuses=[f["status"]] if f["status"] else [], tasks=[f["task"]] if f["task"] else [],
         tags=[f["tag"]] if f["tag"] else [], queues=[f["queue"]] if f["queue"] else [],
         batches=[f["batch"]] if f["batch"] else [], limit=PAGE_SIZE + 1, after=after,
-        created_from=_day(f["from"], "from", end=False), created_to=_day(f["to"], "to", end=True))
+        created_from=_day(f["from"], "from", end=False), created_to=_day(f["to"], "to", end=True),
+        light=True)  # the table shows no payload, output or metadata
     rows, more = found[:PAGE_SIZE], len(found) > PAGE_SIZE
     given = {k: v for k, v in f.items() if v}
     next_url = ("/dashboard/runs?" + urlencode({**given, "after": f"{rows[-1].created_at.isoformat()}|{rows[-1].id}"})
@@ -160,7 +161,7 @@ async def tokens(request: Request, dash: Dash) -> Response:
     if status not in ("", "WAITING", "COMPLETED"):
         raise ApiError(400, "invalid_input", "status: WAITING or COMPLETED")
     statuses = {"WAITING": ["PENDING"], "COMPLETED": ["COMPLETED"]}.get(status, [])
-    rows = await dash.ctx.engine.list_tokens(dash.env.id, statuses=statuses, limit=100)
+    rows, _ = await dash.ctx.engine.list_tokens(dash.env.id, statuses=statuses, limit=100)
     return render(request, "tokens.html", {"title": "Tokens", "status": status,
                                            "tokens": [(w, token_status(w)) for w in rows]}, dash=dash)
 

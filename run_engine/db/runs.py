@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import orjson
 from psycopg import AsyncConnection
 from psycopg.errors import UniqueViolation
 from psycopg.rows import dict_row
@@ -343,6 +344,25 @@ CHAIN_INDEX = "snapshot_chain_uq"
 def chain_conflict(exc: BaseException) -> bool:
     """Whether ``exc`` is a snapshot appended after one that another transition appended after first."""
     return isinstance(exc, UniqueViolation) and exc.diag.constraint_name == CHAIN_INDEX
+
+
+def blob_bytes(run: RunRow) -> int:
+    """What a run's payload, output, metadata and error take as JSON (a page's measure)."""
+    return sum(len(v) if isinstance(v, str) else len(orjson.dumps(v))
+               for v in (run.payload, run.output, run.metadata, run.error) if v is not None)
+
+
+def within_bytes(sized: Sequence[tuple[str, int]], max_bytes: int) -> list[str]:
+    """The ids of the first (id, bytes) whose bytes add up to at most ``max_bytes``, and at
+    least the first: a page bounded in bytes."""
+    kept: list[str] = []
+    total = 0
+    for item_id, size in sized:
+        total += size
+        if kept and total > max_bytes:
+            break
+        kept.append(item_id)
+    return kept
 
 
 def transition_result(run_id: str, latest_id: str | None, latest_status: str | None,
@@ -745,13 +765,7 @@ class RunRepository:
                 f"SELECT id, {_RUN_BYTES} FROM task_run WHERE {where} "
                 "ORDER BY created_at DESC, id DESC LIMIT %(limit)s", params)
             sized = await cur.fetchall()
-            kept: list[str] = []
-            total = 0
-            for run_id, size in sized[:limit]:
-                total += size
-                if kept and total > max_bytes:
-                    break
-                kept.append(run_id)
+            kept = within_bytes(sized[:limit], max_bytes)
             whole = conn.cursor(row_factory=dict_row)
             await whole.execute("SELECT * FROM task_run WHERE id = ANY(%s) ORDER BY created_at DESC, id DESC", (kept,))
             runs = [run_row(r) for r in await whole.fetchall()]

@@ -17,7 +17,15 @@ from psycopg_pool import AsyncConnectionPool
 
 from run_engine.batching import committed
 from run_engine.db.rows import from_prefixed, from_row, select_as, to_columns
-from run_engine.db.runs import LATEST_OF_INPUT, RunRow, Snapshot, TransitionResult, transition_result
+from run_engine.db.runs import (
+    LATEST_OF_INPUT,
+    PAGE_BYTES,
+    RunRow,
+    Snapshot,
+    TransitionResult,
+    transition_result,
+    within_bytes,
+)
 from run_engine.records import record
 
 
@@ -467,12 +475,13 @@ class WaitpointRepository:
 
     async def list_tokens(self, env_id: str, *, statuses: Sequence[str] = (), timed_out: bool | None = None,
                           tags: Sequence[str] = (), limit: int = 25, after: tuple[datetime, str] | None = None,
-                          ) -> list[Waitpoint]:
-        """MANUAL waitpoints newest first; ``timed_out`` narrows COMPLETED ones by error output."""
+                          max_bytes: int = PAGE_BYTES) -> tuple[list[Waitpoint], bool]:
+        """MANUAL waitpoints newest first; ``timed_out`` narrows COMPLETED ones by error output.
+        Fewer than ``limit`` when their outputs pass ``max_bytes`` (as JSON text; at least one): the
+        sizes are read first, then the tokens that fit. Returns them and whether more follow."""
         async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(
-                """SELECT * FROM waitpoint
+            cur = await conn.execute(
+                """SELECT id, coalesce(octet_length(output::text), 0) FROM waitpoint
                    WHERE environment_id = %(env)s AND type = 'MANUAL'
                      AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s))
                      AND (%(timed_out)s::bool IS NULL OR status = 'PENDING' OR output_is_error = %(timed_out)s)
@@ -481,8 +490,12 @@ class WaitpointRepository:
                    ORDER BY created_at DESC, id DESC LIMIT %(limit)s""",
                 {"env": env_id, "statuses": list(statuses) or None, "timed_out": timed_out,
                  "tags": list(tags) or None, "after_ts": after[0] if after else None,
-                 "after_id": after[1] if after else None, "limit": limit})
-            return [_waitpoint(r) for r in await cur.fetchall()]
+                 "after_id": after[1] if after else None, "limit": limit + 1})
+            sized = await cur.fetchall()
+            kept = within_bytes(sized[:limit], max_bytes)
+            whole = conn.cursor(row_factory=dict_row)
+            await whole.execute("SELECT * FROM waitpoint WHERE id = ANY(%s) ORDER BY created_at DESC, id DESC", (kept,))
+            return [_waitpoint(r) for r in await whole.fetchall()], len(sized) > len(kept)
 
     async def complete(self, completions: Sequence[Completion]) -> list[tuple[str, bool]]:
         """Complete pending waitpoints (first completion wins): (id, timed) of those actually

@@ -64,3 +64,40 @@ async def test_the_public_list_pages_large_payloads_by_bytes(h: Harness, client:
     second = (await client.get("/api/v1/runs", params={"page[size]": "25",
                                                        "page[after]": first["pagination"]["next"]})).json()
     assert [r["id"] for r in second["data"]] == ids[5:] and second["pagination"] == {}
+
+
+async def test_tokens_are_paged_by_their_outputs_bytes(h: Harness) -> None:
+    made = [(await h.engine.create_token(h.env.env_id))[0] for _ in range(5)]
+    for wp in made:
+        assert await h.engine.complete_waitpoint(wp.id, "o" * 1000, env_id=h.env.env_id)
+    repo = h.engine.resources.repo.waitpoints
+    seen, after, sizes = [], None, []
+    while True:
+        page, more = await repo.list_tokens(h.env.env_id, limit=25, after=after, max_bytes=2500)
+        assert all(w.output == "o" * 1000 for w in page)
+        seen += [w.id for w in page]
+        sizes.append(len(page))
+        if not more:
+            break
+        after = (page[-1].created_at, page[-1].id)
+    assert sorted(seen) == sorted(w.id for w in made) and len(seen) == 5 and sizes == [2, 2, 1]
+
+
+async def test_dead_letter_pages_end_past_their_bytes(make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    import systems.dead_letter
+
+    h: Harness = await make_engine(max_deliveries=1)
+    await h.deploy({"id": "hello"})
+    ids = await trigger(h, ["p" * 1000 for _ in range(5)])
+    assert len(await h.engine.dequeue(h.env.worker_group_id, 5)) == 5
+    await h.advance(61)  # never started: past the delivery limit, into the DLQ
+    monkeypatch.setattr(systems.dead_letter, "PAGE_BYTES", 2500)
+    seen, after, sizes = [], None, []
+    while True:
+        dead, more = await h.engine.list_dead(h.env.env_id, 25, after)
+        seen += [d.run.id for d in dead]
+        sizes.append(len(dead))
+        if not more:
+            break
+        after = dead[-1].run.id
+    assert sorted(seen) == sorted(ids) and sizes == [3, 2]  # a page ends once past its bytes
