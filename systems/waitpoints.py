@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from run_engine.batching import Batcher
 from run_engine.db.runs import RunRow, Snapshot, TransitionResult
-from run_engine.db.waitpoints import BlockWrite, Completion, JournalEntry, NewWaitpoint, Waitpoint
+from run_engine.db.waitpoints import RESULTS_BYTES, BlockWrite, Completion, JournalEntry, NewWaitpoint, Waitpoint
 from run_engine.dependencies import log_failure
 from run_engine.errors import (
     ConflictError,
@@ -608,7 +608,7 @@ class WaitpointsSystem:
         child whose idempotency key names an existing run is waited on as the first call would
         have (:meth:`_wait_on_existing`). The run ids and key the journal names after."""
         async with self.r.locker.lock("trigger_and_wait", parent.id):
-            have = await self.wp.run_results(run_ids)
+            have = await self.wp.existing_runs(run_ids)
             missing = [(rid, req) for rid, req in zip(run_ids, requests, strict=True) if rid not in have]
             if not missing:
                 return run_ids, key
@@ -668,7 +668,7 @@ class WaitpointsSystem:
         outcome filled in, ``resolved`` False while it is pending."""
         batch_ids = [rid for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"
                      for rid in e.result[RUN_IDS]]
-        runs = await self.wp.run_results(batch_ids) if batch_ids else {}
+        runs, over = await self.wp.run_results(batch_ids, RESULTS_BYTES) if batch_ids else ({}, set())
         out = []
         for e in entries:
             item: dict[str, Any] = {"sequence": e.sequence, "kind": e.kind, "key": e.key}
@@ -688,7 +688,10 @@ class WaitpointsSystem:
                     else {"ok": True, "id": e.key, "output": e.waitpoint_output}))
             else:  # batch
                 item.update(resolved=True, result=[
-                    run_result(rid, *runs[rid]) if rid in runs
+                    {"ok": False, "id": rid, "error": {
+                        "type": "RESULT_TOO_LARGE", "message": "this child's result is not replayed: the results "
+                        f"this run waited on pass {RESULTS_BYTES} bytes"}} if rid in over
+                    else run_result(rid, *runs[rid]) if rid in runs
                     else {"ok": False, "id": rid, "error": {"type": "RUN_NOT_CREATED",
                                                              "message": "the batch item's run was never created"}}
                     for rid in e.result[RUN_IDS]])

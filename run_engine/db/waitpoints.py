@@ -265,6 +265,9 @@ FROM latest l LEFT JOIN ok ON ok.run_id = l.run_id LEFT JOIN snap ON snap.run_id
 LEFT JOIN upd ON upd.id = l.run_id
 """
 
+#: the most the results of child runs replayed at once may take (see run_results)
+RESULTS_BYTES = 64 * 1024 * 1024
+
 _SEQUENCE_MAX = 2**31 - 1  # task_run_journal.sequence is an integer
 
 _JOURNALS = """
@@ -727,12 +730,39 @@ class WaitpointRepository:
                    ORDER BY id LIMIT %s""", (after_id, limit))
             return [(r[0], r[1], r[2], r[3]) for r in await cur.fetchall()]
 
-    async def run_results(self, run_ids: Sequence[str]) -> dict[str, tuple[str, Any, Any]]:
-        """status, output, error of each run."""
+    async def existing_runs(self, run_ids: Sequence[str]) -> set[str]:
+        """Which of ``run_ids`` exist."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute("SELECT id, status, output, error FROM task_run WHERE id = ANY(%s)",
-                                     (list(run_ids),))
-            return {r[0]: (r[1], r[2], r[3]) for r in await cur.fetchall()}
+            cur = await conn.execute("SELECT id FROM task_run WHERE id = ANY(%s)", (list(run_ids),))
+            return {r[0] for r in await cur.fetchall()}
+
+    async def run_results(self, run_ids: Sequence[str], max_bytes: int = RESULTS_BYTES,
+                          ) -> tuple[dict[str, tuple[str, Any, Any]], set[str]]:
+        """status, output, error of each run, and the runs whose output and error were left out:
+        those, in ``run_ids``' order, past ``max_bytes`` of them as JSON (measured first, in
+        PostgreSQL): a parent that waited on a batch of a thousand 3 MiB outputs must not take 3 GB
+        of the memory every tenant shares."""
+        ids = list(dict.fromkeys(run_ids))
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT id, coalesce(octet_length(output::text), 0) + coalesce(octet_length(error::text), 0)
+                   FROM task_run WHERE id = ANY(%s)""", (ids,))
+            sizes: dict[str, int] = {r[0]: r[1] for r in await cur.fetchall()}
+            total, kept, over = 0, [], set()
+            for rid in ids:
+                if rid not in sizes:
+                    continue
+                total += sizes[rid]
+                if total > max_bytes:
+                    over.add(rid)
+                else:
+                    kept.append(rid)
+            cur = await conn.execute("SELECT id, status, output, error FROM task_run WHERE id = ANY(%s)", (kept,))
+            found = {r[0]: (r[1], r[2], r[3]) for r in await cur.fetchall()}
+            if over:
+                cur = await conn.execute("SELECT id, status FROM task_run WHERE id = ANY(%s)", (list(over),))
+                found.update({r[0]: (r[1], None, None) for r in await cur.fetchall()})
+            return found, over
 
     # --- batches ------------------------------------------------------------------------------
 

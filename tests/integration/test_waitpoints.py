@@ -856,3 +856,28 @@ async def test_a_repeated_batch_trigger_whose_first_try_failed_waits_on_runs_its
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
     (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
     assert [r.get("output") for r in entry["result"]] == [f"{child} done" for child in ids]
+
+
+async def test_a_batchs_results_past_their_byte_limit_are_replayed_as_errors(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The results a parent waited on are loaded within a byte budget (a batch of a thousand 3 MiB
+    outputs must not take 3 GB of the server's memory): past it, a child's result replays as a
+    RESULT_TOO_LARGE error, the same at every replay; its run is untouched."""
+    import systems.waitpoints
+
+    parent, s = await started_run(h)
+    ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0,
+                                               [req(h, payload=i, max_attempts=1) for i in range(4)], batch=True)
+    await h.engine.suspend(parent.id, out.snapshot.id)
+    for d in await h.engine.dequeue(h.env.worker_group_id, 10):
+        st = await h.engine.start_attempt(d.run.id, d.snapshot.id)
+        await h.engine.complete_attempt(d.run.id, st.snapshot.id, ok=True, output="r" * 1000)
+    monkeypatch.setattr(systems.waitpoints, "RESULTS_BYTES", 2500)
+    for _ in range(2):
+        (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+        assert [r["ok"] for r in entry["result"]] == [True, True, False, False]
+        assert [r["id"] for r in entry["result"]] == ids
+        assert entry["result"][0]["output"] == "r" * 1000
+        assert entry["result"][3]["error"]["type"] == "RESULT_TOO_LARGE"
+    child = await h.engine.get_run(ids[3])
+    assert child is not None and child.output == "r" * 1000
