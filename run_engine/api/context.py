@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -25,6 +26,9 @@ RUN_TOKEN_SCOPE = ("trigger children, create, read and complete waitpoint tokens
                    "and tags, and read its own run and the runs it triggered")
 #: public statuses in which a run's attempt is live (its executor may call with the run token)
 _LIVE = frozenset({"EXECUTING", "WAITING"})
+#: credential look-ups that missed the caches, in flight at once per process
+LOOKUPS_AT_ONCE = 4
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,9 @@ class ApiContext:
     # hashes of keys that matched nothing, refused for a few seconds without a look-up (a client
     # left with a wrong or rotated key retries at full speed, two queries a request)
     _refused: TtlCache = field(default_factory=TtlCache)
+    # credential look-ups that missed the caches, in flight at once: a flood of unknown keys (each
+    # a miss, two queries) takes a bounded share of the database pool every tenant's work needs
+    _lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOOKUPS_AT_ONCE))
     _run_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def check_size(self, value: Any, field: str, encoded: bytes | None = None) -> None:
@@ -117,7 +124,7 @@ class ApiContext:
             raise ApiError(401, "unauthorized", "invalid API key")
         found = await self.environment_by_key(token)
         if found is None:
-            if await self.engine.worker_group_by_token_hash(token_hash) is not None:
+            if await self._look_up(self.engine.worker_group_by_token_hash, token_hash) is not None:
                 raise ApiError(403, "forbidden", "a worker group token cannot call the public API")
             self._refused.put(token_hash, True)
             raise ApiError(401, "unauthorized", "invalid API key")
@@ -199,12 +206,17 @@ class ApiContext:
                 self._envs.put(env_id, env)
         return env
 
+    async def _look_up(self, find: Callable[[str], Awaitable[T]], key_hash: str) -> T:
+        """A credential look-up that missed the caches, at most LOOKUPS_AT_ONCE in flight."""
+        async with self._lookups:
+            return await find(key_hash)
+
     async def environment_by_key(self, key: str) -> Environment | None:
         """The environment of a secret API key (cached a few seconds), or None."""
         key_hash = hash_secret(key)
         found: Environment | None = self._envs.get(key_hash)
         if found is None:
-            found = await self.engine.environment_by_key_hash(key_hash)
+            found = await self._look_up(self.engine.environment_by_key_hash, key_hash)
             if found is not None:
                 self._envs.put(key_hash, found)
         return found
@@ -214,12 +226,15 @@ class ApiContext:
         if token.startswith("rt_") and self.tokens.verify(token, self.engine.now()) is not None:
             raise ApiError(403, "forbidden", "a run token cannot call the worker API")
         token_hash = hash_secret(token)
+        if self._refused.get(token_hash):
+            raise ApiError(401, "unauthorized", "invalid worker group token")
         group: WorkerGroup | None = self._groups.get(token_hash)
         if group is None:
-            group = await self.engine.worker_group_by_token_hash(token_hash)
+            group = await self._look_up(self.engine.worker_group_by_token_hash, token_hash)
             if group is None:
-                if await self.engine.environment_by_key_hash(token_hash) is not None:
+                if await self._look_up(self.engine.environment_by_key_hash, token_hash) is not None:
                     raise ApiError(403, "forbidden", "an environment API key cannot call the worker API")
+                self._refused.put(token_hash, True)  # matched nothing: refused a few seconds unseen
                 raise ApiError(401, "unauthorized", "invalid worker group token")
             self._groups.put(token_hash, group)
         await self.check_limit(worker_bucket(group))

@@ -1,0 +1,70 @@
+"""Credential look-ups that miss the caches: at most LOOKUPS_AT_ONCE in flight per process (a flood
+of unknown keys takes a bounded share of the database pool), and a worker token that matched
+nothing is refused for a few seconds without another look-up, as an API key is."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+
+from run_engine.api.context import LOOKUPS_AT_ONCE, ApiContext
+from run_engine.api.http import ApiError
+from run_engine.run_tokens import RunTokens
+
+
+class SlowDirectory:
+    """An engine whose credential look-ups wait until released, counting how many run at once."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.running = self.most = self.calls = 0
+
+    async def _find(self, key_hash: str) -> None:
+        self.calls += 1
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await self.release.wait()
+        finally:
+            self.running -= 1
+
+    environment_by_key_hash = worker_group_by_token_hash = _find
+
+    def now(self) -> float:
+        return 0.0
+
+
+def context(engine: Any) -> ApiContext:
+    return ApiContext(engine=engine, tokens=RunTokens("s"), wakeups=None, public_url="http://t")  # type: ignore[arg-type]
+
+
+def request(token: str) -> Request:
+    return Request({"type": "http", "headers": [(b"authorization", f"Bearer {token}".encode())]})
+
+
+async def test_lookups_of_unknown_keys_are_bounded_in_flight() -> None:
+    engine = SlowDirectory()
+    ctx = context(engine)
+    calls = [asyncio.ensure_future(ctx.environment_by_key(secrets.token_hex(8))) for _ in range(20)]
+    for _ in range(50):  # every call has run as far as it can (no look-up ever finishes)
+        await asyncio.sleep(0)
+    assert engine.running == engine.most == LOOKUPS_AT_ONCE  # the others wait their turn
+    engine.release.set()
+    assert await asyncio.gather(*calls) == [None] * 20
+    assert engine.most == LOOKUPS_AT_ONCE and engine.calls == 20
+
+
+async def test_a_worker_token_that_matched_nothing_is_refused_without_looking_again() -> None:
+    engine = SlowDirectory()
+    engine.release.set()
+    ctx = context(engine)
+    token = secrets.token_hex(16)
+    for _ in range(3):
+        with pytest.raises(ApiError) as refused:
+            await ctx.worker_group(request(token))
+        assert refused.value.status == 401
+    assert engine.calls == 2  # the first try: the group, then an environment; none after
