@@ -17,7 +17,9 @@ DEPENDENCY_ERRORS = (*POSTGRES_DOWN, *REDIS_DOWN)
 def unavailable_dependency(exc: BaseException) -> str | None:
     """"postgres" or "redis" when ``exc`` says that one cannot be reached (or is shutting down,
     or loading), else None."""
-    if isinstance(exc, POSTGRES_DOWN):
+    if isinstance(exc, POSTGRES_DOWN) and not (getattr(exc, "sqlstate", None) or "").startswith("54"):
+        # (class 54, an OperationalError to psycopg, is a statement past a limit of PostgreSQL's
+        # on the data it was given, a jsonb past 256 MiB...: not an outage, trying again fails again)
         return "postgres"
     if isinstance(exc, REDIS_DOWN):
         return "redis"

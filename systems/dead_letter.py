@@ -67,20 +67,26 @@ class DeadLetterSystem:
         outcome = await self.r.queue.nack(run.env_id, run_id, self.r.now_ms())
         if outcome.dead_lettered:
             # the message is in the DLQ now (nobody can dequeue it) and the caller holds the lock
-            dead = await self.execution_snapshot.apply(
-                run_id, E.FINISHED, RunStatus.SYSTEM_FAILURE, from_statuses=(back_to,),
-                expected_snapshot_id=result.snapshot.id, operation="dead-letter", description="Moved to the DLQ",
-                set_finished=True, error=DLQ_ERROR,
-            )
-            assert dead.snapshot is not None and dead.run is not None
-            if dead.run.resume_parent_on_completion:
-                await self.waitpoints.on_runs_finished([dead.run])
-            self.r.events.emit(RunEvent("run_dead_lettered", run_id, run.env_id, dead.snapshot.id,
-                                        {"deliveries": outcome.deliveries}, attempt=dead.run.attempt_number))
+            await self.finish_dead(run_id, run.env_id, (back_to,), result.snapshot.id, DLQ_ERROR, outcome.deliveries)
             return
         self.r.events.emit(RunEvent("run_requeued", run_id, run.env_id, result.snapshot.id,
                                     {"reason": "not started in time", "deliveries": outcome.deliveries},
                                     attempt=run.attempt_number))
+
+    async def finish_dead(self, run_id: str, env_id: str, from_statuses: tuple[ExecutionStatus, ...],
+                          expected_snapshot_id: str | None, error: dict[str, str], deliveries: int) -> None:
+        """A run whose message went to the DLQ ends SYSTEM_FAILURE (its parent, if it waits, is
+        resumed with the error)."""
+        dead = await self.execution_snapshot.apply(
+            run_id, E.FINISHED, RunStatus.SYSTEM_FAILURE, from_statuses=from_statuses,
+            expected_snapshot_id=expected_snapshot_id, operation="dead-letter", description="Moved to the DLQ",
+            set_finished=True, error=error,
+        )
+        assert dead.snapshot is not None and dead.run is not None
+        if dead.run.resume_parent_on_completion:
+            await self.waitpoints.on_runs_finished([dead.run])
+        self.r.events.emit(RunEvent("run_dead_lettered", run_id, env_id, dead.snapshot.id,
+                                    {"deliveries": deliveries}, attempt=dead.run.attempt_number))
 
     async def redrive(self, env_id: str, run_id: str) -> str:
         """Move a dead-lettered run back into its queue: QUEUED with a fresh delivery count."""

@@ -11,10 +11,11 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from run_engine.db.runs import DequeueStart, RunRow, Snapshot, Transition, TransitionResult
 from run_engine.db.waitpoints import journal_entry
+from run_engine.dependencies import log_failure, unavailable_dependency
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.run_queue import Handed
@@ -25,6 +26,7 @@ from systems import engine_jobs
 from systems.resources import SystemResources
 
 if TYPE_CHECKING:
+    from systems.dead_letter import DeadLetterSystem
     from systems.enqueue import EnqueueSystem
     from systems.execution_snapshot import ExecutionSnapshotSystem
     from systems.run_attempt import RunAttemptSystem, StartedAttempt
@@ -43,8 +45,10 @@ class DequeuedRun:
 
 class DequeueSystem:
     def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
-                 enqueue: EnqueueSystem, run_attempt: RunAttemptSystem, waitpoints: WaitpointsSystem) -> None:
+                 enqueue: EnqueueSystem, run_attempt: RunAttemptSystem, waitpoints: WaitpointsSystem,
+                 dead_letter: DeadLetterSystem) -> None:
         self.r = resources
+        self.dead_letter = dead_letter
         self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
         self.run_attempt = run_attempt
@@ -82,11 +86,10 @@ class DequeueSystem:
         # applied here and its message is dropped; the others' jobs are keyed by snapshot.
         results: Sequence[TransitionResult]
         starts: Sequence[TransitionResult | None]
+        handed_out: Sequence[DequeuedMessage] = messages
         if start:
             # one statement: PENDING_EXECUTING, then the attempt's EXECUTING after it (both kept)
-            triples = await self.r.repo.runs.dequeue_and_start(
-                [DequeueStart(m.run_id, new_id("snapshot"), new_id("snapshot"), worker_id) for m in messages],
-                self.DESCRIPTION, self.run_attempt.START_DESCRIPTION)
+            handed_out, triples = await self._start_all(messages, worker_id)
             results, starts = [p for p, _, _ in triples], [s for _, s, _ in triples]
             journals = [j for _, _, j in triples]
         else:
@@ -103,7 +106,7 @@ class DequeueSystem:
         cancel: list[str] = []
         schedule: list[engine_jobs.JobSpec] = []
         timeout = self.r.settings.pending_executing_timeout_s
-        for message, result, started, journal in zip(messages, results, starts, journals, strict=True):
+        for message, result, started, journal in zip(handed_out, results, starts, journals, strict=True):
             if not (result.applied and result.snapshot is not None and result.run is not None):
                 # The run moved on (finished, cancelled) while its message was queued: drop it.
                 stray.append((message.env_id, message.run_id))
@@ -142,6 +145,45 @@ class DequeueSystem:
         out = Handed(dequeued)
         out.retry_at_ms, out.backlog = messages.retry_at_ms, messages.backlog
         return out
+
+    async def _start_all(self, messages: Sequence[DequeuedMessage], worker_id: str | None,
+                         ) -> tuple[list[DequeuedMessage], list[tuple[TransitionResult, TransitionResult, Any]]]:
+        """Dequeue and start the messages' runs in one statement. When it fails (not an outage:
+        nothing was written, it is one statement), the batch is split in halves down to the runs
+        that fail on their own (a journal too large to replay...), which are given back to their
+        queues and, past the delivery limit, dead-lettered: one run's data must not keep the other
+        runs of the batch, of every tenant, from being handed out. The messages handed out and
+        their results."""
+        try:
+            triples = await self.r.repo.runs.dequeue_and_start(
+                [DequeueStart(m.run_id, new_id("snapshot"), new_id("snapshot"), worker_id) for m in messages],
+                self.DESCRIPTION, self.run_attempt.START_DESCRIPTION)
+            return list(messages), triples
+        except Exception as exc:
+            if unavailable_dependency(exc) is not None:
+                raise
+            if len(messages) == 1:
+                await self._not_handed_out(messages[0], exc)
+                return [], []
+        mid = len(messages) // 2
+        first, first_results = await self._start_all(messages[:mid], worker_id)
+        second, second_results = await self._start_all(messages[mid:], worker_id)
+        return first + second, first_results + second_results
+
+    async def _not_handed_out(self, m: DequeuedMessage, exc: Exception) -> None:
+        """A run whose dequeue fails on its own: back to its queue (the queue's back-off), to the
+        DLQ past its delivery limit; then it ends SYSTEM_FAILURE."""
+        log.error("dequeue: run %s could not be handed out; given back to its queue", m.run_id, exc_info=exc)
+        try:
+            outcome = await self.r.queue.nack(m.env_id, m.run_id, self.r.now_ms())
+            if outcome.dead_lettered:
+                await self.dead_letter.finish_dead(
+                    m.run_id, m.env_id, (ExecutionStatus.QUEUED, ExecutionStatus.QUEUED_EXECUTING), None,
+                    {"type": "INTERNAL_ERROR", "code": "TASK_RUN_NOT_HANDED_OUT",
+                     "message": f"The run could not be handed out to a worker ({type(exc).__name__})"},
+                    outcome.deliveries)
+        except Exception as again:  # it stays held: the reconciler makes it ready again
+            log_failure(log, again, "dequeue: run %s could not be given back", m.run_id)
 
     async def _tasks_of(self, deployments: Sequence[str]) -> dict[str, frozenset[str]]:
         """environment id → the tasks the worker's deployments have there (deployments never change)."""

@@ -60,7 +60,7 @@ class Systems:
             execution_snapshot=execution_snapshot,
             enqueue=enqueue,
             dequeue=DequeueSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue, run_attempt=run_attempt,
-                                  waitpoints=waitpoints),
+                                  waitpoints=waitpoints, dead_letter=dead_letter),
             run_attempt=run_attempt,
             cancel=cancel,
             dead_letter=dead_letter,

@@ -1,0 +1,74 @@
+"""One run whose dequeue statement fails on its own (its data: a journal too large to replay, say)
+does not keep the other runs of the batch, of every tenant, from being handed out: the batch is
+split down to it; it goes back to its queue and, past its delivery limit, to the DLQ, ending
+SYSTEM_FAILURE. An outage is not split: the whole dequeue fails, nothing written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from run_engine.db.runs import RunRepository
+from run_engine.engine import TriggerRequest
+
+from .conftest import Harness
+
+
+def failing_for(monkeypatch: pytest.MonkeyPatch, bad: set[str], error: Exception) -> list[int]:
+    """dequeue_and_start raises ``error`` for any batch holding a run of ``bad``; the batch sizes."""
+    real = RunRepository.dequeue_and_start
+    sizes: list[int] = []
+
+    async def patched(self: RunRepository, runs: Any, *args: Any) -> Any:
+        sizes.append(len(runs))
+        if any(r.run_id in bad for r in runs):
+            raise error
+        return await real(self, runs, *args)
+
+    monkeypatch.setattr(RunRepository, "dequeue_and_start", patched)
+    return sizes
+
+
+async def test_a_run_whose_dequeue_fails_alone_does_not_hold_back_the_others(
+        make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    h: Harness = await make_engine(max_deliveries=2)
+    await h.deploy({"id": "hello"})
+    runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
+                                        for i in range(6)])
+    bad = runs[2].id
+    failing_for(monkeypatch, {bad}, psycopg.errors.ProgramLimitExceeded("total size of jsonb array elements"))
+    got = await h.engine.dequeue(h.env.worker_group_id, 10, start=True)
+    assert sorted(d.run.id for d in got) == sorted(r.id for r in runs if r.id != bad)
+    assert all(d.started is not None for d in got)
+    assert (await h.engine.get_run(bad)).status == "QUEUED"  # type: ignore[union-attr]
+    for _ in range(20):  # its queue's back-off, then it fails on its own again: past the limit
+        await h.advance(60)
+        assert await h.engine.dequeue(h.env.worker_group_id, 10, start=True) == []
+        if (await h.engine.get_run(bad)).status != "QUEUED":  # type: ignore[union-attr]
+            break
+    dead = await h.engine.get_run(bad)
+    assert dead is not None and dead.status == "SYSTEM_FAILURE" and dead.error["code"] == "TASK_RUN_NOT_HANDED_OUT"
+    assert [e.run_id for e in await h.engine.resources.queue.list_dlq(h.env.env_id)] == [bad]
+
+
+async def test_an_outage_is_not_split(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
+                                        for i in range(4)])
+    sizes = failing_for(monkeypatch, {r.id for r in runs}, psycopg.OperationalError("server closed the connection"))
+    with pytest.raises(psycopg.OperationalError):
+        await h.engine.dequeue(h.env.worker_group_id, 10, start=True)
+    assert sizes == [4]
+    assert {(await h.engine.get_run(r.id)).status for r in runs} == {"QUEUED"}  # type: ignore[union-attr]
+
+
+def test_a_statement_past_a_postgresql_limit_is_not_an_outage() -> None:
+    """psycopg makes class 54 (program limit exceeded) an OperationalError, like a lost connection;
+    trying it again fails again, so it is no 503 and no reason not to isolate the run."""
+    from run_engine.dependencies import unavailable_dependency
+
+    assert unavailable_dependency(psycopg.errors.ProgramLimitExceeded("jsonb too large")) is None
+    assert unavailable_dependency(psycopg.errors.StatementTooComplex("too complex")) is None
+    assert unavailable_dependency(psycopg.OperationalError("server closed the connection")) == "postgres"
+    assert unavailable_dependency(psycopg.errors.AdminShutdown("terminating connection")) == "postgres"
