@@ -146,14 +146,15 @@ class DequeueSystem:
         out.retry_at_ms, out.backlog = messages.retry_at_ms, messages.backlog
         return out
 
-    async def _start_all(self, messages: Sequence[DequeuedMessage], worker_id: str | None,
+    async def _start_all(self, messages: Sequence[DequeuedMessage], worker_id: str | None, *, split: bool = False,
                          ) -> tuple[list[DequeuedMessage], list[tuple[TransitionResult, TransitionResult, Any]]]:
         """Dequeue and start the messages' runs in one statement. When it fails (not an outage:
         nothing was written, it is one statement), the batch is split in halves down to the runs
         that fail on their own (a journal too large to replay...), which are given back to their
         queues and, past the delivery limit, dead-lettered: one run's data must not keep the other
         runs of the batch, of every tenant, from being handed out. The messages handed out and
-        their results."""
+        their results. An outage fails the whole call, unless part of it was split off (and may
+        have committed): then the rest stays held, and the reconciler makes it ready again."""
         try:
             triples = await self.r.repo.runs.dequeue_and_start(
                 [DequeueStart(m.run_id, new_id("snapshot"), new_id("snapshot"), worker_id) for m in messages],
@@ -161,13 +162,16 @@ class DequeueSystem:
             return list(messages), triples
         except Exception as exc:
             if unavailable_dependency(exc) is not None:
-                raise
+                if not split:
+                    raise
+                log_failure(log, exc, "dequeue: %d runs left held", len(messages))
+                return [], []
             if len(messages) == 1:
                 await self._not_handed_out(messages[0], exc)
                 return [], []
         mid = len(messages) // 2
-        first, first_results = await self._start_all(messages[:mid], worker_id)
-        second, second_results = await self._start_all(messages[mid:], worker_id)
+        first, first_results = await self._start_all(messages[:mid], worker_id, split=True)
+        second, second_results = await self._start_all(messages[mid:], worker_id, split=True)
         return first + second, first_results + second_results
 
     async def _not_handed_out(self, m: DequeuedMessage, exc: Exception) -> None:

@@ -72,3 +72,29 @@ def test_a_statement_past_a_postgresql_limit_is_not_an_outage() -> None:
     assert unavailable_dependency(psycopg.errors.StatementTooComplex("too complex")) is None
     assert unavailable_dependency(psycopg.OperationalError("server closed the connection")) == "postgres"
     assert unavailable_dependency(psycopg.errors.AdminShutdown("terminating connection")) == "postgres"
+
+
+async def test_an_outage_while_split_hands_out_what_started_and_leaves_the_rest_held(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once split, a half may have committed: an outage in another half fails only that half
+    (its runs stay QUEUED, held for the reconciler), never the call: every run started is handed out."""
+    runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
+                                        for i in range(8)])
+    bad, away = runs[1].id, runs[6].id
+    real = RunRepository.dequeue_and_start
+
+    async def patched(self: RunRepository, batch: Any, *args: Any) -> Any:
+        ids = {r.run_id for r in batch}
+        if bad in ids:
+            raise psycopg.errors.ProgramLimitExceeded("total size of jsonb array elements")
+        if away in ids and len(batch) < 8:
+            raise psycopg.OperationalError("server closed the connection")
+        return await real(self, batch, *args)
+
+    monkeypatch.setattr(RunRepository, "dequeue_and_start", patched)
+    got = await h.engine.dequeue(h.env.worker_group_id, 10, start=True)
+    handed = {d.run.id for d in got}
+    assert away not in handed and bad not in handed and handed
+    statuses = {r.id: (await h.engine.get_run(r.id)).status for r in runs}  # type: ignore[union-attr]
+    assert {i for i, s in statuses.items() if s == "EXECUTING"} == handed  # no run started and not handed out
+    assert {s for i, s in statuses.items() if i not in handed} == {"QUEUED"}
