@@ -9,7 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from run_engine.db.runs import PAGE_BYTES, RunRow, Snapshot, blob_bytes
+from run_engine.db.runs import PAGE_BYTES, RunRow, Snapshot
 from run_engine.dependencies import log_failure
 from run_engine.errors import InvalidTransitionError, NotFoundError
 from run_engine.events import RunEvent
@@ -125,22 +125,30 @@ class DeadLetterSystem:
         the run id ``after``; and whether more follow. An entry whose run is gone (deleted by
         retention before its entry was) is dropped on the way."""
         queue = self.r.queue
+        runs = self.r.repo.runs
         cursor: str | DlqEntry | None = after
         found: list[DeadRun] = []
         total = 0  # the found runs' payloads, outputs and metadata: a page ends past PAGE_BYTES
         while True:
             entries = await queue.list_dlq(env_id, limit=self.PAGE, after=cursor)
-            for e in entries:
-                if not self._matches(e, tasks, queues):
-                    continue
-                if len(found) == size or (found and total > PAGE_BYTES):
-                    return found, True
-                run = await self.r.repo.runs.get_run(e.run_id, env_id)
-                if run is None:
+            wanted = [e for e in entries if self._matches(e, tasks, queues)]
+            # the sizes of this slice's runs first, then the runs that fit: two queries a slice
+            sizes = await runs.run_sizes(env_id, [e.run_id for e in wanted]) if wanted else {}
+            take: list[DlqEntry] = []
+            full = False
+            for e in wanted:
+                if e.run_id not in sizes:  # deleted by retention before its entry was
                     await queue.forget_dead(env_id, e.run_id)
-                else:
-                    found.append(DeadRun(run, e))
-                    total += blob_bytes(run)
+                    continue
+                if len(found) + len(take) == size or ((found or take) and total > PAGE_BYTES):
+                    full = True
+                    break
+                take.append(e)
+                total += sizes[e.run_id]
+            have = await runs.runs_by_ids(env_id, [e.run_id for e in take]) if take else {}
+            found += [DeadRun(have[e.run_id], e) for e in take if e.run_id in have]
+            if full:
+                return found, True
             if len(entries) < self.PAGE:
                 return found, False
             cursor = entries[-1]  # its place, even if it left the DLQ meanwhile

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import orjson
 from psycopg import AsyncConnection
 from psycopg.errors import UniqueViolation
 from psycopg.rows import dict_row
@@ -344,12 +343,6 @@ CHAIN_INDEX = "snapshot_chain_uq"
 def chain_conflict(exc: BaseException) -> bool:
     """Whether ``exc`` is a snapshot appended after one that another transition appended after first."""
     return isinstance(exc, UniqueViolation) and exc.diag.constraint_name == CHAIN_INDEX
-
-
-def blob_bytes(run: RunRow) -> int:
-    """What a run's payload, output, metadata and error take as JSON (a page's measure)."""
-    return sum(len(v) if isinstance(v, str) else len(orjson.dumps(v))
-               for v in (run.payload, run.output, run.metadata, run.error) if v is not None)
 
 
 def within_bytes(sized: Sequence[tuple[str, int]], max_bytes: int) -> list[str]:
@@ -747,6 +740,23 @@ class RunRepository:
             await cur.execute(f"SELECT {_LIGHT_RUN if light else '*'} FROM task_run WHERE {where} "
                               "ORDER BY created_at DESC, id DESC LIMIT %(limit)s", params)
             return [run_row(r) for r in await cur.fetchall()]
+
+    async def run_sizes(self, env_id: str, run_ids: Sequence[str]) -> dict[str, int]:
+        """What each of the environment's runs among ``run_ids`` takes in payload, output,
+        metadata and error (as JSON text); a run that is not there is left out."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                f"SELECT id, {_RUN_BYTES} FROM task_run WHERE id = ANY(%s) AND environment_id = %s",
+                (list(run_ids), env_id))
+            return {r[0]: int(r[1]) for r in await cur.fetchall()}
+
+    async def runs_by_ids(self, env_id: str, run_ids: Sequence[str]) -> dict[str, RunRow]:
+        """The environment's runs among ``run_ids``, by id, in one query."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_run WHERE id = ANY(%s) AND environment_id = %s",
+                              (list(run_ids), env_id))
+            return {r["id"]: run_row(r) for r in await cur.fetchall()}
 
     async def page_runs(self, env_id: str, *, limit: int, max_bytes: int, statuses: Sequence[str] = (),
                         tasks: Sequence[str] = (), tags: Sequence[str] = (), queues: Sequence[str] = (),
