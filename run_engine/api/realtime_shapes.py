@@ -26,8 +26,6 @@ from run_engine.realtime import env_key
 #: the newest runs a tag shape holds (older ones fall out of it)
 MAX_TAG_RUNS = 500
 MAX_BATCH_RUNS = 1000
-#: a shape's runs hold at most this much payload, output and metadata (the newest runs first)
-SHAPE_BYTES = 32 * 1024 * 1024
 #: a shape over many runs re-reads them at most this often, however busy the environment
 MIN_INTERVAL_S = 0.25
 DEFAULT_WINDOW = timedelta(days=1)
@@ -65,9 +63,8 @@ async def runs_with_tags(request: Request) -> Response:
 
     async def load(changed_after: datetime | None) -> list[RunRow]:
         since = datetime.fromtimestamp(ctx.engine.now(), UTC) - window
-        runs, _ = await ctx.engine.page_runs(env_id, tags=tags, tasks=tasks, created_from=since, limit=MAX_TAG_RUNS,
-                                             updated_after=changed_after, max_bytes=SHAPE_BYTES)
-        return runs
+        return await ctx.engine.list_runs(env_id, tags=tags, tasks=tasks, created_from=since, limit=MAX_TAG_RUNS,
+                                          updated_after=changed_after)
 
     # the handle is a header: the tags' digest, not the tags (a header holds Latin-1 only)
     handle = "tags-" + hashlib.sha256("\0".join(tags).encode()).hexdigest()[:32]
@@ -88,9 +85,10 @@ async def batch_runs(request: Request) -> Response:
     env_id = auth.env_id
 
     async def load(changed_after: datetime | None) -> list[RunRow]:
-        runs, _ = await ctx.engine.page_runs(env_id, batches=[batch_id], limit=MAX_BATCH_RUNS,
-                                             updated_after=changed_after, max_bytes=SHAPE_BYTES)
-        return runs
+        # whole, not bounded in bytes: a live shape's next offset is the newest change it sent, so
+        # runs left out of one answer would never be sent (their changes are older)
+        return await ctx.engine.list_runs(env_id, batches=[batch_id], limit=MAX_BATCH_RUNS,
+                                          updated_after=changed_after)
 
     if not await ctx.engine.list_runs(env_id, batches=[batch_id], limit=1, light=True):
         raise ApiError(404, "not_found", "batch not found")
