@@ -45,8 +45,10 @@ def committed() -> Iterator[None]:
         raise
 
 
-def _after_commit(exc: BaseException) -> bool:
+def is_committed(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised after its statement's writes committed (see :func:`committed`)."""
     return COMMITTED in getattr(exc, "__notes__", ())
+
 
 
 class Batcher(Generic[T, R]):
@@ -124,7 +126,7 @@ class Batcher(Generic[T, R]):
             if len(results) != len(items):
                 raise RuntimeError(f"batch flush returned {len(results)} results for {len(items)} items")
         except Exception as exc:
-            if self._split and len(batch) > 1 and not _after_commit(exc):
+            if self._split and len(batch) > 1 and not is_committed(exc):
                 middle = len(batch) // 2
                 await self._settle(batch[:middle])
                 await self._settle(batch[middle:])

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from run_engine.batching import is_committed
 from run_engine.db.runs import DequeueStart, RunRow, Snapshot, Transition, TransitionResult
 from run_engine.db.waitpoints import journal_entry
 from run_engine.dependencies import log_failure, unavailable_dependency
@@ -41,6 +42,12 @@ class DequeuedRun:
     snapshot: Snapshot
     deliveries: int
     started: StartedAttempt | None = None  # its attempt, when the dequeue started it too
+
+
+def _the_runs_fault(exc: Exception) -> bool:
+    """An error in the data of the one run a statement was about (PostgreSQL's class 22, data
+    exception, or 54, program limit exceeded: a value too large...), not a fault of the system."""
+    return (getattr(exc, "sqlstate", None) or "")[:2] in ("22", "54")
 
 
 class DequeueSystem:
@@ -89,7 +96,7 @@ class DequeueSystem:
         handed_out: Sequence[DequeuedMessage] = messages
         if start:
             # one statement: PENDING_EXECUTING, then the attempt's EXECUTING after it (both kept)
-            handed_out, triples = await self._start_all(messages, worker_id)
+            handed_out, triples = await self._start_split(messages, worker_id)
             results, starts = [p for p, _, _ in triples], [s for _, s, _ in triples]
             journals = [j for _, _, j in triples]
         else:
@@ -146,32 +153,54 @@ class DequeueSystem:
         out.retry_at_ms, out.backlog = messages.retry_at_ms, messages.backlog
         return out
 
-    async def _start_all(self, messages: Sequence[DequeuedMessage], worker_id: str | None, *, split: bool = False,
+    async def _start_split(self, messages: Sequence[DequeuedMessage], worker_id: str | None,
+                           ) -> tuple[list[DequeuedMessage], list[tuple[TransitionResult, TransitionResult, Any]]]:
+        """Dequeue and start the messages' runs in one statement. When it fails before its commit
+        and not for an outage, the batch is split in halves down to the runs that fail on their
+        own (a journal too large to replay...): one run's data must not keep the other runs of the
+        batch, of every tenant, from being handed out. Those runs are given back to their queues
+        and, past the delivery limit, dead-lettered; any other fault is everyone's (a read-only
+        standby, a schema mid-deploy): the call fails (when nothing was handed out) and the
+        runs stay held for the reconciler, as for an outage. Only an error in a run's data
+        (PostgreSQL's classes 22 and 54) is the run's. The messages handed out, their results."""
+        failed: list[tuple[DequeuedMessage, Exception]] = []
+        handed, results = await self._start_all(messages, worker_id, failed)
+        theirs = [(m, exc) for m, exc in failed if _the_runs_fault(exc)]
+        for m, exc in theirs:
+            await self._not_handed_out(m, exc)
+        everyones = [exc for _, exc in failed if not _the_runs_fault(exc)]
+        if everyones:
+            if not handed and not theirs:
+                raise everyones[0]
+            log.error("dequeue: %d runs could not be handed out; left held for the reconciler", len(everyones),
+                      exc_info=everyones[0])
+        return handed, results
+
+    async def _start_all(self, messages: Sequence[DequeuedMessage], worker_id: str | None,
+                         failed: list[tuple[DequeuedMessage, Exception]], *, split: bool = False,
                          ) -> tuple[list[DequeuedMessage], list[tuple[TransitionResult, TransitionResult, Any]]]:
-        """Dequeue and start the messages' runs in one statement. When it fails (not an outage:
-        nothing was written, it is one statement), the batch is split in halves down to the runs
-        that fail on their own (a journal too large to replay...), which are given back to their
-        queues and, past the delivery limit, dead-lettered: one run's data must not keep the other
-        runs of the batch, of every tenant, from being handed out. The messages handed out and
-        their results. An outage fails the whole call, unless part of it was split off (and may
-        have committed): then the rest stays held, and the reconciler makes it ready again."""
+        """See :meth:`_start_split`; the runs that failed on their own are added to ``failed``. An
+        outage fails the whole call, unless part of it was split off (and may have committed):
+        then the rest stays held, and the reconciler makes it ready again."""
         try:
             triples = await self.r.repo.runs.dequeue_and_start(
                 [DequeueStart(m.run_id, new_id("snapshot"), new_id("snapshot"), worker_id) for m in messages],
                 self.DESCRIPTION, self.run_attempt.START_DESCRIPTION)
             return list(messages), triples
         except Exception as exc:
+            if is_committed(exc):  # its runs started: not to be tried again (the reconciler re-arms them)
+                raise
             if unavailable_dependency(exc) is not None:
                 if not split:
                     raise
                 log_failure(log, exc, "dequeue: %d runs left held", len(messages))
                 return [], []
             if len(messages) == 1:
-                await self._not_handed_out(messages[0], exc)
+                failed.append((messages[0], exc))
                 return [], []
         mid = len(messages) // 2
-        first, first_results = await self._start_all(messages[:mid], worker_id, split=True)
-        second, second_results = await self._start_all(messages[mid:], worker_id, split=True)
+        first, first_results = await self._start_all(messages[:mid], worker_id, failed, split=True)
+        second, second_results = await self._start_all(messages[mid:], worker_id, failed, split=True)
         return first + second, first_results + second_results
 
     async def _not_handed_out(self, m: DequeuedMessage, exc: Exception) -> None:

@@ -98,3 +98,39 @@ async def test_an_outage_while_split_hands_out_what_started_and_leaves_the_rest_
     statuses = {r.id: (await h.engine.get_run(r.id)).status for r in runs}  # type: ignore[union-attr]
     assert {i for i, s in statuses.items() if s == "EXECUTING"} == handed  # no run started and not handed out
     assert {s for i, s in statuses.items() if i not in handed} == {"QUEUED"}
+
+
+async def test_a_fault_of_every_run_is_not_blamed_on_each(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run of the batch failing on its own (a read-only standby, a schema mid-deploy) is the
+    fault's, not theirs: the call fails and they stay held, none given back or dead-lettered."""
+    runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
+                                        for i in range(4)])
+    failing_for(monkeypatch, {r.id for r in runs},
+                psycopg.errors.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction"))
+    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        await h.engine.dequeue(h.env.worker_group_id, 10, start=True)
+    for r in runs:
+        assert (await h.engine.get_run(r.id)).status == "QUEUED"  # type: ignore[union-attr]
+        seen = await h.engine.resources.queue.inspect(h.env.env_id, r.id)
+        assert seen is not None and seen["message"]["state"] == "held"  # type: ignore[index]  # not given back
+
+
+async def test_a_failure_after_the_commit_is_not_split(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    from run_engine.batching import committed
+
+    runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
+                                        for i in range(4)])
+    real = RunRepository.dequeue_and_start
+    sizes: list[int] = []
+
+    async def patched(self: RunRepository, batch: Any, *args: Any) -> Any:
+        sizes.append(len(batch))
+        await real(self, batch, *args)
+        with committed():
+            raise ValueError("could not read the rows back")
+
+    monkeypatch.setattr(RunRepository, "dequeue_and_start", patched)
+    with pytest.raises(ValueError):
+        await h.engine.dequeue(h.env.worker_group_id, 10, start=True)
+    assert sizes == [4]  # started: never tried again (the reconciler re-arms their timeouts)
+    assert {(await h.engine.get_run(r.id)).status for r in runs} == {"EXECUTING"}  # type: ignore[union-attr]
