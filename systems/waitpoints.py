@@ -666,9 +666,8 @@ class WaitpointsSystem:
     async def resolve_journal(self, entries: Sequence[JournalEntry]) -> list[dict[str, Any]]:
         """Journal entries (with their waitpoints' state) as a replay reads them: each wait's
         outcome filled in, ``resolved`` False while it is pending."""
-        batch_ids = [rid for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"
-                     for rid in e.result[RUN_IDS]]
-        runs, over = await self.wp.run_results(batch_ids, RESULTS_BYTES) if batch_ids else ({}, set())
+        batches = [e.result[RUN_IDS] for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"]
+        runs, over = await self.wp.run_results(batches, RESULTS_BYTES) if batches else ({}, set())
         out = []
         for e in entries:
             item: dict[str, Any] = {"sequence": e.sequence, "kind": e.kind, "key": e.key}
@@ -690,7 +689,7 @@ class WaitpointsSystem:
                 item.update(resolved=True, result=[
                     {"ok": False, "id": rid, "error": {
                         "type": "RESULT_TOO_LARGE", "message": "this child's result is not replayed: the results "
-                        f"this run waited on pass {RESULTS_BYTES} bytes"}} if rid in over
+                        f"of its batch pass {RESULTS_BYTES} bytes"}} if rid in over
                     else run_result(rid, *runs[rid]) if rid in runs
                     else {"ok": False, "id": rid, "error": {"type": "RUN_NOT_CREATED",
                                                              "message": "the batch item's run was never created"}}

@@ -736,27 +736,30 @@ class WaitpointRepository:
             cur = await conn.execute("SELECT id FROM task_run WHERE id = ANY(%s)", (list(run_ids),))
             return {r[0] for r in await cur.fetchall()}
 
-    async def run_results(self, run_ids: Sequence[str], max_bytes: int = RESULTS_BYTES,
+    async def run_results(self, batches: Sequence[Sequence[str]], max_bytes: int = RESULTS_BYTES,
                           ) -> tuple[dict[str, tuple[str, Any, Any]], set[str]]:
-        """status, output, error of each run, and the runs whose output and error were left out:
-        those, in ``run_ids``' order, past ``max_bytes`` of them as JSON (measured first, in
-        PostgreSQL): a parent that waited on a batch of a thousand 3 MiB outputs must not take 3 GB
-        of the memory every tenant shares."""
-        ids = list(dict.fromkeys(run_ids))
+        """status, output, error of each run of ``batches``, and the runs whose output and error
+        were left out: those of a batch, in its order, past ``max_bytes`` of them as JSON (measured
+        first, in PostgreSQL): a parent that waited on a batch of a thousand 3 MiB outputs must not
+        take 3 GB of the memory every tenant shares. Per batch, so that a batch's results are the
+        same whichever other entries of the journal are read with it."""
+        ids = list(dict.fromkeys(rid for batch in batches for rid in batch))
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 """SELECT id, coalesce(octet_length(output::text), 0) + coalesce(octet_length(error::text), 0)
                    FROM task_run WHERE id = ANY(%s)""", (ids,))
             sizes: dict[str, int] = {r[0]: r[1] for r in await cur.fetchall()}
-            total, kept, over = 0, [], set()
-            for rid in ids:
-                if rid not in sizes:
-                    continue
-                total += sizes[rid]
-                if total > max_bytes:
-                    over.add(rid)
-                else:
-                    kept.append(rid)
+            kept, over = [], set()
+            for batch in batches:
+                total = 0
+                for rid in batch:
+                    if rid not in sizes:
+                        continue
+                    total += sizes[rid]
+                    if total > max_bytes:
+                        over.add(rid)
+                    else:
+                        kept.append(rid)
             cur = await conn.execute("SELECT id, status, output, error FROM task_run WHERE id = ANY(%s)", (kept,))
             found = {r[0]: (r[1], r[2], r[3]) for r in await cur.fetchall()}
             if over:
