@@ -71,6 +71,9 @@ class ApiContext:
     # credential look-ups that missed the caches, in flight at once: a flood of unknown keys (each
     # a miss, two queries) takes a bounded share of the database pool every tenant's work needs
     _lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOOKUPS_AT_ONCE))
+    # hashes that matched a credential in the last 10 minutes: looked up again (every 5 s) without
+    # waiting behind a flood of unknown keys
+    _known: TtlCache = field(default_factory=lambda: TtlCache(ttl_s=600))
     _run_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def check_size(self, value: Any, field: str, encoded: bytes | None = None) -> None:
@@ -206,10 +209,17 @@ class ApiContext:
                 self._envs.put(env_id, env)
         return env
 
-    async def _look_up(self, find: Callable[[str], Awaitable[T]], key_hash: str) -> T:
-        """A credential look-up that missed the caches, at most LOOKUPS_AT_ONCE in flight."""
-        async with self._lookups:
-            return await find(key_hash)
+    async def _look_up(self, find: Callable[[str], Awaitable[T | None]], key_hash: str) -> T | None:
+        """A credential look-up that missed the caches, at most LOOKUPS_AT_ONCE in flight; a hash
+        that matched a credential lately is looked up at once."""
+        if self._known.get(key_hash):
+            found = await find(key_hash)
+        else:
+            async with self._lookups:
+                found = await find(key_hash)
+        if found is not None:
+            self._known.put(key_hash, True)
+        return found
 
     async def environment_by_key(self, key: str) -> Environment | None:
         """The environment of a secret API key (cached a few seconds), or None."""

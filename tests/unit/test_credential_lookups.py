@@ -68,3 +68,28 @@ async def test_a_worker_token_that_matched_nothing_is_refused_without_looking_ag
             await ctx.worker_group(request(token))
         assert refused.value.status == 401
     assert engine.calls == 2  # the first try: the group, then an environment; none after
+
+
+async def test_a_key_that_matched_lately_is_not_held_behind_a_flood() -> None:
+    from run_engine.tenancy import hash_secret
+
+    engine = SlowDirectory()
+    good = "good-key"
+    real_find = engine._find
+
+    async def find(key_hash: str) -> object:
+        if key_hash == hash_secret(good):
+            return "the environment"
+        return await real_find(key_hash)
+
+    engine.environment_by_key_hash = find  # type: ignore[method-assign]
+    ctx = context(engine)
+    assert await ctx.environment_by_key(good) == "the environment"
+    ctx._envs = type(ctx._envs)()  # its 5 s cache expired
+    flood = [asyncio.ensure_future(ctx.environment_by_key(secrets.token_hex(8))) for _ in range(20)]
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert engine.running == LOOKUPS_AT_ONCE  # the flood holds every slot
+    assert await asyncio.wait_for(ctx.environment_by_key(good), 5) == "the environment"
+    engine.release.set()
+    await asyncio.gather(*flood)
