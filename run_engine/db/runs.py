@@ -581,7 +581,8 @@ class RunRepository:
         async with self.pool.connection() as conn:
             cur = conn.cursor()  # tuples, read by position: no dict of 80 columns per run
             await cur.execute(_DEQUEUE_START_SQL, params)
-            rows = await cur.fetchall()
+            with committed():  # (autocommit) reading the rows back fails after the writes
+                rows = await cur.fetchall()
             try:
                 latest = await self._winners(conn, rows)
             except Exception:  # committed: a run that lost its race is dropped whatever won it
