@@ -369,6 +369,8 @@ def transition_result(run_id: str, latest_id: str | None, latest_status: str | N
         return TransitionResult(run_id=run_id, applied=True, latest_snapshot_id=snapshot.id,
                                 latest_status=snapshot.engine_status, snapshot=snapshot, run=run)
     if snapshot is not None:  # the run was deleted while the statement appended to it: gone
+        log.warning("run %s: snapshot %s appended but no run row updated (deleted meanwhile?): answered as gone",
+                    run_id, snapshot.id)
         return TransitionResult(run_id=run_id, applied=False, latest_snapshot_id=None, latest_status=None)
     return TransitionResult(run_id=run_id, applied=False, latest_snapshot_id=latest_id, latest_status=latest_status)
 
@@ -651,6 +653,8 @@ class RunRepository:
                 # The run was deleted (retention) while this statement appended to it: its update
                 # found no row. The snapshot, written after the delete's trigger, is taken back
                 # and the run answered as gone.
+                log.warning("run %s: snapshot %s appended but no run row updated (deleted meanwhile?): "
+                            "taken back, answered as gone", run_id, snapshot.id)
                 orphans.append(snapshot.id)
                 latest_id = latest_status = None
             elif conflict:
