@@ -17,7 +17,7 @@ from run_engine.clock import Clock, SystemClock
 from run_engine.db.bulk_actions import BulkAction
 from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec, queue_type
 from run_engine.db.repository import Repository
-from run_engine.db.runs import PAGE_BYTES, BatchView, RunRow, Snapshot
+from run_engine.db.runs import PAGE_BYTES, BatchView, RunPackets, RunRow, Snapshot
 from run_engine.db.schedules import Schedule
 from run_engine.db.tenancy import Environment, GroupListing, WorkerGroup, WorkerView
 from run_engine.db.waitpoints import JournalEntry, Waitpoint
@@ -48,7 +48,7 @@ __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun",
            "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
            "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
-           "GroupListing"]
+           "GroupListing", "RunPackets"]
 
 
 class RunEngine:
@@ -210,8 +210,21 @@ class RunEngine:
                         queues: Collection[str] = ()) -> tuple[list[DeadRun], bool]:
         return await self.systems.dead_letter.list_dead(env_id, size, after, tasks, queues)
 
-    async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
-        return await self.resources.repo.runs.get_run(run_id, env_id)
+    async def get_run(self, run_id: str, env_id: str | None = None, *, light: bool = False) -> RunRow | None:
+        """The run (of the environment, when one is given); ``light``: without payload, output,
+        metadata and error."""
+        return await self.resources.repo.runs.get_run(run_id, env_id, light=light)
+
+    async def packet_text(self, env_id: str, run_id: str, field: str) -> str | None:
+        """The run's ``payload`` or ``output`` as JSON text (None: it has none)."""
+        return await self.resources.repo.runs.packet_text(env_id, run_id, field)
+
+    async def run_packets(self, env_id: str, run_ids: Sequence[str], *, item_bytes: int,
+                          budget_bytes: int) -> dict[str, RunPackets]:
+        """The payload, output, metadata and error of runs for an answer bounded in bytes: see
+        :meth:`RunRepository.run_packets`."""
+        return await self.resources.repo.runs.run_packets(env_id, run_ids, item_bytes=item_bytes,
+                                                          budget_bytes=budget_bytes)
 
     async def latest_snapshot(self, run_id: str) -> Snapshot:
         return await self.systems.execution_snapshot.latest(run_id)

@@ -53,6 +53,14 @@ class RunTokens:
         every server process, independent of the run-token key."""
         return hmac.new(self._key, f"derive.{purpose}".encode(), hashlib.sha256).digest()
 
+    def packet_signature(self, purpose: str, subject: str, expires_at: int) -> str:
+        """The signature of a URL that reads (``purpose`` "get") or writes ("put") one packet
+        (``subject``: what it names) until ``expires_at``: the URL is its own credential."""
+        return self._sign(f"packet.{purpose}.{subject}.{expires_at}")
+
+    def packet_ok(self, purpose: str, subject: str, expires_at: int, signature: str, now: float) -> bool:
+        return expires_at >= now and self.same(signature, self.packet_signature(purpose, subject, expires_at))
+
     def callback_signature(self, waitpoint_id: str) -> str:
         return self._sign(f"callback.{waitpoint_id}")
 

@@ -15,6 +15,7 @@ from run_engine.api import (
     batches,
     bulk,
     metrics,
+    packets,
     public,
     realtime_shapes,
     schedules,
@@ -75,7 +76,7 @@ def routes() -> list[BaseRoute]:
     """Every route the API serves (the OpenAPI document is built from them)."""
     # bulk before public: POST /api/v1/runs/bulk/replay would otherwise be a replay of run "bulk"
     return [Route("/", index), Route("/healthz", healthz), Route("/openapi.json", openapi), *bulk.ROUTES,
-            *public.ROUTES, *batches.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES,
+            *public.ROUTES, *batches.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *packets.ROUTES,
             *realtime_shapes.ROUTES, *auth.ROUTES, *worker_groups.ROUTES, *worker.ROUTES, *metrics.ROUTES]
 
 

@@ -64,7 +64,7 @@ async def runs_with_tags(request: Request) -> Response:
     async def load(changed_after: datetime | None) -> list[RunRow]:
         since = datetime.fromtimestamp(ctx.engine.now(), UTC) - window
         return await ctx.engine.list_runs(env_id, tags=tags, tasks=tasks, created_from=since, limit=MAX_TAG_RUNS,
-                                          updated_after=changed_after)
+                                          updated_after=changed_after, light=True)
 
     # the handle is a header: the tags' digest, not the tags (a header holds Latin-1 only)
     handle = "tags-" + hashlib.sha256("\0".join(tags).encode()).hexdigest()[:32]
@@ -85,10 +85,10 @@ async def batch_runs(request: Request) -> Response:
     env_id = auth.env_id
 
     async def load(changed_after: datetime | None) -> list[RunRow]:
-        # whole, not bounded in bytes: a live shape's next offset is the newest change it sent, so
-        # runs left out of one answer would never be sent (their changes are older)
+        # every run, never fewer (a live shape's next offset is the newest change it sent: a run
+        # left out of one answer would never be sent), light: the answer bounds what they hold
         return await ctx.engine.list_runs(env_id, batches=[batch_id], limit=MAX_BATCH_RUNS,
-                                          updated_after=changed_after)
+                                          updated_after=changed_after, light=True)
 
     if not await ctx.engine.list_runs(env_id, batches=[batch_id], limit=1, light=True):
         raise ApiError(404, "not_found", "batch not found")

@@ -227,6 +227,10 @@ class Success(_Out):
     success: bool
 
 
+class PacketUrl(_Out):
+    presignedUrl: str
+
+
 class Schedule(_Out):
     id: str
     task: str

@@ -9,6 +9,13 @@ later one (``live=true``) waits until a run changes (any server process: Realtim
 with the changed runs, or after a while with ``up-to-date`` alone. The offset is the newest
 ``updated_at`` sent, in microseconds, with a checksum of the runs changed shortly before it, so a
 client that comes back late gets every change at once and none is lost to a late commit.
+
+An answer is bounded in bytes whatever the runs hold: the runs are read without their payload,
+output, metadata and error, and those of the runs sent are read after, a payload or output inline
+only while it is small (under :data:`PACKET_INLINE_BYTES`) and the answer's inline ones stay within
+:data:`ANSWER_INLINE_BYTES`; any other goes as ``application/store``, a reference the SDK fetches
+(``GET /api/v1/runs/{runId}/packets/{field}``, :mod:`run_engine.api.packets`), as Trigger.dev sends
+a packet it keeps in object storage.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from starlette.responses import Response
 from run_engine.api.context import ApiContext, EnvAuth
 from run_engine.api.http import ApiError
 from run_engine.api.inputs import is_number
-from run_engine.engine import RunRow
+from run_engine.engine import RunPackets, RunRow
 
 LIVE_WAIT_S = 20.0
 #: a run's updated_at is its transaction's start: one that began before a change already sent may
@@ -37,6 +44,14 @@ GRACE_US = 2_000_000
 RAW_STATUS = {"QUEUED": "PENDING", "COMPLETED": "COMPLETED_SUCCESSFULLY", "FAILED": "COMPLETED_WITH_ERRORS",
               "WAITING": "WAITING_TO_RESUME"}
 UP_TO_DATE = {"headers": {"control": "up-to-date"}}
+#: a payload or output this large (as JSON text) or larger is sent by reference: Trigger.dev's SDK
+#: offloads its own packets from this size (OFFLOAD_IO_PACKET_LENGTH_LIMIT)
+PACKET_INLINE_BYTES = 128 * 1024
+#: the payloads and outputs inline in one answer, at most (the rest by reference)
+ANSWER_INLINE_BYTES = 4 * 1024 * 1024
+#: what a payload or output sent by reference holds instead: the SDK asks for the run's packet by
+#: run and field, and falls back to this path on a server without that route
+STORE = "application/store"
 
 
 def _naive(value: datetime | None) -> str | None:
@@ -44,8 +59,8 @@ def _naive(value: datetime | None) -> str | None:
     return None if value is None else value.astimezone(UTC).replace(tzinfo=None).isoformat()
 
 
-def _packet(value: Any) -> str | None:
-    return None if value is None else orjson.dumps(value).decode()
+def packet_path(run_id: str, field: str) -> str:
+    return f"{run_id}/{field}.json"
 
 
 def _error(error: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -55,8 +70,11 @@ def _error(error: dict[str, Any] | None) -> dict[str, Any] | None:
             "message": str(error.get("message") or ""), "stackTrace": str(error.get("stackTrace") or "")}
 
 
-def raw_row(run: RunRow) -> dict[str, Any]:
-    """The run as the SDK's SubscribeRunRawShape reads it."""
+def raw_row(run: RunRow, packets: RunPackets | None) -> dict[str, Any]:
+    """The run as the SDK's SubscribeRunRawShape reads it; its payload, output, metadata and error
+    from ``packets`` (:meth:`RunEngine.run_packets`; ``None``: deleted meanwhile, sent without)."""
+    p = packets or RunPackets(None, False, None, False, None, None)
+    completed = run.status == "COMPLETED"
     duration_ms = 0
     if run.started_at and run.finished_at:
         duration_ms = int((run.finished_at - run.started_at).total_seconds() * 1000)
@@ -69,11 +87,13 @@ def raw_row(run: RunRow) -> dict[str, Any]:
         "expiredAt": _naive(run.finished_at) if run.status == "EXPIRED" else None,
         "idempotencyKey": run.idempotency_key, "number": 0, "isTest": False, "usageDurationMs": duration_ms,
         "costInCents": 0, "baseCostInCents": 0, "ttl": None,
-        "payload": _packet(run.payload), "payloadType": "application/json",
-        "metadata": _packet(run.metadata), "metadataType": "application/json" if run.metadata is not None else None,
-        "output": _packet(run.output) if run.status == "COMPLETED" else None,
-        "outputType": "application/json" if run.status == "COMPLETED" and run.output is not None else None,
-        "runTags": list(run.tags), "error": _error(run.error), "realtimeStreams": [],
+        "payload": packet_path(run.id, "payload") if p.payload_stored else p.payload,
+        "payloadType": STORE if p.payload_stored else "application/json",
+        "metadata": p.metadata, "metadataType": "application/json" if p.metadata is not None else None,
+        "output": (packet_path(run.id, "output") if p.output_stored else p.output) if completed else None,
+        "outputType": (STORE if p.output_stored else "application/json")
+        if completed and (p.output is not None or p.output_stored) else None,
+        "runTags": list(run.tags), "error": _error(p.error), "realtimeStreams": [],
     }
 
 
@@ -117,8 +137,20 @@ def _answer(handle: str, runs: list[RunRow], messages: list[dict[str, Any]], *, 
     return Response(orjson.dumps(messages), media_type="application/json", headers=headers)
 
 
-#: the runs of a shape; with a date, only those changed after it (what a live request needs)
+#: the runs of a shape, light (without payload, output, metadata and error: they are read for the
+#: runs sent only, within the answer's bytes); with a date, only those changed after it (what a live
+#: request needs)
 Loader = Callable[[datetime | None], Awaitable[list[RunRow]]]
+
+
+async def _messages(ctx: ApiContext, env_id: str, runs: list[RunRow], since: int | None) -> list[dict[str, Any]]:
+    """``runs`` as shape messages: inserts (``since`` None), else an insert for a run created after
+    ``since`` and an update for any other."""
+    packets = await ctx.engine.run_packets(env_id, [r.id for r in runs], item_bytes=PACKET_INLINE_BYTES,
+                                           budget_bytes=ANSWER_INLINE_BYTES)
+    return [{"key": _key(r), "value": raw_row(r, packets.get(r.id)),
+             "headers": {"operation": "insert" if since is None or _micros(r.created_at) > since else "update"}}
+            for r in runs]
 
 
 async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, load: Loader, watch_key: str,
@@ -130,7 +162,7 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
     live = request.query_params.get("live") == "true"
     if offset == "-1" or not live:
         runs = await load(None)
-        inserts = [{"key": _key(r), "value": raw_row(r), "headers": {"operation": "insert"}} for r in runs]
+        inserts = await _messages(ctx, auth.env_id, runs, None)
         return _answer(handle, runs, [*inserts, UP_TO_DATE], live=False)
     since, checksum = _since(offset)
     # a live request reads only the runs changed within GRACE of the offset or after it
@@ -153,8 +185,7 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
                 if min_interval_s:  # a busy environment wakes a multi-run shape often: read at most this often
                     await asyncio.sleep(min_interval_s)
                 runs = await load(changed_after)
-    changes = [{"key": _key(r), "value": raw_row(r),
-                "headers": {"operation": "insert" if _micros(r.created_at) > since else "update"}} for r in fresh]
+    changes = await _messages(ctx, auth.env_id, fresh, since)
     return _answer(handle, runs, [*changes, UP_TO_DATE], live=True, floor=since)
 
 

@@ -71,7 +71,7 @@ async def run_stream(request: Request) -> Response:
         env_id = auth.env_id
 
         async def load(_changed_after: datetime | None) -> list[RunRow]:
-            found = await ctx.engine.get_run(run_id, env_id)
+            found = await ctx.engine.get_run(run_id, env_id, light=True)
             return [found] if found is not None else []
 
         return await shape(ctx, auth, request, run_id, load, run_id)

@@ -332,6 +332,59 @@ _LIGHT_RUN = ", ".join(f"NULL AS {c}" if c in _HEAVY else c for _, c in columns_
 _RUN_BYTES = ("coalesce(octet_length(payload::text), 0) + coalesce(octet_length(output::text), 0) "
               "+ coalesce(octet_length(metadata::text), 0) + coalesce(octet_length(error::text), 0)")
 
+#: a run's error as a shape stream sends it: the four fields the SDK reads, each cut to this many
+#: characters (an error may be megabytes; a realtime answer holds hundreds of runs)
+SHAPE_ERROR_CHARS = 16 * 1024
+_RUN_PACKETS = """
+-- the payload, output, metadata and error of runs as a realtime shape sends them, in the order
+-- asked: a payload or output goes inline as JSON text when it is under %(item)s bytes and the
+-- inline ones of this answer so far, this run's included, stay within %(budget)s; any other one is
+-- only flagged (the client fetches it by reference). A value stored in %(item)s bytes or more
+-- (compressed) is never measured: only small ones are turned into text.
+WITH wanted AS (
+    SELECT r.id, i.ord, r.payload, r.output, r.metadata, r.error,
+           CASE WHEN pg_column_size(r.payload) < %(item)s THEN octet_length(r.payload::text) END AS pb,
+           CASE WHEN pg_column_size(r.output) < %(item)s THEN octet_length(r.output::text) END AS ob
+    FROM unnest(%(ids)s::text[]) WITH ORDINALITY AS i(id, ord)
+    JOIN task_run r ON r.id = i.id AND r.environment_id = %(env)s
+), sized AS (
+    SELECT *, coalesce(pb < %(item)s, false) AS p_small, coalesce(ob < %(item)s, false) AS o_small
+    FROM wanted
+), fits AS (
+    SELECT *, sum(CASE WHEN p_small THEN pb ELSE 0 END + CASE WHEN o_small THEN ob ELSE 0 END)
+                  OVER (ORDER BY ord) <= %(budget)s AS within
+    FROM sized
+)
+SELECT id,
+       CASE WHEN p_small AND within THEN payload::text END, payload IS NOT NULL,
+       CASE WHEN o_small AND within THEN output::text END, output IS NOT NULL,
+       metadata::text,
+       CASE WHEN error IS NOT NULL THEN jsonb_build_object(
+           'name', left(error ->> 'name', %(chars)s), 'type', left(error ->> 'type', %(chars)s),
+           'message', left(error ->> 'message', %(chars)s), 'stackTrace', left(error ->> 'stackTrace', %(chars)s))
+       END
+FROM fits ORDER BY ord
+"""
+
+
+#: one run's payload or output as JSON text (what a packet URL answers with)
+_PACKET_TEXT = {field: f"SELECT {field}::text FROM task_run WHERE id = %s AND environment_id = %s"
+                for field in ("payload", "output")}
+
+
+@record
+class RunPackets:
+    """A run's payload, output, metadata and error as a realtime shape sends them
+    (:meth:`RunRepository.run_packets`): JSON text inline, or ``None`` with ``*_stored`` when the
+    run has one that the client fetches by reference."""
+    payload: str | None
+    payload_stored: bool
+    output: str | None
+    output_stored: bool
+    metadata: str | None
+    error: dict[str, Any] | None
+
+
 #: the columns before the snapshot and run blocks of _TRANSITION_SQL's and _DEQUEUE_START_SQL's rows
 _TRANSITION_HEAD, _DEQUEUE_HEAD = 4, 5
 _SNAPSHOT_COLUMNS = len(columns_of(Snapshot))
@@ -664,14 +717,17 @@ class RunRepository:
             await conn.execute(_DROP_ORPHANS, (orphans,))
         return out
 
-    async def get_run(self, run_id: str, env_id: str | None = None) -> RunRow | None:
+    async def get_run(self, run_id: str, env_id: str | None = None, *, light: bool = False) -> RunRow | None:
+        """The run (of the environment, when one is given); ``light``: without payload, output,
+        metadata and error (``None``)."""
+        columns = _LIGHT_RUN if light else "*"
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             if env_id is None:
-                await cur.execute("SELECT * FROM task_run WHERE id = %s", (run_id,))
+                await cur.execute(f"SELECT {columns} FROM task_run WHERE id = %s", (run_id,))
             else:
                 await cur.execute(
-                    "SELECT * FROM task_run WHERE id = %s AND environment_id = %s", (run_id, env_id)
+                    f"SELECT {columns} FROM task_run WHERE id = %s AND environment_id = %s", (run_id, env_id)
                 )
             row = await cur.fetchone()
         return run_row(row) if row else None
@@ -745,6 +801,28 @@ class RunRepository:
             await cur.execute(f"SELECT {_LIGHT_RUN if light else '*'} FROM task_run WHERE {where} "
                               "ORDER BY created_at DESC, id DESC LIMIT %(limit)s", params)
             return [run_row(r) for r in await cur.fetchall()]
+
+    async def run_packets(self, env_id: str, run_ids: Sequence[str], *, item_bytes: int,
+                          budget_bytes: int) -> dict[str, RunPackets]:
+        """The payload, output, metadata and error of the environment's runs among ``run_ids``,
+        for a realtime answer bounded in bytes: a payload or output inline when it is under
+        ``item_bytes`` and the inline ones so far (in the order of ``run_ids``) stay within
+        ``budget_bytes``, else flagged as stored; metadata whole (bounded by its own limit); the
+        error's fields cut to :data:`SHAPE_ERROR_CHARS`. A run that is not there is left out."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_RUN_PACKETS, {"ids": list(run_ids), "env": env_id, "item": item_bytes,
+                                                    "budget": budget_bytes, "chars": SHAPE_ERROR_CHARS})
+            return {r[0]: RunPackets(payload=r[1], payload_stored=r[1] is None and r[2], output=r[3],
+                                     output_stored=r[3] is None and r[4], metadata=r[5], error=r[6])
+                    for r in await cur.fetchall()}
+
+    async def packet_text(self, env_id: str, run_id: str, field: str) -> str | None:
+        """The run's payload or output (``field``) as JSON text; None when it has none (or no such
+        run in the environment)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_PACKET_TEXT[field], (run_id, env_id))
+            row = await cur.fetchone()
+            return row[0] if row else None
 
     async def run_sizes(self, env_id: str, run_ids: Sequence[str]) -> dict[str, int]:
         """What each of the environment's runs among ``run_ids`` takes in payload, output,

@@ -17,6 +17,7 @@ from run_engine.api import (
     auth,
     batches,
     bulk,
+    packets,
     public,
     realtime_shapes,
     schedules,
@@ -48,6 +49,8 @@ class Route:
     items: bool = False  # worker batch routes: per-item results
     public: bool = False  # a public access token (a JWT with scopes) is accepted
     query: str = ""
+    params: dict[str, str] | None = None  # path parameters that are not the victim's ids (filled first)
+    signed: bool = False  # a signed URL is the credential: without its signature, refused whatever is sent
 
 
 ROUTES = [
@@ -94,6 +97,10 @@ ROUTES = [
     Route("GET", "/realtime/v1/runs/{run_id}", public=True, query="?offset=-1"),
     Route("GET", "/realtime/v1/runs", public=True, targets=False, query="?tags=victim&offset=-1"),
     Route("GET", "/realtime/v1/batches/{batch_id}", public=True, query="?offset=-1"),
+    Route("GET", "/api/v1/runs/{run_id}/packets/{field}", public=True, params={"field": "payload"}),
+    Route("GET", "/api/v1/packets/{path:path}", public=True, params={"path:path": "{run_id}/payload.json"}),
+    Route("GET", "/api/v1/packet-downloads/{env_id}/{run_id}/{field}", params={"field": "payload"}, signed=True,
+          query="?expires=99999999999&signature=forged"),
     Route("POST", "/api/v1/auth/jwt/claims", targets=False),
     Route("POST", "/api/v1/auth/public-tokens", {"scopes": ["admin"]}, targets=False),
     Route("GET", "/api/v1/worker-groups", targets=False),
@@ -121,7 +128,8 @@ ROUTES = [
 
 
 def test_every_route_is_in_the_matrix() -> None:
-    modules = (public, batches, bulk, tokens, schedules, stream, realtime_shapes, auth, worker_groups, worker)
+    modules = (public, batches, bulk, tokens, schedules, stream, realtime_shapes, packets, auth, worker_groups,
+               worker)
     registered = {(m, r.path) for mod in modules for r in mod.ROUTES for m in r.methods - {"HEAD"}}
     assert registered == {(r.method, r.path) for r in ROUTES}
 
@@ -231,6 +239,8 @@ def _fingerprint(stack: Stack, v: Victim) -> dict[str, Any]:
 
 def _path(route: Route, ids: dict[str, str]) -> str:
     path = route.path
+    for name, value in (route.params or {}).items():
+        path = path.replace("{" + name + "}", value)
     for name, value in ids.items():
         path = path.replace("{" + name + "}", value)
     return path + route.query
@@ -283,7 +293,8 @@ def test_the_matrix(stack: Stack, victim: Victim) -> None:
             if expected is None:
                 continue
             headers = {} if key is None else {"Authorization": key if name == "malformed" else f"Bearer {key}"}
-            r = http.request(route.method, _path(route, v.ids), json=_body(route, v), headers=headers)
+            r = http.request(route.method, _path(route, {**v.ids, "env_id": v.tenant.env_id}),
+                             json=_body(route, v), headers=headers)
             cells += 1
             got = r.status_code
             if expected == "items-404":
@@ -305,6 +316,8 @@ def test_the_matrix(stack: Stack, victim: Victim) -> None:
 def _expected(route: Route, cred: str, is_worker: bool, is_callback: bool) -> int | str | None:
     """The status a cell must answer with; None: the cell does not apply (the credential acts on
     its own tenant there, as it may)."""
+    if route.signed:  # a URL whose signature is the credential, here a forged one: whatever else is sent
+        return 403
     if is_callback:  # the signature in the path is the credential: another token's is refused
         return 401 if cred == "none" else None
     if cred in ("none", "malformed", "unknown key", "an expired run token", "a forged run token",

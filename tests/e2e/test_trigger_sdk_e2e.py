@@ -139,6 +139,9 @@ def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
     assert tagged["retrieve"] == tagged["tagged"] and tagged["untagged"] == 403
     batch_seen = v["subscribeToBatch"]  # the batch's own token follows its runs to the end
     assert len(batch_seen["ids"]) == 2 and batch_seen["completed"] == 2
+    large = v["subscribeToRunsWithTag.largePackets"]  # sent by reference, fetched whole by the SDK
+    assert large == {"id": large["id"], "status": "COMPLETED", "payloadLength": 200 * 1024,
+                     "outputLength": 200 * 1024, "sentAs": ["application/store", "application/store"]}
     once = v["auth.createTriggerPublicToken"]
     assert once["id"].startswith("run_") and once["again"] == 401  # one-time use
     many = v["auth.createTriggerPublicToken.multipleUse"]

@@ -141,6 +141,25 @@ await step("subscribeToBatch", async () => {
              completed: [...new Set(seen.filter((r) => r.status === "COMPLETED").map((r) => r.id))].length };
   });
 });
+// a run whose payload and output are larger than a realtime answer carries inline: the shape sends
+// them as "application/store" references, which the SDK fetches (getRunPacketUrl, then the URL)
+await step("subscribeToRunsWithTag.largePackets", async () => {
+  const tag = `big-${Date.now()}`;
+  const big = { text: "x".repeat(200 * 1024) };
+  const c = apiClientManager.clientOrThrow();
+  const made = await fetch(`${c.baseUrl}/api/v1/tasks/echo/trigger`, { method: "POST",
+    headers: { Authorization: `Bearer ${process.env.TRIGGER_SECRET_KEY}`, "Content-Type": "application/json" },
+    body: JSON.stringify({ payload: big, options: { tags: [tag] } }) });
+  const id = (await made.json()).id;
+  const seen = await follow(runs.subscribeToRunsWithTag(tag), (s) => s.some((r) => r.id === id && r.status === "COMPLETED"));
+  const last = seen.filter((r) => r.id === id).pop();
+  const raw = await (await fetch(`${c.baseUrl}/realtime/v1/runs?tags=${tag}&offset=-1`,
+    { headers: { Authorization: `Bearer ${process.env.TRIGGER_SECRET_KEY}` } })).json();
+  const row = raw.find((m) => m.value && m.value.id === id).value;
+  return { id, status: last && last.status, payloadLength: last && last.payload && last.payload.text.length,
+           outputLength: last && last.output && last.output.payload.text.length,
+           sentAs: [row.payloadType, row.outputType] };
+});
 await step("auth.createTriggerPublicToken", async () => {
   const token = await auth.createTriggerPublicToken("echo");
   return await auth.withAuth({ accessToken: token }, async () => {

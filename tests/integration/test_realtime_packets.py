@@ -1,0 +1,134 @@
+"""A realtime shape is bounded in bytes whatever its runs hold: payloads and outputs inline only while
+small and within the answer's budget, the others as `application/store` references that a signed URL
+serves (as Trigger.dev's SDK fetches a packet it keeps in object storage); errors cut short."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+import pytest
+
+from run_engine.api import packets, shape_stream
+from run_engine.api.app import create_app
+from run_engine.api.context import ApiContext
+from run_engine.db.runs import SHAPE_ERROR_CHARS
+from run_engine.engine import TriggerRequest
+from run_engine.run_tokens import RunTokens
+from run_engine.tenancy import ensure_environment
+from run_engine.wakeups import WakeUps
+
+from .conftest import Harness
+
+ITEM, BUDGET = 1000, 2500
+
+
+@pytest.fixture
+async def client(h: Harness, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[httpx.AsyncClient]:
+    monkeypatch.setattr(shape_stream, "PACKET_INLINE_BYTES", ITEM)
+    monkeypatch.setattr(shape_stream, "ANSWER_INLINE_BYTES", BUDGET)
+    ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"),
+                     wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"),
+                     public_url="http://t", secret="test-secret")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://t",
+                                 headers={"Authorization": f"Bearer {h.env.api_key}"}) as c:
+        yield c
+
+
+async def trigger(h: Harness, payloads: list[Any], tags: list[str]) -> list[str]:
+    runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=p,
+                                                       tags=tuple(tags)) for p in payloads])
+    return [r.id for r in runs]
+
+
+def values(answer: httpx.Response) -> dict[str, dict[str, Any]]:
+    assert answer.status_code == 200, answer.text
+    return {m["value"]["id"]: m["value"] for m in answer.json() if "value" in m}
+
+
+async def fetched(client: httpx.AsyncClient, url_answer: httpx.Response) -> httpx.Response:
+    """What the SDK does with a packet URL: fetch it with no credential."""
+    assert url_answer.status_code == 200, url_answer.text
+    url = urlsplit(url_answer.json()["presignedUrl"])
+    assert url.netloc == "t"  # the server's public URL
+    return await client.get(f"{url.path}?{url.query}", headers={"Authorization": ""})
+
+
+async def test_a_tag_shape_sends_small_packets_inline_within_its_budget_and_the_rest_by_reference(
+        h: Harness, client: httpx.AsyncClient) -> None:
+    small = ["s" * 600, "t" * 600, "u" * 600, "v" * 600, "w" * 600]  # ~602 bytes of JSON each: four fit in 2,500
+    big = {"big": "b" * 5000}
+    ids = await trigger(h, [*small, big, None], ["shape"])
+    got = values(await client.get("/realtime/v1/runs", params={"tags": "shape", "offset": "-1"}))
+    assert set(got) == set(ids)  # every run, whatever its size: a live shape never leaves one out
+    sent_in = [got[i] for i in await newest_first(h)]  # the answer's order: newest first
+    inline = [v for v in sent_in if v["payloadType"] == "application/json" and v["payload"] is not None]
+    stored = [v for v in sent_in if v["payloadType"] == shape_stream.STORE]
+    assert sum(len(v["payload"]) for v in inline) <= BUDGET and len(inline) == 4
+    assert got[ids[5]] in stored and got[ids[5]]["payload"] == f"{ids[5]}/payload.json"
+    assert got[ids[6]]["payload"] is None and got[ids[6]]["payloadType"] == "application/json"  # none at all
+    for v in inline:
+        assert orjson.loads(v["payload"]) in small
+    for v in stored:  # each one by its URL, as the SDK's getRunPacketUrl and its fallback ask
+        body = await fetched(client, await client.get(f"/api/v1/runs/{v['id']}/packets/payload"))
+        assert body.status_code == 200 and body.headers["content-type"].startswith("application/json")
+        again = await fetched(client, await client.get(f"/api/v1/packets/{v['id']}/payload.json"))
+        assert orjson.loads(body.content) == orjson.loads(again.content) == (
+            big if v["id"] == ids[5] else small[ids.index(v["id"])])
+
+
+async def newest_first(h: Harness) -> list[str]:
+    return [r.id for r in await h.engine.list_runs(h.env.env_id, limit=100, light=True)]
+
+
+async def test_outputs_go_by_reference_too_and_errors_are_cut_short(h: Harness, client: httpx.AsyncClient) -> None:
+    ok, failed = await trigger(h, [1, 2], ["done"])
+    got = await h.engine.dequeue(h.env.worker_group_id, 2, "w", start=True)
+    by_id = {d.run.id: d for d in got}
+    await h.engine.complete_attempt(ok, by_id[ok].started.snapshot.id, ok=True, output={"o": "x" * 3000})
+    await h.engine.complete_attempt(failed, by_id[failed].started.snapshot.id, ok=False, retryable=False,
+                                    error={"type": "BUILT_IN_ERROR", "name": "Boom", "message": "m" * 50_000,
+                                           "stackTrace": "at " * 20_000})
+    shown = values(await client.get("/realtime/v1/runs", params={"tags": "done", "offset": "-1"}))
+    assert shown[ok]["outputType"] == shape_stream.STORE and shown[ok]["output"] == f"{ok}/output.json"
+    body = await fetched(client, await client.get(f"/api/v1/runs/{ok}/packets/output"))
+    assert orjson.loads(body.content) == {"o": "x" * 3000}
+    error = shown[failed]["error"]
+    assert error["name"] == "Boom" and error["message"] == "m" * SHAPE_ERROR_CHARS
+    assert len(error["stackTrace"]) == SHAPE_ERROR_CHARS and shown[failed]["output"] is None
+    one = values(await client.get(f"/realtime/v1/runs/{ok}", params={"offset": "-1"}))  # the one-run shape too
+    assert one[ok]["outputType"] == shape_stream.STORE and one[ok]["payload"] == "1"
+
+
+async def test_a_packet_url_is_signed_for_one_packet_expires_and_stays_in_its_environment(
+        h: Harness, client: httpx.AsyncClient) -> None:
+    (run_id,) = await trigger(h, [{"p": "q" * 2000}], ["mine"])
+    answer = await client.get(f"/api/v1/runs/{run_id}/packets/payload")
+    url = urlsplit(answer.json()["presignedUrl"])
+    assert (await client.get(f"{url.path}?{url.query}", headers={"Authorization": ""})).status_code == 200
+    forged = url.query.replace("signature=", "signature=x")
+    assert (await client.get(f"{url.path}?{forged}", headers={"Authorization": ""})).status_code == 403
+    other_field = url.path.replace("/payload", "/output")  # the signature names the field
+    assert (await client.get(f"{other_field}?{url.query}", headers={"Authorization": ""})).status_code == 403
+    h.clock.advance(packets.URL_TTL_S + 1)
+    assert (await client.get(f"{url.path}?{url.query}", headers={"Authorization": ""})).status_code == 403
+    for bad in ("/api/v1/runs/run_nope/packets/payload", f"/api/v1/runs/{run_id}/packets/metadata",
+                f"/api/v1/packets/{run_id}/payload.txt", f"/api/v1/packets/x/{run_id}/payload.json"):
+        assert (await client.get(bad)).status_code == 404, bad
+    no_output = await fetched(client, await client.get(f"/api/v1/runs/{run_id}/packets/output"))
+    assert no_output.status_code == 404  # not finished: no output to serve
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org="other-org", project="p",
+                                     env="dev")
+    theirs = await client.get(f"/api/v1/runs/{run_id}/packets/payload",
+                              headers={"Authorization": f"Bearer {other.api_key}"})
+    assert theirs.status_code == 404  # another environment's run: not found, as everywhere
+    scoped = (await client.post("/api/v1/auth/public-tokens", json={"scopes": ["read:runs:run_other"]})).json()
+    denied = await client.get(f"/api/v1/runs/{run_id}/packets/payload",
+                              headers={"Authorization": f"Bearer {scoped['token']}"})
+    assert denied.status_code == 403
+    allowed = (await client.post("/api/v1/auth/public-tokens", json={"scopes": ["read:tags:mine"]})).json()
+    assert (await client.get(f"/api/v1/runs/{run_id}/packets/payload",
+                             headers={"Authorization": f"Bearer {allowed['token']}"})).status_code == 200
