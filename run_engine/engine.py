@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from run_engine.clock import Clock, SystemClock
 from run_engine.db.bulk_actions import BulkAction
 from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec, queue_type
+from run_engine.db.packets import UploadedPacket
 from run_engine.db.repository import Repository
 from run_engine.db.runs import PAGE_BYTES, BatchView, RunPackets, RunRow, Snapshot
 from run_engine.db.schedules import Schedule
@@ -48,7 +49,10 @@ __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun",
            "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
            "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
-           "GroupListing", "RunPackets"]
+           "GroupListing", "RunPackets", "UploadedPacket", "PACKET_TTL_S"]
+
+#: how long a packet uploaded for a trigger is kept (the trigger reads it at once; a retried one later)
+PACKET_TTL_S = 3600.0
 
 
 class RunEngine:
@@ -214,6 +218,15 @@ class RunEngine:
         """The run (of the environment, when one is given); ``light``: without payload, output,
         metadata and error."""
         return await self.resources.repo.runs.get_run(run_id, env_id, light=light)
+
+    async def put_packet(self, env_id: str, path: str, content_type: str, data: str) -> None:
+        """Keep a packet a client uploaded for a trigger to name (``application/store``) for
+        :data:`PACKET_TTL_S`."""
+        await self.resources.repo.packets.put(env_id, path, content_type, data, PACKET_TTL_S)
+
+    async def uploaded_packets(self, env_id: str, paths: Sequence[str]) -> dict[str, UploadedPacket]:
+        """The environment's unexpired uploaded packets among ``paths``, by path."""
+        return await self.resources.repo.packets.get_many(env_id, paths)
 
     async def packet_text(self, env_id: str, run_id: str, field: str) -> str | None:
         """The run's ``payload`` or ``output`` as JSON text (None: it has none)."""

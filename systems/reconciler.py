@@ -317,11 +317,19 @@ class ReconcilerSystem:
         return len(missing)
 
     async def retention(self) -> int:
-        """Delete what finished more than ``retention_s`` ago, a batch at a time."""
+        """Delete what finished more than ``retention_s`` ago, a batch at a time; and uploaded
+        packets that expired (whatever the retention: they are a trigger's input, not history)."""
+        total = 0
+        while (expired := await self.r.repo.packets.delete_expired(self.r.settings.retention_batch)) > 0:
+            total += expired
+            if expired < self.r.settings.retention_batch:
+                break
+            await asyncio.sleep(0.05)
         age = self.r.settings.retention_s
         if age is None:
-            return 0
-        total = 0
+            if total:
+                log.info("retention: deleted %d expired uploaded packets", total)
+            return total
         while True:
             deleted = await self.r.repo.maintenance.delete_finished_before(age, self.r.settings.retention_batch,
                                                                self.r.queue.remove_many)

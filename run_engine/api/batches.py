@@ -21,6 +21,7 @@ from run_engine.api.inputs import looks_like_id, needs_scan, unstorable
 from run_engine.api.models import BatchStreamItem, OpenBatchBody, TriggerOptions
 from run_engine.api.openapi import operation
 from run_engine.api.public import trigger_request, with_parent
+from run_engine.api.uploads import unpack
 from run_engine.engine import RunRow
 
 
@@ -70,13 +71,15 @@ async def stream_items(request: Request) -> Response:
     items = _items(await read_body(request, MAX_REQUEST_BYTES), size)
     requests = []
     parents: dict[str, RunRow] = {}
-    for item in items:
-        options = item.options or TriggerOptions()
+    unpacked = await unpack(ctx, auth.env_id, [(item.payload, item.options) for item in items],
+                            [f"items.{item.index}." for item in items])
+    for item, (payload, given) in zip(items, unpacked, strict=True):
+        options = given or TriggerOptions()
         if options.idempotencyKey is None:  # the index deduplicates a retried stream
             options = options.model_copy(update={"idempotencyKey": f"{batch_id}:{item.index}"})
         # a parent must be a run of the caller's environment (400 otherwise), as for any trigger
         requests.append(await with_parent(ctx, auth, trigger_request(
-            ctx, auth, item.task, item.payload, options, f"items.{item.index}", batch_id=batch_id,
+            ctx, auth, item.task, payload, options, f"items.{item.index}", batch_id=batch_id,
             trigger_function="batchTrigger"), f"items.{item.index}.options.parentRunId", parents))
     runs = await ctx.engine.trigger_many(requests) if requests else []  # the batch row exists (phase 1)
     deduplicated = sum(1 for r in runs if r.is_cached)

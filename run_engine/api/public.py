@@ -36,6 +36,7 @@ from run_engine.api.models import (
 from run_engine.api.openapi import PAGE, Query, csv, operation
 from run_engine.api.public_tokens import allows, forbidden, read_scopes
 from run_engine.api.serialize import explanation_object, iso, pagination, run_object
+from run_engine.api.uploads import unpack
 from run_engine.engine import RunRow, TaskQueue, TriggeredRun, TriggerRequest
 from run_engine.errors import InvalidTransitionError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
@@ -124,7 +125,8 @@ async def trigger(request: Request) -> Response:
         raise ApiError(400, "invalid_input", "taskId: must be 1..128 characters")
     _may_trigger(auth, task, "trigger")
     req = await body(request, TriggerBody)
-    trigger_req = await with_parent(ctx, auth, trigger_request(ctx, auth, task, req.payload, req.options, "body"),
+    ((payload, options),) = await unpack(ctx, auth.env_id, [(req.payload, req.options)], [""])
+    trigger_req = await with_parent(ctx, auth, trigger_request(ctx, auth, task, payload, options, "body"),
                                      "options.parentRunId", {})
     run = await ctx.engine.trigger(trigger_req)
     # A run found by its idempotency or debounce key may be anyone's run of the environment: a
@@ -163,11 +165,12 @@ async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody) -> tupl
     if isinstance(req, BatchV2Body) and req.parentRunId is not None:  # the parent of every item
         top = {"parentRunId": req.parentRunId, "resumeParentOnCompletion": bool(req.resumeParentOnCompletion)}
     requests = []
-    for i, item in enumerate(req.items):
-        options = item.options
+    unpacked = await unpack(ctx, auth.env_id, [(item.payload, item.options) for item in req.items],
+                            [f"items.{i}." for i in range(len(req.items))])
+    for i, (item, (payload, options)) in enumerate(zip(req.items, unpacked, strict=True)):
         if top:
             options = (options or TriggerOptions()).model_copy(update=top)
-        requests.append(await with_parent(ctx, auth, trigger_request(ctx, auth, item.task, item.payload, options,
+        requests.append(await with_parent(ctx, auth, trigger_request(ctx, auth, item.task, payload, options,
                                                                       f"items.{i}", batch_id=batch_id,
                                                                       trigger_function="batchTrigger"),
                                            f"items.{i}.options.parentRunId", parents))

@@ -231,6 +231,11 @@ class PacketUrl(_Out):
     presignedUrl: str
 
 
+class PacketUpload(_Out):
+    presignedUrl: str
+    storagePath: str
+
+
 class Schedule(_Out):
     id: str
     task: str

@@ -19,6 +19,7 @@ from psycopg_pool import AsyncConnectionPool
 from run_engine.db.bulk_actions import BulkActionRepository
 from run_engine.db.deployments import DeploymentRepository
 from run_engine.db.maintenance import MaintenanceRepository
+from run_engine.db.packets import PacketRepository
 from run_engine.db.runs import RunRepository
 from run_engine.db.schedules import ScheduleRepository
 from run_engine.db.tenancy import TenancyRepository
@@ -52,6 +53,7 @@ class Repository:
         self.schedules = ScheduleRepository(pool)
         self.maintenance = MaintenanceRepository(pool)
         self.bulk_actions = BulkActionRepository(pool)
+        self.packets = PacketRepository(pool)
 
     @classmethod
     async def open(cls, database_url: str, *, min_size: int = 2, max_size: int = 8,

@@ -23,6 +23,7 @@ from run_engine.api import (
     schedules,
     stream,
     tokens,
+    uploads,
     worker,
     worker_groups,
 )
@@ -101,6 +102,10 @@ ROUTES = [
     Route("GET", "/api/v1/packets/{path:path}", public=True, params={"path:path": "{run_id}/payload.json"}),
     Route("GET", "/api/v1/packet-downloads/{env_id}/{run_id}/{field}", params={"field": "payload"}, signed=True,
           query="?expires=99999999999&signature=forged"),
+    Route("PUT", "/api/v2/packets/{name:path}", run_token="scoped", targets=False, public=True,
+          params={"name:path": "trigger/echo/1/payload.json"}),
+    Route("PUT", "/api/v1/packet-uploads/{env_id}/{path:path}", params={"path:path": "uploads/x/payload.json"},
+          signed=True, query="?expires=99999999999&signature=forged"),
     Route("POST", "/api/v1/auth/jwt/claims", targets=False),
     Route("POST", "/api/v1/auth/public-tokens", {"scopes": ["admin"]}, targets=False),
     Route("GET", "/api/v1/worker-groups", targets=False),
@@ -128,8 +133,8 @@ ROUTES = [
 
 
 def test_every_route_is_in_the_matrix() -> None:
-    modules = (public, batches, bulk, tokens, schedules, stream, realtime_shapes, packets, auth, worker_groups,
-               worker)
+    modules = (public, batches, bulk, tokens, schedules, stream, realtime_shapes, packets, uploads, auth,
+               worker_groups, worker)
     registered = {(m, r.path) for mod in modules for r in mod.ROUTES for m in r.methods - {"HEAD"}}
     assert registered == {(r.method, r.path) for r in ROUTES}
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from .conftest import ROOT, Stack
@@ -139,6 +140,12 @@ def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
     assert tagged["retrieve"] == tagged["tagged"] and tagged["untagged"] == 403
     batch_seen = v["subscribeToBatch"]  # the batch's own token follows its runs to the end
     assert len(batch_seen["ids"]) == 2 and batch_seen["completed"] == 2
+    uploaded = v["tasks.trigger.largePayload"]  # uploaded by the SDK, then named by the trigger
+    assert uploaded["status"] == "COMPLETED" and uploaded["length"] == 150 * 1024 and uploaded["batchRuns"] == 2
+    assert uploaded["when"] == "1970-01-01T00:00:00.000Z"  # superjson decoded, as an inline payload is
+    with served.client() as c:
+        items = [served.wait_for(run_id) for run_id in c.get(f"/api/v1/batches/{uploaded['batchId']}").json()["runs"]]
+        assert sorted(len(orjson.dumps(r["payload"])) > 140 * 1024 for r in items) == [False, True]
     large = v["subscribeToRunsWithTag.largePackets"]  # sent by reference, fetched whole by the SDK
     assert large == {"id": large["id"], "status": "COMPLETED", "payloadLength": 200 * 1024,
                      "outputLength": 200 * 1024, "sentAs": ["application/store", "application/store"]}

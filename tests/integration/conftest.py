@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 
 from run_engine.clock import FakeClock
@@ -81,3 +82,20 @@ async def h(make_engine: Callable[..., Any]) -> Harness:
     await harness.deploy({"id": "hello"}, {"id": "limited", "queue": "limited"},
                          queues=[{"name": "limited", "concurrencyLimit": 1}])
     return harness
+
+
+@pytest.fixture
+async def api(h: Harness) -> AsyncIterator[httpx.AsyncClient]:
+    """The HTTP API over the harness's engine, in process, with the environment's API key (the
+    server's public URL is http://t)."""
+    from run_engine.api.app import create_app
+    from run_engine.api.context import ApiContext
+    from run_engine.run_tokens import RunTokens
+    from run_engine.wakeups import WakeUps
+
+    ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"),
+                     wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"),
+                     public_url="http://t", secret="test-secret")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://t",
+                                 headers={"Authorization": f"Bearer {h.env.api_key}"}) as c:
+        yield c

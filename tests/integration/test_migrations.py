@@ -13,7 +13,7 @@ TABLES = {
     "organization", "project", "runtime_environment", "worker_group", "worker_instance", "deployment",
     "deployment_task", "task_queue", "task_run", "task_run_execution_snapshot", "waitpoint",
     "task_run_waitpoint", "batch_task_run", "task_run_checkpoint", "task_run_journal", "task_schedule",
-    "engine_lease", "engine_setting", "schema_migration", "worker_group_env_token", "bulk_action",
+    "engine_lease", "engine_setting", "schema_migration", "worker_group_env_token", "bulk_action", "uploaded_packet",
 }
 
 

@@ -4,7 +4,6 @@ serves (as Trigger.dev's SDK fetches a packet it keeps in object storage); error
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,13 +12,9 @@ import orjson
 import pytest
 
 from run_engine.api import packets, shape_stream
-from run_engine.api.app import create_app
-from run_engine.api.context import ApiContext
 from run_engine.db.runs import SHAPE_ERROR_CHARS
 from run_engine.engine import TriggerRequest
-from run_engine.run_tokens import RunTokens
 from run_engine.tenancy import ensure_environment
-from run_engine.wakeups import WakeUps
 
 from .conftest import Harness
 
@@ -27,15 +22,10 @@ ITEM, BUDGET = 1000, 2500
 
 
 @pytest.fixture
-async def client(h: Harness, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[httpx.AsyncClient]:
+def client(api: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> httpx.AsyncClient:
     monkeypatch.setattr(shape_stream, "PACKET_INLINE_BYTES", ITEM)
     monkeypatch.setattr(shape_stream, "ANSWER_INLINE_BYTES", BUDGET)
-    ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"),
-                     wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"),
-                     public_url="http://t", secret="test-secret")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://t",
-                                 headers={"Authorization": f"Bearer {h.env.api_key}"}) as c:
-        yield c
+    return api
 
 
 async def trigger(h: Harness, payloads: list[Any], tags: list[str]) -> list[str]:

@@ -4,16 +4,10 @@ or repeated; listings that need no payload read none."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import pytest
 
-from run_engine.api.app import create_app
-from run_engine.api.context import ApiContext
 from run_engine.engine import PAGE_BYTES, TriggerRequest
-from run_engine.run_tokens import RunTokens
-from run_engine.wakeups import WakeUps
 
 from .conftest import Harness
 
@@ -45,13 +39,8 @@ async def test_a_page_holds_runs_up_to_its_bytes_and_the_next_one_goes_on(h: Har
 
 
 @pytest.fixture
-async def client(h: Harness) -> AsyncIterator[httpx.AsyncClient]:
-    ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"),
-                     wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"),
-                     public_url="http://t")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://t",
-                                 headers={"Authorization": f"Bearer {h.env.api_key}"}) as c:
-        yield c
+def client(api: httpx.AsyncClient) -> httpx.AsyncClient:
+    return api
 
 
 async def test_the_public_list_pages_large_payloads_by_bytes(h: Harness, client: httpx.AsyncClient) -> None:

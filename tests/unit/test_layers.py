@@ -46,7 +46,7 @@ def test_each_system_is_named_alike_in_the_registry_its_class_and_its_module() -
 
 
 ROOT = API.parents[1]
-AGGREGATES = {"runs", "waitpoints", "tenancy", "deployments", "schedules", "maintenance", "bulk_actions"}
+AGGREGATES = {"runs", "waitpoints", "tenancy", "deployments", "schedules", "maintenance", "bulk_actions", "packets"}
 
 
 def _sources() -> list[Path]:

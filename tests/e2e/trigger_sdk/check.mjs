@@ -141,6 +141,15 @@ await step("subscribeToBatch", async () => {
              completed: [...new Set(seen.filter((r) => r.status === "COMPLETED").map((r) => r.id))].length };
   });
 });
+// a payload of 128 KiB or more: the SDK uploads it first (PUT /api/v2/packets, then the URL) and
+// triggers with its storage path ("application/store"); a batch item likewise
+await step("tasks.trigger.largePayload", async () => {
+  const r = await tasks.trigger("echo", { text: "y".repeat(150 * 1024), when: new Date(0) });
+  const b = await tasks.batchTrigger("echo", [{ payload: { text: "z".repeat(140 * 1024) } }, { payload: { small: 1 } }]);
+  const done = await until(r.id, (x) => x.isCompleted);
+  return { status: done.status, length: done.output && done.output.payload.text.length,
+           when: done.output && String(done.output.payload.when), batchRuns: b.runCount, batchId: b.batchId };
+});
 // a run whose payload and output are larger than a realtime answer carries inline: the shape sends
 // them as "application/store" references, which the SDK fetches (getRunPacketUrl, then the URL)
 await step("subscribeToRunsWithTag.largePackets", async () => {

@@ -1,0 +1,115 @@
+"""Payloads uploaded before the trigger that names them, as Trigger.dev's SDK sends a payload of 128
+KiB or more (its ``conditionallyExportPacket``): ``PUT /api/v2/packets/{name}`` answers
+``{presignedUrl, storagePath}``; the SDK PUTs the JSON to that URL (of this server, signed, good for
+:data:`URL_TTL_S`, no credential needed: as it would to object storage), then triggers with
+``payloadType: "application/store"`` and the storage path as the payload. The trigger reads the
+packet (:func:`unpack`: one query for a whole batch) and the run stores it as its payload, within
+the payload limit as any other. Packets are kept an hour (``PACKET_TTL_S``), then deleted by the
+leader's retention pass."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import quote
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from run_engine.api import schemas as S
+from run_engine.api.context import ApiContext, ctx_of
+from run_engine.api.http import ApiError, json_response, read_body
+from run_engine.api.inputs import is_number
+from run_engine.api.models import TriggerOptions
+from run_engine.api.openapi import Query, operation
+from run_engine.api.public_tokens import forbidden
+
+STORE = "application/store"
+#: the packet types a trigger knows how to read (the payload types it decodes)
+TYPES = ("application/json", "application/super+json")
+URL_TTL_S = 900
+MAX_NAME = 512
+
+
+def _may_upload(scopes: frozenset[str] | None) -> bool:
+    """A secret key or a run token may; a public token only when it may trigger something."""
+    return scopes is None or any(s in ("admin", "write:all") or s.startswith(("trigger:tasks", "batchTrigger:tasks"))
+                                 for s in scopes)
+
+
+@operation("A URL to upload a payload to before a trigger names it (Trigger.dev's createUploadPayloadUrl)",
+           S.PacketUpload, security="anyToken")
+async def upload_url(request: Request) -> Response:
+    ctx = ctx_of(request)
+    auth = await ctx.env_auth(request, run_token=True, public=True)
+    if not _may_upload(auth.scopes):
+        raise forbidden()
+    name = request.path_params["name"]
+    if not name or len(name) > MAX_NAME or not name.isprintable():
+        raise ApiError(400, "invalid_input", f"name: 1..{MAX_NAME} printable characters")
+    path = f"uploads/{secrets.token_hex(12)}/{name}"  # never another upload's, whatever the name
+    expires = int(ctx.engine.now()) + URL_TTL_S
+    signature = ctx.tokens.packet_signature("put", f"{auth.env_id}/{path}", expires)
+    url = (f"{ctx.public_url}/api/v1/packet-uploads/{auth.env_id}/{quote(path, safe='/')}"
+           f"?expires={expires}&signature={signature}")
+    return json_response({"presignedUrl": url, "storagePath": path})
+
+
+@operation("Upload a payload to a URL an upload request signed (no credential; the body is the JSON)", None,
+           security="none", any_body=True,
+           query=(Query("expires", {"type": "string", "maxLength": 20}),
+                  Query("signature", {"type": "string", "maxLength": 128})))
+async def upload(request: Request) -> Response:
+    ctx = ctx_of(request)
+    env_id, path = request.path_params["env_id"], request.path_params["path"]
+    expires, signature = request.query_params.get("expires", ""), request.query_params.get("signature", "")
+    if (not is_number(expires) or len(expires) > 20
+            or not ctx.tokens.packet_ok("put", f"{env_id}/{path}", int(expires), signature, ctx.engine.now())):
+        raise ApiError(403, "forbidden", "invalid or expired upload URL")
+    await ctx.check_limit(f"env:{env_id}")
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type not in TYPES:
+        raise ApiError(400, "invalid_input", f"Content-Type: one of {', '.join(TYPES)}")
+    # the payload limit applies to the decoded payload at the trigger; superjson's meta is on top
+    raw = await read_body(request, 2 * ctx.engine.settings.max_payload_bytes)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, "invalid_input", "body: not UTF-8") from None
+    if "\x00" in text:
+        raise ApiError(400, "invalid_input", "body: a NUL character cannot be stored")
+    await ctx.engine.put_packet(env_id, path, content_type, text)
+    return Response(status_code=200)
+
+
+async def unpack(ctx: ApiContext, env_id: str, items: Sequence[tuple[Any, TriggerOptions | None]],
+                 fields: Sequence[str]) -> list[tuple[Any, TriggerOptions | None]]:
+    """``items`` (payload, options) with each ``application/store`` payload replaced by the packet
+    uploaded at its path (and its type): 400 naming the field when there is none in the
+    environment (never another environment's, whatever the path)."""
+    stored = {i: payload for i, (payload, options) in enumerate(items)
+              if options is not None and options.payloadType == STORE}
+    if not stored:
+        return list(items)
+    for i, payload in stored.items():
+        if not isinstance(payload, str) or not payload or len(payload) > 2 * MAX_NAME:
+            raise ApiError(400, "invalid_input", f"{fields[i]}payload: an application/store payload is the "
+                                                 "storagePath of an upload (PUT /api/v2/packets/{name})")
+    found = await ctx.engine.uploaded_packets(env_id, sorted(set(stored.values())))
+    out = list(items)
+    for i, path in stored.items():
+        packet = found.get(path)
+        options = items[i][1]
+        if packet is None or options is None:
+            raise ApiError(400, "invalid_input", f"{fields[i]}payload: no uploaded packet at {path[:200]!r} in "
+                                                 "this environment (PUT /api/v2/packets/{name} first; kept an hour)")
+        out[i] = (packet.data, options.model_copy(update={"payloadType": packet.content_type}))
+    return out
+
+
+ROUTES = [
+    Route("/api/v2/packets/{name:path}", upload_url, methods=["PUT"]),
+    Route("/api/v1/packet-uploads/{env_id}/{path:path}", upload, methods=["PUT"]),
+]

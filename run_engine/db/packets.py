@@ -1,0 +1,46 @@
+"""Packets uploaded before a trigger names them (migrations/0018_uploaded_packets.sql)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from psycopg_pool import AsyncConnectionPool
+
+from run_engine.records import record
+
+
+@record
+class UploadedPacket:
+    content_type: str
+    data: str
+
+
+class PacketRepository:
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+
+    async def put(self, env_id: str, path: str, content_type: str, data: str, ttl_s: float) -> None:
+        """Store (or replace: an upload repeated) the environment's packet at ``path`` for ``ttl_s``."""
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """INSERT INTO uploaded_packet (environment_id, path, content_type, data, expires_at)
+                   VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s))
+                   ON CONFLICT (environment_id, path) DO UPDATE
+                   SET content_type = excluded.content_type, data = excluded.data, expires_at = excluded.expires_at""",
+                (env_id, path, content_type, data, ttl_s))
+
+    async def get_many(self, env_id: str, paths: Sequence[str]) -> dict[str, UploadedPacket]:
+        """The environment's unexpired packets among ``paths``, by path, in one query."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT path, content_type, data FROM uploaded_packet
+                   WHERE environment_id = %s AND path = ANY(%s) AND expires_at > now()""", (env_id, list(paths)))
+            return {r[0]: UploadedPacket(r[1], r[2]) for r in await cur.fetchall()}
+
+    async def delete_expired(self, limit: int) -> int:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """DELETE FROM uploaded_packet WHERE ctid IN (
+                       SELECT ctid FROM uploaded_packet WHERE expires_at <= now() LIMIT %s FOR UPDATE SKIP LOCKED)""",
+                (limit,))
+            return cur.rowcount

@@ -1,0 +1,128 @@
+"""A payload uploaded before its trigger, as Trigger.dev's SDK sends one of 128 KiB or more: a signed
+upload URL, the upload, then a trigger (or a batch item) naming it as `application/store`. The
+packet is the environment's own, bounded like any payload, and deleted once expired."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+
+from run_engine.api import uploads
+from run_engine.tenancy import ensure_environment
+
+from .conftest import Harness
+
+STORE = "application/store"
+
+
+async def upload(api: httpx.AsyncClient, name: str, body: bytes, content_type: str = "application/json",
+                 headers: dict[str, str] | None = None) -> str:
+    """What the SDK's exportPacket does: ask for a URL, PUT the packet there with no credential."""
+    made = await api.put(f"/api/v2/packets/{name}", headers=headers)
+    assert made.status_code == 200, made.text
+    url = urlsplit(made.json()["presignedUrl"])
+    assert url.netloc == "t"
+    put = await api.put(f"{url.path}?{url.query}", content=body,
+                        headers={"Authorization": "", "Content-Type": content_type})
+    assert put.status_code == 200, put.text
+    path: str = made.json()["storagePath"]
+    return path
+
+
+async def run_payload(api: httpx.AsyncClient, run_id: str) -> Any:
+    return (await api.get(f"/api/v3/runs/{run_id}")).json()["payload"]
+
+
+async def test_a_trigger_names_an_uploaded_payload(h: Harness, api: httpx.AsyncClient) -> None:
+    big = {"text": "x" * 200_000, "n": 1}
+    path = await upload(api, "trigger/hello/1-abc/payload.json", orjson.dumps(big))
+    assert path.endswith("/trigger/hello/1-abc/payload.json")
+    made = await api.post("/api/v1/tasks/hello/trigger", json={"payload": path, "options": {"payloadType": STORE}})
+    assert made.status_code == 200, made.text
+    assert await run_payload(api, made.json()["id"]) == big
+    # superjson, as the SDK sends a payload holding dates: decoded as an inline one would be
+    sj = await upload(api, "p.json", orjson.dumps({"json": {"when": "1970-01-01T00:00:00.000Z"}, "meta": {}}),
+                      "application/super+json")
+    made = await api.post("/api/v1/tasks/hello/trigger", json={"payload": sj, "options": {"payloadType": STORE}})
+    assert await run_payload(api, made.json()["id"]) == {"when": "1970-01-01T00:00:00.000Z"}
+
+
+async def test_batch_items_name_uploaded_payloads_in_every_batch_route(h: Harness, api: httpx.AsyncClient) -> None:
+    one = await upload(api, "a/payload.json", orjson.dumps({"i": 1}))
+    two = await upload(api, "b/payload.json", orjson.dumps({"i": 2}))
+    batch = await api.post("/api/v1/tasks/batch", json={"items": [
+        {"task": "hello", "payload": one, "options": {"payloadType": STORE}},
+        {"task": "hello", "payload": {"i": 3}},
+        {"task": "hello", "payload": two, "options": {"payloadType": STORE}}]})
+    assert batch.status_code == 200, batch.text
+    assert [await run_payload(api, r["id"]) for r in batch.json()["runs"]] == [{"i": 1}, {"i": 3}, {"i": 2}]
+    opened = (await api.post("/api/v3/batches", json={"runCount": 1})).json()
+    line = orjson.dumps({"index": 0, "task": "hello", "payload": two, "options": {"payloadType": STORE}})
+    streamed = await api.post(f"/api/v3/batches/{opened['id']}/items", content=line,
+                              headers={"Content-Type": "application/x-ndjson"})
+    assert streamed.json()["sealed"] is True
+    (run_id,) = (await api.get(f"/api/v1/batches/{opened['id']}")).json()["runs"]
+    assert await run_payload(api, run_id) == {"i": 2}
+    missing = await api.post("/api/v1/tasks/batch", json={"items": [
+        {"task": "hello", "payload": {"i": 1}}, {"task": "hello", "payload": "uploads/nope/x.json",
+                                                 "options": {"payloadType": STORE}}]})
+    assert missing.status_code == 400 and "items.1.payload" in missing.json()["error"]["message"]
+
+
+async def test_an_upload_is_the_environments_own_signed_and_bounded(h: Harness, api: httpx.AsyncClient) -> None:
+    path = await upload(api, "mine.json", b'{"secret": 1}')
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org="other-org", project="p",
+                                     env="dev")
+    theirs = await api.post("/api/v1/tasks/hello/trigger", json={"payload": path, "options": {"payloadType": STORE}},
+                            headers={"Authorization": f"Bearer {other.api_key}"})
+    assert theirs.status_code == 400 and "no uploaded packet" in theirs.json()["error"]["message"]
+    for payload in (7, "", "x" * 5000):
+        bad = await api.post("/api/v1/tasks/hello/trigger",
+                             json={"payload": payload, "options": {"payloadType": STORE}})
+        assert bad.status_code == 400, payload
+    made = (await api.put("/api/v2/packets/next.json")).json()
+    url = urlsplit(made["presignedUrl"])
+    no_auth = {"Authorization": "", "Content-Type": "application/json"}
+    forged = url.query.replace("signature=", "signature=x")
+    assert (await api.put(f"{url.path}?{forged}", content=b"1", headers=no_auth)).status_code == 403
+    elsewhere = url.path.replace(made["storagePath"], "uploads/other/next.json")  # the signature names the path
+    assert (await api.put(f"{elsewhere}?{url.query}", content=b"1", headers=no_auth)).status_code == 403
+    wrong_type = await api.put(f"{url.path}?{url.query}", content=b"1",
+                               headers={"Authorization": "", "Content-Type": "text/plain"})
+    assert wrong_type.status_code == 400
+    assert (await api.put(f"{url.path}?{url.query}", content=b'"\x00"', headers=no_auth)).status_code == 400
+    assert (await api.put(f"{url.path}?{url.query}", content=b"\xff", headers=no_auth)).status_code == 400
+    limit = h.engine.settings.max_payload_bytes
+    too_long = b"1" * (2 * limit + 1)
+    assert (await api.put(f"{url.path}?{url.query}", content=too_long, headers=no_auth)).status_code == 413
+    # within the upload's bound but over the payload limit once decoded: the trigger refuses it
+    ok = await api.put(f"{url.path}?{url.query}", content=b'"' + b"y" * (limit + 10) + b'"', headers=no_auth)
+    assert ok.status_code == 200
+    too_big = await api.post("/api/v1/tasks/hello/trigger",
+                             json={"payload": made["storagePath"], "options": {"payloadType": STORE}})
+    assert too_big.status_code == 413
+    for name in ("x" * (uploads.MAX_NAME + 1), "a%07b"):
+        assert (await api.put(f"/api/v2/packets/{name}")).status_code == 400
+    scoped = (await api.post("/api/v1/auth/public-tokens", json={"scopes": ["read:runs"]})).json()["token"]
+    assert (await api.put("/api/v2/packets/p.json", headers={"Authorization": f"Bearer {scoped}"})).status_code == 403
+    may = (await api.post("/api/v1/auth/public-tokens", json={"scopes": ["trigger:tasks:hello"]})).json()["token"]
+    assert (await api.put("/api/v2/packets/p.json", headers={"Authorization": f"Bearer {may}"})).status_code == 200
+    h.clock.advance(uploads.URL_TTL_S + 1)  # the URL expires
+    assert (await api.put(f"{url.path}?{url.query}", content=b"1", headers=no_auth)).status_code == 403
+
+
+async def test_expired_packets_are_not_used_and_are_deleted(h: Harness, api: httpx.AsyncClient) -> None:
+    path = await upload(api, "old.json", b'{"old": true}')
+    repo = h.engine.resources.repo
+    async with repo.pool.connection() as conn:  # an hour later (the database's clock: not the fake one)
+        await conn.execute("UPDATE uploaded_packet SET expires_at = now() - interval '1 second' WHERE path = %s",
+                           (path,))
+    late = await api.post("/api/v1/tasks/hello/trigger", json={"payload": path, "options": {"payloadType": STORE}})
+    assert late.status_code == 400
+    assert await h.engine.systems.reconciler.retention() >= 1
+    async with repo.pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) FROM uploaded_packet WHERE path = %s", (path,))
+        assert (await cur.fetchone())[0] == 0  # type: ignore[index]
