@@ -30,7 +30,8 @@ MAX_BATCH_RUNS = 1000
 MIN_INTERVAL_S = 0.25
 DEFAULT_WINDOW = timedelta(days=1)
 LIVE = (Query("offset", {"type": "string", "maxLength": 64}, "-1 first, then the electric-offset of the answer"),
-        Query("live", {"type": "string", "enum": ["true", "false"]}))
+        Query("live", {"type": "string", "enum": ["true", "false"]}),
+        Query("skipColumns", {"type": "string", "maxLength": 4096}, "columns to leave out, comma-separated"))
 
 
 def _list(request: Request, name: str) -> list[str]:

@@ -143,14 +143,36 @@ def _answer(handle: str, runs: list[RunRow], messages: list[dict[str, Any]], *, 
 Loader = Callable[[datetime | None], Awaitable[list[RunRow]]]
 
 
-async def _messages(ctx: ApiContext, env_id: str, runs: list[RunRow], since: int | None) -> list[dict[str, Any]]:
+#: what ``skipColumns`` cannot leave out (as Trigger.dev's realtime server)
+RESERVED_COLUMNS = frozenset({"id", "taskIdentifier", "friendlyId", "status", "createdAt"})
+_PACKET_COLUMNS = frozenset({"payload", "output", "metadata", "error"})
+
+
+def skip_columns(request: Request) -> frozenset[str]:
+    """The columns the client asked to be left out (``skipColumns=payload,output``, as the SDK's
+    ``skipColumns`` option sends them), but those that identify a run."""
+    raw = request.query_params.get("skipColumns", "")
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    if len(names) > 40 or any(len(n) > 64 for n in names):
+        raise ApiError(400, "invalid_input", "skipColumns: at most 40 column names of at most 64 characters")
+    return frozenset(names) - RESERVED_COLUMNS
+
+
+async def _messages(ctx: ApiContext, env_id: str, runs: list[RunRow], since: int | None,
+                    skip: frozenset[str]) -> list[dict[str, Any]]:
     """``runs`` as shape messages: inserts (``since`` None), else an insert for a run created after
-    ``since`` and an update for any other."""
-    packets = await ctx.engine.run_packets(env_id, [r.id for r in runs], item_bytes=PACKET_INLINE_BYTES,
-                                           budget_bytes=ANSWER_INLINE_BYTES)
-    return [{"key": _key(r), "value": raw_row(r, packets.get(r.id)),
-             "headers": {"operation": "insert" if since is None or _micros(r.created_at) > since else "update"}}
-            for r in runs]
+    ``since`` and an update for any other; without the ``skip`` columns (and without reading the
+    packets at all when every one of them is skipped)."""
+    packets = {} if _PACKET_COLUMNS <= skip else await ctx.engine.run_packets(
+        env_id, [r.id for r in runs], item_bytes=PACKET_INLINE_BYTES, budget_bytes=ANSWER_INLINE_BYTES)
+    out = []
+    for r in runs:
+        value = raw_row(r, packets.get(r.id))
+        if skip:
+            value = {k: v for k, v in value.items() if k not in skip}
+        out.append({"key": _key(r), "value": value, "headers": {
+            "operation": "insert" if since is None or _micros(r.created_at) > since else "update"}})
+    return out
 
 
 async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, load: Loader, watch_key: str,
@@ -160,9 +182,10 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
     waiting (≤ :data:`LIVE_WAIT_S`) until one does. ``watch_key`` is what RealtimeHub wakes on."""
     offset = request.query_params.get("offset", "-1")
     live = request.query_params.get("live") == "true"
+    skip = skip_columns(request)
     if offset == "-1" or not live:
         runs = await load(None)
-        inserts = await _messages(ctx, auth.env_id, runs, None)
+        inserts = await _messages(ctx, auth.env_id, runs, None, skip)
         return _answer(handle, runs, [*inserts, UP_TO_DATE], live=False)
     since, checksum = _since(offset)
     # a live request reads only the runs changed within GRACE of the offset or after it
@@ -185,7 +208,7 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
                 if min_interval_s:  # a busy environment wakes a multi-run shape often: read at most this often
                     await asyncio.sleep(min_interval_s)
                 runs = await load(changed_after)
-    changes = await _messages(ctx, auth.env_id, fresh, since)
+    changes = await _messages(ctx, auth.env_id, fresh, since, skip)
     return _answer(handle, runs, [*changes, UP_TO_DATE], live=True, floor=since)
 
 

@@ -122,3 +122,22 @@ async def test_a_packet_url_is_signed_for_one_packet_expires_and_stays_in_its_en
     allowed = (await client.post("/api/v1/auth/public-tokens", json={"scopes": ["read:tags:mine"]})).json()
     assert (await client.get(f"/api/v1/runs/{run_id}/packets/payload",
                              headers={"Authorization": f"Bearer {allowed['token']}"})).status_code == 200
+
+
+async def test_skipped_columns_are_left_out_and_unread(h: Harness, client: httpx.AsyncClient,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    (run_id,) = await trigger(h, [{"p": "q" * 2000}], ["skip"])
+    some = values(await client.get("/realtime/v1/runs", params={"tags": "skip", "offset": "-1",
+                                                                 "skipColumns": "payload,number,id"}))[run_id]
+    assert "payload" not in some and "number" not in some and "payloadType" in some
+    assert some["id"] == run_id and some["status"] == "PENDING"  # what names a run cannot be skipped
+
+    async def unread(*_: Any, **__: Any) -> None:
+        raise AssertionError("packets read although every packet column was skipped")
+
+    monkeypatch.setattr(h.engine, "run_packets", unread)
+    none = values(await client.get(f"/realtime/v1/runs/{run_id}", params={
+        "offset": "-1", "skipColumns": "payload,output,metadata,error"}))[run_id]
+    assert not {"payload", "output", "metadata", "error"} & set(none) and none["taskIdentifier"] == "hello"
+    bad = await client.get("/realtime/v1/runs", params={"tags": "skip", "offset": "-1", "skipColumns": "x," * 41})
+    assert bad.status_code == 400
