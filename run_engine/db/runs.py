@@ -777,7 +777,9 @@ class RunRepository:
                 where.append(f"{column} = ANY(%({name})s)")
                 params[name] = list(values)
         if tags:
-            where.append("tags && %(tags)s AND tags <> '{}'")  # the second: the partial GIN index task_run_tags
+            # the environment's own entries of the partial GIN index task_run_env_tags (its expression
+            # and predicate, word for word): never another tenant's runs of the same tag
+            where.append("env_tags(environment_id, tags) && env_tags(%(env)s, %(tags)s::text[]) AND tags <> '{}'")
             params["tags"] = list(tags)
         if after is not None:
             where.append("(created_at, id) < (%(after_ts)s, %(after_id)s)")

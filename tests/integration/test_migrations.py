@@ -64,23 +64,24 @@ def test_concurrent_migrators_apply_each_file_once(empty_database: str) -> None:
 
 
 def test_an_index_built_concurrently_is_valid_and_rebuilt_when_left_invalid(empty_database: str) -> None:
-    """0012 runs outside a transaction (CREATE INDEX CONCURRENTLY); an interrupted build leaves an
-    invalid index, which the next migrate drops and builds again."""
+    """0019 runs outside a transaction (CREATE INDEX CONCURRENTLY); an interrupted build leaves an
+    invalid index, which the next migrate drops and builds again (0012's index, which it replaces,
+    is gone)."""
     migrate_sync(empty_database)
 
-    def valid() -> list[bool]:
+    def valid(name: str = "task_run_env_tags") -> list[bool]:
         with psycopg.connect(empty_database) as conn:
             return [r[0] for r in conn.execute(
                 """SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-                   WHERE c.relname = 'task_run_tags'""")]
+                   WHERE c.relname = %s""", (name,))]
 
-    assert valid() == [True]
+    assert valid() == [True] and valid("task_run_tags") == []
     with psycopg.connect(empty_database, autocommit=True) as conn:  # as an interrupted build leaves it
         conn.execute("""UPDATE pg_index SET indisvalid = false
-                        WHERE indexrelid = 'task_run_tags'::regclass""")
-        conn.execute("DELETE FROM schema_migration WHERE version = '0012'")
+                        WHERE indexrelid = 'task_run_env_tags'::regclass""")
+        conn.execute("DELETE FROM schema_migration WHERE version = '0019'")
     assert valid() == [False]
-    assert migrate_sync(empty_database) == ["0012"]
+    assert migrate_sync(empty_database) == ["0019"]
     assert valid() == [True]
 
 
