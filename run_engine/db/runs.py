@@ -385,6 +385,37 @@ class RunPackets:
     error: dict[str, Any] | None
 
 
+def page_walk(table: str, where: str, bytes_sql: str) -> str:
+    """A page of ``table``'s rows bounded in bytes, measured: the candidates' ids in page order
+    (newest first, at most %(limit)s), then each one's ``bytes_sql`` (what its large columns take as
+    JSON text) added up one row at a time, stopping at the first row past %(max_bytes)s: a hundred
+    3 MiB payloads are not all turned into text to keep five. Rows: id, its bytes, how many
+    candidates there were."""
+    return f"""
+WITH RECURSIVE candidate AS MATERIALIZED (
+    SELECT id, row_number() OVER (ORDER BY created_at DESC, id DESC) AS n
+    FROM (SELECT id, created_at FROM {table} WHERE {where}
+          ORDER BY created_at DESC, id DESC LIMIT %(limit)s) c
+), walk AS (
+    SELECT c.n, c.id, s.bytes, s.bytes AS total
+    FROM candidate c CROSS JOIN LATERAL (SELECT {bytes_sql} AS bytes FROM {table} WHERE id = c.id) s
+    WHERE c.n = 1
+    UNION ALL
+    SELECT c.n, c.id, s.bytes, w.total + s.bytes
+    FROM walk w JOIN candidate c ON c.n = w.n + 1
+    CROSS JOIN LATERAL (SELECT {bytes_sql} AS bytes FROM {table} WHERE id = c.id) s
+    WHERE w.total <= %(max_bytes)s
+)
+SELECT id, bytes, (SELECT count(*) FROM candidate) FROM walk ORDER BY n
+"""
+
+
+def walked_page(walked: Sequence[tuple[str, int, int]], limit: int, max_bytes: int) -> tuple[list[str], bool]:
+    """The ids a :func:`page_walk` keeps (at least one) and whether more candidates follow them."""
+    kept = within_bytes([(item_id, size) for item_id, size, _ in walked[:limit]], max_bytes)
+    return kept, (walked[0][2] if walked else 0) > len(kept)
+
+
 #: the columns before the snapshot and run blocks of _TRANSITION_SQL's and _DEQUEUE_START_SQL's rows
 _TRANSITION_HEAD, _DEQUEUE_HEAD = 4, 5
 _SNAPSHOT_COLUMNS = len(columns_of(Snapshot))
@@ -854,17 +885,14 @@ class RunRepository:
         Returns the runs and whether more match after the last of them."""
         where, params = self._run_filter(env_id, statuses, tasks, tags, queues, batches, after, created_from,
                                          created_to, updated_after)
-        params["limit"] = limit + 1
+        params["limit"], params["max_bytes"] = limit + 1, max_bytes
         async with self.pool.connection() as conn:
-            cur = await conn.execute(
-                f"SELECT id, {_RUN_BYTES} FROM task_run WHERE {where} "
-                "ORDER BY created_at DESC, id DESC LIMIT %(limit)s", params)
-            sized = await cur.fetchall()
-            kept = within_bytes(sized[:limit], max_bytes)
+            cur = await conn.execute(page_walk("task_run", where, _RUN_BYTES), params)
+            kept, more = walked_page(await cur.fetchall(), limit, max_bytes)
             whole = conn.cursor(row_factory=dict_row)
             await whole.execute("SELECT * FROM task_run WHERE id = ANY(%s) ORDER BY created_at DESC, id DESC", (kept,))
             runs = [run_row(r) for r in await whole.fetchall()]
-        return runs, len(sized) > len(kept)
+        return runs, more
 
     async def list_batches(self, env_id: str, limit: int = 50) -> list[BatchView]:
         """The environment's batches, newest first, with how many of their runs have finished."""

@@ -23,8 +23,9 @@ from run_engine.db.runs import (
     RunRow,
     Snapshot,
     TransitionResult,
+    page_walk,
     transition_result,
-    within_bytes,
+    walked_page,
 )
 from run_engine.records import record
 
@@ -136,6 +137,14 @@ class Completion:
 # tiny: it then read every pending waitpoint for each run or completion (quadratic under load).
 _IS_PENDING = "(SELECT w.status FROM waitpoint w WHERE w.id = {id}) = 'PENDING'"
 
+
+#: a page of MANUAL waitpoints (tokens), bounded in their outputs' bytes (list_tokens)
+_TOKEN_PAGE = page_walk("waitpoint", """environment_id = %(env)s AND type = 'MANUAL'
+    AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s))
+    AND (%(timed_out)s::bool IS NULL OR status = 'PENDING' OR output_is_error = %(timed_out)s)
+    AND (%(tags)s::text[] IS NULL OR tags && %(tags)s)
+    AND (%(after_ts)s::timestamptz IS NULL OR (created_at, id) < (%(after_ts)s, %(after_id)s))""",
+                        "coalesce(octet_length(output::text), 0)")
 
 _INSERT_WAITPOINT = """
 INSERT INTO waitpoint (id, environment_id, type, completed_by_run_id, completed_by_batch_id, completed_after,
@@ -483,22 +492,14 @@ class WaitpointRepository:
         Fewer than ``limit`` when their outputs pass ``max_bytes`` (as JSON text; at least one): the
         sizes are read first, then the tokens that fit. Returns them and whether more follow."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute(
-                """SELECT id, coalesce(octet_length(output::text), 0) FROM waitpoint
-                   WHERE environment_id = %(env)s AND type = 'MANUAL'
-                     AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s))
-                     AND (%(timed_out)s::bool IS NULL OR status = 'PENDING' OR output_is_error = %(timed_out)s)
-                     AND (%(tags)s::text[] IS NULL OR tags && %(tags)s)
-                     AND (%(after_ts)s::timestamptz IS NULL OR (created_at, id) < (%(after_ts)s, %(after_id)s))
-                   ORDER BY created_at DESC, id DESC LIMIT %(limit)s""",
-                {"env": env_id, "statuses": list(statuses) or None, "timed_out": timed_out,
-                 "tags": list(tags) or None, "after_ts": after[0] if after else None,
-                 "after_id": after[1] if after else None, "limit": limit + 1})
-            sized = await cur.fetchall()
-            kept = within_bytes(sized[:limit], max_bytes)
+            cur = await conn.execute(_TOKEN_PAGE, {
+                "env": env_id, "statuses": list(statuses) or None, "timed_out": timed_out,
+                "tags": list(tags) or None, "after_ts": after[0] if after else None,
+                "after_id": after[1] if after else None, "limit": limit + 1, "max_bytes": max_bytes})
+            kept, more = walked_page(await cur.fetchall(), limit, max_bytes)
             whole = conn.cursor(row_factory=dict_row)
             await whole.execute("SELECT * FROM waitpoint WHERE id = ANY(%s) ORDER BY created_at DESC, id DESC", (kept,))
-            return [_waitpoint(r) for r in await whole.fetchall()], len(sized) > len(kept)
+            return [_waitpoint(r) for r in await whole.fetchall()], more
 
     async def complete(self, completions: Sequence[Completion]) -> list[tuple[str, bool]]:
         """Complete pending waitpoints (first completion wins): (id, timed) of those actually

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from run_engine.db.runs import _RUN_BYTES, RunRepository, page_walk
 from run_engine.engine import PAGE_BYTES, TriggerRequest
 
 from .conftest import Harness
@@ -90,3 +91,18 @@ async def test_dead_letter_pages_end_past_their_bytes(make_engine, monkeypatch: 
             break
         after = dead[-1].run.id
     assert sorted(seen) == sorted(ids) and sizes == [3, 2]  # a page ends once past its bytes
+
+
+async def test_a_page_measures_its_candidates_only_until_it_is_full(h: Harness) -> None:
+    """Every candidate turned into text to keep a few would cost PostgreSQL a hundred 3 MiB payloads
+    per page: the sizes are added up a run at a time and stop one run past the budget."""
+    await trigger(h, ["w" * 1000 for _ in range(30)])
+    where, params = RunRepository._run_filter(h.env.env_id, (), (), (), (), (), None, None, None, None)
+    async with h.engine.resources.repo.pool.connection() as conn:
+        cur = await conn.execute(page_walk("task_run", where, _RUN_BYTES),
+                                 {**params, "limit": 26, "max_bytes": 2500})
+        walked = await cur.fetchall()
+    assert [size for _, size, _ in walked] == [1002, 1002, 1002]  # two fit, the third passes: no more measured
+    assert {count for _, _, count in walked} == {26}
+    runs, more = await h.engine.page_runs(h.env.env_id, limit=25, max_bytes=2500)
+    assert [r.id for r in runs] == [run_id for run_id, _, _ in walked[:2]] and more
