@@ -49,10 +49,13 @@ __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun",
            "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
            "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
-           "GroupListing", "RunPackets", "UploadedPacket", "PACKET_TTL_S"]
+           "GroupListing", "RunPackets", "UploadedPacket", "PACKET_TTL_S",
+           "PACKET_BYTES_PER_ENV"]
 
 #: how long a packet uploaded for a trigger is kept (the trigger reads it at once; a retried one later)
 PACKET_TTL_S = 3600.0
+#: what an environment's uploaded packets waiting for their triggers may take in all
+PACKET_BYTES_PER_ENV = 256 * 1024 * 1024
 
 
 class RunEngine:
@@ -219,10 +222,12 @@ class RunEngine:
         metadata and error."""
         return await self.resources.repo.runs.get_run(run_id, env_id, light=light)
 
-    async def put_packet(self, env_id: str, path: str, content_type: str, data: str) -> None:
+    async def put_packet(self, env_id: str, path: str, content_type: str, data: str) -> bool:
         """Keep a packet a client uploaded for a trigger to name (``application/store``) for
-        :data:`PACKET_TTL_S`."""
-        await self.resources.repo.packets.put(env_id, path, content_type, data, PACKET_TTL_S)
+        :data:`PACKET_TTL_S`; False when the environment's waiting packets would pass
+        :data:`PACKET_BYTES_PER_ENV`."""
+        return await self.resources.repo.packets.put(env_id, path, content_type, data, PACKET_TTL_S,
+                                                     PACKET_BYTES_PER_ENV)
 
     async def uploaded_packets(self, env_id: str, paths: Sequence[str]) -> dict[str, UploadedPacket]:
         """The environment's unexpired uploaded packets among ``paths``, by path."""

@@ -24,6 +24,7 @@ class RunTokenClaims:
 class RunTokens:
     def __init__(self, secret: str) -> None:
         self._key = secret.encode()
+        self._packet_key = self.derive("packet")
 
     def _sign(self, message: str) -> str:
         digest = hmac.new(self._key, message.encode(), hashlib.sha256).digest()
@@ -55,8 +56,10 @@ class RunTokens:
 
     def packet_signature(self, purpose: str, subject: str, expires_at: int) -> str:
         """The signature of a URL that reads (``purpose`` "get") or writes ("put") one packet
-        (``subject``: what it names) until ``expires_at``: the URL is its own credential."""
-        return self._sign(f"packet.{purpose}.{subject}.{expires_at}")
+        (``subject``: what it names) until ``expires_at``: the URL is its own credential. Under a
+        key of its own: no packet URL's signature is ever a run token's or a callback's."""
+        digest = hmac.new(self._packet_key, f"{purpose}.{expires_at}.{subject}".encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
     def packet_ok(self, purpose: str, subject: str, expires_at: int, signature: str, now: float) -> bool:
         return expires_at >= now and self.same(signature, self.packet_signature(purpose, subject, expires_at))

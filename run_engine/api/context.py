@@ -94,16 +94,18 @@ class ApiContext:
         return self._run_groups.get(run_id)
 
     async def env_auth(self, request: Request, *, run_token: bool = False, public: bool = False,
-                       recheck: bool = False) -> EnvAuth:
+                       recheck: bool = False, spend: bool = True) -> EnvAuth:
         """The environment of an environment secret key, or of the run of a run token. A run token
         is accepted only where the handler allows it (``run_token``; 403 elsewhere) and only while
         its attempt is live: the run is EXECUTING or WAITING in that attempt (401 after). A public
         access token (a JWT) likewise only where ``public``; the handler then checks its scopes.
         ``recheck``: the credential of a request already let in, checked again (an open stream):
-        not counted against its rate, nor as the one use of a one-time token."""
+        not counted against its rate, nor as the one use of a one-time token. ``spend`` False:
+        counted against its rate, but a one-time token stays unused (a step before the call it is
+        for)."""
         token = bearer(request)
         if looks_like_jwt(token):
-            return await self._public_auth(token, public, recheck)
+            return await self._public_auth(token, public, recheck, spend)
         if token.startswith("rt_"):
             claims = self.tokens.verify(token, self.engine.now())
             if claims is None:
@@ -136,7 +138,7 @@ class ApiContext:
             await self.check_limit(auth.bucket)
         return auth
 
-    async def _public_auth(self, token: str, allowed: bool, recheck: bool = False) -> EnvAuth:
+    async def _public_auth(self, token: str, allowed: bool, recheck: bool = False, spend: bool = True) -> EnvAuth:
         claims = unverified_claims(token)
         env = await self.environment(claims["sub"]) if looks_like_id(claims["sub"], "env") else None
         key = (environment_key(self.secret, env.id, env.type, env.api_key_generation, env.api_key_hash)
@@ -151,7 +153,7 @@ class ApiContext:
         if recheck:
             return auth
         await self.check_limit(auth.bucket)
-        if checked.one_time:
+        if checked.one_time and spend:
             used = self.engine.redis.set(f"{self.engine.settings.key_prefix}:otu:{hash_secret(token)}", "1",
                                          nx=True, exat=checked.expires_at + LEEWAY_S + 1)
             if not await used:

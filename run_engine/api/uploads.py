@@ -20,35 +20,43 @@ from starlette.routing import Route
 
 from run_engine.api import schemas as S
 from run_engine.api.context import ApiContext, ctx_of
-from run_engine.api.http import ApiError, json_response, read_body
+from run_engine.api.http import MAX_REQUEST_BYTES, ApiError, json_response, read_body
 from run_engine.api.inputs import is_number
 from run_engine.api.models import TriggerOptions
 from run_engine.api.openapi import Query, operation
 from run_engine.api.public_tokens import forbidden
+from run_engine.engine import PACKET_BYTES_PER_ENV
 
 STORE = "application/store"
-#: the packet types a trigger knows how to read (the payload types it decodes)
-TYPES = ("application/json", "application/super+json")
+#: the packet types a trigger takes: JSON and superjson are decoded, text is kept as a string (what
+#: the SDK sends for a string payload)
+TYPES = ("application/json", "application/super+json", "text/plain")
+#: what the uploaded payloads one request names may add up to (each counted as often as it is named):
+#: the request body's own limit, as when the payloads are inline
+NAMED_BYTES = MAX_REQUEST_BYTES
 URL_TTL_S = 900
 MAX_NAME = 512
 
 
 def _may_upload(scopes: frozenset[str] | None) -> bool:
-    """A secret key or a run token may; a public token only when it may trigger something."""
+    """A secret key may; a public token only when it may trigger something."""
     return scopes is None or any(s in ("admin", "write:all") or s.startswith(("trigger:tasks", "batchTrigger:tasks"))
                                  for s in scopes)
 
 
 @operation("A URL to upload a payload to before a trigger names it (Trigger.dev's createUploadPayloadUrl)",
-           S.PacketUpload, security="anyToken")
+           S.PacketUpload, security="apiKeyOrPublicToken")
 async def upload_url(request: Request) -> Response:
     ctx = ctx_of(request)
-    auth = await ctx.env_auth(request, run_token=True, public=True)
+    # a one-time token is spent by the trigger the upload is for, not here (as Trigger.dev does).
+    # No run token: an executor's outputs are never uploaded (a completion takes them inline)
+    auth = await ctx.env_auth(request, public=True, spend=False)
     if not _may_upload(auth.scopes):
         raise forbidden()
     name = request.path_params["name"]
-    if not name or len(name) > MAX_NAME or not name.isprintable():
-        raise ApiError(400, "invalid_input", f"name: 1..{MAX_NAME} printable characters")
+    if (not name or len(name) > MAX_NAME or not name.isprintable()
+            or any(part in (".", "..") for part in name.split("/"))):  # a URL client would rewrite those
+        raise ApiError(400, "invalid_input", f"name: 1..{MAX_NAME} printable characters, no . or .. segment")
     path = f"uploads/{secrets.token_hex(12)}/{name}"  # never another upload's, whatever the name
     expires = int(ctx.engine.now()) + URL_TTL_S
     signature = ctx.tokens.packet_signature("put", f"{auth.env_id}/{path}", expires)
@@ -80,7 +88,10 @@ async def upload(request: Request) -> Response:
         raise ApiError(400, "invalid_input", "body: not UTF-8") from None
     if "\x00" in text:
         raise ApiError(400, "invalid_input", "body: a NUL character cannot be stored")
-    await ctx.engine.put_packet(env_id, path, content_type, text)
+    if not await ctx.engine.put_packet(env_id, path, content_type, text):
+        raise ApiError(429, "rate_limited", f"the uploaded payloads waiting for their triggers already take "
+                                            f"{PACKET_BYTES_PER_ENV} bytes in this environment: trigger them, or "
+                                            "wait for them to expire (an hour)")
     return Response(status_code=200)
 
 
@@ -99,12 +110,18 @@ async def unpack(ctx: ApiContext, env_id: str, items: Sequence[tuple[Any, Trigge
                                                  "storagePath of an upload (PUT /api/v2/packets/{name})")
     found = await ctx.engine.uploaded_packets(env_id, sorted(set(stored.values())))
     out = list(items)
+    named = 0
     for i, path in stored.items():
         packet = found.get(path)
         options = items[i][1]
         if packet is None or options is None:
             raise ApiError(400, "invalid_input", f"{fields[i]}payload: no uploaded packet at {path[:200]!r} in "
                                                  "this environment (PUT /api/v2/packets/{name} first; kept an hour)")
+        # one small request naming the same 3 MiB packet a thousand times must not decode 3 GB
+        named += len(packet.data)
+        if named > NAMED_BYTES:
+            raise ApiError(413, "payload_too_large", f"{fields[i]}payload: the uploaded payloads this request "
+                                                     f"names add up to more than {NAMED_BYTES} bytes")
         out[i] = (packet.data, options.model_copy(update={"payloadType": packet.content_type}))
     return out
 

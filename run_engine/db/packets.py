@@ -19,15 +19,21 @@ class PacketRepository:
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
 
-    async def put(self, env_id: str, path: str, content_type: str, data: str, ttl_s: float) -> None:
-        """Store (or replace: an upload repeated) the environment's packet at ``path`` for ``ttl_s``."""
+    async def put(self, env_id: str, path: str, content_type: str, data: str, ttl_s: float, max_bytes: int) -> bool:
+        """Store (or replace: an upload repeated) the environment's packet at ``path`` for
+        ``ttl_s``, unless the environment's unexpired packets would then pass ``max_bytes``
+        (False). Their sizes are read from the values' headers, not the values."""
         async with self.pool.connection() as conn:
-            await conn.execute(
+            cur = await conn.execute(
                 """INSERT INTO uploaded_packet (environment_id, path, content_type, data, expires_at)
-                   VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s))
+                   SELECT %(env)s, %(path)s, %(type)s, %(data)s::text, now() + make_interval(secs => %(ttl)s)
+                   WHERE (SELECT coalesce(sum(octet_length(data)), 0) FROM uploaded_packet
+                          WHERE environment_id = %(env)s AND expires_at > now() AND path <> %(path)s)
+                         + octet_length(%(data)s::text) <= %(max)s
                    ON CONFLICT (environment_id, path) DO UPDATE
                    SET content_type = excluded.content_type, data = excluded.data, expires_at = excluded.expires_at""",
-                (env_id, path, content_type, data, ttl_s))
+                {"env": env_id, "path": path, "type": content_type, "data": data, "ttl": ttl_s, "max": max_bytes})
+            return cur.rowcount == 1
 
     async def get_many(self, env_id: str, paths: Sequence[str]) -> dict[str, UploadedPacket]:
         """The environment's unexpired packets among ``paths``, by path, in one query."""

@@ -332,38 +332,46 @@ _LIGHT_RUN = ", ".join(f"NULL AS {c}" if c in _HEAVY else c for _, c in columns_
 _RUN_BYTES = ("coalesce(octet_length(payload::text), 0) + coalesce(octet_length(output::text), 0) "
               "+ coalesce(octet_length(metadata::text), 0) + coalesce(octet_length(error::text), 0)")
 
-#: a run's error as a shape stream sends it: the four fields the SDK reads, each cut to this many
-#: characters (an error may be megabytes; a realtime answer holds hundreds of runs)
-SHAPE_ERROR_CHARS = 16 * 1024
+#: one run's payload and output sizes as JSON text, when each is stored in under %(item)s bytes
+_MEASURE = """SELECT CASE WHEN pg_column_size(t.payload) < %(item)s THEN octet_length(t.payload::text) END AS pb,
+           CASE WHEN pg_column_size(t.output) < %(item)s THEN octet_length(t.output::text) END AS ob
+    FROM task_run t WHERE t.id = w.id AND t.environment_id = %(env)s"""
+#: what a run adds to an answer's inline bytes: its payload and output that are small enough
+_INLINE = ("(CASE WHEN m.pb < %(item)s THEN m.pb ELSE 0 END + CASE WHEN m.ob < %(item)s THEN m.ob ELSE 0 END)")
+#: a run's error as a shape stream sends it: the message and stack trace cut to this many characters
+#: (name and type to 256): an error may be megabytes, and a realtime answer holds up to 1,000 runs
+SHAPE_ERROR_CHARS = 8 * 1024
 _RUN_PACKETS = """
 -- the payload, output, metadata and error of runs as a realtime shape sends them, in the order
--- asked: a payload or output goes inline as JSON text when it is under %(item)s bytes and the
--- inline ones of this answer so far, this run's included, stay within %(budget)s; any other one is
--- only flagged (the client fetches it by reference). A value stored in %(item)s bytes or more
--- (compressed) is never measured: only small ones are turned into text.
-WITH wanted AS (
-    SELECT r.id, i.ord, r.payload, r.output, r.metadata, r.error,
-           CASE WHEN pg_column_size(r.payload) < %(item)s THEN octet_length(r.payload::text) END AS pb,
-           CASE WHEN pg_column_size(r.output) < %(item)s THEN octet_length(r.output::text) END AS ob
-    FROM unnest(%(ids)s::text[]) WITH ORDINALITY AS i(id, ord)
-    JOIN task_run r ON r.id = i.id AND r.environment_id = %(env)s
-), sized AS (
-    SELECT *, coalesce(pb < %(item)s, false) AS p_small, coalesce(ob < %(item)s, false) AS o_small
-    FROM wanted
-), fits AS (
-    SELECT *, sum(CASE WHEN p_small THEN pb ELSE 0 END + CASE WHEN o_small THEN ob ELSE 0 END)
-                  OVER (ORDER BY ord) <= %(budget)s AS within
-    FROM sized
+-- asked. A payload or output goes inline as JSON text when it is under %(item)s bytes and the inline
+-- ones so far, this run's included, stay within %(budget)s; any other one is only flagged (the
+-- client fetches it by reference). Sizes are measured a run at a time, and no more once the inline
+-- budget or %(work)s bytes of measuring are spent (the runs after all go by reference); a value
+-- stored in %(item)s bytes or more (compressed) is never turned into text to be measured.
+WITH RECURSIVE wanted AS MATERIALIZED (
+    SELECT i.id, i.ord FROM unnest(%(ids)s::text[]) WITH ORDINALITY AS i(id, ord)
+), walk AS (
+    SELECT w.ord, m.pb, m.ob, """ + _INLINE + """ AS inline, coalesce(m.pb, 0) + coalesce(m.ob, 0) AS work
+    FROM wanted w LEFT JOIN LATERAL (""" + _MEASURE + """) m ON true
+    WHERE w.ord = 1
+    UNION ALL
+    SELECT w.ord, m.pb, m.ob, k.inline + """ + _INLINE + """, k.work + coalesce(m.pb, 0) + coalesce(m.ob, 0)
+    FROM walk k JOIN wanted w ON w.ord = k.ord + 1
+    LEFT JOIN LATERAL (""" + _MEASURE + """) m ON true
+    WHERE k.inline <= %(budget)s AND k.work <= %(work)s
 )
-SELECT id,
-       CASE WHEN p_small AND within THEN payload::text END, payload IS NOT NULL,
-       CASE WHEN o_small AND within THEN output::text END, output IS NOT NULL,
-       metadata::text,
-       CASE WHEN error IS NOT NULL THEN jsonb_build_object(
-           'name', left(error ->> 'name', %(chars)s), 'type', left(error ->> 'type', %(chars)s),
-           'message', left(error ->> 'message', %(chars)s), 'stackTrace', left(error ->> 'stackTrace', %(chars)s))
+SELECT r.id,
+       CASE WHEN k.inline <= %(budget)s AND k.pb < %(item)s THEN r.payload::text END, r.payload IS NOT NULL,
+       CASE WHEN k.inline <= %(budget)s AND k.ob < %(item)s THEN r.output::text END, r.output IS NOT NULL,
+       r.metadata::text,
+       CASE WHEN r.error IS NOT NULL THEN jsonb_build_object(
+           'name', left(r.error ->> 'name', 256), 'type', left(r.error ->> 'type', 256),
+           'message', left(r.error ->> 'message', %(chars)s),
+           'stackTrace', left(r.error ->> 'stackTrace', %(chars)s))
        END
-FROM fits ORDER BY ord
+FROM wanted w JOIN task_run r ON r.id = w.id AND r.environment_id = %(env)s
+LEFT JOIN walk k ON k.ord = w.ord
+ORDER BY w.ord
 """
 
 
@@ -809,8 +817,11 @@ class RunRepository:
                 params[name] = list(values)
         if tags:
             # the environment's own entries of the partial GIN index task_run_env_tags (its expression
-            # and predicate, word for word): never another tenant's runs of the same tag
-            where.append("env_tags(environment_id, tags) && env_tags(%(env)s, %(tags)s::text[]) AND tags <> '{}'")
+            # and predicate, word for word): never another tenant's runs of the same tag. The plain
+            # overlap first: when the planner walks the environment's runs instead (a common tag,
+            # newest first), it is the cheap test (quals run cheapest first), env_tags only on a hit
+            where.append("tags && %(tags)s::text[] AND env_tags(environment_id, tags) && env_tags(%(env)s, "
+                         "%(tags)s::text[]) AND tags <> '{}'")
             params["tags"] = list(tags)
         if after is not None:
             where.append("(created_at, id) < (%(after_ts)s, %(after_id)s)")
@@ -840,11 +851,13 @@ class RunRepository:
         """The payload, output, metadata and error of the environment's runs among ``run_ids``,
         for a realtime answer bounded in bytes: a payload or output inline when it is under
         ``item_bytes`` and the inline ones so far (in the order of ``run_ids``) stay within
-        ``budget_bytes``, else flagged as stored; metadata whole (bounded by its own limit); the
-        error's fields cut to :data:`SHAPE_ERROR_CHARS`. A run that is not there is left out."""
+        ``budget_bytes``, else flagged as stored (sizes measured until the budget, or four times it
+        of measuring, is spent); metadata whole (bounded by its own limit); the error's message and
+        stack cut to :data:`SHAPE_ERROR_CHARS`. A run that is not there is left out."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(_RUN_PACKETS, {"ids": list(run_ids), "env": env_id, "item": item_bytes,
-                                                    "budget": budget_bytes, "chars": SHAPE_ERROR_CHARS})
+                                                    "budget": budget_bytes, "work": 4 * budget_bytes,
+                                                    "chars": SHAPE_ERROR_CHARS})
             return {r[0]: RunPackets(payload=r[1], payload_stored=r[1] is None and r[2], output=r[3],
                                      output_stored=r[3] is None and r[4], metadata=r[5], error=r[6])
                     for r in await cur.fetchall()}

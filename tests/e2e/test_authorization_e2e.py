@@ -102,7 +102,7 @@ ROUTES = [
     Route("GET", "/api/v1/packets/{path:path}", public=True, params={"path:path": "{run_id}/payload.json"}),
     Route("GET", "/api/v1/packet-downloads/{env_id}/{run_id}/{field}", params={"field": "payload"}, signed=True,
           query="?expires=99999999999&signature=forged"),
-    Route("PUT", "/api/v2/packets/{name:path}", run_token="scoped", targets=False, public=True,
+    Route("PUT", "/api/v2/packets/{name:path}", targets=False, public=True,
           params={"name:path": "trigger/echo/1/payload.json"}),
     Route("PUT", "/api/v1/packet-uploads/{env_id}/{path:path}", params={"path:path": "uploads/x/payload.json"},
           signed=True, query="?expires=99999999999&signature=forged"),

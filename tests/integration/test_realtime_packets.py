@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from run_engine.api import packets, shape_stream
-from run_engine.db.runs import SHAPE_ERROR_CHARS
+from run_engine.db.runs import _RUN_PACKETS, SHAPE_ERROR_CHARS
 from run_engine.engine import TriggerRequest
 from run_engine.tenancy import ensure_environment
 
@@ -103,6 +103,11 @@ async def test_a_packet_url_is_signed_for_one_packet_expires_and_stays_in_its_en
     assert (await client.get(f"{url.path}?{forged}", headers={"Authorization": ""})).status_code == 403
     other_field = url.path.replace("/payload", "/output")  # the signature names the field
     assert (await client.get(f"{other_field}?{url.query}", headers={"Authorization": ""})).status_code == 403
+    (sibling,) = await trigger(h, [{"p": "other"}], ["mine"])
+    other_run = url.path.replace(run_id, sibling)  # and the run
+    assert (await client.get(f"{other_run}?{url.query}", headers={"Authorization": ""})).status_code == 403
+    for forged_expiry in (url.query.replace("expires=", "expires=9"), url.query.replace("expires=", "expires=x")):
+        assert (await client.get(f"{url.path}?{forged_expiry}", headers={"Authorization": ""})).status_code == 403
     h.clock.advance(packets.URL_TTL_S + 1)
     assert (await client.get(f"{url.path}?{url.query}", headers={"Authorization": ""})).status_code == 403
     for bad in ("/api/v1/runs/run_nope/packets/payload", f"/api/v1/runs/{run_id}/packets/metadata",
@@ -141,3 +146,22 @@ async def test_skipped_columns_are_left_out_and_unread(h: Harness, client: httpx
     assert not {"payload", "output", "metadata", "error"} & set(none) and none["taskIdentifier"] == "hello"
     bad = await client.get("/realtime/v1/runs", params={"tags": "skip", "offset": "-1", "skipColumns": "x," * 41})
     assert bad.status_code == 400
+
+
+def plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    return [plan, *(n for child in plan.get("Plans", []) for n in plan_nodes(child))]
+
+
+async def test_sizes_are_measured_only_until_the_budget_is_spent(h: Harness) -> None:
+    """Thirty runs whose 20 kB payloads compress to a few hundred bytes: each one measured means
+    turning it into text; the walk stops once four times the answer's budget was measured."""
+    ids = await trigger(h, ["c" * 20_000 for _ in range(30)], ["walk"])
+    params = {"ids": ids, "env": h.env.env_id, "item": 1000, "budget": 10_000, "work": 40_000,
+              "chars": SHAPE_ERROR_CHARS}
+    async with h.engine.resources.repo.pool.connection() as conn:
+        cur = await conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + _RUN_PACKETS, params)
+        plan = (await cur.fetchone())[0][0]["Plan"]  # type: ignore[index]
+        rows = await (await conn.execute(_RUN_PACKETS, params)).fetchall()
+    walked = [n for n in plan_nodes(plan) if n["Node Type"] == "Recursive Union"]
+    assert [n["Actual Rows"] for n in walked] == [2]  # 20,002 + 20,002 > 40,000: no more measured
+    assert len(rows) == 30 and all(r[1] is None and r[2] for r in rows)  # every one by reference

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import orjson
+import pytest
 
 from run_engine.api import uploads
 from run_engine.tenancy import ensure_environment
@@ -91,7 +92,7 @@ async def test_an_upload_is_the_environments_own_signed_and_bounded(h: Harness, 
     elsewhere = url.path.replace(made["storagePath"], "uploads/other/next.json")  # the signature names the path
     assert (await api.put(f"{elsewhere}?{url.query}", content=b"1", headers=no_auth)).status_code == 403
     wrong_type = await api.put(f"{url.path}?{url.query}", content=b"1",
-                               headers={"Authorization": "", "Content-Type": "text/plain"})
+                               headers={"Authorization": "", "Content-Type": "application/octet-stream"})
     assert wrong_type.status_code == 400
     assert (await api.put(f"{url.path}?{url.query}", content=b'"\x00"', headers=no_auth)).status_code == 400
     assert (await api.put(f"{url.path}?{url.query}", content=b"\xff", headers=no_auth)).status_code == 400
@@ -104,8 +105,8 @@ async def test_an_upload_is_the_environments_own_signed_and_bounded(h: Harness, 
     too_big = await api.post("/api/v1/tasks/hello/trigger",
                              json={"payload": made["storagePath"], "options": {"payloadType": STORE}})
     assert too_big.status_code == 413
-    for name in ("x" * (uploads.MAX_NAME + 1), "a%07b"):
-        assert (await api.put(f"/api/v2/packets/{name}")).status_code == 400
+    for name in ("x" * (uploads.MAX_NAME + 1), "a%07b", "a/%2E%2E/b.json", "%2E/b.json"):
+        assert (await api.put(f"/api/v2/packets/{name}")).status_code == 400, name
     scoped = (await api.post("/api/v1/auth/public-tokens", json={"scopes": ["read:runs"]})).json()["token"]
     assert (await api.put("/api/v2/packets/p.json", headers={"Authorization": f"Bearer {scoped}"})).status_code == 403
     may = (await api.post("/api/v1/auth/public-tokens", json={"scopes": ["trigger:tasks:hello"]})).json()["token"]
@@ -126,3 +127,45 @@ async def test_expired_packets_are_not_used_and_are_deleted(h: Harness, api: htt
     async with repo.pool.connection() as conn:
         cur = await conn.execute("SELECT count(*) FROM uploaded_packet WHERE path = %s", (path,))
         assert (await cur.fetchone())[0] == 0  # type: ignore[index]
+
+
+async def test_a_string_payload_uploads_as_text(h: Harness, api: httpx.AsyncClient) -> None:
+    path = await upload(api, "s/payload.txt", b"plain words " * 20_000, "text/plain")
+    made = await api.post("/api/v1/tasks/hello/trigger", json={"payload": path, "options": {"payloadType": STORE}})
+    assert made.status_code == 200, made.text
+    assert await run_payload(api, made.json()["id"]) == "plain words " * 20_000
+
+
+async def test_naming_one_packet_many_times_is_bounded_like_an_inline_body(h: Harness, api: httpx.AsyncClient) -> None:
+    path = await upload(api, "big.json", orjson.dumps("b" * 3_000_000))
+    items = [{"task": "hello", "payload": path, "options": {"payloadType": STORE}} for _ in range(4)]
+    fanned = await api.post("/api/v1/tasks/batch", json={"items": items})  # a few hundred bytes naming 12 MB
+    assert fanned.status_code == 413 and "items.3.payload" in fanned.json()["error"]["message"]
+    three = await api.post("/api/v1/tasks/batch", json={"items": items[:3]})
+    assert three.status_code == 200, three.text
+
+
+async def test_a_one_time_token_is_spent_by_the_trigger_not_by_its_upload(h: Harness, api: httpx.AsyncClient) -> None:
+    token = (await api.post("/api/v1/auth/public-tokens",
+                            json={"scopes": ["trigger:tasks:hello"], "oneTimeUse": True})).json()["token"]
+    path = await upload(api, "once.json", b'{"once": 1}', headers={"Authorization": f"Bearer {token}"})
+    made = await api.post("/api/v1/tasks/hello/trigger", json={"payload": path, "options": {"payloadType": STORE}},
+                          headers={"Authorization": f"Bearer {token}"})
+    assert made.status_code == 200, made.text
+    again = await api.post("/api/v1/tasks/hello/trigger", json={"payload": 1},
+                           headers={"Authorization": f"Bearer {token}"})
+    assert again.status_code == 401  # spent once, by the trigger
+
+
+async def test_an_environments_waiting_uploads_are_capped(h: Harness, api: httpx.AsyncClient,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import run_engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PACKET_BYTES_PER_ENV", 25)
+    await upload(api, "one.json", b'"0123456789"')
+    await upload(api, "two.json", b'"0123456789"')
+    made = (await api.put("/api/v2/packets/three.json")).json()
+    url = urlsplit(made["presignedUrl"])
+    full = await api.put(f"{url.path}?{url.query}", content=b'"0123456789"',
+                         headers={"Authorization": "", "Content-Type": "application/json"})
+    assert full.status_code == 429 and "expire" in full.json()["error"]["message"]
