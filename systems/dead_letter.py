@@ -132,19 +132,24 @@ class DeadLetterSystem:
         while True:
             entries = await queue.list_dlq(env_id, limit=self.PAGE, after=cursor)
             wanted = [e for e in entries if self._matches(e, tasks, queues)]
-            # the sizes of this slice's runs first, then the runs that fit: two queries a slice
-            sizes = await runs.run_sizes(env_id, [e.run_id for e in wanted]) if wanted else {}
+            # the sizes of this slice's runs first (in order, no further than one past the page's
+            # bytes, nor than the runs the page can still take), then the runs that fit: two
+            # queries a slice
+            ids = [e.run_id for e in wanted[:size - len(found) + 1]]
+            sizes = await runs.run_sizes(env_id, ids, PAGE_BYTES - total) if ids else {}
             take: list[DlqEntry] = []
             full = False
             for e in wanted:
-                if e.run_id not in sizes:  # deleted by retention before its entry was
-                    await queue.forget_dead(env_id, e.run_id)
-                    continue
-                if len(found) + len(take) == size or ((found or take) and total > PAGE_BYTES):
+                if (len(found) + len(take) == size or ((found or take) and total > PAGE_BYTES)
+                        or e.run_id not in sizes):  # not measured: past the page's bytes or size
                     full = True
                     break
+                measured = sizes[e.run_id]
+                if measured is None:  # deleted by retention before its entry was
+                    await queue.forget_dead(env_id, e.run_id)
+                    continue
                 take.append(e)
-                total += sizes[e.run_id]
+                total += measured
             have = await runs.runs_by_ids(env_id, [e.run_id for e in take]) if take else {}
             found += [DeadRun(have[e.run_id], e) for e in take if e.run_id in have]
             if full:

@@ -418,6 +418,24 @@ SELECT id, bytes, (SELECT count(*) FROM candidate) FROM walk ORDER BY n
 """
 
 
+_RUN_SIZE = f"LEFT JOIN LATERAL (SELECT {_RUN_BYTES} AS bytes FROM task_run WHERE id = w.id " \
+            "AND environment_id = %(env)s) s ON true"
+#: the sizes of given runs in their order (RunRepository.run_sizes), stopping one run past
+#: %(max_bytes)s; a run not there measures as NULL and adds nothing
+_SIZES_WALK = f"""
+WITH RECURSIVE wanted AS MATERIALIZED (
+    SELECT i.id, i.n FROM unnest(%(ids)s::text[]) WITH ORDINALITY AS i(id, n)
+), walk AS (
+    SELECT w.n, w.id, s.bytes, coalesce(s.bytes, 0) AS total FROM wanted w {_RUN_SIZE} WHERE w.n = 1
+    UNION ALL
+    SELECT w.n, w.id, s.bytes, k.total + coalesce(s.bytes, 0)
+    FROM walk k JOIN wanted w ON w.n = k.n + 1 {_RUN_SIZE}
+    WHERE k.total <= %(max_bytes)s
+)
+SELECT id, bytes FROM walk ORDER BY n
+"""
+
+
 def walked_page(walked: Sequence[tuple[str, int, int]], limit: int, max_bytes: int) -> tuple[list[str], bool]:
     """The ids a :func:`page_walk` keeps (at least one) and whether more candidates follow them."""
     kept = within_bytes([(item_id, size) for item_id, size, _ in walked[:limit]], max_bytes)
@@ -870,14 +888,13 @@ class RunRepository:
             row = await cur.fetchone()
             return row[0] if row else None
 
-    async def run_sizes(self, env_id: str, run_ids: Sequence[str]) -> dict[str, int]:
-        """What each of the environment's runs among ``run_ids`` takes in payload, output,
-        metadata and error (as JSON text); a run that is not there is left out."""
+    async def run_sizes(self, env_id: str, run_ids: Sequence[str], max_bytes: int) -> dict[str, int | None]:
+        """What the environment's runs among ``run_ids`` take in payload, output, metadata and
+        error (as JSON text), measured in order and no further than the first run whose sizes add
+        up past ``max_bytes`` (those after it are left out); a run that is not there: None."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute(
-                f"SELECT id, {_RUN_BYTES} FROM task_run WHERE id = ANY(%s) AND environment_id = %s",
-                (list(run_ids), env_id))
-            return {r[0]: int(r[1]) for r in await cur.fetchall()}
+            cur = await conn.execute(_SIZES_WALK, {"ids": list(run_ids), "env": env_id, "max_bytes": max_bytes})
+            return {r[0]: None if r[1] is None else int(r[1]) for r in await cur.fetchall()}
 
     async def runs_by_ids(self, env_id: str, run_ids: Sequence[str]) -> dict[str, RunRow]:
         """The environment's runs among ``run_ids``, by id, in one query."""

@@ -106,3 +106,11 @@ async def test_a_page_measures_its_candidates_only_until_it_is_full(h: Harness) 
     assert {count for _, _, count in walked} == {26}
     runs, more = await h.engine.page_runs(h.env.env_id, limit=25, max_bytes=2500)
     assert [r.id for r in runs] == [run_id for run_id, _, _ in walked[:2]] and more
+
+
+async def test_given_runs_are_measured_in_order_until_one_past_the_budget(h: Harness) -> None:
+    """The DLQ's slices: a run gone meanwhile measures as None and adds nothing; the runs after the
+    one that passes the budget are not measured at all."""
+    ids = await trigger(h, ["v" * 1000 for _ in range(5)])
+    sizes = await h.engine.resources.repo.runs.run_sizes(h.env.env_id, [ids[0], "run_gone", *ids[1:]], 1500)
+    assert sizes == {ids[0]: 1002, "run_gone": None, ids[1]: 1002}
