@@ -6,19 +6,14 @@
 -- (`environment_id || chr(31) || tag`; an id never holds that character), so a query reads its own
 -- environment's entries only. Without GIN's pending list (fastupdate): every query would read the
 -- list of every tenant's tagged runs inserted since the last vacuum (up to 4 MB). Built without
--- blocking writes; an invalid index left by an interrupted build is built again; the old index
--- goes once the new one is there.
+-- blocking writes, and never dropped with a lock that would: this migration runs again only when
+-- it was interrupted, and then whatever a build left (an invalid index, or a valid one not yet
+-- recorded) is dropped CONCURRENTLY and built again; the old index goes once the new one is there.
 CREATE OR REPLACE FUNCTION env_tags(env text, tags text[]) RETURNS text[]
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
 AS $$ SELECT array_agg(env || chr(31) || t) FROM unnest(tags) AS t $$;
 -- next
-DO $$
-BEGIN
-  IF EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-             WHERE c.relname = 'task_run_env_tags' AND NOT i.indisvalid) THEN
-    DROP INDEX task_run_env_tags;
-  END IF;
-END $$;
+DROP INDEX CONCURRENTLY IF EXISTS task_run_env_tags;
 -- next
 CREATE INDEX CONCURRENTLY IF NOT EXISTS task_run_env_tags ON task_run USING gin (env_tags(environment_id, tags))
     WITH (fastupdate = off) WHERE tags <> '{}';
