@@ -4,26 +4,32 @@
 Server-Sent Events, :mod:`run_engine.api.stream`), ``/realtime/v1/runs?tags=…``,
 ``/realtime/v1/batches/{batchId}`` (:mod:`run_engine.api.realtime_shapes`).
 
-The first request (``offset=-1``) answers with every run as an ``insert`` and ``up-to-date``; each
+The first request (``offset=-1``) answers with the runs as ``insert``s and ``up-to-date``; each
 later one (``live=true``) waits until a run changes (any server process: RealtimeHub), then answers
-with the changed runs, or after a while with ``up-to-date`` alone. The offset is the newest
-``updated_at`` sent, in microseconds, with a checksum of the runs changed shortly before it, so a
-client that comes back late gets every change at once and none is lost to a late commit.
+with the changed runs, or after a while with ``up-to-date`` alone. The runs go in the order of their
+last change (then id), and the offset says how far the client got: the newest change sent, in
+microseconds, with a checksum of the runs changed shortly before it, so that a client that comes
+back late gets every change at once and none is lost to a late commit.
 
 An answer is bounded in bytes whatever the runs hold: the runs are read without their payload,
 output, metadata and error, and those of the runs sent are read after, a payload or output inline
 only while it is small (under :data:`PACKET_INLINE_BYTES`) and the answer's inline ones stay within
 :data:`ANSWER_INLINE_BYTES`; any other goes as ``application/store``, a reference the SDK fetches
 (``GET /api/v1/runs/{runId}/packets/{field}``, :mod:`run_engine.api.packets`), as Trigger.dev sends
-a packet it keeps in object storage.
+a packet it keeps in object storage. Metadata and errors have no such reference: an answer ends
+before the run that would take it past :data:`ANSWER_BYTES`, without ``up-to-date``, and the client
+asks at once for the rest (the offset then names the last run sent), as ElectricSQL sends a large
+shape in chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import zlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -49,6 +55,9 @@ UP_TO_DATE = {"headers": {"control": "up-to-date"}}
 PACKET_INLINE_BYTES = 128 * 1024
 #: the payloads and outputs inline in one answer, at most (the rest by reference)
 ANSWER_INLINE_BYTES = 4 * 1024 * 1024
+#: what one answer holds at most of inline payloads and outputs, metadata and errors (one run at
+#: least): the rest of the runs go in the next answers, which the client asks for at once
+ANSWER_BYTES = 8 * 1024 * 1024
 #: what a payload or output sent by reference holds instead: the SDK asks for the run's packet by
 #: run and field, and falls back to this path on a server without that route
 STORE = "application/store"
@@ -105,35 +114,113 @@ def _key(run: RunRow) -> str:
     return f'"public"."TaskRun"/"{run.id}"'
 
 
+#: where a run stands in a shape's log: its last change (µs), then its id
+Position = tuple[int, str]
+#: the id part of a position past every run changed in that microsecond
+ALL = "~"
+_RUN_ID = re.compile(r"^[a-z0-9]{1,64}$")
 MAX_OFFSET_US = 253_402_214_400_000_000  # 9999-12-31: a date Python can still hold (a greater offset: 400)
+MAX_OFFSET_CHARS = 160
 
 
-def _since(offset: str) -> tuple[int, int]:
-    """The newest change sent (µs) and the checksum of the runs changed within GRACE of it, as an
-    offset this server answered with (``<µs>_<checksum>``) carries them; 400 for anything else."""
-    head, _, tail = offset.partition("_")
-    if not is_number(head) or not is_number(tail) or len(head) > 20 or len(tail) > 12 or int(head) > MAX_OFFSET_US:
-        raise ApiError(400, "invalid_input", "offset: not an offset this server answered with")
-    return int(head), int(tail)
+def _position(run: RunRow) -> Position:
+    return _micros(run.updated_at), run.id
 
 
-def _window(runs: list[RunRow], newest: int) -> list[RunRow]:
-    return [r for r in runs if newest - GRACE_US < _micros(r.updated_at) <= newest]
+@dataclass(frozen=True)
+class Cursor:
+    """What a client was sent, as its offset carries it: every run up to ``at``; ``checksum``, the
+    runs then in the window just before ``at`` (changed within GRACE, a late commit would land
+    there); ``resend``, when that window is being sent again in parts, how far that got."""
+    at: Position
+    checksum: int
+    resend: Position | None = None
+
+    def offset(self) -> str:
+        """``<µs>_<checksum>``, ``…_<id>`` when the client has some of that microsecond's runs only,
+        ``…_<id or ~>_<µs>_<id>`` while a window is resent."""
+        head = f"{self.at[0]}_{self.checksum}"
+        if self.resend is not None:
+            return f"{head}_{_suffix(self.at[1])}_{self.resend[0]}_{_suffix(self.resend[1])}"
+        return head if self.at[1] == ALL else f"{head}_{_suffix(self.at[1])}"
+
+
+#: a client that has nothing yet (``offset=-1``)
+START = Cursor((0, ALL), 0)
+
+
+def _suffix(run_id: str) -> str:
+    return run_id if run_id == ALL else run_id.removeprefix("run_")
+
+
+def parse_offset(offset: str) -> Cursor:
+    """The cursor an offset this server answered with carries; 400 for anything else."""
+    parts = offset.split("_")
+    if len(offset) > MAX_OFFSET_CHARS or len(parts) not in (2, 3, 5):
+        raise _bad_offset()
+    numbers = [parts[0], parts[1], *parts[3:4]]
+    if not all(is_number(n) and len(n) <= 20 and int(n) <= MAX_OFFSET_US for n in numbers):
+        raise _bad_offset()
+    # the cursor's own id (``~`` for all of its microsecond only beside a resend's), the resend's
+    if len(parts) == 3 and not _RUN_ID.match(parts[2]) or len(parts) == 5 and not (
+            (parts[2] == ALL or _RUN_ID.match(parts[2])) and _RUN_ID.match(parts[4])):
+        raise _bad_offset()
+    at = (int(parts[0]), "run_" + parts[2] if len(parts) > 2 and parts[2] != ALL else ALL)
+    resend = (int(parts[3]), "run_" + parts[4]) if len(parts) == 5 else None
+    return Cursor(at, int(parts[1]), resend)
+
+
+def _bad_offset() -> ApiError:
+    return ApiError(400, "invalid_input", "offset: not an offset this server answered with")
+
+
+def _window(ordered: list[RunRow], at: Position) -> list[RunRow]:
+    """The runs up to ``at`` changed within GRACE before it."""
+    return [r for r in ordered if at[0] - GRACE_US < _micros(r.updated_at) and _position(r) <= at]
 
 
 def _checksum(runs: list[RunRow]) -> int:
     return sum(zlib.crc32(f"{r.id}@{_micros(r.updated_at)}".encode()) for r in runs) % 1_000_000_000_000
 
 
-def _answer(handle: str, runs: list[RunRow], messages: list[dict[str, Any]], *, live: bool,
-            floor: int = 0) -> Response:
-    newest = max([floor, *(_micros(r.updated_at) for r in runs)])
-    offset = f"{newest}_{_checksum(_window(runs, newest))}"
-    headers = {"electric-handle": handle, "electric-offset": offset, "electric-schema": "{}",
+def unsent(runs: list[RunRow], cursor: Cursor) -> tuple[list[RunRow], int]:
+    """The runs a client with ``cursor`` has still to be sent, in the order they are sent (by
+    position), and how many of the first ones are its window sent again. A run changed after the
+    cursor is unsent; and when the runs changed within GRACE before it are not those it saw (a
+    transaction that began earlier committed later), they all are, sent again (in parts if they
+    must be: ``resend`` is how far that got)."""
+    ordered = sorted(runs, key=_position)
+    window = _window(ordered, cursor.at)
+    if _checksum(window) != cursor.checksum:
+        again = window
+    elif cursor.resend is not None:
+        again = [r for r in window if _position(r) > cursor.resend]
+    else:
+        again = []
+    return again + [r for r in ordered if _position(r) > cursor.at], len(again)
+
+
+def advance(cursor: Cursor, runs: list[RunRow], pending: list[RunRow], again: int, sent: int) -> Cursor:
+    """The cursor of a client that had ``cursor`` once it got the first ``sent`` of ``pending``
+    (:func:`unsent`, with ``again`` resent runs first) of the shape's ``runs`` as read now."""
+    at, resend = cursor.at, None
+    if sent < again:  # a resent window cut short: the rest of it next time
+        resend = _position(pending[sent - 1])
+    elif sent > again:
+        last = pending[sent - 1]
+        at = (_micros(last.updated_at), ALL if sent == len(pending) else last.id)
+    return Cursor(at, _checksum(_window(sorted(runs, key=_position), at)), resend)
+
+
+def _answer(handle: str, cursor: Cursor, messages: list[dict[str, Any]], *, live: bool, complete: bool) -> Response:
+    headers = {"electric-handle": handle, "electric-offset": cursor.offset(), "electric-schema": "{}",
                "Cache-Control": "no-store"}
     if live:
-        headers["electric-cursor"] = str(newest)
-        headers["electric-up-to-date"] = ""
+        headers["electric-cursor"] = str(cursor.at[0])
+    if complete:
+        messages.append(UP_TO_DATE)
+        if live:
+            headers["electric-up-to-date"] = ""
     return Response(orjson.dumps(messages), media_type="application/json", headers=headers)
 
 
@@ -160,13 +247,19 @@ def skip_columns(request: Request) -> frozenset[str]:
 
 async def _messages(ctx: ApiContext, env_id: str, runs: list[RunRow], since: int | None,
                     skip: frozenset[str]) -> list[dict[str, Any]]:
-    """``runs`` as shape messages: inserts (``since`` None), else an insert for a run created after
-    ``since`` and an update for any other; without the ``skip`` columns (and without reading the
-    packets at all when every one of them is skipped)."""
-    packets = {} if _PACKET_COLUMNS <= skip else await ctx.engine.run_packets(
-        env_id, [r.id for r in runs], item_bytes=PACKET_INLINE_BYTES, budget_bytes=ANSWER_INLINE_BYTES)
+    """The first of ``runs`` that one answer holds (:data:`ANSWER_BYTES`, one run at least), as
+    shape messages: inserts (``since`` None), else an insert for a run created after ``since`` and
+    an update for any other; without the ``skip`` columns (and without reading the packets at all
+    when every one of them is skipped)."""
+    packets: dict[str, RunPackets] = {}
+    if _PACKET_COLUMNS <= skip:
+        taken = len(runs)
+    else:
+        packets, taken = await ctx.engine.run_packets(
+            env_id, [r.id for r in runs], item_bytes=PACKET_INLINE_BYTES, budget_bytes=ANSWER_INLINE_BYTES,
+            answer_bytes=ANSWER_BYTES)
     out = []
-    for r in runs:
+    for r in runs[:taken]:
         value = raw_row(r, packets.get(r.id))
         if skip:
             value = {k: v for k, v in value.items() if k not in skip}
@@ -178,43 +271,39 @@ async def _messages(ctx: ApiContext, env_id: str, runs: list[RunRow], since: int
 async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, load: Loader, watch_key: str,
                 *, min_interval_s: float = 0.0) -> Response:
     """Answer one request of the shape protocol for the runs ``load`` reads (in the caller's
-    environment): every run at ``offset=-1``; with ``live=true``, those changed since the offset,
-    waiting (≤ :data:`LIVE_WAIT_S`) until one does. ``watch_key`` is what RealtimeHub wakes on."""
+    environment): every run at ``offset=-1``, those the offset has not had after it; with
+    ``live=true``, waiting (≤ :data:`LIVE_WAIT_S`) until there is one. An answer holds what
+    :data:`ANSWER_BYTES` allows: without ``up-to-date`` when there is more, which the client asks
+    for next with the answer's offset. ``watch_key`` is what RealtimeHub wakes on."""
     offset = request.query_params.get("offset", "-1")
     live = request.query_params.get("live") == "true"
     skip = skip_columns(request)
-    if offset == "-1" or not live:
-        runs = await load(None)
-        inserts = await _messages(ctx, auth.env_id, runs, None, skip)
-        return _answer(handle, runs, [*inserts, UP_TO_DATE], live=False)
-    since, checksum = _since(offset)
-    # a live request reads only the runs changed within GRACE of the offset or after it
-    changed_after = datetime.fromtimestamp((since - GRACE_US) / 1_000_000, UTC)
+    cursor = START if offset == "-1" else parse_offset(offset)
+    # only the runs changed within GRACE before the offset or after it (all of them at first)
+    changed_after = None if cursor is START else datetime.fromtimestamp((cursor.at[0] - GRACE_US) / 1_000_000, UTC)
     runs = await load(changed_after)
-    hub = ctx.realtime
-    if hub is None:
-        raise ApiError(503, "unavailable", "realtime is not running in this process")
-    loop = asyncio.get_running_loop()
-    with ctx.hold("streams", auth.bucket):
-        async with hub.watch(watch_key) as changed:
-            deadline = loop.time() + LIVE_WAIT_S
-            while not (fresh := _changed(runs, since, checksum)):
-                remaining = deadline - loop.time()
-                if remaining <= 0 or await request.is_disconnected():
-                    return _answer(handle, runs, [UP_TO_DATE], live=True, floor=since)
-                changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), min(remaining, 5.0))
-                if min_interval_s:  # a busy environment wakes a multi-run shape often: read at most this often
-                    await asyncio.sleep(min_interval_s)
-                runs = await load(changed_after)
-    changes = await _messages(ctx, auth.env_id, fresh, since, skip)
-    return _answer(handle, runs, [*changes, UP_TO_DATE], live=True, floor=since)
-
-
-def _changed(runs: list[RunRow], since: int, checksum: int) -> list[RunRow]:
-    """Runs changed after the offset; and, when the runs changed within GRACE before it are not those
-    the offset saw (a transaction that began earlier committed later), those too (sent again)."""
-    window = _window(runs, since)
-    late = window if _checksum(window) != checksum else []
-    return late + [r for r in runs if _micros(r.updated_at) > since]
+    pending, again = unsent(runs, cursor)
+    if not pending and live:
+        hub = ctx.realtime
+        if hub is None:
+            raise ApiError(503, "unavailable", "realtime is not running in this process")
+        loop = asyncio.get_running_loop()
+        with ctx.hold("streams", auth.bucket):
+            async with hub.watch(watch_key) as changed:
+                deadline = loop.time() + LIVE_WAIT_S
+                while not pending:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0 or await request.is_disconnected():
+                        return _answer(handle, advance(cursor, runs, [], 0, 0), [], live=True, complete=True)
+                    changed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), min(remaining, 5.0))
+                    if min_interval_s:  # a busy environment wakes a multi-run shape often: read at most this often
+                        await asyncio.sleep(min_interval_s)
+                    runs = await load(changed_after)
+                    pending, again = unsent(runs, cursor)
+    # until the client is up to date, every run it is sent is new to it
+    messages = await _messages(ctx, auth.env_id, pending, cursor.at[0] if live else None, skip)
+    sent = len(messages)
+    return _answer(handle, advance(cursor, runs, pending, again, sent), messages, live=live,
+                   complete=sent == len(pending))

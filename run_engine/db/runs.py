@@ -332,9 +332,16 @@ _LIGHT_RUN = ", ".join(f"NULL AS {c}" if c in _HEAVY else c for _, c in columns_
 _RUN_BYTES = ("coalesce(octet_length(payload::text), 0) + coalesce(octet_length(output::text), 0) "
               "+ coalesce(octet_length(metadata::text), 0) + coalesce(octet_length(error::text), 0)")
 
-#: one run's payload and output sizes as JSON text, when each is stored in under %(item)s bytes
-_MEASURE = """SELECT CASE WHEN pg_column_size(t.payload) < %(item)s THEN octet_length(t.payload::text) END AS pb,
-           CASE WHEN pg_column_size(t.output) < %(item)s THEN octet_length(t.output::text) END AS ob
+#: what one run adds to a realtime answer, measured: its payload and output sizes as JSON text when
+#: each is stored in under %(item)s bytes and ``{go}`` holds (else NULL: not measured), and what its
+#: metadata and cut error take (always sent inline)
+_MEASURE = """SELECT CASE WHEN NOT ({go}) THEN NULL WHEN pg_column_size(t.payload) < %(item)s
+                THEN octet_length(t.payload::text) END AS pb,
+           CASE WHEN NOT ({go}) THEN NULL WHEN pg_column_size(t.output) < %(item)s
+                THEN octet_length(t.output::text) END AS ob,
+           coalesce(octet_length(t.metadata::text), 0) + CASE WHEN t.error IS NULL THEN 0 ELSE 1024
+               + coalesce(octet_length(left(t.error ->> 'message', %(chars)s)), 0)
+               + coalesce(octet_length(left(t.error ->> 'stackTrace', %(chars)s)), 0) END AS fb
     FROM task_run t WHERE t.id = w.id AND t.environment_id = %(env)s"""
 #: what a run adds to an answer's inline bytes: its payload and output that are small enough
 _INLINE = ("(CASE WHEN m.pb < %(item)s THEN m.pb ELSE 0 END + CASE WHEN m.ob < %(item)s THEN m.ob ELSE 0 END)")
@@ -342,23 +349,28 @@ _INLINE = ("(CASE WHEN m.pb < %(item)s THEN m.pb ELSE 0 END + CASE WHEN m.ob < %
 #: (name and type to 256): an error may be megabytes, and a realtime answer holds up to 1,000 runs
 SHAPE_ERROR_CHARS = 8 * 1024
 _RUN_PACKETS = """
--- the payload, output, metadata and error of runs as a realtime shape sends them, in the order
--- asked. A payload or output goes inline as JSON text when it is under %(item)s bytes and the inline
--- ones so far, this run's included, stay within %(budget)s; any other one is only flagged (the
--- client fetches it by reference). Sizes are measured a run at a time, and no more once the inline
--- budget or %(work)s bytes of measuring are spent (the runs after all go by reference); a value
--- stored in %(item)s bytes or more (compressed) is never turned into text to be measured.
+-- the payload, output, metadata and error of the first runs asked for (in the order asked) that
+-- one realtime answer holds. A payload or output goes inline as JSON text when it is under %(item)s
+-- bytes and the inline ones so far, this run's included, stay within %(budget)s; any other one is
+-- only flagged (the client fetches it by reference). Metadata and the cut error always go inline:
+-- the answer ends before the run that takes it past %(answer)s bytes (the first run is always in
+-- it; the client asks again for the rest). Sizes are measured a run at a time; payloads and
+-- outputs no more once the inline budget or %(work)s bytes of measuring are spent (the runs after
+-- send theirs by reference); a value stored in %(item)s bytes or more (compressed) is never turned
+-- into text to be measured. A run that is not there takes no bytes and comes back without an id.
 WITH RECURSIVE wanted AS MATERIALIZED (
     SELECT i.id, i.ord FROM unnest(%(ids)s::text[]) WITH ORDINALITY AS i(id, ord)
 ), walk AS (
-    SELECT w.ord, m.pb, m.ob, """ + _INLINE + """ AS inline, coalesce(m.pb, 0) + coalesce(m.ob, 0) AS work
-    FROM wanted w LEFT JOIN LATERAL (""" + _MEASURE + """) m ON true
+    SELECT w.ord, m.pb, m.ob, """ + _INLINE + """ AS inline, coalesce(m.pb, 0) + coalesce(m.ob, 0) AS work,
+           """ + _INLINE + """ + coalesce(m.fb, 0) AS total
+    FROM wanted w LEFT JOIN LATERAL (""" + _MEASURE.format(go="true") + """) m ON true
     WHERE w.ord = 1
     UNION ALL
-    SELECT w.ord, m.pb, m.ob, k.inline + """ + _INLINE + """, k.work + coalesce(m.pb, 0) + coalesce(m.ob, 0)
+    SELECT w.ord, m.pb, m.ob, k.inline + """ + _INLINE + """, k.work + coalesce(m.pb, 0) + coalesce(m.ob, 0),
+           k.total + """ + _INLINE + """ + coalesce(m.fb, 0)
     FROM walk k JOIN wanted w ON w.ord = k.ord + 1
-    LEFT JOIN LATERAL (""" + _MEASURE + """) m ON true
-    WHERE k.inline <= %(budget)s AND k.work <= %(work)s
+    LEFT JOIN LATERAL (""" + _MEASURE.format(go="k.inline <= %(budget)s AND k.work <= %(work)s") + """) m ON true
+    WHERE k.total <= %(answer)s
 )
 SELECT r.id,
        CASE WHEN k.inline <= %(budget)s AND k.pb < %(item)s THEN r.payload::text END, r.payload IS NOT NULL,
@@ -368,10 +380,12 @@ SELECT r.id,
            'name', left(r.error ->> 'name', 256), 'type', left(r.error ->> 'type', 256),
            'message', left(r.error ->> 'message', %(chars)s),
            'stackTrace', left(r.error ->> 'stackTrace', %(chars)s))
-       END
-FROM wanted w JOIN task_run r ON r.id = w.id AND r.environment_id = %(env)s
-LEFT JOIN walk k ON k.ord = w.ord
-ORDER BY w.ord
+       END,
+       k.work
+FROM walk k JOIN wanted w ON w.ord = k.ord
+LEFT JOIN task_run r ON r.id = w.id AND r.environment_id = %(env)s
+WHERE k.ord = 1 OR k.total <= %(answer)s
+ORDER BY k.ord
 """
 
 
@@ -864,21 +878,25 @@ class RunRepository:
                               "ORDER BY created_at DESC, id DESC LIMIT %(limit)s", params)
             return [run_row(r) for r in await cur.fetchall()]
 
-    async def run_packets(self, env_id: str, run_ids: Sequence[str], *, item_bytes: int,
-                          budget_bytes: int) -> dict[str, RunPackets]:
-        """The payload, output, metadata and error of the environment's runs among ``run_ids``,
-        for a realtime answer bounded in bytes: a payload or output inline when it is under
-        ``item_bytes`` and the inline ones so far (in the order of ``run_ids``) stay within
-        ``budget_bytes``, else flagged as stored (sizes measured until the budget, or four times it
-        of measuring, is spent); metadata whole (bounded by its own limit); the error's message and
-        stack cut to :data:`SHAPE_ERROR_CHARS`. A run that is not there is left out."""
+    async def run_packets(self, env_id: str, run_ids: Sequence[str], *, item_bytes: int, budget_bytes: int,
+                          answer_bytes: int) -> tuple[dict[str, RunPackets], int]:
+        """The payload, output, metadata and error of the environment's first runs among
+        ``run_ids`` (in that order) that one realtime answer of ``answer_bytes`` holds, by id, and
+        how many of ``run_ids`` that is (one at least; a run that is not there counts, without
+        packets). A payload or output inline when it is under ``item_bytes`` and the inline ones so
+        far stay within ``budget_bytes``, else flagged as stored (sizes measured until the budget,
+        or four times it of measuring, is spent); metadata whole (bounded by its own limit); the
+        error's message and stack cut to :data:`SHAPE_ERROR_CHARS`."""
+        if not run_ids:
+            return {}, 0
         async with self.pool.connection() as conn:
             cur = await conn.execute(_RUN_PACKETS, {"ids": list(run_ids), "env": env_id, "item": item_bytes,
                                                     "budget": budget_bytes, "work": 4 * budget_bytes,
-                                                    "chars": SHAPE_ERROR_CHARS})
+                                                    "answer": answer_bytes, "chars": SHAPE_ERROR_CHARS})
+            rows = await cur.fetchall()
             return {r[0]: RunPackets(payload=r[1], payload_stored=r[1] is None and r[2], output=r[3],
                                      output_stored=r[3] is None and r[4], metadata=r[5], error=r[6])
-                    for r in await cur.fetchall()}
+                    for r in rows if r[0] is not None}, len(rows)
 
     async def packet_text(self, env_id: str, run_id: str, field: str) -> str | None:
         """The run's payload or output (``field``) as JSON text; None when it has none (or no such

@@ -149,6 +149,8 @@ def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
     large = v["subscribeToRunsWithTag.largePackets"]  # sent by reference, fetched whole by the SDK
     assert large == {"id": large["id"], "status": "COMPLETED", "payloadLength": 200 * 1024,
                      "outputLength": 200 * 1024, "sentAs": ["application/store", "application/store"]}
+    meta = v["subscribeToRunsWithTag.largeMetadata"]  # 10 MB of metadata: in two answers, every run whole
+    assert meta["runs"] == meta["whole"] == 40 and 0 < meta["firstAnswer"] < 40 and meta["firstUpToDate"] is False
     once = v["auth.createTriggerPublicToken"]
     assert once["id"].startswith("run_") and once["again"] == 401  # one-time use
     many = v["auth.createTriggerPublicToken.multipleUse"]

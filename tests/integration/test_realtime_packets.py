@@ -54,7 +54,7 @@ async def test_a_tag_shape_sends_small_packets_inline_within_its_budget_and_the_
     ids = await trigger(h, [*small, big, None], ["shape"])
     got = values(await client.get("/realtime/v1/runs", params={"tags": "shape", "offset": "-1"}))
     assert set(got) == set(ids)  # every run, whatever its size: a live shape never leaves one out
-    sent_in = [got[i] for i in await newest_first(h)]  # the answer's order: newest first
+    sent_in = [got[i] for i in await newest_first(h)]
     inline = [v for v in sent_in if v["payloadType"] == "application/json" and v["payload"] is not None]
     stored = [v for v in sent_in if v["payloadType"] == shape_stream.STORE]
     assert sum(len(v["payload"]) for v in inline) <= BUDGET and len(inline) == 4
@@ -154,14 +154,66 @@ def plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
 
 async def test_sizes_are_measured_only_until_the_budget_is_spent(h: Harness) -> None:
     """Thirty runs whose 20 kB payloads compress to a few hundred bytes: each one measured means
-    turning it into text; the walk stops once four times the answer's budget was measured."""
+    turning it into text; measuring stops once four times the answer's inline budget was measured
+    (the runs are all in the answer still, their payloads by reference)."""
     ids = await trigger(h, ["c" * 20_000 for _ in range(30)], ["walk"])
     params = {"ids": ids, "env": h.env.env_id, "item": 1000, "budget": 10_000, "work": 40_000,
-              "chars": SHAPE_ERROR_CHARS}
+              "answer": 100_000, "chars": SHAPE_ERROR_CHARS}
     async with h.engine.resources.repo.pool.connection() as conn:
-        cur = await conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + _RUN_PACKETS, params)
-        plan = (await cur.fetchone())[0][0]["Plan"]  # type: ignore[index]
         rows = await (await conn.execute(_RUN_PACKETS, params)).fetchall()
-    walked = [n for n in plan_nodes(plan) if n["Node Type"] == "Recursive Union"]
-    assert [n["Actual Rows"] for n in walked] == [2]  # 20,002 + 20,002 > 40,000: no more measured
-    assert len(rows) == 30 and all(r[1] is None and r[2] for r in rows)  # every one by reference
+    assert [r[0] for r in rows] == ids and all(r[1] is None and r[2] for r in rows)  # every one by reference
+    assert [r[-1] for r in rows] == [20_002, 40_004] + [40_004] * 28  # 40,004 > 40,000: no more measured
+
+
+async def test_an_answer_ends_where_metadata_and_errors_fill_it_and_the_next_one_goes_on(
+        h: Harness, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metadata has no reference the SDK could fetch: fifty runs of 300 bytes of metadata each in
+    answers of 2,000 bytes go six at a time, each answer without up-to-date and with an offset that
+    names the last run sent, until the last one; every run sent once, in order of its change."""
+    monkeypatch.setattr(shape_stream, "ANSWER_BYTES", 2000)
+    ids = await trigger(h, [{"n": i} for i in range(50)], ["meta"])
+    for run_id in ids:
+        await h.engine.set_metadata(h.env.env_id, run_id, {"m": "x" * 290})
+    offset, seen, answers = "-1", [], 0
+    while True:
+        answer = await client.get("/realtime/v1/runs", params={"tags": "meta", "offset": offset})
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        sent = [m["value"] for m in body if "value" in m]
+        assert sum(len(v["metadata"]) for v in sent) <= 2000 or len(sent) == 1
+        assert all(orjson.loads(v["metadata"]) == {"m": "x" * 290} for v in sent)
+        seen += [v["id"] for v in sent]
+        answers += 1
+        offset = answer.headers["electric-offset"]
+        if body[-1] == shape_stream.UP_TO_DATE:
+            break
+        assert len(offset.split("_")) == 3 and sent[-1]["id"].endswith(offset.split("_")[2])
+        assert answers < 20
+    assert sorted(seen) == sorted(ids) and len(seen) == 50 and answers == 9
+    changed = sorted(await h.engine.list_runs(h.env.env_id, tags=["meta"], limit=100, light=True),
+                     key=lambda r: (r.updated_at, r.id))
+    assert seen == [r.id for r in changed]
+    # live from there: a run changes; it comes as an update (with the runs changed within a moment
+    # before the offset, sent again in parts: a change may have committed late among them)
+    await h.engine.set_metadata(h.env.env_id, ids[7], {"m": "y"})
+    updates: dict[str, dict[str, Any]] = {}
+    for _ in range(20):
+        live = await client.get("/realtime/v1/runs", params={"tags": "meta", "offset": offset, "live": "true"})
+        assert live.status_code == 200, live.text
+        changes = [m for m in live.json() if "value" in m]
+        assert all(m["headers"]["operation"] == "update" for m in changes)
+        updates.update((m["value"]["id"], m["value"]) for m in changes)
+        offset = live.headers["electric-offset"]
+        if live.json()[-1] == shape_stream.UP_TO_DATE:
+            break
+    assert live.json()[-1] == shape_stream.UP_TO_DATE and "electric-up-to-date" in live.headers
+    assert orjson.loads(updates[ids[7]]["metadata"]) == {"m": "y"}
+
+
+@pytest.mark.parametrize("offset", ["1_2_run_x", "1_2_X", "1_2_~", "1_2_a_3", "1_2_~_3_~", "1_2_a_b_c",
+                                    "1_2_" + "a" * 200, "99999999999999999999_1"])
+async def test_an_offset_this_server_never_answered_with_is_refused(h: Harness, client: httpx.AsyncClient,
+                                                                     offset: str) -> None:
+    await trigger(h, [1], ["odd"])
+    answer = await client.get("/realtime/v1/runs", params={"tags": "odd", "offset": offset})
+    assert answer.status_code == 400 and "offset" in answer.json()["error"]["message"], answer.text

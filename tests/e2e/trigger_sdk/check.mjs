@@ -169,6 +169,24 @@ await step("subscribeToRunsWithTag.largePackets", async () => {
            outputLength: last && last.output && last.output.payload.text.length,
            sentAs: [row.payloadType, row.outputType] };
 });
+// metadata has no reference the SDK could fetch: forty runs of 250 KiB each are more than one
+// realtime answer holds (8 MiB), so the shape sends them in two answers, the first without
+// up-to-date; the SDK asks for the rest at once and yields every run whole
+await step("subscribeToRunsWithTag.largeMetadata", async () => {
+  const tag = `meta-${Date.now()}`;
+  const c = apiClientManager.clientOrThrow();
+  const made = await tasks.batchTrigger("echo", Array.from({ length: 40 }, (_, i) => ({ payload: { i }, options: { tags: [tag] } })));
+  const ids = (await (await fetch(`${c.baseUrl}/api/v1/batches/${made.batchId}`,
+    { headers: { Authorization: `Bearer ${process.env.TRIGGER_SECRET_KEY}` } })).json()).runs;
+  for (const id of ids) await c.updateRunMetadata(id, { metadata: { text: "m".repeat(250 * 1024) } });
+  const full = (s) => new Set(s.filter((r) => r.metadata && r.metadata.text && r.metadata.text.length === 250 * 1024).map((r) => r.id));
+  const seen = await follow(runs.subscribeToRunsWithTag(tag), (s) => full(s).size === ids.length);
+  const first = await fetch(`${c.baseUrl}/realtime/v1/runs?tags=${tag}&offset=-1`,
+    { headers: { Authorization: `Bearer ${process.env.TRIGGER_SECRET_KEY}` } });
+  const body = await first.json();
+  return { runs: ids.length, whole: full(seen).size, firstAnswer: body.filter((m) => m.value).length,
+           firstUpToDate: body.some((m) => m.headers && m.headers.control === "up-to-date") };
+});
 await step("auth.createTriggerPublicToken", async () => {
   const token = await auth.createTriggerPublicToken("echo");
   return await auth.withAuth({ accessToken: token }, async () => {
