@@ -21,7 +21,7 @@ from run_engine.db.repository import Repository
 from run_engine.db.runs import PAGE_BYTES, BatchView, RunPackets, RunRow, Snapshot
 from run_engine.db.schedules import Schedule
 from run_engine.db.tenancy import Environment, GroupListing, WorkerGroup, WorkerView
-from run_engine.db.waitpoints import JournalEntry, Waitpoint
+from run_engine.db.waitpoints import BatchRecord, JournalEntry, Waitpoint
 from run_engine.errors import NotFoundError
 from run_engine.events import EventBus, RunEvent
 from run_engine.ids import new_id
@@ -49,7 +49,7 @@ __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun",
            "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
            "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
-           "GroupListing", "RunPackets", "UploadedPacket", "PACKET_TTL_S",
+           "GroupListing", "RunPackets", "UploadedPacket", "BatchRecord", "PACKET_TTL_S",
            "PACKET_BYTES_PER_ENV"]
 
 #: how long a packet uploaded for a trigger is kept (the trigger reads it at once; a retried one later)
@@ -157,6 +157,10 @@ class RunEngine:
     async def batch_size(self, env_id: str, batch_id: str) -> int | None:
         """The expected size of an opened batch of the environment; None when there is none."""
         return await self.resources.repo.waitpoints.batch_size(batch_id, env_id)
+
+    async def batch_record(self, env_id: str, batch_id: str) -> BatchRecord | None:
+        """The environment's batch as it was made (expected size, idempotency key, parent run)."""
+        return await self.resources.repo.waitpoints.batch_record(batch_id, env_id)
 
     async def note_batch_items(self, batch_id: str, indexes: Sequence[int]) -> int:
         """Record the triggered items of a two-phase batch; how many of its indexes have been."""

@@ -210,18 +210,54 @@ async def batch_trigger_v2(request: Request) -> Response:
 async def get_batch(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True, public=True)
-    batch_id = request.path_params["batch_id"]
-    if not allows(auth.scopes, "read:all", "read:runs", f"read:batch:{batch_id}"):
-        raise forbidden()
-    runs = (await ctx.engine.list_runs(auth.env_id, batches=[batch_id], limit=1000, light=True)
-            if looks_like_id(batch_id, "batch") else [])
+    batch_id, runs = await _batch_runs(ctx, auth, request)
     if not runs:
         raise ApiError(404, "not_found", "batch not found")
-    if auth.run_id is not None and any(r.parent_run_id != auth.run_id for r in runs):
-        raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     done = all(RunStatus(r.status) in FINAL_RUN_STATUSES for r in runs)
     return json_response({"id": batch_id, "status": "COMPLETED" if done else "PENDING", "runCount": len(runs),
                           "runs": [r.id for r in reversed(runs)]})
+
+
+@operation("Get a batch, as Trigger.dev's SDK's batch.retrieve reads it", S.BatchV2, security="anyToken")
+async def get_batch_v2(request: Request) -> Response:
+    ctx = ctx_of(request)
+    auth = await ctx.env_auth(request, run_token=True, public=True)
+    batch_id, runs = await _batch_runs(ctx, auth, request)
+    made = await ctx.engine.batch_record(auth.env_id, batch_id)
+    if made is None and not runs:
+        raise ApiError(404, "not_found", "batch not found")
+    if auth.run_id is not None and not runs and made is not None and made.parent_run_id != auth.run_id:
+        raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
+    size = max(made.size if made else 0, len(runs))
+    # a two-phase batch whose items are still being sent (one made in one request has its runs;
+    # an item that joined another batch's run by its idempotency key counts as sent, not as a run)
+    if made is not None and made.items_seen < made.size and (made.items_seen or not runs):
+        status = "PROCESSING"
+    else:
+        status = "COMPLETED" if all(RunStatus(r.status) in FINAL_RUN_STATUSES for r in runs) else "PENDING"
+    created = made.created_at if made else min(r.created_at for r in runs)
+    out: dict[str, Any] = {
+        "id": batch_id, "status": status, "createdAt": iso(created),
+        "updatedAt": iso(max([created, *(r.updated_at for r in runs)])), "runCount": size,
+        "runs": [r.id for r in reversed(runs)],
+        # an item that cannot be triggered fails its request (400) and is never part of a batch
+        "processing": {"errors": []}}
+    if made is not None and made.idempotency_key is not None:
+        out["idempotencyKey"] = made.idempotency_key
+    return json_response(out)
+
+
+async def _batch_runs(ctx: ApiContext, auth: EnvAuth, request: Request) -> tuple[str, list[RunRow]]:
+    """The batch's id and its runs (newest first, light), for a caller allowed to read them."""
+    batch_id = request.path_params["batch_id"]
+    if not allows(auth.scopes, "read:all", "read:runs", f"read:batch:{batch_id}"):
+        raise forbidden()
+    if not looks_like_id(batch_id, "batch"):
+        raise ApiError(404, "not_found", "batch not found")
+    runs = await ctx.engine.list_runs(auth.env_id, batches=[batch_id], limit=1000, light=True)
+    if auth.run_id is not None and any(r.parent_run_id != auth.run_id for r in runs):
+        raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
+    return batch_id, runs
 
 
 async def _own_run(ctx: ApiContext, auth: EnvAuth, run_id: str) -> RunRow:
@@ -520,6 +556,7 @@ ROUTES = [
     Route("/api/v2/tasks/batch", batch_trigger_v2, methods=["POST"]),
     Route("/api/v1/tasks/{task_id}/trigger", trigger, methods=["POST"]),
     Route("/api/v1/batches/{batch_id}", get_batch, methods=["GET"]),
+    Route("/api/v2/batches/{batch_id}", get_batch_v2, methods=["GET"]),
     Route("/api/v3/runs/{run_id}", get_run, methods=["GET"]),
     Route("/api/v1/runs", list_runs, methods=["GET"]),
     Route("/api/v2/runs/{run_id}/cancel", cancel_run, methods=["POST"]),

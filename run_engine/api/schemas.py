@@ -146,6 +146,21 @@ class Batch(_Out):
     runs: list[str]
 
 
+class BatchProcessing(_Out):
+    errors: list[dict[str, Any]]
+
+
+class BatchV2(_Out):
+    id: str
+    status: Literal["PENDING", "PROCESSING", "COMPLETED"]
+    idempotencyKey: str | None = None
+    createdAt: str
+    updatedAt: str
+    runCount: int
+    runs: list[str]
+    processing: BatchProcessing
+
+
 class RunId(_Out):
     id: str
 

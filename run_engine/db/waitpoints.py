@@ -837,6 +837,16 @@ class WaitpointRepository:
             row = await cur.fetchone()
             return None if row is None else int(row[0])
 
+    async def batch_record(self, batch_id: str, env_id: str) -> BatchRecord | None:
+        """The environment's batch as it was opened (or triggered in one request), or None."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT size, cardinality(items_seen) AS items_seen, idempotency_key, parent_run_id, "
+                              "created_at FROM batch_task_run WHERE id = %s AND environment_id = %s",
+                              (batch_id, env_id))
+            row = await cur.fetchone()
+            return None if row is None else BatchRecord(**row)
+
     async def note_batch_items(self, batch_id: str, indexes: Sequence[int]) -> int:
         """Record that the items at ``indexes`` of a two-phase batch were triggered; how many of its
         indexes have been, with these."""
@@ -852,6 +862,18 @@ class WaitpointRepository:
             await conn.execute(
                 "INSERT INTO batch_task_run (id, environment_id, size, parent_run_id) VALUES (%s, %s, %s, %s)",
                 (batch_id, env_id, size, parent_run_id))
+
+
+@record
+class BatchRecord:
+    """A batch's own row: the runs it will have (``size``), how many of its items a two-phase
+    batch has been sent (0 for a batch made in one request), its idempotency key, the run that
+    triggered it (a run's batchTriggerAndWait), when it was made."""
+    size: int
+    items_seen: int
+    idempotency_key: str | None
+    parent_run_id: str | None
+    created_at: datetime
 
 
 def _first_int(row: tuple[Any, ...] | None) -> int:

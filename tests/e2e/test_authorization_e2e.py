@@ -61,6 +61,7 @@ ROUTES = [
           public=True),
     Route("POST", "/api/v1/tasks/{task_id}/trigger", {"payload": 1}, "scoped", targets=False, public=True),
     Route("GET", "/api/v1/batches/{batch_id}", run_token="own", public=True),
+    Route("GET", "/api/v2/batches/{batch_id}", run_token="own", public=True),
     Route("GET", "/api/v3/runs/{run_id}", run_token="own", public=True),
     Route("GET", "/api/v1/runs", targets=False),
     Route("POST", "/api/v2/runs/{run_id}/cancel"),
@@ -377,6 +378,8 @@ def test_a_run_token_acts_for_its_own_run_only(stack: Stack, victim: Victim) -> 
     batch = _call(stack, key, "POST", "/api/v1/tasks/batch", {"items": [{"task": "echo", "payload": 1}]}).json()
     assert _call(stack, key, "GET", f"/api/v1/batches/{batch['id']}").status_code == 200
     assert _call(stack, key, "GET", f"/api/v1/batches/{v.ids['batch_id']}").status_code == 403  # not its children
+    assert _call(stack, key, "GET", f"/api/v2/batches/{batch['id']}").status_code == 200
+    assert _call(stack, key, "GET", f"/api/v2/batches/{v.ids['batch_id']}").status_code == 403
     other = _call(stack, key, "POST", "/api/v1/tasks/echo/trigger", {"payload": 1, "options": {
         "parentRunId": v.ids["run_id"].replace("run_", "run_x")}})
     assert other.status_code == 403

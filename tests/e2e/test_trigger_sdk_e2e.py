@@ -140,6 +140,10 @@ def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
     assert tagged["retrieve"] == tagged["tagged"] and tagged["untagged"] == 403
     batch_seen = v["subscribeToBatch"]  # the batch's own token follows its runs to the end
     assert len(batch_seen["ids"]) == 2 and batch_seen["completed"] == 2
+    retrieved = v["batch.retrieve"]  # the SDK's batch.retrieve (GET /api/v2/batches/{id}), parsed by its schema
+    assert retrieved["id"] is True and retrieved["runCount"] == retrieved["runs"] == 2
+    assert retrieved["status"] in ("PENDING", "COMPLETED") and retrieved["createdAt"] is True
+    assert retrieved["errors"] == []
     uploaded = v["tasks.trigger.largePayload"]  # uploaded by the SDK, then named by the trigger
     assert uploaded["status"] == "COMPLETED" and uploaded["length"] == 150 * 1024 and uploaded["batchRuns"] == 2
     assert uploaded["when"] == "1970-01-01T00:00:00.000Z"  # superjson decoded, as an inline payload is

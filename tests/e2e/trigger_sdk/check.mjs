@@ -141,6 +141,12 @@ await step("subscribeToBatch", async () => {
              completed: [...new Set(seen.filter((r) => r.status === "COMPLETED").map((r) => r.id))].length };
   });
 });
+await step("batch.retrieve", async () => {
+  const b = await tasks.batchTrigger("echo", [{ payload: { r: 1 } }, { payload: { r: 2 } }]);
+  const got = await batch.retrieve(b.batchId);
+  return { id: got.id === b.batchId, status: got.status, runCount: got.runCount, runs: got.runs.length,
+           createdAt: got.createdAt instanceof Date, errors: got.processing.errors };
+});
 // a payload of 128 KiB or more: the SDK uploads it first (PUT /api/v2/packets, then the URL) and
 // triggers with its storage path ("application/store"); a batch item likewise
 await step("tasks.trigger.largePayload", async () => {
@@ -176,8 +182,7 @@ await step("subscribeToRunsWithTag.largeMetadata", async () => {
   const tag = `meta-${Date.now()}`;
   const c = apiClientManager.clientOrThrow();
   const made = await tasks.batchTrigger("echo", Array.from({ length: 40 }, (_, i) => ({ payload: { i }, options: { tags: [tag] } })));
-  const ids = (await (await fetch(`${c.baseUrl}/api/v1/batches/${made.batchId}`,
-    { headers: { Authorization: `Bearer ${process.env.TRIGGER_SECRET_KEY}` } })).json()).runs;
+  const ids = (await batch.retrieve(made.batchId)).runs;
   for (const id of ids) await c.updateRunMetadata(id, { metadata: { text: "m".repeat(250 * 1024) } });
   const full = (s) => new Set(s.filter((r) => r.metadata && r.metadata.text && r.metadata.text.length === 250 * 1024).map((r) => r.id));
   const seen = await follow(runs.subscribeToRunsWithTag(tag), (s) => full(s).size === ids.length);

@@ -1,0 +1,68 @@
+"""`GET /api/v2/batches/{batchId}`, what Trigger.dev's SDK's `batch.retrieve` reads: a batch made in
+one request, a two-phase batch while its items are sent and once sealed, and nobody else's."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+
+from run_engine.tenancy import ensure_environment
+
+from .conftest import Harness
+
+NDJSON = {"Content-Type": "application/x-ndjson"}
+
+
+async def test_a_batch_made_in_one_request(h: Harness, api: httpx.AsyncClient) -> None:
+    made = await api.post("/api/v1/tasks/batch", json={"items": [{"task": "hello", "payload": {"i": i}}
+                                                                 for i in range(3)]})
+    assert made.status_code == 200, made.text
+    batch_id = made.json()["id"]
+    got = (await api.get(f"/api/v2/batches/{batch_id}")).json()
+    assert got["id"] == batch_id and got["status"] == "PENDING" and got["runCount"] == 3
+    assert sorted(got["runs"]) == sorted(r["id"] for r in made.json()["runs"])
+    assert got["processing"] == {"errors": []} and "idempotencyKey" not in got
+    assert got["createdAt"].endswith("Z") and got["updatedAt"] >= got["createdAt"]
+    assert (await api.get(f"/api/v1/batches/{batch_id}")).json()["runs"] == got["runs"]  # the same order
+
+    for run_id in got["runs"]:
+        await h.engine.cancel(run_id)
+    assert (await api.get(f"/api/v2/batches/{batch_id}")).json()["status"] == "COMPLETED"  # every run final
+
+
+async def test_a_two_phase_batch_is_processing_until_every_item_was_sent(h: Harness, api: httpx.AsyncClient) -> None:
+    opened = (await api.post("/api/v3/batches", json={"runCount": 3, "idempotencyKey": "k-1"})).json()
+    empty = (await api.get(f"/api/v2/batches/{opened['id']}")).json()
+    assert empty["status"] == "PROCESSING" and empty["runs"] == [] and empty["runCount"] == 3
+    assert empty["idempotencyKey"] == "k-1"
+    assert (await api.get(f"/api/v1/batches/{opened['id']}")).status_code == 404  # v1: a batch is its runs
+
+    def items(*indexes: int) -> bytes:
+        return b"\n".join(orjson.dumps({"index": i, "task": "hello", "payload": {"i": i}}) for i in indexes)
+
+    await api.post(f"/api/v3/batches/{opened['id']}/items", content=items(0), headers=NDJSON)
+    part = (await api.get(f"/api/v2/batches/{opened['id']}")).json()
+    assert part["status"] == "PROCESSING" and len(part["runs"]) == 1
+    elsewhere = (await api.post("/api/v1/tasks/hello/trigger",
+                                json={"payload": 1, "options": {"idempotencyKey": "other-run"}})).json()["id"]
+    joined = orjson.dumps({"index": 2, "task": "hello", "payload": 2, "options": {"idempotencyKey": "other-run"}})
+    await api.post(f"/api/v3/batches/{opened['id']}/items", content=items(1) + b"\n" + joined, headers=NDJSON)
+    sealed = (await api.get(f"/api/v2/batches/{opened['id']}")).json()
+    assert sealed["status"] == "PENDING" and len(sealed["runs"]) == 2 and elsewhere not in sealed["runs"]
+    assert sealed["runCount"] == 3
+
+
+async def test_a_batch_is_its_environments_only(h: Harness, api: httpx.AsyncClient) -> None:
+    opened = (await api.post("/api/v3/batches", json={"runCount": 2})).json()
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org="other-org", project="p",
+                                     env="dev")
+    theirs = await api.get(f"/api/v2/batches/{opened['id']}", headers={"Authorization": f"Bearer {other.api_key}"})
+    assert theirs.status_code == 404
+    for missing in ("batch_aaaaaaaaaaaaaaaaaaaaaaaa", "nope", "batch_%00"):
+        assert (await api.get(f"/api/v2/batches/{missing}")).status_code in (400, 404), missing
+    scoped = (await api.post("/api/v1/auth/public-tokens", json={"scopes": ["read:batch:batch_other"]})).json()
+    denied = await api.get(f"/api/v2/batches/{opened['id']}", headers={"Authorization": f"Bearer {scoped['token']}"})
+    assert denied.status_code == 403
+    allowed = (await api.post("/api/v1/auth/public-tokens", json={"scopes": [f"read:batch:{opened['id']}"]})).json()
+    assert (await api.get(f"/api/v2/batches/{opened['id']}",
+                          headers={"Authorization": f"Bearer {allowed['token']}"})).status_code == 200
