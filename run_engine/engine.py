@@ -158,6 +158,10 @@ class RunEngine:
         """The expected size of an opened batch of the environment; None when there is none."""
         return await self.resources.repo.waitpoints.batch_size(batch_id, env_id)
 
+    async def reset_idempotency_key(self, env_id: str, task_id: str, key: str) -> bool:
+        """Free an idempotency key of the task before its TTL; False when no run holds it."""
+        return await self.resources.repo.runs.reset_idempotency_key(env_id, task_id, key) > 0
+
     async def batch_record(self, env_id: str, batch_id: str) -> BatchRecord | None:
         """The environment's batch as it was made (expected size, idempotency key, parent run)."""
         return await self.resources.repo.waitpoints.batch_record(batch_id, env_id)

@@ -14,6 +14,7 @@ from run_engine.api import (
     auth,
     batches,
     bulk,
+    idempotency,
     metrics,
     packets,
     public,
@@ -78,8 +79,8 @@ def routes() -> list[BaseRoute]:
     # bulk before public: POST /api/v1/runs/bulk/replay would otherwise be a replay of run "bulk"
     return [Route("/", index), Route("/healthz", healthz), Route("/openapi.json", openapi), *bulk.ROUTES,
             *public.ROUTES, *batches.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *packets.ROUTES,
-            *uploads.ROUTES, *realtime_shapes.ROUTES, *auth.ROUTES, *worker_groups.ROUTES, *worker.ROUTES,
-            *metrics.ROUTES]
+            *uploads.ROUTES, *idempotency.ROUTES, *realtime_shapes.ROUTES, *auth.ROUTES, *worker_groups.ROUTES,
+            *worker.ROUTES, *metrics.ROUTES]
 
 
 def create_app(ctx: ApiContext) -> Starlette:

@@ -228,6 +228,11 @@ class BatchItem(_Body):
     options: TriggerOptions | None = None
 
 
+class ResetIdempotencyKeyBody(_Body):
+    """``POST /api/v1/idempotencyKeys/{key}/reset`` (the SDK's ``idempotencyKeys.reset``)."""
+    taskIdentifier: str = Field(min_length=1, max_length=128)
+
+
 class OpenBatchBody(_Body):
     """Trigger.dev's two-phase batch, phase 1 (``POST /api/v3/batches``)."""
     runCount: int = Field(ge=1, le=1000)

@@ -161,6 +161,10 @@ class BatchV2(_Out):
     processing: BatchProcessing
 
 
+class ResetIdempotencyKey(_Out):
+    id: str
+
+
 class RunId(_Out):
     id: str
 

@@ -670,6 +670,15 @@ class RunRepository:
                      AND r.idempotency_key_expires_at <= %s""",
                 ([t for t, _ in keys], [k for _, k in keys], env_id, now))
 
+    async def reset_idempotency_key(self, env_id: str, task_id: str, key: str) -> int:
+        """Free the task's idempotency key in the environment whatever its TTL (the SDK's
+        ``idempotencyKeys.reset``): the next trigger with it makes a new run. How many runs held it."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE task_run SET idempotency_key = NULL, idempotency_key_expires_at = NULL "
+                "WHERE environment_id = %s AND task_identifier = %s AND idempotency_key = %s", (env_id, task_id, key))
+            return cur.rowcount
+
     async def runs_by_idempotency_key(self, env_id: str, keys: Sequence[tuple[str, str]],
                                       held_at: datetime | None = None) -> dict[tuple[str, str], RunRow]:
         """The runs holding these (task, key) pairs; with ``held_at``, only keys not expired then."""

@@ -144,6 +144,7 @@ def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
     assert retrieved["id"] is True and retrieved["runCount"] == retrieved["runs"] == 2
     assert retrieved["status"] in ("PENDING", "COMPLETED") and retrieved["createdAt"] is True
     assert retrieved["errors"] == []
+    assert v["idempotencyKeys.reset"] == {"same": True, "fresh": True, "reset": True}  # a new run after the reset
     uploaded = v["tasks.trigger.largePayload"]  # uploaded by the SDK, then named by the trigger
     assert uploaded["status"] == "COMPLETED" and uploaded["length"] == 150 * 1024 and uploaded["batchRuns"] == 2
     assert uploaded["when"] == "1970-01-01T00:00:00.000Z"  # superjson decoded, as an inline payload is

@@ -1,7 +1,7 @@
 // Run by tests/e2e/test_trigger_sdk_e2e.py with TRIGGER_API_URL and TRIGGER_SECRET_KEY set.
 // Each management call of @trigger.dev/sdk against a run-engine server; prints one JSON object:
 // {call: {ok, value?, error?}}. The Python test reads it and checks the values.
-import { configure, tasks, runs, wait, queues, schedules, batch, auth } from "@trigger.dev/sdk";
+import { configure, tasks, runs, wait, queues, schedules, batch, auth, idempotencyKeys } from "@trigger.dev/sdk";
 import { apiClientManager } from "@trigger.dev/core/v3";
 
 configure({ baseURL: process.env.TRIGGER_API_URL, accessToken: process.env.TRIGGER_SECRET_KEY });
@@ -146,6 +146,14 @@ await step("batch.retrieve", async () => {
   const got = await batch.retrieve(b.batchId);
   return { id: got.id === b.batchId, status: got.status, runCount: got.runCount, runs: got.runs.length,
            createdAt: got.createdAt instanceof Date, errors: got.processing.errors };
+});
+await step("idempotencyKeys.reset", async () => {
+  const key = await idempotencyKeys.create(`reset-${Date.now()}`);
+  const a = await tasks.trigger("echo", { k: 1 }, { idempotencyKey: key });
+  const b = await tasks.trigger("echo", { k: 2 }, { idempotencyKey: key });
+  const reset = await idempotencyKeys.reset("echo", key);
+  const c = await tasks.trigger("echo", { k: 3 }, { idempotencyKey: key });
+  return { same: a.id === b.id, fresh: c.id !== a.id, reset: typeof reset.id === "string" };
 });
 // a payload of 128 KiB or more: the SDK uploads it first (PUT /api/v2/packets, then the URL) and
 // triggers with its storage path ("application/store"); a batch item likewise
