@@ -200,14 +200,24 @@ class RunEngine:
         return await self.trigger(replay_request(run))
 
     async def create_bulk_action(self, env_id: str, kind: str, run_filter: RunFilter,
-                                 idempotency_key: str | None = None) -> tuple[BulkAction, bool]:
+                                 idempotency_key: str | None = None, name: str | None = None,
+                                 ) -> tuple[BulkAction, bool]:
         """Cancel or replay (``kind``) every run matching ``run_filter``, a page at a time in the
         background; the same ``idempotency_key`` answers with the action it made before (and True)."""
-        return await self.systems.bulk_actions.create(env_id, kind, run_filter, idempotency_key)
+        return await self.systems.bulk_actions.create(env_id, kind, run_filter, idempotency_key, name)
 
     async def bulk_action(self, env_id: str, action_id: str) -> BulkAction | None:
         """An action of the environment with its progress."""
         return await self.systems.bulk_actions.get(env_id, action_id)
+
+    async def list_bulk_actions(self, env_id: str, limit: int,
+                                after: tuple[datetime, str] | None = None) -> list[BulkAction]:
+        """The environment's bulk actions, newest first."""
+        return await self.systems.bulk_actions.page(env_id, limit, after)
+
+    async def abort_bulk_action(self, env_id: str, action_id: str) -> BulkAction | None:
+        """Stop an action under way (ABORTED); the action as it is then, or None."""
+        return await self.systems.bulk_actions.abort(env_id, action_id)
 
     async def cancel(self, run_id: str) -> RunStatus:
         return await self.systems.cancel.cancel(run_id)

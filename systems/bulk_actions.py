@@ -38,12 +38,14 @@ PAGE = 100
 MAX_PENDING = 10  # bulk actions under way per environment
 CANCELS_AT_ONCE = 20  # of a page's runs
 KINDS = ("CANCEL", "REPLAY")
-FILTERS = ("statuses", "tasks", "tags", "queues", "batches")
+FILTERS = ("statuses", "tasks", "tags", "queues", "batches", "ids")
+MAX_IDS = 500  # runs named one by one in an action
 
 
 @dataclass(frozen=True, slots=True)
 class RunFilter:
-    """Runs of an environment: each list narrows (empty: any); created in [created_from, created_to)."""
+    """Runs of an environment: each list narrows (empty: any); created in [created_from, created_to);
+    ``ids``: only these runs."""
 
     statuses: tuple[str, ...] = ()
     tasks: tuple[str, ...] = ()
@@ -52,6 +54,7 @@ class RunFilter:
     batches: tuple[str, ...] = ()
     created_from: datetime | None = None
     created_to: datetime | None = None
+    ids: tuple[str, ...] = ()
 
     def stored(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: list(getattr(self, k)) for k in FILTERS if getattr(self, k)}
@@ -68,7 +71,7 @@ class RunFilter:
         return cls(statuses=tuple(data.get("statuses", ())), tasks=tuple(data.get("tasks", ())),
                    tags=tuple(data.get("tags", ())), queues=tuple(data.get("queues", ())),
                    batches=tuple(data.get("batches", ())), created_from=date("created_from"),
-                   created_to=date("created_to"))
+                   created_to=date("created_to"), ids=tuple(data.get("ids", ())))
 
 
 def replay_request(run: RunRow, idempotency_key: str | None = None) -> TriggerRequest:
@@ -88,17 +91,18 @@ class BulkActionsSystem:
         self.cancel = cancel
 
     async def create(self, env_id: str, kind: str, run_filter: RunFilter,
-                     idempotency_key: str | None = None) -> tuple[BulkAction, bool]:
+                     idempotency_key: str | None = None, name: str | None = None) -> tuple[BulkAction, bool]:
         """A new action (its first page starts at once), or the one ``idempotency_key`` made before."""
         if kind not in KINDS:
             raise ValidationError("kind", "must be CANCEL or REPLAY")
-        for name in FILTERS:
-            values = getattr(run_filter, name)
-            if len(values) > 100 or any(not v or len(v) > 256 for v in values):
-                raise ValidationError(name, "at most 100 values of 1..256 characters")
+        for field in FILTERS:
+            values = getattr(run_filter, field)
+            most = MAX_IDS if field == "ids" else 100
+            if len(values) > most or any(not v or len(v) > 256 for v in values):
+                raise ValidationError(field, f"at most {most} values of 1..256 characters")
         made, cached = await self.r.repo.bulk_actions.create(
             id=new_id("bulk"), env_id=env_id, kind=kind, filter=run_filter.stored(), idempotency_key=idempotency_key,
-            max_pending=MAX_PENDING)
+            max_pending=MAX_PENDING, name=name)
         if made is None:  # one tenant's actions must not fill the engine jobs every tenant needs
             raise TooManyError("bulk actions", MAX_PENDING)
         action = made
@@ -113,6 +117,16 @@ class BulkActionsSystem:
     async def get(self, env_id: str, action_id: str) -> BulkAction | None:
         return await self.r.repo.bulk_actions.get(action_id, env_id)
 
+    async def page(self, env_id: str, limit: int, after: tuple[datetime, str] | None = None) -> list[BulkAction]:
+        """The environment's actions, newest first, after ``after`` (created_at, id)."""
+        return await self.r.repo.bulk_actions.page(env_id, limit, after)
+
+    async def abort(self, env_id: str, action_id: str) -> BulkAction | None:
+        """Stop an action under way: no page after the one in hand (if any) is started, and that one's
+        counts are not added. The action as it is then (already finished: unchanged); None when
+        the environment has no such action."""
+        return await self.r.repo.bulk_actions.abort(action_id, env_id)
+
     async def run_page(self, action_id: str) -> bool:
         """Act on the next page of the action's runs; True when more remain (the job runs again)."""
         action = await self.r.repo.bulk_actions.get(action_id)
@@ -124,7 +138,7 @@ class BulkActionsSystem:
                  if action.cursor_created_at is not None and action.cursor_id is not None else None)
         filters: dict[str, Any] = {"statuses": f.statuses, "tasks": f.tasks, "tags": f.tags, "queues": f.queues,
                                    "batches": f.batches, "after": after, "created_from": f.created_from,
-                                   "created_to": created_to}
+                                   "created_to": created_to, "ids": f.ids}
         if action.kind == "CANCEL":  # a cancel reads no payload: light rows
             runs = await self.r.repo.runs.list_runs(action.env_id, limit=PAGE, light=True, **filters)
             succeeded, done = await self._cancel(action, runs), len(runs) < PAGE

@@ -14,6 +14,7 @@ from run_engine.api import (
     auth,
     batches,
     bulk,
+    bulk_actions,
     idempotency,
     metrics,
     packets,
@@ -78,6 +79,7 @@ def routes() -> list[BaseRoute]:
     """Every route the API serves (the OpenAPI document is built from them)."""
     # bulk before public: POST /api/v1/runs/bulk/replay would otherwise be a replay of run "bulk"
     return [Route("/", index), Route("/healthz", healthz), Route("/openapi.json", openapi), *bulk.ROUTES,
+            *bulk_actions.ROUTES,
             *public.ROUTES, *batches.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *packets.ROUTES,
             *uploads.ROUTES, *idempotency.ROUTES, *realtime_shapes.ROUTES, *auth.ROUTES, *worker_groups.ROUTES,
             *worker.ROUTES, *metrics.ROUTES]

@@ -49,7 +49,8 @@ def _filter(req: BulkBody) -> RunFilter:
             except ValueError as exc:
                 raise ApiError(400, "invalid_input", f"filter.createdAt.{name}: {exc}") from None
     run_filter = RunFilter(statuses=tuple(f.status or ()), tasks=tuple(f.taskIdentifier or ()), tags=tuple(f.tag or ()),
-                           queues=tuple(f.queue or ()), batches=tuple(f.batch or ()), **dates)
+                           queues=tuple(f.queue or ()), batches=tuple(f.batch or ()),
+                           created_from=dates.get("created_from"), created_to=dates.get("created_to"))
     if not run_filter.stored():
         raise ApiError(400, "invalid_input", "filter: name at least one of status, taskIdentifier, tag, queue, batch, "
                                              "createdAt (an empty filter would act on every run)")

@@ -273,6 +273,45 @@ class BulkBody(_Body):
     idempotencyKey: str | None = Field(default=None, min_length=1, max_length=256)
 
 
+class QueueRef(_Body):
+    """A queue as Trigger.dev's SDK names one in a filter: a task's own (``task``) or a custom one."""
+    type: Literal["task", "custom"]
+    name: str = Field(min_length=1, max_length=256)
+
+
+_Names = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class SdkBulkFilter(BaseModel):
+    """The filter of Trigger.dev's ``runs.bulk.cancel|replay``. Every key it may send is named
+    (anything else is refused); those run-engine cannot filter by are refused by the route, as
+    acting on more runs than asked would be worse than not acting."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    status: _Names | list[_Names] | None = None
+    taskIdentifier: _Names | list[_Names] | None = None
+    tag: _Names | list[_Names] | None = None
+    batch: _Names | None = None
+    queue: QueueRef | list[QueueRef] | None = None
+    from_: str | float | None = Field(default=None, alias="from")
+    to: str | float | None = None
+    period: str | None = Field(default=None, max_length=32)
+    version: Any = None
+    schedule: Any = None
+    isTest: Any = None
+    machine: Any = None
+    region: Any = None
+    bulkAction: Any = None
+
+
+class CreateBulkActionBody(_Body):
+    """``POST /api/v1/bulk-actions`` (Trigger.dev's ``runs.bulk.cancel|replay``): a filter or run ids."""
+    action: Literal["cancel", "replay"]
+    filter: SdkBulkFilter | None = None
+    runIds: list[_Names] | None = Field(default=None, min_length=1, max_length=500)
+    name: str | None = Field(default=None, max_length=255)
+    targetRegion: str | None = Field(default=None, max_length=256)
+
+
 class RescheduleBody(_Body):
     delay: float | int | str | datetime
 

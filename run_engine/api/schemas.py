@@ -113,7 +113,7 @@ class BatchTriggered(_Out):
 class BulkAction(_Out):
     id: str
     type: Literal["CANCEL", "REPLAY"]
-    status: Literal["PENDING", "COMPLETED"]
+    status: Literal["PENDING", "COMPLETED", "ABORTED"]
     processed: int
     succeeded: int
     filter: dict[str, Any]
@@ -163,6 +163,31 @@ class BatchV2(_Out):
 
 class ResetIdempotencyKey(_Out):
     id: str
+
+
+class BulkActionCreated(_Out):
+    id: str
+
+
+class BulkCounts(_Out):
+    total: int
+    success: int
+    failure: int
+
+
+class SdkBulkAction(_Out):
+    id: str
+    name: str | None = None
+    type: Literal["CANCEL", "REPLAY"]
+    status: Literal["PENDING", "COMPLETED", "ABORTED"]
+    counts: BulkCounts
+    createdAt: str
+    completedAt: str | None = None
+
+
+class SdkBulkActionPage(_Out):
+    data: list[SdkBulkAction]
+    pagination: dict[str, str]
 
 
 class RunId(_Out):

@@ -19,7 +19,7 @@ class BulkAction:
     env_id: str
     kind: str  # CANCEL or REPLAY
     filter: dict[str, Any]
-    status: str  # PENDING or COMPLETED
+    status: str  # PENDING, COMPLETED or ABORTED
     cursor_created_at: datetime | None
     cursor_id: str | None
     processed: int
@@ -27,6 +27,7 @@ class BulkAction:
     idempotency_key: str | None
     created_at: datetime
     completed_at: datetime | None
+    name: str | None = None
 
 
 class BulkActionRepository:
@@ -34,20 +35,21 @@ class BulkActionRepository:
         self.pool = pool
 
     async def create(self, *, id: str, env_id: str, kind: str, filter: dict[str, Any],
-                     idempotency_key: str | None, max_pending: int) -> tuple[BulkAction | None, bool]:
+                     idempotency_key: str | None, max_pending: int,
+                     name: str | None = None) -> tuple[BulkAction | None, bool]:
         """The new action, or the one the same idempotency key made before (and True); None when
         the environment has ``max_pending`` actions under way already (and nothing was made)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
-                """INSERT INTO bulk_action (id, environment_id, kind, filter, idempotency_key)
-                   SELECT %(id)s, %(env)s, %(kind)s, %(filter)s, %(key)s
+                """INSERT INTO bulk_action (id, environment_id, kind, filter, idempotency_key, name)
+                   SELECT %(id)s, %(env)s, %(kind)s, %(filter)s, %(key)s, %(name)s
                    WHERE (SELECT count(*) FROM bulk_action
                           WHERE environment_id = %(env)s AND status = 'PENDING') < %(max)s
                    ON CONFLICT (environment_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                    RETURNING *""",
                 {"id": id, "env": env_id, "kind": kind, "filter": Jsonb(filter), "key": idempotency_key,
-                 "max": max_pending})
+                 "max": max_pending, "name": name})
             made = await cur.fetchone()
             if made is not None:
                 return from_row(BulkAction, made), False
@@ -63,6 +65,32 @@ class BulkActionRepository:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute("SELECT * FROM bulk_action WHERE id = %s AND (%s::text IS NULL OR environment_id = %s)",
                               (action_id, env_id, env_id))
+            return from_row_or_none(BulkAction, await cur.fetchone())
+
+    async def page(self, env_id: str, limit: int, after: tuple[datetime, str] | None) -> list[BulkAction]:
+        """The environment's actions, newest first, after ``after`` (created_at, id)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM bulk_action WHERE environment_id = %(env)s
+                     AND (%(ts)s::timestamptz IS NULL OR (created_at, id) < (%(ts)s, %(id)s))
+                   ORDER BY created_at DESC, id DESC LIMIT %(limit)s""",
+                {"env": env_id, "ts": after[0] if after else None, "id": after[1] if after else None,
+                 "limit": limit})
+            return [from_row(BulkAction, r) for r in await cur.fetchall()]
+
+    async def abort(self, action_id: str, env_id: str) -> BulkAction | None:
+        """ABORTED, if it was PENDING; the action as it is then, or None."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """WITH stopped AS (
+                       UPDATE bulk_action SET status = 'ABORTED', completed_at = now()
+                       WHERE id = %(id)s AND environment_id = %(env)s AND status = 'PENDING' RETURNING *)
+                   SELECT * FROM stopped
+                   UNION ALL
+                   SELECT * FROM bulk_action WHERE id = %(id)s AND environment_id = %(env)s
+                     AND NOT EXISTS (SELECT 1 FROM stopped)""", {"id": action_id, "env": env_id})
             return from_row_or_none(BulkAction, await cur.fetchone())
 
     async def advance(self, action_id: str, *, expected: tuple[datetime | None, str | None],

@@ -840,7 +840,7 @@ class RunRepository:
     def _run_filter(env_id: str, statuses: Sequence[str], tasks: Sequence[str], tags: Sequence[str],
                     queues: Sequence[str], batches: Sequence[str], after: tuple[datetime, str] | None,
                     created_from: datetime | None, created_to: datetime | None,
-                    updated_after: datetime | None) -> tuple[str, dict[str, Any]]:
+                    updated_after: datetime | None, ids: Sequence[str] = ()) -> tuple[str, dict[str, Any]]:
         """The WHERE clause and parameters of a run listing (see :meth:`list_runs`)."""
         where = ["environment_id = %(env)s"]
         params: dict[str, Any] = {"env": env_id, "from": created_from, "to": created_to}
@@ -852,7 +852,7 @@ class RunRepository:
             where.append("updated_at > %(upd)s")
             params["upd"] = updated_after
         for column, values, name in (("status", statuses, "st"), ("task_identifier", tasks, "tk"),
-                                     ("queue", queues, "qu"), ("batch_id", batches, "ba")):
+                                     ("queue", queues, "qu"), ("batch_id", batches, "ba"), ("id", ids, "ids")):
             if values:
                 where.append(f"{column} = ANY(%({name})s)")
                 params[name] = list(values)
@@ -873,13 +873,14 @@ class RunRepository:
                         tags: Sequence[str] = (), queues: Sequence[str] = (), batches: Sequence[str] = (),
                         limit: int = 25, after: tuple[datetime, str] | None = None,
                         created_from: datetime | None = None, created_to: datetime | None = None,
-                        updated_after: datetime | None = None, light: bool = False) -> list[RunRow]:
+                        updated_after: datetime | None = None, light: bool = False,
+                        ids: Sequence[str] = ()) -> list[RunRow]:
         """Newest first; ``after`` is the (created_at, id) of the last run of the previous page;
-        ``created_from`` ≤ created_at < ``created_to``; ``updated_after`` < updated_at. ``light``:
-        without payload, output, metadata and error (``None``), for callers that need none of
-        them: a run's may be megabytes."""
+        ``created_from`` ≤ created_at < ``created_to``; ``updated_after`` < updated_at; only
+        those of ``ids`` when given. ``light``: without payload, output, metadata and error
+        (``None``), for callers that need none of them: a run's may be megabytes."""
         where, params = self._run_filter(env_id, statuses, tasks, tags, queues, batches, after, created_from,
-                                         created_to, updated_after)
+                                         created_to, updated_after, ids)
         params["limit"] = limit
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
@@ -935,13 +936,13 @@ class RunRepository:
                         tasks: Sequence[str] = (), tags: Sequence[str] = (), queues: Sequence[str] = (),
                         batches: Sequence[str] = (), after: tuple[datetime, str] | None = None,
                         created_from: datetime | None = None, created_to: datetime | None = None,
-                        updated_after: datetime | None = None) -> tuple[list[RunRow], bool]:
+                        updated_after: datetime | None = None, ids: Sequence[str] = ()) -> tuple[list[RunRow], bool]:
         """Like :meth:`list_runs`, whole runs, but fewer than ``limit`` when their payloads,
         outputs and metadata pass ``max_bytes`` (as JSON text; never fewer than one): one tenant's
         page of hundred 3 MiB payloads must not take the memory every tenant's requests share.
         Returns the runs and whether more match after the last of them."""
         where, params = self._run_filter(env_id, statuses, tasks, tags, queues, batches, after, created_from,
-                                         created_to, updated_after)
+                                         created_to, updated_after, ids)
         params["limit"], params["max_bytes"] = limit + 1, max_bytes
         async with self.pool.connection() as conn:
             cur = await conn.execute(page_walk("task_run", where, _RUN_BYTES), params)

@@ -17,6 +17,7 @@ from run_engine.api import (
     auth,
     batches,
     bulk,
+    bulk_actions,
     idempotency,
     packets,
     public,
@@ -64,6 +65,10 @@ ROUTES = [
     Route("GET", "/api/v1/batches/{batch_id}", run_token="own", public=True),
     Route("GET", "/api/v2/batches/{batch_id}", run_token="own", public=True),
     Route("GET", "/api/v3/runs/{run_id}", run_token="own", public=True),
+    Route("POST", "/api/v1/bulk-actions", {"action": "cancel", "filter": {"tag": "x"}}, targets=False),
+    Route("GET", "/api/v1/bulk-actions", targets=False),
+    Route("GET", "/api/v1/bulk-actions/{bulk_id}"),
+    Route("POST", "/api/v1/bulk-actions/{bulk_id}/abort"),
     Route("POST", "/api/v1/idempotencyKeys/{key:path}/reset", {"taskIdentifier": "echo"}, targets=False,
           params={"key:path": "victim-key"}),
     Route("GET", "/api/v1/runs", targets=False),
@@ -137,8 +142,8 @@ ROUTES = [
 
 
 def test_every_route_is_in_the_matrix() -> None:
-    modules = (public, batches, bulk, tokens, schedules, stream, realtime_shapes, packets, uploads, idempotency,
-               auth, worker_groups, worker)
+    modules = (public, batches, bulk, bulk_actions, tokens, schedules, stream, realtime_shapes, packets, uploads,
+               idempotency, auth, worker_groups, worker)
     registered = {(m, r.path) for mod in modules for r in mod.ROUTES for m in r.methods - {"HEAD"}}
     assert registered == {(r.method, r.path) for r in ROUTES}
 

@@ -145,6 +145,12 @@ def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
     assert retrieved["status"] in ("PENDING", "COMPLETED") and retrieved["createdAt"] is True
     assert retrieved["errors"] == []
     assert v["idempotencyKeys.reset"] == {"same": True, "fresh": True, "reset": True}  # a new run after the reset
+    bulk = v["runs.bulk"]  # runs.bulk.cancel by filter, poll, list (a page at a time), replay by id and abort
+    assert bulk["status"] == "COMPLETED" and bulk["counts"] == {"total": 2, "success": 2, "failure": 0}
+    assert bulk["name"] == "sdk bulk" and bulk["statuses"] == ["CANCELED", "CANCELED"]
+    assert bulk["listed"] is True and bulk["pages"] >= 2
+    assert (bulk["abort"], bulk["afterAbort"]) in (("aborted", "ABORTED"), (409, "COMPLETED"))
+    assert bulk["refused"] == 400  # a filter run-engine cannot honour: refused, not widened
     uploaded = v["tasks.trigger.largePayload"]  # uploaded by the SDK, then named by the trigger
     assert uploaded["status"] == "COMPLETED" and uploaded["length"] == 150 * 1024 and uploaded["batchRuns"] == 2
     assert uploaded["when"] == "1970-01-01T00:00:00.000Z"  # superjson decoded, as an inline payload is

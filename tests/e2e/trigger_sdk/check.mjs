@@ -155,6 +155,23 @@ await step("idempotencyKeys.reset", async () => {
   const c = await tasks.trigger("echo", { k: 3 }, { idempotencyKey: key });
   return { same: a.id === b.id, fresh: c.id !== a.id, reset: typeof reset.id === "string" };
 });
+// runs.bulk.*: a cancel by the SDK's filter, followed to its end; the list; a replay by id, aborted
+await step("runs.bulk", async () => {
+  const tag = `bulk-${Date.now()}`;
+  const a = await tasks.trigger("echo", { b: 1 }, { tags: [tag], delay: "1h" });
+  const b = await tasks.trigger("echo", { b: 2 }, { tags: [tag], delay: "1h" });
+  const made = await runs.bulk.cancel({ filter: { tag, period: "1h" }, name: "sdk bulk" });
+  const done = await runs.bulk.poll(made.id, { pollIntervalMs: 100 });
+  const statuses = [(await runs.retrieve(a.id)).status, (await runs.retrieve(b.id)).status];
+  const replay = await runs.bulk.replay({ runIds: [a.id] });
+  const listed = [];
+  for await (const x of runs.bulk.list({ limit: 1 })) { listed.push(x.id); if (listed.length >= 3) break; }
+  const abort = await runs.bulk.abort(replay.id).then((r) => r.id, (e) => e.status);
+  const after = await runs.bulk.retrieve(replay.id);
+  return { status: done.status, counts: done.counts, name: done.name, statuses,
+           listed: listed.includes(made.id) && listed.includes(replay.id), pages: listed.length, abort: abort === replay.id ? "aborted" : abort, afterAbort: after.status,
+           refused: await denied(() => runs.bulk.cancel({ filter: { version: "20250101.1" } })) };
+});
 // a payload of 128 KiB or more: the SDK uploads it first (PUT /api/v2/packets, then the URL) and
 // triggers with its storage path ("application/store"); a batch item likewise
 await step("tasks.trigger.largePayload", async () => {

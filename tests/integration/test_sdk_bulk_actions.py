@@ -1,0 +1,134 @@
+"""Bulk actions as Trigger.dev's SDK makes and reads them (`/api/v1/bulk-actions`): by run ids or by
+the SDK's filter, a filter run-engine cannot honour refused rather than widened, abort, the list."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from run_engine.engine import TriggerRequest
+from run_engine.tenancy import ensure_environment
+
+from .conftest import Harness
+
+
+async def runs(h: Harness, n: int, task: str = "t", tags: tuple[str, ...] = ()) -> list[str]:
+    made = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id=task, payload={"i": i},
+                                                       tags=tags) for i in range(n)])
+    return [m.id for m in made]
+
+
+async def finish(h: Harness, action_id: str) -> dict[str, Any]:
+    """What the engine job does, page after page, until the action is done."""
+    while await h.engine.systems.bulk_actions.run_page(action_id):
+        pass
+    return (await h.client.get(f"/api/v1/bulk-actions/{action_id}")).json()  # type: ignore[attr-defined, no-any-return]
+
+
+@pytest.fixture
+def client(h: Harness, api: httpx.AsyncClient) -> httpx.AsyncClient:
+    h.client = api  # type: ignore[attr-defined]
+    return api
+
+
+async def test_cancel_by_run_ids_counts_the_runs_named(h: Harness, client: httpx.AsyncClient) -> None:
+    await h.deploy({"id": "t"})
+    doomed, kept = await runs(h, 3), await runs(h, 2)
+    missing = "run_" + "a" * 24
+    made = await client.post("/api/v1/bulk-actions", json={"action": "cancel", "runIds": [*doomed, missing],
+                                                           "name": "clean up"})
+    assert made.status_code == 200, made.text
+    action_id = made.json()["id"]
+    pending = (await client.get(f"/api/v1/bulk-actions/{action_id}")).json()
+    assert pending["status"] == "PENDING" and pending["type"] == "CANCEL" and pending["name"] == "clean up"
+    done = await finish(h, action_id)
+    assert done["status"] == "COMPLETED" and done["counts"] == {"total": 4, "success": 3, "failure": 1}
+    assert done["completedAt"] >= done["createdAt"]
+    assert {(await h.engine.get_run(r)).status for r in doomed} == {"CANCELED"}  # type: ignore[union-attr]
+    assert "CANCELED" not in {(await h.engine.get_run(r)).status for r in kept}  # type: ignore[union-attr]
+
+
+async def test_replay_by_the_sdks_filter(h: Harness, client: httpx.AsyncClient) -> None:
+    await h.deploy({"id": "t"}, {"id": "u"})
+    await runs(h, 2, "t", ("x",))
+    await runs(h, 1, "u", ("x",))
+    await runs(h, 1, "t", ("y",))
+    made = await client.post("/api/v1/bulk-actions", json={
+        "action": "replay", "filter": {"tag": "x", "taskIdentifier": ["t"], "status": ["QUEUED", "PENDING_VERSION"],
+                                       "period": "1d", "queue": {"type": "task", "name": "t"}}})
+    assert made.status_code == 200, made.text
+    done = await finish(h, made.json()["id"])
+    assert done["type"] == "REPLAY" and done["counts"] == {"total": 2, "success": 2, "failure": 0}
+    tagged = await h.engine.list_runs(h.env.env_id, tags=["x"], tasks=["t"], limit=100)
+    assert len(tagged) == 4  # the two and their replays
+
+
+@pytest.mark.parametrize(("sent", "says"), [
+    ({"action": "cancel"}, "exactly one of filter and runIds"),
+    ({"action": "cancel", "filter": {"tag": "x"}, "runIds": ["run_x"]}, "exactly one of filter and runIds"),
+    ({"action": "cancel", "filter": {}}, "at least one"),
+    ({"action": "cancel", "filter": {"tag": ["", " "]}}, "filter.tag"),
+    ({"action": "cancel", "filter": {"version": "20250101.1"}}, "filter.version"),
+    ({"action": "cancel", "filter": {"isTest": True}}, "filter.isTest"),
+    ({"action": "cancel", "filter": {"machine": "small-1x"}}, "filter.machine"),
+    ({"action": "cancel", "filter": {"tag": "x", "nope": 1}}, "filter.nope"),
+    ({"action": "cancel", "filter": {"status": "DONE"}}, "filter.status"),
+    ({"action": "cancel", "filter": {"period": "1d", "from": 0}}, "filter.period"),
+    ({"action": "cancel", "filter": {"period": "soon"}}, "filter.period"),
+    ({"action": "cancel", "filter": {"from": "yesterday"}}, "filter.from"),
+    ({"action": "cancel", "filter": {"to": 1e300}}, "filter.to"),
+    ({"action": "cancel", "runIds": ["not-a-run"]}, "runIds"),
+    ({"action": "cancel", "runIds": []}, "runIds"),
+    ({"action": "replay", "runIds": ["run_x"], "targetRegion": "eu"}, "targetRegion"),
+    ({"action": "pause", "runIds": ["run_x"]}, "action"),
+    ({"action": "cancel", "runIds": ["run_x"], "name": "n" * 256}, "name"),
+])
+async def test_a_filter_that_cannot_be_honoured_is_refused(h: Harness, client: httpx.AsyncClient,
+                                                           sent: dict[str, Any], says: str) -> None:
+    answer = await client.post("/api/v1/bulk-actions", json=sent)
+    assert answer.status_code == 400 and says in answer.json()["error"]["message"], answer.text
+
+
+async def test_abort_stops_an_action_and_the_list_pages_newest_first(h: Harness, client: httpx.AsyncClient) -> None:
+    await h.deploy({"id": "t"})
+    ids = await runs(h, 3)
+    first = (await client.post("/api/v1/bulk-actions", json={"action": "cancel", "runIds": ids[:1]})).json()["id"]
+    await finish(h, first)
+    second = (await client.post("/api/v1/bulk-actions", json={"action": "cancel", "runIds": ids[1:]})).json()["id"]
+    aborted = await client.post(f"/api/v1/bulk-actions/{second}/abort")
+    assert aborted.status_code == 200 and aborted.json() == {"id": second}
+    assert await h.engine.systems.bulk_actions.run_page(second) is False  # no page after an abort
+    got = (await client.get(f"/api/v1/bulk-actions/{second}")).json()
+    assert got["status"] == "ABORTED" and got["counts"]["success"] == 0 and "completedAt" in got
+    assert "CANCELED" not in {(await h.engine.get_run(r)).status for r in ids[1:]}  # type: ignore[union-attr]
+    assert (await client.post(f"/api/v1/bulk-actions/{second}/abort")).status_code == 200  # again: no change
+    finished = await client.post(f"/api/v1/bulk-actions/{first}/abort")
+    assert finished.status_code == 409 and "completed" in finished.json()["error"]["message"]
+
+    page = (await client.get("/api/v1/bulk-actions", params={"page[size]": "1"})).json()
+    assert [a["id"] for a in page["data"]] == [second] and page["pagination"]["next"]
+    rest = (await client.get("/api/v1/bulk-actions", params={"page[size]": "1",
+                                                              "page[after]": page["pagination"]["next"]})).json()
+    assert [a["id"] for a in rest["data"]] == [first]
+    for bad in ({"page[size]": "0"}, {"page[after]": "x"}, {"page[after]": "2026-01-01T00:00:00|nope"}):
+        assert (await client.get("/api/v1/bulk-actions", params=bad)).status_code == 400, bad
+
+
+async def test_an_action_is_its_environments_only(h: Harness, client: httpx.AsyncClient) -> None:
+    await h.deploy({"id": "t"})
+    ids = await runs(h, 1)
+    mine = (await client.post("/api/v1/bulk-actions", json={"action": "cancel", "runIds": ids})).json()["id"]
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org="other-org", project="p",
+                                     env="dev")
+    theirs = {"Authorization": f"Bearer {other.api_key}"}
+    assert (await client.get(f"/api/v1/bulk-actions/{mine}", headers=theirs)).status_code == 404
+    assert (await client.post(f"/api/v1/bulk-actions/{mine}/abort", headers=theirs)).status_code == 404
+    assert (await client.get("/api/v1/bulk-actions", headers=theirs)).json()["data"] == []
+    # their action naming our run acts on nothing of ours
+    made = (await client.post("/api/v1/bulk-actions", json={"action": "cancel", "runIds": ids}, headers=theirs)).json()
+    while await h.engine.systems.bulk_actions.run_page(made["id"]):
+        pass
+    assert (await h.engine.get_run(ids[0])).status != "CANCELED"  # type: ignore[union-attr]
+    assert (await client.get("/api/v1/bulk-actions/bulk_nope")).status_code == 404
