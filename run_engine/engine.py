@@ -18,7 +18,7 @@ from run_engine.db.bulk_actions import BulkAction
 from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec, queue_type
 from run_engine.db.packets import UploadedPacket
 from run_engine.db.repository import Repository
-from run_engine.db.runs import PAGE_BYTES, BatchView, RunPackets, RunRow, Snapshot
+from run_engine.db.runs import PAGE_BYTES, BatchView, RunPackets, RunRow, ShapeRead, Snapshot
 from run_engine.db.schedules import Schedule
 from run_engine.db.tenancy import Environment, GroupListing, WorkerGroup, WorkerView
 from run_engine.db.waitpoints import BatchRecord, JournalEntry, Waitpoint
@@ -49,7 +49,7 @@ __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun",
            "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
            "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
-           "GroupListing", "RunPackets", "UploadedPacket", "BatchRecord", "PACKET_TTL_S",
+           "GroupListing", "RunPackets", "UploadedPacket", "BatchRecord", "ShapeRead", "PACKET_TTL_S",
            "PACKET_BYTES_PER_ENV"]
 
 #: how long a packet uploaded for a trigger is kept (the trigger reads it at once; a retried one later)
@@ -239,6 +239,15 @@ class RunEngine:
         """The run (of the environment, when one is given); ``light``: without payload, output,
         metadata and error."""
         return await self.resources.repo.runs.get_run(run_id, env_id, light=light)
+
+    async def shape_runs(self, env_id: str, *, tags: Sequence[str] = (), tasks: Sequence[str] = (),
+                         batches: Sequence[str] = (), ids: Sequence[str] = (), limit: int,
+                         created_from: datetime | None = None, updated_after: datetime | None = None) -> ShapeRead:
+        """A realtime shape's runs, light, with what tells a late commit apart: see
+        :meth:`RunRepository.shape_runs`."""
+        return await self.resources.repo.runs.shape_runs(env_id, tags=tags, tasks=tasks, batches=batches, ids=ids,
+                                                         limit=limit, created_from=created_from,
+                                                         updated_after=updated_after)
 
     async def put_packet(self, env_id: str, path: str, content_type: str, data: str) -> bool:
         """Keep a packet a client uploaded for a trigger to name (``application/store``) for

@@ -95,13 +95,13 @@ def first_nul(*values: Any) -> str | None:
 
 # --- ids in paths ---------------------------------------------------------------------------------
 
-_ID = re.compile(r"^[a-z]{2,16}_[a-z0-9]{1,64}$")
+_ID = re.compile(r"[a-z]{2,16}_[a-z0-9]{1,64}")
 
 
 def looks_like_id(value: str, prefix: str) -> bool:
     """Whether ``value`` has the shape of an id we made with ``prefix`` (``run``, ``waitpoint``…).
     Anything else is answered 404 at once, without a query."""
-    return value.startswith(prefix + "_") and _ID.match(value) is not None
+    return value.startswith(prefix + "_") and _ID.fullmatch(value) is not None
 
 
 # --- the middleware ---------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import parse_duration_s
 from run_engine.api.openapi import Query, csv, operation
 from run_engine.api.public_tokens import allows, forbidden
-from run_engine.api.shape_stream import shape
-from run_engine.engine import RunRow
+from run_engine.api.shape_stream import MAX_OFFSET_CHARS, shape
+from run_engine.engine import ShapeRead
 from run_engine.realtime import env_key
 
 #: the newest runs a tag shape holds (older ones fall out of it)
@@ -29,7 +29,8 @@ MAX_BATCH_RUNS = 1000
 #: a shape over many runs re-reads them at most this often, however busy the environment
 MIN_INTERVAL_S = 0.25
 DEFAULT_WINDOW = timedelta(days=1)
-LIVE = (Query("offset", {"type": "string", "maxLength": 64}, "-1 first, then the electric-offset of the answer"),
+LIVE = (Query("offset", {"type": "string", "maxLength": MAX_OFFSET_CHARS},
+              "-1 first, then the electric-offset of the answer"),
         Query("live", {"type": "string", "enum": ["true", "false"]}),
         Query("skipColumns", {"type": "string", "maxLength": 4096}, "columns to leave out, comma-separated"))
 
@@ -62,10 +63,10 @@ async def runs_with_tags(request: Request) -> Response:
             raise ApiError(400, "invalid_input", f"createdAt: {exc}") from None
     env_id = auth.env_id
 
-    async def load(changed_after: datetime | None) -> list[RunRow]:
+    async def load(changed_after: datetime | None) -> ShapeRead:
         since = datetime.fromtimestamp(ctx.engine.now(), UTC) - window
-        return await ctx.engine.list_runs(env_id, tags=tags, tasks=tasks, created_from=since, limit=MAX_TAG_RUNS,
-                                          updated_after=changed_after, light=True)
+        return await ctx.engine.shape_runs(env_id, tags=tags, tasks=tasks, created_from=since, limit=MAX_TAG_RUNS,
+                                           updated_after=changed_after)
 
     # the handle is a header: the tags' digest, not the tags (a header holds Latin-1 only)
     handle = "tags-" + hashlib.sha256("\0".join(tags).encode()).hexdigest()[:32]
@@ -85,11 +86,11 @@ async def batch_runs(request: Request) -> Response:
         raise forbidden()
     env_id = auth.env_id
 
-    async def load(changed_after: datetime | None) -> list[RunRow]:
-        # every run, never fewer (a live shape's next offset is the newest change it sent: a run
-        # left out of one answer would never be sent), light: the answer bounds what they hold
-        return await ctx.engine.list_runs(env_id, batches=[batch_id], limit=MAX_BATCH_RUNS,
-                                          updated_after=changed_after, light=True)
+    async def load(changed_after: datetime | None) -> ShapeRead:
+        # every run, never fewer (a run left out of a read would never be sent), light: the
+        # answers bound what they hold
+        return await ctx.engine.shape_runs(env_id, batches=[batch_id], limit=MAX_BATCH_RUNS,
+                                           updated_after=changed_after)
 
     if not await ctx.engine.list_runs(env_id, batches=[batch_id], limit=1, light=True):
         raise ApiError(404, "not_found", "batch not found")

@@ -40,7 +40,7 @@ from starlette.responses import Response
 from run_engine.api.context import ApiContext, EnvAuth
 from run_engine.api.http import ApiError
 from run_engine.api.inputs import is_number
-from run_engine.engine import RunPackets, RunRow
+from run_engine.engine import RunPackets, RunRow, ShapeRead
 
 LIVE_WAIT_S = 20.0
 #: a run's updated_at is its transaction's start: one that began before a change already sent may
@@ -118,7 +118,7 @@ def _key(run: RunRow) -> str:
 Position = tuple[int, str]
 #: the id part of a position past every run changed in that microsecond
 ALL = "~"
-_RUN_ID = re.compile(r"^[a-z0-9]{1,64}$")
+_RUN_ID = re.compile(r"[a-z0-9]{1,64}")
 MAX_OFFSET_US = 253_402_214_400_000_000  # 9999-12-31: a date Python can still hold (a greater offset: 400)
 MAX_OFFSET_CHARS = 160
 
@@ -129,20 +129,24 @@ def _position(run: RunRow) -> Position:
 
 @dataclass(frozen=True)
 class Cursor:
-    """What a client was sent, as its offset carries it: every run up to ``at``; ``checksum``, the
-    runs then in the window just before ``at`` (changed within GRACE, a late commit would land
-    there); ``resend``, when that window is being sent again in parts, how far that got."""
+    """What a client was sent, as its offset carries it: every run up to ``at`` that was there when
+    it was read; ``checksum``, the runs then in the window just before ``at`` (changed within GRACE:
+    a late commit would land there); ``xmin``, the oldest transaction still running at that read
+    (only a row written by it or a younger one can be a late commit; None: not known, any can);
+    ``resend``, when late commits are being sent in parts, how far that got."""
     at: Position
     checksum: int
+    xmin: int | None = None
     resend: Position | None = None
 
     def offset(self) -> str:
-        """``<µs>_<checksum>``, ``…_<id>`` when the client has some of that microsecond's runs only,
-        ``…_<id or ~>_<µs>_<id>`` while a window is resent."""
+        """``<µs>_<checksum>`` (no xmin known, the client has all of that microsecond), else
+        ``…_<id or ~>_<xmin>`` and, while late commits are resent, ``…_<µs>_<id>``."""
         head = f"{self.at[0]}_{self.checksum}"
-        if self.resend is not None:
-            return f"{head}_{_suffix(self.at[1])}_{self.resend[0]}_{_suffix(self.resend[1])}"
-        return head if self.at[1] == ALL else f"{head}_{_suffix(self.at[1])}"
+        if self.xmin is None and self.resend is None and self.at[1] == ALL:
+            return head
+        out = f"{head}_{_suffix(self.at[1])}_{self.xmin if self.xmin is not None else ''}"
+        return out if self.resend is None else f"{out}_{self.resend[0]}_{_suffix(self.resend[1])}"
 
 
 #: a client that has nothing yet (``offset=-1``)
@@ -153,21 +157,33 @@ def _suffix(run_id: str) -> str:
     return run_id if run_id == ALL else run_id.removeprefix("run_")
 
 
+def _number(raw: str) -> int:
+    if not is_number(raw) or len(raw) > 20 or int(raw) > MAX_OFFSET_US:
+        raise _bad_offset()
+    return int(raw)
+
+
+def _run_id(raw: str) -> str:
+    if raw == ALL:
+        return ALL
+    if not _RUN_ID.fullmatch(raw):
+        raise _bad_offset()
+    return "run_" + raw
+
+
 def parse_offset(offset: str) -> Cursor:
     """The cursor an offset this server answered with carries; 400 for anything else."""
-    parts = offset.split("_")
-    if len(offset) > MAX_OFFSET_CHARS or len(parts) not in (2, 3, 5):
+    parts = offset.split("_") if len(offset) <= MAX_OFFSET_CHARS else []
+    if len(parts) not in (2, 4, 6):
         raise _bad_offset()
-    numbers = [parts[0], parts[1], *parts[3:4]]
-    if not all(is_number(n) and len(n) <= 20 and int(n) <= MAX_OFFSET_US for n in numbers):
+    at_us, checksum = _number(parts[0]), _number(parts[1])
+    if len(parts) == 2:  # as the first offsets this server answered with
+        return Cursor((at_us, ALL), checksum)
+    xmin = _number(parts[3]) if parts[3] else None
+    resend = (_number(parts[4]), _run_id(parts[5])) if len(parts) == 6 else None
+    if resend is not None and resend[1] == ALL:
         raise _bad_offset()
-    # the cursor's own id (``~`` for all of its microsecond only beside a resend's), the resend's
-    if len(parts) == 3 and not _RUN_ID.match(parts[2]) or len(parts) == 5 and not (
-            (parts[2] == ALL or _RUN_ID.match(parts[2])) and _RUN_ID.match(parts[4])):
-        raise _bad_offset()
-    at = (int(parts[0]), "run_" + parts[2] if len(parts) > 2 and parts[2] != ALL else ALL)
-    resend = (int(parts[3]), "run_" + parts[4]) if len(parts) == 5 else None
-    return Cursor(at, int(parts[1]), resend)
+    return Cursor((at_us, _run_id(parts[2])), checksum, xmin, resend)
 
 
 def _bad_offset() -> ApiError:
@@ -183,33 +199,56 @@ def _checksum(runs: list[RunRow]) -> int:
     return sum(zlib.crc32(f"{r.id}@{_micros(r.updated_at)}".encode()) for r in runs) % 1_000_000_000_000
 
 
-def unsent(runs: list[RunRow], cursor: Cursor) -> tuple[list[RunRow], int]:
+#: transaction ids are compared as PostgreSQL compares them, modulo 2^32 (a row's xmin is 32 bits);
+#: a cursor whose xmin is this far behind the read's is too old for that: any row may be late
+_XID_SPAN = 2**30
+
+
+def _maybe_late(read: ShapeRead, cursor: Cursor) -> Callable[[RunRow], bool]:
+    """Whether a run at or before the cursor may be one the client never had: its row written by
+    a transaction that was still running when the cursor was read, or younger. A run changed again
+    since (and so after the cursor, sent anyway) never is: the window changing for that alone
+    resends nothing."""
+    oldest = cursor.xmin
+    if oldest is None or read.snapshot_xmin is None or read.snapshot_xmin - oldest > _XID_SPAN:
+        return lambda _run: True
+    low = oldest % 2**32
+
+    def late(run: RunRow) -> bool:
+        xmin = read.xmins.get(run.id)
+        return xmin is None or (xmin - low) % 2**32 < 2**31  # written by `oldest` or after it
+
+    return late
+
+
+def unsent(read: ShapeRead, cursor: Cursor) -> tuple[list[RunRow], int]:
     """The runs a client with ``cursor`` has still to be sent, in the order they are sent (by
-    position), and how many of the first ones are its window sent again. A run changed after the
-    cursor is unsent; and when the runs changed within GRACE before it are not those it saw (a
-    transaction that began earlier committed later), they all are, sent again (in parts if they
-    must be: ``resend`` is how far that got)."""
-    ordered = sorted(runs, key=_position)
+    position), and how many of the first ones are sent again. A run changed after the cursor is
+    unsent; and when the runs changed within GRACE before it are not those it saw (a transaction
+    that began earlier committed later), those of them that may be late commits are sent again (in
+    parts if they must be: ``resend`` is how far that got)."""
+    ordered = sorted(read.runs, key=_position)
     window = _window(ordered, cursor.at)
     if _checksum(window) != cursor.checksum:
-        again = window
+        again = list(filter(_maybe_late(read, cursor), window))
     elif cursor.resend is not None:
-        again = [r for r in window if _position(r) > cursor.resend]
+        late = _maybe_late(read, cursor)
+        again = [r for r in window if _position(r) > cursor.resend and late(r)]
     else:
         again = []
     return again + [r for r in ordered if _position(r) > cursor.at], len(again)
 
 
-def advance(cursor: Cursor, runs: list[RunRow], pending: list[RunRow], again: int, sent: int) -> Cursor:
+def advance(cursor: Cursor, read: ShapeRead, pending: list[RunRow], again: int, sent: int) -> Cursor:
     """The cursor of a client that had ``cursor`` once it got the first ``sent`` of ``pending``
-    (:func:`unsent`, with ``again`` resent runs first) of the shape's ``runs`` as read now."""
-    at, resend = cursor.at, None
-    if sent < again:  # a resent window cut short: the rest of it next time
+    (:func:`unsent`, with ``again`` runs sent again first) of the shape's runs as ``read`` now."""
+    at, xmin, resend = cursor.at, cursor.xmin, None
+    if sent < again:  # late commits cut short: the rest of them next time
         resend = _position(pending[sent - 1])
-    elif sent > again:
+    elif sent > again:  # every run up to the last one sent, as this read saw them
         last = pending[sent - 1]
-        at = (_micros(last.updated_at), ALL if sent == len(pending) else last.id)
-    return Cursor(at, _checksum(_window(sorted(runs, key=_position), at)), resend)
+        at, xmin = (_micros(last.updated_at), ALL if sent == len(pending) else last.id), read.snapshot_xmin
+    return Cursor(at, _checksum(_window(sorted(read.runs, key=_position), at)), xmin, resend)
 
 
 def _answer(handle: str, cursor: Cursor, messages: list[dict[str, Any]], *, live: bool, complete: bool) -> Response:
@@ -217,17 +256,16 @@ def _answer(handle: str, cursor: Cursor, messages: list[dict[str, Any]], *, live
                "Cache-Control": "no-store"}
     if live:
         headers["electric-cursor"] = str(cursor.at[0])
-    if complete:
+    if complete:  # the header too, as ElectricSQL: its client reads it to stop prefetching
         messages.append(UP_TO_DATE)
-        if live:
-            headers["electric-up-to-date"] = ""
+        headers["electric-up-to-date"] = ""
     return Response(orjson.dumps(messages), media_type="application/json", headers=headers)
 
 
 #: the runs of a shape, light (without payload, output, metadata and error: they are read for the
-#: runs sent only, within the answer's bytes); with a date, only those changed after it (what a live
-#: request needs)
-Loader = Callable[[datetime | None], Awaitable[list[RunRow]]]
+#: runs sent only, within the answer's bytes), as one statement read them; with a date, only those
+#: changed after it (what a live request needs)
+Loader = Callable[[datetime | None], Awaitable[ShapeRead]]
 
 
 #: what ``skipColumns`` cannot leave out (as Trigger.dev's realtime server)
@@ -281,8 +319,8 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
     cursor = START if offset == "-1" else parse_offset(offset)
     # only the runs changed within GRACE before the offset or after it (all of them at first)
     changed_after = None if cursor is START else datetime.fromtimestamp((cursor.at[0] - GRACE_US) / 1_000_000, UTC)
-    runs = await load(changed_after)
-    pending, again = unsent(runs, cursor)
+    read = await load(changed_after)
+    pending, again = unsent(read, cursor)
     if not pending and live:
         hub = ctx.realtime
         if hub is None:
@@ -294,16 +332,16 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
                 while not pending:
                     remaining = deadline - loop.time()
                     if remaining <= 0 or await request.is_disconnected():
-                        return _answer(handle, advance(cursor, runs, [], 0, 0), [], live=True, complete=True)
+                        return _answer(handle, advance(cursor, read, [], 0, 0), [], live=True, complete=True)
                     changed.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(changed.wait(), min(remaining, 5.0))
                     if min_interval_s:  # a busy environment wakes a multi-run shape often: read at most this often
                         await asyncio.sleep(min_interval_s)
-                    runs = await load(changed_after)
-                    pending, again = unsent(runs, cursor)
+                    read = await load(changed_after)
+                    pending, again = unsent(read, cursor)
     # until the client is up to date, every run it is sent is new to it
     messages = await _messages(ctx, auth.env_id, pending, cursor.at[0] if live else None, skip)
     sent = len(messages)
-    return _answer(handle, advance(cursor, runs, pending, again, sent), messages, live=live,
+    return _answer(handle, advance(cursor, read, pending, again, sent), messages, live=live,
                    complete=sent == len(pending))

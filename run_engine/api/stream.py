@@ -25,7 +25,7 @@ from run_engine.api.public import can_read
 from run_engine.api.public_tokens import forbidden
 from run_engine.api.serialize import run_object
 from run_engine.api.shape_stream import shape
-from run_engine.engine import RunRow
+from run_engine.engine import ShapeRead
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,8 @@ async def run_stream(request: Request) -> Response:
     if "offset" in request.query_params:  # Trigger.dev's SDK: the shape protocol (runs.subscribeToRun)
         env_id = auth.env_id
 
-        async def load(_changed_after: datetime | None) -> list[RunRow]:
-            found = await ctx.engine.get_run(run_id, env_id, light=True)
-            return [found] if found is not None else []
+        async def load(_changed_after: datetime | None) -> ShapeRead:
+            return await ctx.engine.shape_runs(env_id, ids=[run_id], limit=1)
 
         return await shape(ctx, auth, request, run_id, load, run_id)
     hub = ctx.realtime

@@ -407,6 +407,16 @@ class RunPackets:
     error: dict[str, Any] | None
 
 
+@dataclass(frozen=True, slots=True)
+class ShapeRead:
+    """The runs of a realtime shape as one statement read them (:meth:`RunRepository.shape_runs`):
+    light runs, the transaction that wrote each one's row (by id), and the oldest transaction still
+    running when they were read (None when no run was read)."""
+    runs: list[RunRow]
+    xmins: dict[str, int]
+    snapshot_xmin: int | None
+
+
 def page_walk(table: str, where: str, bytes_sql: str) -> str:
     """A page of ``table``'s rows bounded in bytes, measured: the candidates' ids in page order
     (newest first, at most %(limit)s), then each one's ``bytes_sql`` (what its large columns take as
@@ -887,6 +897,25 @@ class RunRepository:
             await cur.execute(f"SELECT {_LIGHT_RUN if light else '*'} FROM task_run WHERE {where} "
                               "ORDER BY created_at DESC, id DESC LIMIT %(limit)s", params)
             return [run_row(r) for r in await cur.fetchall()]
+
+    async def shape_runs(self, env_id: str, *, tags: Sequence[str] = (), tasks: Sequence[str] = (),
+                         batches: Sequence[str] = (), ids: Sequence[str] = (), limit: int,
+                         created_from: datetime | None = None, updated_after: datetime | None = None) -> ShapeRead:
+        """The runs of a realtime shape as :meth:`list_runs` reads them light, with the id of the
+        transaction that wrote each one's row (``xmin``, 32 bits) and the oldest transaction still
+        running when they were read (the snapshot's xmin, 64 bits): a row written by a transaction
+        older than that was visible to this read."""
+        where, params = self._run_filter(env_id, (), tasks, tags, (), batches, None, created_from, None,
+                                         updated_after, ids)
+        params["limit"] = limit
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(f"SELECT {_LIGHT_RUN}, xmin::text::bigint AS row_xmin, "
+                              "(SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint) AS snapshot_xmin "
+                              f"FROM task_run WHERE {where} ORDER BY created_at DESC, id DESC LIMIT %(limit)s", params)
+            rows = await cur.fetchall()
+        return ShapeRead([run_row(r) for r in rows], {r["id"]: int(r["row_xmin"]) for r in rows},
+                         int(rows[0]["snapshot_xmin"]) if rows else None)
 
     async def run_packets(self, env_id: str, run_ids: Sequence[str], *, item_bytes: int, budget_bytes: int,
                           answer_bytes: int) -> tuple[dict[str, RunPackets], int]:

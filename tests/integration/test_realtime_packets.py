@@ -187,7 +187,7 @@ async def test_an_answer_ends_where_metadata_and_errors_fill_it_and_the_next_one
         offset = answer.headers["electric-offset"]
         if body[-1] == shape_stream.UP_TO_DATE:
             break
-        assert len(offset.split("_")) == 3 and sent[-1]["id"].endswith(offset.split("_")[2])
+        assert len(offset.split("_")) == 4 and sent[-1]["id"].endswith(offset.split("_")[2])
         assert answers < 20
     assert sorted(seen) == sorted(ids) and len(seen) == 50 and answers == 9
     changed = sorted(await h.engine.list_runs(h.env.env_id, tags=["meta"], limit=100, light=True),
@@ -210,8 +210,8 @@ async def test_an_answer_ends_where_metadata_and_errors_fill_it_and_the_next_one
     assert orjson.loads(updates[ids[7]]["metadata"]) == {"m": "y"}
 
 
-@pytest.mark.parametrize("offset", ["1_2_run_x", "1_2_X", "1_2_~", "1_2_a_3", "1_2_~_3_~", "1_2_a_b_c",
-                                    "1_2_" + "a" * 200, "99999999999999999999_1"])
+@pytest.mark.parametrize("offset", ["1_2_run_x_1", "1_2_X_1", "1_2_~", "1_2_a_3_4", "1_2_~_3_~_1", "1_2_a_b",
+                                    "1_2_" + "a" * 200 + "_1", "99999999999999999999_1", "1_2_abc\n_1"])
 async def test_an_offset_this_server_never_answered_with_is_refused(h: Harness, client: httpx.AsyncClient,
                                                                      offset: str) -> None:
     await trigger(h, [1], ["odd"])

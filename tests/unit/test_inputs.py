@@ -46,7 +46,7 @@ def test_needs_scan_finds_every_value_that_unstorable_would_refuse() -> None:
 
 def test_ids_of_the_wrong_shape_are_not_looked_up() -> None:
     assert looks_like_id("run_abc234", "run")
-    for bad in ("run_", "run_" + "a" * 65, "waitpoint_abc", "run_ABC", "run_a b", "run_é", "run_a\x00"):
+    for bad in ("run_", "run_" + "a" * 65, "waitpoint_abc", "run_ABC", "run_a b", "run_é", "run_a\x00", "run_a\n"):
         assert not looks_like_id(bad, "run")
 
 
