@@ -334,7 +334,9 @@ _RUN_BYTES = ("coalesce(octet_length(payload::text), 0) + coalesce(octet_length(
 
 #: what one run adds to a realtime answer, measured: its payload and output sizes as JSON text when
 #: each is stored in under %(item)s bytes and ``{go}`` holds (else NULL: not measured), and what its
-#: metadata and cut error take (always sent inline)
+#: metadata and cut error take (always sent inline). Found by its id alone (the primary key: a run
+#: of another environment measures as nothing), and LIMIT 1 keeps it a lookup per run: flattened
+#: into a join, a planner short of statistics measured every run of the environment at every step
 _MEASURE = """SELECT CASE WHEN NOT ({go}) THEN NULL WHEN pg_column_size(t.payload) < %(item)s
                 THEN octet_length(t.payload::text) END AS pb,
            CASE WHEN NOT ({go}) THEN NULL WHEN pg_column_size(t.output) < %(item)s
@@ -342,7 +344,7 @@ _MEASURE = """SELECT CASE WHEN NOT ({go}) THEN NULL WHEN pg_column_size(t.payloa
            coalesce(octet_length(t.metadata::text), 0) + CASE WHEN t.error IS NULL THEN 0 ELSE 1024
                + coalesce(octet_length(left(t.error ->> 'message', %(chars)s)), 0)
                + coalesce(octet_length(left(t.error ->> 'stackTrace', %(chars)s)), 0) END AS fb
-    FROM task_run t WHERE t.id = w.id AND t.environment_id = %(env)s"""
+    FROM (SELECT * FROM task_run t WHERE t.id = w.id LIMIT 1) t WHERE t.environment_id = %(env)s"""
 #: what a run adds to an answer's inline bytes: its payload and output that are small enough
 _INLINE = ("(CASE WHEN m.pb < %(item)s THEN m.pb ELSE 0 END + CASE WHEN m.ob < %(item)s THEN m.ob ELSE 0 END)")
 #: a run's error as a shape stream sends it: the message and stack trace cut to this many characters
@@ -421,8 +423,9 @@ def page_walk(table: str, where: str, bytes_sql: str) -> str:
     """A page of ``table``'s rows bounded in bytes, measured: the candidates' ids in page order
     (newest first, at most %(limit)s), then each one's ``bytes_sql`` (what its large columns take as
     JSON text) added up one row at a time, stopping at the first row past %(max_bytes)s: a hundred
-    3 MiB payloads are not all turned into text to keep five. Rows: id, its bytes, how many
-    candidates there were."""
+    3 MiB payloads are not all turned into text to keep five. Each row measured by its key alone
+    (LIMIT 1: never flattened into a join that measures the whole table). Rows: id, its bytes, how
+    many candidates there were."""
     return f"""
 WITH RECURSIVE candidate AS MATERIALIZED (
     SELECT id, row_number() OVER (ORDER BY created_at DESC, id DESC) AS n
@@ -430,20 +433,20 @@ WITH RECURSIVE candidate AS MATERIALIZED (
           ORDER BY created_at DESC, id DESC LIMIT %(limit)s) c
 ), walk AS (
     SELECT c.n, c.id, s.bytes, s.bytes AS total
-    FROM candidate c CROSS JOIN LATERAL (SELECT {bytes_sql} AS bytes FROM {table} WHERE id = c.id) s
+    FROM candidate c CROSS JOIN LATERAL (SELECT {bytes_sql} AS bytes FROM {table} WHERE id = c.id LIMIT 1) s
     WHERE c.n = 1
     UNION ALL
     SELECT c.n, c.id, s.bytes, w.total + s.bytes
     FROM walk w JOIN candidate c ON c.n = w.n + 1
-    CROSS JOIN LATERAL (SELECT {bytes_sql} AS bytes FROM {table} WHERE id = c.id) s
+    CROSS JOIN LATERAL (SELECT {bytes_sql} AS bytes FROM {table} WHERE id = c.id LIMIT 1) s
     WHERE w.total <= %(max_bytes)s
 )
 SELECT id, bytes, (SELECT count(*) FROM candidate) FROM walk ORDER BY n
 """
 
 
-_RUN_SIZE = f"LEFT JOIN LATERAL (SELECT {_RUN_BYTES} AS bytes FROM task_run WHERE id = w.id " \
-            "AND environment_id = %(env)s) s ON true"
+_RUN_SIZE = f"LEFT JOIN LATERAL (SELECT {_RUN_BYTES} AS bytes FROM (SELECT * FROM task_run WHERE id = w.id " \
+            "LIMIT 1) r WHERE environment_id = %(env)s) s ON true"
 #: the sizes of given runs in their order (RunRepository.run_sizes), stopping one run past
 #: %(max_bytes)s; a run not there measures as NULL and adds nothing
 _SIZES_WALK = f"""
