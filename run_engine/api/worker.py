@@ -225,10 +225,25 @@ async def _attempt(ctx: ApiContext, started: StartedAttempt) -> dict[str, Any]:
     }
 
 
+#: an attempt's error message and stack trace are kept to this many characters, its type, name and
+#: code to 256: an error is for reading, and every page, realtime answer and DLQ listing reads it
+#: (a task could otherwise fail a thousand runs with 10 MiB each)
+ERROR_TEXT_CHARS = 32 * 1024
+ERROR_NAME_CHARS = 256
+
+
+def _cut(value: str, limit: int) -> str:
+    if len(value) <= limit:
+        return value
+    return value[:limit] + f"\u2026 [cut: {len(value) - limit} more characters]"
+
+
 def _storable_error(error: dict[str, Any]) -> dict[str, Any]:
-    """An attempt's error as it can be stored: NUL characters in its strings become U+FFFD (an
-    error is for reading; refusing it would leave the run executing)."""
-    return {k: v.replace("\x00", "\ufffd") if isinstance(v, str) else v for k, v in error.items()}
+    """An attempt's error as it can be stored: NUL characters in its strings become U+FFFD, and
+    long ones are cut (:data:`ERROR_TEXT_CHARS`; an error is for reading, refusing it would leave
+    the run executing)."""
+    return {k: _cut(v.replace("\x00", "\ufffd"), ERROR_TEXT_CHARS if k in ("message", "stackTrace")
+                    else ERROR_NAME_CHARS) if isinstance(v, str) else v for k, v in error.items()}
 
 
 async def _complete(ctx: ApiContext, run_id: str, snapshot_id: str, req: CompleteBody,

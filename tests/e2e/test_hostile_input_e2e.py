@@ -250,6 +250,22 @@ def test_an_error_with_nul_is_stored_readably(hostile: Stack) -> None:
     assert hostile.run(run_id)["error"]["message"] == "bad\ufffdbyte"
 
 
+def test_a_huge_error_is_cut_when_stored(hostile: Stack) -> None:
+    """A task that fails with megabytes of message and stack: the run fails, its error kept to
+    32 Ki characters each (every page and realtime answer reads it), the name to 256."""
+    run_id = hostile.trigger("t", "huge-err", maxAttempts=1)
+    a = _dequeue(hostile, run_id)[run_id]
+    with hostile.worker() as w:
+        r = w.post(f"{W}/runs/{run_id}/snapshots/{a['snapshot']['id']}/attempts/complete",
+                   json={"ok": False, "error": {"name": "N" * 5000, "message": "m" * 3_000_000,
+                                                "stackTrace": "at x\n" * 500_000}})
+    assert r.status_code == 200, r.text
+    error = hostile.run(run_id)["error"]
+    assert error["message"].startswith("m" * 32 * 1024) and len(error["message"]) < 33 * 1024
+    assert "cut: 2967232 more characters" in error["message"]
+    assert len(error["stackTrace"]) < 33 * 1024 and len(error["name"]) < 300
+
+
 def test_worker_bodies_with_unstorable_values_are_400(hostile: Stack) -> None:
     run_id = hostile.trigger("t", "journal")
     a = _dequeue(hostile, run_id)[run_id]
