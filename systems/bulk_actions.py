@@ -39,7 +39,12 @@ MAX_PENDING = 10  # bulk actions under way per environment
 CANCELS_AT_ONCE = 20  # of a page's runs
 KINDS = ("CANCEL", "REPLAY")
 FILTERS = ("statuses", "tasks", "tags", "queues", "batches", "ids")
+STORED_KEYS = frozenset({*FILTERS, "created_from", "created_to"})
 MAX_IDS = 500  # runs named one by one in an action
+#: what an action by run ids stores as its date bound too: an engine that predates ids (before
+#: c14d8c5: a rolling deploy, a rollback) reads only the filters it knows, and ids alone would be
+#: no filter to it, every run of the environment; with this bound it acts on none
+NO_RUN_BEFORE_IDS = "1970-01-01T00:00:00+00:00"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +66,19 @@ class RunFilter:
         for key in ("created_from", "created_to"):
             if (value := getattr(self, key)) is not None:
                 out[key] = value.isoformat()
+        if self.ids:  # an engine before ids reads the date alone: no run, rather than every run
+            out["created_to"] = NO_RUN_BEFORE_IDS
         return out
 
     @classmethod
     def from_stored(cls, data: dict[str, Any]) -> RunFilter:
+        """The filter an action stored; ValueError for one that names what this engine does not
+        know (made by a later one): acting on it would act on more runs than asked."""
+        if unknown := set(data) - STORED_KEYS:
+            raise ValueError(f"the filter names {sorted(unknown)}, which this engine does not know")
+        if data.get("ids"):
+            return cls(ids=tuple(data["ids"]))
+
         def date(key: str) -> datetime | None:
             return datetime.fromisoformat(data[key]) if data.get(key) else None
 
@@ -95,6 +109,8 @@ class BulkActionsSystem:
         """A new action (its first page starts at once), or the one ``idempotency_key`` made before."""
         if kind not in KINDS:
             raise ValidationError("kind", "must be CANCEL or REPLAY")
+        if run_filter.ids and RunFilter(ids=run_filter.ids) != run_filter:
+            raise ValidationError("ids", "runs named by id take no other filter")
         for field in FILTERS:
             values = getattr(run_filter, field)
             most = MAX_IDS if field == "ids" else 100
@@ -132,7 +148,12 @@ class BulkActionsSystem:
         action = await self.r.repo.bulk_actions.get(action_id)
         if action is None or action.status != "PENDING":
             return False
-        f = RunFilter.from_stored(action.filter)
+        try:
+            f = RunFilter.from_stored(action.filter)
+        except ValueError as exc:  # made by a later engine (a rollback): act on nothing
+            log.error("bulk action %s stopped without acting: %s", action.id, exc)
+            await self.r.repo.bulk_actions.abort(action.id, action.env_id)
+            return False
         created_to = min(filter(None, (f.created_to, action.created_at)))
         after = ((action.cursor_created_at, action.cursor_id)
                  if action.cursor_created_at is not None and action.cursor_id is not None else None)

@@ -25,7 +25,7 @@ from run_engine.statuses import RunStatus
 def bulk_object(action: BulkAction, cached: bool | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": action.id, "type": action.kind, "status": action.status,
                            "processed": action.processed, "succeeded": action.succeeded,
-                           "filter": action.filter, "createdAt": iso(action.created_at)}
+                           "filter": shown_filter(action.filter), "createdAt": iso(action.created_at)}
     if action.completed_at is not None:
         out["completedAt"] = iso(action.completed_at)
     if action.idempotency_key is not None:
@@ -33,6 +33,12 @@ def bulk_object(action: BulkAction, cached: bool | None = None) -> dict[str, Any
     if cached is not None:
         out["isCached"] = cached
     return out
+
+
+def shown_filter(stored: dict[str, Any]) -> dict[str, Any]:
+    """An action's filter as stored, without the date bound that an action by run ids stores for
+    older engines (:data:`systems.bulk_actions.NO_RUN_BEFORE_IDS`)."""
+    return {k: v for k, v in stored.items() if not (k == "created_to" and stored.get("ids"))}
 
 
 def _filter(req: BulkBody) -> RunFilter:

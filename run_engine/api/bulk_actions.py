@@ -53,13 +53,12 @@ def _strings(value: str | list[str] | None) -> tuple[str, ...]:
 def _when(value: str | float, name: str) -> datetime:
     """A date as the SDK sends one: ISO 8601 (a Date), or milliseconds since the epoch."""
     try:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return datetime.fromtimestamp(value / 1000, UTC)
         if isinstance(value, str):
             return parse_date(value)
-    except (ValueError, OverflowError, OSError) as exc:
-        raise ApiError(400, "invalid_input", f"filter.{name}: {exc}") from None
-    raise ApiError(400, "invalid_input", f"filter.{name}: a date or milliseconds since the epoch")
+        return datetime.fromtimestamp(value / 1000, UTC)
+    except (ValueError, OverflowError, OSError):
+        raise ApiError(400, "invalid_input", f"filter.{name}: an ISO 8601 date or milliseconds since the epoch "
+                                             "(years 1 to 9999)") from None
 
 
 def _run_filter(f: SdkBulkFilter, now: float) -> RunFilter:

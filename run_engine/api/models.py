@@ -7,7 +7,17 @@ import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from run_engine.engine import CronSpec, Debounce, QueueSpec, RateLimitSpec, TaskSpec, queue_type
 
@@ -292,8 +302,8 @@ class SdkBulkFilter(BaseModel):
     tag: _Names | list[_Names] | None = None
     batch: _Names | None = None
     queue: QueueRef | list[QueueRef] | None = None
-    from_: str | float | None = Field(default=None, alias="from")
-    to: str | float | None = None
+    from_: StrictStr | StrictInt | StrictFloat | None = Field(default=None, alias="from")
+    to: StrictStr | StrictInt | StrictFloat | None = None
     period: str | None = Field(default=None, max_length=32)
     version: Any = None
     schedule: Any = None

@@ -229,9 +229,9 @@ async def get_batch_v2(request: Request) -> Response:
     if auth.run_id is not None and not runs and made is not None and made.parent_run_id != auth.run_id:
         raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     size = max(made.size if made else 0, len(runs))
-    # a two-phase batch whose items are still being sent (one made in one request has its runs;
-    # an item that joined another batch's run by its idempotency key counts as sent, not as a run)
-    if made is not None and made.items_seen < made.size and (made.items_seen or not runs):
+    # a two-phase batch whose items are still being sent (an item that joined another batch's run
+    # by its idempotency key counts as sent, not as a run of this one)
+    if made is not None and made.two_phase and made.items_seen < made.size:
         status = "PROCESSING"
     else:
         status = "COMPLETED" if all(RunStatus(r.status) in FINAL_RUN_STATUSES for r in runs) else "PENDING"

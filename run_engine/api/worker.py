@@ -263,7 +263,8 @@ async def _complete(ctx: ApiContext, run_id: str, snapshot_id: str, req: Complet
         # The task succeeded with an output that cannot be stored: the run fails with a clear
         # error (retrying would produce the same output) instead of staying EXECUTING.
         outcome = await ctx.engine.complete_attempt(run_id, snapshot_id, ok=False, retryable=False, error={
-            "type": "OUTPUT_NOT_STORABLE", "name": "OutputNotStorable", "message": f"the task's {problem}"})
+            "type": "OUTPUT_NOT_STORABLE", "name": "OutputNotStorable",
+            "message": _cut(f"the task's {problem}", ERROR_TEXT_CHARS)})  # the path names its keys
     else:
         error = (_storable_error(req.error.model_dump(exclude_none=True)) if req.error
                  else {"type": "BUILT_IN_ERROR", "message": "unknown error"})

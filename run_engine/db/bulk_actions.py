@@ -96,20 +96,31 @@ class BulkActionRepository:
     async def advance(self, action_id: str, *, expected: tuple[datetime | None, str | None],
                       cursor: tuple[datetime, str] | None, processed: int, succeeded: int, done: bool) -> bool:
         """Move the cursor on by one page (only from where ``expected`` says it is: a page done twice by
-        two workers counts once) and add the page's counts; False when it had moved already."""
+        two workers counts once) and add the page's counts; False when it had moved already. An
+        action aborted while the page was in hand counts it still (its runs were acted on)."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 """UPDATE bulk_action SET
                        cursor_created_at = coalesce(%(ts)s, cursor_created_at),
                        cursor_id = coalesce(%(cid)s, cursor_id),
                        processed = processed + %(processed)s, succeeded = succeeded + %(succeeded)s,
-                       status = CASE WHEN %(done)s THEN 'COMPLETED' ELSE status END,
-                       completed_at = CASE WHEN %(done)s THEN now() ELSE completed_at END
-                   WHERE id = %(id)s AND status = 'PENDING'
+                       status = CASE WHEN %(done)s AND status = 'PENDING' THEN 'COMPLETED' ELSE status END,
+                       completed_at = CASE WHEN %(done)s AND status = 'PENDING' THEN now() ELSE completed_at END
+                   WHERE id = %(id)s AND status IN ('PENDING', 'ABORTED')
                      AND cursor_created_at IS NOT DISTINCT FROM %(ets)s AND cursor_id IS NOT DISTINCT FROM %(eid)s""",
                 {"id": action_id, "ts": cursor[0] if cursor else None, "cid": cursor[1] if cursor else None,
                  "processed": processed, "succeeded": succeeded, "done": done, "ets": expected[0], "eid": expected[1]})
             return cur.rowcount > 0
+
+    async def delete_finished_before(self, age_s: float, limit: int) -> int:
+        """Delete up to ``limit`` actions that finished (or were aborted) more than ``age_s`` ago."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """DELETE FROM bulk_action WHERE id IN (
+                       SELECT id FROM bulk_action WHERE status <> 'PENDING'
+                         AND completed_at < now() - make_interval(secs => %s) LIMIT %s FOR UPDATE SKIP LOCKED)""",
+                (age_s, limit))
+            return cur.rowcount
 
     async def pending(self, after: str = "", limit: int = 1000) -> list[str]:
         """Ids of the actions not finished, after ``after`` in id order (the reconciler re-arms

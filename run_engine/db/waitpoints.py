@@ -816,7 +816,8 @@ class WaitpointRepository:
         idempotency key answers with the batch it made before)."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """INSERT INTO batch_task_run (id, environment_id, size, idempotency_key) VALUES (%s, %s, %s, %s)
+                """INSERT INTO batch_task_run (id, environment_id, size, idempotency_key, two_phase)
+                   VALUES (%s, %s, %s, %s, true)
                    ON CONFLICT (environment_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
                    RETURNING id, size""", (batch_id, env_id, size, idempotency_key))
             row = await cur.fetchone()
@@ -841,8 +842,8 @@ class WaitpointRepository:
         """The environment's batch as it was opened (or triggered in one request), or None."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute("SELECT size, cardinality(items_seen) AS items_seen, idempotency_key, parent_run_id, "
-                              "created_at FROM batch_task_run WHERE id = %s AND environment_id = %s",
+            await cur.execute("SELECT size, two_phase, cardinality(items_seen) AS items_seen, idempotency_key, "
+                              "parent_run_id, created_at FROM batch_task_run WHERE id = %s AND environment_id = %s",
                               (batch_id, env_id))
             row = await cur.fetchone()
             return None if row is None else BatchRecord(**row)
@@ -866,10 +867,11 @@ class WaitpointRepository:
 
 @record
 class BatchRecord:
-    """A batch's own row: the runs it will have (``size``), how many of its items a two-phase
-    batch has been sent (0 for a batch made in one request), its idempotency key, the run that
+    """A batch's own row: the runs it will have (``size``), whether it was opened for its items to
+    come later (two-phase) and how many of them it has been sent, its idempotency key, the run that
     triggered it (a run's batchTriggerAndWait), when it was made."""
     size: int
+    two_phase: bool
     items_seen: int
     idempotency_key: str | None
     parent_run_id: str | None

@@ -266,6 +266,19 @@ def test_a_huge_error_is_cut_when_stored(hostile: Stack) -> None:
     assert len(error["stackTrace"]) < 33 * 1024 and len(error["name"]) < 300
 
 
+def test_an_unstorable_output_under_huge_keys_fails_with_an_error_cut_short(hostile: Stack) -> None:
+    """The error names the path to the bad value, and a path of megabyte keys is cut like any error."""
+    run_id = hostile.trigger("t", "deep-key", maxAttempts=1)
+    a = _dequeue(hostile, run_id)[run_id]
+    with hostile.worker() as w:
+        r = w.post(f"{W}/runs/{run_id}/snapshots/{a['snapshot']['id']}/attempts/complete",
+                   json={"ok": True, "output": {"k" * 1_000_000: {"q" * 1_000_000: {"x": NUL}}}})
+    assert r.status_code == 200, r.text
+    error = hostile.run(run_id)["error"]
+    assert error["type"] == "OUTPUT_NOT_STORABLE" and len(error["message"]) < 33 * 1024
+    assert error["message"].startswith("the task's output.kkk") and "[cut:" in error["message"]
+
+
 def test_worker_bodies_with_unstorable_values_are_400(hostile: Stack) -> None:
     run_id = hostile.trigger("t", "journal")
     a = _dequeue(hostile, run_id)[run_id]

@@ -66,3 +66,13 @@ async def test_a_batch_is_its_environments_only(h: Harness, api: httpx.AsyncClie
     allowed = (await api.post("/api/v1/auth/public-tokens", json={"scopes": [f"read:batch:{opened['id']}"]})).json()
     assert (await api.get(f"/api/v2/batches/{opened['id']}",
                           headers={"Authorization": f"Bearer {allowed['token']}"})).status_code == 200
+
+
+async def test_a_batch_whose_items_all_joined_other_runs_is_not_processing(h: Harness, api: httpx.AsyncClient) -> None:
+    existing = (await api.post("/api/v1/tasks/hello/trigger",
+                               json={"payload": 1, "options": {"idempotencyKey": "taken"}})).json()["id"]
+    made = (await api.post("/api/v1/tasks/batch", json={"items": [
+        {"task": "hello", "payload": 2, "options": {"idempotencyKey": "taken"}}]})).json()
+    assert [r["id"] for r in made["runs"]] == [existing]
+    got = (await api.get(f"/api/v2/batches/{made['id']}")).json()
+    assert got["status"] != "PROCESSING" and got["runs"] == [] and got["runCount"] == 1

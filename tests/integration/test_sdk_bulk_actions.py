@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from run_engine.engine import TriggerRequest
+from run_engine.engine import RunFilter, TriggerRequest
 from run_engine.tenancy import ensure_environment
 
 from .conftest import Harness
@@ -132,3 +132,61 @@ async def test_an_action_is_its_environments_only(h: Harness, client: httpx.Asyn
         pass
     assert (await h.engine.get_run(ids[0])).status != "CANCELED"  # type: ignore[union-attr]
     assert (await client.get("/api/v1/bulk-actions/bulk_nope")).status_code == 404
+
+
+async def test_an_engine_that_predates_run_ids_acts_on_no_run_of_such_an_action(
+        h: Harness, client: httpx.AsyncClient) -> None:
+    """An older engine (a rolling deploy, a rollback) reads only the filters it knows: an action by
+    run ids must then be an action on nothing, never one on every run of the environment."""
+    await h.deploy({"id": "t"})
+    ids = await runs(h, 3)
+    made = (await client.post("/api/v1/bulk-actions", json={"action": "cancel", "runIds": ids[:1]})).json()["id"]
+    action = await h.engine.bulk_action(h.env.env_id, made)
+    assert action is not None and action.filter["ids"] == ids[:1]
+    as_older = RunFilter.from_stored({k: v for k, v in action.filter.items() if k != "ids"})  # what it sees
+    assert await h.engine.resources.repo.runs.list_runs(
+        h.env.env_id, created_to=as_older.created_to, limit=100) == []
+    assert "created_to" not in (await client.get(f"/api/v1/runs/bulk/{made}")).json()["filter"]
+
+
+async def test_an_action_whose_filter_this_engine_does_not_know_stops_without_acting(h: Harness) -> None:
+    await h.deploy({"id": "t"})
+    ids = await runs(h, 2)
+    action, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tasks=("t",)))
+    async with h.engine.resources.repo.pool.connection() as conn:  # as a later engine would store one
+        await conn.execute("UPDATE bulk_action SET filter = filter || '{\"region\": [\"eu\"]}' WHERE id = %s",
+                           (action.id,))
+    assert await h.engine.systems.bulk_actions.run_page(action.id) is False
+    stopped = await h.engine.bulk_action(h.env.env_id, action.id)
+    assert stopped is not None and stopped.status == "ABORTED" and stopped.processed == 0
+    assert "CANCELED" not in {(await h.engine.get_run(r)).status for r in ids}  # type: ignore[union-attr]
+
+
+async def test_a_page_in_hand_when_aborted_still_counts(h: Harness) -> None:
+    await h.deploy({"id": "t"})
+    await runs(h, 3)
+    action, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tasks=("t",)))
+    repo = h.engine.resources.repo.bulk_actions
+    await h.engine.abort_bulk_action(h.env.env_id, action.id)  # while a worker acts on the first page
+    assert await repo.advance(action.id, expected=(None, None), cursor=None, processed=3, succeeded=3, done=True)
+    got = await h.engine.bulk_action(h.env.env_id, action.id)
+    assert got is not None and (got.status, got.processed, got.succeeded) == ("ABORTED", 3, 3)
+
+
+async def test_a_date_that_is_not_one_is_refused(h: Harness, client: httpx.AsyncClient) -> None:
+    for bad in (True, None, "tomorrow", [1], {"a": 1}, 10**20):
+        answer = await client.post("/api/v1/bulk-actions", json={"action": "cancel", "filter": {"from": bad}})
+        assert answer.status_code == 400, (bad, answer.text)
+
+
+async def test_finished_actions_go_with_retention(make_engine) -> None:  # type: ignore[no-untyped-def]
+    h: Harness = await make_engine(retention_days=1e-9)
+    await h.deploy({"id": "t"})
+    await runs(h, 1)
+    done, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tasks=("nothing",)))
+    while await h.engine.systems.bulk_actions.run_page(done.id):
+        pass
+    pending, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tasks=("t",)))
+    await h.engine.systems.reconciler.retention()
+    assert await h.engine.bulk_action(h.env.env_id, done.id) is None
+    assert await h.engine.bulk_action(h.env.env_id, pending.id) is not None  # under way: kept
