@@ -265,11 +265,12 @@ class RunEngine:
         return await self.resources.repo.runs.packet_text(env_id, run_id, field)
 
     async def run_packets(self, env_id: str, run_ids: Sequence[str], *, item_bytes: int, budget_bytes: int,
-                          answer_bytes: int) -> tuple[dict[str, RunPackets], int]:
+                          answer_bytes: int, skip: Collection[str] = ()) -> tuple[dict[str, RunPackets], int]:
         """The payload, output, metadata and error of the first runs that an answer bounded in
         bytes holds, and how many runs that is: see :meth:`RunRepository.run_packets`."""
         return await self.resources.repo.runs.run_packets(env_id, run_ids, item_bytes=item_bytes,
-                                                          budget_bytes=budget_bytes, answer_bytes=answer_bytes)
+                                                          budget_bytes=budget_bytes, answer_bytes=answer_bytes,
+                                                          skip=skip)
 
     async def latest_snapshot(self, run_id: str) -> Snapshot:
         return await self.systems.execution_snapshot.latest(run_id)

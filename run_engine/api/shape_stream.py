@@ -295,7 +295,7 @@ async def _messages(ctx: ApiContext, env_id: str, runs: list[RunRow], since: int
     else:
         packets, taken = await ctx.engine.run_packets(
             env_id, [r.id for r in runs], item_bytes=PACKET_INLINE_BYTES, budget_bytes=ANSWER_INLINE_BYTES,
-            answer_bytes=ANSWER_BYTES)
+            answer_bytes=ANSWER_BYTES, skip=skip & _PACKET_COLUMNS)
     out = []
     for r in runs[:taken]:
         value = raw_row(r, packets.get(r.id))

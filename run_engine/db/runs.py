@@ -9,7 +9,7 @@ is one round trip and one commit, however many runs a batch carries.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -337,11 +337,12 @@ _RUN_BYTES = ("coalesce(octet_length(payload::text), 0) + coalesce(octet_length(
 #: metadata and cut error take (always sent inline). Found by its id alone (the primary key: a run
 #: of another environment measures as nothing), and LIMIT 1 keeps it a lookup per run: flattened
 #: into a join, a planner short of statistics measured every run of the environment at every step
-_MEASURE = """SELECT CASE WHEN NOT ({go}) THEN NULL WHEN pg_column_size(t.payload) < %(item)s
+_MEASURE = """SELECT CASE WHEN NOT ({go} AND %(payload)s) THEN NULL WHEN pg_column_size(t.payload) < %(item)s
                 THEN octet_length(t.payload::text) END AS pb,
-           CASE WHEN NOT ({go}) THEN NULL WHEN pg_column_size(t.output) < %(item)s
+           CASE WHEN NOT ({go} AND %(output)s) THEN NULL WHEN pg_column_size(t.output) < %(item)s
                 THEN octet_length(t.output::text) END AS ob,
-           coalesce(octet_length(t.metadata::text), 0) + CASE WHEN t.error IS NULL THEN 0 ELSE 1024
+           CASE WHEN %(metadata)s THEN coalesce(octet_length(t.metadata::text), 0) ELSE 0 END
+           + CASE WHEN t.error IS NULL OR NOT %(error)s THEN 0 ELSE 1024
                + coalesce(octet_length(left(t.error ->> 'message', %(chars)s)), 0)
                + coalesce(octet_length(left(t.error ->> 'stackTrace', %(chars)s)), 0) END AS fb
     FROM (SELECT * FROM task_run t WHERE t.id = w.id LIMIT 1) t WHERE t.environment_id = %(env)s"""
@@ -360,6 +361,7 @@ _RUN_PACKETS = """
 -- outputs no more once the inline budget or %(work)s bytes of measuring are spent (the runs after
 -- send theirs by reference); a value stored in %(item)s bytes or more (compressed) is never turned
 -- into text to be measured. A run that is not there takes no bytes and comes back without an id.
+-- A column the client left out (%(payload)s... false) is neither measured nor read.
 WITH RECURSIVE wanted AS MATERIALIZED (
     SELECT i.id, i.ord FROM unnest(%(ids)s::text[]) WITH ORDINALITY AS i(id, ord)
 ), walk AS (
@@ -377,8 +379,8 @@ WITH RECURSIVE wanted AS MATERIALIZED (
 SELECT r.id,
        CASE WHEN k.inline <= %(budget)s AND k.pb < %(item)s THEN r.payload::text END, r.payload IS NOT NULL,
        CASE WHEN k.inline <= %(budget)s AND k.ob < %(item)s THEN r.output::text END, r.output IS NOT NULL,
-       r.metadata::text,
-       CASE WHEN r.error IS NOT NULL THEN jsonb_build_object(
+       CASE WHEN %(metadata)s THEN r.metadata::text END,
+       CASE WHEN r.error IS NOT NULL AND %(error)s THEN jsonb_build_object(
            'name', left(r.error ->> 'name', 256), 'type', left(r.error ->> 'type', 256),
            'message', left(r.error ->> 'message', %(chars)s),
            'stackTrace', left(r.error ->> 'stackTrace', %(chars)s))
@@ -921,20 +923,22 @@ class RunRepository:
                          int(rows[0]["snapshot_xmin"]) if rows else None)
 
     async def run_packets(self, env_id: str, run_ids: Sequence[str], *, item_bytes: int, budget_bytes: int,
-                          answer_bytes: int) -> tuple[dict[str, RunPackets], int]:
+                          answer_bytes: int, skip: Collection[str] = ()) -> tuple[dict[str, RunPackets], int]:
         """The payload, output, metadata and error of the environment's first runs among
         ``run_ids`` (in that order) that one realtime answer of ``answer_bytes`` holds, by id, and
         how many of ``run_ids`` that is (one at least; a run that is not there counts, without
         packets). A payload or output inline when it is under ``item_bytes`` and the inline ones so
         far stay within ``budget_bytes``, else flagged as stored (sizes measured until the budget,
         or four times it of measuring, is spent); metadata whole (bounded by its own limit); the
-        error's message and stack cut to :data:`SHAPE_ERROR_CHARS`."""
+        error's message and stack cut to :data:`SHAPE_ERROR_CHARS`. Those of ``skip`` (``payload``,
+        ``output``, ``metadata``, ``error``) are neither read nor counted."""
         if not run_ids:
             return {}, 0
+        wanted = {field: field not in skip for field in ("payload", "output", "metadata", "error")}
         async with self.pool.connection() as conn:
             cur = await conn.execute(_RUN_PACKETS, {"ids": list(run_ids), "env": env_id, "item": item_bytes,
                                                     "budget": budget_bytes, "work": 4 * budget_bytes,
-                                                    "answer": answer_bytes, "chars": SHAPE_ERROR_CHARS})
+                                                    "answer": answer_bytes, "chars": SHAPE_ERROR_CHARS, **wanted})
             rows = await cur.fetchall()
             return {r[0]: RunPackets(payload=r[1], payload_stored=r[1] is None and r[2], output=r[3],
                                      output_stored=r[3] is None and r[4], metadata=r[5], error=r[6])

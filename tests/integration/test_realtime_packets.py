@@ -158,7 +158,8 @@ async def test_sizes_are_measured_only_until_the_budget_is_spent(h: Harness) -> 
     (the runs are all in the answer still, their payloads by reference)."""
     ids = await trigger(h, ["c" * 20_000 for _ in range(30)], ["walk"])
     params = {"ids": ids, "env": h.env.env_id, "item": 1000, "budget": 10_000, "work": 40_000,
-              "answer": 100_000, "chars": SHAPE_ERROR_CHARS}
+              "answer": 100_000, "chars": SHAPE_ERROR_CHARS, "payload": True, "output": True, "metadata": True,
+              "error": True}
     async with h.engine.resources.repo.pool.connection() as conn:
         rows = await (await conn.execute(_RUN_PACKETS, params)).fetchall()
     assert [r[0] for r in rows] == ids and all(r[1] is None and r[2] for r in rows)  # every one by reference
@@ -208,6 +209,19 @@ async def test_an_answer_ends_where_metadata_and_errors_fill_it_and_the_next_one
             break
     assert live.json()[-1] == shape_stream.UP_TO_DATE and "electric-up-to-date" in live.headers
     assert orjson.loads(updates[ids[7]]["metadata"]) == {"m": "y"}
+
+
+async def test_metadata_left_out_is_not_counted_either(h: Harness, client: httpx.AsyncClient,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shape_stream, "ANSWER_BYTES", 2000)
+    ids = await trigger(h, [{"n": i} for i in range(20)], ["lean"])
+    for run_id in ids:
+        await h.engine.set_metadata(h.env.env_id, run_id, {"m": "x" * 290})
+    answer = await client.get("/realtime/v1/runs", params={"tags": "lean", "offset": "-1",
+                                                            "skipColumns": "metadata"})
+    body = answer.json()
+    assert body[-1] == shape_stream.UP_TO_DATE and len(body) == 21  # all twenty in one answer
+    assert all("metadata" not in m["value"] for m in body[:-1])
 
 
 @pytest.mark.parametrize("offset", ["1_2_run_x_1", "1_2_X_1", "1_2_~", "1_2_a_3_4", "1_2_~_3_~_1", "1_2_a_b",
