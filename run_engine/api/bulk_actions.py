@@ -14,8 +14,8 @@ from starlette.routing import Route
 
 from run_engine.api import schemas as S
 from run_engine.api.context import ctx_of
-from run_engine.api.http import ApiError, body, json_response
-from run_engine.api.inputs import is_number, looks_like_id
+from run_engine.api.http import ApiError, body, json_response, page_size
+from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import CreateBulkActionBody, SdkBulkFilter, parse_date, parse_duration_s
 from run_engine.api.openapi import PAGE, operation
 from run_engine.api.serialize import iso
@@ -153,10 +153,7 @@ async def abort_bulk_action(request: Request) -> Response:
 async def list_bulk_actions(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    raw = request.query_params.get("page[size]", "25")
-    if not is_number(raw) or not 1 <= int(raw) <= 100:
-        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
-    size = int(raw)
+    size = page_size(request)
     after = None
     if cursor := request.query_params.get("page[after]"):
         ts, _, action_id = cursor.partition("|")

@@ -48,6 +48,14 @@ WIRE_FIELDS = {"task_id": "taskId", "queue": "options.queue", "priority_s": "opt
 MAX_REQUEST_BYTES = 10 * 1024 * 1024
 
 
+def page_size(request: Request) -> int:
+    """``page[size]``: 1..100, 25 when not given."""
+    raw = request.query_params.get("page[size]", "25")
+    if not is_number(raw) or not 1 <= int(raw) <= 100:
+        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
+    return int(raw)
+
+
 class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str, *, extra: dict[str, Any] | None = None,
                  headers: dict[str, str] | None = None) -> None:

@@ -15,7 +15,7 @@ from starlette.routing import Route
 from run_engine.api import schemas as S
 from run_engine.api.auth import token_headers
 from run_engine.api.context import RUN_TOKEN_SCOPE, ApiContext, EnvAuth, ctx_of
-from run_engine.api.http import ApiError, body, json_response
+from run_engine.api.http import ApiError, body, json_response, page_size
 from run_engine.api.inputs import is_number, looks_like_id, unstorable
 from run_engine.api.models import (
     BatchBody,
@@ -287,13 +287,6 @@ def _csv(request: Request, name: str) -> list[str]:
     return values
 
 
-def _page_size(request: Request) -> int:
-    raw = request.query_params.get("page[size]", "25")
-    if not is_number(raw) or not 1 <= int(raw) <= 100:
-        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
-    return int(raw)
-
-
 def _created(request: Request, end: str) -> datetime | None:
     """``filter[createdAt][from|to]``: an ISO 8601 date (UTC if naive); ``to`` is exclusive."""
     name = f"filter[createdAt][{end}]"
@@ -317,7 +310,7 @@ def _cursor(run: RunRow) -> str:
 async def list_runs(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    size = _page_size(request)
+    size = page_size(request)
     statuses = _csv(request, "filter[status]")
     for s in statuses:
         if s not in RunStatus.__members__:
@@ -460,7 +453,7 @@ async def reset_concurrency(request: Request) -> Response:
 async def list_dlq(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    size = _page_size(request)
+    size = page_size(request)
     tasks, queues = set(_csv(request, "filter[taskIdentifier]")), set(_csv(request, "filter[queue]"))
     dead, more = await ctx.engine.list_dead(auth.env_id, size, request.query_params.get("page[after]"), tasks, queues)
     data = [{"run": run_object(d.run), "reason": d.entry.reason, "deadAt": iso(_ms(d.entry.dead_at_ms)),

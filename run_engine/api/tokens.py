@@ -14,8 +14,8 @@ from starlette.routing import Route
 from run_engine.api import schemas as S
 from run_engine.api.auth import token_headers
 from run_engine.api.context import ApiContext, ctx_of
-from run_engine.api.http import ApiError, body, json_response, read_json
-from run_engine.api.inputs import is_number, looks_like_id
+from run_engine.api.http import ApiError, body, json_response, page_size, read_json
+from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import TokenCompleteBody, TokenCreateBody, parse_duration_s
 from run_engine.api.openapi import PAGE, Query, operation
 from run_engine.api.public_tokens import allows, forbidden
@@ -94,10 +94,7 @@ async def get_token(request: Request) -> Response:
 async def list_tokens(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    raw = request.query_params.get("page[size]", "25")
-    if not is_number(raw) or not 1 <= int(raw) <= 100:
-        raise ApiError(400, "invalid_input", "page[size]: must be an integer 1..100")
-    size = int(raw)
+    size = page_size(request)
     wanted = {s.strip() for s in request.query_params.get("filter[status]", "").split(",") if s.strip()}
     if bad := wanted - set(STATUSES):
         raise ApiError(400, "invalid_input", f"filter[status]: unknown status {sorted(bad)[0]!r} "
