@@ -25,9 +25,9 @@ from run_engine.api.inputs import is_number
 from run_engine.api.models import TriggerOptions
 from run_engine.api.openapi import Query, operation
 from run_engine.api.public_tokens import forbidden
+from run_engine.api.shape_stream import STORE
 from run_engine.engine import PACKET_BYTES_PER_ENV
 
-STORE = "application/store"
 #: the packet types a trigger takes: JSON and superjson are decoded, text is kept as a string (what
 #: the SDK sends for a string payload)
 TYPES = ("application/json", "application/super+json", "text/plain")
