@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import psycopg
 import pytest
 
-from run_engine.db.migrations import available_migrations, migrate_sync
+from run_engine.db import migrations
+from run_engine.db.migrations import Migration, available_migrations, migrate_sync
 
 TABLES = {
     "organization", "project", "runtime_environment", "worker_group", "worker_instance", "deployment",
@@ -132,3 +134,29 @@ def test_a_runs_snapshots_are_found_by_index_for_its_delete_and_its_latest(datab
             "SELECT indexname FROM pg_indexes WHERE tablename = 'task_run_execution_snapshot'")}
         assert names == {"task_run_execution_snapshot_pkey", "snapshot_run_seq", "snapshot_chain_uq"}
         conn.rollback()
+
+
+def test_a_migration_that_cannot_take_its_lock_gives_way_and_names_who_holds_it(
+        empty_database: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Behind an ALTER TABLE waiting on a long transaction every query of that table would queue: the
+    migration waits a bounded time for its lock, rolls back, tries again, and at last says which
+    session holds it; once that session is gone it applies."""
+    migrate_sync(empty_database)
+    probe = tmp_path / "9999_probe.sql"
+    probe.write_text("ALTER TABLE bulk_action ADD COLUMN probe integer;\n")
+    shipped = migrations.available_migrations()
+    monkeypatch.setattr(migrations, "available_migrations", lambda: [*shipped, Migration("9999", "probe", probe)])
+    monkeypatch.setattr(migrations, "LOCK_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(migrations, "LOCK_RETRY_S", 0.05)
+    monkeypatch.setattr(migrations, "LOCK_ATTEMPTS", 3)
+    with psycopg.connect(empty_database) as holder:
+        holder.execute("SELECT count(*) FROM bulk_action")  # a transaction left open: its lock stays
+        with pytest.raises(RuntimeError, match=r"9999_probe could not take its locks .* pid \d+ .*bulk_action"):
+            migrate_sync(empty_database)
+        monkeypatch.setattr(migrations, "LOCK_ATTEMPTS", 100)
+        release = threading.Timer(0.5, holder.rollback)  # the long transaction ends meanwhile
+        release.start()
+        try:
+            assert migrate_sync(empty_database) == ["9999"]
+        finally:
+            release.join()
