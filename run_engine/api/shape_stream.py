@@ -195,8 +195,11 @@ def _window(ordered: list[RunRow], at: Position) -> list[RunRow]:
     return [r for r in ordered if at[0] - GRACE_US < _micros(r.updated_at) and _position(r) <= at]
 
 
-def _checksum(runs: list[RunRow]) -> int:
-    return sum(zlib.crc32(f"{r.id}@{_micros(r.updated_at)}".encode()) for r in runs) % 1_000_000_000_000
+def _checksum(runs: list[RunRow], xmins: dict[str, int]) -> int:
+    """Of each run's version: its id, its change and the transaction that wrote it (two that
+    began in the same microsecond write versions with the same change)."""
+    return sum(zlib.crc32(f"{r.id}@{_micros(r.updated_at)}@{xmins.get(r.id, 0)}".encode())
+               for r in runs) % 1_000_000_000_000
 
 
 #: transaction ids are compared as PostgreSQL compares them, modulo 2^32 (a row's xmin is 32 bits);
@@ -229,7 +232,7 @@ def unsent(read: ShapeRead, cursor: Cursor) -> tuple[list[RunRow], int]:
     parts if they must be: ``resend`` is how far that got)."""
     ordered = sorted(read.runs, key=_position)
     window = _window(ordered, cursor.at)
-    if _checksum(window) != cursor.checksum:
+    if _checksum(window, read.xmins) != cursor.checksum:
         again = list(filter(_maybe_late(read, cursor), window))
     elif cursor.resend is not None:
         late = _maybe_late(read, cursor)
@@ -248,7 +251,7 @@ def advance(cursor: Cursor, read: ShapeRead, pending: list[RunRow], again: int, 
     elif sent > again:  # every run up to the last one sent, as this read saw them
         last = pending[sent - 1]
         at, xmin = (_micros(last.updated_at), ALL if sent == len(pending) else last.id), read.snapshot_xmin
-    return Cursor(at, _checksum(_window(sorted(read.runs, key=_position), at)), xmin, resend)
+    return Cursor(at, _checksum(_window(sorted(read.runs, key=_position), at), read.xmins), xmin, resend)
 
 
 def _answer(handle: str, cursor: Cursor, messages: list[dict[str, Any]], *, live: bool, complete: bool) -> Response:

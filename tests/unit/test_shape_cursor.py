@@ -214,13 +214,13 @@ def test_no_change_is_lost_whatever_commits_late_and_wherever_answers_are_cut(se
     rng = random.Random(seed)
     txns = _history(rng)
     end = max(commit for _, _, commit, _ in txns) + 10
-    have: dict[str, datetime] = {}
+    have: dict[str, tuple[datetime, int]] = {}  # run -> the version the client holds (change, writer)
     cursor, now = START, rng.randrange(0, 200)
     for _ in range(400):
         read = _read(txns, now)
         pending, again = unsent(read, cursor)
         sent = min(rng.randrange(1, 5), len(pending))
-        have.update((r.id, r.updated_at) for r in pending[:sent])
+        have.update((r.id, (r.updated_at, read.xmins[r.id])) for r in pending[:sent])
         cursor = advance(cursor, read, pending, again, sent)
         assert parse_offset(cursor.offset()) == cursor
         if now > end and not pending:
@@ -229,4 +229,4 @@ def test_no_change_is_lost_whatever_commits_late_and_wherever_answers_are_cut(se
     else:
         raise AssertionError("the client never caught up")
     final = _read(txns, end)
-    assert have == {r.id: r.updated_at for r in final.runs}  # every run, at its last change
+    assert have == {r.id: (r.updated_at, final.xmins[r.id]) for r in final.runs}  # every run, its last version
