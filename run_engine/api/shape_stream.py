@@ -50,6 +50,7 @@ GRACE_US = 2_000_000
 RAW_STATUS = {"QUEUED": "PENDING", "COMPLETED": "COMPLETED_SUCCESSFULLY", "FAILED": "COMPLETED_WITH_ERRORS",
               "WAITING": "WAITING_TO_RESUME"}
 UP_TO_DATE = {"headers": {"control": "up-to-date"}}
+MUST_REFETCH = {"headers": {"control": "must-refetch"}}
 #: a payload or output this large (as JSON text) or larger is sent by reference: Trigger.dev's SDK
 #: offloads its own packets from this size (OFFLOAD_IO_PACKET_LENGTH_LIMIT)
 PACKET_INLINE_BYTES = 128 * 1024
@@ -171,10 +172,22 @@ def _run_id(raw: str) -> str:
     return "run_" + raw
 
 
+class Refetch(Exception):
+    """An offset of another version of this server (what it is made of, in a number of parts this
+    one does not know: a rolling upgrade, a rollback): the client is told to start over."""
+
+
+#: what an offset of any version of this server is made of
+_ANY_VERSION = re.compile(r"[0-9]{1,20}(?:_[0-9a-z~]{0,64}){1,9}")
+
+
 def parse_offset(offset: str) -> Cursor:
-    """The cursor an offset this server answered with carries; 400 for anything else."""
+    """The cursor an offset this server answered with carries; 400 for anything else, but
+    :class:`Refetch` for one another version of it could have answered with."""
     parts = offset.split("_") if len(offset) <= MAX_OFFSET_CHARS else []
     if len(parts) not in (2, 4, 6):
+        if _ANY_VERSION.fullmatch(offset):
+            raise Refetch(offset)
         raise _bad_offset()
     at_us, checksum = _number(parts[0]), _number(parts[1])
     if len(parts) == 2:  # as the first offsets this server answered with
@@ -319,7 +332,11 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
     offset = request.query_params.get("offset", "-1")
     live = request.query_params.get("live") == "true"
     skip = skip_columns(request)
-    cursor = START if offset == "-1" else parse_offset(offset)
+    try:
+        cursor = START if offset == "-1" else parse_offset(offset)
+    except Refetch:  # ElectricSQL's answer to an offset it cannot serve: the client starts again at -1
+        return Response(orjson.dumps([MUST_REFETCH]), status_code=409, media_type="application/json",
+                        headers={"electric-handle": handle, "Cache-Control": "no-store"})
     # only the runs changed within GRACE before the offset or after it (all of them at first)
     changed_after = None if cursor is START else datetime.fromtimestamp((cursor.at[0] - GRACE_US) / 1_000_000, UTC)
     read = await load(changed_after)

@@ -162,6 +162,7 @@ def test_the_official_sdk_works_unchanged(sdk_dir: Path, served: Stack) -> None:
                      "outputLength": 200 * 1024, "sentAs": ["application/store", "application/store"]}
     meta = v["subscribeToRunsWithTag.largeMetadata"]  # 10 MB of metadata: in two answers, every run whole
     assert meta["runs"] == meta["whole"] == 40 and 0 < meta["firstAnswer"] < 40 and meta["firstUpToDate"] is False
+    assert v["electric.mustRefetch"] == {"refetched": True, "seen": True}  # started over at -1, by itself
     once = v["auth.createTriggerPublicToken"]
     assert once["id"].startswith("run_") and once["again"] == 401  # one-time use
     many = v["auth.createTriggerPublicToken.multipleUse"]

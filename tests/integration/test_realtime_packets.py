@@ -224,10 +224,23 @@ async def test_metadata_left_out_is_not_counted_either(h: Harness, client: httpx
     assert all("metadata" not in m["value"] for m in body[:-1])
 
 
-@pytest.mark.parametrize("offset", ["1_2_run_x_1", "1_2_X_1", "1_2_~", "1_2_a_3_4", "1_2_~_3_~_1", "1_2_a_b",
-                                    "1_2_" + "a" * 200 + "_1", "99999999999999999999_1", "1_2_abc\n_1"])
+@pytest.mark.parametrize("offset", ["1_2_X_1", "1_2_~_3_~_1", "1_2_a_b", "1_2_" + "a" * 200 + "_1",
+                                    "99999999999999999999_1", "1_2_abc\n_1", "x_1"])
 async def test_an_offset_this_server_never_answered_with_is_refused(h: Harness, client: httpx.AsyncClient,
                                                                      offset: str) -> None:
     await trigger(h, [1], ["odd"])
     answer = await client.get("/realtime/v1/runs", params={"tags": "odd", "offset": offset})
     assert answer.status_code == 400 and "offset" in answer.json()["error"]["message"], answer.text
+
+
+async def test_an_offset_of_another_version_of_the_server_has_the_client_start_over(
+        h: Harness, client: httpx.AsyncClient) -> None:
+    """As ElectricSQL answers an offset it cannot serve: 409 and must-refetch, upon which its
+    client (and Trigger.dev's SDK) drops what it holds and starts again at -1 (a rolling upgrade)."""
+    (run_id,) = await trigger(h, [1], ["versions"])
+    for offset in ("1795802164612920_14389435765_~", "1_2_a_3_4", "1_2_a_3_4_5_6_7"):
+        answer = await client.get("/realtime/v1/runs", params={"tags": "versions", "offset": offset, "live": "true"})
+        assert answer.status_code == 409 and answer.json() == [shape_stream.MUST_REFETCH], answer.text
+        assert answer.headers["electric-handle"].startswith("tags-")
+    again = values(await client.get("/realtime/v1/runs", params={"tags": "versions", "offset": "-1"}))
+    assert list(again) == [run_id]

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from run_engine.api.http import ApiError
-from run_engine.api.shape_stream import ALL, GRACE_US, START, Cursor, advance, parse_offset, unsent
+from run_engine.api.shape_stream import ALL, GRACE_US, START, Cursor, Refetch, advance, parse_offset, unsent
 from run_engine.db.runs import RunRow, ShapeRead
 
 T0 = datetime(2026, 11, 27, 12, tzinfo=UTC)
@@ -162,14 +162,19 @@ def test_a_window_older_than_grace_is_not_checked_again() -> None:
     assert unsent(db.read(), cursor) == ([], 0)
 
 
-@pytest.mark.parametrize("offset", ["", "1", "1_2_3", "1_2_a_3_4", "a_1", "1_a", "-1_2", "1_2_", "1_2__",
-                                    "1_2_UP_", "1_2_x_y", "1_2_x_1_3_~", "1_2_x_1_3", "1_2_x_1_3_y_z",
-                                    "1" * 21 + "_1", "1_2_" + "a" * 200 + "_1", "1_2_run_x_1", "1_2_abc\n_1",
-                                    "1_2_abc_1\n", "1_2_~_1_3_abc\n", "1\n_2", "1_2_a_²"])
+@pytest.mark.parametrize("offset", ["", "1", "a_1", "1_a", "-1_2", "1_2__", "1_2_UP_", "1_2_x_y",
+                                    "1_2_x_1_3_~", "1" * 21 + "_1", "1_2_" + "a" * 200 + "_1", "1_2_abc\n_1",
+                                    "1_2_abc_1\n", "1_2_~_1_3_abc\n", "1\n_2", "1_2_a_²", "1_2_RUN_x_1"])
 def test_an_offset_this_server_never_answered_with_is_refused(offset: str) -> None:
     with pytest.raises(ApiError) as refused:
         parse_offset(offset)
     assert refused.value.status == 400
+
+
+@pytest.mark.parametrize("offset", ["1_2_3", "1_2_", "1_2_a_3_4", "1_2_x_1_3_y_z", "1_2_run_x_1", "12_0_abc"])
+def test_an_offset_of_another_version_tells_the_client_to_start_over(offset: str) -> None:
+    with pytest.raises(Refetch):
+        parse_offset(offset)
 
 
 def test_offsets_round_trip() -> None:

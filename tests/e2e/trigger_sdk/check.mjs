@@ -3,6 +3,7 @@
 // {call: {ok, value?, error?}}. The Python test reads it and checks the values.
 import { configure, tasks, runs, wait, queues, schedules, batch, auth, idempotencyKeys } from "@trigger.dev/sdk";
 import { apiClientManager } from "@trigger.dev/core/v3";
+import { ShapeStream } from "@electric-sql/client";
 
 configure({ baseURL: process.env.TRIGGER_API_URL, accessToken: process.env.TRIGGER_SECRET_KEY });
 const out = {};
@@ -216,6 +217,28 @@ await step("subscribeToRunsWithTag.largeMetadata", async () => {
   const body = await first.json();
   return { runs: ids.length, whole: full(seen).size, firstAnswer: body.filter((m) => m.value).length,
            firstUpToDate: body.some((m) => m.headers && m.headers.control === "up-to-date") };
+});
+// an offset of another version of the server (a rolling upgrade): 409 must-refetch, and the
+// SDK's shape client starts over at -1 by itself
+await step("electric.mustRefetch", async () => {
+  const tag = `refetch-${Date.now()}`;
+  const r = await tasks.trigger("echo", { z: 1 }, { tags: [tag] });
+  const c = apiClientManager.clientOrThrow();
+  const stream = new ShapeStream({ url: `${c.baseUrl}/realtime/v1/runs?tags=${tag}`, offset: "1_2_3",
+    handle: "tags-older", subscribe: false, headers: { Authorization: `Bearer ${process.env.TRIGGER_SECRET_KEY}` } });
+  const seen = [];
+  let refetched = false;
+  await new Promise((resolve) => {
+    const timer = setTimeout(resolve, 15000);
+    const stop = stream.subscribe((messages) => {
+      for (const m of messages) {
+        if (m.value) seen.push(m.value.id);
+        if (m.headers && m.headers.control === "must-refetch") refetched = true;
+        if (m.headers && m.headers.control === "up-to-date") { clearTimeout(timer); stop(); resolve(); }
+      }
+    }, () => { clearTimeout(timer); resolve(); });
+  });
+  return { refetched, seen: seen.includes(r.id) };
 });
 await step("auth.createTriggerPublicToken", async () => {
   const token = await auth.createTriggerPublicToken("echo");
