@@ -17,6 +17,7 @@ from typing import Any
 
 from run_engine.db.bulk_actions import BulkAction
 from run_engine.db.runs import PAGE_BYTES, RunRow
+from run_engine.dependencies import log_failure
 from run_engine.errors import (
     ConflictError,
     DuplicateExecutionError,
@@ -126,8 +127,14 @@ class BulkActionsSystem:
             job = engine_jobs.bulk_action(action.id, self.r.clock.now())
             # A repeated request must not make the job due again while a worker runs its page (a
             # second worker would take the same page at once); it re-arms only a job that is gone.
-            if not cached or await self.r.jobs.missing([job[0]]):
-                await self.r.change_jobs(schedule=[job])
+            # The action is committed: an error now (Redis away) must not answer the request with
+            # one, as a client would make the action again (the SDK retries any 5xx by itself: a
+            # second replay of every run). The reconciler arms the job of an action under way.
+            try:
+                if not cached or await self.r.jobs.missing([job[0]]):
+                    await self.r.change_jobs(schedule=[job])
+            except Exception as exc:
+                log_failure(log, exc, "bulk action %s made; its first page waits for the reconciler", action.id)
         return action, cached
 
     async def get(self, env_id: str, action_id: str) -> BulkAction | None:
@@ -138,8 +145,8 @@ class BulkActionsSystem:
         return await self.r.repo.bulk_actions.page(env_id, limit, after)
 
     async def abort(self, env_id: str, action_id: str) -> BulkAction | None:
-        """Stop an action under way: no page after the one in hand (if any) is started, and that one's
-        counts are not added. The action as it is then (already finished: unchanged); None when
+        """Stop an action under way: no page after the one in hand (if any) is started; that one's
+        runs were acted on, and its counts are added. The action as it is then (already finished: unchanged); None when
         the environment has no such action."""
         return await self.r.repo.bulk_actions.abort(action_id, env_id)
 
@@ -171,10 +178,13 @@ class BulkActionsSystem:
                 action.id, expected=(action.cursor_created_at, action.cursor_id), cursor=last, processed=len(runs),
                 succeeded=succeeded, done=done):
             return not done
-        # Another worker recorded this page first: the next page is ours to start as well should
-        # that worker have died before it scheduled it (a page done twice counts once).
-        now = await self.r.repo.bulk_actions.get(action.id)
-        return now is not None and now.status == "PENDING"
+        # Another worker (this page's job taken again after its lease ran out) recorded this page
+        # first and goes on with the next. Scheduling the job here too would replace that worker's
+        # next job while its page runs: a third worker would do the same page, and every page
+        # after it twice. Should that worker die before it scheduled the next page, the reconciler
+        # arms the job of an action under way.
+        log.info("bulk action %s: a page done twice (its job was taken again); counted once", action.id)
+        return False
 
     async def _cancel(self, action: BulkAction, runs: list[RunRow]) -> int:
         """How many of ``runs`` this action cancelled, all of them at once (the engine's batchers
@@ -197,7 +207,9 @@ class BulkActionsSystem:
 
         outcomes = await asyncio.gather(*(cancel(run.id) for run in todo), return_exceptions=True)
         _retry_unless_refused("cancel", [(run.id, o) for run, o in zip(todo, outcomes, strict=True)])
-        return cancelled + sum(1 for o in outcomes if not isinstance(o, BaseException))
+        # cancelled (CANCELED), or cancelling while it executes (EXECUTING: PENDING_CANCEL); a run
+        # that finished on its own since the page was read answers its own final status
+        return cancelled + sum(1 for o in outcomes if o in (RunStatus.CANCELED, RunStatus.EXECUTING))
 
     async def _replay(self, action: BulkAction, runs: list[RunRow]) -> int:
         if not runs:

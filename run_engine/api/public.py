@@ -230,9 +230,12 @@ async def get_batch_v2(request: Request) -> Response:
         raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     size = max(made.size if made else 0, len(runs))
     # a two-phase batch whose items are still being sent (an item that joined another batch's run
-    # by its idempotency key counts as sent, not as a run of this one)
+    # by its idempotency key counts as sent, not as a run of this one); past the grace the sweep
+    # gives a batch to be made whole, it never will be (a waiting parent was answered
+    # BATCH_INCOMPLETE): ABORTED, as Trigger.dev's, a final status a poller stops at
     if made is not None and made.two_phase and made.items_seen < made.size:
-        status = "PROCESSING"
+        waited = ctx.engine.now() - made.created_at.timestamp()
+        status = "PROCESSING" if waited < ctx.engine.settings.batch_creation_grace_s else "ABORTED"
     else:
         status = "COMPLETED" if all(RunStatus(r.status) in FINAL_RUN_STATUSES for r in runs) else "PENDING"
     created = made.created_at if made else min(r.created_at for r in runs)

@@ -152,7 +152,7 @@ class BatchProcessing(_Out):
 
 class BatchV2(_Out):
     id: str
-    status: Literal["PENDING", "PROCESSING", "COMPLETED"]
+    status: Literal["PENDING", "PROCESSING", "COMPLETED", "ABORTED"]
     idempotencyKey: str | None = None
     createdAt: str
     updatedAt: str

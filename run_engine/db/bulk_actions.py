@@ -30,6 +30,11 @@ class BulkAction:
     name: str | None = None
 
 
+#: the first key of the advisory lock that makes one environment's creates take turns (the
+#: two-key lock space: never the migrator's one-key lock)
+_CREATE_LOCK_CLASS = 0x42554C4B  # "BULK"
+
+
 class BulkActionRepository:
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
@@ -38,9 +43,12 @@ class BulkActionRepository:
                      idempotency_key: str | None, max_pending: int,
                      name: str | None = None) -> tuple[BulkAction | None, bool]:
         """The new action, or the one the same idempotency key made before (and True); None when
-        the environment has ``max_pending`` actions under way already (and nothing was made)."""
-        async with self.pool.connection() as conn:
+        the environment has ``max_pending`` actions under way already (and nothing was made). The
+        environment's creates take turns (a transaction-scoped advisory lock on it): two of them
+        counting at once would each see the other's action uncommitted and both pass the limit."""
+        async with self.pool.connection() as conn, conn.transaction():
             cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_CREATE_LOCK_CLASS, env_id))
             await cur.execute(
                 """INSERT INTO bulk_action (id, environment_id, kind, filter, idempotency_key, name)
                    SELECT %(id)s, %(env)s, %(kind)s, %(filter)s, %(key)s, %(name)s

@@ -76,3 +76,23 @@ async def test_a_batch_whose_items_all_joined_other_runs_is_not_processing(h: Ha
     assert [r["id"] for r in made["runs"]] == [existing]
     got = (await api.get(f"/api/v2/batches/{made['id']}")).json()
     assert got["status"] != "PROCESSING" and got["runs"] == [] and got["runCount"] == 1
+
+
+async def test_a_two_phase_batch_never_made_whole_is_aborted_after_the_grace(
+        h: Harness, api: httpx.AsyncClient) -> None:
+    """A client that opened a batch and stopped sending: past the grace the sweep gives a batch,
+    the batch is ABORTED (a poller waiting for it to leave PROCESSING stops); items sent later
+    still make their runs, and once every item is in it reads as any batch."""
+    opened = (await api.post("/api/v3/batches", json={"runCount": 2})).json()
+
+    def item(i: int) -> bytes:
+        return orjson.dumps({"index": i, "task": "hello", "payload": {"i": i}})
+
+    await api.post(f"/api/v3/batches/{opened['id']}/items", content=item(0), headers=NDJSON)
+    h.clock.advance(h.engine.settings.batch_creation_grace_s - 5)
+    assert (await api.get(f"/api/v2/batches/{opened['id']}")).json()["status"] == "PROCESSING"
+    h.clock.advance(10)
+    assert (await api.get(f"/api/v2/batches/{opened['id']}")).json()["status"] == "ABORTED"
+    await api.post(f"/api/v3/batches/{opened['id']}/items", content=item(1), headers=NDJSON)
+    whole = (await api.get(f"/api/v2/batches/{opened['id']}")).json()
+    assert whole["status"] == "PENDING" and len(whole["runs"]) == 2

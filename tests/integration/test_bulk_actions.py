@@ -30,9 +30,10 @@ async def test_a_page_done_twice_replays_nothing_twice(h: Any) -> None:
     again, cached = await h.engine.create_bulk_action(h.env.env_id, "REPLAY", RunFilter(tags=("x",)), "k")
     assert cached and again.id == action.id
     bulk = h.engine.systems.bulk_actions
-    # two workers on the same page at once: both act, one records the page
-    # (the one whose record of the page lost says go on too: the other may die before it does)
-    assert await asyncio.gather(bulk.run_page(action.id), bulk.run_page(action.id)) == [True, True]
+    # two workers on the same page at once (its job taken again after its lease ran out): both
+    # act, one records the page and goes on; the other asks for nothing more (its job again would
+    # replace the next page's while that runs: a third worker on it, and every later page twice)
+    assert sorted(await asyncio.gather(bulk.run_page(action.id), bulk.run_page(action.id))) == [False, True]
     while await bulk.run_page(action.id):
         pass
     done = await h.engine.bulk_action(h.env.env_id, action.id)
@@ -114,7 +115,7 @@ async def test_two_workers_on_one_cancel_page_count_each_run_once(h: Any) -> Non
     await _runs(h, PAGE + 3, "twice")
     action, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("twice",)))
     bulk = h.engine.systems.bulk_actions
-    assert await asyncio.gather(bulk.run_page(action.id), bulk.run_page(action.id)) == [True, True]
+    assert sorted(await asyncio.gather(bulk.run_page(action.id), bulk.run_page(action.id))) == [False, True]
     while await bulk.run_page(action.id):
         pass
     done = await h.engine.bulk_action(h.env.env_id, action.id)
@@ -202,3 +203,55 @@ async def test_the_re_arm_reads_every_action_under_way_a_page_at_a_time(
     assert sorted(await h.engine.resources.jobs.missing(jobs)) == sorted(jobs)
     await h.engine.systems.reconciler.rearm_jobs(grace_s=-1, full=True)
     assert await h.engine.resources.jobs.missing(jobs) == []
+
+
+async def test_a_run_that_finished_on_its_own_meanwhile_is_not_counted_as_cancelled(
+        h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = [m.id for m in await h.engine.trigger_many([
+        TriggerRequest(env_id=h.env.env_id, task_id="hello", payload={"i": i}, tags=("racing",)) for i in range(3)])]
+    (taken,) = await h.engine.dequeue(h.env.worker_group_id, 1, start=True)
+    action, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("racing",)))
+    bulk = h.engine.systems.bulk_actions
+    real = bulk.cancel.cancel
+
+    async def cancel(run_id: str) -> Any:
+        if run_id == taken.run.id:  # it completes between the page's read and its cancel
+            assert taken.started is not None
+            await h.engine.complete_attempt(run_id, taken.started.snapshot.id, ok=True, output=1)
+        return await real(run_id)
+
+    monkeypatch.setattr(bulk.cancel, "cancel", cancel)
+    assert await bulk.run_page(action.id) is False
+    done = await h.engine.bulk_action(h.env.env_id, action.id)
+    assert (done.status, done.processed, done.succeeded) == ("COMPLETED", 3, 2)
+    assert sorted([(await h.engine.get_run(r)).status for r in runs]) == ["CANCELED", "CANCELED", "COMPLETED"]
+
+
+async def test_creates_that_race_never_pass_the_limit(h: Any) -> None:
+    """Each create counts the environment's actions under way, then inserts; two that count at
+    once (a commit held up 50 ms here) must not both pass: they take turns per environment."""
+    from run_engine.errors import TooManyError
+    from systems.bulk_actions import MAX_PENDING
+
+    await h.deploy({"id": "t"})
+    pool = h.engine.resources.repo.bulk_actions.pool
+    async with pool.connection() as conn:
+        await conn.execute("CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS "
+                           "$$ BEGIN PERFORM pg_sleep(0.05); RETURN NEW; END $$")
+        await conn.execute("CREATE TRIGGER slow_insert BEFORE INSERT ON bulk_action FOR EACH ROW "
+                           "EXECUTE FUNCTION slow_insert()")
+    try:
+        outcomes = await asyncio.gather(*(
+            h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=(f"x{i}",)))
+            for i in range(2 * MAX_PENDING + 5)), return_exceptions=True)
+    finally:
+        async with pool.connection() as conn:
+            await conn.execute("DROP TRIGGER slow_insert ON bulk_action")
+            await conn.execute("DROP FUNCTION slow_insert()")
+    made = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert len(made) == MAX_PENDING
+    assert all(isinstance(o, TooManyError) for o in outcomes if isinstance(o, BaseException))
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) FROM bulk_action WHERE environment_id = %s AND status = 'PENDING'",
+                                 (h.env.env_id,))
+        assert (await cur.fetchone())[0] == MAX_PENDING

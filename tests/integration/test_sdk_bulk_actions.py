@@ -190,3 +190,32 @@ async def test_finished_actions_go_with_retention(make_engine) -> None:  # type:
     await h.engine.systems.reconciler.retention()
     assert await h.engine.bulk_action(h.env.env_id, done.id) is None
     assert await h.engine.bulk_action(h.env.env_id, pending.id) is not None  # under way: kept
+
+
+async def test_an_action_made_while_redis_is_away_is_answered_and_done_once(
+        h: Harness, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The action's row committed, then its job could not be scheduled (Redis away): the request
+    is answered all the same (a 5xx would make the SDK, which retries one by itself, make the
+    action again: every run replayed twice), and the reconciler starts the action."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    await runs(h, 3, task="away")
+    jobs = h.engine.resources.jobs
+    real = jobs.apply
+
+    async def away(*args: Any, **kwargs: Any) -> Any:
+        raise RedisConnectionError("Redis away")
+
+    monkeypatch.setattr(jobs, "apply", away)
+    made = await client.post("/api/v1/bulk-actions", json={"action": "replay", "filter": {"taskIdentifier": "away"}})
+    monkeypatch.setattr(jobs, "apply", real)
+    assert made.status_code == 200, made.text
+    assert await h.engine.run_due_jobs() == 0  # no job: the page waits for the reconciler
+    await h.engine.systems.reconciler.rearm_jobs(grace_s=-1, full=True)
+    for _ in range(10):  # the re-armed job runs the action page after page
+        await h.engine.run_due_jobs()
+        done = (await client.get(f"/api/v1/bulk-actions/{made.json()['id']}")).json()
+        if done["status"] != "PENDING":
+            break
+    assert done["status"] == "COMPLETED" and done["counts"] == {"total": 3, "success": 3, "failure": 0}
+    assert len(await h.engine.list_runs(h.env.env_id, tasks=["away"], limit=100)) == 6
