@@ -5,6 +5,9 @@
   process; concurrent requests are decided in one Lua call.
 * :class:`ConnectionCaps`: open long-polls and realtime streams per credential in this process, so
   that idle or slow clients cannot hold the server's memory and connections.
+* :class:`ReadGate`: reads in flight at once per environment and in all, in this process, for reads
+  whose cost a tenant's own data decides (a realtime shape over a million tagged runs): they wait
+  their turn instead of taking the database pool every tenant's work needs.
 
 Over a limit the API answers 429 with ``Retry-After``. A Redis error lets the request through (a
 limiter must not take the API down with it) and is logged.
@@ -12,11 +15,12 @@ limiter must not take the API down with it) and is logged.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from redis.asyncio import Redis
 
@@ -120,3 +124,33 @@ class ConnectionCaps:
 
     def open(self, kind: str, bucket: str) -> int:
         return self._open.get((kind, bucket), 0)
+
+
+class ReadGate:
+    """At most ``per_key`` holders per key (an environment) and ``total`` in all at once; the
+    others wait their turn, a key's in its own queue before it takes one of the ``total`` turns
+    (a busy key's queue holds no turn another key could use)."""
+
+    def __init__(self, per_key: int, total: int) -> None:
+        self.per_key = per_key
+        self._total = asyncio.Semaphore(total)
+        self._keys: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}  # key -> (its gate, [users])
+
+    @contextlib.asynccontextmanager
+    async def turn(self, key: str) -> AsyncIterator[None]:
+        entry = self._keys.get(key)
+        if entry is None:
+            entry = self._keys[key] = (asyncio.Semaphore(self.per_key), [0])
+        gate, users = entry
+        users[0] += 1
+        try:
+            async with gate, self._total:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._keys[key]
+
+    def waiting_or_reading(self, key: str) -> int:
+        entry = self._keys.get(key)
+        return entry[1][0] if entry else 0

@@ -15,7 +15,7 @@ from run_engine.api.http import ApiError, TtlCache, bearer
 from run_engine.api.inputs import looks_like_id
 from run_engine.api.public_tokens import LEEWAY_S, environment_key, forbidden, looks_like_jwt, unverified_claims, verify
 from run_engine.engine import Environment, RunEngine, WorkerGroup
-from run_engine.ratelimit import ConnectionCaps, RequestLimiter, TooMany
+from run_engine.ratelimit import ConnectionCaps, ReadGate, RequestLimiter, TooMany
 from run_engine.realtime import RealtimeHub
 from run_engine.run_tokens import RunTokens
 from run_engine.tenancy import hash_secret
@@ -28,6 +28,10 @@ RUN_TOKEN_SCOPE = ("trigger children, create, read and complete waitpoint tokens
 _LIVE = frozenset({"EXECUTING", "WAITING"})
 #: credential look-ups that missed the caches, in flight at once per process
 LOOKUPS_AT_ONCE = 4
+#: realtime shape reads in flight at once per environment, and in all (of a pool of 8 connections by
+#: default): a tenant whose shapes cost seconds a read (a million runs of one tag) waits for its own
+SHAPE_READS_PER_ENV = 2
+SHAPE_READS_AT_ONCE = 4
 T = TypeVar("T")
 
 
@@ -75,6 +79,7 @@ class ApiContext:
     # waiting behind a flood of unknown keys
     _known: TtlCache = field(default_factory=lambda: TtlCache(ttl_s=600))
     _run_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
+    shape_reads: ReadGate = field(default_factory=lambda: ReadGate(SHAPE_READS_PER_ENV, SHAPE_READS_AT_ONCE))
 
     def check_size(self, value: Any, field: str, encoded: bytes | None = None) -> None:
         """413 when ``value`` (or its JSON ``encoded`` already) is over the payload limit."""

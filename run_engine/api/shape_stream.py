@@ -339,7 +339,12 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
                         headers={"electric-handle": handle, "Cache-Control": "no-store"})
     # only the runs changed within GRACE before the offset or after it (all of them at first)
     changed_after = None if cursor is START else datetime.fromtimestamp((cursor.at[0] - GRACE_US) / 1_000_000, UTC)
-    read = await load(changed_after)
+
+    async def load_in_turn() -> ShapeRead:  # an environment's reads take at most its share of the pool
+        async with ctx.shape_reads.turn(auth.env_id):
+            return await load(changed_after)
+
+    read = await load_in_turn()
     pending, again = unsent(read, cursor)
     if not pending and live:
         hub = ctx.realtime
@@ -358,10 +363,11 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
                         await asyncio.wait_for(changed.wait(), min(remaining, 5.0))
                     if min_interval_s:  # a busy environment wakes a multi-run shape often: read at most this often
                         await asyncio.sleep(min_interval_s)
-                    read = await load(changed_after)
+                    read = await load_in_turn()
                     pending, again = unsent(read, cursor)
     # until the client is up to date, every run it is sent is new to it
-    messages = await _messages(ctx, auth.env_id, pending, cursor.at[0] if live else None, skip)
+    async with ctx.shape_reads.turn(auth.env_id):
+        messages = await _messages(ctx, auth.env_id, pending, cursor.at[0] if live else None, skip)
     sent = len(messages)
     return _answer(handle, advance(cursor, read, pending, again, sent), messages, live=live,
                    complete=sent == len(pending))

@@ -62,7 +62,9 @@ async def run_stream(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, public=True)
     run_id = request.path_params["run_id"]
-    run = await ctx.engine.get_run(run_id, auth.env_id) if looks_like_id(run_id, "run") else None
+    # light: only its id, task, tags and batch decide who may read it (a payload of megabytes is not
+    # read and decoded on every request of a shape client)
+    run = await ctx.engine.get_run(run_id, auth.env_id, light=True) if looks_like_id(run_id, "run") else None
     if run is None:
         raise ApiError(404, "not_found", "run not found")
     if not can_read(auth, run):

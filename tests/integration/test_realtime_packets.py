@@ -244,3 +244,65 @@ async def test_an_offset_of_another_version_of_the_server_has_the_client_start_o
         assert answer.headers["electric-handle"].startswith("tags-")
     again = values(await client.get("/realtime/v1/runs", params={"tags": "versions", "offset": "-1"}))
     assert list(again) == [run_id]
+
+
+async def test_a_run_shape_request_reads_no_payload(h: Harness, api: httpx.AsyncClient,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Who may read a run is decided by its id, task, tags and batch: a request of a shape client
+    (one at least every 20 s, and one per change) never reads its megabytes of payload."""
+    big = {"b": "x" * (2 * 1024 * 1024)}
+    (run,) = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=big)])
+    repo = h.engine.resources.repo.runs
+    real = repo.get_run
+    whole: list[str] = []
+
+    async def spy(run_id: str, env_id: str | None = None, *, light: bool = False) -> Any:
+        got = await real(run_id, env_id, light=light)
+        if got is not None and got.payload is not None:
+            whole.append(run_id)
+        return got
+
+    monkeypatch.setattr(repo, "get_run", spy)
+    answer = await api.get(f"/realtime/v1/runs/{run.id}", params={"offset": "-1"})
+    assert answer.status_code == 200 and len(answer.content) < 64 * 1024
+    assert whole == []
+
+
+async def test_a_tenant_whose_shape_reads_are_slow_waits_for_its_own_turns_only(h: Harness,
+                                                                                 api: httpx.AsyncClient) -> None:
+    """Shape reads of one environment take at most two of the database pool's connections at
+    once: its further requests wait for those, while another environment's are answered."""
+    import asyncio
+
+    ctx = api._transport.app.state.ctx  # type: ignore[attr-defined]
+    await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=1, tags=("t",))])
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org="other-org", project="p",
+                                     env="dev")
+    await h.engine.trigger_many([TriggerRequest(env_id=other.env_id, task_id="hello", payload=1, tags=("t",))])
+    slow = asyncio.Event()
+    held = asyncio.Event()
+    holders = 0
+
+    async def hold() -> None:  # this environment's reads in flight (a million runs of one tag)
+        nonlocal holders
+        async with ctx.shape_reads.turn(h.env.env_id):
+            holders += 1
+            if holders == 2:
+                held.set()
+            await slow.wait()
+
+    hogs = [asyncio.create_task(hold()) for _ in range(2)]
+    await asyncio.wait_for(held.wait(), 10)
+    mine = asyncio.create_task(api.get("/realtime/v1/runs", params={"tags": "t", "offset": "-1"}))
+    deadline = asyncio.get_running_loop().time() + 10
+    while ctx.shape_reads.waiting_or_reading(h.env.env_id) < 3:  # its read waits for a turn
+        assert asyncio.get_running_loop().time() < deadline and not mine.done()
+        await asyncio.sleep(0.01)
+    theirs = await asyncio.wait_for(api.get("/realtime/v1/runs", params={"tags": "t", "offset": "-1"},
+                                            headers={"Authorization": f"Bearer {other.api_key}"}), 10)
+    assert theirs.status_code == 200 and len(theirs.json()) >= 1
+    assert not mine.done()
+    slow.set()
+    await asyncio.gather(*hogs)
+    answer = await asyncio.wait_for(mine, 10)
+    assert answer.status_code == 200 and len(answer.json()) >= 1
