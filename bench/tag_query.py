@@ -1,14 +1,15 @@
 """The runs of a tag in a big environment: what `GET /api/v1/runs?filter[tag]=` and the realtime tag
 shape (`/realtime/v1/runs?tags=`, re-read on every change) cost when the tag is rare.
 
-    python bench/tag_query.py [--runs 300000] [--tagged 20] [--neighbour 0]
+    python bench/tag_query.py [--runs 300000] [--tagged 20] [--neighbour 0] [--shapes]
 
 Fills a fresh database with N runs of one environment (copies of one real run, every 1,000th
 tagged `common`, `--tagged` of them tagged `rare`), then times the repository's tag query for
 each tag (median of 20), and the query of a live realtime request (only runs changed lately).
 ``--neighbour M``: another tenant (environment) first gets M runs tagged both `rare` and `common`:
 what its runs of the same tags cost this tenant's queries (nothing, when the index keeps each
-environment's entries apart).
+environment's entries apart). ``--shapes``: every run is also tagged `every`, and the realtime
+tag shape's reads (``shape_runs``: a first read and a live one) are timed for each tag.
 Last line: ``rare tag query ms: <n>``.
 """
 
@@ -34,7 +35,8 @@ from run_engine.settings import EngineSettings  # noqa: E402
 from run_engine.tenancy import ensure_environment  # noqa: E402
 
 
-async def measure(database_url: str, runs: int, tagged: int, neighbour: int = 0) -> dict[str, float]:
+async def measure(database_url: str, runs: int, tagged: int, neighbour: int = 0,
+                  shapes: bool = False) -> dict[str, float]:
     prefix = f"retag{os.getpid()}"
     redis_url = os.environ.get("REDIS_URL", DEFAULT_REDIS)
     engine = await RunEngine.create(EngineSettings(database_url=database_url, redis_url=redis_url,
@@ -64,9 +66,10 @@ async def measure(database_url: str, runs: int, tagged: int, neighbour: int = 0)
                        'id', 'run_bench' || lpad(g::text, 17, '0'),
                        'created_at', now() - make_interval(secs => g * 0.1),
                        'tags', CASE WHEN g %% %(every)s = 0 THEN '{rare}'::text[]
-                                    WHEN g %% 1000 = 0 THEN '{common}'::text[] ELSE '{}'::text[] END)) p
+                                    WHEN g %% 1000 = 0 THEN '{common}'::text[] ELSE '{}'::text[] END
+                               || CASE WHEN %(shapes)s THEN '{every}'::text[] ELSE '{}'::text[] END)) p
                    WHERE r.id = %(seed)s""",
-                {"n": runs, "every": max(1, runs // tagged), "seed": seed.id})
+                {"n": runs, "every": max(1, runs // tagged), "seed": seed.id, "shapes": shapes})
             conn.execute("ANALYZE task_run")
         since = datetime.now(UTC) - timedelta(days=2)
         out: dict[str, float] = {}
@@ -80,6 +83,16 @@ async def measure(database_url: str, runs: int, tagged: int, neighbour: int = 0)
                 times.append((time.perf_counter() - t0) * 1000)
             out[name] = statistics.median(times)
             out[f"{name} found"] = len(found)
+        for tag in ("rare", "common", "every") if shapes else ():
+            for phase, after in (("first", None), ("live", recent)):
+                times = []
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    read = await engine.shape_runs(env.env_id, tags=[tag], created_from=since, limit=500,
+                                                   updated_after=after)
+                    times.append((time.perf_counter() - t0) * 1000)
+                out[f"shape {tag} {phase}"] = statistics.median(times)
+                out[f"shape {tag} {phase} found"] = len(read.runs)
         return out
     finally:
         await engine.close()
@@ -92,13 +105,17 @@ def main() -> None:
     parser.add_argument("--tagged", type=int, default=20)
     parser.add_argument("--neighbour", type=int, default=0,
                         help="runs of another environment tagged with the same tags")
+    parser.add_argument("--shapes", action="store_true",
+                        help="also tag every run `every` and time the realtime tag shape's reads")
     args = parser.parse_args()
     with fresh_database() as database_url:
-        got = asyncio.run(measure(database_url, args.runs, args.tagged, args.neighbour))
+        got = asyncio.run(measure(database_url, args.runs, args.tagged, args.neighbour, args.shapes))
     print(f"runs: {args.runs}; rare: {got['rare found']:.0f} found, common: {got['common found']:.0f} found")
     print(f"common tag query ms: {got['common']:.2f}")
     print(f"common tag, changed in the last 2 s (a live shape request), query ms: {got['live']:.2f} "
           f"({got['live found']:.0f} found)")
+    for key in sorted(k for k in got if k.startswith("shape ") and not k.endswith("found")):
+        print(f"{key} ms: {got[key]:.2f} ({got[key + ' found']:.0f} found)")
     print(f"rare tag query ms: {got['rare']:.2f}")
 
 

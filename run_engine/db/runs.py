@@ -332,6 +332,30 @@ _LIGHT_RUN = ", ".join(f"NULL AS {c}" if c in _HEAVY else c for _, c in columns_
 _RUN_BYTES = ("coalesce(octet_length(payload::text), 0) + coalesce(octet_length(output::text), 0) "
               "+ coalesce(octet_length(metadata::text), 0) + coalesce(octet_length(error::text), 0)")
 
+#: the environment's newest runs a tag shape's first read walks before it asks the tag's index
+SHAPE_WALK_ROWS = 5000
+#: a tag shape's first read by walking (:meth:`RunRepository._shape_walk`): one row at least (its
+#: run columns NULL when nothing matched), each with how many runs were walked and the snapshot's
+#: xmin; the walk is fenced by its LIMIT (never flattened into a plan by the tag's index)
+_SHAPE_WALK = f"""
+WITH walk AS MATERIALIZED (  -- narrow: the run's columns are read for the hits only
+    SELECT id, created_at, tags && %(tags)s::text[] AS tagged FROM task_run
+    WHERE environment_id = %(env)s AND (%(from)s::timestamptz IS NULL OR created_at >= %(from)s)
+      AND (cardinality(%(tasks)s::text[]) = 0 OR task_identifier = ANY(%(tasks)s::text[]))
+    ORDER BY created_at DESC, id DESC LIMIT %(walk)s
+), hit AS MATERIALIZED (
+    SELECT id FROM walk WHERE tagged ORDER BY created_at DESC, id DESC LIMIT %(limit)s
+)
+SELECT r.*, c.walked, c.walk_snapshot_xmin
+FROM (SELECT count(*) AS walked, pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS walk_snapshot_xmin
+      FROM walk) c
+LEFT JOIN LATERAL (
+    SELECT {_LIGHT_RUN}, xmin::text::bigint AS row_xmin FROM task_run WHERE id IN (SELECT id FROM hit)
+) r ON true
+ORDER BY r.created_at DESC, r.id DESC
+"""
+_WALK_EXTRA = frozenset({"row_xmin", "walked", "walk_snapshot_xmin"})
+
 #: what one run adds to a realtime answer, measured: its payload and output sizes as JSON text when
 #: each is stored in under %(item)s bytes and ``{go}`` holds (else NULL: not measured), and what its
 #: metadata and cut error take (always sent inline). Found by its id alone (the primary key: a run
@@ -910,6 +934,10 @@ class RunRepository:
         transaction that wrote each one's row (``xmin``, 32 bits) and the oldest transaction still
         running when they were read (the snapshot's xmin, 64 bits): a row written by a transaction
         older than that was visible to this read."""
+        if tags and updated_after is None and not (batches or ids):
+            walked = await self._shape_walk(env_id, tags, tasks, created_from, limit)
+            if walked is not None:
+                return walked
         where, params = self._run_filter(env_id, (), tasks, tags, (), batches, None, created_from, None,
                                          updated_after, ids)
         params["limit"] = limit
@@ -921,6 +949,25 @@ class RunRepository:
             rows = await cur.fetchall()
         return ShapeRead([run_row(r) for r in rows], {r["id"]: int(r["row_xmin"]) for r in rows},
                          int(rows[0]["snapshot_xmin"]) if rows else None)
+
+    async def _shape_walk(self, env_id: str, tags: Sequence[str], tasks: Sequence[str],
+                          created_from: datetime | None, limit: int) -> ShapeRead | None:
+        """A tag shape's first read, when its runs are common among the environment's newest: the
+        newest :data:`SHAPE_WALK_ROWS` of the environment's runs walked in order, those with a tag
+        kept. The answer when ``limit`` of them have one or the walk saw every run of the window;
+        None otherwise (a rare tag: its own index finds its few runs). The tag's index alone would
+        fetch and sort every run of a common tag: a million of them, over a second a read."""
+        params: dict[str, Any] = {"env": env_id, "from": created_from, "tags": list(tags), "tasks": list(tasks),
+                                  "walk": SHAPE_WALK_ROWS, "limit": limit}
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_SHAPE_WALK, params)
+            rows = await cur.fetchall()
+        hits = [r for r in rows if r["id"] is not None]
+        if len(hits) < limit and rows[0]["walked"] >= SHAPE_WALK_ROWS:
+            return None
+        return ShapeRead([run_row({k: v for k, v in r.items() if k not in _WALK_EXTRA}) for r in hits],
+                         {r["id"]: int(r["row_xmin"]) for r in hits}, int(rows[0]["walk_snapshot_xmin"]))
 
     async def run_packets(self, env_id: str, run_ids: Sequence[str], *, item_bytes: int, budget_bytes: int,
                           answer_bytes: int, skip: Collection[str] = ()) -> tuple[dict[str, RunPackets], int]:

@@ -38,3 +38,47 @@ async def test_a_tag_query_reads_none_of_another_tenants_runs_of_that_tag(h: Har
     assert scans, plan
     assert sum(n["Actual Rows"] for n in scans) == 3  # this environment's three, none of the noisy 400
     assert all(n.get("Rows Removed by Index Recheck", 0) == 0 for n in nodes(plan))
+
+
+async def test_a_tag_shapes_first_read_walks_when_the_tag_is_common_and_finds_the_same_runs(
+        h: Harness, monkeypatch: Any) -> None:
+    """A tag shape's first read walks the environment's newest runs when enough of them have the
+    tag (its index would fetch and sort every run of the tag), and asks the index otherwise: the
+    same runs, in the same order, either way, and none of another environment's."""
+    from run_engine.db import runs as runs_module
+
+    monkeypatch.setattr(runs_module, "SHAPE_WALK_ROWS", 12)
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org="other-org", project="p",
+                                     env="dev")
+    await h.engine.trigger_many([TriggerRequest(env_id=other.env_id, task_id="hello", payload=i, tags=("dense",))
+                                 for i in range(5)])
+    # 30 runs, newest last: every run `dense`, every 10th `sparse`, the 3 oldest `old`
+    for i in range(30):
+        tags = ("dense",) + (("sparse",) if i % 10 == 0 else ()) + (("old",) if i < 3 else ())
+        await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i, tags=tags)])
+    repo = h.engine.resources.repo.runs
+    walks: list[bool] = []
+    real = repo._shape_walk
+
+    async def spy(*args: Any, **kwargs: Any) -> Any:
+        got = await real(*args, **kwargs)
+        walks.append(got is not None)
+        return got
+
+    monkeypatch.setattr(repo, "_shape_walk", spy)
+    for tag, limit, walked in (("dense", 5, True),   # 5 of the newest 12 have it: the walk answers
+                               ("sparse", 5, False),  # 1 of 12: the index
+                               ("old", 5, False),
+                               ("dense", 50, False)):  # fewer than the limit in 12, and more runs than 12
+        read = await h.engine.shape_runs(h.env.env_id, tags=[tag], limit=limit)
+        listed = await h.engine.list_runs(h.env.env_id, tags=[tag], limit=limit, light=True)
+        assert [r.id for r in read.runs] == [r.id for r in listed], tag
+        assert set(read.xmins) == {r.id for r in read.runs} and read.snapshot_xmin is not None
+        assert all(r.env_id == h.env.env_id and r.payload is None for r in read.runs)
+        assert walks.pop() is walked, (tag, limit)
+    monkeypatch.setattr(runs_module, "SHAPE_WALK_ROWS", 100)  # the walk sees the whole window: its answer
+    for tag in ("dense", "sparse", "old", "none"):
+        read = await h.engine.shape_runs(h.env.env_id, tags=[tag], limit=500)
+        listed = await h.engine.list_runs(h.env.env_id, tags=[tag], limit=500, light=True)
+        assert [r.id for r in read.runs] == [r.id for r in listed] and walks.pop() is True, tag
+    assert walks == []
