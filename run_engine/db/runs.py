@@ -214,7 +214,7 @@ WITH input AS (
 ), upd AS (
     UPDATE task_run r SET
         status = ins.run_status,
-        updated_at = now(),
+        updated_at = clock_timestamp(),
         attempt_number = r.attempt_number + (applied.m -> ins.id ->> 1)::int,
         started_at = CASE WHEN a.set_started THEN coalesce(r.started_at, now()) ELSE r.started_at END,
         finished_at = CASE WHEN a.set_finished THEN now() WHEN a.reopen THEN NULL ELSE r.finished_at END,
@@ -281,7 +281,7 @@ WITH input AS (
 ), upd AS (
     UPDATE task_run r SET
         status = 'EXECUTING',
-        updated_at = now(),
+        updated_at = clock_timestamp(),
         attempt_number = r.attempt_number + CASE WHEN e.checkpoint_id IS NULL THEN 1 ELSE 0 END,
         started_at = coalesce(r.started_at, now())
     FROM executing e
@@ -630,7 +630,7 @@ UPDATE task_run SET
     max_attempts = coalesce(%(max_attempts)s::int, max_attempts),
     max_duration_s = coalesce(%(max_duration_s)s::int, max_duration_s),
     machine = coalesce(%(machine)s::text, machine),
-    updated_at = now()
+    updated_at = clock_timestamp()
 WHERE id = %(id)s AND status = 'DELAYED' AND debounce_key IS NOT NULL
 RETURNING *
 """
@@ -703,7 +703,7 @@ class RunRepository:
         """Free (task, key) pairs whose runs' idempotency TTL has passed, so a new run may take them."""
         async with self.pool.connection() as conn:
             await conn.execute(
-                """UPDATE task_run r SET idempotency_key = NULL
+                """UPDATE task_run r SET idempotency_key = NULL, updated_at = clock_timestamp()
                    FROM (SELECT unnest(%s::text[]) AS task, unnest(%s::text[]) AS key) k
                    WHERE r.environment_id = %s AND r.task_identifier = k.task AND r.idempotency_key = k.key
                      AND r.idempotency_key_expires_at <= %s""",
@@ -714,7 +714,8 @@ class RunRepository:
         ``idempotencyKeys.reset``): the next trigger with it makes a new run. How many runs held it."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                "UPDATE task_run SET idempotency_key = NULL, idempotency_key_expires_at = NULL "
+                "UPDATE task_run SET idempotency_key = NULL, idempotency_key_expires_at = NULL, "
+                "updated_at = clock_timestamp() "
                 "WHERE environment_id = %s AND task_identifier = %s AND idempotency_key = %s", (env_id, task_id, key))
             return cur.rowcount
 
@@ -1098,14 +1099,14 @@ class RunRepository:
 
     async def set_metadata(self, run_id: str, metadata: Any) -> None:
         async with self.pool.connection() as conn:
-            await conn.execute("UPDATE task_run SET metadata = %s, updated_at = now() WHERE id = %s",
+            await conn.execute("UPDATE task_run SET metadata = %s, updated_at = clock_timestamp() WHERE id = %s",
                                (Jsonb(metadata), run_id))
 
     async def add_tags(self, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
         """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """UPDATE task_run SET tags = merged.tags, updated_at = now()
+                """UPDATE task_run SET tags = merged.tags, updated_at = clock_timestamp()
                    FROM (SELECT array(SELECT t FROM unnest(r.tags || %s::text[]) WITH ORDINALITY u(t, n)
                                       GROUP BY t ORDER BY min(n)) AS tags
                          FROM task_run r WHERE r.id = %s) merged
@@ -1123,9 +1124,10 @@ class RunRepository:
     async def set_machine(self, run_id: str, machine: str) -> None:
         """The machine the run's next attempts run on."""
         async with self.pool.connection() as conn:
-            await conn.execute("UPDATE task_run SET machine = %s, updated_at = now() WHERE id = %s", (machine, run_id))
+            await conn.execute("UPDATE task_run SET machine = %s, updated_at = clock_timestamp() WHERE id = %s",
+                               (machine, run_id))
 
     async def set_delay_until(self, run_id: str, when: datetime) -> None:
         async with self.pool.connection() as conn:
-            await conn.execute("UPDATE task_run SET delay_until = %s, queue_timestamp = %s, updated_at = now() "
-                               "WHERE id = %s", (when, when, run_id))
+            await conn.execute("UPDATE task_run SET delay_until = %s, queue_timestamp = %s, "
+                               "updated_at = clock_timestamp() WHERE id = %s", (when, when, run_id))

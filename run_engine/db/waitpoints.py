@@ -263,7 +263,8 @@ WITH input AS (
     SELECT ok.checkpoint, ok.run_id, ok.latest_id, 'REPLAY', ok.position FROM ok JOIN snap ON snap.run_id = ok.run_id
     RETURNING id
 ), upd AS (
-    UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
+    UPDATE task_run r SET status = 'WAITING', updated_at = clock_timestamp() FROM snap WHERE r.id = snap.run_id
+    RETURNING r.*
 )
 SELECT l.run_id, l.latest_id, l.latest_status, """ + select_as("snap", Snapshot, "s") + """,
        """ + select_as("upd", RunRow, "r") + """,
@@ -335,7 +336,7 @@ WITH input AS (
 ), del AS (
     DELETE FROM task_run_waitpoint trw USING snap WHERE trw.run_id = snap.run_id RETURNING trw.run_id
 ), upd AS (
-    UPDATE task_run r SET status = snap.run_status, updated_at = now() FROM snap WHERE r.id = snap.run_id
+    UPDATE task_run r SET status = snap.run_status, updated_at = clock_timestamp() FROM snap WHERE r.id = snap.run_id
     RETURNING r.*
 )
 SELECT l.run_id, l.id AS latest_id, l.engine_status AS latest_status, """ + select_as("snap", Snapshot, "s") + """,
@@ -423,7 +424,8 @@ WITH given AS (
     FROM pending p CROSS JOIN blocked b WHERE b.m ? p.run_id AND p.suspend_new IS NOT NULL
     RETURNING id
 ), upd AS (
-    UPDATE task_run r SET status = 'WAITING', updated_at = now() FROM snap WHERE r.id = snap.run_id RETURNING r.*
+    UPDATE task_run r SET status = 'WAITING', updated_at = clock_timestamp() FROM snap WHERE r.id = snap.run_id
+    RETURNING r.*
 )
 SELECT l.run_id, l.latest_id, l.latest_status, l.missing,
        (SELECT to_jsonb(e) - 'run_id' FROM existing e WHERE e.run_id = l.run_id) AS existing,

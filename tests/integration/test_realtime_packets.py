@@ -306,3 +306,30 @@ async def test_a_tenant_whose_shape_reads_are_slow_waits_for_its_own_turns_only(
     await asyncio.gather(*hogs)
     answer = await asyncio.wait_for(mine, 10)
     assert answer.status_code == 200 and len(answer.json()) >= 1
+
+
+async def test_a_change_that_waited_for_a_run_is_dated_when_written(h: Harness) -> None:
+    """A statement held up behind another that changes the same run (a long transaction of the
+    engine, a bulk statement) writes the run's last change when it writes it, not when it began:
+    later than any change a shape read may have sent before it committed, so within the 2 s window
+    where late commits are looked for."""
+    import asyncio
+
+    (run,) = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=1)])
+    repo = h.engine.resources.repo.runs
+    async with repo.pool.connection() as holder:
+        async with holder.transaction():
+            await holder.execute("UPDATE task_run SET tags = tags WHERE id = %s", (run.id,))
+            changed = asyncio.create_task(repo.set_metadata(run.id, {"late": True}))
+            deadline = asyncio.get_running_loop().time() + 10
+            while True:  # it waits for the run's row now
+                cur = await holder.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                           "AND query LIKE 'UPDATE task_run SET metadata%%'")
+                if (await cur.fetchone())[0]:  # type: ignore[index]
+                    break
+                assert asyncio.get_running_loop().time() < deadline and not changed.done()
+                await asyncio.sleep(0.01)
+            released = (await (await holder.execute("SELECT clock_timestamp()")).fetchone())[0]  # type: ignore[index]
+        await changed
+    after = await h.engine.get_run(run.id)
+    assert after is not None and after.metadata == {"late": True} and after.updated_at >= released
