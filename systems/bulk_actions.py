@@ -37,7 +37,7 @@ from systems.resources import SystemResources
 log = logging.getLogger(__name__)
 PAGE = 100
 MAX_PENDING = 10  # bulk actions under way per environment
-CANCELS_AT_ONCE = 20  # of a page's runs
+CANCELS_AT_ONCE = 20  # in this process, of every page
 KINDS = ("CANCEL", "REPLAY")
 FILTERS = ("statuses", "tasks", "tags", "queues", "batches", "ids")
 STORED_KEYS = frozenset({*FILTERS, "created_from", "created_to"})
@@ -104,6 +104,10 @@ class BulkActionsSystem:
         self.r = resources
         self.enqueue = enqueue
         self.cancel = cancel
+        # the cancels of every page this process runs, of every action and tenant: twenty pages at
+        # once (the job worker's slots) of twenty cancels each would queue four hundred of them
+        # for the database pool and the run locks every tenant's runs need
+        self._cancels = asyncio.Semaphore(CANCELS_AT_ONCE)
 
     async def create(self, env_id: str, kind: str, run_filter: RunFilter,
                      idempotency_key: str | None = None, name: str | None = None) -> tuple[BulkAction, bool]:
@@ -199,10 +203,8 @@ class BulkActionsSystem:
             elif (run.status == RunStatus.CANCELED and run.finished_at is not None
                   and run.finished_at >= action.created_at):
                 cancelled += 1
-        gate = asyncio.Semaphore(CANCELS_AT_ONCE)  # the pool and the locks are every tenant's
-
         async def cancel(run_id: str) -> object:
-            async with gate:
+            async with self._cancels:  # the pool and the locks are every tenant's
                 return await self.cancel.cancel(run_id)
 
         outcomes = await asyncio.gather(*(cancel(run.id) for run in todo), return_exceptions=True)

@@ -255,3 +255,36 @@ async def test_creates_that_race_never_pass_the_limit(h: Any) -> None:
         cur = await conn.execute("SELECT count(*) FROM bulk_action WHERE environment_id = %s AND status = 'PENDING'",
                                  (h.env.env_id,))
         assert (await cur.fetchone())[0] == MAX_PENDING
+
+
+async def test_the_cancels_of_every_page_in_the_process_share_one_bound(
+        h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages of several actions (of several tenants) at once cancel at most CANCELS_AT_ONCE runs
+    together, not that many each: the database pool and the run locks are everyone's."""
+    from systems.bulk_actions import CANCELS_AT_ONCE
+
+    await h.deploy({"id": "t"})
+    await _runs(h, CANCELS_AT_ONCE, "first")
+    await _runs(h, CANCELS_AT_ONCE, "second")
+    bulk = h.engine.systems.bulk_actions
+    real = bulk.cancel.cancel
+    inside = peak = 0
+
+    async def cancel(run_id: str) -> Any:
+        nonlocal inside, peak
+        inside += 1
+        peak = max(peak, inside)
+        try:
+            await asyncio.sleep(0.01)  # a cancel's round trips
+            return await real(run_id)
+        finally:
+            inside -= 1
+
+    monkeypatch.setattr(bulk.cancel, "cancel", cancel)
+    actions = [(await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=(tag,))))[0]
+               for tag in ("first", "second")]
+    await asyncio.gather(*(bulk.run_page(a.id) for a in actions))
+    assert peak <= CANCELS_AT_ONCE
+    for a in actions:
+        done = await h.engine.bulk_action(h.env.env_id, a.id)
+        assert (done.status, done.succeeded) == ("COMPLETED", CANCELS_AT_ONCE)
