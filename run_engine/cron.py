@@ -7,9 +7,10 @@ may match)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 MACROS = {"@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *", "@weekly": "0 0 * * 0",
           "@daily": "0 0 * * *", "@midnight": "0 0 * * *", "@hourly": "0 * * * *"}
@@ -118,7 +119,22 @@ class Cron:
         raise CronError(f"{self.expression!r} never fires")
 
 
+#: names the host's zone files have but that are not IANA zones, or that mean another thing on
+#: another host: a schedule made on one process must tick the same on every other
+_NOT_ZONES = frozenset({"localtime", "Factory", "posixrules"})
+
+
+@functools.cache
+def _zones() -> frozenset[str]:
+    """The IANA zone names (the ``tzdata`` package's at least, whatever the host has), without the
+    leap-second ``right/`` and ``posix/`` copies."""
+    return frozenset(n for n in available_timezones()
+                     if n not in _NOT_ZONES and not n.startswith(("right/", "posix/")))
+
+
 def zone(name: str) -> ZoneInfo:
+    if name not in _zones():
+        raise CronError(f"unknown timezone {name!r} (use an IANA name like 'Europe/Paris')")
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):

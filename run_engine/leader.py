@@ -1,7 +1,8 @@
 """Leader lease (the dex technique): one row per lease name in the UNLOGGED ``engine_lease`` table.
 A candidate takes the lease when it is free or expired and its holder extends it; time is
 PostgreSQL's, so the candidates' clocks do not matter. Work that must run once per cluster
-(reconciler, retention, schedule planning) runs only on the holder.
+(reconciler, retention) runs only on the holder; schedule planning runs on every process (a
+tick's idempotency key makes one run of it, `systems/schedules.py`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from run_engine.cron import Cron, CronError
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DECLARATIVE_PREFIX = "declarative:"
+host_time = time.time  # this host's clock (the engine's is the same, but in tests)
+DUE_PER_POLL = 200  # ticks one poll of one process fires at most
+DUE_PER_ENVIRONMENT = 20  # of them, of one environment
+FIRING_AT_ONCE = 20  # triggered at once
 
 
 def schedule_key(schedule_id: str, tick: datetime) -> str:
@@ -49,8 +54,12 @@ class SchedulesSystem:
         self._task: asyncio.Task[None] | None = None
         self._firing: set[tuple[str, datetime]] = set()
 
-    def _now(self) -> datetime:
-        return datetime.fromtimestamp(self.r.clock.now(), UTC)
+    async def _now(self) -> datetime:
+        """The database's time (one host's clock stepped an hour ahead must not fire every schedule
+        early and skip the ticks between for the whole cluster), moved by what the engine's clock
+        says beyond the host's: nothing, but in tests, whose clock is moved by hand."""
+        moved = self.r.clock.now() - host_time()
+        return await self.r.repo.schedules.now() + timedelta(seconds=moved)
 
     @staticmethod
     def next_tick(cron: str, timezone: str, after: datetime) -> datetime:
@@ -65,7 +74,10 @@ class SchedulesSystem:
         """Create a schedule; the same deduplication key updates the existing one instead."""
         if not task or len(task) > 128:
             raise ValidationError("task", "must be 1..128 characters")
-        next_run = self.next_tick(cron, timezone, self._now())
+        if kind == "IMPERATIVE" and deduplication_key is not None and deduplication_key.startswith(DECLARATIVE_PREFIX):
+            raise ValidationError("deduplicationKey", f"{DECLARATIVE_PREFIX!r} keys are the deployments' own "
+                                                      "(a task's declared cron)")
+        next_run = self.next_tick(cron, timezone, await self._now())
         return await self.r.repo.schedules.upsert(
             id=new_id("sched"), env_id=env_id, task_id=task, cron=cron, timezone=timezone,
             external_id=external_id, deduplication_key=deduplication_key, next_run_at=next_run, type=kind)
@@ -81,7 +93,7 @@ class SchedulesSystem:
         if row.type != "IMPERATIVE":
             raise UnprocessableError("declarative_schedule", "a declarative schedule follows its task's cron: "
                                                              "change the task's declaration instead")
-        next_run = self.next_tick(cron, timezone, self._now())
+        next_run = self.next_tick(cron, timezone, await self._now())
         updated = await self.r.repo.schedules.update(schedule_id, env_id, task_id=task, cron=cron, timezone=timezone,
                                                      external_id=external_id, next_run_at=next_run)
         if updated is None:  # deleted meanwhile
@@ -92,9 +104,10 @@ class SchedulesSystem:
         row = await self.r.repo.schedules.get(schedule_id, env_id)
         if row is None:
             raise NotFoundError("schedule", schedule_id)
-        next_run = self.next_tick(row.cron, row.timezone, self._now()) if active else None
+        next_run = self.next_tick(row.cron, row.timezone, await self._now()) if active else None
         updated = await self.r.repo.schedules.set_active(schedule_id, env_id, active, next_run)
-        assert updated is not None
+        if updated is None:  # deleted meanwhile
+            raise NotFoundError("schedule", schedule_id)
         return updated
 
     async def sync_declarative(self, env_id: str, tasks: Sequence[TaskSpec]) -> None:
@@ -112,16 +125,20 @@ class SchedulesSystem:
     # --- firing -------------------------------------------------------------------------------
 
     async def fire_due(self, jitter_s: float | None = None) -> int:
-        """Fire every due tick once (after a random jitter); the number of runs this call created."""
+        """Fire every due tick once (after a random jitter); the number of runs this call created.
+        At most :data:`DUE_PER_POLL` ticks a poll, :data:`DUE_PER_ENVIRONMENT` of one environment,
+        :data:`FIRING_AT_ONCE` triggered at once."""
         jitter = self.r.settings.schedule_jitter_s if jitter_s is None else jitter_s
-        due = await self.r.repo.schedules.due(self._now(), 200)
+        now = await self._now()
+        due = await self.r.repo.schedules.due(now, DUE_PER_POLL, DUE_PER_ENVIRONMENT)
         fresh = [row for row in due if (row.id, row.next_run_at) not in self._firing]
         if not fresh:
             return 0
-        created = await asyncio.gather(*(self._fire(row, jitter) for row in fresh))
+        gate = asyncio.Semaphore(FIRING_AT_ONCE)  # the database pool is every tenant's
+        created = await asyncio.gather(*(self._fire(row, jitter, now, gate) for row in fresh))
         return sum(created)
 
-    async def _fire(self, row: Schedule, jitter: float) -> int:
+    async def _fire(self, row: Schedule, jitter: float, now: datetime, gate: asyncio.Semaphore) -> int:
         tick = row.next_run_at
         assert tick is not None  # due schedules have a next tick
         mark = (row.id, tick)
@@ -129,29 +146,42 @@ class SchedulesSystem:
         try:
             if jitter > 0:
                 await asyncio.sleep(self.r.rng.uniform(0, jitter))
-            current = await self.r.repo.schedules.get(row.id)
-            if current is None or not current.active or current.next_run_at != tick:
-                return 0  # fired by another process meanwhile (a read, not a write), or changed
-            after = max(tick, self._now())  # a schedule that fell behind resumes from now, not every missed tick
-            try:
-                run = await self.enqueue.trigger_many([TriggerRequest(
-                    env_id=row.env_id, task_id=row.task_id, payload=scheduled_payload(row, tick),
-                    idempotency_key=schedule_key(row.id, tick), idempotency_key_ttl_s=30 * 86400,
-                    trigger_function="trigger", tags=(f"schedule:{row.id}",))])
-            except RunEngineError as refused:
-                # Refused for the environment's own reasons (its queue is full, its task cannot be
-                # triggered): this tick is skipped, not tried again at every poll, where it would
-                # stay at the head of the due list, before every other tenant's schedules.
-                log.warning("schedule %s: the tick of %s was refused and is skipped: %s", row.id, tick, refused)
-                await self.r.repo.schedules.advance(row.id, tick, self.next_tick(row.cron, row.timezone, after))
-                return 0
-            await self.r.repo.schedules.advance(row.id, tick, self.next_tick(row.cron, row.timezone, after))
-            return 0 if run[0].is_cached else 1
+            async with gate:
+                return await self._fire_now(row.id, tick, now)
         except Exception:
             log.exception("schedule %s: could not fire the tick of %s", row.id, tick)
             return 0
         finally:
             self._firing.discard(mark)
+
+    async def _fire_now(self, schedule_id: str, tick: datetime, now: datetime) -> int:
+        current = await self.r.repo.schedules.get(schedule_id)
+        if current is None or not current.active or current.next_run_at != tick:
+            return 0  # fired by another process meanwhile (a read, not a write), or changed
+        # the schedule as it is now (its task may have changed since the poll read it); one that
+        # fell behind resumes from now, not every missed tick. The next tick first: a schedule
+        # whose next tick cannot be worked out (its zone gone from this host) is stopped, never
+        # left due at the head of the list, fired again at every poll before every other tenant's
+        try:
+            following = self.next_tick(current.cron, current.timezone, max(tick, now))
+        except ValidationError as exc:
+            log.error("schedule %s stopped: its next tick after %s cannot be worked out: %s", schedule_id, tick, exc)
+            await self.r.repo.schedules.deactivate(schedule_id, tick)
+            return 0
+        try:
+            run = await self.enqueue.trigger_many([TriggerRequest(
+                env_id=current.env_id, task_id=current.task_id, payload=scheduled_payload(current, tick),
+                idempotency_key=schedule_key(current.id, tick), idempotency_key_ttl_s=30 * 86400,
+                trigger_function="trigger", tags=(f"schedule:{current.id}",))])
+        except RunEngineError as refused:
+            # Refused for the environment's own reasons (its queue is full, its task cannot be
+            # triggered): this tick is skipped, not tried again at every poll, where it would
+            # stay at the head of the due list, before every other tenant's schedules.
+            log.warning("schedule %s: the tick of %s was refused and is skipped: %s", schedule_id, tick, refused)
+            await self.r.repo.schedules.advance(schedule_id, tick, following)
+            return 0
+        await self.r.repo.schedules.advance(schedule_id, tick, following)
+        return 0 if run[0].is_cached else 1
 
     async def start(self) -> None:
         if self._task is None:

@@ -74,8 +74,10 @@ _PLAIN = frozenset({int, float, bool, type(None)})  # what a JSON value holds be
 
 
 def is_number(raw: str) -> bool:
-    """ASCII digits only: ``str.isdigit`` also takes "²" and other digits that ``int`` refuses."""
-    return raw.isascii() and raw.isdigit()
+    """ASCII digits only (``str.isdigit`` also takes "²" and other digits that ``int`` refuses), at
+    most 18 of them: a number PostgreSQL's bigint holds, and never one ``int`` refuses (past 4,300
+    digits it raises)."""
+    return raw.isascii() and raw.isdigit() and len(raw) <= 18
 
 
 def needs_scan(raw: bytes | bytearray) -> bool:

@@ -126,13 +126,37 @@ class ScheduleRepository:
                 """DELETE FROM task_schedule WHERE environment_id = %s AND type = 'DECLARATIVE'
                      AND NOT (deduplication_key = ANY(%s))""", (env_id, list(keep)))
 
-    async def due(self, now: datetime, limit: int) -> list[Schedule]:
+    async def now(self) -> datetime:
+        """The database's time: every process plans by it, whatever its own clock says."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT now()")
+            row = await cur.fetchone()
+            assert row is not None
+            return row[0]  # type: ignore[no-any-return]
+
+    async def due(self, now: datetime, limit: int, per_environment: int) -> list[Schedule]:
+        """The schedules due at ``now``, oldest tick first, at most ``per_environment`` of each
+        environment: one with thousands of schedules due takes its share of a poll, not all of it."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
-                "SELECT * FROM task_schedule WHERE active AND next_run_at <= %s ORDER BY next_run_at LIMIT %s",
-                (now, limit))
+                """SELECT s.* FROM (SELECT DISTINCT environment_id FROM task_schedule
+                                    WHERE active AND next_run_at <= %(now)s) e
+                   CROSS JOIN LATERAL (
+                       SELECT * FROM task_schedule t
+                       WHERE t.environment_id = e.environment_id AND t.active AND t.next_run_at <= %(now)s
+                       ORDER BY t.next_run_at LIMIT %(per)s) s
+                   ORDER BY s.next_run_at LIMIT %(limit)s""",
+                {"now": now, "per": per_environment, "limit": limit})
             return [from_row(Schedule, r) for r in await cur.fetchall()]
+
+    async def deactivate(self, schedule_id: str, fired_at: datetime) -> bool:
+        """Stop a schedule whose next tick cannot be worked out (only if still at ``fired_at``)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """UPDATE task_schedule SET active = false, next_run_at = NULL, updated_at = now()
+                   WHERE id = %s AND next_run_at = %s""", (schedule_id, fired_at))
+            return cur.rowcount > 0
 
     async def advance(self, schedule_id: str, fired_at: datetime, next_run_at: datetime) -> bool:
         """Move the schedule past ``fired_at`` (only if nobody did yet): compare-and-set."""

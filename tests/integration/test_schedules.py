@@ -128,3 +128,86 @@ async def test_a_refused_tick_is_skipped_not_retried_at_the_head_of_the_due_list
     assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 0
     after = await h.engine.resources.repo.schedules.get(sched.id)
     assert after is not None and after.next_run_at > tick and await runs_of(h, sched.id) == []
+
+
+async def test_a_host_whose_clock_is_an_hour_ahead_fires_nothing_early(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every process plans by the database's time: one whose own clock stepped an hour ahead (a VM
+    resumed, NTP gone) must not fire the next hour's ticks now and skip them for the whole cluster."""
+    import time
+
+    from systems import schedules
+
+    sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *")
+    ahead = time.time() + 3600
+    monkeypatch.setattr(schedules, "host_time", lambda: time.time() + 3600)
+    h.clock.set(ahead)  # the engine's clock is the host's: as far ahead
+    assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 0
+    assert await runs_of(h, sched.id) == []
+    after = await h.engine.resources.repo.schedules.get(sched.id)
+    assert after is not None and after.next_run_at == sched.next_run_at  # nothing skipped
+
+
+async def test_one_environments_many_due_schedules_do_not_hold_back_anothers(
+        make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from run_engine.tenancy import ensure_environment
+    from systems import schedules
+
+    monkeypatch.setattr(schedules, "DUE_PER_POLL", 10)
+    monkeypatch.setattr(schedules, "DUE_PER_ENVIRONMENT", 4)
+    h: Harness = await make_engine()
+    busy = [await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *")
+            for _ in range(30)]
+    h.clock.advance(600)  # the busy tenant's ticks are ten minutes overdue: the oldest
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org="sched-other", project="p",
+                                     env="dev")
+    quiet = await h.engine.systems.schedules.upsert(other.env_id, task="hello", cron="* * * * *")
+    h.clock.advance((quiet.next_run_at - ts(h)).total_seconds())
+    await h.engine.systems.schedules.fire_due(jitter_s=0)
+    quiet_runs = await h.engine.resources.repo.runs.list_runs(other.env_id, tags=[f"schedule:{quiet.id}"], limit=10)
+    assert len(quiet_runs) == 1  # in the first poll, beside four of the busy tenant's
+    fired = [s for s in busy if await runs_of(h, s.id)]
+    assert len(fired) == 4
+
+
+async def test_a_schedule_whose_next_tick_cannot_be_worked_out_is_stopped_not_fired_at_every_poll(
+        h: Harness) -> None:
+    sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *")
+    async with h.engine.resources.repo.schedules.pool.connection() as conn:  # a zone this host lacks
+        await conn.execute("UPDATE task_schedule SET timezone = 'Gone/Zone' WHERE id = %s", (sched.id,))
+    h.clock.advance((sched.next_run_at - ts(h)).total_seconds())
+    assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 0
+    after = await h.engine.resources.repo.schedules.get(sched.id)
+    assert after is not None and after.active is False and after.next_run_at is None
+    assert await runs_of(h, sched.id) == []
+
+
+async def test_a_tick_fires_the_task_the_schedule_has_when_it_fires(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The task changed (same key and cron: the tick kept) between the poll and the firing: the
+    tick is the schedule's as it is then, one run of the new task."""
+    await h.deploy({"id": "hello"}, {"id": "other"})
+    sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *",
+                                                   deduplication_key="k")
+    h.clock.advance((sched.next_run_at - ts(h)).total_seconds())
+    repo = h.engine.resources.repo.schedules
+    stale = await repo.due(await repo.now() + __import__("datetime").timedelta(hours=1), 200, 200)
+    await h.engine.systems.schedules.upsert(h.env.env_id, task="other", cron="* * * * *", deduplication_key="k")
+
+    async def polled(*args: object) -> list:  # type: ignore[type-arg]
+        return [r for r in stale if r.id == sched.id]
+
+    monkeypatch.setattr(repo, "due", polled)
+    assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 1
+    (run,) = await runs_of(h, sched.id)
+    assert run.task_id == "other"
+
+
+async def test_a_schedule_made_over_the_api_cannot_take_a_declarative_key_nor_a_huge_page(h: Harness, api) -> None:  # type: ignore[no-untyped-def]
+    made = await api.post("/api/v1/schedules", json={"task": "hello", "cron": "* * * * *",
+                                                     "deduplicationKey": "declarative:nightly"})
+    assert made.status_code == 400 and "deduplicationKey" in made.text
+    for query in ("perPage=" + "9" * 5000, "page=" + "9" * 5000, "page[size]=" + "9" * 5000):
+        assert (await api.get(f"/api/v1/schedules?{query}")).status_code == 400, query[:12]
+    assert (await api.get("/api/v1/queues?page=" + "9" * 5000)).status_code == 400
+    assert (await api.get("/api/v1/runs?page[size]=" + "9" * 5000)).status_code == 400
