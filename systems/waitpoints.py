@@ -139,10 +139,12 @@ class WaitpointsSystem:
                            tags: Sequence[str] = ()) -> tuple[Waitpoint, bool]:
         """A MANUAL waitpoint; the same idempotency key returns the same token until the key's TTL
         (default 30 days) passes. A timeout completes it with an error output."""
+        ttl_s = 30 * 86400 if idempotency_key_ttl_s is None else idempotency_key_ttl_s  # 0: expired at once
         wp, cached = await self._create(NewWaitpoint(
             id=new_id("waitpoint"), env_id=env_id, type="MANUAL", idempotency_key=idempotency_key,
-            idempotency_key_expires_at=self._at(idempotency_key_ttl_s or 30 * 86400) if idempotency_key else None,
+            idempotency_key_expires_at=self._at(ttl_s) if idempotency_key else None,
             timeout_at=self._at(timeout_s) if timeout_s is not None else None, tags=tuple(tags)), self._at(0))
+        _same_kind(wp, "MANUAL", idempotency_key)
         # a repeat (same key) schedules the job too: the first call may have stored the token and
         # failed on the way to Redis; the job's fixed id makes it the same job
         if wp.status == "PENDING" and wp.timeout_at is not None:
@@ -155,6 +157,7 @@ class WaitpointsSystem:
             id=new_id("waitpoint"), env_id=env_id, type="DATETIME", completed_after=at,
             idempotency_key=idempotency_key,
             idempotency_key_expires_at=at + timedelta(days=1) if idempotency_key else None), self._at(0))
+        _same_kind(wp, "DATETIME", idempotency_key)
         if wp.status == "PENDING" and wp.completed_after is not None:  # a repeat too (see create_token)
             await self.r.change_jobs(schedule=[engine_jobs.waitpoint_datetime(wp.id, wp.completed_after.timestamp())])
         return wp
@@ -726,3 +729,12 @@ class WaitpointsSystem:
             log.info("waitpoint sweep: completed %d waitpoints, checked %d blocked runs", len(done),
                      len(found["stuck_runs"]))
         return {"completed": len(done), "stuck_runs": len(found["stuck_runs"])}
+
+
+def _same_kind(wp: Waitpoint, kind: str, idempotency_key: str | None) -> None:
+    """The waitpoint an idempotency key found is of the kind asked for: the environment's keys name
+    tokens, dates and runs alike, and a token that came back as a date (resumed at that date with
+    no output) or a wait that came back as a token (never resumed) is worse than a refusal."""
+    if wp.type != kind:
+        raise ConflictError("idempotencyKey", f"{idempotency_key!r} already names a {wp.type} waitpoint, "
+                                              f"not a {kind} one")

@@ -28,10 +28,11 @@ RUN_TOKEN_SCOPE = ("trigger children, create, read and complete waitpoint tokens
 _LIVE = frozenset({"EXECUTING", "WAITING"})
 #: credential look-ups that missed the caches, in flight at once per process
 LOOKUPS_AT_ONCE = 4
-#: realtime shape reads in flight at once per environment, and in all (of a pool of 8 connections by
-#: default): a tenant whose shapes cost seconds a read (a million runs of one tag) waits for its own
-SHAPE_READS_PER_ENV = 2
-SHAPE_READS_AT_ONCE = 4
+#: reads whose cost the tenant's own data decides (realtime shapes, token lists) in flight at once
+#: per environment, and in all (of a pool of 8 connections by default): a tenant whose reads cost
+#: seconds (a million runs of one tag) waits for its own turns
+COSTLY_READS_PER_ENV = 2
+COSTLY_READS_AT_ONCE = 4
 T = TypeVar("T")
 
 
@@ -79,7 +80,7 @@ class ApiContext:
     # waiting behind a flood of unknown keys
     _known: TtlCache = field(default_factory=lambda: TtlCache(ttl_s=600))
     _run_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
-    shape_reads: ReadGate = field(default_factory=lambda: ReadGate(SHAPE_READS_PER_ENV, SHAPE_READS_AT_ONCE))
+    costly_reads: ReadGate = field(default_factory=lambda: ReadGate(COSTLY_READS_PER_ENV, COSTLY_READS_AT_ONCE))
 
     def check_size(self, value: Any, field: str, encoded: bytes | None = None) -> None:
         """413 when ``value`` (or its JSON ``encoded`` already) is over the payload limit."""

@@ -341,7 +341,7 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
     changed_after = None if cursor is START else datetime.fromtimestamp((cursor.at[0] - GRACE_US) / 1_000_000, UTC)
 
     async def load_in_turn() -> ShapeRead:  # an environment's reads take at most its share of the pool
-        async with ctx.shape_reads.turn(auth.env_id):
+        async with ctx.costly_reads.turn(auth.env_id):
             return await load(changed_after)
 
     read = await load_in_turn()
@@ -366,7 +366,7 @@ async def shape(ctx: ApiContext, auth: EnvAuth, request: Request, handle: str, l
                     read = await load_in_turn()
                     pending, again = unsent(read, cursor)
     # until the client is up to date, every run it is sent is new to it
-    async with ctx.shape_reads.turn(auth.env_id):
+    async with ctx.costly_reads.turn(auth.env_id):
         messages = await _messages(ctx, auth.env_id, pending, cursor.at[0] if live else None, skip)
     sent = len(messages)
     return _answer(handle, advance(cursor, read, pending, again, sent), messages, live=live,

@@ -117,8 +117,9 @@ async def list_tokens(request: Request) -> Response:
         except ValueError:
             raise ApiError(400, "invalid_input", "page[after]: not a cursor returned by this API") from None
     # fewer than page[size] when their outputs pass PAGE_BYTES (the cursor goes on from there)
-    page, more = await ctx.engine.list_tokens(auth.env_id, statuses=statuses, timed_out=timed_out, tags=tags,
-                                              limit=size, after=after)
+    async with ctx.costly_reads.turn(auth.env_id):  # a filter may walk the environment's every token
+        page, more = await ctx.engine.list_tokens(auth.env_id, statuses=statuses, timed_out=timed_out, tags=tags,
+                                                  limit=size, after=after)
     next_cursor = f"{page[-1].created_at.isoformat()}|{page[-1].id}" if more and page else None
     return json_response({"data": [token_object(ctx, w) for w in page], "pagination": pagination(next_cursor)})
 
@@ -159,6 +160,11 @@ async def callback(request: Request) -> Response:
     wp = await ctx.engine.get_waitpoint(waitpoint_id) if looks_like_id(waitpoint_id, "waitpoint") else None
     if wp is None or wp.type != "MANUAL":
         raise ApiError(404, "not_found", "waitpoint token not found")
+    # counted against its environment's rate, as every other request of it: a callback URL is
+    # handed to outside systems and never expires
+    await ctx.check_limit(f"env:{wp.env_id}")
+    if wp.status != "PENDING":  # the first completion won: the body is neither read nor written
+        return json_response({"success": True})
     data = await read_json(request, required=False)
     await complete(ctx, wp, data)
     return json_response({"success": True})

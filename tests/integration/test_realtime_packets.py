@@ -268,7 +268,7 @@ async def test_a_run_shape_request_reads_no_payload(h: Harness, api: httpx.Async
     assert whole == []
 
 
-async def test_a_tenant_whose_shape_reads_are_slow_waits_for_its_own_turns_only(h: Harness,
+async def test_a_tenant_whose_costly_reads_are_slow_waits_for_its_own_turns_only(h: Harness,
                                                                                  api: httpx.AsyncClient) -> None:
     """Shape reads of one environment take at most two of the database pool's connections at
     once: its further requests wait for those, while another environment's are answered."""
@@ -285,7 +285,7 @@ async def test_a_tenant_whose_shape_reads_are_slow_waits_for_its_own_turns_only(
 
     async def hold() -> None:  # this environment's reads in flight (a million runs of one tag)
         nonlocal holders
-        async with ctx.shape_reads.turn(h.env.env_id):
+        async with ctx.costly_reads.turn(h.env.env_id):
             holders += 1
             if holders == 2:
                 held.set()
@@ -295,7 +295,7 @@ async def test_a_tenant_whose_shape_reads_are_slow_waits_for_its_own_turns_only(
     await asyncio.wait_for(held.wait(), 10)
     mine = asyncio.create_task(api.get("/realtime/v1/runs", params={"tags": "t", "offset": "-1"}))
     deadline = asyncio.get_running_loop().time() + 10
-    while ctx.shape_reads.waiting_or_reading(h.env.env_id) < 3:  # its read waits for a turn
+    while ctx.costly_reads.waiting_or_reading(h.env.env_id) < 3:  # its read waits for a turn
         assert asyncio.get_running_loop().time() < deadline and not mine.done()
         await asyncio.sleep(0.01)
     theirs = await asyncio.wait_for(api.get("/realtime/v1/runs", params={"tags": "t", "offset": "-1"},

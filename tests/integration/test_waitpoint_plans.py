@@ -53,3 +53,16 @@ def test_no_statement_reads_the_pending_waitpoints_by_their_index(young_database
     assert "waitpoint_pending" not in plan, plan
     if name != "sweep stuck runs":  # (the sweeper reads blocked runs; the others start from their input)
         assert "Seq Scan on waitpoint" not in plan, plan
+
+
+def test_the_token_list_reads_the_environments_tokens_by_their_own_index(young_database: str) -> None:
+    """A run's wait.for leaves a DATETIME waitpoint: the token list must not walk those."""
+    with psycopg.connect(young_database, autocommit=True) as conn:
+        conn.execute("SET session_replication_role = replica")
+        conn.execute("INSERT INTO waitpoint (id, environment_id, type) "
+                     "SELECT 'waitpoint_d' || g, 'env', 'DATETIME' FROM generate_series(1, 20000) g")
+        conn.execute("ANALYZE waitpoint")
+        plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + w._TOKEN_PAGE, {
+            "env": "env", "statuses": None, "timed_out": None, "tags": None, "after_ts": None, "after_id": None,
+            "limit": 26, "max_bytes": 16 * 1024 * 1024}).fetchall())
+    assert "waitpoint_tokens_env_created" in plan, plan

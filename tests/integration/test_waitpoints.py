@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -881,3 +882,63 @@ async def test_a_batchs_results_past_their_byte_limit_are_replayed_as_errors(
         assert entry["result"][3]["error"]["type"] == "RESULT_TOO_LARGE"
     child = await h.engine.get_run(ids[3])
     assert child is not None and child.output == "r" * 1000
+
+
+async def test_an_idempotency_key_of_one_kind_of_waitpoint_is_refused_for_another(h: Harness) -> None:
+    """A token created with the key of a date wait came back as that date (resumed then, with no
+    output), and a date wait with a token's key blocked on the token (never resumed): refused."""
+    from datetime import timedelta
+
+    from run_engine.errors import ConflictError
+
+    wps = h.engine.systems.waitpoints
+    at = datetime.fromtimestamp(h.clock.now(), UTC) + timedelta(minutes=5)
+    date = await wps.create_datetime(h.env.env_id, at, idempotency_key="k-date")
+    with pytest.raises(ConflictError, match="DATETIME"):
+        await wps.create_token(h.env.env_id, idempotency_key="k-date")
+    token, _ = await wps.create_token(h.env.env_id, idempotency_key="k-token")
+    with pytest.raises(ConflictError, match="MANUAL"):
+        await wps.create_datetime(h.env.env_id, at, idempotency_key="k-token")
+    assert (await wps.create_datetime(h.env.env_id, at, idempotency_key="k-date")).id == date.id
+    again, cached = await wps.create_token(h.env.env_id, idempotency_key="k-token")
+    assert cached and again.id == token.id
+
+
+async def test_a_token_key_with_a_ttl_of_zero_is_not_kept(h: Harness) -> None:
+    wps = h.engine.systems.waitpoints
+    first, _ = await wps.create_token(h.env.env_id, idempotency_key="k0", idempotency_key_ttl_s=0)
+    h.clock.advance(0.001)
+    second, cached = await wps.create_token(h.env.env_id, idempotency_key="k0", idempotency_key_ttl_s=0)
+    assert not cached and second.id != first.id
+
+
+async def test_a_callback_counts_against_its_environments_rate_and_a_completed_token_reads_no_body(
+        h: Harness, api: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A callback URL is handed to outside systems and never expires: each call is counted against
+    the token's environment, and once the token is completed a call is answered without its body
+    being read or written (the first completion won)."""
+    ctx = api._transport.app.state.ctx
+    made = (await api.post("/api/v1/waitpoints/tokens", json={})).json()
+    url = made["url"].removeprefix("http://t")
+    buckets: list[str] = []
+    real = ctx.check_limit
+
+    async def counted(bucket: str) -> None:
+        buckets.append(bucket)
+        await real(bucket)
+
+    monkeypatch.setattr(ctx, "check_limit", counted)
+    first = await api.post(url, json={"n": 1}, headers={"Authorization": ""})
+    assert first.status_code == 200 and buckets == [f"env:{h.env.env_id}"]
+    writes: list[str] = []
+    complete = ctx.engine.complete_waitpoint
+
+    async def spy(*args: Any, **kwargs: Any) -> Any:
+        writes.append(args[0])
+        return await complete(*args, **kwargs)
+
+    monkeypatch.setattr(ctx.engine, "complete_waitpoint", spy)
+    again = await api.post(url, content=b"{" * 10, headers={"Authorization": "", "Content-Type": "application/json"})
+    assert again.status_code == 200 and writes == [] and len(buckets) == 2
+    token = (await api.get(f"/api/v1/waitpoints/tokens/{made['id']}")).json()
+    assert token["status"] == "COMPLETED" and token["output"] == {"n": 1}
