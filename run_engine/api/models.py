@@ -527,7 +527,7 @@ class TokenCreateBody(_Body):
     idempotencyKey: str | None = Field(default=None, min_length=1, max_length=256)
     idempotencyKeyTTL: float | str | None = None
     timeout: float | str | datetime | None = None
-    tags: list[str] = Field(default_factory=list, max_length=10)
+    tags: list[str] = Field(default_factory=list)
 
     @field_validator("idempotencyKeyTTL")
     @classmethod
@@ -546,9 +546,24 @@ class TokenCreateBody(_Body):
             return parse_date(v)
         return _duration(v)
 
+    @field_validator("timeout", "idempotencyKeyTTL", mode="before")
+    @classmethod
+    def _not_a_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # (pydantic would take true for one second)
+            raise ValueError("a duration or a date, not true or false")
+        return v
+
+    @field_validator("tags", mode="before")
+    @classmethod
+    def _one_tag(cls, v: Any) -> Any:
+        """One tag as a string too (Trigger.dev's createToken takes either), none as null."""
+        return [] if v is None else [v] if isinstance(v, str) else v
+
     @field_validator("tags")
     @classmethod
     def _tags(cls, v: list[str]) -> list[str]:
+        if len(v) > 10:
+            raise ValueError("at most 10 tags")
         if any(not t or len(t) > 128 for t in v):
             raise ValueError("each tag is 1..128 characters")
         return v

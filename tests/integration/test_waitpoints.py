@@ -942,3 +942,12 @@ async def test_a_callback_counts_against_its_environments_rate_and_a_completed_t
     assert again.status_code == 200 and writes == [] and len(buckets) == 2
     token = (await api.get(f"/api/v1/waitpoints/tokens/{made['id']}")).json()
     assert token["status"] == "COMPLETED" and token["output"] == {"n": 1}
+
+
+async def test_a_token_takes_one_tag_as_a_string_and_refuses_a_timeout_of_true(api: Any) -> None:
+    made = await api.post("/api/v1/waitpoints/tokens", json={"tags": "order-1"})
+    assert made.status_code == 200, made.text
+    assert (await api.get(f"/api/v1/waitpoints/tokens/{made.json()['id']}")).json()["tags"] == ["order-1"]
+    assert (await api.post("/api/v1/waitpoints/tokens", json={"tags": None})).status_code == 200
+    for bad in ({"timeout": True}, {"idempotencyKey": "k", "idempotencyKeyTTL": False}, {"tags": [""]}):
+        assert (await api.post("/api/v1/waitpoints/tokens", json=bad)).status_code == 400, bad
