@@ -398,12 +398,14 @@ class RunEngine:
         return await self.systems.waitpoints.get(waitpoint_id, env_id)
 
     async def list_tokens(self, env_id: str, *, statuses: Sequence[str] = (), timed_out: bool | None = None,
-                          tags: Sequence[str] = (), limit: int = 25,
-                          after: tuple[datetime, str] | None = None) -> tuple[list[Waitpoint], bool]:
+                          tags: Sequence[str] = (), idempotency_key: str | None = None,
+                          created_from: datetime | None = None, created_to: datetime | None = None,
+                          limit: int = 25, after: tuple[datetime, str] | None = None) -> tuple[list[Waitpoint], bool]:
         """Tokens newest first, fewer than ``limit`` when their outputs pass PAGE_BYTES; and
         whether more follow."""
-        return await self.resources.repo.waitpoints.list_tokens(env_id, statuses=statuses, timed_out=timed_out,
-                                                                tags=tags, limit=limit, after=after)
+        return await self.resources.repo.waitpoints.list_tokens(
+            env_id, statuses=statuses, timed_out=timed_out, tags=tags, idempotency_key=idempotency_key,
+            created_from=created_from, created_to=created_to, limit=limit, after=after)
 
     async def run_waitpoint(self, env_id: str, run_id: str) -> Waitpoint:
         """The RUN waitpoint of a run of the environment (made on demand; NotFoundError otherwise)."""

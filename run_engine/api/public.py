@@ -290,7 +290,7 @@ def _csv(request: Request, name: str) -> list[str]:
     return values
 
 
-def _created(request: Request, end: str) -> datetime | None:
+def created_bound(request: Request, end: str) -> datetime | None:
     """``filter[createdAt][from|to]``: an ISO 8601 date (UTC if naive); ``to`` is exclusive."""
     name = f"filter[createdAt][{end}]"
     raw = request.query_params.get(name)
@@ -330,7 +330,7 @@ async def list_runs(request: Request) -> Response:
         auth.env_id, statuses=statuses, tasks=_csv(request, "filter[taskIdentifier]"),
         tags=_csv(request, "filter[tag]"), queues=_csv(request, "filter[queue]"),
         batches=_csv(request, "filter[batch]"), limit=size, after=after,
-        created_from=_created(request, "from"), created_to=_created(request, "to"))
+        created_from=created_bound(request, "from"), created_to=created_bound(request, "to"))
     env = await ctx.environment(auth.env_id)
     where = {"id": auth.env_id, "name": env.slug if env else auth.env_id}  # Trigger.dev's list items carry it
     return json_response({"data": [{**run_object(r), "env": where} for r in page],

@@ -18,6 +18,7 @@ from run_engine.api.http import ApiError, body, json_response, page_size, read_j
 from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import TokenCompleteBody, TokenCreateBody, parse_duration_s
 from run_engine.api.openapi import PAGE, Query, operation
+from run_engine.api.public import created_bound
 from run_engine.api.public_tokens import allows, forbidden
 from run_engine.api.serialize import iso, pagination
 from run_engine.engine import Waitpoint
@@ -90,7 +91,11 @@ async def get_token(request: Request) -> Response:
 
 @operation("List waitpoint tokens", S.TokenList,
            query=(Query("filter[status]", {"type": "string", "maxLength": 64}),
-                  Query("filter[tags]", {"type": "string", "maxLength": 4096}), *PAGE))
+                  Query("filter[tags]", {"type": "string", "maxLength": 4096}),
+                  Query("filter[idempotencyKey]", {"type": "string", "maxLength": 256}),
+                  Query("filter[createdAt][period]", {"type": "string", "maxLength": 32}),
+                  Query("filter[createdAt][from]", {"type": "string", "maxLength": 64}),
+                  Query("filter[createdAt][to]", {"type": "string", "maxLength": 64}), *PAGE))
 async def list_tokens(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
@@ -109,6 +114,18 @@ async def list_tokens(request: Request) -> Response:
             if len(wanted & {"COMPLETED", "TIMED_OUT"}) == 1:
                 timed_out = "TIMED_OUT" in wanted
     tags = [t.strip() for t in request.query_params.get("filter[tags]", "").split(",") if t.strip()]
+    # Trigger.dev's other filters: honoured, never dropped (a caller that looks a token up by its key
+    # and completes the first it gets would complete another token)
+    key = request.query_params.get("filter[idempotencyKey]") or None
+    if key is not None and len(key) > 256:
+        raise ApiError(400, "invalid_input", "filter[idempotencyKey]: at most 256 characters")
+    created_from, created_to = created_bound(request, "from"), created_bound(request, "to")
+    if period := request.query_params.get("filter[createdAt][period]"):
+        try:
+            since = datetime.fromtimestamp(ctx.engine.now() - parse_duration_s(period[:32]), UTC)
+        except ValueError as exc:
+            raise ApiError(400, "invalid_input", f"filter[createdAt][period]: {exc}") from None
+        created_from = max(created_from, since) if created_from else since
     after = None
     if cursor := request.query_params.get("page[after]"):
         try:
@@ -119,7 +136,8 @@ async def list_tokens(request: Request) -> Response:
     # fewer than page[size] when their outputs pass PAGE_BYTES (the cursor goes on from there)
     async with ctx.costly_reads.turn(auth.env_id):  # a filter may walk the environment's every token
         page, more = await ctx.engine.list_tokens(auth.env_id, statuses=statuses, timed_out=timed_out, tags=tags,
-                                                  limit=size, after=after)
+                                                  idempotency_key=key, created_from=created_from,
+                                                  created_to=created_to, limit=size, after=after)
     next_cursor = f"{page[-1].created_at.isoformat()}|{page[-1].id}" if more and page else None
     return json_response({"data": [token_object(ctx, w) for w in page], "pagination": pagination(next_cursor)})
 

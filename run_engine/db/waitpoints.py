@@ -143,6 +143,9 @@ _TOKEN_PAGE = page_walk("waitpoint", """environment_id = %(env)s AND type = 'MAN
     AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s))
     AND (%(timed_out)s::bool IS NULL OR status = 'PENDING' OR output_is_error = %(timed_out)s)
     AND (%(tags)s::text[] IS NULL OR tags && %(tags)s)
+    AND (%(key)s::text IS NULL OR idempotency_key = %(key)s)
+    AND (%(from)s::timestamptz IS NULL OR created_at >= %(from)s)
+    AND (%(to)s::timestamptz IS NULL OR created_at < %(to)s)
     AND (%(after_ts)s::timestamptz IS NULL OR (created_at, id) < (%(after_ts)s, %(after_id)s))""",
                         "coalesce(octet_length(output::text), 0)")
 
@@ -488,7 +491,9 @@ class WaitpointRepository:
             return {wp.id: wp for wp in map(_waitpoint, await cur.fetchall())}
 
     async def list_tokens(self, env_id: str, *, statuses: Sequence[str] = (), timed_out: bool | None = None,
-                          tags: Sequence[str] = (), limit: int = 25, after: tuple[datetime, str] | None = None,
+                          tags: Sequence[str] = (), idempotency_key: str | None = None,
+                          created_from: datetime | None = None, created_to: datetime | None = None,
+                          limit: int = 25, after: tuple[datetime, str] | None = None,
                           max_bytes: int = PAGE_BYTES) -> tuple[list[Waitpoint], bool]:
         """MANUAL waitpoints newest first; ``timed_out`` narrows COMPLETED ones by error output.
         Fewer than ``limit`` when their outputs pass ``max_bytes`` (as JSON text; at least one): the
@@ -496,7 +501,8 @@ class WaitpointRepository:
         async with self.pool.connection() as conn:
             cur = await conn.execute(_TOKEN_PAGE, {
                 "env": env_id, "statuses": list(statuses) or None, "timed_out": timed_out,
-                "tags": list(tags) or None, "after_ts": after[0] if after else None,
+                "tags": list(tags) or None, "key": idempotency_key, "from": created_from, "to": created_to,
+                "after_ts": after[0] if after else None,
                 "after_id": after[1] if after else None, "limit": limit + 1, "max_bytes": max_bytes})
             kept, more = walked_page(await cur.fetchall(), limit, max_bytes)
             whole = conn.cursor(row_factory=dict_row)

@@ -63,6 +63,7 @@ def test_the_token_list_reads_the_environments_tokens_by_their_own_index(young_d
                      "SELECT 'waitpoint_d' || g, 'env', 'DATETIME' FROM generate_series(1, 20000) g")
         conn.execute("ANALYZE waitpoint")
         plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + w._TOKEN_PAGE, {
-            "env": "env", "statuses": None, "timed_out": None, "tags": None, "after_ts": None, "after_id": None,
+            "env": "env", "statuses": None, "timed_out": None, "tags": None, "key": None, "from": None, "to": None,
+            "after_ts": None, "after_id": None,
             "limit": 26, "max_bytes": 16 * 1024 * 1024}).fetchall())
     assert "waitpoint_tokens_env_created" in plan, plan

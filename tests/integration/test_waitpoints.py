@@ -951,3 +951,26 @@ async def test_a_token_takes_one_tag_as_a_string_and_refuses_a_timeout_of_true(a
     assert (await api.post("/api/v1/waitpoints/tokens", json={"tags": None})).status_code == 200
     for bad in ({"timeout": True}, {"idempotencyKey": "k", "idempotencyKeyTTL": False}, {"tags": [""]}):
         assert (await api.post("/api/v1/waitpoints/tokens", json=bad)).status_code == 400, bad
+
+
+async def test_the_token_list_honours_the_key_and_creation_filters(h: Harness, api: Any) -> None:
+    """Trigger.dev's wait.listTokens filters: a caller that looks a token up by its key and completes
+    the first one it gets must get that one (the filter was dropped: the newest token of all)."""
+    first = (await api.post("/api/v1/waitpoints/tokens", json={"idempotencyKey": "order-1"})).json()
+    await api.post("/api/v1/waitpoints/tokens", json={"idempotencyKey": "order-2"})
+    await api.post("/api/v1/waitpoints/tokens", json={})
+
+    async def ids(**params: str) -> list[str]:
+        got = await api.get("/api/v1/waitpoints/tokens", params=params)
+        assert got.status_code == 200, got.text
+        return [t["id"] for t in got.json()["data"]]
+
+    assert await ids(**{"filter[idempotencyKey]": "order-1"}) == [first["id"]]
+    assert len(await ids(**{"filter[createdAt][period]": "1h"})) == 3
+    assert await ids(**{"filter[createdAt][to]": "2000-01-01T00:00:00Z"}) == []
+    assert len(await ids(**{"filter[createdAt][from]": "2000-01-01T00:00:00Z"})) == 3
+    h.clock.advance(2 * 3600)
+    assert await ids(**{"filter[createdAt][period]": "1h"}) == []
+    for bad in ({"filter[createdAt][period]": "soon"}, {"filter[createdAt][from]": "yesterday"},
+                {"filter[idempotencyKey]": "k" * 257}):
+        assert (await api.get("/api/v1/waitpoints/tokens", params=bad)).status_code == 400, bad
