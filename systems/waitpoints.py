@@ -172,32 +172,38 @@ class WaitpointsSystem:
 
     async def _complete_batch(self, completions: list[Completion]) -> list[bool]:
         """Concurrent :meth:`complete` calls, together: one completion statement, one query for
-        the blocked runs, one continuation statement, one queue call and one jobs call."""
-        done = set(await self.complete_many(completions, cancel_timeouts=True))
-        return [c.id in done for c in completions]
+        the blocked runs, one continuation statement, one queue call and one jobs call. Of two
+        completions of one token here, the first caller's is applied, and only it hears True."""
+        won = {ord_ for _, _, ord_ in await self._complete(completions, cancel_timeouts=True)}
+        return [i in won for i in range(len(completions))]
 
     async def complete_many(self, completions: Sequence[Completion], *, cancel_timeouts: bool = False) -> list[str]:
         """Complete waitpoints, then continue every run whose last blocking waitpoint that was;
         each run is continued once however many of its waitpoints completed here. With
         ``cancel_timeouts``, the timeout and date jobs of the waitpoints completed are cancelled
         (only of those that have one: a token without a timeout costs no jobs call)."""
+        return [w for w, _, _ in await self._complete(completions, cancel_timeouts=cancel_timeouts)]
+
+    async def _complete(self, completions: Sequence[Completion], *,
+                        cancel_timeouts: bool) -> list[tuple[str, bool, int]]:
+        """:meth:`complete_many`: (id, timed, position) of the waitpoints completed."""
         completed = await self.wp.complete(completions)
-        done = [w for w, _ in completed]
+        done = [w for w, _, _ in completed]
         if not done:
-            return done
+            return completed
         # Committed: the callers are answered that their waitpoints completed whatever follows (an
         # error would make the batcher complete them again, and every one would be found done
         # already); a continuation left undone is the sweeper's, a timeout job left armed fires
         # on a completed waitpoint and does nothing.
         try:
             runs = {run_id for _, run_id in await self.wp.blocked_runs(done)}
-            cancel = [job for w, timed in completed if timed and cancel_timeouts
+            cancel = [job for w, timed, _ in completed if timed and cancel_timeouts
                       for job in (engine_jobs.waitpoint_timeout_id(w), engine_jobs.waitpoint_datetime_id(w))]
             await self.continue_runs(runs, cancel)
         except Exception as exc:
             log_failure(log, exc, "%d waitpoints completed; continuing the runs they blocked failed (the sweeper"
                         " will)", len(done))
-        return done
+        return completed
 
     async def on_runs_finished(self, runs: Sequence[RunRow]) -> None:
         """Finished runs complete the waitpoints their parents wait on: a child's RUN waitpoint,

@@ -168,21 +168,25 @@ _COMPLETE = """
 -- The waitpoints are found per input row (primary key, or the run's index) and then updated by id; the
 -- status is tested in a CASE so that the planner cannot read the pending ones through their partial
 -- index instead (see _IS_PENDING).
+-- Two completions of one waitpoint in the same statement: the first (by ``ord``, the callers' order)
+-- of those allowed to complete it is the one applied and reported.
 WITH input AS (
-    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(id text, run_id text, output jsonb, is_error bool,
-                                                          env_id text)
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(ord int, id text, run_id text, output jsonb,
+                                                          is_error bool, env_id text)
 ), targets AS MATERIALIZED (
-    SELECT i.output, i.is_error, i.env_id, x.id FROM input i CROSS JOIN LATERAL (
-        SELECT w.id FROM waitpoint w WHERE w.id = i.id
+    SELECT DISTINCT ON (x.id) i.output, i.is_error, i.ord, x.id FROM input i CROSS JOIN LATERAL (
+        SELECT w.id FROM waitpoint w
+        WHERE w.id = i.id AND (i.env_id IS NULL OR (w.environment_id = i.env_id AND w.type = 'MANUAL'))
         UNION ALL
         SELECT w.id FROM waitpoint w WHERE i.id IS NULL AND w.completed_by_run_id = i.run_id AND w.type = 'RUN') x
+    ORDER BY x.id, i.ord
 )
 UPDATE waitpoint w SET status = 'COMPLETED', completed_at = now(), output = t.output, output_is_error = t.is_error
 FROM targets t
 WHERE w.id = ANY(ARRAY(SELECT id FROM targets)) AND w.id = t.id
   AND CASE WHEN w.status = 'PENDING' THEN true ELSE false END
-  AND (t.env_id IS NULL OR (w.environment_id = t.env_id AND w.type = 'MANUAL'))
-RETURNING w.id, (w.timeout_at IS NOT NULL OR w.type = 'DATETIME') AS timed  -- `timed`: an engine job is armed
+-- `timed`: an engine job is armed
+RETURNING w.id, (w.timeout_at IS NOT NULL OR w.type = 'DATETIME') AS timed, t.ord
 """
 
 _SWEEP_RUN_WAITPOINTS = """
@@ -509,16 +513,17 @@ class WaitpointRepository:
             await whole.execute("SELECT * FROM waitpoint WHERE id = ANY(%s) ORDER BY created_at DESC, id DESC", (kept,))
             return [_waitpoint(r) for r in await whole.fetchall()], more
 
-    async def complete(self, completions: Sequence[Completion]) -> list[tuple[str, bool]]:
-        """Complete pending waitpoints (first completion wins): (id, timed) of those actually
-        completed; ``timed``: a timeout or a date of it has an engine job to cancel."""
+    async def complete(self, completions: Sequence[Completion]) -> list[tuple[str, bool, int]]:
+        """Complete pending waitpoints (first completion wins, of two in ``completions`` the
+        earlier): (id, timed, position in ``completions``) of those actually completed;
+        ``timed``: a timeout or a date of it has an engine job to cancel."""
         if not completions:
             return []
-        rows = [{"id": c.id, "run_id": c.run_id, "output": c.output, "is_error": c.is_error, "env_id": c.env_id}
-                for c in completions]
+        rows = [{"ord": i, "id": c.id, "run_id": c.run_id, "output": c.output, "is_error": c.is_error,
+                 "env_id": c.env_id} for i, c in enumerate(completions)]
         async with self.pool.connection() as conn:
             cur = await conn.execute(_COMPLETE, {"rows": Jsonb(rows)})
-            return [(r[0], bool(r[1])) for r in await cur.fetchall()]
+            return [(r[0], bool(r[1]), int(r[2])) for r in await cur.fetchall()]
 
     async def blocked_runs(self, waitpoint_ids: Sequence[str]) -> list[tuple[str, str]]:
         """(waitpoint id, run id) of every run blocked on one of ``waitpoint_ids``."""

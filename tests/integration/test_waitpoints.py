@@ -974,3 +974,25 @@ async def test_the_token_list_honours_the_key_and_creation_filters(h: Harness, a
     for bad in ({"filter[createdAt][period]": "soon"}, {"filter[createdAt][from]": "yesterday"},
                 {"filter[idempotencyKey]": "k" * 257}):
         assert (await api.get("/api/v1/waitpoints/tokens", params=bad)).status_code == 400, bad
+
+
+async def test_two_completions_of_one_token_in_one_batch_the_first_callers_wins(h: Harness) -> None:
+    """Concurrent completions share one statement: of two of the same token, the earlier caller's
+    output is kept and only that caller hears it completed; another environment's completion ahead
+    of them neither wins nor keeps the owner's from winning."""
+    from run_engine.db.waitpoints import Completion
+    from run_engine.tenancy import ensure_environment
+
+    wps = h.engine.systems.waitpoints
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org="wp-other", project="p",
+                                     env="dev")
+    for trial in range(5):  # the order in the statement, not PostgreSQL's join order, decides
+        token, _ = await wps.create_token(h.env.env_id)
+        got = await wps._complete_batch([
+            Completion({"from": "intruder"}, id=token.id, env_id=other.env_id),
+            Completion({"from": "first", "trial": trial}, id=token.id, env_id=h.env.env_id),
+            Completion({"from": "second"}, id=token.id, env_id=h.env.env_id),
+            Completion({"from": "third"}, id=token.id)])
+        assert got == [False, True, False, False]
+        stored = await h.engine.get_waitpoint(token.id)
+        assert stored is not None and stored.output == {"from": "first", "trial": trial}
