@@ -154,9 +154,10 @@ class RunEngine:
         size, whether the idempotency key had made it before)."""
         return await self.resources.repo.waitpoints.open_batch(new_id("batch"), env_id, size, idempotency_key)
 
-    async def batch_size(self, env_id: str, batch_id: str) -> int | None:
-        """The expected size of an opened batch of the environment; None when there is none."""
-        return await self.resources.repo.waitpoints.batch_size(batch_id, env_id)
+    async def open_batch_items(self, env_id: str, batch_id: str) -> tuple[int, set[int]] | None:
+        """A batch of the environment that takes items: its expected size and the indexes of the
+        items triggered so far; None for a run's batchTriggerAndWait batch or none."""
+        return await self.resources.repo.waitpoints.open_batch_items(batch_id, env_id)
 
     async def reset_idempotency_key(self, env_id: str, task_id: str, key: str) -> bool:
         """Free an idempotency key of the task before its TTL; False when no run holds it."""

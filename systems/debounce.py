@@ -56,8 +56,9 @@ class DebounceSystem:
                 break
         else:
             return await self.enqueue.trigger_many(requests)
-        for req in requests:
+        for req in requests:  # every item checked before any is created (a refusal creates nothing)
             self.validate(req)
+            await self.enqueue.check(req)
         plain = [i for i, req in enumerate(requests) if req.debounce is None]
         out: dict[int, TriggeredRun] = {}
         if plain:

@@ -247,6 +247,12 @@ class EnqueueSystem:
                                             {"task": run.task_id}, attempt=0))
         return results
 
+    async def check(self, req: TriggerRequest) -> None:
+        """Refuse now what :meth:`_prepare` would refuse (bad input, an unknown worker group), without
+        creating anything: a batch whose last item is refused must not have made its first ones."""
+        self._validate(req)
+        await self.worker_group(await self.environment(req.env_id), req)
+
     async def create_debounced(self, req: TriggerRequest, deadline: datetime) -> TriggeredRun | None:
         """Create the DELAYED run of a debounced trigger (``req.delay_until`` in the future) that
         later triggers with its key may push back to ``deadline`` at most. Its insert is a statement
@@ -328,7 +334,8 @@ class EnqueueSystem:
             delay_until=req.delay_until if delayed else None,
             idempotency_key=req.idempotency_key,
             idempotency_key_expires_at=(
-                datetime.fromtimestamp(now + (req.idempotency_key_ttl_s or DEFAULT_IDEMPOTENCY_TTL_S), UTC)
+                datetime.fromtimestamp(now + (DEFAULT_IDEMPOTENCY_TTL_S if req.idempotency_key_ttl_s is None
+                                              else req.idempotency_key_ttl_s), UTC)
                 if req.idempotency_key is not None else None),
             queue_timestamp=created,
             description=("Delayed until " + created.isoformat()) if delayed

@@ -641,9 +641,18 @@ class WaitpointsSystem:
         the runs it created, and must not give the parent results of runs still going."""
         parent_id = parent.id
         run_ids = [taken[rid].id if rid in taken else rid for rid in run_ids]
+        # a key that names the parent itself or a run it descends from: waiting on it would wait
+        # for ever (that run finishes only after this wait)
+        ancestry = await self._ancestry(parent)
         if batch_id is None:
             key = run_ids[0]
             await self.wp.repoint(parent_id, sequence, waitpoint_id, key, {RUN_IDS: run_ids})
+            if key in ancestry:
+                await self.wp.complete([Completion({"type": "CHILD_TRIGGER_FAILED", "message":
+                                                    f"the idempotency key names run {key}, which this run is or "
+                                                    "descends from: a run cannot wait on itself"},
+                                                   True, id=waitpoint_id)])
+                return run_ids, key
             holder = await self.r.repo.runs.get_run(key)
             if holder is not None and holder.finished_at is not None:  # the parent is not blocked yet
                 failed = holder.status != RunStatus.COMPLETED
@@ -652,9 +661,20 @@ class WaitpointsSystem:
         else:  # the batch completes with the runs it created; results come from the runs named here
             await self.wp.repoint(parent_id, sequence, None, key, {RUN_IDS: run_ids},
                                   batch_shrink=(batch_id, len(taken)))
-            joined = [await self.run_waitpoint(parent.env_id, held) for held in sorted({t.id for t in taken.values()})]
+            held = sorted({t.id for t in taken.values()} - ancestry)  # (an ancestor's item: its state then)
+            joined = [await self.run_waitpoint(parent.env_id, run_id) for run_id in held]
             await self.wp.block(parent_id, [w.id for w in joined], None)
         return run_ids, key
+
+    async def _ancestry(self, run: RunRow, most: int = 100) -> set[str]:
+        """The run's id and those of the runs it descends from (parent, its parent...)."""
+        out = {run.id}
+        parent_id = run.parent_run_id
+        while parent_id is not None and parent_id not in out and len(out) <= most:
+            out.add(parent_id)
+            above = await self.r.repo.runs.get_run(parent_id, light=True)
+            parent_id = above.parent_run_id if above is not None else None
+        return out
 
     # --- the journal --------------------------------------------------------------------------
 

@@ -65,28 +65,38 @@ async def stream_items(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     batch_id = request.path_params["batch_id"]
-    size = await ctx.engine.batch_size(auth.env_id, batch_id) if looks_like_id(batch_id, "batch") else None
-    if size is None:
-        raise ApiError(404, "not_found", "batch not found")
-    items = _items(await read_body(request, MAX_REQUEST_BYTES), size)
+    # never a run's batchTriggerAndWait batch: its waiting parent would resume on runs not its own
+    opened = await ctx.engine.open_batch_items(auth.env_id, batch_id) if looks_like_id(batch_id, "batch") else None
+    if opened is None:
+        raise ApiError(404, "not_found", "batch not found (or not opened for its items to be sent)")
+    size, seen = opened
+    # an index makes one run: one sent again (another task, another key, a key's TTL passed) is not
+    items, repeated = [], 0
+    for item in _items(await read_body(request, MAX_REQUEST_BYTES), size):
+        if item.index in seen:
+            repeated += 1
+            continue
+        seen.add(item.index)
+        items.append(item)
     requests = []
     parents: dict[str, RunRow] = {}
     unpacked = await unpack(ctx, auth.env_id, [(item.payload, item.options) for item in items],
                             [f"items.{item.index}." for item in items])
     for item, (payload, given) in zip(items, unpacked, strict=True):
         options = given or TriggerOptions()
-        if options.idempotencyKey is None:  # the index deduplicates a retried stream
-            options = options.model_copy(update={"idempotencyKey": f"{batch_id}:{item.index}"})
+        if options.idempotencyKey is None:  # the index deduplicates a retried stream (kept the default TTL)
+            options = options.model_copy(update={"idempotencyKey": f"{batch_id}:{item.index}",
+                                                 "idempotencyKeyTTL": None})
         # a parent must be a run of the caller's environment (400 otherwise), as for any trigger
         requests.append(await with_parent(ctx, auth, trigger_request(
             ctx, auth, item.task, payload, options, f"items.{item.index}", batch_id=batch_id,
             trigger_function="batchTrigger"), f"items.{item.index}.options.parentRunId", parents))
     runs = await ctx.engine.trigger_many(requests) if requests else []  # the batch row exists (phase 1)
-    deduplicated = sum(1 for r in runs if r.is_cached)
+    deduplicated = sum(1 for r in runs if r.is_cached) + repeated
     # sealed once every index was triggered (an item may have joined a run of another batch); a
     # crash before this line is mended by the SDK's retry: its items are deduplicated, then noted
-    held = await ctx.engine.note_batch_items(batch_id, [item.index for item in items])
-    out: dict[str, Any] = {"id": batch_id, "itemsAccepted": len(runs) - deduplicated,
+    held = await ctx.engine.note_batch_items(batch_id, [item.index for item in items]) if items else len(seen)
+    out: dict[str, Any] = {"id": batch_id, "itemsAccepted": len(runs) - (deduplicated - repeated),
                            "itemsDeduplicated": deduplicated, "sealed": held >= size}
     if held < size:
         out |= {"enqueuedCount": held, "expectedCount": size}

@@ -843,13 +843,16 @@ class WaitpointRepository:
             assert found is not None  # the conflict was with this row
             return str(found[0]), int(found[1]), True
 
-    async def batch_size(self, batch_id: str, env_id: str) -> int | None:
-        """The expected size of an opened batch of the environment, or None."""
+    async def open_batch_items(self, batch_id: str, env_id: str) -> tuple[int, set[int]] | None:
+        """A batch of the environment that may take items (opened for them to come later; or made
+        before batches said so, by no run): its expected size and the indexes of the items
+        triggered so far; None for a run's batchTriggerAndWait batch (its parent waits for its own
+        children) or none."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute("SELECT size FROM batch_task_run WHERE id = %s AND environment_id = %s",
-                                     (batch_id, env_id))
+            cur = await conn.execute("SELECT size, items_seen FROM batch_task_run WHERE id = %s AND environment_id = %s"
+                                     " AND (two_phase OR parent_run_id IS NULL)", (batch_id, env_id))
             row = await cur.fetchone()
-            return None if row is None else int(row[0])
+            return None if row is None else (int(row[0]), set(row[1] or ()))
 
     async def batch_record(self, batch_id: str, env_id: str) -> BatchRecord | None:
         """The environment's batch as it was opened (or triggered in one request), or None."""

@@ -96,3 +96,36 @@ async def test_a_two_phase_batch_never_made_whole_is_aborted_after_the_grace(
     await api.post(f"/api/v3/batches/{opened['id']}/items", content=item(1), headers=NDJSON)
     whole = (await api.get(f"/api/v2/batches/{opened['id']}")).json()
     assert whole["status"] == "PENDING" and len(whole["runs"]) == 2
+
+
+async def test_a_runs_wait_batch_takes_no_items_and_an_index_makes_one_run(h: Harness, api: httpx.AsyncClient) -> None:
+    """Items streamed into a run's batchTriggerAndWait batch would finish it on runs not its own
+    (its parent resumed while its children were still queued): 404. In a two-phase batch an index
+    sent again (another task, a key whose TTL passed) makes no second run."""
+    from run_engine.engine import TriggerRequest
+
+    parent = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(parent.id, d.snapshot.id)
+    ids, _ = await h.engine.trigger_and_wait(parent.id, started.snapshot.id, 0, [
+        TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i) for i in range(2)], batch=True)
+    child = await h.engine.get_run(ids[0])
+    assert child is not None and child.batch_id is not None
+    injected = await api.post(f"/api/v3/batches/{child.batch_id}/items", headers=NDJSON,
+                              content=orjson.dumps({"index": 0, "task": "hello", "payload": "x"}))
+    assert injected.status_code == 404
+
+    opened = (await api.post("/api/v3/batches", json={"runCount": 2})).json()
+    url = f"/api/v3/batches/{opened['id']}/items"
+    first = (await api.post(url, headers=NDJSON, content=orjson.dumps(
+        {"index": 0, "task": "hello", "payload": 1, "options": {"idempotencyKeyTTL": "1s"}}))).json()
+    assert first["itemsAccepted"] == 1 and not first["sealed"]
+    h.clock.advance(5)
+    again = (await api.post(url, headers=NDJSON, content=b"\n".join([
+        orjson.dumps({"index": 0, "task": "other", "payload": 2}),
+        orjson.dumps({"index": 0, "task": "hello", "payload": 3, "options": {"idempotencyKeyTTL": "1s"}}),
+        orjson.dumps({"index": 1, "task": "hello", "payload": 4}),
+        orjson.dumps({"index": 1, "task": "other", "payload": 5})]))).json()
+    assert again["itemsAccepted"] == 1 and again["itemsDeduplicated"] == 3 and again["sealed"]
+    got = (await api.get(f"/api/v2/batches/{opened['id']}")).json()
+    assert got["runCount"] == 2 and len(got["runs"]) == 2

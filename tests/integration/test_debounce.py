@@ -197,3 +197,23 @@ async def test_changes_without_a_new_state_are_events_for_realtime(h: Harness) -
         assert seen == [(first.id, h.env.env_id, what) for what in ("debounced", "metadata", "tags", "delay")]
     finally:
         undo()
+
+
+async def test_a_batch_refused_for_its_last_item_creates_none(h: Any, api: Any) -> None:
+    """A plain item and a debounced one naming a worker group that does not exist: 400, and no
+    run (the plain one was stored first, so a client retrying the fixed batch got it twice)."""
+    made = await api.post("/api/v1/tasks/batch", json={"items": [
+        {"task": "hello", "payload": {"i": 0}},
+        {"task": "hello", "payload": {"i": 1}, "options": {"debounce": {"key": "x", "delay": "5s"},
+                                                           "workerGroup": "nope"}}]})
+    assert made.status_code == 400, made.text
+    assert await h.engine.list_runs(h.env.env_id, tasks=["hello"], limit=10) == []
+
+
+async def test_an_idempotency_key_with_a_ttl_of_zero_is_not_kept(h: Any) -> None:
+    first = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="k0",
+                                                  idempotency_key_ttl_s=0))
+    h.clock.advance(1)
+    second = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="k0",
+                                                   idempotency_key_ttl_s=0))
+    assert second.id != first.id and not second.is_cached

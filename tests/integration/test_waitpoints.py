@@ -996,3 +996,18 @@ async def test_two_completions_of_one_token_in_one_batch_the_first_callers_wins(
         assert got == [False, True, False, False]
         stored = await h.engine.get_waitpoint(token.id)
         assert stored is not None and stored.output == {"from": "first", "trial": trial}
+
+
+async def test_a_run_that_would_wait_on_itself_or_its_parent_by_a_key_gets_an_error_not_a_hang(h: Harness) -> None:
+    """A child's idempotency key names the run that asks (or a run it descends from): that run
+    finishes only after this wait, so the wait ends at once with CHILD_TRIGGER_FAILED."""
+    parent = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="self"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(parent.id, d.snapshot.id)
+    ids, outcome = await h.engine.trigger_and_wait(
+        parent.id, started.snapshot.id, 0, [TriggerRequest(env_id=h.env.env_id, task_id="hello",
+                                                           idempotency_key="self")])
+    assert ids == [parent.id] and not outcome.blocked
+    (entry,) = await h.engine.systems.waitpoints.resolved_journal(parent.id)
+    assert entry["resolved"] and entry["result"]["ok"] is False
+    assert entry["result"]["error"]["type"] == "CHILD_TRIGGER_FAILED"
