@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from dataclasses import dataclass, field, fields, replace
@@ -12,6 +13,7 @@ from run_engine.statuses import ExecutionStatus
 
 MiB = 1024 * 1024
 MIN_METRICS_TOKEN = 16
+MAX_RETENTION_DAYS = 36500  # a hundred years
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +191,10 @@ class EngineSettings:
                 values[attr] = int(raw) if kind.startswith("int") else float(raw) if kind.startswith("float") else raw
             except ValueError as exc:
                 raise ConfigurationError(f"{var}={raw!r} is not a number") from exc
+            if isinstance(values[attr], float) and not math.isfinite(values[attr]):
+                raise ConfigurationError(f"{var}={raw!r} is not a finite number")
+        if values.get("retention_days", 0) > MAX_RETENTION_DAYS:  # (PostgreSQL's dates end before)
+            raise ConfigurationError(f"RUN_ENGINE_RETENTION_DAYS: at most {MAX_RETENTION_DAYS} (0: keep forever)")
         if raw_locks := env.get("RUN_ENGINE_LOCK_REDIS_URLS", "").strip():
             values["lock_redis_urls"] = lock_nodes(raw_locks)
         values.update(overrides)

@@ -115,13 +115,14 @@ class DelayedRunsSystem:
                 return False
             run = await self.r.repo.runs.get_run(run_id)
             assert run is not None
-            if run.ttl_s is not None:
-                # a job of an earlier date (the run was rescheduled or debounced, and the process
-                # died before moving the job): not yet; the job goes to the date the TTL ends
-                ends = (run.delay_until or run.created_at).timestamp() + run.ttl_s
-                if ends > self.r.clock.now() + 0.001:
-                    await self.r.change_jobs(schedule=[engine_jobs.ttl(run_id, ends)])
-                    return False
+            if run.ttl_s is None:  # none (any more: redriven from the DLQ): a job left behind
+                return False
+            # a job of an earlier date (the run was rescheduled or debounced, and the process died
+            # before moving the job): not yet; the job goes to the date the TTL ends
+            ends = (run.delay_until or run.created_at).timestamp() + run.ttl_s
+            if ends > self.r.clock.now() + 0.001:
+                await self.r.change_jobs(schedule=[engine_jobs.ttl(run_id, ends)])
+                return False
             # the snapshot first (a dequeue takes no lock: one that got in first wins, and this one
             # changes nothing); a message handed out after it is dropped by that dequeue
             try:

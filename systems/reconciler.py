@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 BULK_PAGE = 1000  # bulk actions under way re-armed per query
+RETENTION_PASS_S = 20.0  # of deleting finished runs, per retention pass
 SLOT_PAGE = 500  # environments whose slots in use are counted per round trip
 T = TypeVar("T")
 E = ExecutionStatus
@@ -330,11 +332,17 @@ class ReconcilerSystem:
             if total:
                 log.info("retention: deleted %d expired uploaded packets", total)
             return total
+        # at most RETENTION_PASS_S a pass: the leader's other duties (lost runs, leaked slots, lost
+        # jobs) wait while it runs, and a backlog of millions (retention just lowered) is hours
+        ends = time.monotonic() + RETENTION_PASS_S
         while True:
             deleted = await self.r.repo.maintenance.delete_finished_before(age, self.r.settings.retention_batch,
                                                                self.r.queue.remove_many)
             total += deleted
             if deleted < self.r.settings.retention_batch:
+                break
+            if time.monotonic() > ends:
+                log.info("retention: %d rows deleted this pass; the rest next pass", total)
                 break
             await asyncio.sleep(0.05)  # leave room for the hot path between batches
         while (gone := await self.r.repo.bulk_actions.delete_finished_before(age, self.r.settings.retention_batch)):

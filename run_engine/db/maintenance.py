@@ -10,6 +10,22 @@ from psycopg_pool import AsyncConnectionPool
 from run_engine.db.rows import from_prefixed, select_as
 from run_engine.db.runs import RunRow, Snapshot, run_row
 
+#: the conditions under which a finished run stays (see delete_finished_before)
+_RUN_STAYS = """NOT EXISTS (SELECT 1 FROM batch_task_run b WHERE b.id = r.batch_id AND b.status = 'PENDING')
+                 AND NOT EXISTS (SELECT 1 FROM task_run p WHERE p.id = r.parent_run_id AND p.finished_at IS NULL)"""
+_DOOMED_RUNS = f"""
+SELECT id, environment_id FROM task_run WHERE id IN (
+    (SELECT r.id FROM task_run r WHERE r.finished_at IS NOT NULL AND r.idempotency_key IS NULL
+       AND r.finished_at < now() - make_interval(secs => %(age)s) AND {_RUN_STAYS}
+     ORDER BY r.finished_at LIMIT %(limit)s)
+    UNION ALL
+    (SELECT r.id FROM task_run r WHERE r.finished_at IS NOT NULL AND r.idempotency_key IS NOT NULL
+       AND r.idempotency_key_expires_at <= now() AND r.finished_at < now() - make_interval(secs => %(age)s)
+       AND {_RUN_STAYS}
+     ORDER BY r.idempotency_key_expires_at LIMIT %(limit)s))
+ORDER BY finished_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+"""
+
 
 class MaintenanceRepository:
     """What only the leader reads in bulk or deletes: scans by id cursor, old runs."""
@@ -121,12 +137,15 @@ class MaintenanceRepository:
         entries of runs that are gone."""
         async with self.pool.connection() as conn, conn.transaction():
             cur = await conn.execute(
-                # a child of a batch still pending stays: the batch counts its children to end its
-                # parent's wait, and one deleted would make it look short of runs (failed)
-                """SELECT id, environment_id FROM task_run WHERE finished_at < now() - make_interval(secs => %s)
-                     AND NOT EXISTS (SELECT 1 FROM batch_task_run b
-                                     WHERE b.id = task_run.batch_id AND b.status = 'PENDING')
-                   ORDER BY finished_at LIMIT %s FOR UPDATE SKIP LOCKED""", (age_s, limit))
+                # A child of a batch still pending stays: the batch counts its children to end its
+                # parent's wait, and one deleted would make it look short of runs (failed). So does
+                # a child of a run not finished: a batch's results are read from its children's rows
+                # whenever the parent replays its journal (restored, retried), and a child gone
+                # would read as never created. And a run whose idempotency key has not expired:
+                # deleted, it would free the key, and the same trigger would run the work again.
+                # The runs without a key by their finish, those with one by their key's expiry (each
+                # its own partial index: the runs kept for their keys are never walked again).
+                _DOOMED_RUNS, {"age": age_s, "limit": limit})
             doomed = [(env_id, run_id) for run_id, env_id in await cur.fetchall()]
             if doomed:
                 await forget(doomed)
@@ -135,6 +154,8 @@ class MaintenanceRepository:
             cur = await conn.execute(
                 """WITH doomed AS (SELECT id FROM waitpoint w WHERE status = 'COMPLETED'
                                      AND completed_at < now() - make_interval(secs => %s)
+                                     -- a token's key kept for its TTL (a new token would take it)
+                                     AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now())
                                      AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
                                      AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)
                                    LIMIT %s FOR UPDATE SKIP LOCKED)

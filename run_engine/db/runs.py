@@ -121,7 +121,7 @@ class Transition:
     attempt_delta: int = 0
     set_started: bool = False
     set_finished: bool = False
-    reopen: bool = False  # clear finished_at, output and error (DLQ redrive)
+    reopen: bool = False  # clear finished_at, output, error and the TTL (DLQ redrive)
     output: Any = None
     output_type: str | None = None
     error: dict[str, Any] | None = None
@@ -221,6 +221,8 @@ WITH input AS (
         output = CASE WHEN a.reopen THEN NULL WHEN a.output IS NOT NULL THEN a.output ELSE r.output END,
         output_type = CASE WHEN a.output IS NOT NULL THEN a.output_type ELSE r.output_type END,
         error = CASE WHEN a.reopen THEN NULL WHEN ins.error IS NOT NULL THEN ins.error ELSE r.error END,
+        -- a run redriven from the DLQ is to run: its TTL (counted from its creation) is over
+        ttl_s = CASE WHEN a.reopen THEN NULL ELSE r.ttl_s END,
         queued_at = CASE WHEN ins.engine_status = 'QUEUED' THEN now() ELSE r.queued_at END
     FROM ins CROSS JOIN applied
     CROSS JOIN LATERAL jsonb_to_record(%(rows)s::jsonb -> (applied.m -> ins.id ->> 0)::int) AS a(

@@ -170,3 +170,64 @@ async def test_a_run_moved_to_the_dlq_by_a_process_that_died_before_failing_it_i
     await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
     (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
     assert d.run.id == run.id and d.deliveries <= 1
+
+
+async def test_retention_keeps_the_children_of_a_run_not_finished_and_runs_whose_key_holds(
+        make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A batch's results are read from its children's rows whenever its parent replays its journal
+    (restored, retried): a child deleted meanwhile read as never created. A run whose idempotency
+    key has not expired, deleted, freed the key: the same trigger ran the work again."""
+    h: Harness = await make_engine(retention_days=1e-9)
+    await h.deploy({"id": "hello"})
+    parent = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(parent.id, d.snapshot.id)
+    children, _ = await h.engine.trigger_and_wait(parent.id, started.snapshot.id, 0, [
+        TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i) for i in range(2)], batch=True)
+    for got in await h.engine.dequeue(h.env.worker_group_id, 10):
+        s = got.started or await h.engine.start_attempt(got.run.id, got.snapshot.id)
+        await h.engine.complete_attempt(got.run.id, s.snapshot.id, ok=True, output=f"out-{got.run.id}")
+    keyed = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="once",
+                                                  idempotency_key_ttl_s=3600))
+    await h.engine.cancel(keyed.id)
+    await h.engine.systems.reconciler.retention()
+    assert all([await h.engine.get_run(c) for c in children])  # the parent has not finished
+    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    assert [item["output"] for item in entry["result"]] == [f"out-{c}" for c in children]
+    assert await h.engine.get_run(keyed.id) is not None
+    again = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="once"))
+    assert again.id == keyed.id and again.is_cached
+    h.clock.advance(3700)  # the key expired (PostgreSQL's clock decides: moved by the test's below)
+    async with h.engine.resources.repo.pool.connection() as conn:
+        await conn.execute("UPDATE task_run SET idempotency_key_expires_at = now() - interval '1 s' WHERE id = %s",
+                           (keyed.id,))
+    await h.engine.systems.reconciler.retention()
+    assert await h.engine.get_run(keyed.id) is None
+
+
+async def test_a_redriven_run_has_no_ttl_left_to_expire_it(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Its TTL counted from its creation: redriven after it passed, the run expired at the next
+    re-arm of its jobs, or ran, whichever came first."""
+    h: Harness = await make_engine(max_deliveries=1)
+    await h.deploy({"id": "hello"})
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", ttl_s=120))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    await h.advance(61)  # undelivered: DLQ
+    assert (await h.engine.get_run(run.id)).status == "SYSTEM_FAILURE"  # type: ignore[union-attr]
+    h.clock.advance(3600)
+    await h.engine.redrive(h.env.env_id, run.id)
+    await h.engine.systems.reconciler.rearm_jobs(grace_s=-1, full=True)
+    await h.advance(1)
+    assert await h.engine.systems.delayed_runs.expire(run.id) is False
+    after = await h.engine.get_run(run.id)
+    assert after is not None and after.status == "QUEUED" and after.ttl_s is None
+
+
+async def test_retention_keeps_a_completed_token_while_its_key_holds(make_engine) -> None:  # type: ignore[no-untyped-def]
+    h: Harness = await make_engine(retention_days=1e-9)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id, idempotency_key="approval-1",
+                                                      idempotency_key_ttl_s=3600)
+    assert await h.engine.waitpoints.complete(token.id, "yes")
+    await h.engine.systems.reconciler.retention()
+    again, cached = await h.engine.waitpoints.create_token(h.env.env_id, idempotency_key="approval-1")
+    assert cached and again.id == token.id and again.output == "yes"  # not a new token nobody completes

@@ -66,3 +66,13 @@ def test_settings_from_env_reads_documented_variables() -> None:
 def test_settings_from_env_names_the_bad_variable() -> None:
     with pytest.raises(ConfigurationError, match="RUN_ENGINE_MAX_DELIVERIES"):
         EngineSettings.from_env({"RUN_ENGINE_MAX_DELIVERIES": "many"})
+
+
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "40000"])
+def test_a_retention_postgresql_cannot_count_is_refused_at_start(raw: str) -> None:
+    """inf (or a hundred centuries) passed, and every retention pass then failed on an interval
+    PostgreSQL cannot hold: nothing was ever deleted."""
+    with pytest.raises(ConfigurationError, match="RUN_ENGINE_RETENTION_DAYS"):
+        EngineSettings.from_env({"RUN_ENGINE_RETENTION_DAYS": raw})
+    assert EngineSettings.from_env({"RUN_ENGINE_RETENTION_DAYS": "0"}).retention_s is None
+    assert EngineSettings.from_env({"RUN_ENGINE_RETENTION_DAYS": "7"}).retention_s == 7 * 86400
