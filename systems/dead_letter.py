@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from run_engine.db.runs import PAGE_BYTES, RunRow, Snapshot
 from run_engine.dependencies import log_failure
-from run_engine.errors import InvalidTransitionError, NotFoundError
+from run_engine.errors import InvalidTransitionError, LockTimeoutError, NotFoundError, StaleSnapshotError
 from run_engine.events import RunEvent
 from run_engine.run_queue.models import DlqEntry
-from run_engine.statuses import ExecutionStatus, RunStatus
+from run_engine.statuses import FINAL_RUN_STATUSES, ExecutionStatus, RunStatus
 from systems import engine_jobs
 from systems.resources import SystemResources
 
@@ -172,10 +172,19 @@ class DeadLetterSystem:
                 try:
                     await self.redrive(env_id, e.run_id)
                     count += 1
-                except (NotFoundError, InvalidTransitionError):
-                    # deleted by retention before its entry was, or it left the DLQ another way
-                    # meanwhile: drop the entry if it is still there
+                except NotFoundError:  # deleted by retention before its entry was: drop the entry
                     await queue.forget_dead(env_id, e.run_id)
+                except InvalidTransitionError:
+                    # It left the DLQ another way meanwhile (cancelled, redriven): drop its entry
+                    # if it is still there. Not while it is on its way in (its message is in the DLQ
+                    # and its SYSTEM_FAILURE not yet written): dropped then, it would be a failed
+                    # run no DLQ page shows.
+                    run = await self.r.repo.runs.get_run(e.run_id, env_id, light=True)
+                    if run is None or (RunStatus(run.status) in FINAL_RUN_STATUSES
+                                       and run.status != RunStatus.SYSTEM_FAILURE):
+                        await queue.forget_dead(env_id, e.run_id)
+                except (StaleSnapshotError, LockTimeoutError) as exc:  # busy: the others go on
+                    log.warning("redrive all: run %s skipped for now (%s); redrive it again", e.run_id, exc)
             if len(entries) < self.PAGE:
                 return count
             cursor = entries[-1]

@@ -231,3 +231,29 @@ async def test_retention_keeps_a_completed_token_while_its_key_holds(make_engine
     await h.engine.systems.reconciler.retention()
     again, cached = await h.engine.waitpoints.create_token(h.env.env_id, idempotency_key="approval-1")
     assert cached and again.id == token.id and again.output == "yes"  # not a new token nobody completes
+
+
+async def test_redrive_all_keeps_the_entry_of_a_run_on_its_way_in_and_goes_past_a_busy_one(
+        make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A run whose message is in the DLQ but whose SYSTEM_FAILURE is not written yet (a dequeue
+    that could not hand it out, between its two writes) keeps its entry: dropped, it would be a
+    failed run no DLQ page shows. A run whose lock is busy is skipped; the others are redriven."""
+    from run_engine.errors import LockTimeoutError
+
+    h: Harness = await make_engine(max_deliveries=1)
+    await h.deploy({"id": "hello"})
+    ids = await dead_letter(h, "hello", 2)
+    coming = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (held,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    assert (await h.engine.resources.queue.nack(h.env.env_id, coming.id, h.engine.resources.now_ms())).dead_lettered
+    dead = h.engine.systems.dead_letter
+    real = dead.redrive
+
+    async def busy_first(env_id: str, run_id: str) -> str:
+        if run_id == ids[0]:
+            raise LockTimeoutError((run_id,), 15.0, 10)
+        return await real(env_id, run_id)
+
+    monkeypatch.setattr(dead, "redrive", busy_first)
+    assert await dead.redrive_all(h.env.env_id) == 1  # ids[1]; ids[0] busy; `coming` not dead yet
+    assert {e.run_id for e in await h.engine.resources.queue.list_dlq(h.env.env_id)} == {ids[0], coming.id}
