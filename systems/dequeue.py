@@ -208,13 +208,17 @@ class DequeueSystem:
         DLQ past its delivery limit; then it ends SYSTEM_FAILURE."""
         log.error("dequeue: run %s could not be handed out; given back to its queue", m.run_id, exc_info=exc)
         try:
-            outcome = await self.r.queue.nack(m.env_id, m.run_id, self.r.now_ms())
-            if outcome.dead_lettered:
-                await self.dead_letter.finish_dead(
-                    m.run_id, m.env_id, (ExecutionStatus.QUEUED, ExecutionStatus.QUEUED_EXECUTING), None,
-                    {"type": "INTERNAL_ERROR", "code": "TASK_RUN_NOT_HANDED_OUT",
-                     "message": f"The run could not be handed out to a worker ({type(exc).__name__})"},
-                    outcome.deliveries)
+            # under the run's lock, as every other way into the DLQ: between the message's move and
+            # the run's SYSTEM_FAILURE, a redrive (or the reconciler) would find a QUEUED run whose
+            # message is dead-lettered, and take it apart
+            async with self.r.locker.lock("dead_letter", m.run_id):
+                outcome = await self.r.queue.nack(m.env_id, m.run_id, self.r.now_ms())
+                if outcome.dead_lettered:
+                    await self.dead_letter.finish_dead(
+                        m.run_id, m.env_id, (ExecutionStatus.QUEUED, ExecutionStatus.QUEUED_EXECUTING), None,
+                        {"type": "INTERNAL_ERROR", "code": "TASK_RUN_NOT_HANDED_OUT",
+                         "message": f"The run could not be handed out to a worker ({type(exc).__name__})"},
+                        outcome.deliveries)
         except Exception as again:  # it stays held: the reconciler makes it ready again
             log_failure(log, again, "dequeue: run %s could not be given back", m.run_id)
 

@@ -39,6 +39,19 @@ async def test_a_run_whose_dequeue_fails_alone_does_not_hold_back_the_others(
                                         for i in range(6)])
     bad = runs[2].id
     failing_for(monkeypatch, {bad}, psycopg.errors.ProgramLimitExceeded("total size of jsonb array elements"))
+    # its SYSTEM_FAILURE is written under its lock (a redrive or the reconciler between the move of
+    # its message to the DLQ and that write would find a QUEUED run with a dead-lettered message)
+    from run_engine.locking import _held_here
+
+    dead_letter = h.engine.systems.dead_letter
+    real_finish = dead_letter.finish_dead
+    locked: list[bool] = []
+
+    async def finish_dead(run_id: str, *args: Any) -> None:
+        locked.append(h.engine.resources.locker.key(run_id) in _held_here())
+        await real_finish(run_id, *args)
+
+    monkeypatch.setattr(dead_letter, "finish_dead", finish_dead)
     got = await h.engine.dequeue(h.env.worker_group_id, 10, start=True)
     assert sorted(d.run.id for d in got) == sorted(r.id for r in runs if r.id != bad)
     assert all(d.started is not None for d in got)
@@ -51,6 +64,7 @@ async def test_a_run_whose_dequeue_fails_alone_does_not_hold_back_the_others(
     dead = await h.engine.get_run(bad)
     assert dead is not None and dead.status == "SYSTEM_FAILURE" and dead.error["code"] == "TASK_RUN_NOT_HANDED_OUT"
     assert [e.run_id for e in await h.engine.resources.queue.list_dlq(h.env.env_id)] == [bad]
+    assert locked == [True]
 
 
 async def test_an_outage_is_not_split(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
