@@ -233,7 +233,9 @@ class RunEngine:
         return await self.systems.dead_letter.redrive_all(env_id, tasks, queues)
 
     async def list_dead(self, env_id: str, size: int, after: str | None = None, tasks: Collection[str] = (),
-                        queues: Collection[str] = ()) -> tuple[list[DeadRun], bool]:
+                        queues: Collection[str] = ()) -> tuple[list[DeadRun], str | None]:
+        """A page of the DLQ and the cursor of the next one (None: the last page); see
+        :meth:`DeadLetterSystem.list_dead`."""
         return await self.systems.dead_letter.list_dead(env_id, size, after, tasks, queues)
 
     async def get_run(self, run_id: str, env_id: str | None = None, *, light: bool = False) -> RunRow | None:

@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 
 from run_engine.db.runs import PAGE_BYTES, RunRow, Snapshot
 from run_engine.dependencies import log_failure
-from run_engine.errors import InvalidTransitionError, LockTimeoutError, NotFoundError, StaleSnapshotError
+from run_engine.errors import (
+    InvalidTransitionError,
+    LockTimeoutError,
+    NotFoundError,
+    StaleSnapshotError,
+    ValidationError,
+)
 from run_engine.events import RunEvent
 from run_engine.run_queue.models import DlqEntry
 from run_engine.statuses import FINAL_RUN_STATUSES, ExecutionStatus, RunStatus
@@ -38,8 +44,30 @@ class DeadRun:
     entry: DlqEntry
 
 
+def dlq_cursor(place: str | DlqEntry | None) -> str | None:
+    """The cursor of the page after ``place``, the last entry a page took or walked past:
+    ``<dead at, ms>|<run id>`` (a bare run id given as the place stays one)."""
+    return f"{place.dead_at_ms}|{place.run_id}" if isinstance(place, DlqEntry) else place
+
+
+def parse_dlq_cursor(cursor: str | None) -> str | DlqEntry | None:
+    """A cursor of :func:`dlq_cursor` as the entry's place; a bare run id (a cursor of engines
+    before this one, or a dashboard link) as is: its place is looked up, and a page after a run no
+    longer in the DLQ starts over."""
+    if cursor and len(cursor) > 256:
+        raise ValidationError("page[after]", "not a cursor returned by this API")
+    if not cursor or "|" not in cursor:
+        return cursor or None
+    ms, run_id = cursor.split("|", 1)
+    if not (ms.isascii() and ms.isdigit() and len(ms) <= 15 and run_id):
+        raise ValidationError("page[after]", "not a cursor returned by this API")
+    return DlqEntry(run_id, "", "", "", int(ms), 0)
+
+
 class DeadLetterSystem:
     PAGE = 100
+    #: the entries one page may walk past (filtered out) before it ends with a cursor to go on from
+    WALK = 5000
 
     def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
                  enqueue: EnqueueSystem, waitpoints: WaitpointsSystem) -> None:
@@ -120,17 +148,25 @@ class DeadLetterSystem:
         return (not tasks or e.task in tasks) and (not queues or e.queue in queues)
 
     async def list_dead(self, env_id: str, size: int, after: str | None = None, tasks: Collection[str] = (),
-                        queues: Collection[str] = ()) -> tuple[list[DeadRun], bool]:
+                        queues: Collection[str] = ()) -> tuple[list[DeadRun], str | None]:
         """Up to ``size`` dead-lettered runs matching the filters (empty: all), oldest first, after
-        the run id ``after``; and whether more follow. An entry whose run is gone (deleted by
-        retention before its entry was) is dropped on the way."""
+        the place ``after`` names (a cursor this returned, or a run id); and the cursor of the next
+        page (None: no more). An entry whose run is gone (deleted by retention before its entry
+        was) is dropped on the way.
+
+        A call walks at most WALK entries: a filter that matches none of a million entries ends a
+        page early (possibly empty) with a cursor at the last entry walked, instead of walking
+        them all in one request. The cursor is that entry's place (time and run id), so a page
+        goes on from it even if the entry left the DLQ meanwhile."""
         queue = self.r.queue
         runs = self.r.repo.runs
-        cursor: str | DlqEntry | None = after
+        cursor: str | DlqEntry | None = parse_dlq_cursor(after)
         found: list[DeadRun] = []
         total = 0  # the found runs' payloads, outputs and metadata: a page ends past PAGE_BYTES
+        walked = 0
         while True:
             entries = await queue.list_dlq(env_id, limit=self.PAGE, after=cursor)
+            walked += len(entries)
             wanted = [e for e in entries if self._matches(e, tasks, queues)]
             # the sizes of this slice's runs first (in order, no further than one past the page's
             # bytes, nor than the runs the page can still take), then the runs that fit: two
@@ -152,11 +188,13 @@ class DeadLetterSystem:
                 total += measured
             have = await runs.runs_by_ids(env_id, [e.run_id for e in take]) if take else {}
             found += [DeadRun(have[e.run_id], e) for e in take if e.run_id in have]
-            if full:
-                return found, True
+            if full:  # the next page goes on after the last run this one took
+                return found, dlq_cursor(take[-1] if take else found[-1].entry if found else cursor)
             if len(entries) < self.PAGE:
-                return found, False
+                return found, None
             cursor = entries[-1]  # its place, even if it left the DLQ meanwhile
+            if walked >= self.WALK:  # ends early: the next page goes on after the last entry walked
+                return found, dlq_cursor(cursor)
 
     async def redrive_all(self, env_id: str, tasks: Collection[str] = (), queues: Collection[str] = ()) -> int:
         """Redrive every matching dead-lettered run, through the whole DLQ however many entries do

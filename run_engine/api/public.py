@@ -458,10 +458,11 @@ async def list_dlq(request: Request) -> Response:
     auth = await ctx.env_auth(request)
     size = page_size(request)
     tasks, queues = set(_csv(request, "filter[taskIdentifier]")), set(_csv(request, "filter[queue]"))
-    dead, more = await ctx.engine.list_dead(auth.env_id, size, request.query_params.get("page[after]"), tasks, queues)
+    dead, following = await ctx.engine.list_dead(auth.env_id, size, request.query_params.get("page[after]"), tasks,
+                                                 queues)
     data = [{"run": run_object(d.run), "reason": d.entry.reason, "deadAt": iso(_ms(d.entry.dead_at_ms)),
              "deliveries": d.entry.deliveries} for d in dead]
-    return json_response({"data": data, "pagination": pagination(dead[-1].run.id if more and dead else None)})
+    return json_response({"data": data, "pagination": pagination(following)})
 
 
 def _ms(ms: int) -> datetime:

@@ -138,11 +138,11 @@ async def queues(request: Request, dash: Dash) -> Response:
 @page
 async def dlq(request: Request, dash: Dash) -> Response:
     task, queue = _text(request, "task"), _text(request, "queue")
-    after = _text(request, "after", 64) or None
-    dead, more = await dash.ctx.engine.list_dead(dash.env.id, 50, after, {task} if task else (),
-                                                 {queue} if queue else ())
+    after = _text(request, "after", 256) or None
+    dead, following = await dash.ctx.engine.list_dead(dash.env.id, 50, after, {task} if task else (),
+                                                      {queue} if queue else ())
     given = {k: v for k, v in (("task", task), ("queue", queue)) if v}
-    next_url = "/dashboard/dlq?" + urlencode({**given, "after": dead[-1].run.id}) if more and dead else None
+    next_url = "/dashboard/dlq?" + urlencode({**given, "after": following}) if following else None
     entries = [{"run": run_object(d.run), "reason": d.entry.reason, "deliveries": d.entry.deliveries,
                 "dead_at": datetime.fromtimestamp(d.entry.dead_at_ms / 1000, UTC)} for d in dead]
     return render(request, "dlq.html", {"title": "Dead letters", "entries": entries, "task": task, "queue": queue,

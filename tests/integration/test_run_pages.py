@@ -84,13 +84,77 @@ async def test_dead_letter_pages_end_past_their_bytes(make_engine, monkeypatch: 
     monkeypatch.setattr(systems.dead_letter, "PAGE_BYTES", 2500)
     seen, after, sizes = [], None, []
     while True:
-        dead, more = await h.engine.list_dead(h.env.env_id, 25, after)
+        dead, after = await h.engine.list_dead(h.env.env_id, 25, after)
         seen += [d.run.id for d in dead]
         sizes.append(len(dead))
-        if not more:
+        if after is None:
             break
-        after = dead[-1].run.id
     assert sorted(seen) == sorted(ids) and sizes == [3, 2]  # a page ends once past its bytes
+
+
+async def dead_letter(h: Harness, task: str, count: int) -> list[str]:
+    """``count`` runs of ``task`` in the DLQ (each dequeued once and never started), oldest first."""
+    ids = [r.id for r in await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id=task)
+                                                        for _ in range(count)])]
+    assert len(await h.engine.dequeue(h.env.worker_group_id, count)) == count
+    await h.advance(61)
+    return ids
+
+
+async def test_a_dead_letter_page_walks_a_bounded_number_of_entries(make_engine,  # type: ignore[no-untyped-def]
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filter that matches none of a long DLQ must not walk all of it in one request: a page ends
+    after WALK entries (empty if need be) with a cursor that goes on from there, none lost."""
+    import systems.dead_letter
+
+    h: Harness = await make_engine(max_deliveries=1)
+    await h.deploy({"id": "common"}, {"id": "rare"})
+    await dead_letter(h, "common", 45)
+    h.clock.advance(1)
+    rare = await dead_letter(h, "rare", 3)
+    monkeypatch.setattr(systems.dead_letter.DeadLetterSystem, "PAGE", 10)
+    monkeypatch.setattr(systems.dead_letter.DeadLetterSystem, "WALK", 20)
+    walked: list[int] = []
+    list_dlq = h.engine.resources.queue.list_dlq
+
+    async def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        entries = await list_dlq(*args, **kwargs)
+        walked[-1] += len(entries)
+        return entries
+
+    monkeypatch.setattr(h.engine.resources.queue, "list_dlq", counting)
+    pages, after = [], None
+    while True:
+        walked.append(0)
+        dead, after = await h.engine.list_dead(h.env.env_id, 25, after, tasks={"rare"})
+        pages.append([d.run.id for d in dead])
+        if after is None:
+            break
+    # 20 and 20 entries walked, then the last 5 common and the 3 rare (dead in one millisecond: by id)
+    assert pages == [[], [], sorted(rare)]
+    assert walked == [20, 20, 8]
+
+
+async def test_a_dead_letter_cursor_goes_on_after_its_run_left_the_dlq(make_engine) -> None:  # type: ignore[no-untyped-def]
+    h: Harness = await make_engine(max_deliveries=1)
+    await h.deploy({"id": "hello"})
+    ids = await dead_letter(h, "hello", 4)
+    in_order = [d.run.id for d in (await h.engine.list_dead(h.env.env_id, 25))[0]]
+    assert sorted(in_order) == sorted(ids)
+    first, after = await h.engine.list_dead(h.env.env_id, 2)
+    assert [d.run.id for d in first] == in_order[:2] and after is not None
+    await h.engine.redrive(h.env.env_id, in_order[1])  # the page's last run leaves the DLQ
+    second, after = await h.engine.list_dead(h.env.env_id, 2, after)
+    assert [d.run.id for d in second] == in_order[2:] and after is None  # not from the start again
+    # a bare run id (a cursor of an engine before this one) is looked up in the DLQ
+    again, _ = await h.engine.list_dead(h.env.env_id, 2, in_order[0])
+    assert [d.run.id for d in again] == in_order[2:]
+
+
+@pytest.mark.parametrize("cursor", ["x|run_1", "|run_1", "12|", "1" * 16 + "|run_1", "9" * 300])
+async def test_a_dead_letter_cursor_not_of_this_api_is_refused(client: httpx.AsyncClient, cursor: str) -> None:
+    r = await client.get("/api/v1/dlq", params={"page[after]": cursor})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_input", r.text
 
 
 async def test_a_page_measures_its_candidates_only_until_it_is_full(h: Harness) -> None:
