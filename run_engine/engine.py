@@ -43,14 +43,14 @@ from systems.registry import Systems
 from systems.resources import SystemResources
 from systems.run_attempt import AttemptOutcome, StartedAttempt
 from systems.waiting_for_worker import Deployed
-from systems.waitpoints import BlockOutcome, WaitpointsSystem
+from systems.waitpoints import BlockOutcome, WaitpointsSystem, is_batch_entry
 
 __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt",
            "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
            "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
            "GroupListing", "RunPackets", "UploadedPacket", "BatchRecord", "ShapeRead", "PACKET_TTL_S",
-           "PACKET_BYTES_PER_ENV"]
+           "PACKET_BYTES_PER_ENV", "is_batch_entry"]
 
 #: how long a packet uploaded for a trigger is kept (the trigger reads it at once; a retried one later)
 PACKET_TTL_S = 3600.0

@@ -49,6 +49,26 @@ CHILDREN_REFUSED = (ValidationError, QueueFullError, ConflictError, NotFoundErro
 RUN_IDS = "runIds"
 
 
+def _day_after(at: datetime) -> datetime:
+    """A day after ``at``, or the last moment Python can hold (a wait until 9999-12-31)."""
+    try:
+        return at + timedelta(days=1)
+    except OverflowError:
+        return datetime.max.replace(tzinfo=UTC)
+
+
+def batch_runs(result: Any) -> list[str]:
+    """The run ids a batch wait's journal entry holds (none if it holds none: an entry written
+    before waits on a batch were checked may hold nothing)."""
+    runs = result.get(RUN_IDS) if isinstance(result, dict) else None
+    return [r for r in runs if isinstance(r, str)] if isinstance(runs, list) else []
+
+
+def is_batch_entry(result: Any) -> bool:
+    """Whether a journal entry's stored result names a batch's runs."""
+    return isinstance(result, dict) and isinstance(result.get(RUN_IDS), list)
+
+
 TOKEN_TIMEOUT_ERROR = {"type": "WAITPOINT_TIMEOUT", "message": "The token timed out before it was completed"}
 
 
@@ -156,7 +176,7 @@ class WaitpointsSystem:
         wp, cached = await self._create(NewWaitpoint(
             id=new_id("waitpoint"), env_id=env_id, type="DATETIME", completed_after=at,
             idempotency_key=idempotency_key,
-            idempotency_key_expires_at=at + timedelta(days=1) if idempotency_key else None), self._at(0))
+            idempotency_key_expires_at=_day_after(at) if idempotency_key else None), self._at(0))
         _same_kind(wp, "DATETIME", idempotency_key)
         if wp.status == "PENDING" and wp.completed_after is not None:  # a repeat too (see create_token)
             await self.r.change_jobs(schedule=[engine_jobs.waitpoint_datetime(wp.id, wp.completed_after.timestamp())])
@@ -695,7 +715,7 @@ class WaitpointsSystem:
     async def resolve_journal(self, entries: Sequence[JournalEntry]) -> list[dict[str, Any]]:
         """Journal entries (with their waitpoints' state) as a replay reads them: each wait's
         outcome filled in, ``resolved`` False while it is pending."""
-        batches = [e.result[RUN_IDS] for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"]
+        batches = [batch_runs(e.result) for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"]
         runs, over = await self.wp.run_results(batches, RESULTS_BYTES) if batches else ({}, set())
         out = []
         for e in entries:
@@ -722,7 +742,7 @@ class WaitpointsSystem:
                     else run_result(rid, *runs[rid]) if rid in runs
                     else {"ok": False, "id": rid, "error": {"type": "RUN_NOT_CREATED",
                                                              "message": "the batch item's run was never created"}}
-                    for rid in e.result[RUN_IDS]])
+                    for rid in batch_runs(e.result)])
             out.append(item)
         return out
 

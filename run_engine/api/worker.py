@@ -37,7 +37,7 @@ from run_engine.api.models import (
 )
 from run_engine.api.openapi import Query, operation
 from run_engine.api.serialize import run_object, snapshot_object
-from run_engine.engine import RunRow, StartedAttempt, Waitpoint, WorkerGroup
+from run_engine.engine import RunRow, StartedAttempt, Waitpoint, WorkerGroup, is_batch_entry
 from run_engine.errors import StaleSnapshotError
 
 PREFIX = "/engine/v1/worker-actions"
@@ -428,6 +428,11 @@ async def _wait_on(ctx: ApiContext, run_id: str, env_id: str, snapshot_id: str, 
     if req.kind in ("child", "batch"):  # a replay re-blocking on its children: keep the journaled ids
         entries = await ctx.engine.journal(run_id, req.sequence)
         entry = entries[0].result if entries and entries[0].sequence == req.sequence else None
+    if req.kind == "batch" and (wp.type != "BATCH" or not is_batch_entry(entry)):
+        # only a replay waits on a batch this way: its journal entry names the batch's runs, which
+        # every later read of the journal lists (an entry without them would break the journal)
+        raise ApiError(400, "invalid_input", "kind batch: waits only on the batch the run's journal entry at this "
+                                             "sequence holds (batches are triggered and waited on with /trigger)")
     outcome = await ctx.engine.block(run_id, snapshot_id, sequence=req.sequence, kind=req.kind,
                                      key=wp.completed_by_batch_id or wp.completed_by_run_id or wp.id,
                                      waitpoint_ids=[wp.id], result=entry, suspend=req.suspend)

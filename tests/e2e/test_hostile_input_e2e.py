@@ -464,3 +464,36 @@ def test_worker_queries_with_digits_int_refuses_are_400(hostile: Stack) -> None:
             r = w.get(path)
             assert r.status_code == 400, (path, r.text)
             assert set(r.json()["error"]) >= {"code", "message"}
+
+
+def test_a_wait_of_kind_batch_on_what_is_not_its_batch_is_400_and_leaves_the_journal_readable(hostile: Stack) -> None:
+    """Only a replay waits on a batch by ``…/waitpoints/{id}/wait``, its journal entry naming the
+    batch's runs: a batch wait on a finished run's waitpoint wrote an entry with none, and every
+    later read of the run's journal (each start of the run) was a 500."""
+    other = hostile.trigger("t", "finished-child")
+    run_id = hostile.trigger("t", "batch-kind")
+    started = _dequeue(hostile, other, run_id)
+    with hostile.worker() as w:
+        done = w.post(f"{W}/runs/{other}/snapshots/{started[other]['snapshot']['id']}/attempts/complete",
+                      json={"ok": True, "output": 1})
+        assert done.status_code == 200, done.text
+        base = f"{W}/runs/{run_id}/snapshots/{started[run_id]['snapshot']['id']}"
+        r = w.post(f"{base}/waitpoints/{other}/wait", json={"sequence": 1, "kind": "batch"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_input", r.text
+        journal = w.get(f"{W}/runs/{run_id}/journal")
+        assert journal.status_code == 200 and journal.json()["journal"] == [], journal.text
+        # the same wait as a child's: fine, the run's journal still reads
+        child = w.post(f"{base}/waitpoints/{other}/wait", json={"sequence": 1, "kind": "child"})
+        assert child.status_code == 200 and child.json()["blocked"] is False, child.text
+        entry = w.get(f"{W}/runs/{run_id}/journal").json()["journal"]
+        assert [(e["kind"], e["resolved"], e["result"]["ok"]) for e in entry] == [("child", True, True)]
+
+
+def test_a_wait_until_the_last_day_python_knows_with_a_key_is_accepted(hostile: Stack) -> None:
+    """The key of a date wait is kept a day past its date: a day past 9999-12-31 overflowed (500)."""
+    run_id = hostile.trigger("t", "wait-9999")
+    started = _dequeue(hostile, run_id)[run_id]
+    with hostile.worker() as w:
+        r = w.post(f"{W}/runs/{run_id}/snapshots/{started['snapshot']['id']}/wait/duration",
+                   json={"sequence": 0, "date": "9999-12-31T12:00:00Z", "idempotencyKey": "k"})
+        assert r.status_code == 200 and r.json()["blocked"] is True, r.text
