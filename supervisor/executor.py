@@ -16,10 +16,12 @@ is killed (if need be) and replaced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import struct
 import sys
@@ -103,11 +105,15 @@ async def _run_one(msg: dict[str, Any], channel: Channel) -> dict[str, Any]:
 def executor_main(conn: Connection, tasks_module: str) -> None:
     from run_engine.sdk import runtime
 
+    # its own process group, which the supervisor kills with it: what its tasks start goes too
+    os.setpgid(0, 0)
     importlib.import_module(tasks_module)
     loop = asyncio.new_event_loop()
     # one channel for every run: its reader is registered once (the loop reads it only while a run
-    # runs; between runs the messages are read here)
-    channel = runtime.Channel(conn, loop)
+    # runs; between runs the messages are read here). The supervisor gone (its end of the pipe
+    # closed), a run's task, even a sync one in its thread, stops at once: another supervisor runs
+    # the run again once its heartbeats are missed, and this execution must not go on beside it.
+    channel = runtime.Channel(conn, loop, on_closed=_supervisor_gone)
     conn.send_bytes(orjson.dumps({"type": "ready", "pid": os.getpid()}))
     while True:
         try:
@@ -131,6 +137,10 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
             # on this executor (maybe another environment's), call the supervisor in its name and
             # read its run token. The executor is not reused (the supervisor starts another).
             return
+
+
+def _supervisor_gone() -> None:
+    os._exit(75)
 
 
 def cancel_leftovers(loop: asyncio.AbstractEventLoop, grace_s: float = 1.0) -> int:
@@ -162,6 +172,18 @@ def preload(tasks_module: str) -> list[str]:
 _GONE = object()  # the reader's last word: the pipe is closed (the process exited or was killed)
 _HEADER = struct.Struct("!i")  # multiprocessing's frame header; -1, then 8 bytes, for 2 GiB and over
 _BIG = struct.Struct("!Q")
+#: the largest message an executor may send (an output, a step's result, children to trigger): the
+#: engine takes requests of 10 MiB at most, so anything larger could never be sent on, and a task
+#: that announced gigabytes would have the supervisor, which serves every tenant's runs, buffer them
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: how long a task told to stop (its run was suspended) may take to unwind before its executor is
+#: killed: a task that swallows its cancellation would otherwise run on beside its restored self
+SUSPEND_GRACE_S = 2.0
+WATCH_S = 0.1  # the watchdog's period: duration, memory, liveness, a suspension not obeyed
+#: calls of one run (journaled steps, waits) the supervisor handles at once; past it, the executor's
+#: pipe is not read until one is answered, so that a task asking thousands at once waits on its
+#: own pipe instead of queueing them all ahead of every other run's requests
+MAX_OPEN_CALLS = 8
 
 
 def frame(msg: dict[str, Any]) -> bytes:
@@ -181,6 +203,7 @@ class _Frames(asyncio.Protocol):
         self.deliver = deliver
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
+        self.too_large = 0  # the length of a frame refused for its size (the pipe then ends)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -197,6 +220,10 @@ class _Frames(asyncio.Protocol):
                 (n,) = _BIG.unpack_from(buf, 4)
                 start = 12
             end = start + n
+            if n > MAX_FRAME_BYTES:  # refused before it is buffered
+                self.too_large = n
+                self._broken(f"a frame of {n} bytes (at most {MAX_FRAME_BYTES})")
+                return
             if n < 0 or len(buf) < end:
                 if n < 0:
                     self._broken(f"a frame header of length {n}")
@@ -254,15 +281,31 @@ class Executor:
         # is_alive() builds a selector and polls it each time: 4.5 us, twice per run)
         self._exited = False
         self._sentinel: int | None = None
+        self._frames = _Frames(self._deliver)
+        self._suspend_by: float | None = None  # told to stop its suspended run: killed if still at it then
+        self._open_calls = 0  # calls of the run handed to the supervisor and not answered yet
+        self._reading_paused = False
 
     def _deliver(self, msg: Any) -> None:
         self._messages.append(msg)
+        if self._open_calls >= MAX_OPEN_CALLS:
+            self._pause_reading(True)  # what has arrived waits here; the rest in the pipe
+        self._wake()
+
+    def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def _has_next(self) -> bool:
+        """A message may be handed on: a call only while fewer than MAX_OPEN_CALLS are open."""
+        if not self._messages:
+            return False
+        head = self._messages[0]
+        return not (self._open_calls >= MAX_OPEN_CALLS and isinstance(head, dict) and head.get("type") == "call")
+
     async def _next(self, timeout_s: float) -> Any:
         """The next message, or None after ``timeout_s`` without one (a watchdog tick)."""
-        if not self._messages:
+        if not self._has_next():
             waiter = self._waiter = self._loop.create_future()
             tick = self._loop.call_later(timeout_s, _wake, waiter)
             try:
@@ -270,7 +313,7 @@ class Executor:
             finally:
                 tick.cancel()
                 self._waiter = None
-        return self._messages.popleft() if self._messages else None
+        return self._messages.popleft() if self._has_next() else None
 
     def _send(self, msg: dict[str, Any]) -> None:
         transport = self._transport
@@ -287,8 +330,7 @@ class Executor:
         self._sentinel = self.process.sentinel
         self._loop.add_reader(self._sentinel, self._on_exit)
         try:
-            self._transport, _ = await self._loop.connect_accepted_socket(lambda: _Frames(self._deliver),
-                                                                          self._sock)
+            self._transport, _ = await self._loop.connect_accepted_socket(lambda: self._frames, self._sock)
             msg = await self._receive(timeout_s=timeout_s, max_duration_s=None, memory_mb=None)
         except BaseException:
             self._unwatch()  # an executor that never became ready leaves no reader on the loop
@@ -317,7 +359,13 @@ class Executor:
             self._sentinel = None
 
     def kill(self) -> None:
+        """Kill the process and what its task started (its process group: a subprocess the task
+        ran must not go on beside the run's next attempt)."""
         self._unwatch()
+        pid = self.process.pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # no group (yet): the process alone
+                os.killpg(pid, signal.SIGKILL)
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5)
@@ -343,24 +391,46 @@ class Executor:
         :meth:`reply`. Returns the result, ``{"type": "suspended"}`` after :meth:`suspend`, or
         ``{"type": "abandoned"}``; raises :class:`ExecutorFailure` when the process had to die."""
         self.runs += 1
+        self._suspend_by = None
+        self._open_calls = 0
+        self._pause_reading(False)
         self._send(msg)
         return await self._receive(timeout_s=None, max_duration_s=max_duration_s, memory_mb=memory_mb,
                                    on_call=on_call)
 
     def reply(self, call_id: int, data: dict[str, Any]) -> None:
         self._send({"type": "reply", "id": call_id, **data})
+        self._open_calls = max(0, self._open_calls - 1)
+        if self._open_calls < MAX_OPEN_CALLS:
+            self._pause_reading(False)
+            self._wake()  # a call held back may go now
+
+    def _pause_reading(self, pause: bool) -> None:
+        transport = self._transport
+        if pause == self._reading_paused or transport is None or transport.is_closing():
+            return
+        self._reading_paused = pause
+        if pause:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
 
     def suspend(self) -> None:
-        """Ask the running task to stop: its run was checkpointed."""
+        """Ask the running task to stop: its run was checkpointed. A task still running
+        SUSPEND_GRACE_S later (it swallowed its cancellation) is killed with its executor: its run,
+        restored elsewhere, must not also go on here."""
+        self._suspend_by = time.monotonic() + SUSPEND_GRACE_S
         self._send({"type": "suspend"})
 
     async def _receive(self, *, timeout_s: float | None, max_duration_s: float | None,
                        memory_mb: int | None, on_call: Callable[[dict[str, Any]], None] | None = None,
                        ) -> dict[str, Any]:
         started = time.monotonic()
+        checked = started
         while True:
-            # a message, or a watchdog tick to check duration, memory and liveness
-            msg = await self._next(0.1)
+            # a message, or a watchdog tick to check duration, memory and liveness: at least every
+            # WATCH_S, also while the task sends message after message
+            msg = await self._next(WATCH_S)
             if msg is not None and msg is not _GONE:
                 if msg.get("type") != "call":
                     result = dict(msg)
@@ -368,14 +438,28 @@ class Executor:
                         self.retired = True  # see executor_main: the pool replaces it
                     return result
                 if on_call is not None:
+                    self._open_calls += 1  # at MAX_OPEN_CALLS, the next ones wait until one is answered
                     on_call(msg)
-                continue
-            elapsed = time.monotonic() - started
+                if time.monotonic() - checked < WATCH_S:
+                    continue
+            now = time.monotonic()
+            checked, elapsed = now, now - started
+            if self._suspend_by is not None and (now > self._suspend_by or msg is _GONE or not self.alive):
+                # its run is suspended (restored elsewhere when its waits complete): nothing to report
+                if now > self._suspend_by:
+                    log.warning("executor %s: its task was told to stop %ss ago (its run is suspended) and "
+                                "still runs: killed", self.process.pid, SUSPEND_GRACE_S)
+                self.kill()
+                return {"type": "suspended"}
             if msg is _GONE or not self.alive:
                 self._unwatch()
                 if self.process.is_alive():
                     self.process.kill()
                 self.process.join(1)
+                if self._frames.too_large:
+                    raise ExecutorFailure({"type": "TASK_MESSAGE_TOO_LARGE", "message": (
+                        f"the task sent a message of {self._frames.too_large} bytes (an output, a step's result "
+                        f"or children to trigger); the most is {MAX_FRAME_BYTES}")}, retryable=False)
                 code = self.process.exitcode
                 raise ExecutorFailure({"type": "TASK_PROCESS_EXITED",
                                        "message": f"the executor process exited with code {code}"})

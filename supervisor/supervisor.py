@@ -123,6 +123,9 @@ class CompletionsTooLarge(Exception):
 
 #: answers after which a request is worth repeating (0: the engine could not be reached)
 RETRY_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
+#: a heartbeat the engine did not answer (unreachable, 429, 5xx) is tried again this soon rather than
+#: a whole interval later: three intervals missed, the run is taken for stalled and run again
+HEARTBEAT_RETRY_S = 2.0
 
 
 class Supervisor:
@@ -733,7 +736,9 @@ class Supervisor:
             return Reply(200, {"blocked": True, "suspended": True, "snapshot": latest}, "")
         if status == "EXECUTING_WITH_WAITPOINTS":
             return Reply(200, {"blocked": True, "snapshot": latest}, "")
-        if status == "EXECUTING" and entries[0]["resolved"]:  # continued already
+        if status == "EXECUTING" and entries[0]["resolved"] and latest.get("checkpointId") is None:
+            # continued already, in place. Not a restore (its snapshot carries the checkpoint it
+            # restores): that execution is the run's, on another executor, and this one must stop
             return Reply(200, {"blocked": False, "snapshot": latest, "entry": entries[0]}, "")
         return None
 
@@ -785,18 +790,22 @@ class Supervisor:
             try:
                 if await self._heartbeat(state, executor):
                     return
+                wait_s = self.config.heartbeat_interval_s if state.beat_answered else HEARTBEAT_RETRY_S
             except Exception:
                 log.warning("run %s: a heartbeat failed; the next one is due in %ss", state.run_id,
                             self.config.heartbeat_interval_s, exc_info=True)
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+                wait_s = self.config.heartbeat_interval_s
+            await asyncio.sleep(min(wait_s, self.config.heartbeat_interval_s))
 
     async def _heartbeat(self, state: RunState, executor: Any | None) -> bool:
         """One heartbeat; True when the run moved on and the heartbeats stop."""
         snapshot_id = state.snapshot_id
+        state.beat_answered = False  # until the engine answers it: the next try comes sooner
         try:
             response = await self._post(f"/runs/{state.run_id}/snapshots/{snapshot_id}/heartbeat")
         except TransportError:
             return False
+        state.beat_answered = response.status not in RETRY_STATUSES
         if response.status != 409:
             return False
         latest = (response.data or {}).get("error", {}).get("latestSnapshot", {})
@@ -917,6 +926,7 @@ class RunState:
     cancelled: bool = False
     slot: _Slot | None = None  # given back once the run is suspended, before its executor is back
     attempt: int | None = None  # the attempt this supervisor runs (a restore continues it)
+    beat_answered: bool = True  # the last heartbeat was answered (not refused for load, nor lost)
 
 
 def run_supervisor(config: SupervisorConfig) -> None:

@@ -37,9 +37,11 @@ class Channel:
     """Requests from the task to the supervisor over the executor's pipe, replies matched by id;
     a ``suspend`` message cancels the running task."""
 
-    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop,
+                 on_closed: Callable[[], None] | None = None) -> None:
         self.conn = conn
         self.loop = loop
+        self.on_closed = on_closed  # the other end closed (the supervisor gone); else the task is cancelled
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.task: asyncio.Task[Any] | None = None
         self.suspended = False
@@ -72,6 +74,9 @@ class Channel:
         try:
             msg = orjson.loads(self.conn.recv_bytes())
         except (EOFError, OSError):
+            if self.on_closed is not None:
+                self.on_closed()
+            self.loop.remove_reader(self.conn.fileno())  # read at EOF again and again otherwise
             if self.task is not None:
                 self.task.cancel()
             return

@@ -131,3 +131,70 @@ async def leaves_a_stubborn_task(payload: Any, ctx: Any) -> int:
     asyncio.get_running_loop().create_task(ignores_cancellation())
     await asyncio.sleep(0)
     return os.getpid()
+
+
+@task(id="swallows-its-suspension")
+async def swallows_its_suspension(payload: dict[str, Any], ctx: Any) -> str:
+    """Waits on a token and, told to stop (its run was suspended), goes on anyway."""
+    import asyncio
+
+    from run_engine.sdk import wait
+
+    try:
+        await wait.for_token(payload["token"])
+    except BaseException:  # noqa: BLE001 - the point: a task that ignores its suspension
+        pass
+    await asyncio.sleep(30)
+    return "ran on"
+
+
+@task(id="steps-forever")
+async def steps_forever(payload: Any, ctx: Any) -> int:
+    """Journaled steps back to back, for ever: a message to the supervisor every few milliseconds."""
+    n = 0
+    while True:
+        await ctx.step(f"s{n}", lambda n=n: n)
+        n += 1
+
+
+@task(id="announces-a-huge-frame")
+async def announces_a_huge_frame(payload: Any, ctx: Any) -> str:
+    """Writes a frame header of 1 GiB itself, then a few bytes, then sleeps: the supervisor must not
+    wait for (or buffer) the rest."""
+    import asyncio
+    import struct
+
+    from run_engine.sdk import runtime
+
+    rt = runtime.current()
+    assert rt is not None
+    os.write(rt.channel.conn.fileno(), struct.pack("!i", 1 << 30) + b"{" * 1000)
+    await asyncio.sleep(30)
+    return "never"
+
+
+@task(id="sync-sleeps")
+def sync_sleeps(payload: dict[str, Any], ctx: Any) -> str:
+    """A sync task (in a thread) that writes its pid and sleeps."""
+    import time
+
+    _write(payload["pid_file"], os.getpid())
+    time.sleep(payload["seconds"])
+    return "slept"
+
+
+@task(id="starts-a-subprocess")
+async def starts_a_subprocess(payload: dict[str, Any], ctx: Any) -> str:
+    """Starts a process of its own (a command line tool, say), writes its pid and waits on it."""
+    import asyncio
+
+    proc = await asyncio.create_subprocess_exec("sleep", "30")
+    _write(payload["pid_file"], proc.pid)
+    await proc.wait()
+    return "done"
+
+
+def _write(path: str, pid: int) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(str(pid))
+    os.replace(path + ".tmp", path)  # whole or not there: the test reads it while it is written

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +262,195 @@ async def _shapes() -> None:
 
 def test_a_task_gets_its_context_only_if_it_takes_one_and_a_sync_task_runs_in_a_thread() -> None:
     asyncio.run(_shapes())
+
+
+def _dead(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _pid_in(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+async def _gone_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) within ``seconds``."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not _dead(pid):
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def _until(ready: Callable[[], object], seconds: float = 10) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not ready():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
+
+
+async def _ignores_its_suspension() -> None:
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+
+        def on_call(msg: dict[str, Any]) -> None:
+            ex.suspend()  # checkpointed: the task is told to stop, and swallows it
+
+        began = asyncio.get_running_loop().time()
+        out = await ex.run(_run("swallows-its-suspension", {"token": "waitpoint_x"}), max_duration_s=60,
+                           memory_mb=None, on_call=on_call)
+        assert out == {"type": "suspended"}
+        assert asyncio.get_running_loop().time() - began < 10  # the grace, not the task's 30 s
+        assert await _gone_within(ex.process.pid or 0, 5) and not ex.alive
+    finally:
+        ex.kill()
+
+
+def test_a_task_that_goes_on_after_its_run_was_suspended_is_killed() -> None:
+    """Its run, restored elsewhere once its waits complete, must not also run on here."""
+    import uvloop
+
+    uvloop.run(asyncio.wait_for(_ignores_its_suspension(), 30))
+
+
+async def _floods_its_pipe() -> None:
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        with pytest.raises(ExecutorFailure) as failed:
+            await ex.run(_run("steps-forever", None), max_duration_s=0.5, memory_mb=None,
+                         on_call=lambda msg: ex.reply(msg["id"], {}))
+        assert failed.value.error["type"] == "MAX_DURATION_EXCEEDED"
+    finally:
+        ex.kill()
+
+
+def test_the_watchdog_runs_while_a_task_sends_message_after_message() -> None:
+    """A message at least every 0.1 s skipped every duration, memory and liveness check."""
+    import uvloop
+
+    uvloop.run(asyncio.wait_for(_floods_its_pipe(), 20))
+
+
+async def _huge_frame() -> None:
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        with pytest.raises(ExecutorFailure) as failed:
+            await ex.run(_run("announces-a-huge-frame", None), max_duration_s=60, memory_mb=None)
+        assert failed.value.error["type"] == "TASK_MESSAGE_TOO_LARGE" and not failed.value.retryable
+        assert str(1 << 30) in failed.value.error["message"]
+        assert await _gone_within(ex.process.pid or 0, 5)
+    finally:
+        ex.kill()
+
+
+def test_a_frame_over_the_limit_ends_the_executor_before_it_is_buffered() -> None:
+    import uvloop
+
+    uvloop.run(asyncio.wait_for(_huge_frame(), 20))
+
+
+async def _supervisor_gone(task: str, pid_file: Path) -> None:
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        called = asyncio.Event()
+        run = asyncio.ensure_future(ex.run(_run(task, {"pid_file": str(pid_file), "seconds": 30,
+                                                       "token": "waitpoint_x"}),
+                                           max_duration_s=60, memory_mb=None, on_call=lambda msg: called.set()))
+        await _until(lambda: called.is_set() or _pid_in(pid_file))
+        assert ex._transport is not None
+        # the supervisor's end of the pipe closes, as when it dies: then nothing kills the executor
+        ex.process.kill = lambda: None  # type: ignore[method-assign]
+        ex._transport.abort()
+        assert await _gone_within(ex.process.pid or 0, 5)  # not after the task's 30 s
+        del ex.process.kill
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ExecutorFailure):
+            await run
+    finally:
+        ex.kill()
+
+
+@pytest.mark.parametrize("task", ["sync-sleeps", "swallows-its-suspension"])
+def test_an_executor_stops_its_run_at_once_when_its_supervisor_is_gone(task: str, tmp_path: Path) -> None:
+    """Even a sync task in its thread, or one that swallows its cancellation: the run is run again
+    elsewhere once its heartbeats stop, and must not also run on here."""
+    import uvloop
+
+    uvloop.run(asyncio.wait_for(_supervisor_gone(task, tmp_path / "pid"), 30))
+
+
+async def _subprocess_killed(pid_file: Path) -> int:
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        run = asyncio.ensure_future(ex.run(_run("starts-a-subprocess", {"pid_file": str(pid_file)}),
+                                           max_duration_s=60, memory_mb=None))
+        await _until(lambda: _pid_in(pid_file))
+        child = _pid_in(pid_file) or 0
+        ex.kill()  # a cancel, a max duration, a memory limit
+        with contextlib.suppress(ExecutorFailure):
+            await run
+        assert await _gone_within(child, 5)
+        return child
+    finally:
+        ex.kill()
+
+
+def test_killing_an_executor_kills_what_its_task_started(tmp_path: Path) -> None:
+    import uvloop
+
+    pid_file = tmp_path / "pid"
+    try:
+        uvloop.run(asyncio.wait_for(_subprocess_killed(pid_file), 30))
+    finally:
+        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+async def _many_calls_at_once() -> None:
+    from supervisor.executor import MAX_OPEN_CALLS
+
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        loop = asyncio.get_running_loop()
+        open_calls: set[int] = set()
+        most = 0
+
+        def answer(call_id: int) -> None:
+            open_calls.discard(call_id)
+            ex.reply(call_id, {})
+
+        def on_call(msg: dict[str, Any]) -> None:  # the supervisor answers each a little later
+            nonlocal most
+            open_calls.add(msg["id"])
+            most = max(most, len(open_calls))
+            loop.call_later(0.005, answer, msg["id"])
+
+        out = await ex.run(_run("steps-at-once", {"n": 60}), max_duration_s=60, memory_mb=None, on_call=on_call)
+        assert out == {"ok": True, "output": list(range(60))}
+        assert most == MAX_OPEN_CALLS  # the others waited in the executor's pipe
+        out = await ex.run(_run("big-output", {"size": 2}), max_duration_s=60, memory_mb=None)
+        assert out == {"ok": True, "output": "oo"}  # the next run reads its pipe as ever
+    finally:
+        ex.stop()
+
+
+def test_a_run_has_at_most_a_few_calls_open_at_once() -> None:
+    """A task asking thousands of steps at once must not queue them all in the supervisor, ahead of
+    every other run's requests to the engine: the rest wait in its own pipe."""
+    import uvloop
+
+    uvloop.run(asyncio.wait_for(_many_calls_at_once(), 30))

@@ -221,6 +221,45 @@ async def test_a_wait_refused_after_an_unanswered_try_that_got_through_is_taken_
     assert (await sup2._wait(RunState("run_1", "snapshot_1"), Executor(), other))["duplicate"]  # type: ignore[index]
 
 
+async def test_a_wait_refused_after_a_lost_answer_is_not_taken_as_ours_once_the_run_was_restored() -> None:
+    """The lost try got through, then the run was suspended and restored on another executor
+    (EXECUTING again, same attempt, its snapshot carrying the checkpoint it restores): that
+    execution is the run's, and this one stops (a duplicate). Continued in place (no checkpoint),
+    the wait's outcome is taken as the answer."""
+    from run_engine.batching import Batcher
+    from supervisor.supervisor import RunState
+
+    async def after_lost_answer(latest: dict[str, Any]) -> dict[str, Any] | None:
+        sup, _ = supervisor([Reply(503, None, "lost"), Reply(200, {"results": [
+            {"ok": False, "status": 409, "error": {"message": "stale"}}]}, "")])
+        sup._waits = Batcher(sup._wait_many, max_batch=100)
+        sup.config = SupervisorConfig(api_url="http://x", token="t", tasks_module="m", suspend_after_s=0)
+
+        class Http:
+            async def get(self, path: str) -> Reply:
+                if "/journal" in path:
+                    return Reply(200, {"journal": [{"sequence": 3, "kind": "token", "key": "waitpoint_1",
+                                                    "resolved": True, "result": {"ok": True, "output": 1},
+                                                    "waitpointId": "waitpoint_1"}]}, "")
+                return Reply(200, {"snapshot": latest}, "")
+
+        class Executor:
+            def suspend(self) -> None:
+                raise AssertionError("not suspended: the run executes")
+
+        sup.http = Http()  # type: ignore[assignment]
+        sup.pool.not_returning = lambda executor: None  # type: ignore[method-assign]
+        state = RunState("run_1", "snapshot_1", attempt=1)
+        return await sup._wait(state, Executor(), {"op": "wait", "sequence": 3, "kind": "token",
+                                                   "waitpointId": "waitpoint_1"})
+
+    restored = {"id": "snapshot_9", "executionStatus": "EXECUTING", "attemptNumber": 1,
+                "checkpointId": "checkpoint_1", "previousSnapshotId": "snapshot_8"}
+    assert (await after_lost_answer(restored) or {}).get("duplicate") is True
+    in_place = {**restored, "checkpointId": None, "previousSnapshotId": "snapshot_2"}
+    assert await after_lost_answer(in_place) == {"result": {"ok": True, "output": 1}}
+
+
 async def test_connect_is_repeated_while_the_engine_cannot_serve_and_not_when_it_refuses() -> None:
     """A 503 (the engine's Redis or PostgreSQL away for a moment) does not end the supervisor: the
     connect is repeated like an unreachable engine; a refusal (400) ends it at once."""
@@ -237,3 +276,25 @@ async def test_connect_is_repeated_while_the_engine_cannot_serve_and_not_when_it
     with pytest.raises(SystemExit, match="connect failed: 400"):
         await refused.connect()
     assert calls == ["/connect"]
+
+
+async def test_a_heartbeat_the_engine_did_not_answer_is_tried_again_soon(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Refused for load (429) or lost, a heartbeat is tried again after HEARTBEAT_RETRY_S, not a whole
+    interval later: three intervals missed, the run would be taken for stalled and run twice."""
+    import asyncio
+
+    import supervisor.supervisor as module
+    from supervisor.supervisor import HEARTBEAT_RETRY_S, RunState
+
+    sup, calls = supervisor([Reply(429, None, "busy"), OSError("lost"), Reply(200, {}, ""),
+                             Reply(200, {}, ""), Reply(409, {"error": {"latestSnapshot": {
+                                 "executionStatus": "FINISHED"}}}, "")])
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(module.asyncio, "sleep", sleep)
+    await asyncio.wait_for(sup._run_heartbeats(RunState("run_1", "snapshot_1"), None), 5)
+    interval = sup.config.heartbeat_interval_s
+    assert slept == [HEARTBEAT_RETRY_S, HEARTBEAT_RETRY_S, interval, interval] and len(calls) == 5
