@@ -49,7 +49,7 @@ async def connect(request: Request) -> Response:
     ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, ConnectBody)
-    await ctx.engine.connect_worker_instance(group.id, req.workerInstanceName, req.concurrency)
+    await ctx.engine.connect_worker_instance(group.id, _instance_name(group, req.workerInstanceName), req.concurrency)
     # the content hash is over the declaration as the worker sent it: the same declaration is
     # the same deployment, whatever the engine makes of it
     tasks = [t.model_dump(exclude_none=True) for t in req.deployment.tasks]
@@ -72,11 +72,19 @@ async def heartbeat(request: Request) -> Response:
     ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, WorkerHeartbeatBody)
+    name = _instance_name(group, req.workerInstanceName)
     if req.stopping:
-        ctx.wakeups.release(f"{group.id}/{req.workerInstanceName}", group.id)
-    if not await ctx.engine.touch_worker_instance(group.id, req.workerInstanceName):
-        await ctx.engine.connect_worker_instance(group.id, req.workerInstanceName)
+        ctx.wakeups.release(f"{group.id}/{name}", group.id)
+    if not await ctx.engine.touch_worker_instance(group.id, name):
+        await ctx.engine.connect_worker_instance(group.id, name)
     return json_response({"ok": True})
+
+
+def _instance_name(group: WorkerGroup, name: str) -> str:
+    """A worker instance's name in its group: a token of one environment names its own instances
+    only (``<environment id>/<name>``), so that it can neither end another supervisor's long-poll
+    (``stopping``) nor change what the group shows of it."""
+    return f"{group.scoped_env_id}/{name}" if group.scoped_env_id else name
 
 
 def _run_payload(ctx: ApiContext, run: RunRow, snapshot: Any, token: str | None = None) -> dict[str, Any]:
@@ -105,8 +113,9 @@ async def dequeue(request: Request) -> Response:
         environments = [scoped]
     began = time.monotonic()
     deadline = began + req.waitMs / 1000
-    instance = f"{group.id}/{req.workerInstanceName}"
-    got = await ctx.engine.dequeue(group.id, req.maxRuns, req.workerInstanceName, environments,
+    worker_name = None if req.workerInstanceName is None else _instance_name(group, req.workerInstanceName)
+    instance = f"{group.id}/{worker_name}"
+    got = await ctx.engine.dequeue(group.id, req.maxRuns, worker_name, environments,
                                    req.deployments or (), start=req.startAttempts)
     if not got and req.waitMs:
         with ctx.hold("long-polls", worker_bucket(group)):
@@ -124,7 +133,7 @@ async def dequeue(request: Request) -> Response:
                     break  # this server is stopping: answer now rather than be cut off mid-poll
                 if ctx.wakeups.released(instance, since=began) or await request.is_disconnected():
                     break  # the worker is stopping or gone: runs handed out now would wait for a timeout
-                got = await ctx.engine.dequeue(group.id, req.maxRuns, req.workerInstanceName, environments,
+                got = await ctx.engine.dequeue(group.id, req.maxRuns, worker_name, environments,
                                                req.deployments or (), start=req.startAttempts)
     for d in got:
         ctx.remember_run_group(d.run.id, group.id, d.run.env_id)

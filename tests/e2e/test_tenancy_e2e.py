@@ -76,6 +76,34 @@ def test_a_supervisor_narrowed_to_dev_never_takes_production_runs(stack: Stack) 
         assert w.get(f"{W}/runs/{dev_runs[0]}/snapshots/latest").status_code == 200
 
 
+def test_an_environment_token_cannot_end_another_supervisors_long_poll(stack: Stack) -> None:
+    """``heartbeat {stopping: true}`` ends the open long-poll of the instance it names: a token of one
+    environment names its own instances only, never those of the group's other supervisors."""
+    import concurrent.futures
+
+    dev = _bootstrap(stack, "instances", "dev")
+    prod = _bootstrap(stack, "instances", "prod")
+
+    def stop_while_polled(stopper: str, wait_ms: int) -> float:
+        """How long dev's long-poll of ``wait_ms`` lasts while ``stopper`` says dev-sup stops, again
+        and again (the first may come before the long-poll is open)."""
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, _client(stack, stopper) as s, \
+                _client(stack, dev["environmentWorkerGroupToken"]) as w:
+            began = time.monotonic()
+            polled = pool.submit(w.post, f"{W}/dequeue", json={"maxRuns": 1, "waitMs": wait_ms,
+                                                               "workerInstanceName": "dev-sup"})
+            while not polled.done():
+                r = s.post(f"{W}/heartbeat", json={"workerInstanceName": "dev-sup", "stopping": True})
+                assert r.status_code == 200, r.text
+                assert time.monotonic() - began < 30
+                time.sleep(0.2)
+            assert polled.result().status_code == 200 and polled.result().json()["runs"] == []
+            return time.monotonic() - began
+
+    assert stop_while_polled(prod["environmentWorkerGroupToken"], 3000) >= 2.5  # ran its course
+    assert stop_while_polled(dev["environmentWorkerGroupToken"], 20000) < 10  # its own token ends it
+
+
 def test_a_batch_cannot_name_another_tenants_run_as_parent(stack: Stack) -> None:
     victim = stack.project("parent-victim")
     attacker = stack.project("parent-attacker")
