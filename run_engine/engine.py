@@ -21,7 +21,7 @@ from run_engine.db.repository import Repository
 from run_engine.db.runs import PAGE_BYTES, BatchView, RunPackets, RunRow, ShapeRead, Snapshot
 from run_engine.db.schedules import Schedule
 from run_engine.db.tenancy import Environment, GroupListing, WorkerGroup, WorkerView
-from run_engine.db.waitpoints import BatchRecord, JournalEntry, Waitpoint
+from run_engine.db.waitpoints import BatchRecord, JournalEntry, JournalPage, Waitpoint
 from run_engine.errors import NotFoundError
 from run_engine.events import EventBus, RunEvent
 from run_engine.ids import new_id
@@ -43,14 +43,14 @@ from systems.registry import Systems
 from systems.resources import SystemResources
 from systems.run_attempt import AttemptOutcome, StartedAttempt
 from systems.waiting_for_worker import Deployed
-from systems.waitpoints import BlockOutcome, WaitpointsSystem, is_batch_entry
+from systems.waitpoints import BlockOutcome, ResolvedJournal, WaitpointsSystem, is_batch_entry
 
 __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt",
            "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
            "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
            "GroupListing", "RunPackets", "UploadedPacket", "BatchRecord", "ShapeRead", "PACKET_TTL_S",
-           "PACKET_BYTES_PER_ENV", "is_batch_entry"]
+           "PACKET_BYTES_PER_ENV", "is_batch_entry", "JournalPage", "ResolvedJournal"]
 
 #: how long a packet uploaded for a trigger is kept (the trigger reads it at once; a retried one later)
 PACKET_TTL_S = 3600.0
@@ -424,10 +424,12 @@ class RunEngine:
         """The pending waitpoints a run waits on."""
         return await self.resources.repo.waitpoints.blocking(run_id)
 
-    async def journal(self, run_id: str, from_sequence: int = 0) -> list[JournalEntry]:
+    async def journal(self, run_id: str, from_sequence: int = 0) -> JournalPage:
+        """A page of the run's journal as stored (see :func:`run_engine.db.runs.journal_page`)."""
         return await self.resources.repo.waitpoints.journal(run_id, from_sequence)
 
-    async def resolved_journal(self, run_id: str, from_sequence: int = 0) -> list[dict[str, Any]]:
+    async def resolved_journal(self, run_id: str, from_sequence: int = 0) -> ResolvedJournal:
+        """A page of the run's journal as a replay reads it, and where the next page starts."""
         return await self.systems.waitpoints.resolved_journal(run_id, from_sequence)
 
     async def append_journal(self, run_id: str, snapshot_id: str, sequence: int, kind: str, key: str,

@@ -76,7 +76,7 @@ async def _run_one(msg: dict[str, Any], channel: Channel) -> dict[str, Any]:
                   task=TaskInfo(task.id), queue=QueueInfo(msg.get("queue", ""))) if task.wants_ctx else None
     # this task is what a suspension cancels; the task's code runs in it (and in its context)
     channel.begin(asyncio.current_task())
-    token = runtime.activate(runtime.Runtime(channel, msg.get("journal") or []))
+    token = runtime.activate(runtime.Runtime(channel, msg.get("journal") or [], msg.get("journalNext")))
     try:
         output = await task.execute(msg["payload"], ctx)
     except asyncio.CancelledError:

@@ -445,7 +445,7 @@ class Supervisor:
         msg = {"type": "run", "runId": run_id, "task": started["run"]["taskIdentifier"],
                "payload": started["payload"], "attempt": started["attemptNumber"], "tags": started["run"]["tags"],
                "queue": started["run"]["queue"], "runToken": started["runToken"], "apiUrl": self.config.api_url,
-               "journal": started.get("journal") or []}
+               "journal": started.get("journal") or [], "journalNext": started.get("journalNext")}
         try:
             executor = await self.pool.acquire()
         except Exception as exc:
@@ -563,6 +563,11 @@ class Supervisor:
         try:
             if msg["op"] == "journal":
                 executor.reply(msg["id"], await self._journal(state, msg))
+            elif msg["op"] == "journal_page":  # the replay got past the journal's first page
+                page = await self._get_until_answered(f"/runs/{state.run_id}/journal?from={int(msg['sequence'])}")
+                executor.reply(msg["id"], self._answer(page, {"journal": page.data.get("journal", []),
+                                                              "next": page.data.get("next")}
+                                                       if page.status == 200 else {}))
             elif msg["op"] == "wait":
                 answer = await self._wait(state, executor, msg)
                 if answer is not None:

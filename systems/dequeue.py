@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from run_engine.batching import is_committed
 from run_engine.db.runs import DequeueStart, RunRow, Snapshot, Transition, TransitionResult
-from run_engine.db.waitpoints import journal_entry
+from run_engine.db.waitpoints import journal_page_of
 from run_engine.dependencies import log_failure, unavailable_dependency
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
@@ -123,7 +123,7 @@ class DequeueSystem:
                     attempt, c, s = await self.run_attempt.attempt_started(
                         started.run, started.snapshot, result.snapshot.id, pending_job=False,
                         journal=None if journal is None else await self.waitpoints.resolve_journal(
-                            [journal_entry(e) for e in journal]))
+                            journal_page_of(journal)))
                 except Exception:
                     # Committed: the run is EXECUTING, but what its worker needs could not be
                     # worked out (its policy, its journal). It is not handed out, and the other runs

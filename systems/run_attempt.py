@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from systems.dead_letter import DeadLetterSystem
     from systems.enqueue import EnqueueSystem
     from systems.execution_snapshot import ExecutionSnapshotSystem
-    from systems.waitpoints import WaitpointsSystem
+    from systems.waitpoints import ResolvedJournal, WaitpointsSystem
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ class StartedAttempt:
     retry: RetryPolicy
     max_duration_s: int | None = None
     machine: str | None = None  # the machine preset the attempt runs on (None: the supervisor's default)
-    # the resolved journal of a run restored or retried, when the dequeue read it with the start
-    # (None: not read; ask WaitpointsSystem.resolved_journal)
-    journal: list[dict[str, Any]] | None = None
+    # the resolved journal (its first page) of a run restored or retried, when the dequeue read it
+    # with the start (None: not read; ask WaitpointsSystem.resolved_journal)
+    journal: ResolvedJournal | None = None
 
 
 @record
@@ -130,7 +130,7 @@ class RunAttemptSystem:
                 "resume_checkpoint": True}
 
     async def attempt_started(self, run: RunRow, snapshot: Snapshot, pending_snapshot_id: str, *, pending_job: bool,
-                              journal: list[dict[str, Any]] | None = None,
+                              journal: ResolvedJournal | None = None,
                               ) -> tuple[StartedAttempt, list[str], list[engine_jobs.JobSpec]]:
         """What a start applied means: the attempt, and the engine jobs to cancel and schedule
         (the pending snapshot's heartbeat job when ``pending_job``, the TTL; the new heartbeat, the

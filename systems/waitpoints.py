@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 from run_engine.batching import Batcher
 from run_engine.db.runs import RunRow, Snapshot, TransitionResult
-from run_engine.db.waitpoints import RESULTS_BYTES, BlockWrite, Completion, JournalEntry, NewWaitpoint, Waitpoint
+from run_engine.db.waitpoints import (
+    RESULTS_BYTES,
+    BlockWrite,
+    Completion,
+    JournalEntry,
+    JournalPage,
+    NewWaitpoint,
+    Waitpoint,
+)
 from run_engine.dependencies import log_failure
 from run_engine.errors import (
     ConflictError,
@@ -70,6 +78,14 @@ def is_batch_entry(result: Any) -> bool:
 
 
 TOKEN_TIMEOUT_ERROR = {"type": "WAITPOINT_TIMEOUT", "message": "The token timed out before it was completed"}
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedJournal:
+    """A page of a journal as a replay reads it, and the sequence of the next page (None: no more)."""
+
+    entries: list[dict[str, Any]]
+    next: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +140,7 @@ class WaitpointsSystem:
         # The waitpoints a wait names and the journals restored runs replay, for many runs at once
         self._gets: Batcher[str, Waitpoint | None] = Batcher(self._get_batch, max_batch=500)
         self._creates: Batcher[NewWaitpoint, Waitpoint] = Batcher(self._create_batch, max_batch=500)
-        self._journals: Batcher[tuple[str, int], list[JournalEntry]] = Batcher(self._journal_batch, max_batch=200)
+        self._journals: Batcher[tuple[str, int], JournalPage] = Batcher(self._journal_batch, max_batch=200)
 
     def _at(self, seconds_from_now: float) -> datetime:
         return datetime.fromtimestamp(self.r.clock.now() + seconds_from_now, UTC)
@@ -135,7 +151,7 @@ class WaitpointsSystem:
         wp = await self._gets.submit(waitpoint_id)
         return wp if wp is not None and env_id in (None, wp.env_id) else None
 
-    async def _journal_batch(self, wanted: list[tuple[str, int]]) -> list[list[JournalEntry]]:
+    async def _journal_batch(self, wanted: list[tuple[str, int]]) -> list[JournalPage]:
         return await self.wp.journals(wanted)
 
     async def _get_batch(self, ids: list[str]) -> list[Waitpoint | None]:
@@ -564,7 +580,7 @@ class WaitpointsSystem:
         for a batch), journaled at ``sequence``. A replay of the same call re-blocks on the
         children it created the first time instead of creating new ones. ``suspend``: as for
         :meth:`block`."""
-        journal = {e.sequence: e for e in await self.wp.journal(parent.id, sequence)}
+        journal = {e.sequence: e for e in (await self.wp.journal(parent.id, sequence)).entries}
         kind = "batch" if batch else "child"
         existing = journal.get(sequence)
         if existing is not None:
@@ -708,13 +724,24 @@ class WaitpointsSystem:
         if existing is not None:
             raise DuplicateExecutionError(run_id, sequence)
 
-    async def resolved_journal(self, run_id: str, from_sequence: int = 0) -> list[dict[str, Any]]:
-        """The run's journal with each wait's outcome filled in (``resolved`` False while pending)."""
+    async def resolved_journal(self, run_id: str, from_sequence: int = 0) -> ResolvedJournal:
+        """A page of the run's journal from ``from_sequence``, each wait's outcome filled in
+        (``resolved`` False while pending), and where the next page starts (None: no more)."""
         return await self.resolve_journal(await self._journals.submit((run_id, from_sequence)))
 
-    async def resolve_journal(self, entries: Sequence[JournalEntry]) -> list[dict[str, Any]]:
+    async def resolve_journal(self, page: JournalPage) -> ResolvedJournal:
         """Journal entries (with their waitpoints' state) as a replay reads them: each wait's
-        outcome filled in, ``resolved`` False while it is pending."""
+        outcome filled in, ``resolved`` False while it is pending. A batch wait's results (up to
+        RESULTS_BYTES of its runs' outputs) end the page: it holds one at most, beside entries
+        within JOURNAL_PAGE_BYTES."""
+        entries, following = page.entries, page.next
+        for i, e in enumerate(entries):
+            if e.kind == "batch" and e.waitpoint_status == "COMPLETED":
+                if i > 0:  # on the next page, alone
+                    entries, following = entries[:i], e.sequence
+                elif i + 1 < len(entries):
+                    entries, following = entries[:1], entries[1].sequence
+                break
         batches = [batch_runs(e.result) for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"]
         runs, over = await self.wp.run_results(batches, RESULTS_BYTES) if batches else ({}, set())
         out = []
@@ -744,10 +771,10 @@ class WaitpointsSystem:
                                                              "message": "the batch item's run was never created"}}
                     for rid in batch_runs(e.result)])
             out.append(item)
-        return out
+        return ResolvedJournal(out, following)
 
     async def resolved_entry(self, run_id: str, sequence: int) -> dict[str, Any] | None:
-        entries = await self.resolved_journal(run_id, sequence)
+        entries = (await self.resolved_journal(run_id, sequence)).entries
         return entries[0] if entries and entries[0]["sequence"] == sequence else None
 
     # --- the sweeper --------------------------------------------------------------------------

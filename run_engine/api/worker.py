@@ -37,7 +37,7 @@ from run_engine.api.models import (
 )
 from run_engine.api.openapi import Query, operation
 from run_engine.api.serialize import run_object, snapshot_object
-from run_engine.engine import RunRow, StartedAttempt, Waitpoint, WorkerGroup, is_batch_entry
+from run_engine.engine import ResolvedJournal, RunRow, StartedAttempt, Waitpoint, WorkerGroup, is_batch_entry
 from run_engine.errors import StaleSnapshotError
 
 PREFIX = "/engine/v1/worker-actions"
@@ -224,14 +224,22 @@ async def _attempt(ctx: ApiContext, started: StartedAttempt) -> dict[str, Any]:
         "run": run_object(r), "snapshot": snapshot_object(started.snapshot), "attemptNumber": started.attempt_number,
         "payload": r.payload, "machine": started.machine or "small-1x",
         # a first attempt has nothing journaled yet: no query on the hot path; a dequeue that
-        # started a restored run read its journal in the same statement
-        "journal": started.journal if started.journal is not None else (
+        # started a restored run read its journal's first page in the same statement
+        **_journal_fields(started.journal if started.journal is not None else (
             await ctx.engine.resolved_journal(r.id) if started.snapshot.checkpoint_id or started.attempt_number > 1
-            else []),
+            else None)),
         "maxDuration": started.max_duration_s, "retry": started.retry.to_json(),
         "runToken": ctx.tokens.mint(r.id, started.attempt_number,
                                     int(ctx.engine.now()) + ctx.run_token_ttl_s),
     }
+
+
+def _journal_fields(page: ResolvedJournal | None) -> dict[str, Any]:
+    """``journal`` (a page of it) and, when more follow, ``journalNext``: the sequence the executor
+    asks for (``GET …/journal?from=``) once its replay gets there."""
+    if page is None:
+        return {"journal": []}
+    return {"journal": page.entries, **({"journalNext": page.next} if page.next is not None else {})}
 
 
 #: an attempt's error message and stack trace are kept to this many characters, its type, name and
@@ -435,7 +443,7 @@ async def _wait_on(ctx: ApiContext, run_id: str, env_id: str, snapshot_id: str, 
         raise ApiError(404, "not_found", "waitpoint not found")
     entry = None
     if req.kind in ("child", "batch"):  # a replay re-blocking on its children: keep the journaled ids
-        entries = await ctx.engine.journal(run_id, req.sequence)
+        entries = (await ctx.engine.journal(run_id, req.sequence)).entries
         entry = entries[0].result if entries and entries[0].sequence == req.sequence else None
     if req.kind == "batch" and (wp.type != "BATCH" or not is_batch_entry(entry)):
         # only a replay waits on a batch this way: its journal entry names the batch's runs, which
@@ -499,7 +507,8 @@ async def get_journal(request: Request) -> Response:
     raw = request.query_params.get("from", "0")
     if not is_number(raw):
         raise ApiError(400, "invalid_input", "from: must be a non-negative integer")
-    return json_response({"journal": await ctx.engine.resolved_journal(run_id, int(raw))})
+    page = await ctx.engine.resolved_journal(run_id, int(raw))
+    return json_response({"journal": page.entries, **({"next": page.next} if page.next is not None else {})})
 
 
 ROUTES = [

@@ -111,7 +111,9 @@ async def _run_context(dash: Dash, run: RunRow) -> dict[str, Any]:
     return {
         "title": f"Run {run.id}", "run": run_object(run), "row": run, "final": status in FINAL_RUN_STATUSES,
         "delayed": status == RunStatus.DELAYED, "snapshots": snapshots[-500:], "hidden": max(0, len(snapshots) - 500),
-        "attempts": _attempts(snapshots), "journal": await engine.journal(run.id),
+        # its first page (what one read of a journal holds at most): the entries after it are counted
+        "attempts": _attempts(snapshots), "journal": (journal := await engine.journal(run.id)).entries,
+        "journal_more": journal.next is not None,
         "blocking": await engine.blocking_waitpoints(run.id), "children": await engine.child_runs(run.id),
         "explanation": explanation,
     }

@@ -157,6 +157,38 @@ class TransitionResult:
 
 
 #: each input row's latest valid snapshot as ``l`` (the input aliased ``i``)
+#: a journal read returns its entries up to this many bytes of results and outputs (the entry that
+#: passes it included: at least one) and this many entries; the executor asks for the rest when its
+#: replay gets there (JOURNAL_PAGE)
+JOURNAL_PAGE_BYTES = 16 * 1024 * 1024
+JOURNAL_PAGE_ENTRIES = 1000
+
+
+def journal_page(run_id: str, from_seq: str) -> str:
+    """The entries of a journal page (a lateral subquery: ``run_id`` and ``from_seq`` are SQL of the
+    outer row): the first JOURNAL_PAGE_ENTRIES + 1 entries from ``from_seq``, each with its
+    waitpoint's state, ``delivered`` for those in the page (the entries before it took less than
+    JOURNAL_PAGE_BYTES), and their result and output for those only: an entry past the page is
+    never read whole. Sizes are those recorded when the value was written; one written before
+    they were recorded is measured."""
+    size = ("coalesce(j.result_bytes, octet_length(j.result::text), 0)"
+            " + coalesce(w.output_bytes, octet_length(w.output::text), 0)")
+    return f"""(
+    SELECT p.sequence, p.kind, p.key, CASE WHEN p.delivered THEN p.result END AS result, p.waitpoint_id,
+           p.waitpoint_status, CASE WHEN p.delivered THEN p.waitpoint_output END AS waitpoint_output,
+           p.waitpoint_output_is_error, p.delivered
+    FROM (
+        SELECT j.sequence, j.kind, j.key, j.result, j.waitpoint_id, w.status AS waitpoint_status,
+               w.output AS waitpoint_output, coalesce(w.output_is_error, false) AS waitpoint_output_is_error,
+               row_number() OVER (ORDER BY j.sequence) <= {JOURNAL_PAGE_ENTRIES}
+               AND coalesce(sum({size}) OVER (ORDER BY j.sequence ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING),
+                            0) < {JOURNAL_PAGE_BYTES} AS delivered
+        FROM (SELECT * FROM task_run_journal j WHERE j.run_id = {run_id} AND j.sequence >= {from_seq}
+              ORDER BY j.sequence LIMIT {JOURNAL_PAGE_ENTRIES + 1}) j
+        LEFT JOIN waitpoint w ON w.id = j.waitpoint_id
+    ) p)"""
+
+
 LATEST_OF_INPUT = """    LEFT JOIN LATERAL (
         SELECT s.id, s.engine_status, s.attempt_number, s.checkpoint_id
         FROM task_run_execution_snapshot s
@@ -294,12 +326,9 @@ SELECT l.run_id AS t_run_id, l.latest_id AS t_latest_id, l.latest_status AS t_la
        (p.id IS NULL AND EXISTS (SELECT 1 FROM allowed a WHERE a.ord = l.ord)) AS t_conflict,
        -- a run restored from its checkpoint, or retried, replays its journal: each entry with its
        -- waitpoint's state (what WaitpointRepository.journals reads), in the same round trip
+       -- (its first page: the executor asks for the rest when its replay gets there)
        CASE WHEN e.id IS NOT NULL AND (e.checkpoint_id IS NOT NULL OR e.attempt_number > 1) THEN coalesce((
-           SELECT jsonb_agg(jsonb_build_object(
-               'sequence', j.sequence, 'kind', j.kind, 'key', j.key, 'result', j.result,
-               'waitpoint_id', j.waitpoint_id, 'waitpoint_status', w.status, 'waitpoint_output', w.output,
-               'waitpoint_output_is_error', coalesce(w.output_is_error, false)) ORDER BY j.sequence)
-           FROM task_run_journal j LEFT JOIN waitpoint w ON w.id = j.waitpoint_id WHERE j.run_id = l.run_id),
+           SELECT jsonb_agg(to_jsonb(j) ORDER BY j.sequence) FROM """ + journal_page("l.run_id", "0") + """ j),
            '[]'::jsonb) END AS t_journal,
        -- read back by position (HEAD, then each block: rows.from_slice)
        """ + select_as("p", Snapshot, "p") + """,

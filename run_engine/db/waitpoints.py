@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+import orjson
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
@@ -23,6 +24,7 @@ from run_engine.db.runs import (
     RunRow,
     Snapshot,
     TransitionResult,
+    journal_page,
     page_walk,
     transition_result,
     walked_page,
@@ -77,6 +79,29 @@ class JournalEntry:
     waitpoint_status: str | None = None
     waitpoint_output: Any = None
     waitpoint_output_is_error: bool = False
+
+
+@record
+class JournalPage:
+    """Entries of a journal in order, and the sequence of the first one past them (None: no more)."""
+
+    entries: list[JournalEntry]
+    next: int | None = None
+
+
+def journal_page_of(rows: Sequence[dict[str, Any]]) -> JournalPage:
+    """The page that rows of :func:`journal_page` (or their JSON objects) make."""
+    entries: list[JournalEntry] = []
+    for row in rows:
+        if not row.get("delivered", True):
+            return JournalPage(entries, int(row["sequence"]))
+        entries.append(journal_entry(row))
+    return JournalPage(entries)
+
+
+def json_bytes(value: Any) -> int:
+    """What ``value`` takes as JSON text (what a journal page counts it for)."""
+    return 0 if value is None else len(orjson.dumps(value))
 
 
 def journal_entry(row: dict[str, Any]) -> JournalEntry:
@@ -181,7 +206,8 @@ WITH input AS (
         SELECT w.id FROM waitpoint w WHERE i.id IS NULL AND w.completed_by_run_id = i.run_id AND w.type = 'RUN') x
     ORDER BY x.id, i.ord
 )
-UPDATE waitpoint w SET status = 'COMPLETED', completed_at = now(), output = t.output, output_is_error = t.is_error
+UPDATE waitpoint w SET status = 'COMPLETED', completed_at = now(), output = t.output, output_is_error = t.is_error,
+    output_bytes = octet_length(t.output::text)  -- what a journal page counts it for (never measured again)
 FROM targets t
 WHERE w.id = ANY(ARRAY(SELECT id FROM targets)) AND w.id = t.id
   AND CASE WHEN w.status = 'PENDING' THEN true ELSE false END
@@ -288,13 +314,10 @@ RESULTS_BYTES = 64 * 1024 * 1024
 _SEQUENCE_MAX = 2**31 - 1  # task_run_journal.sequence is an integer
 
 _JOURNALS = """
--- the journal of each input run from its sequence on, each wait with its waitpoint's state
-SELECT i.ord, j.sequence, j.kind, j.key, j.result, j.waitpoint_id,
-       w.status AS waitpoint_status, w.output AS waitpoint_output,
-       coalesce(w.output_is_error, false) AS waitpoint_output_is_error
+-- a page of the journal of each input run from its sequence on, each wait with its waitpoint's state
+SELECT i.ord, j.*
 FROM unnest(%(runs)s::text[], %(froms)s::int[]) WITH ORDINALITY AS i(run_id, from_seq, ord)
-JOIN task_run_journal j ON j.run_id = i.run_id AND j.sequence >= i.from_seq
-LEFT JOIN waitpoint w ON w.id = j.waitpoint_id
+CROSS JOIN LATERAL """ + journal_page("i.run_id", "i.from_seq") + """ j
 ORDER BY i.ord, j.sequence
 """
 
@@ -410,8 +433,9 @@ WITH given AS (
     -- and joins them by a nested loop, n^2 rows read (see runs.py's _TRANSITION_SQL)
     SELECT coalesce(jsonb_object_agg(run_id, jsonb_build_array(id, attempt_number)), '{}') AS m FROM snap
 ), journal AS (
-    INSERT INTO task_run_journal (run_id, sequence, kind, key, result, waitpoint_id)
-    SELECT p.run_id, p.seq, p.kind, p.key, p.result, p.wp FROM pending p CROSS JOIN blocked b
+    INSERT INTO task_run_journal (run_id, sequence, kind, key, result, waitpoint_id, result_bytes)
+    SELECT p.run_id, p.seq, p.kind, p.key, p.result, p.wp, coalesce(octet_length(p.result::text), 0)
+    FROM pending p CROSS JOIN blocked b
     WHERE NOT EXISTS (SELECT 1 FROM existing e WHERE e.run_id = p.run_id) AND (p.n = 0 OR b.m ? p.run_id)
     ON CONFLICT DO NOTHING RETURNING run_id
 ), blocking AS (
@@ -627,8 +651,9 @@ class WaitpointRepository:
         """After a child's idempotency key returned an existing run: the journal entry (and the RUN
         waitpoint, or the batch's size) name what the parent really waits on. One transaction."""
         async with self.pool.connection() as conn, conn.transaction():
-            await conn.execute("UPDATE task_run_journal SET key = %s, result = %s WHERE run_id = %s AND sequence = %s",
-                               (key, Jsonb(result), run_id, sequence))
+            await conn.execute("UPDATE task_run_journal SET key = %s, result = %s, result_bytes = %s"
+                               " WHERE run_id = %s AND sequence = %s",
+                               (key, Jsonb(result), json_bytes(result), run_id, sequence))
             if waitpoint_id is not None:
                 await conn.execute("UPDATE waitpoint SET completed_by_run_id = %s WHERE id = %s AND status = 'PENDING'",
                                    (key, waitpoint_id))
@@ -703,9 +728,10 @@ class WaitpointRepository:
     @staticmethod
     async def _insert_journal(cur: Any, run_id: str, entry: JournalEntry) -> JournalEntry | None:
         await cur.execute(
-            """INSERT INTO task_run_journal (run_id, sequence, kind, key, result, waitpoint_id)
-               VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING sequence""",
-            (run_id, entry.sequence, entry.kind, entry.key, Jsonb(entry.result), entry.waitpoint_id))
+            """INSERT INTO task_run_journal (run_id, sequence, kind, key, result, waitpoint_id, result_bytes)
+               VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING sequence""",
+            (run_id, entry.sequence, entry.kind, entry.key, Jsonb(entry.result), entry.waitpoint_id,
+             json_bytes(entry.result)))
         if await cur.fetchone() is not None:
             return None
         await cur.execute("SELECT * FROM task_run_journal WHERE run_id = %s AND sequence = %s",
@@ -718,20 +744,21 @@ class WaitpointRepository:
         async with self.pool.connection() as conn, conn.transaction():
             return await self._insert_journal(conn.cursor(row_factory=dict_row), run_id, entry)
 
-    async def journal(self, run_id: str, from_sequence: int = 0) -> list[JournalEntry]:
+    async def journal(self, run_id: str, from_sequence: int = 0) -> JournalPage:
         return (await self.journals([(run_id, from_sequence)]))[0]
 
-    async def journals(self, wanted: Sequence[tuple[str, int]]) -> list[list[JournalEntry]]:
-        """The journal of each (run id, from sequence), with each wait's waitpoint: one query."""
+    async def journals(self, wanted: Sequence[tuple[str, int]]) -> list[JournalPage]:
+        """A page of the journal of each (run id, from sequence), with each wait's waitpoint: one
+        query (see :func:`journal_page`)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             # (a sequence is an integer column: a start past its range finds nothing, as it should)
             await cur.execute(_JOURNALS, {"runs": [r for r, _ in wanted],
                                           "froms": [max(0, min(f, _SEQUENCE_MAX)) for _, f in wanted]})
-            found: dict[int, list[JournalEntry]] = {}
+            found: dict[int, list[dict[str, Any]]] = {}
             for row in await cur.fetchall():
-                found.setdefault(row.pop("ord"), []).append(journal_entry(row))
-        return [found.get(i, []) for i in range(1, len(wanted) + 1)]
+                found.setdefault(row.pop("ord"), []).append(row)
+        return [journal_page_of(found.get(i, [])) for i in range(1, len(wanted) + 1)]
 
     async def timed_waitpoints_page(self, after_id: str, limit: int) -> list[tuple[str, str, datetime | None,
                                                                                 datetime | None]]:

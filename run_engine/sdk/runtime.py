@@ -105,23 +105,45 @@ class Channel:
 
 
 class Runtime:
-    def __init__(self, channel: Channel, journal: list[dict[str, Any]]) -> None:
+    """A run's journaled calls in its executor: each takes the next sequence number and is replayed
+    from the run's journal when the journal holds it. The journal comes a page at a time (a page
+    holds at most 16 MiB of results): ``journal_next`` is the sequence of the first entry not
+    received yet, and the next page is asked for when the replay gets there. An entry is let go
+    once replayed: the executor holds a page of the journal at most, never all of it."""
+
+    def __init__(self, channel: Channel, journal: list[dict[str, Any]], journal_next: int | None = None) -> None:
         self.channel = channel
         self.journal = {e["sequence"]: e for e in journal}
         self._next = 0
+        self._more = journal_next
+        self._paging = asyncio.Lock()
 
-    def take(self, kind: str, key: str | None) -> tuple[int, dict[str, Any] | None]:
-        seq = self._next
+    async def take(self, kind: str, key: str | None) -> tuple[int, dict[str, Any] | None]:
+        seq = self._next  # taken before any wait: concurrent calls are numbered in the order they are made
         self._next += 1
-        entry = self.journal.get(seq)
+        if self._more is not None and seq >= self._more:
+            await self._page_up_to(seq)
+        entry = self.journal.pop(seq, None)
         if entry is not None and (entry["kind"] != kind or (key is not None and entry["key"] != key)):
             raise NonDeterminismError(
                 f"journal position {seq} holds {entry['kind']} {entry['key']!r} but the task now calls "
                 f"{kind} {key!r}: task code must make the same journaled calls in the same order")
         return seq, entry
 
+    async def _page_up_to(self, seq: int) -> None:
+        """Receive the journal's pages until the one holding ``seq`` (or its end)."""
+        async with self._paging:
+            while self._more is not None and seq >= self._more:
+                reply = await self.channel.call("journal_page", sequence=self._more)
+                entries, following = reply.get("journal") or [], reply.get("next")
+                if not entries and following == self._more:
+                    raise RuntimeError(f"the run's journal could not be read from position {self._more}")
+                for e in entries:
+                    self.journal[e["sequence"]] = e
+                self._more = following
+
     async def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        seq, entry = self.take("step", name)
+        seq, entry = await self.take("step", name)
         if entry is not None:
             return entry["result"]
         result = fn(*args, **kwargs)
@@ -137,7 +159,7 @@ class Runtime:
     async def wait(self, kind: str, **request: Any) -> Any:
         """A journaled wait: replayed when resolved, re-blocked on its waitpoint when journaled but
         still pending, else asked of the supervisor (which may suspend the run meanwhile)."""
-        seq, entry = self.take(kind, None)
+        seq, entry = await self.take(kind, None)
         if entry is not None:
             if entry["resolved"]:
                 return entry["result"]

@@ -165,6 +165,19 @@ async def steps_through_waits(payload, ctx):
     return {"steps": [a, b, c], "approval": approval.output}
 
 
+@task(id="big-journal")
+async def big_journal(payload, ctx):
+    """Steps whose results take more than a page of the journal (16 MiB), then a wait on a token:
+    restored, the replay reads the journal's later pages as it gets there."""
+    log = payload["log"]
+    sizes = []
+    for i in range(payload["steps"]):
+        result = await ctx.step(f"s{i}", lambda i=i: _note(log, f"step {i}") and f"{i}:" + "j" * payload["bytes"])
+        sizes.append([result.split(":", 1)[0], len(result)])
+    approval = await wait.for_token(payload["token"])
+    return {"sizes": sizes, "approval": approval.output}
+
+
 @task(id="maybe-fails", retry={"max_attempts": 1})
 async def maybe_fails(payload):
     if payload % 3 == 0:

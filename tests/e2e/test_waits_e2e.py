@@ -138,6 +138,29 @@ def test_steps_run_exactly_once_through_suspensions_and_replays(waiting: Stack, 
     assert run["attemptCount"] == 1
 
 
+def test_a_journal_of_more_than_a_page_is_replayed_a_page_at_a_time(waiting: Stack, tmp_path: Path) -> None:
+    """Ten steps of 2 MiB each, then a wait: restored, the run replays every step (none runs again),
+    the journal reaching its executor a page of 16 MiB at a time."""
+    log = tmp_path / "steps.log"
+    token = create_token(waiting)
+    run_id = waiting.trigger("big-journal", {"log": str(log), "steps": 10, "bytes": 2 * 1024 * 1024,
+                                            "token": token["id"]})
+    until_suspended(waiting, run_id, timeout=60)
+    with waiting.worker() as w:
+        first = w.get(f"/engine/v1/worker-actions/runs/{run_id}/journal").json()
+        assert 0 < len(first["journal"]) < 11 and first["next"] == len(first["journal"]), \
+            [len(first["journal"]), first.get("next")]
+        rest = w.get(f"/engine/v1/worker-actions/runs/{run_id}/journal", params={"from": first["next"]}).json()
+        assert [e["sequence"] for e in first["journal"] + rest["journal"]] == list(range(11)) and "next" not in rest
+    complete_token(waiting, token["id"], "yes")
+    run = waiting.wait_for(run_id, timeout=60)
+    assert run["status"] == "COMPLETED", run
+    assert run["output"] == {"sizes": [[str(i), len(f"{i}:") + 2 * 1024 * 1024] for i in range(10)],
+                             "approval": "yes"}
+    assert log.read_text().splitlines() == [f"step {i}" for i in range(10)]  # each once: replayed after
+    assert run["attemptCount"] == 1
+
+
 def test_trigger_and_wait_of_a_failing_child_does_not_raise(waiting: Stack) -> None:
     run = waiting.wait_for(waiting.trigger("waits-for-child", {"n": 3}))
     assert run["status"] == "COMPLETED", run

@@ -123,7 +123,7 @@ async def test_retention_keeps_a_completed_waitpoint_a_live_journal_names(make_e
     await h.engine.systems.reconciler.retention()
     assert await h.engine.resources.repo.waitpoints.get(loose.id) is None  # completed and unneeded: gone
     assert await h.engine.resources.repo.waitpoints.get(token.id) is not None
-    journal = await h.engine.waitpoints.resolved_journal(run.id)
+    journal = (await h.engine.waitpoints.resolved_journal(run.id)).entries
     assert journal == [{"sequence": 0, "kind": "token", "key": token.id, "resolved": True,
                         "result": {"ok": True, "output": {"approved": True}}}]
 
@@ -192,7 +192,7 @@ async def test_retention_keeps_the_children_of_a_run_not_finished_and_runs_whose
     await h.engine.cancel(keyed.id)
     await h.engine.systems.reconciler.retention()
     assert all([await h.engine.get_run(c) for c in children])  # the parent has not finished
-    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
     assert [item["output"] for item in entry["result"]] == [f"out-{c}" for c in children]
     assert await h.engine.get_run(keyed.id) is not None
     again = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="once"))

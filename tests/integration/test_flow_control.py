@@ -91,7 +91,7 @@ async def test_ttl_expires_a_run_that_did_not_start_and_resumes_its_waiting_pare
     assert out.blocked
     await h.advance(11)
     assert (await h.engine.get_run(child)).status == "EXPIRED"  # type: ignore[union-attr]
-    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
     assert entry["result"]["ok"] is False and entry["result"]["error"]["type"] == "EXPIRED"
 
 

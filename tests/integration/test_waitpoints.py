@@ -63,7 +63,7 @@ async def test_token_wait_suspends_releases_the_slot_and_resumes_by_replay(h: Ha
     assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED_EXECUTING"
     resumed = await restore(h, run.id)
     assert resumed.attempt_number == 1 and resumed.snapshot.attempt_number == 1  # same attempt, not a retry
-    journal = await h.engine.waitpoints.resolved_journal(run.id)
+    journal = (await h.engine.waitpoints.resolved_journal(run.id)).entries
     assert journal == [{"sequence": 0, "kind": "token", "key": token.id, "resolved": True,
                         "result": {"ok": True, "output": {"approved": True}}}]
     done = await h.engine.complete_attempt(run.id, resumed.snapshot.id, ok=True, output=1)
@@ -113,7 +113,7 @@ async def test_token_timeout_gives_an_error_the_task_can_inspect(h: Harness) -> 
     token, _ = await h.engine.waitpoints.create_token(h.env.env_id, timeout_s=5)
     await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id, waitpoint_ids=[token.id])
     await h.advance(6)
-    (entry,) = await h.engine.waitpoints.resolved_journal(run.id)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(run.id)).entries
     assert entry["result"]["ok"] is False and entry["result"]["error"]["type"] == "WAITPOINT_TIMEOUT"
     assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
     # a completion after the timeout changes nothing
@@ -148,7 +148,7 @@ async def test_trigger_and_wait_resumes_the_parent_with_a_failed_child(h: Harnes
     cs = await h.engine.start_attempt(child_id, d.snapshot.id)
     await h.engine.complete_attempt(child_id, cs.snapshot.id, ok=False, error={"type": "E", "message": "bad"})
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
-    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
     assert entry["result"] == {"ok": False, "id": child_id, "error": {"type": "E", "message": "bad"}}
     # a replay of the same call re-blocks on the same child instead of creating another
     latest = await h.engine.latest_snapshot(parent.id)
@@ -170,7 +170,7 @@ async def test_batch_trigger_and_wait_gives_results_in_item_order(h: Harness) ->
                                         error=None if ok else {"type": "E", "message": "odd"})
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "QUEUED_EXECUTING"
     await restore(h, parent.id)
-    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
     assert entry["result"] == [
         {"ok": True, "id": ids[0], "output": 0},
         {"ok": False, "id": ids[1], "error": {"type": "E", "message": "odd"}},
@@ -203,7 +203,7 @@ async def test_sweeper_fails_a_batch_whose_runs_were_never_created(h: Harness, u
     assert (await h.engine.waitpoints.sweep(grace_s=3600))["completed"] == 0  # within the grace period
     assert (await h.engine.waitpoints.sweep(grace_s=0))["completed"] == 1
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
-    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
     assert [r["ok"] for r in entry["result"]] == [False, False]
 
 
@@ -289,7 +289,7 @@ async def test_children_not_created_during_an_outage_are_created_by_the_repeated
     with pytest.raises(type(error)):
         await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=batch)
     monkeypatch.setattr(h.engine.systems.enqueue, "trigger_many", create)
-    (entry,) = await h.engine.journal(parent.id)
+    (entry,) = (await h.engine.journal(parent.id)).entries
     assert entry.waitpoint_status == "PENDING"  # not failed for an outage
     journaled = entry.result["runIds"]
     assert [await h.engine.get_run(rid) for rid in journaled] == [None] * len(items)
@@ -303,7 +303,7 @@ async def test_children_not_created_during_an_outage_are_created_by_the_repeated
         st = await h.engine.start_attempt(d.run.id, d.snapshot.id)
         await h.engine.complete_attempt(d.run.id, st.snapshot.id, ok=True, output=d.run.payload)
     await restore(h, parent.id)
-    (resolved,) = await h.engine.resolved_journal(parent.id)
+    (resolved,) = (await h.engine.resolved_journal(parent.id)).entries
     results = resolved["result"] if batch else [resolved["result"]]
     assert [r["ok"] for r in results] == [True] * len(items)
     assert [r["output"] for r in results] == [item.payload for item in items]
@@ -344,7 +344,7 @@ async def test_trigger_and_wait_with_a_taken_idempotency_key_waits_on_the_existi
         st = await h.engine.start_attempt(holder.id, d.snapshot.id)
         await h.engine.complete_attempt(holder.id, st.snapshot.id, ok=True, output={"done": 1})
         await h.engine.waitpoints.sweep(grace_s=0)  # the holder was not triggered to wait: the sweeper completes
-    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
     assert entry["result"] == {"ok": True, "id": holder.id, "output": {"done": 1}}
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
 
@@ -506,7 +506,7 @@ async def test_trigger_and_wait_that_asks_to_suspend_checkpoints_the_parent(h: H
     await h.engine.complete_attempt(child_run, child.snapshot.id, ok=True, output="c")
     resumed = await restore(h, parent.id)
     assert resumed.attempt_number == 1
-    journal = await h.engine.waitpoints.resolved_journal(parent.id)
+    journal = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
     assert journal[0]["resolved"] and journal[0]["result"] == {"ok": True, "id": child_run, "output": "c"}
 
 
@@ -599,7 +599,7 @@ async def test_concurrent_journal_and_waitpoint_reads_share_one_query(h: Harness
     got = await asyncio.gather(*(h.engine.resolved_journal(run.id, n) for n, (run, _) in enumerate(runs)),
                                h.engine.resolved_journal("run_missing"))
     assert asked == [4]
-    assert [[(e["sequence"], e["result"]) for e in entries] for entries in got] == [
+    assert [[(e["sequence"], e["result"]) for e in page.entries] for page in got] == [
         [(0, 0)], [(1, 10)], [(2, 20)], []]
     asked = count_items(monkeypatch, repo, "get_many")
     found = await asyncio.gather(h.engine.get_waitpoint(token.id), h.engine.get_waitpoint(token.id, h.env.env_id),
@@ -649,9 +649,9 @@ async def test_concurrent_tokens_without_a_key_share_one_insert_and_a_bad_one_fa
 async def test_a_journal_asked_from_past_any_sequence_is_empty(h: Harness) -> None:
     run, s = await started_run(h)
     await h.engine.waitpoints.append_journal(run.id, s.snapshot.id, 0, "step", "k", 1)
-    assert await h.engine.resolved_journal(run.id, 2**31) == []
-    assert await h.engine.resolved_journal(run.id, 10**30) == []
-    assert [e["sequence"] for e in await h.engine.resolved_journal(run.id, 0)] == [0]
+    assert (await h.engine.resolved_journal(run.id, 2**31)).entries == []
+    assert (await h.engine.resolved_journal(run.id, 10**30)).entries == []
+    assert [e["sequence"] for e in (await h.engine.resolved_journal(run.id, 0)).entries] == [0]
 
 
 async def test_a_failure_after_the_block_committed_does_not_fail_the_waits(h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -697,14 +697,14 @@ async def test_a_wait_looked_up_by_environment_keys_its_entry_and_never_blocks_o
                                  suspend=True, env_id=h.env.env_id)
         assert refused.value.kind == "waitpoint"
     assert (await h.engine.latest_snapshot(run.id)).id == s.snapshot.id  # nothing written
-    assert await h.engine.journal(run.id) == []
+    assert (await h.engine.journal(run.id)).entries == []
 
     child = await h.engine.trigger(req(h))
     child_wp = await h.engine.run_waitpoint(h.env.env_id, child.id)
     out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key="not-this",
                                waitpoint_ids=[child_wp.id], env_id=h.env.env_id)
     assert out.blocked
-    (entry,) = await h.engine.journal(run.id)
+    (entry,) = (await h.engine.journal(run.id)).entries
     assert entry.key == child.id and entry.waitpoint_id == child_wp.id
 
 
@@ -754,7 +754,8 @@ async def test_a_dequeue_that_starts_a_restored_run_reads_its_journal_in_the_sam
     restored, first = got[run.id].started, got[fresh.id].started
     assert restored is not None and first is not None
     assert restored.snapshot.checkpoint_id is not None and first.journal is None
-    assert restored.journal == await h.engine.resolved_journal(run.id) == [
+    assert restored.journal is not None
+    assert restored.journal.entries == (await h.engine.resolved_journal(run.id)).entries == [
         {"sequence": 0, "kind": "step", "key": "a", "resolved": True, "result": {"v": 1}},
         {"sequence": 1, "kind": "token", "key": token.id, "resolved": True,
          "result": {"ok": True, "output": {"approved": True}}}]
@@ -825,7 +826,7 @@ async def test_a_batch_wait_that_joined_a_running_run_waits_for_it_too(h: Harnes
     await finish(holder.id, "slow done")
     await h.engine.waitpoints.sweep(grace_s=0)  # the holder was not triggered to wait: at the latest the sweeper
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
-    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
     assert [r["output"] for r in entry["result"]] == ["slow done", "fast done"]
 
 
@@ -855,7 +856,7 @@ async def test_a_repeated_batch_trigger_whose_first_try_failed_waits_on_runs_its
         await h.engine.complete_attempt(child, st.snapshot.id, ok=True, output=f"{child} done")
     await h.engine.waitpoints.sweep(grace_s=0)
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
-    (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
     assert [r.get("output") for r in entry["result"]] == [f"{child} done" for child in ids]
 
 
@@ -875,7 +876,7 @@ async def test_a_batchs_results_past_their_byte_limit_are_replayed_as_errors(
         await h.engine.complete_attempt(d.run.id, st.snapshot.id, ok=True, output="r" * 1000)
     monkeypatch.setattr(systems.waitpoints, "RESULTS_BYTES", 2500)
     for _ in range(2):
-        (entry,) = await h.engine.waitpoints.resolved_journal(parent.id)
+        (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
         assert [r["ok"] for r in entry["result"]] == [True, True, False, False]
         assert [r["id"] for r in entry["result"]] == ids
         assert entry["result"][0]["output"] == "r" * 1000
@@ -1008,6 +1009,6 @@ async def test_a_run_that_would_wait_on_itself_or_its_parent_by_a_key_gets_an_er
         parent.id, started.snapshot.id, 0, [TriggerRequest(env_id=h.env.env_id, task_id="hello",
                                                            idempotency_key="self")])
     assert ids == [parent.id] and not outcome.blocked
-    (entry,) = await h.engine.systems.waitpoints.resolved_journal(parent.id)
+    (entry,) = (await h.engine.systems.waitpoints.resolved_journal(parent.id)).entries
     assert entry["resolved"] and entry["result"]["ok"] is False
     assert entry["result"]["error"]["type"] == "CHILD_TRIGGER_FAILED"
