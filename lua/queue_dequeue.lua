@@ -9,8 +9,12 @@
 -- taken out of the group's indexes until a slot frees or its settings change (see queue_lib), so
 -- later calls never walk past it. A budget of candidates still bounds the work of one call.
 -- A queue with a rate limit (GCRA: emission interval `rate_t` ms, burst tolerance `rate_tau` ms,
--- theoretical arrival time `tat`) is skipped, not parked, while it is ahead of its rate: time alone
--- frees it; the earliest such time is returned so that a long-poll can wake for it.
+-- theoretical arrival time `tat`) is parked while it is ahead of its rate, until the time it may
+-- serve again (the group's :rp; unparked by the group's first dequeue from then on, 500 a call),
+-- so that thousands of queues ahead of their rate cost later calls nothing (skipped, they took
+-- every call's budget, and their environment, never served, stayed first: no run of any tenant of
+-- the group was handed out). The earliest such time of the group is returned so that a long-poll
+-- can wake for it.
 -- With environments given (ARGV[8..]), only their runs are handed out (a supervisor narrowed to
 -- environments, or holding an environment's token): they are looked up in the group's index.
 -- KEYS[1] B:delayed
@@ -24,13 +28,14 @@
 local wg, now, max = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local default_env_limit, window = tonumber(ARGV[6]), tonumber(ARGV[7])
 promote(now, tonumber(ARGV[5]))
+unpark_rated(wg, now, tonumber(ARGV[5]))
 
 local g = gkey(wg)
 local only = {}
 for i = 8, #ARGV do only[#only + 1] = ARGV[i] end
 local out = {}
 local skip_env, skip_q, skip_k = {}, {}, {}
-local rate_next = nil -- earliest time a skipped rate-limited queue may serve again
+local rate_next = nil -- earliest time a queue parked for its rate may serve again
 local budget = 2000 -- bounds the work of one call whatever the shape of the backlog
 
 local function limit_of(hkey, field, default)
@@ -145,18 +150,16 @@ local function pick_queue(env)
     if not q then return nil end
     local c = queue_seen(env, q)
     local tat = nil
+    local allowed_at = nil
     if c.rate_t then
       tat = math.max(c.tat, now)
-      local allowed_at = tat - c.rate_tau
-      if allowed_at > now then
-        if not rate_next or allowed_at < rate_next then rate_next = allowed_at end
-        tat = false
-      end
+      allowed_at = tat - c.rate_tau
+      if allowed_at > now then tat = false end
     end
     if c.paused or (c.limit and c.running >= c.limit) then
       park_queue(wg, env, q)
     elseif tat == false then
-      skip_q[env .. '\0' .. q] = true -- ahead of its rate
+      park_queue_until(wg, env, q, allowed_at) -- ahead of its rate
     else
       local ck, kvt = pick_key(env, q, c.key_limit)
       if ck then return q, ck, kvt, tat and (tat + c.rate_t) end
@@ -260,6 +263,8 @@ while #out < max * 7 and budget > 0 do
   end
 end
 for _, c in pairs(queued) do count_queued(c[1], c[2], c[3]) end
+local parked_until = redis.call('ZRANGE', g .. ':rp', 0, 0, 'WITHSCORES')
+if parked_until[2] then rate_next = tonumber(parked_until[2]) end
 out[#out + 1] = rate_next and tostring(rate_next) or ''
 local active = redis.call('ZCARD', g .. ':envs')
 out[#out + 1] = active

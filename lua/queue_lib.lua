@@ -21,6 +21,7 @@
 --   B:e:<env>:q:<q>:parked            SET   groups in whose index the queue is parked (paused / full)
 --   B:e:<env>:q:<q>:k:<ck>:parked     SET   groups in whose index the key is parked (at key limit)
 --   B:e:<env>:q:<q>:pk                SET   keys of the queue with a :parked set
+--   B:g:<wg>:rp                       ZSET  env NUL queue -> ms: queues parked while ahead of their rate
 -- Message states: ready, delayed, held (holds slots), released (suspended), dlq.
 -- Parking: the dequeue takes an env, queue or key it finds blocked out of the group's indexes
 -- (its ready runs stay where they are), so blocked tenants cost nothing to later calls. A freed
@@ -119,6 +120,13 @@ local function park_queue(wg, env, q)
   refresh_queue(wg, env, q)
 end
 
+-- A queue ahead of its rate limit is parked until `at` (a time, not a slot, frees it): listed in
+-- the group's :rp, from which the group's next dequeue at or after `at` unparks it (unpark_rated).
+local function park_queue_until(wg, env, q, at)
+  redis.call('ZADD', gkey(wg) .. ':rp', at, env .. '\0' .. q)
+  park_queue(wg, env, q)
+end
+
 local function park_key(wg, env, q, ck)
   redis.call('SADD', qkey(env, q) .. ':k:' .. ck .. ':parked', wg)
   redis.call('SADD', qkey(env, q) .. ':pk', ck)
@@ -148,6 +156,21 @@ local function unpark_key(env, q, ck)
   redis.call('DEL', pk)
   redis.call('SREM', qkey(env, q) .. ':pk', ck)
   for _, wg in ipairs(wgs) do refresh_key(wg, env, q, ck) end
+end
+
+-- The queues of group wg parked for their rate whose time has come are listed again (bounded per
+-- call; a queue unparked meanwhile by a freed slot or a change of its settings is listed already).
+local function unpark_rated(wg, now, limit)
+  local rp = gkey(wg) .. ':rp'
+  local due = redis.call('ZRANGEBYSCORE', rp, '-inf', now, 'LIMIT', 0, limit)
+  for _, member in ipairs(due) do
+    redis.call('ZREM', rp, member)
+    local cut = string.find(member, '\0', 1, true)
+    if cut then
+      local env, q = string.sub(member, 1, cut - 1), string.sub(member, cut + 1)
+      if redis.call('SREM', qkey(env, q) .. ':parked', wg) == 1 then refresh_queue(wg, env, q) end
+    end
+  end
 end
 
 local function unpark_keys(env, q)

@@ -608,6 +608,40 @@ async def test_many_rate_limited_queues_of_one_environment_do_not_stall_the_othe
     assert [m.run_id for m in await q.dequeue("wg", 10, NOW + 1)] == ["quiet-1"]
 
 
+async def test_a_thousand_queues_ahead_of_their_rate_cost_later_dequeues_nothing(
+        redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:
+    """1,100 queues of one environment, each ahead of its rate: skipped, each took two candidates of
+    a dequeue's budget of 2,000, so every dequeue spent it all on that environment (never served, it
+    stayed first) and handed nothing out to any tenant of the group. Parked until their rate lets
+    them serve, they are left out of later dequeues, and listed again then."""
+    from run_engine.run_queue import RateLimit
+
+    q = RunQueue(redis_client, prefix=f"{key_prefix}:q{unique}", shards=1, max_deliveries=3,
+                 default_env_limit=100_000)
+    await q.load_scripts()
+    n, hour = 1100, 3_600_000
+    await asyncio.gather(*(q.set_rate_limit("noisy", f"rl{i}", RateLimit(limit=1, period_ms=hour, burst=1))
+                           for i in range(n)))
+    await q.enqueue([item(f"n{i}-{j}", env="noisy", queue=f"rl{i}", score=NOW - 10_000 + i)
+                     for i in range(n) for j in range(2)], NOW)
+    first: list[str] = []
+    while len(first) < n:  # one run of each queue: every queue is now ahead of its rate
+        got = await q.dequeue("wg", 100, NOW)
+        assert got, len(first)
+        first += [m.run_id for m in got]
+    await q.enqueue([item("quiet-1", env="quiet", queue="task/q", score=NOW)], NOW)
+    got = await q.dequeue("wg", 10, NOW + 1)
+    assert [m.run_id for m in got] == ["quiet-1"]
+    assert got.retry_at_ms == NOW + hour  # a long-poll wakes when the first parked queue may serve
+    assert list(await q.dequeue("wg", 10, NOW + 2)) == []
+    later: list[str] = []  # an hour on: listed again, one run each
+    while len(later) < n:
+        got = await q.dequeue("wg", 100, NOW + hour)
+        assert got, len(later)
+        later += [m.run_id for m in got]
+    assert sorted(later) == sorted(f"n{i}-1" for i in range(n))
+
+
 async def test_the_loss_of_any_one_shard_is_seen(q: RunQueue) -> None:
     """On a Redis Cluster each shard may live on another master: one epoch key for all was seen
     only when the master holding it lost its data, and another master's loss went unrepaired."""
