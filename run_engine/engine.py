@@ -21,7 +21,7 @@ from run_engine.db.repository import Repository
 from run_engine.db.runs import PAGE_BYTES, BatchView, RunPackets, RunRow, ShapeRead, Snapshot
 from run_engine.db.schedules import Schedule
 from run_engine.db.tenancy import Environment, GroupListing, WorkerGroup, WorkerView
-from run_engine.db.waitpoints import BatchRecord, JournalEntry, JournalPage, Waitpoint
+from run_engine.db.waitpoints import BatchRecord, JournalEntry, JournalPage, SweepCursors, Waitpoint
 from run_engine.errors import NotFoundError
 from run_engine.events import EventBus, RunEvent
 from run_engine.ids import new_id
@@ -553,15 +553,21 @@ class RunEngine:
     async def _on_timeout_job(self, job: Job) -> None:
         await self.systems.waitpoints.on_timeout(job.payload["waitpoint_id"])
 
-    async def _schedule_sweep(self) -> None:
+    async def _schedule_sweep(self, cursors: SweepCursors | None = None) -> None:
         interval = self.resources.settings.waitpoint_sweep_interval_s
-        await self.resources.change_jobs(schedule=[J.sweep(self.resources.clock.now() + interval)])
+        cursors = cursors or SweepCursors()
+        await self.resources.change_jobs(schedule=[J.sweep(self.resources.clock.now() + interval, cursors.runs,
+                                                           cursors.waitpoints)])
 
     async def _on_sweep_job(self, job: Job) -> None:
+        # where the last pass stopped (a job of an engine before the walks has no cursors: the start)
+        given = job.payload
+        cursors = SweepCursors(runs=str(given.get("runs_after") or ""),
+                               waitpoints=str(given.get("waitpoints_after") or ""))
         try:
-            await self.systems.waitpoints.sweep(self.resources.settings.batch_creation_grace_s)
+            _, cursors = await self.systems.waitpoints.sweep(self.resources.settings.batch_creation_grace_s, cursors)
         finally:
-            await self._schedule_sweep()
+            await self._schedule_sweep(cursors)
 
     async def _on_bulk_action_job(self, job: Job) -> None:
         if await self.systems.bulk_actions.run_page(job.payload["bulk_id"]):

@@ -72,8 +72,9 @@ def waitpoint_timeout(waitpoint_id: str, at: float) -> JobSpec:
     return waitpoint_timeout_id(waitpoint_id), WAITPOINT_TIMEOUT, {"waitpoint_id": waitpoint_id}, at
 
 
-def sweep(at: float) -> JobSpec:
-    return SWEEP_ID, WAITPOINT_SWEEP, {}, at
+def sweep(at: float, runs_after: str = "", waitpoints_after: str = "") -> JobSpec:
+    """The sweeper's next pass, going on after the ids its last pass walked to ('': the start)."""
+    return SWEEP_ID, WAITPOINT_SWEEP, {"runs_after": runs_after, "waitpoints_after": waitpoints_after}, at
 
 
 def bulk_action_id(bulk_id: str) -> str:

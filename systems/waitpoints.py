@@ -27,6 +27,7 @@ from run_engine.db.waitpoints import (
     JournalEntry,
     JournalPage,
     NewWaitpoint,
+    SweepCursors,
     Waitpoint,
 )
 from run_engine.dependencies import log_failure
@@ -779,11 +780,14 @@ class WaitpointsSystem:
 
     # --- the sweeper --------------------------------------------------------------------------
 
-    async def sweep(self, grace_s: float = 30.0) -> dict[str, int]:
+    async def sweep(self, grace_s: float = 30.0, cursors: SweepCursors | None = None,
+                    ) -> tuple[dict[str, int], SweepCursors]:
         """Repair what a crash between two writes left behind: RUN waitpoints of finished runs,
         batches whose children all finished (or were never all created), blocked runs that
-        nothing blocks any more. Runs every few seconds as an engine job."""
-        found = await self.wp.sweep_candidates(grace_s=grace_s)
+        nothing blocks any more. Runs every few seconds as an engine job, each pass a slice of the
+        waiting runs and RUN waitpoints from ``cursors`` (see WaitpointRepository.sweep_candidates);
+        returns what it did and where the next pass goes on."""
+        found, following = await self.wp.sweep_candidates(grace_s=grace_s, cursors=cursors or SweepCursors())
         completions = [Completion(*(
             (row["output"], False) if row["status"] == RunStatus.COMPLETED
             else (row["error"] or {"type": row["status"]}, True)), id=row["id"]) for row in found["run_waitpoints"]]
@@ -801,7 +805,7 @@ class WaitpointsSystem:
         if done or found["stuck_runs"]:
             log.info("waitpoint sweep: completed %d waitpoints, checked %d blocked runs", len(done),
                      len(found["stuck_runs"]))
-        return {"completed": len(done), "stuck_runs": len(found["stuck_runs"])}
+        return {"completed": len(done), "stuck_runs": len(found["stuck_runs"])}, following
 
 
 def _same_kind(wp: Waitpoint, kind: str, idempotency_key: str | None) -> None:

@@ -81,6 +81,18 @@ class JournalEntry:
     waitpoint_output_is_error: bool = False
 
 
+#: the waiting runs and pending RUN waitpoints one pass of the sweeper walks (each kind)
+SWEEP_WALK = 5000
+
+
+@record
+class SweepCursors:
+    """Where the sweeper's next pass goes on: after these ids ('': from the start)."""
+
+    runs: str = ""
+    waitpoints: str = ""
+
+
 @record
 class JournalPage:
     """Entries of a journal in order, and the sequence of the first one past them (None: no more)."""
@@ -216,20 +228,23 @@ RETURNING w.id, (w.timeout_at IS NOT NULL OR w.type = 'DATETIME') AS timed, t.or
 """
 
 _SWEEP_RUN_WAITPOINTS = """
--- RUN waitpoints still pending although their run has finished (a crash between the two writes)
-SELECT w.id, r.status, r.output, r.error
-FROM waitpoint w JOIN task_run r ON r.id = w.completed_by_run_id
-WHERE w.status = 'PENDING' AND w.type = 'RUN' AND r.finished_at IS NOT NULL
-LIMIT %(limit)s
+-- a slice of the pending RUN waitpoints (after %(after)s, in id order, %(walk)s at most), each with
+-- its run: finished (the waitpoint's completion was lost in a crash between the two writes) or never
+-- created (the process died, or the insert failed, between the parent's journal entry and its
+-- child; an orphan once past the grace)
+SELECT w.id, r.finished_at IS NOT NULL AS finished,
+       r.id IS NULL AND w.created_at < now() - make_interval(secs => %(grace_s)s) AS orphaned
+FROM (SELECT id, completed_by_run_id, created_at FROM waitpoint
+      WHERE status = 'PENDING' AND type = 'RUN' AND id > %(after)s ORDER BY id LIMIT %(walk)s) w
+LEFT JOIN task_run r ON r.id = w.completed_by_run_id
+ORDER BY w.id
 """
 
-_SWEEP_ORPHANED_RUN_WAITPOINTS = """
--- RUN waitpoints whose run was never created (the process died, or the insert failed, between the
--- parent's journal entry and its child)
-SELECT w.id FROM waitpoint w
-WHERE w.status = 'PENDING' AND w.type = 'RUN' AND w.created_at < now() - make_interval(secs => %(grace_s)s)
-  AND NOT EXISTS (SELECT 1 FROM task_run r WHERE r.id = w.completed_by_run_id)
-LIMIT %(limit)s
+_FINISHED_RUNS_OF_WAITPOINTS = """
+-- the outcome of the finished run of each RUN waitpoint of %(ids)s still pending
+SELECT w.id, r.status, r.output, r.error
+FROM waitpoint w JOIN task_run r ON r.id = w.completed_by_run_id
+WHERE w.id = ANY(%(ids)s) AND w.status = 'PENDING' AND r.finished_at IS NOT NULL
 """
 
 _SWEEP_BATCHES = """
@@ -257,13 +272,15 @@ WHERE completed_by_batch_id = ANY(%(batches)s) AND CASE WHEN status = 'PENDING' 
 """
 
 _SWEEP_STUCK_RUNS = """
--- runs shown as WAITING that no pending waitpoint blocks any more (a lost continuation)
-SELECT r.id FROM task_run r
-WHERE r.status = 'WAITING'
-  AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint trw
-                  WHERE trw.run_id = r.id AND """ + _IS_PENDING.format(id="trw.waitpoint_id") + """)
-  AND r.updated_at < now() - make_interval(secs => %(grace_s)s)
-LIMIT %(limit)s
+-- a slice of the runs shown as WAITING (after %(after)s, in id order, %(walk)s at most), each with
+-- whether no pending waitpoint blocks it any more (a lost continuation). Each run's blocking rows
+-- are looked up by the run (LATERAL ... LIMIT 1): as a NOT EXISTS on the whole table the planner,
+-- expecting every waiting run, hashed every blocking row of every run for each slice
+SELECT r.id, r.updated_at < now() - make_interval(secs => %(grace_s)s) AND p.run_id IS NULL AS stuck
+FROM (SELECT id, updated_at FROM task_run WHERE status = 'WAITING' AND id > %(after)s ORDER BY id LIMIT %(walk)s) r
+LEFT JOIN LATERAL (SELECT trw.run_id FROM task_run_waitpoint trw
+                   WHERE trw.run_id = r.id AND """ + _IS_PENDING.format(id="trw.waitpoint_id") + """ LIMIT 1) p ON true
+ORDER BY r.id
 """
 
 
@@ -836,18 +853,35 @@ class WaitpointRepository:
 
     # --- the sweeper --------------------------------------------------------------------------
 
-    async def sweep_candidates(self, *, grace_s: float, limit: int = 500) -> dict[str, list[Any]]:
+    async def sweep_candidates(self, *, grace_s: float, cursors: SweepCursors, walk: int = SWEEP_WALK,
+                               limit: int = 500) -> tuple[dict[str, list[Any]], SweepCursors]:
+        """What the sweeper repairs in this pass, and where its next pass goes on: the waiting runs
+        and pending RUN waitpoints are walked ``walk`` at a time from ``cursors`` (back to the
+        start after the last slice), so that a pass costs the same whatever one tenant keeps
+        waiting; the pending BATCH waitpoints are read whole (``limit`` found at most)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_SWEEP_RUN_WAITPOINTS, {"limit": limit})
-            runs = await cur.fetchall()
+            await cur.execute(_SWEEP_RUN_WAITPOINTS, {"after": cursors.waitpoints, "walk": walk, "grace_s": grace_s})
+            walked = await cur.fetchall()
+            finished = [r["id"] for r in walked if r["finished"]][:limit]
+            orphans = [r["id"] for r in walked if r["orphaned"]]
+            # the next slice starts after the last waitpoint this pass took care of (a finished run's
+            # past `limit` waits for the next pass)
+            last = walked[-1]["id"] if len(walked) == walk else ""
+            if len(finished) == limit and finished[-1] != walked[-1]["id"]:
+                last = finished[-1]
+                orphans = [o for o in orphans if o <= last]
+            runs: list[Any] = []
+            if finished:
+                await cur.execute(_FINISHED_RUNS_OF_WAITPOINTS, {"ids": finished})
+                runs = await cur.fetchall()
             await cur.execute(_SWEEP_BATCHES, {"limit": limit, "grace_s": grace_s})
             batches = await cur.fetchall()
-            await cur.execute(_SWEEP_STUCK_RUNS, {"limit": limit, "grace_s": grace_s})
-            stuck = [r["id"] for r in await cur.fetchall()]
-            await cur.execute(_SWEEP_ORPHANED_RUN_WAITPOINTS, {"limit": limit, "grace_s": grace_s})
-            orphans = [r["id"] for r in await cur.fetchall()]
-        return {"run_waitpoints": runs, "batches": batches, "stuck_runs": stuck, "orphaned": orphans}
+            await cur.execute(_SWEEP_STUCK_RUNS, {"after": cursors.runs, "walk": walk, "grace_s": grace_s})
+            waiting = await cur.fetchall()
+            stuck = [r["id"] for r in waiting if r["stuck"]]
+        following = SweepCursors(runs=waiting[-1]["id"] if len(waiting) == walk else "", waitpoints=last)
+        return {"run_waitpoints": runs, "batches": batches, "stuck_runs": stuck, "orphaned": orphans}, following
 
 
     async def open_batch(self, batch_id: str, env_id: str, size: int,

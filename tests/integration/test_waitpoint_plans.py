@@ -27,7 +27,8 @@ STATEMENTS: dict[str, tuple[str, dict[str, Any]]] = {
                                            for i in (5, 6)])}),
     "pending of runs": (w._PENDING_OF_RUNS, {"runs": ["run_5", "run_6"]}),
     "continue": (w._CONTINUE, {"runs": ["run_5", "run_6"], "news": ["snapshot_2", "snapshot_3"]}),
-    "sweep stuck runs": (w._SWEEP_STUCK_RUNS, {"limit": 100, "grace_s": 30}),
+    "sweep stuck runs": (w._SWEEP_STUCK_RUNS, {"after": "", "walk": 100, "grace_s": 30}),
+    "sweep run waitpoints": (w._SWEEP_RUN_WAITPOINTS, {"after": "", "walk": 100, "grace_s": 30}),
     "batch waitpoints": (w._BATCH_WAITPOINTS, {"batches": ["batch_1"]}),
 }
 
@@ -51,8 +52,18 @@ def test_no_statement_reads_the_pending_waitpoints_by_their_index(young_database
     with psycopg.connect(young_database, autocommit=True) as conn:
         plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + sql, params).fetchall())
     assert "waitpoint_pending" not in plan, plan
-    if name != "sweep stuck runs":  # (the sweeper reads blocked runs; the others start from their input)
-        assert "Seq Scan on waitpoint" not in plan, plan
+    assert "Seq Scan on waitpoint" not in plan, plan
+
+
+@pytest.mark.parametrize(("name", "indexes"), [("sweep stuck runs", ("task_run_waiting", "task_run_unfinished")),
+                                               ("sweep run waitpoints", ("waitpoint_runs_to_sweep",))])
+def test_the_sweeper_walks_a_slice_by_an_index(young_database: str, name: str, indexes: tuple[str, ...]) -> None:
+    """A pass of the sweeper reads a slice from where the last one stopped, not every waiting run or
+    pending RUN waitpoint of every tenant (1.4 s with 300,000 waiting runs, every 5 s)."""
+    sql, params = STATEMENTS[name]
+    with psycopg.connect(young_database, autocommit=True) as conn:
+        plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + sql, params).fetchall())
+    assert any(index in plan for index in indexes) and "Limit" in plan, plan
 
 
 def test_the_token_list_reads_the_environments_tokens_by_their_own_index(young_database: str) -> None:

@@ -200,8 +200,8 @@ async def test_sweeper_fails_a_batch_whose_runs_were_never_created(h: Harness, u
     out = await h.engine.block(parent.id, s.snapshot.id, sequence=0, kind="batch", key=f"batch_broken_{unique}",
                                waitpoint_ids=[wp.id], result={"runIds": ["run_never_1", "run_never_2"]})
     assert out.blocked
-    assert (await h.engine.waitpoints.sweep(grace_s=3600))["completed"] == 0  # within the grace period
-    assert (await h.engine.waitpoints.sweep(grace_s=0))["completed"] == 1
+    assert (await h.engine.waitpoints.sweep(grace_s=3600))[0]["completed"] == 0  # within the grace period
+    assert (await h.engine.waitpoints.sweep(grace_s=0))[0]["completed"] == 1
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
     (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
     assert [r["ok"] for r in entry["result"]] == [False, False]
@@ -1012,3 +1012,56 @@ async def test_a_run_that_would_wait_on_itself_or_its_parent_by_a_key_gets_an_er
     (entry,) = (await h.engine.systems.waitpoints.resolved_journal(parent.id)).entries
     assert entry["resolved"] and entry["result"]["ok"] is False
     assert entry["result"]["error"]["type"] == "CHILD_TRIGGER_FAILED"
+
+
+async def test_the_sweeper_walks_waiting_runs_and_run_waitpoints_a_slice_a_pass(h: Harness, database_url: str,
+                                                                               unique: str) -> None:
+    """Each pass reads a slice from where the last one stopped and the walk starts over after the
+    last slice: a pass costs the same whatever one tenant keeps waiting, and nothing is missed."""
+    import psycopg
+
+    from run_engine.db.waitpoints import SweepCursors
+
+    tokens = []
+    for _ in range(7):
+        run, s = await started_run(h)
+        token, _ = await h.engine.create_token(h.env.env_id)
+        assert (await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                                     waitpoint_ids=[token.id])).blocked
+        tokens.append((run.id, token.id))
+    tokens.sort()  # walked in run id order
+    stuck = {tokens[1][0], tokens[5][0]}
+    with psycopg.connect(database_url, autocommit=True) as conn:  # completed, their continuations lost
+        conn.execute("UPDATE waitpoint SET status = 'COMPLETED' WHERE id = ANY(%s)",
+                     ([t for r, t in tokens if r in stuck],))
+        # RUN waitpoints whose child was never created (an orphan past the grace) among others
+        conn.execute("INSERT INTO waitpoint (id, environment_id, type, status, completed_by_run_id, created_at) "
+                     "SELECT 'waitpoint_o" + unique + "' || g, %s, 'RUN', 'PENDING', 'run_never_' || g, "
+                     "now() - interval '1 hour' FROM generate_series(1, 5) g", (h.env.env_id,))
+    repo = h.engine.resources.repo.waitpoints
+    try:
+        found_stuck: list[str] = []
+        orphans: list[str] = []
+        cursors = SweepCursors()
+        walked: list[SweepCursors] = []
+        while True:  # (the database holds other tests' waiting runs too: walk it all once)
+            found, cursors = await repo.sweep_candidates(grace_s=0, cursors=cursors, walk=3)
+            found_stuck += found["stuck_runs"]
+            orphans += found["orphaned"]
+            assert len(found["orphaned"]) <= 3 and len(found["stuck_runs"]) <= 3
+            walked.append(cursors)
+            if cursors.runs == "" and any(c.waitpoints == "" for c in walked):
+                break
+            assert len(walked) < 1000
+        assert stuck <= set(found_stuck)
+        assert {f"waitpoint_o{unique}{g}" for g in range(1, 6)} <= set(orphans)
+        runs_after = [c.runs for c in walked[:-1]]
+        assert len(walked) >= 3 and runs_after == sorted(runs_after) and "" not in runs_after  # on, slice by slice
+        # the sweep repairs what it found: the stuck runs go on, the orphans fail their waits
+        (done, _) = await h.engine.waitpoints.sweep(grace_s=0)
+        assert done["stuck_runs"] >= 2
+        for run_id in stuck:
+            assert (await h.engine.latest_snapshot(run_id)).engine_status == "EXECUTING"
+    finally:  # other tests sweep this database too
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM waitpoint WHERE id LIKE %s", (f"waitpoint_o{unique}%",))
