@@ -66,6 +66,7 @@ class JobQueue:
         self.due_key = f"{base}:due"
         self.items_key = f"{base}:items"
         self.dlq_key = f"{base}:dlq"
+        self.epoch_key = f"{base}:epoch"
         self._reschedule = LuaScript.get("jobs_reschedule")
         self._claim = LuaScript.get("jobs_claim")
         self._settle = LuaScript.get("jobs_settle")
@@ -152,6 +153,15 @@ class JobQueue:
 
     async def size(self) -> int:
         return int(await self.redis.zcard(self.due_key))
+
+    async def has_epoch(self) -> bool:
+        """False when Redis lost the jobs' data (a flush, or a restart without persistence, of the
+        node holding them: on a Redis Cluster not always the one holding the run queue): the
+        reconciler then re-arms every job from PostgreSQL and calls :meth:`mark_epoch`."""
+        return bool(await self.redis.exists(self.epoch_key))
+
+    async def mark_epoch(self) -> None:
+        await self.redis.set(self.epoch_key, "1")
 
     async def stats(self) -> tuple[int, float, int]:
         """(jobs scheduled, seconds the oldest due job is late, jobs in the job DLQ), one round trip.

@@ -108,14 +108,21 @@ class ReconcilerSystem:
         own: one that fails is logged and the pass goes on."""
         grace = self.r.settings.reconcile_grace_s if grace_s is None else grace_s
         report = ReconcileReport()
-        if not await self.r.queue.has_epoch():
-            # Redis lost its data (or is new): limits, pauses and rate limits first, then the runs
-            # and the engine jobs (timeouts, timers) of everything not finished, all of them now
+        # Redis lost its data (or is new): limits, pauses and rate limits first, then the runs and
+        # the engine jobs (timeouts, timers) of everything not finished, all of them now. The
+        # epoch is marked once that pass is through: one that fails or is cut short (the leader
+        # restarting) is done again whole by the next pass, never left to the budgeted scans.
+        # The engine jobs have their own epoch (on a Redis Cluster they live on another master).
+        queue_lost = not await self.r.queue.has_epoch()
+        jobs_lost = queue_lost or not await self.r.jobs.has_epoch()
+        if queue_lost:
             report.settings_restored = await self._restore_settings()
-            report.jobs_rearmed = await self.rearm_jobs(grace, full=True)
-            await self.r.queue.mark_epoch()
             full = True
+        if jobs_lost:
+            report.jobs_rearmed = await self.rearm_jobs(grace, full=True)
+            await self.r.jobs.mark_epoch()
         # each step's coroutine is made only when it runs: a cancel part-way leaves none never awaited
+        failed = False
         steps: tuple[Callable[[], Awaitable[None]], ...] = (
             lambda: self._queued_runs(grace, report, full), lambda: self._delayed_runs(grace, report),
             lambda: self._pending_version_runs(grace, report), lambda: self._slots(report, grace))
@@ -123,7 +130,10 @@ class ReconcilerSystem:
             try:
                 await step()
             except Exception:
+                failed = True
                 log.exception("reconciler: a step failed; the others went on")
+        if queue_lost and not failed:
+            await self.r.queue.mark_epoch()
         if (report.requeued_missing or report.requeued_stuck or report.delayed_enqueued or report.slots_freed
                 or report.jobs_rearmed or report.pending_version_enqueued):
             log.warning("reconciler repaired the queue: %s", report)

@@ -285,6 +285,50 @@ async def test_lost_engine_jobs_are_rearmed_and_fire(private: Harness) -> None:
     assert (await engine.get_run(delayed.id)).status == "QUEUED"  # type: ignore[union-attr]
 
 
+async def test_engine_jobs_lost_alone_are_rearmed_whole(h: Harness) -> None:
+    """On a Redis Cluster the engine jobs live on another master than the run queue: the master
+    holding them restarting empty must be seen (the queue's epoch is still there) and every job
+    re-armed in the next pass, not left to the budgeted scans."""
+    engine, jobs = h.engine, h.engine.resources.jobs
+    reconciler = engine.systems.reconciler
+    await reconciler.reconcile(grace_s=-1)  # both epochs marked
+    run = await engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await engine.dequeue(h.env.worker_group_id, 1)
+    started = await engine.start_attempt(run.id, d.snapshot.id)
+    job = f"hb.{run.id}.{started.snapshot.id}"
+    assert await jobs.missing([job]) == []
+    await engine.redis.delete(jobs.due_key, jobs.items_key, jobs.epoch_key)  # only the jobs' slot lost
+    assert await engine.resources.queue.has_epoch()
+    report = await reconciler.reconcile(grace_s=0)
+    assert report.jobs_rearmed >= 1 and report.settings_restored == 0
+    assert await jobs.missing([job]) == [] and await jobs.has_epoch()
+
+
+async def test_a_full_pass_after_redis_lost_its_data_is_done_again_until_it_succeeds(
+        private: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The epoch was marked before the full pass: one that failed or was cut short (the leader
+    restarting) left the rest of the lost runs to the budgeted scans (hours for a million)."""
+    h = private
+    engine, reconciler = h.engine, h.engine.systems.reconciler
+    runs = await engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
+                                      for i in range(3)])
+    await engine.redis.flushall()
+    real = reconciler._queued_runs
+
+    async def cut_short(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("the leader lost its connection part-way")
+
+    monkeypatch.setattr(reconciler, "_queued_runs", cut_short)
+    await reconciler.reconcile(grace_s=0)
+    assert not await engine.resources.queue.has_epoch()  # not marked: the next pass is full again
+    monkeypatch.setattr(reconciler, "_queued_runs", real)
+    report = await reconciler.reconcile(grace_s=0)
+    assert report.requeued_missing >= 3 and report.settings_restored >= 1  # (other tests' runs too: one database)
+    assert await engine.resources.queue.has_epoch()
+    got = await engine.dequeue(h.env.worker_group_id, 5)
+    assert sorted(x.run.id for x in got) == sorted(r.id for r in runs)
+
+
 async def test_a_heartbeat_rearms_a_lost_timeout_job(h: Harness) -> None:
     run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
     (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
