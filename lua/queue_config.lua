@@ -29,8 +29,13 @@ elseif op == 'rate_limit' then
   else
     local t, tau = string.match(value, '^(%d+),(%d+)$')
     if not t then return redis.error_reply('rate_limit value must be "T,tau"') end
+    local was = redis.call('HMGET', qm, 'rate_t', 'rate_tau')
     redis.call('HSET', qm, 'rate_t', t, 'rate_tau', tau)
+    -- a new rate starts afresh: the arrival time the old one reached (a day ahead, for one a day)
+    -- would hold the queue back by the old rate (the same rate set again keeps it)
+    if was[1] ~= t or was[2] ~= tau then redis.call('HDEL', qm, 'tat') end
   end
+  unpark_queue(env, q) -- parked ahead of the old rate: the next dequeue weighs it by the new one
 elseif op == 'pause' then
   redis.call('HSET', qkey(env, q) .. ':meta', 'paused', 1)
 elseif op == 'resume' then

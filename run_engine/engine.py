@@ -119,7 +119,10 @@ class RunEngine:
     async def start(self) -> None:
         await self.resources.locker.start()
         if self._run_jobs:
-            await self._schedule_sweep()
+            # armed if missing only: the sweep job carries where its walk stands, which a start
+            # (every deploy) must not take back to the beginning
+            if await self.resources.jobs.missing([J.SWEEP_ID]):
+                await self._schedule_sweep()
             await self.jobs.start()
             await self.leader.start()
             await self.systems.schedules.start()

@@ -180,10 +180,17 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 #: killed: a task that swallows its cancellation would otherwise run on beside its restored self
 SUSPEND_GRACE_S = 2.0
 WATCH_S = 0.1  # the watchdog's period: duration, memory, liveness, a suspension not obeyed
-#: calls of one run (journaled steps, waits) the supervisor handles at once; past it, the executor's
-#: pipe is not read until one is answered, so that a task asking thousands at once waits on its
-#: own pipe instead of queueing them all ahead of every other run's requests
+#: journaled steps (and journal pages) of one run the supervisor handles at once; past it, the
+#: executor's pipe is not read until one is answered, so that a task asking thousands at once waits
+#: on its own pipe instead of queueing them all ahead of every other run's requests. Only these are
+#: held (each is answered by one request, whatever else the run does): a wait may last until
+#: another call of the run is answered (a child it triggers completes the tokens it waits on), and
+#: the run's result must never wait behind a held step either.
 MAX_OPEN_CALLS = 8
+_HELD_OPS = frozenset({"journal", "journal_page"})
+#: held steps that may wait here, read from the pipe, before it is read no further: the messages
+#: behind them (a wait, the run's result) are read and go past them until then
+MAX_QUEUED_HELD = 16
 
 
 def frame(msg: dict[str, Any]) -> bytes:
@@ -283,29 +290,47 @@ class Executor:
         self._sentinel: int | None = None
         self._frames = _Frames(self._deliver)
         self._suspend_by: float | None = None  # told to stop its suspended run: killed if still at it then
-        self._open_calls = 0  # calls of the run handed to the supervisor and not answered yet
+        self._open_calls = 0  # steps of the run handed to the supervisor and not answered yet
+        self._open_ids: set[Any] = set()  # their call ids
+        self._queued_held = 0  # steps read from the pipe, not handed to the supervisor yet
         self._reading_paused = False
 
     def _deliver(self, msg: Any) -> None:
         self._messages.append(msg)
-        if self._open_calls >= MAX_OPEN_CALLS:
-            self._pause_reading(True)  # what has arrived waits here; the rest in the pipe
+        if _held(msg):
+            self._queued_held += 1
+            if self._queued_held >= MAX_QUEUED_HELD:
+                self._pause_reading(True)  # the rest waits in the pipe (its task's sends block)
         self._wake()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _has_next(self) -> bool:
-        """A message may be handed on: a call only while fewer than MAX_OPEN_CALLS are open."""
-        if not self._messages:
-            return False
-        head = self._messages[0]
-        return not (self._open_calls >= MAX_OPEN_CALLS and isinstance(head, dict) and head.get("type") == "call")
+    def _take_next(self) -> Any:
+        """The next message that may be handed on (None: none): in order, but past the held ones (a
+        step while MAX_OPEN_CALLS are open), which keep theirs."""
+        messages = self._messages
+        if not messages:
+            return None
+        if self._open_calls < MAX_OPEN_CALLS:
+            msg = messages.popleft()
+        else:
+            for i, held in enumerate(messages):
+                if not _held(held):
+                    del messages[i]
+                    return held
+            return None
+        if _held(msg):
+            self._queued_held -= 1
+            if self._queued_held < MAX_QUEUED_HELD:
+                self._pause_reading(False)
+        return msg
 
     async def _next(self, timeout_s: float) -> Any:
         """The next message, or None after ``timeout_s`` without one (a watchdog tick)."""
-        if not self._has_next():
+        msg = self._take_next()
+        if msg is None:
             waiter = self._waiter = self._loop.create_future()
             tick = self._loop.call_later(timeout_s, _wake, waiter)
             try:
@@ -313,7 +338,8 @@ class Executor:
             finally:
                 tick.cancel()
                 self._waiter = None
-        return self._messages.popleft() if self._has_next() else None
+            msg = self._take_next()
+        return msg
 
     def _send(self, msg: dict[str, Any]) -> None:
         transport = self._transport
@@ -363,7 +389,10 @@ class Executor:
         ran must not go on beside the run's next attempt)."""
         self._unwatch()
         pid = self.process.pid
-        if pid is not None:
+        if pid is not None and (not self._exited or not _exists(pid)):
+            # its group: while the executor lives (or, dead, while a process of its group does: the
+            # pid is not given to another process while its group exists), never a pid reused by a
+            # process started since (another executor, leading a group of the same number)
             with contextlib.suppress(ProcessLookupError, PermissionError):  # no group (yet): the process alone
                 os.killpg(pid, signal.SIGKILL)
         if self.process.is_alive():
@@ -393,6 +422,11 @@ class Executor:
         self.runs += 1
         self._suspend_by = None
         self._open_calls = 0
+        self._open_ids.clear()
+        # steps of the previous run held back past its result: answered by nobody now, never handed
+        # to this run's supervisor (they would be journaled in this run's name)
+        self._messages = deque(m for m in self._messages if m is _GONE)
+        self._queued_held = 0
         self._pause_reading(False)
         self._send(msg)
         return await self._receive(timeout_s=None, max_duration_s=max_duration_s, memory_mb=memory_mb,
@@ -400,10 +434,12 @@ class Executor:
 
     def reply(self, call_id: int, data: dict[str, Any]) -> None:
         self._send({"type": "reply", "id": call_id, **data})
-        self._open_calls = max(0, self._open_calls - 1)
+        if call_id not in self._open_ids:  # not a counted call of this run (a wait, a late answer)
+            return
+        self._open_ids.discard(call_id)
+        self._open_calls = len(self._open_ids)
         if self._open_calls < MAX_OPEN_CALLS:
-            self._pause_reading(False)
-            self._wake()  # a call held back may go now
+            self._wake()  # a step held back may go now
 
     def _pause_reading(self, pause: bool) -> None:
         transport = self._transport
@@ -438,7 +474,9 @@ class Executor:
                         self.retired = True  # see executor_main: the pool replaces it
                     return result
                 if on_call is not None:
-                    self._open_calls += 1  # at MAX_OPEN_CALLS, the next ones wait until one is answered
+                    if _held(msg):  # at MAX_OPEN_CALLS, the next ones wait until one is answered
+                        self._open_ids.add(msg.get("id"))
+                        self._open_calls = len(self._open_ids)
                     on_call(msg)
                 if time.monotonic() - checked < WATCH_S:
                     continue
@@ -475,6 +513,21 @@ class Executor:
             if timeout_s is not None and elapsed > timeout_s:
                 self.kill()
                 raise RuntimeError("executor did not start in time")
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _held(msg: Any) -> bool:
+    """A call counted against MAX_OPEN_CALLS (a journaled step, a journal page)."""
+    return isinstance(msg, dict) and msg.get("type") == "call" and msg.get("op") in _HELD_OPS
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

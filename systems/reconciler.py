@@ -122,17 +122,17 @@ class ReconcilerSystem:
             report.jobs_rearmed = await self.rearm_jobs(grace, full=True)
             await self.r.jobs.mark_epoch()
         # each step's coroutine is made only when it runs: a cancel part-way leaves none never awaited
-        failed = False
+        queued_done = False
         steps: tuple[Callable[[], Awaitable[None]], ...] = (
             lambda: self._queued_runs(grace, report, full), lambda: self._delayed_runs(grace, report),
             lambda: self._pending_version_runs(grace, report), lambda: self._slots(report, grace))
-        for step in steps:
+        for i, step in enumerate(steps):
             try:
                 await step()
+                queued_done = queued_done or i == 0
             except Exception:
-                failed = True
                 log.exception("reconciler: a step failed; the others went on")
-        if queue_lost and not failed:
+        if queue_lost and queued_done:  # (the other steps are as in any pass: never all of them)
             await self.r.queue.mark_epoch()
         if (report.requeued_missing or report.requeued_stuck or report.delayed_enqueued or report.slots_freed
                 or report.jobs_rearmed or report.pending_version_enqueued):

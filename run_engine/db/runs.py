@@ -169,10 +169,11 @@ def journal_page(run_id: str, from_seq: str) -> str:
     outer row): the first JOURNAL_PAGE_ENTRIES + 1 entries from ``from_seq``, each with its
     waitpoint's state, ``delivered`` for those in the page (the entries before it took less than
     JOURNAL_PAGE_BYTES), and their result and output for those only: an entry past the page is
-    never read whole. Sizes are those recorded when the value was written; one written before
-    they were recorded is measured."""
-    size = ("coalesce(j.result_bytes, octet_length(j.result::text), 0)"
-            " + coalesce(w.output_bytes, octet_length(w.output::text), 0)")
+    never read whole. Sizes are those recorded when the value was written (migration 0027 records
+    those of live runs written before); one without is counted by its stored size, never
+    measured (detoasted) at each read."""
+    size = ("coalesce(j.result_bytes, pg_column_size(j.result), 0)"
+            " + coalesce(w.output_bytes, pg_column_size(w.output), 0)")
     return f"""(
     SELECT p.sequence, p.kind, p.key, CASE WHEN p.delivered THEN p.result END AS result, p.waitpoint_id,
            p.waitpoint_status, CASE WHEN p.delivered THEN p.waitpoint_output END AS waitpoint_output,

@@ -63,8 +63,8 @@ async def test_a_page_holds_a_thousand_entries_at_most(h: Harness) -> None:
 
 
 async def test_an_entry_larger_than_a_page_is_a_page_of_its_own(h: Harness, database_url: str) -> None:
-    """Sizes unknown (written before they were recorded) are measured; a page always holds one
-    entry at least."""
+    """A size unknown (written by an older server) counts as the value's stored size; a page
+    always holds one entry at least."""
     run_id, snapshot_id = await started_run(h)
     await h.engine.append_journal(run_id, snapshot_id, 0, "step", "small", "s")
     await h.engine.append_journal(run_id, snapshot_id, 1, "step", "big", "b" * (3 * MIB))
@@ -78,3 +78,32 @@ async def test_an_entry_larger_than_a_page_is_a_page_of_its_own(h: Harness, data
     second = await h.engine.resolved_journal(run_id, 1)
     assert [e["sequence"] for e in second.entries] == [1, 2] and second.next is None
     assert second.entries[0]["result"] == "b" * (3 * MIB)
+
+
+async def test_the_sizes_of_live_journals_written_before_they_were_recorded_are_filled_in(
+        h: Harness, database_url: str) -> None:
+    """Migration 0027: the journals of runs not finished, and the waitpoints they name, get their
+    sizes; finished runs' are left as they are."""
+    import re
+
+    from run_engine.db.migrations import available_migrations
+
+    (migration,) = [m for m in available_migrations() if m.path.name.startswith("0027_")]
+    token, _ = await h.engine.create_token(h.env.env_id)
+    assert await h.engine.complete_waitpoint(token.id, "o" * 1000)
+    live, live_snapshot = await started_run(h)
+    await h.engine.block(live, live_snapshot, sequence=0, kind="token", key=token.id, waitpoint_ids=[token.id])
+    await h.engine.append_journal(live, live_snapshot, 1, "step", "s", "r" * 500)
+    done, done_snapshot = await started_run(h)
+    await h.engine.append_journal(done, done_snapshot, 0, "step", "s", "d" * 500)
+    await h.engine.complete_attempt(done, done_snapshot, ok=True, output=1)
+    with psycopg.connect(database_url, autocommit=True) as conn:  # as an older server left them
+        conn.execute("UPDATE task_run_journal SET result_bytes = NULL WHERE run_id = ANY(%s)", ([live, done],))
+        conn.execute("UPDATE waitpoint SET output_bytes = NULL WHERE id = %s", (token.id,))
+        for statement in re.split(r"^-- next$", migration.path.read_text(), flags=re.MULTILINE):
+            conn.execute(statement)
+        sizes = dict(conn.execute("SELECT run_id || '/' || sequence, result_bytes FROM task_run_journal "
+                                  "WHERE run_id = ANY(%s)", ([live, done],)).fetchall())
+        (output_bytes,) = conn.execute("SELECT output_bytes FROM waitpoint WHERE id = %s", (token.id,)).fetchone()
+    assert sizes == {f"{live}/0": 0, f"{live}/1": 502, f"{done}/0": None}
+    assert output_bytes == 1002

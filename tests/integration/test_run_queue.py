@@ -642,6 +642,20 @@ async def test_a_thousand_queues_ahead_of_their_rate_cost_later_dequeues_nothing
     assert sorted(later) == sorted(f"n{i}-1" for i in range(n))
 
 
+async def test_a_queue_parked_for_its_rate_is_listed_again_when_its_rate_changes(q: RunQueue) -> None:
+    """Parked until its old rate let it serve (a day for a limit of one a day), a queue whose limit
+    is raised or removed serves at once, as a raised concurrency limit does."""
+    from run_engine.run_queue import RateLimit
+
+    day = 86_400_000
+    await q.set_rate_limit("envA", "task/a", RateLimit(limit=1, period_ms=day, burst=1))
+    await q.enqueue([item("r1"), item("r2", score=NOW + 1)], NOW)
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW)] == ["r1"]
+    assert list(await q.dequeue("wg", 5, NOW + 1)) == []  # parked until NOW + a day
+    await q.set_rate_limit("envA", "task/a", RateLimit(limit=100, period_ms=1000, burst=10))
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW + 2)] == ["r2"]
+
+
 async def test_the_loss_of_any_one_shard_is_seen(q: RunQueue) -> None:
     """On a Redis Cluster each shard may live on another master: one epoch key for all was seen
     only when the master holding it lost its data, and another master's loss went unrepaired."""

@@ -1065,3 +1065,29 @@ async def test_the_sweeper_walks_waiting_runs_and_run_waitpoints_a_slice_a_pass(
     finally:  # other tests sweep this database too
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute("DELETE FROM waitpoint WHERE id LIKE %s", (f"waitpoint_o{unique}%",))
+
+
+async def test_an_engine_start_keeps_where_the_sweepers_walk_stands(database_url: str, redis_url: str,
+                                                                    key_prefix: str, unique: str) -> None:
+    """Each start armed the sweep job afresh, its cursors back at the start: with servers restarted
+    more often than one walk takes (deploys), the later part of the walk was never reached."""
+    from run_engine.clock import FakeClock
+    from run_engine.db.waitpoints import SweepCursors
+    from run_engine.engine import RunEngine
+    from run_engine.settings import EngineSettings
+    from systems import engine_jobs
+
+    settings = EngineSettings(database_url=database_url, redis_url=redis_url, key_prefix=f"{key_prefix}:sw{unique}")
+    first = await RunEngine.create(settings, clock=FakeClock())  # starts its job worker: arms the sweep
+    try:
+        assert await first.resources.jobs.get(engine_jobs.SWEEP_ID) is not None
+        await first._schedule_sweep(SweepCursors(runs="run_m", waitpoints="waitpoint_m"))
+    finally:
+        await first.close()
+    again = await RunEngine.create(settings, clock=FakeClock())
+    try:
+        found = await again.resources.jobs.get(engine_jobs.SWEEP_ID)
+        assert found is not None
+        assert found[0].payload == {"runs_after": "run_m", "waitpoints_after": "waitpoint_m"}
+    finally:
+        await again.close()

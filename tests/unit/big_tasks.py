@@ -198,3 +198,27 @@ def _write(path: str, pid: int) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(str(pid))
     os.replace(path + ".tmp", path)  # whole or not there: the test reads it while it is written
+
+
+@task(id="steps-and-a-wait")
+async def steps_and_a_wait(payload: dict[str, Any], ctx: Any) -> Any:
+    """Eight steps and a wait at once: the steps are answered only once the wait is (as a child the
+    run triggers would complete the token it waits on)."""
+    import asyncio
+
+    from run_engine.sdk import wait
+
+    got = await asyncio.gather(*(ctx.step(f"s{i}", lambda i=i: i) for i in range(8)),
+                               wait.for_token(payload["token"]))
+    return [got[:8], got[8].output]
+
+
+@task(id="returns-past-its-steps")
+async def returns_past_its_steps(payload: Any, ctx: Any) -> str:
+    """Starts ten steps it never waits for, then returns: its result must not wait behind them."""
+    import asyncio
+
+    for i in range(10):
+        asyncio.get_running_loop().create_task(ctx.step(f"bg{i}", lambda i=i: i))
+    await asyncio.sleep(0.2)  # every step's call is sent before the result
+    return "done"

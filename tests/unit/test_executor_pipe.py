@@ -454,3 +454,42 @@ def test_a_run_has_at_most_a_few_calls_open_at_once() -> None:
     import uvloop
 
     uvloop.run(asyncio.wait_for(_many_calls_at_once(), 30))
+
+
+async def _steps_wait_on_a_wait() -> None:
+    from supervisor.executor import MAX_OPEN_CALLS
+
+    ex = Executor("tests.unit.big_tasks")
+    try:
+        await ex.ready()
+        steps: list[int] = []
+
+        def on_call(msg: dict[str, Any]) -> None:
+            if msg["op"] == "journal":
+                steps.append(msg["id"])  # not answered before the wait is
+            else:
+                assert len(steps) == MAX_OPEN_CALLS
+                ex.reply(msg["id"], {"result": {"ok": True, "output": "approved"}})
+                for call_id in steps:
+                    ex.reply(call_id, {})
+
+        out = await ex.run(_run("steps-and-a-wait", {"token": "waitpoint_x"}), max_duration_s=60, memory_mb=None,
+                           on_call=on_call)
+        assert out == {"ok": True, "output": [list(range(8)), "approved"]}
+        out = await ex.run(_run("returns-past-its-steps", None), max_duration_s=60, memory_mb=None,
+                           on_call=lambda msg: None)  # its steps are never answered
+        assert out == {"ok": True, "output": "done"}
+        stale: list[dict[str, Any]] = []
+        out = await ex.run(_run("big-output", {"size": 2}), max_duration_s=60, memory_mb=None, on_call=stale.append)
+        assert out == {"ok": True, "output": "oo"}
+        assert stale == []  # the last run's held steps are not this run's to journal
+    finally:
+        ex.stop()
+
+
+def test_held_steps_never_hold_a_wait_or_the_result_back() -> None:
+    """Only steps wait while MAX_OPEN_CALLS are open: a wait passes them (it may be what answers
+    them), and so does the run's result."""
+    import uvloop
+
+    uvloop.run(asyncio.wait_for(_steps_wait_on_a_wait(), 30))
