@@ -12,7 +12,7 @@ from typing import Any
 
 from run_engine.db.deployments import TaskQueue
 from run_engine.db.runs import NewRun, RunRow
-from run_engine.errors import NotFoundError, QueueFullError, ValidationError
+from run_engine.errors import NotFoundError, QueueFullError, UnprocessableError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.run_queue import EnqueueItem, RateLimit
@@ -169,7 +169,13 @@ class EnqueueSystem:
     async def _ensure_queue(self, env_id: str, name: str, limit: int | None) -> None:
         if limit is None and (env_id, name) in self._queues:
             return
-        row = await self.r.repo.deployments.ensure_queue(new_id("queue"), env_id, name, limit)
+        cap = self.r.settings.max_queues_per_env
+        row = await self.r.repo.deployments.ensure_queue(new_id("queue"), env_id, name, limit, cap)
+        if row is None:
+            # each queue is a row, Redis keys and settings that every deploy and every restore of
+            # Redis walks: a tenant naming a new queue per trigger would make them unbounded
+            raise UnprocessableError("too_many_queues", f"queue: this environment has {cap} queues, the most "
+                                     "it may have (RUN_ENGINE_MAX_QUEUES_PER_ENV); use one of them")
         await self.mirror_queue(row)
         _remember(self._queues, (env_id, name), None, self.CACHE_SIZE)
 

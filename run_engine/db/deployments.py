@@ -212,21 +212,27 @@ class DeploymentRepository:
             )
             return from_row_or_none(DeploymentTask, await cur.fetchone())
 
-    async def ensure_queue(self, queue_id: str, env_id: str, name: str,
-                           concurrency_limit: int | None) -> TaskQueue:
+    async def ensure_queue(self, queue_id: str, env_id: str, name: str, concurrency_limit: int | None,
+                           max_queues: int | None = None) -> TaskQueue | None:
+        """The environment's queue ``name``, made when missing (its limit set when given); None
+        when it is missing and the environment has ``max_queues`` already (a soft bound: racing
+        creations may pass it by what they add at that moment)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
                 """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit)
-                   VALUES (%s, %s, %s, 'custom', %s)
+                   SELECT %(id)s, %(env)s, %(name)s, 'custom', %(limit)s
+                   WHERE %(max)s::int IS NULL
+                      OR EXISTS (SELECT 1 FROM task_queue WHERE environment_id = %(env)s AND name = %(name)s)
+                      OR (SELECT count(*) FROM (SELECT 1 FROM task_queue WHERE environment_id = %(env)s
+                                                LIMIT %(max)s) q) < %(max)s
                    ON CONFLICT (environment_id, name) DO UPDATE
                        SET concurrency_limit = coalesce(EXCLUDED.concurrency_limit, task_queue.concurrency_limit)
                    RETURNING *""",
-                (queue_id, env_id, name, concurrency_limit),
+                {"id": queue_id, "env": env_id, "name": name, "limit": concurrency_limit, "max": max_queues},
             )
             row = await cur.fetchone()
-            assert row is not None
-            return _queue(row)
+            return None if row is None else _queue(row)
 
     async def task_queue(self, env_id: str, name: str) -> TaskQueue | None:
         async with self.pool.connection() as conn:

@@ -110,3 +110,26 @@ async def test_the_reconciler_repairs_lost_runs_and_survives_one_it_cannot_repai
     assert await queue.placements([(h.env.env_id, b.id)]) == ["ready"]
     got = await h.engine.dequeue(wg, 10)
     assert b.id in {d.run.id for d in got}
+
+
+async def test_an_environment_may_have_so_many_queues(make_engine: Callable[..., Any]) -> None:
+    """Each queue is a row, Redis keys and settings that every deploy and every restore of Redis
+    walks: a tenant naming a new queue per trigger is refused past RUN_ENGINE_MAX_QUEUES_PER_ENV
+    (422 too_many_queues), while its queues go on and another environment's are not counted."""
+    from run_engine.errors import UnprocessableError
+    from run_engine.tenancy import ensure_environment
+
+    h: Harness = await make_engine(max_queues_per_env=5)
+    await h.deploy({"id": "hello"})  # its own queue, task/hello: one of the five
+    for i in range(4):
+        await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", queue=f"q{i}"))
+    with pytest.raises(UnprocessableError) as refused:
+        await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", queue="one-more"))
+    assert refused.value.code == "too_many_queues"
+    assert (await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", queue="q3",
+                                                  queue_concurrency_limit=2))).status == "QUEUED"
+    assert (await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))).status == "QUEUED"
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org="org-other-queues",
+                                     project="p", env="dev")
+    made = await h.engine.trigger(TriggerRequest(env_id=other.env_id, task_id="hello", queue="one-more"))
+    assert made.queue == "one-more"

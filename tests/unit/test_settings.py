@@ -76,3 +76,10 @@ def test_a_retention_postgresql_cannot_count_is_refused_at_start(raw: str) -> No
         EngineSettings.from_env({"RUN_ENGINE_RETENTION_DAYS": raw})
     assert EngineSettings.from_env({"RUN_ENGINE_RETENTION_DAYS": "0"}).retention_s is None
     assert EngineSettings.from_env({"RUN_ENGINE_RETENTION_DAYS": "7"}).retention_s == 7 * 86400
+
+
+def test_the_queues_an_environment_may_have_are_at_least_one() -> None:
+    assert EngineSettings.from_env({"RUN_ENGINE_MAX_QUEUES_PER_ENV": "50"}).max_queues_per_env == 50
+    assert EngineSettings.from_env({}).max_queues_per_env == 10_000
+    with pytest.raises(ConfigurationError, match="RUN_ENGINE_MAX_QUEUES_PER_ENV"):
+        EngineSettings.from_env({"RUN_ENGINE_MAX_QUEUES_PER_ENV": "0"})
