@@ -15,8 +15,12 @@ dequeue, start, "work" ``--work-ms`` and complete (so capacity is finite and a b
 3. fairness: 10 environments each with ``--backlog`` runs queued (triggered one environment after
    the other, as a FIFO queue would serve them); Jain's index over the runs each has started when
    ``--window`` runs have started (1.0: perfectly even; a FIFO queue gets 0.1).
+4. timers: environment A's ``--flood`` delayed runs come due at once (engine jobs, like TTLs and
+   wait.until); then environment B triggers ``--victim`` runs delayed 200 ms, one every 5 ms. How
+   late B's runs start after their date (p99), against the same on the idle system.
 
-Last lines: ``tenant p99 ratio: R``, ``key p99 ratio: R``, ``jain index: J``.
+Last lines: ``tenant p99 ratio: R``, ``key p99 ratio: R``, ``jain index: J``, ``timer p99 late: idle S s,
+flood S s``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +125,23 @@ async def _victim(engine: RunEngine, pool: Pool, env_id: str, n: int, key: str |
     return [pool.started[r] - t for r, t in sent.items()]
 
 
+async def _victim_delayed(engine: RunEngine, pool: Pool, env_id: str, n: int, delay_s: float) -> list[float]:
+    """Trigger ``n`` runs delayed ``delay_s``, one every 5 ms; how late each started after its date."""
+    due: dict[str, float] = {}
+    for _ in range(n):
+        t = time.perf_counter()
+        run = await engine.trigger(TriggerRequest(env_id=env_id, task_id="noop",
+                                                  delay_until=datetime.now(UTC) + timedelta(seconds=delay_s)))
+        due[run.id] = t + delay_s
+        await asyncio.sleep(0.005)
+    deadline = time.perf_counter() + 900
+    while any(r not in pool.started for r in due):
+        if time.perf_counter() > deadline:
+            raise TimeoutError("the victim's delayed runs did not all start within 900 s")
+        await asyncio.sleep(0.01)
+    return [max(0.0, pool.started[r] - t) for r, t in due.items()]
+
+
 async def _fresh(args: argparse.Namespace, body: Callable[[RunEngine], Awaitable[Any]]) -> Any:
     redis_url = args.redis_url
     prefix = f"refair{secrets.token_hex(3)}"
@@ -189,6 +211,36 @@ async def jain(args: argparse.Namespace) -> tuple[float, list[int]]:
     return result
 
 
+async def timers(args: argparse.Namespace) -> tuple[float, float, float]:
+    """(victim's p99 lateness idle, under a flood of delayed runs come due, time the flood took), s."""
+    async def body(engine: RunEngine) -> tuple[float, float, float]:
+        a, group = await _env(engine, "a")
+        b, _ = await _env(engine, "b")
+        pool = Pool(engine, group, args.consumers, args.work_ms / 1000)
+        out: list[float] = []
+
+        async def scenario() -> None:
+            idle = await _victim_delayed(engine, pool, b, args.victim, 0.2)
+            t0 = time.perf_counter()
+            due = datetime.now(UTC) + timedelta(seconds=1)  # the flood's jobs come due while it is triggered
+            for start in range(0, args.flood, 500):
+                await engine.trigger_many([TriggerRequest(env_id=a, task_id="noop", delay_until=due)
+                                           for _ in range(start, min(args.flood, start + 500))])
+            loaded = await _victim_delayed(engine, pool, b, args.victim, 0.2)
+            deadline = time.perf_counter() + 900
+            while len(pool.started) < args.flood + 2 * args.victim:
+                if time.perf_counter() > deadline:
+                    raise TimeoutError("the delayed flood did not all start within 900 s")
+                await asyncio.sleep(0.01)
+            out.extend([pct(idle, 99), pct(loaded, 99), time.perf_counter() - t0])
+
+        await pool.run(scenario)
+        return out[0], out[1], out[2]
+
+    result: tuple[float, float, float] = await _fresh(args, body)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flood", type=int, default=20_000)
@@ -197,6 +249,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=5000)
     parser.add_argument("--consumers", type=int, default=16)
     parser.add_argument("--work-ms", type=float, default=2.0)
+    parser.add_argument("--only", choices=("tenants", "keys", "jain", "timers"), action="append",
+                        help="run only these measurements (repeatable)")
     parser.add_argument("--cluster", action="store_true", help="a local 3-master Redis Cluster")
     parser.add_argument("--shards", type=int, default=1, help="queue shards (environments spread over them)")
     args = parser.parse_args()
@@ -210,17 +264,28 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace) -> None:
-    idle, loaded, drain = asyncio.run(tenants(args, keys=False))
-    print(f"tenants: victim p99 idle {idle * 1000:.1f} ms, under a {args.flood}-run flood {loaded * 1000:.1f} ms "
-          f"(the flood took {drain:.1f} s to start: a FIFO queue's wait)")
-    k_idle, k_loaded, k_drain = asyncio.run(tenants(args, keys=True))
-    print(f"keys:    victim p99 idle {k_idle * 1000:.1f} ms, under a {args.flood}-run flood {k_loaded * 1000:.1f} ms "
-          f"(the flood took {k_drain:.1f} s to start)")
-    index, xs = asyncio.run(jain(args))
-    print(f"fairness: runs started per tenant in the first {args.window}: {xs}")
-    print(f"tenant p99 ratio: {loaded / idle:.2f}")
-    print(f"key p99 ratio: {k_loaded / k_idle:.2f}")
-    print(f"jain index: {index:.3f}")
+    only = set(args.only or ("tenants", "keys", "jain", "timers"))
+    lines = []
+    if "tenants" in only:
+        idle, loaded, drain = asyncio.run(tenants(args, keys=False))
+        print(f"tenants: victim p99 idle {idle * 1000:.1f} ms, under a {args.flood}-run flood {loaded * 1000:.1f} ms "
+              f"(the flood took {drain:.1f} s to start: a FIFO queue's wait)")
+        lines.append(f"tenant p99 ratio: {loaded / idle:.2f}")
+    if "keys" in only:
+        k_idle, k_loaded, k_drain = asyncio.run(tenants(args, keys=True))
+        print(f"keys:    victim p99 idle {k_idle * 1000:.1f} ms, under a {args.flood}-run flood "
+              f"{k_loaded * 1000:.1f} ms (the flood took {k_drain:.1f} s to start)")
+        lines.append(f"key p99 ratio: {k_loaded / k_idle:.2f}")
+    if "jain" in only:
+        index, xs = asyncio.run(jain(args))
+        print(f"fairness: runs started per tenant in the first {args.window}: {xs}")
+        lines.append(f"jain index: {index:.3f}")
+    if "timers" in only:
+        t_idle, t_loaded, t_drain = asyncio.run(timers(args))
+        print(f"timers:  victim's delayed runs p99 late idle {t_idle * 1000:.1f} ms, behind {args.flood} delayed "
+              f"runs come due {t_loaded * 1000:.1f} ms (the flood took {t_drain:.1f} s to start)")
+        lines.append(f"timer p99 late: idle {t_idle:.3f} s, flood {t_loaded:.3f} s")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -540,7 +540,7 @@ def fairness(args: argparse.Namespace, chosen: list[System], env: Env) -> None:
         if system.key == "run-engine":
             log("fairness: run-engine in process ...")
             proc = subprocess.run([str(project_python()), str(ROOT / "bench" / "fairness.py"), "--flood",
-                                   str(args.flood), "--work-ms", "0", "--window", "1000", "--backlog", "200"],
+                                   str(args.flood), "--work-ms", "0", "--only", "tenants"],
                                   capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
             m = re.search(r"^tenants: victim p99 idle ([\d.]+) ms, under a \d+-run flood ([\d.]+) ms",
                           proc.stdout, re.M)

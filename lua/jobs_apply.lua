@@ -1,17 +1,19 @@
+-- include: jobs_lib
 -- jobs_apply: cancel some jobs and create or replace others, in one call (the engine re-arms a
 -- run's timeout jobs on every state change, for many runs at once).
--- KEYS[1] due ZSET, KEYS[2] items HASH
--- ARGV[1] number of ids to cancel, then those ids, then triples of id, run_at_ms, job_json
+-- KEYS[1] J:items
+-- ARGV[1] J, ARGV[2] now ms, ARGV[3] number of ids to cancel, then those ids, then quadruples of id,
+--   run_at_ms, lane ('': the default lane), job_json
 -- returns: number of jobs written
-local n = tonumber(ARGV[1])
-for i = 2, n + 1 do
-  redis.call('ZREM', KEYS[1], ARGV[i])
-  redis.call('HDEL', KEYS[2], ARGV[i])
+local now = tonumber(ARGV[2])
+local n = tonumber(ARGV[3])
+for i = 4, n + 3 do
+  remove(ARGV[i])
 end
 local written = 0
-for i = n + 2, #ARGV, 3 do
-  redis.call('ZADD', KEYS[1], ARGV[i + 1], ARGV[i])
-  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 2])
+for i = n + 4, #ARGV, 4 do
+  place(ARGV[i], ARGV[i + 2], tonumber(ARGV[i + 1]), now)
+  redis.call('HSET', ITEMS, ARGV[i], ARGV[i + 3])
   written = written + 1
 end
 return written

@@ -574,7 +574,7 @@ class RunEngine:
 
     async def _on_bulk_action_job(self, job: Job) -> None:
         if await self.systems.bulk_actions.run_page(job.payload["bulk_id"]):
-            await self.resources.change_jobs(schedule=[J.bulk_action(job.payload["bulk_id"], self.now())])
+            await self.resources.change_jobs(schedule=[J.bulk_action(job.payload["bulk_id"], job.lane, self.now())])
 
     async def _on_max_duration_job(self, job: Job) -> None:
         await self.systems.run_attempt.on_max_duration(job.payload["run_id"], job.payload["attempt"])

@@ -7,8 +7,9 @@
 * ``complete`` / ``fail`` act only if the job still carries the claimed token, so a job that was
   rescheduled while its handler ran survives. ``fail`` retries with back-off, then moves the job to
   the job DLQ.
-
-Keys: ``<prefix>:{jobs}:due`` (ZSET id → run-at ms), ``:items`` (HASH id → JSON), ``:dlq`` (HASH).
+* Each job is in a lane: the default one (``""``), claimed first, or an environment's. Lanes with
+  jobs due take turns, so one tenant's flood of timers coming due at once does not hold back
+  another's (``lua/jobs_lib.lua`` lays out the keys).
 """
 
 from __future__ import annotations
@@ -38,10 +39,18 @@ class Job:
     payload: dict[str, Any]
     attempt: int
     token: str
+    lane: str = ""  # "": the default lane; else the environment whose lane it is in
 
 
-def _encode(kind: str, payload: dict[str, Any], attempt: int, token: str, error: str | None = None) -> bytes:
+#: a job to create or replace: id, kind, payload, run-at (epoch s), lane ("": the default one)
+JobSpec = tuple[str, str, dict[str, Any], float, str]
+
+
+def _encode(kind: str, payload: dict[str, Any], attempt: int, token: str, lane: str,
+            error: str | None = None) -> bytes:
     data: dict[str, Any] = {"kind": kind, "payload": payload, "attempt": attempt, "token": token}
+    if lane:
+        data["lane"] = lane
     if error is not None:
         data["error"] = error
     return orjson.dumps(data)
@@ -50,7 +59,7 @@ def _encode(kind: str, payload: dict[str, Any], attempt: int, token: str, error:
 def _decode(job_id: str | bytes, raw: str | bytes) -> Job:
     data = orjson.loads(raw)
     jid = job_id.decode() if isinstance(job_id, bytes) else job_id
-    return Job(jid, data["kind"], data["payload"], data["attempt"], data["token"])
+    return Job(jid, data["kind"], data["payload"], data["attempt"], data["token"], data.get("lane", ""))
 
 
 class JobQueue:
@@ -62,31 +71,41 @@ class JobQueue:
         self.min_retry_s = min_retry_s
         self.max_retry_s = max_retry_s
         self.factor = factor
-        base = f"{prefix}:{{jobs}}"
-        self.due_key = f"{base}:due"
-        self.items_key = f"{base}:items"
-        self.dlq_key = f"{base}:dlq"
-        self.epoch_key = f"{base}:epoch"
+        self.base = f"{prefix}:{{jobs}}"
+        self.due_key = f"{self.base}:due"  # the default lane
+        self.lanes_key = f"{self.base}:lanes"
+        self.lane_of_key = f"{self.base}:lane_of"
+        self.items_key = f"{self.base}:items"
+        self.dlq_key = f"{self.base}:dlq"
+        self.epoch_key = f"{self.base}:epoch"
         self._reschedule = LuaScript.get("jobs_reschedule")
         self._claim = LuaScript.get("jobs_claim")
         self._settle = LuaScript.get("jobs_settle")
         self._apply = LuaScript.get("jobs_apply")
+        self._find = LuaScript.get("jobs_find")
+        self._stats = LuaScript.get("jobs_stats")
 
     def _ms(self, when: float) -> int:
         return int(when * 1000)
 
-    async def schedule(self, job_id: str, kind: str, payload: dict[str, Any], run_at: float) -> None:
-        await self.apply((), [(job_id, kind, payload, run_at)])
+    def lane_key(self, lane: str) -> str:
+        return self.due_key if lane == "" else f"{self.base}:lane:{lane}"
 
-    async def apply(self, cancel: Sequence[str], schedule: Sequence[tuple[str, str, dict[str, Any], float]]) -> None:
+    async def _call(self, script: LuaScript, args: Sequence[Any]) -> Any:
+        return await script(self.redis, [self.items_key], [self.base, *args])
+
+    async def schedule(self, job_id: str, kind: str, payload: dict[str, Any], run_at: float, lane: str = "") -> None:
+        await self.apply((), [(job_id, kind, payload, run_at, lane)])
+
+    async def apply(self, cancel: Sequence[str], schedule: Sequence[JobSpec]) -> None:
         """Cancel ``cancel`` and create or replace ``schedule`` in one round trip (cancels first,
         so an id in both ends up scheduled)."""
         if not cancel and not schedule:
             return
-        args: list[Any] = [len(cancel), *cancel]
-        for job_id, kind, payload, run_at in schedule:
-            args += [job_id, self._ms(run_at), _encode(kind, payload, 0, secrets.token_hex(8))]
-        await self._apply(self.redis, [self.due_key, self.items_key], args)
+        args: list[Any] = [self._ms(self.clock.now()), len(cancel), *cancel]
+        for job_id, kind, payload, run_at, lane in schedule:
+            args += [job_id, self._ms(run_at), lane, _encode(kind, payload, 0, secrets.token_hex(8), lane)]
+        await self._call(self._apply, args)
 
     async def reschedule(self, job_id: str, run_at: float) -> bool:
         return (await self.reschedule_many([(job_id, run_at)]))[0]
@@ -94,22 +113,20 @@ class JobQueue:
     async def reschedule_many(self, items: Sequence[tuple[str, float]]) -> list[bool]:
         if not items:
             return []
-        args: list[Any] = []
+        args: list[Any] = [self._ms(self.clock.now())]
         for job_id, run_at in items:
             args += [job_id, self._ms(run_at)]
-        return [bool(x) for x in await self._reschedule(self.redis, [self.due_key], args)]
+        return [bool(x) for x in await self._call(self._reschedule, args)]
 
     async def ack(self, job_id: str) -> None:
         await self.apply([job_id], ())
 
     async def claim(self, limit: int, visibility_s: float = 30.0) -> list[Job]:
-        flat = await self._claim(self.redis, [self.due_key, self.items_key],
-                                 [self._ms(self.clock.now()), limit, int(visibility_s * 1000)])
+        flat = await self._call(self._claim, [self._ms(self.clock.now()), limit, int(visibility_s * 1000)])
         return [_decode(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
     async def complete(self, job: Job) -> bool:
-        return bool(await self._settle(self.redis, [self.due_key, self.items_key, self.dlq_key],
-                                       [job.id, job.token, "complete", "", 0]))
+        return bool(await self._call(self._settle, [job.id, job.token, "complete", "", 0]))
 
     def retry_delay_s(self, attempt: int) -> float:
         return min(self.max_retry_s, self.min_retry_s * self.factor ** max(0, attempt - 1))
@@ -117,31 +134,25 @@ class JobQueue:
     async def fail(self, job: Job, error: str) -> bool:
         """Retry the job after a back-off, or move it to the job DLQ after ``max_attempts``."""
         attempt = job.attempt + 1
-        keys = [self.due_key, self.items_key, self.dlq_key]
+        encoded = _encode(job.kind, job.payload, attempt, job.token, job.lane, error)
         if attempt >= self.max_attempts:
-            return bool(await self._settle(self.redis, keys, [
-                job.id, job.token, "dead", _encode(job.kind, job.payload, attempt, job.token, error), 0]))
+            return bool(await self._call(self._settle, [job.id, job.token, "dead", encoded, 0]))
         run_at = self.clock.now() + self.retry_delay_s(attempt)
-        return bool(await self._settle(self.redis, keys, [
-            job.id, job.token, "retry", _encode(job.kind, job.payload, attempt, job.token, error), self._ms(run_at)]))
+        return bool(await self._call(self._settle, [job.id, job.token, "retry", encoded, self._ms(run_at)]))
 
     async def missing(self, job_ids: Sequence[str]) -> list[str]:
-        """Those of ``job_ids`` that are not scheduled (one pipelined round trip)."""
+        """Those of ``job_ids`` that are not scheduled (one round trip)."""
         if not job_ids:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.zscore(self.due_key, job_id)
-        return [j for j, score in zip(job_ids, await pipe.execute(), strict=True) if score is None]
+        found = await self._call(self._find, job_ids)
+        return [j for j, score in zip(job_ids, found, strict=True) if score is None]
 
     async def get(self, job_id: str) -> tuple[Job, float] | None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(self.items_key, job_id)
-        pipe.zscore(self.due_key, job_id)
-        raw, score = await pipe.execute()
+        [score] = await self._call(self._find, [job_id])
+        raw = await self.redis.hget(self.items_key, job_id)
         if raw is None or score is None:
             return None
-        return _decode(job_id, raw), score / 1000
+        return _decode(job_id, raw), float(score) / 1000
 
     async def dlq(self, limit: int = 100) -> list[tuple[Job, str]]:
         out = []
@@ -152,7 +163,12 @@ class JobQueue:
         return out
 
     async def size(self) -> int:
-        return int(await self.redis.zcard(self.due_key))
+        return int(await self.redis.hlen(self.items_key))
+
+    async def lanes(self) -> list[str]:
+        """The lanes other than the default one that are listed (to be looked at)."""
+        members = await self.redis.zrange(self.lanes_key, 0, -1)
+        return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
 
     async def has_epoch(self) -> bool:
         """False when Redis lost the jobs' data (a flush, or a restart without persistence, of the
@@ -166,12 +182,9 @@ class JobQueue:
     async def stats(self) -> tuple[int, float, int]:
         """(jobs scheduled, seconds the oldest due job is late, jobs in the job DLQ), one round trip.
         A claimed job's score is its lease's end, so only jobs nobody has taken count as late."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zcard(self.due_key)
-        pipe.zrange(self.due_key, 0, 0, withscores=True)
-        pipe.hlen(self.dlq_key)
-        scheduled, oldest, dead = await pipe.execute()
-        lag = max(0.0, self.clock.now() - float(oldest[0][1]) / 1000) if oldest else 0.0
+        now = self.clock.now()
+        scheduled, oldest, dead = await self._call(self._stats, [self._ms(now)])
+        lag = max(0.0, now - float(oldest) / 1000) if oldest is not None else 0.0
         return int(scheduled), lag, int(dead)
 
 

@@ -128,7 +128,7 @@ class BulkActionsSystem:
             raise TooManyError("bulk actions", MAX_PENDING)
         action = made
         if action.status == "PENDING":
-            job = engine_jobs.bulk_action(action.id, self.r.clock.now())
+            job = engine_jobs.bulk_action(action.id, env_id, self.r.clock.now())
             # A repeated request must not make the job due again while a worker runs its page (a
             # second worker would take the same page at once); it re-arms only a job that is gone.
             # The action is committed: an error now (Redis away) must not answer the request with

@@ -76,9 +76,9 @@ class DelayedRunsSystem:
             await self.execution_snapshot.apply(
                 run_id, E.DELAYED, RunStatus.DELAYED, from_statuses=(E.DELAYED,), expected_snapshot_id=latest.id,
                 operation="reschedule", description=f"Rescheduled to {delay_until.isoformat()}")
-            jobs = [engine_jobs.delayed(run_id, delay_until.timestamp())]
+            jobs = [engine_jobs.delayed(run_id, env_id, delay_until.timestamp())]
             if run.ttl_s is not None:
-                jobs.append(engine_jobs.ttl(run_id, delay_until.timestamp() + run.ttl_s))
+                jobs.append(engine_jobs.ttl(run_id, env_id, delay_until.timestamp() + run.ttl_s))
             await self.r.change_jobs(schedule=jobs)
             fresh = await self.r.repo.runs.get_run(run_id)
         assert fresh is not None
@@ -99,9 +99,9 @@ class DelayedRunsSystem:
             if run is None:
                 return None
             due = (run.delay_until or delay_until).timestamp()
-            jobs = [engine_jobs.delayed(run_id, due)]
+            jobs = [engine_jobs.delayed(run_id, run.env_id, due)]
             if run.ttl_s is not None:
-                jobs.append(engine_jobs.ttl(run_id, due + run.ttl_s))
+                jobs.append(engine_jobs.ttl(run_id, run.env_id, due + run.ttl_s))
             await self.r.change_jobs(schedule=jobs)
         self.r.events.emit(RunEvent("run_updated", run_id, run.env_id, data={"what": "debounced"}))
         return run
@@ -121,7 +121,7 @@ class DelayedRunsSystem:
             # before moving the job): not yet; the job goes to the date the TTL ends
             ends = (run.delay_until or run.created_at).timestamp() + run.ttl_s
             if ends > self.r.clock.now() + 0.001:
-                await self.r.change_jobs(schedule=[engine_jobs.ttl(run_id, ends)])
+                await self.r.change_jobs(schedule=[engine_jobs.ttl(run_id, run.env_id, ends)])
                 return False
             # the snapshot first (a dequeue takes no lock: one that got in first wins, and this one
             # changes nothing); a message handed out after it is dropped by that dequeue

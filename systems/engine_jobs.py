@@ -3,13 +3,16 @@
 A job's id is fixed by what it is about (a run, a snapshot, an attempt, a waitpoint), so that
 scheduling it again replaces it (debouncing) and the reconciler can ask Redis whether it is there.
 Each builder returns a :data:`JobSpec` ready for ``SystemResources.change_jobs``; the engine maps
-each kind to its handler (``RunEngine``)."""
+each kind to its handler (``RunEngine``). The checks of held runs (heartbeat timeouts, max
+durations: no more than the runs held, which concurrency limits bound) and the sweeper are in the
+default lane, claimed first; what a tenant's triggers make by the million (delays, TTLs, waitpoint
+dates and timeouts, bulk actions) is in its environment's lane, and the lanes take turns."""
 
 from __future__ import annotations
 
-from typing import Any
+from run_engine.jobs import JobSpec
 
-JobSpec = tuple[str, str, dict[str, Any], float]  # id, kind, payload, run-at (epoch s)
+__all__ = ["JobSpec"]
 
 HEARTBEAT = "heartbeat_timeout"  # a held run's heartbeat timed out (payload: run_id, snapshot_id)
 MAX_DURATION = "max_duration"  # an attempt ran past its task's maxDuration (run_id, attempt)
@@ -29,7 +32,7 @@ def heartbeat_id(run_id: str, snapshot_id: str) -> str:
 
 
 def heartbeat(run_id: str, snapshot_id: str, at: float) -> JobSpec:
-    return heartbeat_id(run_id, snapshot_id), HEARTBEAT, {"run_id": run_id, "snapshot_id": snapshot_id}, at
+    return heartbeat_id(run_id, snapshot_id), HEARTBEAT, {"run_id": run_id, "snapshot_id": snapshot_id}, at, ""
 
 
 def max_duration_id(run_id: str, attempt: int) -> str:
@@ -37,49 +40,49 @@ def max_duration_id(run_id: str, attempt: int) -> str:
 
 
 def max_duration(run_id: str, attempt: int, at: float) -> JobSpec:
-    return max_duration_id(run_id, attempt), MAX_DURATION, {"run_id": run_id, "attempt": attempt}, at
+    return max_duration_id(run_id, attempt), MAX_DURATION, {"run_id": run_id, "attempt": attempt}, at, ""
 
 
 def delayed_id(run_id: str) -> str:
     return f"delay.{run_id}"
 
 
-def delayed(run_id: str, at: float) -> JobSpec:
-    return delayed_id(run_id), DELAYED, {"run_id": run_id}, at
+def delayed(run_id: str, env_id: str, at: float) -> JobSpec:
+    return delayed_id(run_id), DELAYED, {"run_id": run_id}, at, env_id
 
 
 def ttl_id(run_id: str) -> str:
     return f"ttl.{run_id}"
 
 
-def ttl(run_id: str, at: float) -> JobSpec:
-    return ttl_id(run_id), TTL, {"run_id": run_id}, at
+def ttl(run_id: str, env_id: str, at: float) -> JobSpec:
+    return ttl_id(run_id), TTL, {"run_id": run_id}, at, env_id
 
 
 def waitpoint_datetime_id(waitpoint_id: str) -> str:
     return f"wpdt.{waitpoint_id}"
 
 
-def waitpoint_datetime(waitpoint_id: str, at: float) -> JobSpec:
-    return waitpoint_datetime_id(waitpoint_id), WAITPOINT_DATETIME, {"waitpoint_id": waitpoint_id}, at
+def waitpoint_datetime(waitpoint_id: str, env_id: str, at: float) -> JobSpec:
+    return waitpoint_datetime_id(waitpoint_id), WAITPOINT_DATETIME, {"waitpoint_id": waitpoint_id}, at, env_id
 
 
 def waitpoint_timeout_id(waitpoint_id: str) -> str:
     return f"wpto.{waitpoint_id}"
 
 
-def waitpoint_timeout(waitpoint_id: str, at: float) -> JobSpec:
-    return waitpoint_timeout_id(waitpoint_id), WAITPOINT_TIMEOUT, {"waitpoint_id": waitpoint_id}, at
+def waitpoint_timeout(waitpoint_id: str, env_id: str, at: float) -> JobSpec:
+    return waitpoint_timeout_id(waitpoint_id), WAITPOINT_TIMEOUT, {"waitpoint_id": waitpoint_id}, at, env_id
 
 
 def sweep(at: float, runs_after: str = "", waitpoints_after: str = "") -> JobSpec:
     """The sweeper's next pass, going on after the ids its last pass walked to ('': the start)."""
-    return SWEEP_ID, WAITPOINT_SWEEP, {"runs_after": runs_after, "waitpoints_after": waitpoints_after}, at
+    return SWEEP_ID, WAITPOINT_SWEEP, {"runs_after": runs_after, "waitpoints_after": waitpoints_after}, at, ""
 
 
 def bulk_action_id(bulk_id: str) -> str:
     return f"bulk.{bulk_id}"
 
 
-def bulk_action(bulk_id: str, at: float) -> JobSpec:
-    return bulk_action_id(bulk_id), BULK_ACTION, {"bulk_id": bulk_id}, at
+def bulk_action(bulk_id: str, env_id: str, at: float) -> JobSpec:
+    return bulk_action_id(bulk_id), BULK_ACTION, {"bulk_id": bulk_id}, at, env_id

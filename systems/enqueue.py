@@ -208,7 +208,7 @@ class EnqueueSystem:
         items: list[EnqueueItem] = []
         item_requests: list[TriggerRequest] = []
         results: list[TriggeredRun] = []
-        jobs: list[tuple[str, str, dict[str, Any], float]] = []
+        jobs: list[engine_jobs.JobSpec] = []
         keyed: dict[str, list[tuple[str, str]]] = {}
         for req in requests:
             if req.debounce is not None:
@@ -306,10 +306,10 @@ class EnqueueSystem:
         ttl_s = self._ttl(req.ttl_s)
         run_id = req.run_id or new_id("run")
         if delayed and req.delay_until is not None:
-            jobs.append(engine_jobs.delayed(run_id, req.delay_until.timestamp()))
+            jobs.append(engine_jobs.delayed(run_id, req.env_id, req.delay_until.timestamp()))
         if ttl_s is not None:
             start = req.delay_until.timestamp() if delayed and req.delay_until else now
-            jobs.append(engine_jobs.ttl(run_id, start + ttl_s))
+            jobs.append(engine_jobs.ttl(run_id, req.env_id, start + ttl_s))
         run = NewRun(
             id=run_id,
             snapshot_id=new_id("snapshot"),

@@ -268,10 +268,10 @@ class ReconcilerSystem:
         after = ""
         while True:  # bulk actions under way go on
             pending = await self.r.repo.bulk_actions.pending(after, BULK_PAGE)
-            total += await self._schedule_missing([engine_jobs.bulk_action(a, now) for a in pending])
+            total += await self._schedule_missing([engine_jobs.bulk_action(a, env_id, now) for a, env_id in pending])
             if len(pending) < BULK_PAGE:
                 break
-            after = pending[-1]
+            after = pending[-1][0]
         async def active(after: str, limit: int) -> list[tuple[RunRow, Snapshot]]:
             return await self.r.repo.maintenance.active_runs_page(after, grace, limit)
 
@@ -287,19 +287,19 @@ class ReconcilerSystem:
             wanted = []
             for run in runs:
                 if run.status == "DELAYED" and run.delay_until is not None:
-                    wanted.append(engine_jobs.delayed(run.id, run.delay_until.timestamp()))
+                    wanted.append(engine_jobs.delayed(run.id, run.env_id, run.delay_until.timestamp()))
                 if run.ttl_s is not None and run.attempt_number == 0:
                     start = run.delay_until or run.created_at
-                    wanted.append(engine_jobs.ttl(run.id, start.timestamp() + run.ttl_s))
+                    wanted.append(engine_jobs.ttl(run.id, run.env_id, start.timestamp() + run.ttl_s))
             total += await self._schedule_missing(wanted)
         async for waitpoints in self._pages("timed waitpoints", self.r.repo.waitpoints.timed_waitpoints_page,
                                             lambda row: row[0], full):
             wanted = []
-            for wp_id, kind, completed_after, timeout_at in waitpoints:
+            for wp_id, env_id, kind, completed_after, timeout_at in waitpoints:
                 if kind == "DATETIME" and completed_after is not None:
-                    wanted.append(engine_jobs.waitpoint_datetime(wp_id, completed_after.timestamp()))
+                    wanted.append(engine_jobs.waitpoint_datetime(wp_id, env_id, completed_after.timestamp()))
                 if timeout_at is not None:
-                    wanted.append(engine_jobs.waitpoint_timeout(wp_id, timeout_at.timestamp()))
+                    wanted.append(engine_jobs.waitpoint_timeout(wp_id, env_id, timeout_at.timestamp()))
             total += await self._schedule_missing(wanted)
         if total:
             log.warning("reconciler: re-armed %d lost engine jobs", total)

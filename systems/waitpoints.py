@@ -185,7 +185,8 @@ class WaitpointsSystem:
         # a repeat (same key) schedules the job too: the first call may have stored the token and
         # failed on the way to Redis; the job's fixed id makes it the same job
         if wp.status == "PENDING" and wp.timeout_at is not None:
-            await self.r.change_jobs(schedule=[engine_jobs.waitpoint_timeout(wp.id, wp.timeout_at.timestamp())])
+            await self.r.change_jobs(
+                schedule=[engine_jobs.waitpoint_timeout(wp.id, wp.env_id, wp.timeout_at.timestamp())])
         return wp, cached
 
     async def create_datetime(self, env_id: str, at: datetime, *, idempotency_key: str | None = None) -> Waitpoint:
@@ -196,7 +197,8 @@ class WaitpointsSystem:
             idempotency_key_expires_at=_day_after(at) if idempotency_key else None), self._at(0))
         _same_kind(wp, "DATETIME", idempotency_key)
         if wp.status == "PENDING" and wp.completed_after is not None:  # a repeat too (see create_token)
-            await self.r.change_jobs(schedule=[engine_jobs.waitpoint_datetime(wp.id, wp.completed_after.timestamp())])
+            await self.r.change_jobs(
+                schedule=[engine_jobs.waitpoint_datetime(wp.id, wp.env_id, wp.completed_after.timestamp())])
         return wp
 
     # --- completing ---------------------------------------------------------------------------

@@ -130,10 +130,11 @@ class BulkActionRepository:
                 (age_s, limit))
             return cur.rowcount
 
-    async def pending(self, after: str = "", limit: int = 1000) -> list[str]:
-        """Ids of the actions not finished, after ``after`` in id order (the reconciler re-arms
-        their jobs a page at a time)."""
+    async def pending(self, after: str = "", limit: int = 1000) -> list[tuple[str, str]]:
+        """(id, environment) of the actions not finished, after ``after`` in id order (the
+        reconciler re-arms their jobs a page at a time)."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                "SELECT id FROM bulk_action WHERE status = 'PENDING' AND id > %s ORDER BY id LIMIT %s", (after, limit))
-            return [r[0] for r in await cur.fetchall()]
+                "SELECT id, environment_id FROM bulk_action WHERE status = 'PENDING' AND id > %s ORDER BY id LIMIT %s",
+                (after, limit))
+            return [(r[0], r[1]) for r in await cur.fetchall()]

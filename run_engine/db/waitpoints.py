@@ -777,16 +777,16 @@ class WaitpointRepository:
                 found.setdefault(row.pop("ord"), []).append(row)
         return [journal_page_of(found.get(i, [])) for i in range(1, len(wanted) + 1)]
 
-    async def timed_waitpoints_page(self, after_id: str, limit: int) -> list[tuple[str, str, datetime | None,
+    async def timed_waitpoints_page(self, after_id: str, limit: int) -> list[tuple[str, str, str, datetime | None,
                                                                                 datetime | None]]:
-        """Pending waitpoints an engine job completes: (id, type, completed_after, timeout_at)."""
+        """Pending waitpoints an engine job completes: (id, environment, type, completed_after, timeout_at)."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """SELECT id, type, completed_after, timeout_at FROM waitpoint
+                """SELECT id, environment_id, type, completed_after, timeout_at FROM waitpoint
                    WHERE status = 'PENDING' AND id > %s
                      AND ((type = 'DATETIME' AND completed_after IS NOT NULL) OR timeout_at IS NOT NULL)
                    ORDER BY id LIMIT %s""", (after_id, limit))
-            return [(r[0], r[1], r[2], r[3]) for r in await cur.fetchall()]
+            return [(r[0], r[1], r[2], r[3], r[4]) for r in await cur.fetchall()]
 
     async def existing_runs(self, run_ids: Sequence[str]) -> set[str]:
         """Which of ``run_ids`` exist."""

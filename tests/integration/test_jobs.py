@@ -49,7 +49,7 @@ async def test_reschedule_moves_only_existing_jobs_and_ack_cancels(jobs: JobQueu
 
 
 async def test_claim_is_atomic_between_concurrent_claimers(jobs: JobQueue, clock: FakeClock) -> None:
-    await jobs.apply((), [(f"j{i}", "kind", {}, T0) for i in range(200)])
+    await jobs.apply((), [(f"j{i}", "kind", {}, T0, "e1" if i % 3 else "") for i in range(200)])
     batches = await asyncio.gather(*(jobs.claim(7) for _ in range(40)))
     ids = [j.id for batch in batches for j in batch]
     assert len(ids) == len(set(ids)) == 200
@@ -93,6 +93,91 @@ async def test_fail_retries_with_growing_delay_then_dead_letters(jobs: JobQueue,
     assert dead.id == "f" and error == "boom again"
 
 
+# --- lanes: one environment's timers must not hold back another's ------------------------------
+
+
+async def test_a_lanes_flood_due_at_once_does_not_hold_back_another_lanes_later_job(
+        jobs: JobQueue, clock: FakeClock) -> None:
+    """A million delayed runs of one tenant coming due at the same instant used to be one sorted
+    set ahead of every other tenant's timers: another's job due a moment later waited for them all."""
+    await jobs.apply((), [(f"a{i}", "kind", {}, T0, "env_a") for i in range(500)])
+    await jobs.schedule("b", "kind", {}, T0 + 1, lane="env_b")
+    clock.advance(2)
+    first = await jobs.claim(10)
+    assert "b" in {j.id for j in first}
+    assert len(first) == 10  # the rest of the claim is the flood's: no capacity left unused
+
+
+async def test_the_default_lane_is_claimed_first(jobs: JobQueue, clock: FakeClock) -> None:
+    """Heartbeat timeouts and max durations (the default lane) notice dead workers: an
+    environment's backlog of timers never delays them."""
+    await jobs.apply((), [(f"a{i}", "kind", {}, T0, "env_a") for i in range(50)])
+    await jobs.schedule("hb", "kind", {}, T0 + 1)
+    clock.advance(2)
+    [first, *_] = await jobs.claim(5)
+    assert first.id == "hb" and first.lane == ""
+
+
+async def test_lanes_with_jobs_due_take_turns(jobs: JobQueue, clock: FakeClock) -> None:
+    for lane in ("x", "y", "z"):
+        await jobs.apply((), [(f"{lane}{i}", "kind", {}, T0 + i / 1000, lane) for i in range(20)])
+    clock.advance(1)
+    seen: list[str] = []
+    for _ in range(10):
+        claimed = await jobs.claim(2)
+        assert len(claimed) == 2
+        seen += [j.lane for j in claimed]
+        clock.advance(0.002)  # later claims see the lanes served before as served longest ago
+    assert {lane: seen.count(lane) for lane in "xyz"} in ({"x": 7, "y": 7, "z": 6}, {"x": 7, "y": 6, "z": 7},
+                                                          {"x": 6, "y": 7, "z": 7})
+    # in turn: no lane is served twice before another lane with jobs due is served once
+    for i in range(0, len(seen) - 2, 3):
+        assert len(set(seen[i:i + 3])) == 3
+
+
+async def test_a_lanes_jobs_are_found_moved_retried_and_cancelled_in_their_lane(
+        jobs: JobQueue, clock: FakeClock) -> None:
+    await jobs.schedule("d", "kind", {"n": 1}, T0 + 5, lane="env_a")
+    assert await jobs.missing(["d", "nope"]) == ["nope"]
+    got = await jobs.get("d")
+    assert got is not None and got[0].lane == "env_a" and got[1] == pytest.approx(T0 + 5)
+    assert await jobs.reschedule("d", T0 + 1)
+    clock.advance(1)
+    [job] = await jobs.claim(10)
+    assert (job.id, job.lane) == ("d", "env_a")
+    assert await jobs.fail(job, "boom")  # retried in its lane, after its back-off
+    got = await jobs.get("d")
+    assert got is not None and got[0].lane == "env_a" and got[0].attempt == 1
+    clock.advance(1)
+    [again] = await jobs.claim(10)
+    assert again.id == "d"
+    assert await jobs.complete(again)
+    assert await jobs.missing(["d"]) == ["d"] and await jobs.size() == 0
+    assert await jobs.lanes() == []  # a lane left empty is no longer looked at
+    await jobs.schedule("c", "kind", {}, T0 + 100, lane="env_a")
+    await jobs.ack("c")
+    clock.advance(200)
+    assert await jobs.claim(10) == []
+    assert await jobs.lanes() == []
+
+
+async def test_a_job_scheduled_again_in_another_lane_is_in_that_lane_alone(jobs: JobQueue, clock: FakeClock) -> None:
+    await jobs.schedule("m", "kind", {"n": 1}, T0, lane="env_a")
+    await jobs.schedule("m", "kind", {"n": 2}, T0, lane="")
+    await jobs.schedule("m", "kind", {"n": 3}, T0, lane="env_b")
+    [job] = await jobs.claim(10)
+    assert (job.lane, job.payload) == ("env_b", {"n": 3})
+    assert await jobs.claim(10) == []
+
+
+async def test_stats_see_a_backlogged_lane_late(jobs: JobQueue, clock: FakeClock) -> None:
+    await jobs.apply((), [(f"a{i}", "kind", {}, T0, "env_a") for i in range(30)])
+    clock.advance(10)
+    await jobs.claim(5)  # served just now, it is still 10 s behind
+    scheduled, lag, dead = await jobs.stats()
+    assert (scheduled, dead) == (30, 0) and lag == pytest.approx(10)
+
+
 async def test_worker_runs_handlers_and_settles_them(jobs: JobQueue, clock: FakeClock) -> None:
     seen: list[str] = []
 
@@ -103,8 +188,8 @@ async def test_worker_runs_handlers_and_settles_them(jobs: JobQueue, clock: Fake
         raise RuntimeError("nope")
 
     worker = JobWorker(jobs, {"ok": ok, "bad": bad})
-    await jobs.apply((), [("o1", "ok", {}, T0), ("o2", "ok", {}, T0), ("b1", "bad", {}, T0),
-                              ("u1", "unknown", {}, T0), ("later", "ok", {}, T0 + 100)])
+    await jobs.apply((), [("o1", "ok", {}, T0, ""), ("o2", "ok", {}, T0, "e1"), ("b1", "bad", {}, T0, "e1"),
+                          ("u1", "unknown", {}, T0, ""), ("later", "ok", {}, T0 + 100, "e2")])
     assert await worker.run_due_once() == 4
     assert sorted(seen) == ["o1", "o2"]
     assert await jobs.get("o1") is None
@@ -127,3 +212,4 @@ async def test_worker_loop_picks_up_due_jobs(jobs: JobQueue, clock: FakeClock) -
         await asyncio.wait_for(done.wait(), 10)
     finally:
         await worker.stop()
+

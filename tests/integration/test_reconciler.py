@@ -297,7 +297,7 @@ async def test_engine_jobs_lost_alone_are_rearmed_whole(h: Harness) -> None:
     started = await engine.start_attempt(run.id, d.snapshot.id)
     job = f"hb.{run.id}.{started.snapshot.id}"
     assert await jobs.missing([job]) == []
-    await engine.redis.delete(jobs.due_key, jobs.items_key, jobs.epoch_key)  # only the jobs' slot lost
+    await engine.redis.delete(*[k async for k in engine.redis.scan_iter(f"{jobs.base}*")])  # only the jobs' slot lost
     assert await engine.resources.queue.has_epoch()
     report = await reconciler.reconcile(grace_s=0)
     assert report.jobs_rearmed >= 1 and report.settings_restored == 0
