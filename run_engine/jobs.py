@@ -235,8 +235,11 @@ class JobWorker:
         backoff = 0.0
         while not self._stopping:
             free = self.concurrency - len(self._running)
+            if free <= 0:  # every slot busy: claim again as soon as one frees (not a poll later)
+                await asyncio.wait(self._running, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
+                continue
             try:
-                jobs = await self.queue.claim(free, self.visibility_s) if free > 0 else []
+                jobs = await self.queue.claim(free, self.visibility_s)
                 if backoff:
                     log.info("claiming engine jobs works again")
                     backoff = 0.0
@@ -250,7 +253,7 @@ class JobWorker:
                 task = asyncio.create_task(self._run(job))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
-            if len(jobs) < max(free, 1):
+            if len(jobs) < free:  # nothing more due now
                 await asyncio.sleep(self.poll_interval_s)
 
     async def start(self) -> None:

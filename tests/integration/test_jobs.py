@@ -213,3 +213,24 @@ async def test_worker_loop_picks_up_due_jobs(jobs: JobQueue, clock: FakeClock) -
     finally:
         await worker.stop()
 
+
+async def test_worker_claims_again_as_soon_as_a_slot_frees(jobs: JobQueue, clock: FakeClock) -> None:
+    """With every slot busy the worker used to sleep a whole poll interval before its next claim:
+    20 slots and a 50 ms poll held a flood of delayed runs to 400 a second. Here the poll is an hour:
+    the jobs all run only if a finished job makes room for the next claim at once."""
+    done: list[str] = []
+
+    async def handler(job: Job) -> None:
+        done.append(job.id)
+
+    await jobs.apply((), [(f"j{i}", "k", {}, T0, "env") for i in range(12)])
+    worker = JobWorker(jobs, {"k": handler}, concurrency=2, poll_interval_s=3600)
+    await worker.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        while len(done) < 12:
+            assert asyncio.get_running_loop().time() < deadline, f"only {len(done)} of 12 jobs ran"
+            await asyncio.sleep(0.01)
+    finally:
+        await worker.stop()
+    assert sorted(done) == sorted(f"j{i}" for i in range(12))
