@@ -99,24 +99,34 @@ class ScheduleRepository:
 
     async def set_active(self, schedule_id: str, env_id: str, active: bool,
                          next_run_at: datetime | None) -> Schedule | None:
+        """Activate (from ``next_run_at``) or deactivate; activating an active schedule keeps its
+        next tick (one due and not yet fired is not skipped)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
-                """UPDATE task_schedule SET active = %s, next_run_at = %s, updated_at = now()
-                   WHERE id = %s AND environment_id = %s RETURNING *""",
-                (active, next_run_at, schedule_id, env_id))
+                """UPDATE task_schedule
+                      SET next_run_at = CASE WHEN active AND %(active)s THEN next_run_at ELSE %(next)s END,
+                          active = %(active)s, updated_at = now()
+                   WHERE id = %(id)s AND environment_id = %(env)s RETURNING *""",
+                {"active": active, "next": next_run_at, "id": schedule_id, "env": env_id})
             return from_row_or_none(Schedule, await cur.fetchone())
 
     async def update(self, schedule_id: str, env_id: str, *, task_id: str, cron: str, timezone: str,
                      external_id: str | None, next_run_at: datetime | None) -> Schedule | None:
-        """Change an imperative schedule's task, cron, time zone and external id (and its next tick)."""
+        """Change an imperative schedule's task, cron, time zone and external id; its next tick
+        becomes ``next_run_at`` only if the cron or the time zone changed (a tick due and not yet
+        fired is not skipped by a change of its task or external id)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
-                """UPDATE task_schedule SET task_identifier = %s, cron = %s, timezone = %s, external_id = %s,
-                          next_run_at = CASE WHEN active THEN %s ELSE next_run_at END, updated_at = now()
-                   WHERE id = %s AND environment_id = %s AND type = 'IMPERATIVE' RETURNING *""",
-                (task_id, cron, timezone, external_id, next_run_at, schedule_id, env_id))
+                """UPDATE task_schedule
+                      SET next_run_at = CASE WHEN NOT active OR (cron = %(cron)s AND timezone = %(tz)s)
+                                             THEN next_run_at ELSE %(next)s END,
+                          task_identifier = %(task)s, cron = %(cron)s, timezone = %(tz)s, external_id = %(ext)s,
+                          updated_at = now()
+                   WHERE id = %(id)s AND environment_id = %(env)s AND type = 'IMPERATIVE' RETURNING *""",
+                {"task": task_id, "cron": cron, "tz": timezone, "ext": external_id, "next": next_run_at,
+                 "id": schedule_id, "env": env_id})
             return from_row_or_none(Schedule, await cur.fetchone())
 
     async def delete_declarative(self, env_id: str, keep: Sequence[str]) -> None:

@@ -88,6 +88,25 @@ async def test_deactivate_stops_and_activate_restarts_from_now(h: Harness) -> No
     assert same.id == sched.id and same.cron == "0 * * * *"
 
 
+async def test_a_tick_due_is_not_skipped_by_an_edit_that_keeps_its_cron(h: Harness) -> None:
+    """A tick due and not yet fired (the planner's jitter, a poll away) was skipped by any edit: the
+    schedule's next tick was worked out again from now. An edit of its task or external id, or an
+    activation of an active schedule, keeps it; a new cron starts from now."""
+    schedules = h.engine.systems.schedules
+    sched = await schedules.upsert(h.env.env_id, task="hello", cron="* * * * *", external_id="v1")
+    due = sched.next_run_at
+    h.clock.advance((due - ts(h)).total_seconds() + 1)  # due, not fired yet
+    edited = await schedules.update(h.env.env_id, sched.id, task="hello", cron="* * * * *", external_id="v2")
+    assert edited.next_run_at == due
+    assert (await schedules.set_active(h.env.env_id, sched.id, True)).next_run_at == due
+    await schedules.fire_due(jitter_s=0)
+    (run,) = await runs_of(h, sched.id)
+    assert datetime.fromisoformat(run.payload["timestamp"]) == due and run.payload["externalId"] == "v2"
+    h.clock.advance(61)  # the next one is due: a new cron starts from now instead
+    moved = await schedules.update(h.env.env_id, sched.id, task="hello", cron="0 0 * * *", external_id="v2")
+    assert moved.next_run_at > ts(h) and moved.next_run_at.hour == 0
+
+
 async def test_timezone_and_bad_input(h: Harness) -> None:
     sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="0 9 * * *",
                                                    timezone="Asia/Tokyo")
