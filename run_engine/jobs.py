@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
+from run_engine.batching import Batcher
 from run_engine.clock import Clock
 from run_engine.dependencies import log_failure
 from run_engine.lua_scripts import LuaScript
@@ -84,6 +85,8 @@ class JobQueue:
         self._apply = LuaScript.get("jobs_apply")
         self._find = LuaScript.get("jobs_find")
         self._stats = LuaScript.get("jobs_stats")
+        # the settles of jobs finishing together go in one call
+        self._settles: Batcher[tuple[str, str, str, bytes | str, int], bool] = Batcher(self._settle_many)
 
     def _ms(self, when: float) -> int:
         return int(when * 1000)
@@ -125,8 +128,11 @@ class JobQueue:
         flat = await self._call(self._claim, [self._ms(self.clock.now()), limit, int(visibility_s * 1000)])
         return [_decode(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
+    async def _settle_many(self, settles: list[tuple[str, str, str, bytes | str, int]]) -> list[bool]:
+        return [bool(x) for x in await self._call(self._settle, [field for s in settles for field in s])]
+
     async def complete(self, job: Job) -> bool:
-        return bool(await self._call(self._settle, [job.id, job.token, "complete", "", 0]))
+        return await self._settles.submit((job.id, job.token, "complete", "", 0))
 
     def retry_delay_s(self, attempt: int) -> float:
         return min(self.max_retry_s, self.min_retry_s * self.factor ** max(0, attempt - 1))
@@ -136,9 +142,9 @@ class JobQueue:
         attempt = job.attempt + 1
         encoded = _encode(job.kind, job.payload, attempt, job.token, job.lane, error)
         if attempt >= self.max_attempts:
-            return bool(await self._call(self._settle, [job.id, job.token, "dead", encoded, 0]))
+            return await self._settles.submit((job.id, job.token, "dead", encoded, 0))
         run_at = self.clock.now() + self.retry_delay_s(attempt)
-        return bool(await self._call(self._settle, [job.id, job.token, "retry", encoded, self._ms(run_at)]))
+        return await self._settles.submit((job.id, job.token, "retry", encoded, self._ms(run_at)))
 
     async def missing(self, job_ids: Sequence[str]) -> list[str]:
         """Those of ``job_ids`` that are not scheduled (one round trip)."""

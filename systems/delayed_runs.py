@@ -36,10 +36,10 @@ class DelayedRunsSystem:
     async def enqueue_delayed(self, run_id: str) -> None:
         """The delay is over: QUEUED (or PENDING_VERSION when no deployment has the task yet)."""
         async with self.r.locker.lock("enqueue_delayed", run_id):
-            latest = await self.r.repo.runs.latest_snapshot(run_id)
-            run = await self.r.repo.runs.get_run(run_id)
-            if latest is None or run is None or latest.engine_status != E.DELAYED:
+            found = await self.r.run_with_latest(run_id)
+            if found is None or found[1].engine_status != E.DELAYED:
                 return  # cancelled, expired or already enqueued
+            run, latest = found
             if run.delay_until is not None and run.delay_until.timestamp() > self.r.clock.now() + 0.001:
                 return  # rescheduled later; its job was moved with it
             if run.locked_to_deployment_id is None:  # the deployment of the group the run was routed to
@@ -47,8 +47,9 @@ class DelayedRunsSystem:
                 if task.deployment_id is not None:
                     await self.r.repo.runs.assign_deployment([run_id], task.deployment_id,
                                                         {run.task_id: task.queue or run.queue})
-                    run = await self.r.repo.runs.get_run(run_id)
-                    assert run is not None
+                    assigned = await self.r.repo.runs.get_run(run_id)
+                    assert assigned is not None
+                    run = assigned
             if run.locked_to_deployment_id is None:
                 await self.execution_snapshot.apply(
                     run_id, E.PENDING_VERSION, RunStatus.PENDING_VERSION, from_statuses=(E.DELAYED,),
@@ -110,11 +111,10 @@ class DelayedRunsSystem:
         """The TTL passed: a run that never started ends EXPIRED (its parent's wait, if any, ends
         with that error). True if it expired."""
         async with self.r.locker.lock("expire", run_id):
-            latest = await self.r.repo.runs.latest_snapshot(run_id)
-            if latest is None or latest.engine_status not in EXPIRABLE or latest.attempt_number > 0:
+            found = await self.r.run_with_latest(run_id)
+            if found is None or found[1].engine_status not in EXPIRABLE or found[1].attempt_number > 0:
                 return False
-            run = await self.r.repo.runs.get_run(run_id)
-            assert run is not None
+            run, latest = found
             if run.ttl_s is None:  # none (any more: redriven from the DLQ): a job left behind
                 return False
             # a job of an earlier date (the run was rescheduled or debounced, and the process died

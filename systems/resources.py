@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from run_engine.batching import Batcher
 from run_engine.clock import Clock
 from run_engine.db.repository import Repository
-from run_engine.db.runs import NewRun, Transition, TransitionResult
+from run_engine.db.runs import NewRun, RunRow, Snapshot, Transition, TransitionResult
 from run_engine.events import EventBus
 from run_engine.jobs import JobQueue
 from run_engine.locking import RunLocker
@@ -61,6 +61,7 @@ class SystemResources:
         self.acks: Batcher[tuple[str, str, str, bool], None] = Batcher(self._ack)
         self._work_listeners: list[Callable[[str], None]] = []
         self.job_changes: Batcher[JobChange, None] = Batcher(self._apply_jobs)
+        self._run_reads: Batcher[str, tuple[RunRow, Snapshot] | None] = Batcher(self._read_runs)
 
     def now_ms(self) -> int:
         return int(self.clock.now() * 1000)
@@ -68,6 +69,15 @@ class SystemResources:
     async def transition_many(self, transitions: Sequence[Transition]) -> list[TransitionResult]:
         """Append snapshots (one statement, shared with concurrent callers); results in order."""
         return await self.transitions.submit_many(transitions)
+
+    async def run_with_latest(self, run_id: str) -> tuple[RunRow, Snapshot] | None:
+        """The run and its latest snapshot (one query, shared with concurrent callers: engine
+        jobs about many runs come due together)."""
+        return await self._run_reads.submit(run_id)
+
+    async def _read_runs(self, run_ids: list[str]) -> list[tuple[RunRow, Snapshot] | None]:
+        found = await self.repo.runs.runs_with_latest(run_ids)
+        return [found.get(run_id) for run_id in run_ids]
 
     async def insert_runs(self, runs: Sequence[NewRun]) -> set[str]:
         """Insert runs and their first snapshots, all or none of them; the ids inserted (a run

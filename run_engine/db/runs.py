@@ -531,6 +531,15 @@ def walked_page(walked: Sequence[tuple[str, int, int]], limit: int, max_bytes: i
 _TRANSITION_HEAD, _DEQUEUE_HEAD = 4, 5
 _SNAPSHOT_COLUMNS = len(columns_of(Snapshot))
 
+#: runs with their latest valid snapshots, by run id (engine jobs about many runs at once)
+_RUNS_WITH_LATEST_SQL = """
+SELECT """ + select_as("s", Snapshot, "s") + """, """ + select_as("r", RunRow, "r") + """
+FROM task_run r
+CROSS JOIN LATERAL (SELECT * FROM task_run_execution_snapshot
+                    WHERE run_id = r.id AND is_valid ORDER BY seq DESC LIMIT 1) s
+WHERE r.id = ANY(%s)
+"""
+
 #: the unique index that keeps a run's snapshots one chain (migrations/0013_snapshot_chain.sql)
 CHAIN_INDEX = "snapshot_chain_uq"
 
@@ -883,6 +892,19 @@ class RunRepository:
                 )
             row = await cur.fetchone()
         return run_row(row) if row else None
+
+    async def runs_with_latest(self, run_ids: Sequence[str]) -> dict[str, tuple[RunRow, Snapshot]]:
+        """Runs among ``run_ids`` with their latest valid snapshots, by id, in one query."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor()  # tuples, read by position
+            await cur.execute(_RUNS_WITH_LATEST_SQL, (list(run_ids),))
+            out: dict[str, tuple[RunRow, Snapshot]] = {}
+            for row in await cur.fetchall():
+                snapshot = from_slice(Snapshot, row, 0)
+                run = from_slice(RunRow, row, _SNAPSHOT_COLUMNS)
+                if snapshot is not None and run is not None:
+                    out[run.id] = (run, snapshot)
+            return out
 
     async def latest_snapshot(self, run_id: str) -> Snapshot | None:
         async with self.pool.connection() as conn:
