@@ -283,9 +283,17 @@ def dlq_redrive(
     if run_id and not all_:
         _emit(_call(api_url, api_key, "POST", f"/api/v1/dlq/{run_id}/redrive"), as_json, text=f"redriven {run_id}")
     elif all_ and not run_id:
-        body = {k: v for k, v in {"taskIdentifier": task, "queue": queue}.items() if v}
-        data = _call(api_url, api_key, "POST", "/api/v1/dlq/redrive", json=body)
-        _emit(data, as_json, text=f"redriven {data['redriven']} runs")
+        body: dict[str, Any] = {k: v for k, v in {"taskIdentifier": task, "queue": queue}.items() if v}
+        total = 0
+        while True:  # the server goes through a bounded part of the DLQ a call
+            data = _call(api_url, api_key, "POST", "/api/v1/dlq/redrive", json=body)
+            total += data["redriven"]
+            if not data.get("next"):
+                break
+            body["after"] = data["next"]
+            if not as_json:
+                err_console.print(f"redriven {total} runs so far ...")
+        _emit({"redriven": total}, as_json, text=f"redriven {total} runs")
     else:
         err_console.print("[red]give a run id or --all[/red]")
         raise typer.Exit(2)

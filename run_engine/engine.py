@@ -232,8 +232,11 @@ class RunEngine:
     async def redrive(self, env_id: str, run_id: str) -> str:
         return await self.systems.dead_letter.redrive(env_id, run_id)
 
-    async def redrive_all(self, env_id: str, tasks: Collection[str] = (), queues: Collection[str] = ()) -> int:
-        return await self.systems.dead_letter.redrive_all(env_id, tasks, queues)
+    async def redrive_all(self, env_id: str, tasks: Collection[str] = (), queues: Collection[str] = (),
+                          after: str | None = None) -> tuple[int, str | None]:
+        """Redrive matching dead-lettered runs, a bounded part of the DLQ a call: (how many, the
+        cursor to go on from or None)."""
+        return await self.systems.dead_letter.redrive_all(env_id, tasks, queues, after)
 
     async def list_dead(self, env_id: str, size: int, after: str | None = None, tasks: Collection[str] = (),
                         queues: Collection[str] = ()) -> tuple[list[DeadRun], str | None]:
@@ -497,6 +500,10 @@ class RunEngine:
 
     async def queue_stats(self, env_id: str, name: str) -> QueueStats:
         return await self.resources.queue.queue_stats(env_id, name)
+
+    async def queue_counts(self, env_id: str, names: Sequence[str]) -> list[tuple[int, int]]:
+        """(queued, running) of each of the environment's queues ``names``, in one round trip."""
+        return await self.resources.queue.queue_counts([(env_id, name) for name in names])
 
     async def set_queue_concurrency_override(self, env_id: str, queue: str, limit: int | None) -> TaskQueue:
         """Override a queue's deployed concurrency limit (``None`` resets it)."""

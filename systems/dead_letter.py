@@ -50,17 +50,17 @@ def dlq_cursor(place: str | DlqEntry | None) -> str | None:
     return f"{place.dead_at_ms}|{place.run_id}" if isinstance(place, DlqEntry) else place
 
 
-def parse_dlq_cursor(cursor: str | None) -> str | DlqEntry | None:
+def parse_dlq_cursor(cursor: str | None, field: str = "page[after]") -> str | DlqEntry | None:
     """A cursor of :func:`dlq_cursor` as the entry's place; a bare run id (a cursor of engines
     before this one, or a dashboard link) as is: its place is looked up, and a page after a run no
     longer in the DLQ starts over."""
     if cursor and len(cursor) > 256:
-        raise ValidationError("page[after]", "not a cursor returned by this API")
+        raise ValidationError(field, "not a cursor returned by this API")
     if not cursor or "|" not in cursor:
         return cursor or None
     ms, run_id = cursor.split("|", 1)
     if not (ms.isascii() and ms.isdigit() and len(ms) <= 15 and run_id):
-        raise ValidationError("page[after]", "not a cursor returned by this API")
+        raise ValidationError(field, "not a cursor returned by this API")
     return DlqEntry(run_id, "", "", "", int(ms), 0)
 
 
@@ -68,6 +68,8 @@ class DeadLetterSystem:
     PAGE = 100
     #: the entries one page may walk past (filtered out) before it ends with a cursor to go on from
     WALK = 5000
+    #: the runs one call of redrive_all puts back at most (then a cursor to go on from)
+    REDRIVES = 1000
 
     def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
                  enqueue: EnqueueSystem, waitpoints: WaitpointsSystem) -> None:
@@ -196,15 +198,23 @@ class DeadLetterSystem:
             if walked >= self.WALK:  # ends early: the next page goes on after the last entry walked
                 return found, dlq_cursor(cursor)
 
-    async def redrive_all(self, env_id: str, tasks: Collection[str] = (), queues: Collection[str] = ()) -> int:
-        """Redrive every matching dead-lettered run, through the whole DLQ however many entries do
-        not match; returns how many went back to their queues."""
+    async def redrive_all(self, env_id: str, tasks: Collection[str] = (), queues: Collection[str] = (),
+                          after: str | None = None) -> tuple[int, str | None]:
+        """Redrive the matching dead-lettered runs after the place ``after`` names (a cursor this
+        returned; None: the start); returns how many went back to their queues and the cursor to
+        go on from (None: through the DLQ). A call walks at most WALK entries and redrives at most
+        REDRIVES runs (each a lock and a write): a DLQ of millions is gone through call after
+        call, never in one request of the server every tenant shares."""
         queue = self.r.queue
-        count = 0
-        cursor: DlqEntry | None = None
+        count = walked = 0
+        cursor: str | DlqEntry | None = parse_dlq_cursor(after, "after")
         while True:
             entries = await queue.list_dlq(env_id, limit=self.PAGE, after=cursor)
             for e in entries:
+                if count >= self.REDRIVES or walked >= self.WALK:  # the next call goes on before this one
+                    return count, dlq_cursor(cursor)
+                walked += 1
+                cursor = e  # its place, even if it leaves the DLQ meanwhile
                 if not self._matches(e, tasks, queues):
                     continue
                 try:
@@ -224,6 +234,5 @@ class DeadLetterSystem:
                 except (StaleSnapshotError, LockTimeoutError) as exc:  # busy: the others go on
                     log.warning("redrive all: run %s skipped for now (%s); redrive it again", e.run_id, exc)
             if len(entries) < self.PAGE:
-                return count
-            cursor = entries[-1]
+                return count, None
 

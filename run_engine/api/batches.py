@@ -38,8 +38,13 @@ async def open_batch(request: Request) -> Response:
 
 
 def _items(raw: bytes | bytearray, size: int) -> list[BatchStreamItem]:
+    lines = bytes(raw).splitlines()
+    # counted before any is parsed: a body of a million one-line items would hold the event loop
+    # (every tenant's requests) for seconds, while a batch has at most runCount items to send
+    if sum(1 for line in lines if line.strip()) > size:
+        raise ApiError(400, "invalid_input", f"more items than the batch's runCount {size}: send each index once")
     items: list[BatchStreamItem] = []
-    for number, line in enumerate(bytes(raw).splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:

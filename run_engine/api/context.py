@@ -146,7 +146,7 @@ class ApiContext:
 
     async def _public_auth(self, token: str, allowed: bool, recheck: bool = False, spend: bool = True) -> EnvAuth:
         claims = unverified_claims(token)
-        env = await self.environment(claims["sub"]) if looks_like_id(claims["sub"], "env") else None
+        env = await self._token_environment(claims["sub"])
         key = (environment_key(self.secret, env.id, env.type, env.api_key_generation, env.api_key_hash)
                if env is not None and self.secret else None)
         if env is None or key is None:
@@ -215,6 +215,20 @@ class ApiContext:
             env = await self.engine.environment(env_id)
             if env is not None:
                 self._envs.put(env_id, env)
+        return env
+
+    async def _token_environment(self, env_id: Any) -> Environment | None:
+        """The environment a public token names, before its signature is checked: anyone can send
+        one, so a miss takes a look-up slot as an unknown key does, and is remembered as refused."""
+        if not isinstance(env_id, str) or not looks_like_id(env_id, "env") or self._refused.get(f"env:{env_id}"):
+            return None
+        env: Environment | None = self._envs.get(env_id)
+        if env is None:
+            env = await self._look_up(self.engine.environment, env_id)
+            if env is None:
+                self._refused.put(f"env:{env_id}", True)
+                return None
+            self._envs.put(env_id, env)
         return env
 
     async def _look_up(self, find: Callable[[str], Awaitable[T | None]], key_hash: str) -> T | None:

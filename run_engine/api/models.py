@@ -383,6 +383,7 @@ class QueueKindBody(_Body):
 class RedriveAllBody(_Body):
     taskIdentifier: str | None = None
     queue: str | None = None
+    after: str | None = Field(default=None, max_length=256)  # the `next` of the call before
 
 
 # --- worker API -------------------------------------------------------------------------------

@@ -243,6 +243,7 @@ class DlqList(_Out):
 
 class Redriven(_Out):
     redriven: int
+    next: str | None = None  # only when the call stopped before the end: send it as `after`
 
 
 class TokenCreated(_Out):

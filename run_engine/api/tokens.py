@@ -18,7 +18,7 @@ from run_engine.api.http import ApiError, body, json_response, page_size, read_j
 from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import TokenCompleteBody, TokenCreateBody, parse_duration_s
 from run_engine.api.openapi import PAGE, Query, operation
-from run_engine.api.public import created_bound
+from run_engine.api.public import created_bound, csv_values
 from run_engine.api.public_tokens import allows, forbidden
 from run_engine.api.serialize import iso, pagination
 from run_engine.engine import Waitpoint
@@ -113,7 +113,7 @@ async def list_tokens(request: Request) -> Response:
             statuses.append("COMPLETED")
             if len(wanted & {"COMPLETED", "TIMED_OUT"}) == 1:
                 timed_out = "TIMED_OUT" in wanted
-    tags = [t.strip() for t in request.query_params.get("filter[tags]", "").split(",") if t.strip()]
+    tags = csv_values(request, "filter[tags]")
     # Trigger.dev's other filters: honoured, never dropped (a caller that looks a token up by its key
     # and completes the first it gets would complete another token)
     key = request.query_params.get("filter[idempotencyKey]") or None

@@ -4,6 +4,7 @@ same engine calls, checks and limits as the public API, scoped to the signed-in 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlencode
 
 import orjson
 from starlette.requests import Request
@@ -124,8 +125,18 @@ async def redrive_all(request: Request, dash: Dash, form: dict[str, str]) -> Res
     task, queue = form.get("task", "").strip(), form.get("queue", "").strip()
     if len(task) > 256 or len(queue) > 256:
         raise ApiError(400, "invalid_input", "task, queue: at most 256 characters")
-    count = await dash.ctx.engine.redrive_all(dash.env.id, [task] if task else (), [queue] if queue else ())
-    return redirect(request, "/dashboard/dlq", f"Redrove {count} run{'s' if count != 1 else ''}")
+    after = form.get("after", "").strip() or None
+    if after is not None and len(after) > 256:
+        raise ApiError(400, "invalid_input", "after: at most 256 characters")
+    count, more = await dash.ctx.engine.redrive_all(dash.env.id, [task] if task else (), [queue] if queue else (),
+                                                    after)
+    runs = f"Redrove {count} run{'s' if count != 1 else ''}"
+    if not more:
+        return redirect(request, "/dashboard/dlq", runs)
+    # a bounded part of a DLQ of millions a press: the page's button goes on from where this stopped
+    given = {k: v for k, v in (("task", task), ("queue", queue)) if v}
+    return redirect(request, "/dashboard/dlq?" + urlencode({**given, "redrive_after": more}),
+                    f"{runs}; more remain: press Redrive all again to go on")
 
 
 @action

@@ -145,10 +145,11 @@ async def dlq(request: Request, dash: Dash) -> Response:
                                                       {queue} if queue else ())
     given = {k: v for k, v in (("task", task), ("queue", queue)) if v}
     next_url = "/dashboard/dlq?" + urlencode({**given, "after": following}) if following else None
+    redrive_after = _text(request, "redrive_after", 256)  # where a redrive of all that stopped goes on
     entries = [{"run": run_object(d.run), "reason": d.entry.reason, "deliveries": d.entry.deliveries,
                 "dead_at": datetime.fromtimestamp(d.entry.dead_at_ms / 1000, UTC)} for d in dead]
     return render(request, "dlq.html", {"title": "Dead letters", "entries": entries, "task": task, "queue": queue,
-                                        "next_url": next_url}, dash=dash)
+                                        "next_url": next_url, "redrive_after": redrive_after}, dash=dash)
 
 
 @page

@@ -195,6 +195,10 @@ def test_the_two_phase_batch_deduplicates_a_retried_stream_and_seals(served: Sta
         assert served.run(elsewhere).get("batchId") is None
         bad = c.post(f"/api/v3/batches/{opened['id']}/items", content='{"index": 7, "task": "echo"}', headers=ndjson)
         assert bad.status_code == 400 and "runCount" in bad.json()["error"]["message"]
+        # more lines than runCount: refused before any is parsed (a body of a million lines held
+        # the server's event loop for seconds)
+        bad = c.post(f"/api/v3/batches/{opened['id']}/items", content=lines + "\n" + lines, headers=ndjson)
+        assert bad.status_code == 400 and "more items than the batch's runCount 3" in bad.json()["error"]["message"]
         bad = c.post(f"/api/v3/batches/{opened['id']}/items", content="{nope", headers=ndjson)
         assert bad.status_code == 400 and "line 1" in bad.json()["error"]["message"]
         assert c.post("/api/v3/batches/batch_aaaaaaaaaaaaaaaaaaaaaaaa/items", content=lines,

@@ -61,6 +61,30 @@ async def test_redrive_all_with_a_filter_pages_past_the_first_hundred(dlq: tuple
     assert len(await h.engine.resources.queue.list_dlq(h.env.env_id, limit=1000)) == 130
 
 
+async def test_redrive_all_goes_through_a_bounded_part_of_the_dlq_a_call_and_on_from_its_cursor(
+        dlq: tuple[Harness, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request went through the whole DLQ: a million entries were minutes of the server every
+    tenant shares, at any rate of requests. Now a call walks WALK entries and redrives REDRIVES runs
+    at most, and answers `next` to go on from (only then: a call that got through answers as before)."""
+    h, client = dlq
+    dead = h.engine.systems.dead_letter
+    monkeypatch.setattr(dead, "WALK", 150)
+    monkeypatch.setattr(dead, "REDRIVES", 4)
+    await dead_letter(h, "other", 160)
+    wanted = await dead_letter(h, "hello", 6)  # behind 160 entries that do not match
+    first = (await client.post("/api/v1/dlq/redrive", json={"taskIdentifier": "hello"})).json()
+    assert first["redriven"] == 0 and first["next"]  # walked 150 entries, none matched
+    second = (await client.post("/api/v1/dlq/redrive", json={"taskIdentifier": "hello",
+                                                             "after": first["next"]})).json()
+    assert second["redriven"] == 4 and second["next"]  # as many as a call redrives
+    third = (await client.post("/api/v1/dlq/redrive", json={"taskIdentifier": "hello",
+                                                            "after": second["next"]})).json()
+    assert third == {"redriven": 2}
+    assert {(await h.engine.get_run(i)).status for i in wanted} == {"QUEUED"}  # type: ignore[union-attr]
+    bad = await client.post("/api/v1/dlq/redrive", json={"after": "12x|run_1"})
+    assert bad.status_code == 400 and "after" in bad.json()["error"]["message"]
+
+
 async def test_dlq_pages_stay_in_place_when_entries_leave(dlq: tuple[Harness, httpx.AsyncClient]) -> None:
     h, client = dlq
     ids = await dead_letter(h, "other", 12)
@@ -255,5 +279,5 @@ async def test_redrive_all_keeps_the_entry_of_a_run_on_its_way_in_and_goes_past_
         return await real(env_id, run_id)
 
     monkeypatch.setattr(dead, "redrive", busy_first)
-    assert await dead.redrive_all(h.env.env_id) == 1  # ids[1]; ids[0] busy; `coming` not dead yet
+    assert await dead.redrive_all(h.env.env_id) == (1, None)  # ids[1]; ids[0] busy; `coming` not dead yet
     assert {e.run_id for e in await h.engine.resources.queue.list_dlq(h.env.env_id)} == {ids[0], coming.id}

@@ -112,3 +112,53 @@ async def test_a_key_that_matched_nothing_is_refused_for_a_while_without_a_look_
         assert looked == 1
         ok = await c.get("/api/v1/runs", headers={"Authorization": f"Bearer {h.env.api_key}"})
         assert ok.status_code == 200
+
+
+async def test_a_public_token_naming_an_unknown_environment_is_looked_up_once_and_few_at_a_time(h: Any) -> None:
+    """A JWT is read before its signature can be checked: anyone could send one naming a new
+    environment id each time, each a query of its own beside every tenant's work."""
+    import base64
+    import json
+    import secrets
+
+    import httpx
+
+    from run_engine.api import context as context_module
+    from run_engine.api.app import create_app
+    from run_engine.api.context import ApiContext
+    from run_engine.run_tokens import RunTokens
+    from run_engine.wakeups import WakeUps
+
+    looked = at_once = most = 0
+    real = h.engine.environment
+
+    async def counting(env_id: str) -> Any:
+        nonlocal looked, at_once, most
+        looked += 1
+        at_once += 1
+        most = max(most, at_once)
+        try:
+            await asyncio.sleep(0.01)
+            return await real(env_id)
+        finally:
+            at_once -= 1
+
+    def forged(env_id: str) -> str:
+        def part(data: dict[str, Any]) -> str:
+            return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+        return f"{part({'alg': 'HS256', 'typ': 'JWT'})}.{part({'sub': env_id, 'scopes': ['read:runs']})}.x"
+
+    h.engine.environment = counting
+    ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"), public_url="http://t",
+                     wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://t") as c:
+        unknown = f"env_{secrets.token_hex(12)}"
+        for _ in range(5):
+            r = await c.get("/api/v1/runs", headers={"Authorization": f"Bearer {forged(unknown)}"})
+            assert r.status_code == 401
+        assert looked == 1  # refused for a while without another query
+        answers = await asyncio.gather(*(
+            c.get("/api/v1/runs", headers={"Authorization": f"Bearer {forged(f'env_{secrets.token_hex(12)}')}"})
+            for _ in range(40)))
+        assert {a.status_code for a in answers} == {401}
+        assert most <= context_module.LOOKUPS_AT_ONCE  # never more queries at once than that
