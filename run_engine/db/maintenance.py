@@ -23,6 +23,11 @@ SELECT id, environment_id FROM task_run WHERE id IN (
        AND r.idempotency_key_expires_at <= now() AND r.finished_at < now() - make_interval(secs => %(age)s)
        AND {_RUN_STAYS}
      ORDER BY r.idempotency_key_expires_at LIMIT %(limit)s))
+-- again on the row as it is when locked: a run a redrive reopened after this statement's snapshot
+-- was taken is locked in its new version, and PostgreSQL checks only these conditions again, not
+-- those of the subqueries above
+  AND finished_at IS NOT NULL AND finished_at < now() - make_interval(secs => %(age)s)
+  AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now())
 ORDER BY finished_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED
 """
 

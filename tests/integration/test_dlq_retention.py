@@ -112,6 +112,49 @@ async def test_retention_removes_what_redis_holds_of_deleted_runs(make_engine) -
         assert await h.engine.resources.queue.inspect(h.env.env_id, run_id) is None  # message gone too
 
 
+async def test_retention_leaves_a_run_a_redrive_reopened_while_its_statement_ran(
+        make_engine, database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Retention picks its runs in subqueries and locks them after: a run a redrive reopened in
+    between was locked in its new version (PostgreSQL checks again only the outer conditions) and
+    deleted, a QUEUED run gone after the redrive said yes. Here the statement is held on an advisory
+    lock (its snapshot taken) while the redrive commits."""
+    import asyncio
+    import secrets
+
+    import psycopg
+
+    from run_engine.db import maintenance
+
+    h: Harness = await make_engine(max_deliveries=1, retention_days=1e-9)
+    await h.deploy({"id": "hello"})
+    (run_id,) = await dead_letter(h, "hello", 1)
+    key = secrets.randbelow(2**31 - 1) + 1
+    held = maintenance._DOOMED_RUNS.replace(
+        "WHERE r.finished_at IS NOT NULL AND r.idempotency_key IS NULL",
+        f"WHERE (SELECT pg_advisory_xact_lock_shared({key})) IS NOT NULL"
+        " AND r.finished_at IS NOT NULL AND r.idempotency_key IS NULL", 1)
+    assert held != maintenance._DOOMED_RUNS
+    monkeypatch.setattr(maintenance, "_DOOMED_RUNS", held)
+    gate = await psycopg.AsyncConnection.connect(database_url, autocommit=True)
+    try:
+        await gate.execute("SELECT pg_advisory_lock(%s)", (key,))
+        retention = asyncio.create_task(h.engine.systems.reconciler.retention())
+        deadline = asyncio.get_running_loop().time() + 60
+        while not (await (await gate.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s AND NOT granted",
+                (key,))).fetchone())[0]:  # type: ignore[index]
+            assert asyncio.get_running_loop().time() < deadline, "retention never reached its lock"
+            await asyncio.sleep(0.02)
+        await h.engine.redrive(h.env.env_id, run_id)
+        await gate.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        await retention
+    finally:
+        await gate.close()
+    run = await h.engine.get_run(run_id)
+    assert run is not None and run.status == "QUEUED"
+    assert await h.engine.resources.queue.inspect(h.env.env_id, run_id) is not None
+
+
 async def test_dlq_entries_of_runs_deleted_earlier_are_dropped_not_404(dlq: tuple[Harness, httpx.AsyncClient]) -> None:
     """Entries left by a retention that did not clean Redis (an older version, or a crash)."""
     h, client = dlq
