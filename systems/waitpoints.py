@@ -35,6 +35,7 @@ from run_engine.errors import (
     ConflictError,
     DuplicateExecutionError,
     InvalidTransitionError,
+    LockTimeoutError,
     NotFoundError,
     QueueFullError,
     StaleSnapshotError,
@@ -591,10 +592,13 @@ class WaitpointsSystem:
                 raise DuplicateExecutionError(parent.id, sequence)
             run_ids, key, result = existing.result[RUN_IDS], existing.key, existing.result
             if existing.waitpoint_status == "PENDING" and len(run_ids) == len(requests):
-                created = await self._create_missing_children(parent, sequence, kind, existing.waitpoint_id,
-                                                              run_ids, key, requests, key if batch else None)
+                created = await self._create_missing_children(parent, snapshot_id, sequence, kind,
+                                                              existing.waitpoint_id, run_ids, key, requests,
+                                                              key if batch else None)
                 if created != (run_ids, key):  # a child's key named an existing run: waited on instead
                     (run_ids, key), result = created, {RUN_IDS: created[0]}
+                if batch:  # runs an item's key named, the call before (which failed after naming them)
+                    await self._block_on_joined(parent, run_ids, key)
             return run_ids, await self.block(parent.id, snapshot_id, sequence=sequence, kind=kind,
                                              key=key, waitpoint_ids=[existing.waitpoint_id],
                                              result=result, suspend=suspend)
@@ -648,18 +652,26 @@ class WaitpointsSystem:
             outcome = await self._blocked(parent.id, snapshot_id, sequence, f"{kind} {key}", pending)
             return run_ids, await self._then_suspend(parent.id, outcome) if suspend else outcome
 
-    async def _create_missing_children(self, parent: RunRow, sequence: int, kind: str, waitpoint_id: str,
-                                       run_ids: list[str], key: str, requests: Sequence[Any],
+    async def _create_missing_children(self, parent: RunRow, snapshot_id: str, sequence: int, kind: str,
+                                       waitpoint_id: str, run_ids: list[str], key: str, requests: Sequence[Any],
                                        batch_id: str | None) -> tuple[list[str], str]:
         """A journaled trigger whose children were not all created (the first call failed part-way,
         e.g. PostgreSQL went away): create the missing ones, with the ids the journal recorded. A
         child whose idempotency key names an existing run is waited on as the first call would
-        have (:meth:`_wait_on_existing`). The run ids and key the journal names after."""
+        have (:meth:`_wait_on_existing`). The run ids and key the journal names after.
+
+        Under the parent's lock, only while the parent still executes this snapshot (a parent
+        cancelled or finished since gets no children) and its wait is still pending (the sweeper,
+        which takes the same lock, may have failed it as never created)."""
         async with self.r.locker.lock("trigger_and_wait", parent.id):
+            await self._executing(parent.id, snapshot_id, "trigger and wait from")
             have = await self.wp.existing_runs(run_ids)
             missing = [(rid, req) for rid, req in zip(run_ids, requests, strict=True) if rid not in have]
             if not missing:
                 return run_ids, key
+            waitpoint = await self.wp.get(waitpoint_id)
+            if waitpoint is None or waitpoint.status != "PENDING":
+                return run_ids, key  # the sweeper failed the wait: the block answers with that
             function = "batchTriggerAndWait" if batch_id else "triggerAndWait"
             triggered = await self.enqueue.trigger_many([
                 dataclasses.replace(req, run_id=rid, batch_id=batch_id or req.batch_id,
@@ -704,6 +716,18 @@ class WaitpointsSystem:
             joined = [await self.run_waitpoint(parent.env_id, run_id) for run_id in held]
             await self.wp.block(parent_id, [w.id for w in joined], None)
         return run_ids, key
+
+    async def _block_on_joined(self, parent: RunRow, run_ids: list[str], batch_id: str) -> None:
+        """The parent of a batch also waits on each run the batch's items named by key rather than
+        made (:meth:`_wait_on_existing`); again on a repeated call, as the first may have failed
+        after naming them in the journal and before blocking on them (idempotent)."""
+        outside = await self.wp.runs_outside_batch(run_ids, batch_id)
+        if not outside:
+            return
+        held = sorted(set(outside) - await self._ancestry(parent))
+        joined = [await self.run_waitpoint(parent.env_id, run_id) for run_id in held]
+        if joined:
+            await self.wp.block(parent.id, [w.id for w in joined], None)
 
     async def _ancestry(self, run: RunRow, most: int = 100) -> set[str]:
         """The run's id and those of the runs it descends from (parent, its parent...)."""
@@ -793,21 +817,41 @@ class WaitpointsSystem:
         completions = [Completion(*(
             (row["output"], False) if row["status"] == RunStatus.COMPLETED
             else (row["error"] or {"type": row["status"]}, True)), id=row["id"]) for row in found["run_waitpoints"]]
-        completions += [Completion({"type": "CHILD_TRIGGER_FAILED", "message": "the child run was never created"},
-                                   True, id=wp_id) for wp_id in found["orphaned"]]
+        orphans = {wp_id: Completion({"type": "CHILD_TRIGGER_FAILED", "message": "the child run was never created"},
+                                     True, id=wp_id) for wp_id in found["orphaned"]}
         for row in found["batches"]:
             if row["broken"]:
-                completions.append(Completion({"type": "BATCH_INCOMPLETE", "message":
-                                               f"only {row['created']} of the batch's {row['size']} runs were created"},
-                                              True, id=row["id"]))
+                orphans[row["id"]] = Completion({"type": "BATCH_INCOMPLETE", "message":
+                                                 f"only {row['created']} of the batch's {row['size']} runs were "
+                                                 "created"}, True, id=row["id"])
             else:
                 completions.append(Completion(None, id=row["id"]))
         done = await self.complete_many(completions)
+        if orphans:
+            done += await self._fail_orphans(orphans)
         await self.continue_runs(found["stuck_runs"])
         if done or found["stuck_runs"]:
             log.info("waitpoint sweep: completed %d waitpoints, checked %d blocked runs", len(done),
                      len(found["stuck_runs"]))
         return {"completed": len(done), "stuck_runs": len(found["stuck_runs"])}, following
+
+
+    async def _fail_orphans(self, orphans: dict[str, Completion]) -> list[str]:
+        """Fail the waits whose runs were never (all) created, under the locks of the runs they
+        block, which a repeated trigger-and-wait takes to create the missing children: checked
+        again there, a wait is failed or its children made, never both. A lock not had in time
+        leaves its waits for the next pass."""
+        done: list[str] = []
+        _, blocked = await self.wp.still_orphaned(list(orphans))
+        for wp_id, completion in orphans.items():
+            try:
+                async with self.r.locker.lock("sweep orphaned wait", *sorted(blocked.get(wp_id, ()))):
+                    still, _ = await self.wp.still_orphaned([wp_id])
+                    if wp_id in still:
+                        done += await self.complete_many([completion])
+            except LockTimeoutError:
+                log.info("waitpoint sweep: the runs waiting on %s are busy; the next pass looks again", wp_id)
+        return done
 
 
 def _same_kind(wp: Waitpoint, kind: str, idempotency_key: str | None) -> None:

@@ -788,6 +788,36 @@ class WaitpointRepository:
                    ORDER BY id LIMIT %s""", (after_id, limit))
             return [(r[0], r[1], r[2], r[3], r[4]) for r in await cur.fetchall()]
 
+    async def runs_outside_batch(self, run_ids: Sequence[str], batch_id: str) -> list[str]:
+        """Those of ``run_ids`` that exist and are not runs of ``batch_id`` (a batch item's key
+        named a run made before: the parent waits on it beside the batch)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT id FROM task_run WHERE id = ANY(%s) AND batch_id IS DISTINCT FROM %s ORDER BY id",
+                (list(run_ids), batch_id))
+            return [r[0] for r in await cur.fetchall()]
+
+    async def still_orphaned(self, waitpoint_ids: Sequence[str]) -> tuple[set[str], dict[str, list[str]]]:
+        """Of pending RUN and BATCH waitpoints the sweeper found without their runs: those still
+        so (a RUN waitpoint's run not there, a batch short of runs), and the runs each blocks."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT w.id FROM waitpoint w WHERE w.id = ANY(%(ids)s) AND w.status = 'PENDING' AND (
+                       (w.type = 'RUN'
+                        AND NOT EXISTS (SELECT 1 FROM task_run r WHERE r.id = w.completed_by_run_id))
+                    OR (w.type = 'BATCH'
+                        AND (SELECT count(*) FROM task_run r WHERE r.batch_id = w.completed_by_batch_id)
+                            < (SELECT b.size FROM batch_task_run b WHERE b.id = w.completed_by_batch_id)))""",
+                {"ids": list(waitpoint_ids)})
+            still = {r[0] for r in await cur.fetchall()}
+            cur = await conn.execute(
+                "SELECT waitpoint_id, run_id FROM task_run_waitpoint WHERE waitpoint_id = ANY(%s)",
+                (list(waitpoint_ids),))
+            blocked: dict[str, list[str]] = {}
+            for wp_id, run_id in await cur.fetchall():
+                blocked.setdefault(wp_id, []).append(run_id)
+            return still, blocked
+
     async def existing_runs(self, run_ids: Sequence[str]) -> set[str]:
         """Which of ``run_ids`` exist."""
         async with self.pool.connection() as conn:

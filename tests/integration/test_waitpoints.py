@@ -860,6 +860,94 @@ async def test_a_repeated_batch_trigger_whose_first_try_failed_waits_on_runs_its
     assert [r.get("output") for r in entry["result"]] == [f"{child} done" for child in ids]
 
 
+async def test_a_repeated_batch_trigger_still_waits_on_a_run_its_first_try_joined_before_failing(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call named the run an item's key holds in the journal, then failed before blocking
+    on it; the repeat found every run there and blocked on the batch alone: the parent resumed
+    before that run finished, and was told it ended DEQUEUED."""
+    parent, s = await started_run(h)
+    holder = await h.engine.trigger(req(h, payload="slow", idempotency_key="slow-1"))
+    wps = h.engine.systems.waitpoints
+    real = wps.run_waitpoint
+
+    async def fails_once(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(wps, "run_waitpoint", real)
+        raise ConnectionError("PostgreSQL went away")
+
+    monkeypatch.setattr(wps, "run_waitpoint", fails_once)
+    items = [req(h, payload="slow", idempotency_key="slow-1"), req(h, payload="fast")]
+    with pytest.raises(ConnectionError):
+        await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=True)
+    ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=True)
+    assert ids[0] == holder.id and out.blocked
+    got = {d.run.id: d for d in await h.engine.dequeue(h.env.worker_group_id, 10)}
+    st = await h.engine.start_attempt(ids[1], got[ids[1]].snapshot.id)
+    await h.engine.complete_attempt(ids[1], st.snapshot.id, ok=True, output="fast done")
+    await h.engine.waitpoints.sweep(grace_s=0)
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING_WITH_WAITPOINTS"
+    st = await h.engine.start_attempt(holder.id, got[holder.id].snapshot.id)
+    await h.engine.complete_attempt(holder.id, st.snapshot.id, ok=True, output="slow done")
+    await h.engine.waitpoints.sweep(grace_s=0)
+    assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
+    assert [r.get("output") for r in entry["result"]] == ["slow done", "fast done"]
+
+
+async def test_a_repeated_trigger_creates_no_children_for_a_parent_cancelled_meanwhile(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call journaled the wait and failed before its child existed; the parent was
+    cancelled (nothing to cascade to yet); the supervisor's repeat created the child all the same,
+    and it ran for a parent that was gone."""
+    parent, s = await started_run(h)
+    enqueue = h.engine.systems.waitpoints.enqueue
+    real = enqueue.trigger_many
+
+    async def fails_once(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(enqueue, "trigger_many", real)
+        raise ConnectionError("PostgreSQL went away")
+
+    monkeypatch.setattr(enqueue, "trigger_many", fails_once)
+    with pytest.raises(ConnectionError):
+        await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h, payload="child")])
+    await h.engine.cancel(parent.id)
+    with pytest.raises((StaleSnapshotError, InvalidTransitionError)):
+        await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h, payload="child")])
+    assert await h.engine.dequeue(h.env.worker_group_id, 10) == []
+    assert await h.engine.resources.repo.runs.child_runs(parent.id) == []
+
+
+async def test_a_repeated_trigger_creates_no_child_once_the_sweeper_failed_its_wait(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an outage past the grace the sweeper fails the wait as never created; a repeat that
+    came after it made the child all the same: the parent was told its child never existed while
+    the child ran (a parent that triggers again on that error ran the work twice). The sweeper and
+    the repeat take the parent's lock, and each checks again under it."""
+    parent, s = await started_run(h)
+    enqueue = h.engine.systems.waitpoints.enqueue
+    real = enqueue.trigger_many
+
+    async def fails_once(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(enqueue, "trigger_many", real)
+        raise ConnectionError("PostgreSQL went away")
+
+    monkeypatch.setattr(enqueue, "trigger_many", fails_once)
+    with pytest.raises(ConnectionError):
+        await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h, payload="child")])
+    # the repeat read the wait as pending just before the sweeper failed it
+    wps = h.engine.systems.waitpoints
+    real_create = wps._create_missing_children
+
+    async def after_the_sweeper(*args: Any, **kwargs: Any) -> Any:
+        await wps.sweep(grace_s=0)
+        return await real_create(*args, **kwargs)
+
+    monkeypatch.setattr(wps, "_create_missing_children", after_the_sweeper)
+    _, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h, payload="child")])
+    assert not out.blocked
+    assert await h.engine.dequeue(h.env.worker_group_id, 10) == []
+    assert await h.engine.resources.repo.runs.child_runs(parent.id) == []
+
+
 async def test_a_batchs_results_past_their_byte_limit_are_replayed_as_errors(
         h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """The results a parent waited on are loaded within a byte budget (a batch of a thousand 3 MiB
