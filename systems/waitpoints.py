@@ -599,6 +599,8 @@ class WaitpointsSystem:
                     (run_ids, key), result = created, {RUN_IDS: created[0]}
                 if batch:  # runs an item's key named, the call before (which failed after naming them)
                     await self._block_on_joined(parent, run_ids, key)
+                elif key in await self._ancestry(parent):  # the call before failed before failing the wait
+                    await self._fail_self_wait(existing.waitpoint_id, key)
             return run_ids, await self.block(parent.id, snapshot_id, sequence=sequence, kind=kind,
                                              key=key, waitpoint_ids=[existing.waitpoint_id],
                                              result=result, suspend=suspend)
@@ -699,10 +701,7 @@ class WaitpointsSystem:
             key = run_ids[0]
             await self.wp.repoint(parent_id, sequence, waitpoint_id, key, {RUN_IDS: run_ids})
             if key in ancestry:
-                await self.wp.complete([Completion({"type": "CHILD_TRIGGER_FAILED", "message":
-                                                    f"the idempotency key names run {key}, which this run is or "
-                                                    "descends from: a run cannot wait on itself"},
-                                                   True, id=waitpoint_id)])
+                await self._fail_self_wait(waitpoint_id, key)
                 return run_ids, key
             holder = await self.r.repo.runs.get_run(key)
             if holder is not None and holder.finished_at is not None:  # the parent is not blocked yet
@@ -716,6 +715,13 @@ class WaitpointsSystem:
             joined = [await self.run_waitpoint(parent.env_id, run_id) for run_id in held]
             await self.wp.block(parent_id, [w.id for w in joined], None)
         return run_ids, key
+
+    async def _fail_self_wait(self, waitpoint_id: str, key: str) -> None:
+        """A child's key named the parent or a run it descends from: that run finishes only after
+        this wait, which ends at once instead (the parent is not blocked yet, or a repeat re-blocks)."""
+        await self.wp.complete([Completion({"type": "CHILD_TRIGGER_FAILED", "message":
+                                            f"the idempotency key names run {key}, which this run is or "
+                                            "descends from: a run cannot wait on itself"}, True, id=waitpoint_id)])
 
     async def _block_on_joined(self, parent: RunRow, run_ids: list[str], batch_id: str) -> None:
         """The parent of a batch also waits on each run the batch's items named by key rather than

@@ -1102,6 +1102,30 @@ async def test_a_run_that_would_wait_on_itself_or_its_parent_by_a_key_gets_an_er
     assert entry["result"]["error"]["type"] == "CHILD_TRIGGER_FAILED"
 
 
+async def test_a_repeat_of_a_wait_on_itself_that_failed_before_ending_the_wait_ends_it(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call named the run itself in the journal and failed before failing the wait: the
+    repeat found every run there and blocked on itself, for ever."""
+    parent = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="me"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(parent.id, d.snapshot.id)
+    wps = h.engine.systems.waitpoints
+    real = wps._fail_self_wait
+
+    async def fails_once(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(wps, "_fail_self_wait", real)
+        raise ConnectionError("PostgreSQL went away")
+
+    monkeypatch.setattr(wps, "_fail_self_wait", fails_once)
+    child = [TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="me")]
+    with pytest.raises(ConnectionError):
+        await h.engine.trigger_and_wait(parent.id, started.snapshot.id, 0, child)
+    ids, outcome = await h.engine.trigger_and_wait(parent.id, started.snapshot.id, 0, child)
+    assert ids == [parent.id] and not outcome.blocked
+    (entry,) = (await wps.resolved_journal(parent.id)).entries
+    assert entry["result"]["error"]["type"] == "CHILD_TRIGGER_FAILED"
+
+
 async def test_the_sweeper_walks_waiting_runs_and_run_waitpoints_a_slice_a_pass(h: Harness, database_url: str,
                                                                                unique: str) -> None:
     """Each pass reads a slice from where the last one stopped and the walk starts over after the
