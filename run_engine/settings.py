@@ -112,6 +112,7 @@ class EngineSettings:
     max_metadata_bytes: int = 256 * 1024
     max_queue_length: int | None = None  # per environment, unless the environment sets its own
     max_queues_per_env: int = 10_000  # queues an environment may have (a trigger naming one more: 422)
+    max_schedules_per_env: int = 10_000  # schedules an environment may make over the API (one more: 422)
     lease_ttl_s: float = 30.0  # leader lease: held this long, renewed every lease_renew_s
     lease_renew_s: float = 15.0
     reconcile_interval_s: float = 10.0
@@ -168,6 +169,7 @@ class EngineSettings:
             "max_ttl_s": "RUN_ENGINE_MAX_TTL_S",
             "max_queue_length": "RUN_ENGINE_MAX_QUEUE_LENGTH",
             "max_queues_per_env": "RUN_ENGINE_MAX_QUEUES_PER_ENV",
+            "max_schedules_per_env": "RUN_ENGINE_MAX_SCHEDULES_PER_ENV",
             "retention_days": "RUN_ENGINE_RETENTION_DAYS",
             "lease_ttl_s": "RUN_ENGINE_LEASE_TTL_S",
             "lease_renew_s": "RUN_ENGINE_LEASE_RENEW_S",
@@ -197,6 +199,8 @@ class EngineSettings:
                 raise ConfigurationError(f"{var}={raw!r} is not a finite number")
         if values.get("max_queues_per_env", 1) < 1:
             raise ConfigurationError("RUN_ENGINE_MAX_QUEUES_PER_ENV: at least 1")
+        if values.get("max_schedules_per_env", 1) < 1:
+            raise ConfigurationError("RUN_ENGINE_MAX_SCHEDULES_PER_ENV: at least 1")
         if values.get("retention_days", 0) > MAX_RETENTION_DAYS:  # (PostgreSQL's dates end before)
             raise ConfigurationError(f"RUN_ENGINE_RETENTION_DAYS: at most {MAX_RETENTION_DAYS} (0: keep forever)")
         if raw_locks := env.get("RUN_ENGINE_LOCK_REDIS_URLS", "").strip():

@@ -78,9 +78,18 @@ class SchedulesSystem:
             raise ValidationError("deduplicationKey", f"{DECLARATIVE_PREFIX!r} keys are the deployments' own "
                                                       "(a task's declared cron)")
         next_run = self.next_tick(cron, timezone, await self._now())
-        return await self.r.repo.schedules.upsert(
+        # every process's planner reads the due schedules each poll: an environment making a million
+        # would make each poll of every tenant's schedules read them (a deployment's own, one per
+        # task with a cron, are bounded by its tasks)
+        cap = self.r.settings.max_schedules_per_env if kind == "IMPERATIVE" else None
+        row = await self.r.repo.schedules.upsert(
             id=new_id("sched"), env_id=env_id, task_id=task, cron=cron, timezone=timezone,
-            external_id=external_id, deduplication_key=deduplication_key, next_run_at=next_run, type=kind)
+            external_id=external_id, deduplication_key=deduplication_key, next_run_at=next_run, type=kind,
+            max_schedules=cap)
+        if row is None:
+            raise UnprocessableError("too_many_schedules", f"this environment has {cap} schedules, the most it may "
+                                     "have (RUN_ENGINE_MAX_SCHEDULES_PER_ENV); delete one or change one instead")
+        return row
 
     async def update(self, env_id: str, schedule_id: str, *, task: str, cron: str, timezone: str = "UTC",
                      external_id: str | None = None) -> Schedule:

@@ -35,15 +35,22 @@ class ScheduleRepository:
 
     async def upsert(self, *, id: str, env_id: str, task_id: str, cron: str, timezone: str,
                      external_id: str | None, deduplication_key: str | None, next_run_at: datetime,
-                     type: str) -> Schedule:
-        """Insert a schedule, or update the one with the same (environment, deduplication key)."""
+                     type: str, max_schedules: int | None = None) -> Schedule | None:
+        """Insert a schedule, or update the one with the same (environment, deduplication key).
+        None when it would be new and the environment has ``max_schedules`` already (a soft bound:
+        racing creations may pass it by what they add at that moment)."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
                 """INSERT INTO task_schedule (id, environment_id, task_identifier, cron, timezone, external_id,
                                               deduplication_key, active, next_run_at, type)
-                   VALUES (%(id)s, %(environment_id)s, %(task_identifier)s, %(cron)s, %(timezone)s, %(external_id)s,
-                           %(deduplication_key)s, true, %(next_run_at)s, %(type)s)
+                   SELECT %(id)s, %(environment_id)s, %(task_identifier)s, %(cron)s, %(timezone)s, %(external_id)s,
+                          %(deduplication_key)s, true, %(next_run_at)s, %(type)s
+                   WHERE %(max)s::int IS NULL
+                      OR EXISTS (SELECT 1 FROM task_schedule WHERE environment_id = %(environment_id)s
+                                   AND deduplication_key = %(deduplication_key)s)
+                      OR (SELECT count(*) FROM (SELECT 1 FROM task_schedule WHERE environment_id = %(environment_id)s
+                                                LIMIT %(max)s) s) < %(max)s
                    ON CONFLICT (environment_id, deduplication_key) WHERE deduplication_key IS NOT NULL DO UPDATE
                        SET task_identifier = EXCLUDED.task_identifier, cron = EXCLUDED.cron,
                            timezone = EXCLUDED.timezone, external_id = EXCLUDED.external_id,
@@ -54,10 +61,8 @@ class ScheduleRepository:
                    RETURNING *""",
                 {"id": id, "environment_id": env_id, "task_identifier": task_id, "cron": cron,
                  "timezone": timezone, "external_id": external_id, "deduplication_key": deduplication_key,
-                 "next_run_at": next_run_at, "type": type})
-            out = await cur.fetchone()
-        assert out is not None
-        return from_row(Schedule, out)
+                 "next_run_at": next_run_at, "type": type, "max": max_schedules})
+            return from_row_or_none(Schedule, await cur.fetchone())
 
     async def get(self, schedule_id: str, env_id: str | None = None) -> Schedule | None:
         async with self.pool.connection() as conn:

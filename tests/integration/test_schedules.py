@@ -107,6 +107,27 @@ async def test_a_tick_due_is_not_skipped_by_an_edit_that_keeps_its_cron(h: Harne
     assert moved.next_run_at > ts(h) and moved.next_run_at.hour == 0
 
 
+async def test_an_environment_makes_at_most_its_cap_of_schedules_over_the_api(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Every process's planner reads the due schedules each poll: a tenant making a million made
+    every poll of everyone's schedules read them."""
+    from run_engine.errors import UnprocessableError
+
+    h: Harness = await make_engine(max_schedules_per_env=3)
+    schedules = h.engine.systems.schedules
+    made = [await schedules.upsert(h.env.env_id, task="hello", cron="0 * * * *", deduplication_key=f"k{i}")
+            for i in range(3)]
+    with pytest.raises(UnprocessableError) as refused:
+        await schedules.upsert(h.env.env_id, task="hello", cron="0 * * * *", deduplication_key="k3")
+    assert refused.value.code == "too_many_schedules"
+    with pytest.raises(UnprocessableError):
+        await schedules.upsert(h.env.env_id, task="hello", cron="0 * * * *")  # no key: a new one too
+    # a key it has is an update, at the cap too
+    again = await schedules.upsert(h.env.env_id, task="hello", cron="5 * * * *", deduplication_key="k1")
+    assert again.id == made[1].id and again.cron == "5 * * * *"
+    await h.engine.resources.repo.schedules.delete(made[0].id, h.env.env_id)
+    assert (await schedules.upsert(h.env.env_id, task="hello", cron="0 * * * *", deduplication_key="k3")).id
+
+
 async def test_timezone_and_bad_input(h: Harness) -> None:
     sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="0 9 * * *",
                                                    timezone="Asia/Tokyo")

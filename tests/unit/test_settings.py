@@ -83,3 +83,10 @@ def test_the_queues_an_environment_may_have_are_at_least_one() -> None:
     assert EngineSettings.from_env({}).max_queues_per_env == 10_000
     with pytest.raises(ConfigurationError, match="RUN_ENGINE_MAX_QUEUES_PER_ENV"):
         EngineSettings.from_env({"RUN_ENGINE_MAX_QUEUES_PER_ENV": "0"})
+
+
+def test_the_schedules_an_environment_may_make_are_at_least_one() -> None:
+    assert EngineSettings.from_env({"RUN_ENGINE_MAX_SCHEDULES_PER_ENV": "5"}).max_schedules_per_env == 5
+    assert EngineSettings.from_env({}).max_schedules_per_env == 10_000
+    with pytest.raises(ConfigurationError, match="RUN_ENGINE_MAX_SCHEDULES_PER_ENV"):
+        EngineSettings.from_env({"RUN_ENGINE_MAX_SCHEDULES_PER_ENV": "0"})
