@@ -123,9 +123,17 @@ async def test_a_runs_wait_batch_takes_no_items_and_an_index_makes_one_run(h: Ha
     h.clock.advance(5)
     again = (await api.post(url, headers=NDJSON, content=b"\n".join([
         orjson.dumps({"index": 0, "task": "other", "payload": 2}),
+        orjson.dumps({"index": 1, "task": "hello", "payload": 4})]))).json()
+    assert again["itemsAccepted"] == 1 and again["itemsDeduplicated"] == 1 and again["sealed"]
+    # each index again (a key whose TTL passed, another task), as a retried stream sends them
+    third = (await api.post(url, headers=NDJSON, content=b"\n".join([
         orjson.dumps({"index": 0, "task": "hello", "payload": 3, "options": {"idempotencyKeyTTL": "1s"}}),
-        orjson.dumps({"index": 1, "task": "hello", "payload": 4}),
         orjson.dumps({"index": 1, "task": "other", "payload": 5})]))).json()
-    assert again["itemsAccepted"] == 1 and again["itemsDeduplicated"] == 3 and again["sealed"]
+    assert third["itemsAccepted"] == 0 and third["itemsDeduplicated"] == 2 and third["sealed"]
+    # more lines than the batch has runs: refused before any is parsed
+    over = await api.post(url, headers=NDJSON, content=b"\n".join([
+        orjson.dumps({"index": 0, "task": "hello"}), orjson.dumps({"index": 1, "task": "hello"}),
+        orjson.dumps({"index": 0, "task": "hello"})]))
+    assert over.status_code == 400 and "runCount 2" in over.json()["error"]["message"]
     got = (await api.get(f"/api/v2/batches/{opened['id']}")).json()
     assert got["runCount"] == 2 and len(got["runs"]) == 2
