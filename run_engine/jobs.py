@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -124,8 +125,16 @@ class JobQueue:
     async def ack(self, job_id: str) -> None:
         await self.apply([job_id], ())
 
-    async def claim(self, limit: int, visibility_s: float = 30.0) -> list[Job]:
-        flat = await self._call(self._claim, [self._ms(self.clock.now()), limit, int(visibility_s * 1000)])
+    async def claim(self, limit: int, visibility_s: float = 30.0, *, lane_room: int | None = None,
+                    lane_cap: int | None = None, in_flight: Mapping[str, int] | None = None) -> list[Job]:
+        """Lease up to ``limit`` due jobs: the default lane's first, then the lanes' in turn, at
+        most ``lane_room`` of theirs and none of a lane with ``lane_cap`` jobs ``in_flight``."""
+        args: list[Any] = [self._ms(self.clock.now()), limit, int(visibility_s * 1000),
+                           -1 if lane_room is None else lane_room, -1 if lane_cap is None else lane_cap]
+        for lane, n in (in_flight or {}).items():
+            if lane:
+                args += [lane, n]
+        flat = await self._call(self._claim, args)
         return [_decode(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
     async def _settle_many(self, settles: list[tuple[str, str, str, bytes | str, int]]) -> list[bool]:
@@ -198,7 +207,11 @@ Handler = Callable[[Job], Awaitable[None]]
 
 
 class JobWorker:
-    """Claims due jobs and runs their handlers, ``concurrency`` at a time."""
+    """Claims due jobs and runs their handlers, ``concurrency`` at a time.
+
+    A quarter of the slots (one at least) are the default lane's alone: the checks of held runs
+    never wait for slots that environments' jobs hold. Of the others, one lane holds a third at
+    most: a tenant whose jobs are slow (a bulk action's pages) cannot take them all."""
 
     def __init__(self, queue: JobQueue, handlers: Mapping[str, Handler], *, concurrency: int = 10,
                  poll_interval_s: float = 0.05, visibility_s: float = 30.0) -> None:
@@ -207,8 +220,12 @@ class JobWorker:
         self.concurrency = concurrency
         self.poll_interval_s = poll_interval_s
         self.visibility_s = visibility_s
+        self.reserved = max(1, concurrency // 4) if concurrency > 1 else 0
+        self.lane_slots = concurrency - self.reserved
+        self.lane_cap = max(1, self.lane_slots // 3)
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
+        self._in_flight: dict[str, int] = {}  # lane -> its jobs running here
         self._stopping = False
 
     async def _run(self, job: Job) -> None:
@@ -237,6 +254,20 @@ class JobWorker:
             await asyncio.gather(*(self._run(job) for job in jobs))
             total += len(jobs)
 
+    def _started(self, job: Job) -> None:
+        self._in_flight[job.lane] = self._in_flight.get(job.lane, 0) + 1
+        task = asyncio.create_task(self._run(job))
+        self._running.add(task)
+        task.add_done_callback(functools.partial(self._finished, job.lane))
+
+    def _finished(self, lane: str, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        left = self._in_flight.get(lane, 0) - 1
+        if left > 0:
+            self._in_flight[lane] = left
+        else:
+            self._in_flight.pop(lane, None)
+
     async def _loop(self) -> None:
         backoff = 0.0
         while not self._stopping:
@@ -244,8 +275,10 @@ class JobWorker:
             if free <= 0:  # every slot busy: claim again as soon as one frees (not a poll later)
                 await asyncio.wait(self._running, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
                 continue
+            lanes_busy = len(self._running) - self._in_flight.get("", 0)
             try:
-                jobs = await self.queue.claim(free, self.visibility_s)
+                jobs = await self.queue.claim(free, self.visibility_s, lane_room=max(0, self.lane_slots - lanes_busy),
+                                              lane_cap=self.lane_cap, in_flight=self._in_flight)
                 if backoff:
                     log.info("claiming engine jobs works again")
                     backoff = 0.0
@@ -256,11 +289,13 @@ class JobWorker:
                 await asyncio.sleep(backoff)
                 continue
             for job in jobs:
-                task = asyncio.create_task(self._run(job))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
-            if len(jobs) < free:  # nothing more due now
-                await asyncio.sleep(self.poll_interval_s)
+                self._started(job)
+            if len(jobs) < free:  # nothing more due now, or none the slots free now may take
+                if self._running:  # claim again when a job ends (it may free a lane's room), or after a poll
+                    await asyncio.wait(self._running, timeout=self.poll_interval_s,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(self.poll_interval_s)
 
     async def start(self) -> None:
         if self._task is None:

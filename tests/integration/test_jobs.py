@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -234,3 +235,52 @@ async def test_worker_claims_again_as_soon_as_a_slot_frees(jobs: JobQueue, clock
     finally:
         await worker.stop()
     assert sorted(done) == sorted(f"j{i}" for i in range(12))
+
+
+
+async def test_one_lanes_slow_jobs_take_neither_the_held_runs_slots_nor_the_next_free_one(
+        jobs: JobQueue, clock: FakeClock) -> None:
+    """Two tenants' slow jobs (bulk action pages) due first took every slot: the checks of held
+    runs, and a third tenant's delay, waited until they all ended. Now a quarter of the slots are
+    the default lane's, and a lane past its cap (it took the room nobody else wanted) gives the next
+    slot that frees to a lane with jobs due that is under its cap."""
+    gates: dict[str, asyncio.Event] = {}
+    started: list[str] = []
+
+    async def slow(job: Job) -> None:
+        started.append(job.id)
+        await gates.setdefault(job.id, asyncio.Event()).wait()
+
+    async def quick(job: Job) -> None:
+        started.append(job.id)
+
+    await jobs.apply((), [(f"{lane}{i}", "slow", {}, T0, lane) for lane in ("a", "b") for i in range(10)])
+    worker = JobWorker(jobs, {"slow": slow, "quick": quick}, concurrency=8, poll_interval_s=0.01)
+    assert (worker.reserved, worker.lane_slots, worker.lane_cap) == (2, 6, 2)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+
+    async def until(what: str, condition: Callable[[], bool]) -> None:
+        while not condition():
+            assert loop.time() < deadline, f"{what}: started {started}"
+            await asyncio.sleep(0.01)
+
+    await worker.start()
+    try:
+        # alone, a and b take every slot but the default lane's: past their caps (3 each)
+        await until("the lanes' slots taken", lambda: len(started) == 6)
+        assert {j[0] for j in started} == {"a", "b"}
+        await jobs.apply((), [("hb", "quick", {}, T0, ""), ("c1", "quick", {}, T0, "c")])
+        await until("the held runs' check ran", lambda: "hb" in started)
+        assert "c1" not in started  # no lane slot free
+        first_a = next(j for j in started if j.startswith("a"))
+        gates.setdefault(first_a, asyncio.Event()).set()
+        await until("c1 ran in the slot a freed", lambda: "c1" in started)
+        assert started.index("c1") == 7  # before any more of a's or b's
+    finally:
+        for gate in gates.values():
+            gate.set()
+        for i in range(10):
+            for lane in "ab":
+                gates.setdefault(f"{lane}{i}", asyncio.Event()).set()
+        await worker.stop()
