@@ -31,25 +31,42 @@ local function wake_lane(lane, at)
   if lane ~= '' then redis.call('ZADD', LANES, 'LT', at, lane) end
 end
 
--- put job `id` in `lane` at `at` ms (out of the lane it was in, if another)
+-- the lane's jobs changed (one left, or moved later): it is never looked at before its first job is
+-- due (a claim would spend a look on it for nothing), and it goes when it has none
+local function rescore(lane)
+  if lane == '' then return end
+  local first = redis.call('ZRANGE', lane_key(lane), 0, 0, 'WITHSCORES')
+  if not first[1] then
+    redis.call('ZREM', LANES, lane)
+    return
+  end
+  local cur = redis.call('ZSCORE', LANES, lane)
+  if not cur or tonumber(cur) < tonumber(first[2]) then redis.call('ZADD', LANES, first[2], lane) end
+end
+
+-- put job `id` in `lane` at `at` ms (out of the lane it was in, if another). A job of a lane is also
+-- taken out of the default one: a process of the version before lanes may have written it there.
 local function place(id, lane, at, now)
   local was = lane_of(id)
   if was ~= lane then
     redis.call('ZREM', lane_key(was), id)
-    if was ~= '' and redis.call('EXISTS', lane_key(was)) == 0 then redis.call('ZREM', LANES, was) end
+    rescore(was)
     if lane == '' then redis.call('HDEL', LANE_OF, id) else redis.call('HSET', LANE_OF, id, lane) end
   end
+  if lane ~= '' then redis.call('ZREM', lane_key(''), id) end
   redis.call('ZADD', lane_key(lane), at, id)
   wake_lane(lane, math.max(at, now))
+  rescore(lane)
 end
 
--- forget job `id` (its lane's entry, its item, and a lane it leaves empty)
+-- forget job `id` (its lane's entry, a copy in the default lane, its item)
 local function remove(id)
   local lane = lane_of(id)
   redis.call('ZREM', lane_key(lane), id)
   redis.call('HDEL', ITEMS, id)
   if lane ~= '' then
+    redis.call('ZREM', lane_key(''), id)
     redis.call('HDEL', LANE_OF, id)
-    if redis.call('EXISTS', lane_key(lane)) == 0 then redis.call('ZREM', LANES, lane) end
+    rescore(lane)
   end
 end

@@ -12,6 +12,7 @@ for i = 3, #ARGV, 2 do
     local at = tonumber(ARGV[i + 1])
     redis.call('ZADD', key, at, ARGV[i])
     wake_lane(lane, math.max(at, now))
+    rescore(lane)
     out[#out + 1] = 1
   else
     out[#out + 1] = 0

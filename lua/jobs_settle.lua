@@ -19,6 +19,7 @@ for i = 2, #ARGV, 5 do
       local at = tonumber(ARGV[i + 4])
       redis.call('ZADD', lane_key(lane), at, id)
       wake_lane(lane, at)
+      rescore(lane)
     else
       remove(id)
       redis.call('HSET', J .. ':dlq', id, ARGV[i + 3])

@@ -580,8 +580,13 @@ class RunEngine:
             await self._schedule_sweep(cursors)
 
     async def _on_bulk_action_job(self, job: Job) -> None:
-        if await self.systems.bulk_actions.run_page(job.payload["bulk_id"]):
-            await self.resources.change_jobs(schedule=[J.bulk_action(job.payload["bulk_id"], job.lane, self.now())])
+        bulk_id = job.payload["bulk_id"]
+        if await self.systems.bulk_actions.run_page(bulk_id):
+            lane = job.lane
+            if not lane:  # a job of the version before lanes: the next page goes to its environment's
+                action = await self.resources.repo.bulk_actions.get(bulk_id)
+                lane = action.env_id if action is not None else ""
+            await self.resources.change_jobs(schedule=[J.bulk_action(bulk_id, lane, self.now())])
 
     async def _on_max_duration_job(self, job: Job) -> None:
         await self.systems.run_attempt.on_max_duration(job.payload["run_id"], job.payload["attempt"])

@@ -58,10 +58,16 @@ def _encode(kind: str, payload: dict[str, Any], attempt: int, token: str, lane: 
     return orjson.dumps(data)
 
 
-def _decode(job_id: str | bytes, raw: str | bytes) -> Job:
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _decode(job_id: str | bytes, raw: str | bytes, lane: str | bytes | None = None) -> Job:
+    """A job as stored; ``lane``: the lane it was claimed from (a job a process of the version
+    before lanes wrote has none in its JSON)."""
     data = orjson.loads(raw)
-    jid = job_id.decode() if isinstance(job_id, bytes) else job_id
-    return Job(jid, data["kind"], data["payload"], data["attempt"], data["token"], data.get("lane", ""))
+    return Job(_text(job_id), data["kind"], data["payload"], data["attempt"], data["token"],
+               _text(lane) if lane is not None else data.get("lane", ""))
 
 
 class JobQueue:
@@ -135,7 +141,7 @@ class JobQueue:
             if lane:
                 args += [lane, n]
         flat = await self._call(self._claim, args)
-        return [_decode(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+        return [_decode(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
 
     async def _settle_many(self, settles: list[tuple[str, str, str, bytes | str, int]]) -> list[bool]:
         return [bool(x) for x in await self._call(self._settle, [field for s in settles for field in s])]
@@ -155,15 +161,25 @@ class JobQueue:
         run_at = self.clock.now() + self.retry_delay_s(attempt)
         return await self._settles.submit((job.id, job.token, "retry", encoded, self._ms(run_at)))
 
+    async def _found(self, job_ids: Sequence[str]) -> list[tuple[Any, str]]:
+        """(run-at ms or None, lane) of each job (one round trip)."""
+        flat = await self._call(self._find, job_ids) if job_ids else []
+        return [(flat[i], _text(flat[i + 1])) for i in range(0, len(flat), 2)]
+
     async def missing(self, job_ids: Sequence[str]) -> list[str]:
         """Those of ``job_ids`` that are not scheduled (one round trip)."""
-        if not job_ids:
-            return []
-        found = await self._call(self._find, job_ids)
-        return [j for j, score in zip(job_ids, found, strict=True) if score is None]
+        found = await self._found(job_ids)
+        return [j for j, (score, _) in zip(job_ids, found, strict=True) if score is None]
+
+    async def misplaced(self, jobs: Sequence[tuple[str, str]]) -> list[str]:
+        """Of ``(id, lane)`` pairs, the ids not scheduled in that lane: missing, or in another (a
+        job a version before lanes scheduled is in the default one)."""
+        found = await self._found([job_id for job_id, _ in jobs])
+        return [job_id for (job_id, lane), (score, where) in zip(jobs, found, strict=True)
+                if score is None or where != lane]
 
     async def get(self, job_id: str) -> tuple[Job, float] | None:
-        [score] = await self._call(self._find, [job_id])
+        [(score, _)] = await self._found([job_id])
         raw = await self.redis.hget(self.items_key, job_id)
         if raw is None or score is None:
             return None

@@ -323,7 +323,8 @@ class ReconcilerSystem:
         return wanted
 
     async def _schedule_missing(self, wanted: list[JobSpec]) -> int:
-        missing = set(await self.r.jobs.missing([j[0] for j in wanted]))
+        # a job in another lane than it belongs to (scheduled by a version before lanes) moves too
+        missing = set(await self.r.jobs.misplaced([(j[0], j[4]) for j in wanted]))
         if missing:
             await self.r.change_jobs(schedule=[j for j in wanted if j[0] in missing])
         return len(missing)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
@@ -284,3 +285,78 @@ async def test_one_lanes_slow_jobs_take_neither_the_held_runs_slots_nor_the_next
             for lane in "ab":
                 gates.setdefault(f"{lane}{i}", asyncio.Event()).set()
         await worker.stop()
+
+
+# --- lanes beside a process of the version before them (a rolling upgrade) ---------------------
+
+
+async def _old_version_writes(jobs: JobQueue, job_id: str, run_at: float, payload: dict[str, object]) -> None:
+    """What a process of the version before lanes does to schedule a job: the default lane's sorted
+    set and an item without a lane."""
+    item = orjson.dumps({"kind": "kind", "payload": payload, "attempt": 0, "token": "old"})
+    await jobs.redis.zadd(jobs.due_key, {job_id: int(run_at * 1000)})
+    await jobs.redis.hset(jobs.items_key, job_id, item)
+
+
+async def test_a_lane_job_an_older_process_wrote_again_is_claimed_once_at_its_latest_time(
+        jobs: JobQueue, clock: FakeClock) -> None:
+    """An older process (a reschedule, a re-arm that saw the job missing from its sorted set) wrote a
+    second copy in the default lane: one claim handed the job out twice, and the copy in the lane
+    fired at the time the older process had moved away from."""
+    await jobs.schedule("d1", "kind", {"n": 1}, T0 + 10, lane="env_a")
+    await _old_version_writes(jobs, "d1", T0 + 3600, {"n": 2})
+    clock.advance(20)
+    assert await jobs.claim(10) == []  # its time is the older process's, the later one
+    clock.advance(3600)
+    [job] = await jobs.claim(10)
+    assert (job.id, job.lane, job.payload) == ("d1", "env_a", {"n": 2})
+    await _old_version_writes(jobs, "d2", T0, {})  # and one due now, written the other way round
+    await jobs.schedule("d2", "kind", {}, T0, lane="env_a")
+    claimed = await jobs.claim(10)
+    assert [j.id for j in claimed] == ["d2"]
+    assert await jobs.complete(claimed[0]) and await jobs.missing(["d2"]) == ["d2"]
+    assert await jobs.redis.zscore(jobs.due_key, "d2") is None
+
+
+async def test_a_job_an_older_process_put_in_the_default_lane_moves_to_its_lane_when_scheduled_again(
+        jobs: JobQueue, clock: FakeClock) -> None:
+    """Delays and TTLs armed before the upgrade sat in the default lane until they fired, ahead of
+    every lane and of the held runs' checks: the reconciler asks which are misplaced and schedules
+    them again, into their environments' lanes."""
+    await _old_version_writes(jobs, "delay.r1", T0 + 5, {"run_id": "r1"})
+    assert await jobs.missing(["delay.r1"]) == []
+    assert await jobs.misplaced([("delay.r1", "env_a"), ("hb.x", "")]) == ["delay.r1", "hb.x"]
+    await jobs.schedule("delay.r1", "kind", {"run_id": "r1"}, T0 + 5, lane="env_a")
+    assert await jobs.misplaced([("delay.r1", "env_a")]) == []
+    assert await jobs.redis.zscore(jobs.due_key, "delay.r1") is None
+    clock.advance(10)
+    [job] = await jobs.claim(10)
+    assert (job.id, job.lane) == ("delay.r1", "env_a")
+
+
+# --- lanes' places -----------------------------------------------------------------------------
+
+
+async def test_a_lane_whose_first_job_was_cancelled_takes_no_look_of_a_claim(jobs: JobQueue, clock: FakeClock) -> None:
+    """Starting a run cancels its TTL job: its lane stayed placed at that job's time, and once it
+    passed, 20 such lanes took every look of a claim of 5, which came back empty while another
+    lane's job was due."""
+    for i in range(20):
+        await jobs.apply((), [(f"ttl.{i}", "kind", {}, T0 + 1, f"env{i:02d}"),
+                              (f"later.{i}", "kind", {}, T0 + 1000, f"env{i:02d}")])
+    await jobs.schedule("delay.v", "kind", {}, T0 + 5, lane="victim")
+    for i in range(20):
+        await jobs.ack(f"ttl.{i}")
+    clock.advance(10)
+    assert [j.id for j in await jobs.claim(5)] == ["delay.v"]
+
+
+async def test_lanes_take_turns_within_one_millisecond_too(jobs: JobQueue, clock: FakeClock) -> None:
+    """A lane served again in the ms it was served took turn 1 again, ahead of lanes served before
+    it in that ms: with claims of one job, the lane of the smallest name took every other."""
+    for lane in ("env_a", "env_b", "env_c"):
+        await jobs.apply((), [(f"{lane}.{i}", "kind", {}, T0, lane) for i in range(40)])
+    clock.advance(1)
+    seen = [j.lane for _ in range(30) for j in await jobs.claim(1)]  # all within one ms
+    assert {lane: seen.count(lane) for lane in ("env_a", "env_b", "env_c")} == {"env_a": 10, "env_b": 10,
+                                                                                "env_c": 10}

@@ -252,6 +252,30 @@ async def test_retention_keeps_the_finished_children_of_a_batch_still_waited_on(
     assert (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING_WITH_WAITPOINTS"
 
 
+async def test_the_jobs_a_version_before_lanes_armed_move_to_their_environments_lanes(private: Harness) -> None:
+    """A delay, a TTL and a token's timeout armed before the upgrade sat in the default lane (the
+    sorted set every version claims) until they fired: a tenant's million delays for tomorrow would
+    come due there, ahead of every held run's check. The re-arm moves them into their lanes."""
+    import orjson
+
+    h = private
+    engine, jobs = h.engine, h.engine.resources.jobs
+    token, _ = await engine.waitpoints.create_token(h.env.env_id, timeout_s=600)
+    delayed = await engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", ttl_s=300,
+                                                  delay_until=datetime.fromtimestamp(h.clock.now() + 60, UTC)))
+    moved = [f"delay.{delayed.id}", f"ttl.{delayed.id}", f"wpto.{token.id}"]
+    await jobs.apply(moved, ())
+    for job_id in moved:  # as the version before lanes wrote them
+        await engine.redis.zadd(jobs.due_key, {job_id: int((h.clock.now() + 60) * 1000)})
+        await engine.redis.hset(jobs.items_key, job_id, orjson.dumps(
+            {"kind": "k", "payload": {}, "attempt": 0, "token": "old"}))
+    lane = h.env.env_id
+    assert await jobs.misplaced([(j, lane) for j in moved]) == moved
+    assert await engine.systems.reconciler.rearm_jobs(grace_s=0, full=True) >= 3
+    assert await jobs.misplaced([(j, lane) for j in moved]) == []
+    assert {await engine.redis.zscore(jobs.due_key, j) for j in moved} == {None}
+
+
 async def test_lost_engine_jobs_are_rearmed_and_fire(private: Harness) -> None:
     """Issue 11: after a flush a token's timeout, an executing run's heartbeat timeout and max
     duration, a delayed run's date, a TTL and the waitpoint sweeper were gone for good."""
