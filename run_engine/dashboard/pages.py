@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from run_engine.api.http import ApiError
 from run_engine.api.inputs import looks_like_id
-from run_engine.api.public import queue_object
+from run_engine.api.public import queue_objects
 from run_engine.api.serialize import explanation_object, run_object
 from run_engine.api.tokens import token_status
 from run_engine.dashboard.core import Dash, page, render
@@ -134,7 +134,7 @@ async def run_detail(request: Request, dash: Dash) -> Response:
 async def queues(request: Request, dash: Dash) -> Response:
     rows = (await dash.ctx.engine.list_queues(dash.env.id))[:500]
     return render(request, "queues.html", {"title": "Queues",
-                                           "queues": [await queue_object(dash.ctx, r) for r in rows]}, dash=dash)
+                                           "queues": await queue_objects(dash.ctx, dash.env.id, rows)}, dash=dash)
 
 
 @page
