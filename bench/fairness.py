@@ -142,6 +142,14 @@ async def _victim_delayed(engine: RunEngine, pool: Pool, env_id: str, n: int, de
     return [max(0.0, pool.started[r] - t) for r, t in due.items()]
 
 
+async def _until_started(pool: Pool, n: int, what: str) -> None:
+    deadline = time.perf_counter() + 900
+    while len(pool.started) < n:
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{what} did not all start within 900 s")
+        await asyncio.sleep(0.01)
+
+
 async def _fresh(args: argparse.Namespace, body: Callable[[RunEngine], Awaitable[Any]]) -> Any:
     redis_url = args.redis_url
     prefix = f"refair{secrets.token_hex(3)}"
@@ -169,11 +177,7 @@ async def tenants(args: argparse.Namespace, keys: bool) -> tuple[float, float, f
             await _flood(engine, a, args.flood, key_a)
             await asyncio.sleep(0.5)  # the flood is being worked on
             loaded = await _victim(engine, pool, b, args.victim, key_b)
-            deadline = time.perf_counter() + 900
-            while len(pool.started) < args.flood + 2 * args.victim:
-                if time.perf_counter() > deadline:
-                    raise TimeoutError("the flood did not all start within 900 s")
-                await asyncio.sleep(0.01)
+            await _until_started(pool, args.flood + 2 * args.victim, "the flood")
             # behind the flood in a FIFO queue, the victim would wait about this long
             out.extend([pct(idle, 99), pct(loaded, 99), time.perf_counter() - t0])
 
@@ -227,11 +231,7 @@ async def timers(args: argparse.Namespace) -> tuple[float, float, float]:
                 await engine.trigger_many([TriggerRequest(env_id=a, task_id="noop", delay_until=due)
                                            for _ in range(start, min(args.flood, start + 500))])
             loaded = await _victim_delayed(engine, pool, b, args.victim, 0.2)
-            deadline = time.perf_counter() + 900
-            while len(pool.started) < args.flood + 2 * args.victim:
-                if time.perf_counter() > deadline:
-                    raise TimeoutError("the delayed flood did not all start within 900 s")
-                await asyncio.sleep(0.01)
+            await _until_started(pool, args.flood + 2 * args.victim, "the delayed flood")
             out.extend([pct(idle, 99), pct(loaded, 99), time.perf_counter() - t0])
 
         await pool.run(scenario)

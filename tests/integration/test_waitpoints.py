@@ -18,6 +18,17 @@ from .conftest import Harness
 pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
 
+def fail_once(monkeypatch: pytest.MonkeyPatch, target: object, name: str) -> None:
+    """``target.name`` raises ConnectionError once (PostgreSQL going away mid-call), then is itself again."""
+    real = getattr(target, name)
+
+    async def fails_once(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(target, name, real)
+        raise ConnectionError("PostgreSQL went away")
+
+    monkeypatch.setattr(target, name, fails_once)
+
+
 def req(h: Harness, task: str = "hello", **kw: object) -> TriggerRequest:
     return TriggerRequest(env_id=h.env.env_id, task_id=task, **kw)  # type: ignore[arg-type]
 
@@ -839,13 +850,7 @@ async def test_a_repeated_batch_trigger_whose_first_try_failed_waits_on_runs_its
     holder = await h.engine.trigger(req(h, payload="theirs", idempotency_key="shared"))
     items = [req(h, payload="theirs", idempotency_key="shared"), req(h, payload="mine")]
     enqueue = h.engine.systems.waitpoints.enqueue
-    real = enqueue.trigger_many
-
-    async def fails_once(*args: object, **kwargs: object) -> object:
-        monkeypatch.setattr(enqueue, "trigger_many", real)
-        raise ConnectionError("PostgreSQL went away")
-
-    monkeypatch.setattr(enqueue, "trigger_many", fails_once)
+    fail_once(monkeypatch, enqueue, "trigger_many")
     with pytest.raises(ConnectionError):
         await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=True)
     ids, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=True)
@@ -868,13 +873,7 @@ async def test_a_repeated_batch_trigger_still_waits_on_a_run_its_first_try_joine
     parent, s = await started_run(h)
     holder = await h.engine.trigger(req(h, payload="slow", idempotency_key="slow-1"))
     wps = h.engine.systems.waitpoints
-    real = wps.run_waitpoint
-
-    async def fails_once(*args: object, **kwargs: object) -> object:
-        monkeypatch.setattr(wps, "run_waitpoint", real)
-        raise ConnectionError("PostgreSQL went away")
-
-    monkeypatch.setattr(wps, "run_waitpoint", fails_once)
+    fail_once(monkeypatch, wps, "run_waitpoint")
     items = [req(h, payload="slow", idempotency_key="slow-1"), req(h, payload="fast")]
     with pytest.raises(ConnectionError):
         await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, items, batch=True)
@@ -900,13 +899,7 @@ async def test_a_repeated_trigger_creates_no_children_for_a_parent_cancelled_mea
     and it ran for a parent that was gone."""
     parent, s = await started_run(h)
     enqueue = h.engine.systems.waitpoints.enqueue
-    real = enqueue.trigger_many
-
-    async def fails_once(*args: object, **kwargs: object) -> object:
-        monkeypatch.setattr(enqueue, "trigger_many", real)
-        raise ConnectionError("PostgreSQL went away")
-
-    monkeypatch.setattr(enqueue, "trigger_many", fails_once)
+    fail_once(monkeypatch, enqueue, "trigger_many")
     with pytest.raises(ConnectionError):
         await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h, payload="child")])
     await h.engine.cancel(parent.id)
@@ -924,13 +917,7 @@ async def test_a_repeated_trigger_creates_no_child_once_the_sweeper_failed_its_w
     the repeat take the parent's lock, and each checks again under it."""
     parent, s = await started_run(h)
     enqueue = h.engine.systems.waitpoints.enqueue
-    real = enqueue.trigger_many
-
-    async def fails_once(*args: object, **kwargs: object) -> object:
-        monkeypatch.setattr(enqueue, "trigger_many", real)
-        raise ConnectionError("PostgreSQL went away")
-
-    monkeypatch.setattr(enqueue, "trigger_many", fails_once)
+    fail_once(monkeypatch, enqueue, "trigger_many")
     with pytest.raises(ConnectionError):
         await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [req(h, payload="child")])
     # the repeat read the wait as pending just before the sweeper failed it
@@ -1110,13 +1097,7 @@ async def test_a_repeat_of_a_wait_on_itself_that_failed_before_ending_the_wait_e
     (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
     started = await h.engine.start_attempt(parent.id, d.snapshot.id)
     wps = h.engine.systems.waitpoints
-    real = wps._fail_self_wait
-
-    async def fails_once(*args: Any, **kwargs: Any) -> Any:
-        monkeypatch.setattr(wps, "_fail_self_wait", real)
-        raise ConnectionError("PostgreSQL went away")
-
-    monkeypatch.setattr(wps, "_fail_self_wait", fails_once)
+    fail_once(monkeypatch, wps, "_fail_self_wait")
     child = [TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="me")]
     with pytest.raises(ConnectionError):
         await h.engine.trigger_and_wait(parent.id, started.snapshot.id, 0, child)
