@@ -242,7 +242,9 @@ class DequeueSystem:
         keep: list[DequeuedMessage] = []
         foreign: list[DequeuedMessage] = []
         for m in messages:
-            (foreign if m.env_id in tasks and m.task not in tasks[m.env_id] else keep).append(m)
+            # a run of an environment none of the worker's deployments is in is foreign too: the
+            # worker lacks its code (a group shared with an environment created after it connected)
+            (keep if m.task in tasks.get(m.env_id, ()) else foreign).append(m)
         for m in foreign:
             try:
                 await self._not_for_this_worker(m, worker_group_id)

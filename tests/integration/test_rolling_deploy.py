@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from run_engine.api.models import TaskDecl
 from run_engine.engine import TriggerRequest
+from run_engine.ids import new_id
+from run_engine.tenancy import Environment, ensure_environment
 
 from .conftest import Harness
 
@@ -39,3 +42,29 @@ async def test_a_task_the_current_deployment_lacks_waits_for_one_that_has_it(h: 
     await h.deploy({"id": "a"}, {"id": "b"}, version="v3")
     (got,) = await h.engine.dequeue(h.env.worker_group_id, 5)
     assert got.run.id == run.id
+
+
+async def test_a_worker_gives_back_a_run_of_an_environment_it_has_no_deployment_in(h: Harness) -> None:
+    """A worker connected while its project had one environment; another environment of the same
+    worker group gets a deployment later, served by another worker. The first worker is not
+    handed that environment's runs (its executor would fail them as TASK_NOT_FOUND)."""
+    repo, org = h.engine.resources.repo, new_id("org")
+    dev = await ensure_environment(repo, secret="test-secret", org=org, project="proj", env="dev")
+    prod = await ensure_environment(repo, secret="test-secret", org=org, project="proj", env="prod")
+    assert prod.worker_group_id == dev.worker_group_id
+
+    async def deploy(env: Environment, task: str, version: str) -> str:
+        dep_id, _ = await h.engine.register_deployment(
+            env_id=env.env_id, worker_group_id=env.worker_group_id, version=version, content_hash=f"hash-{version}",
+            tasks=[TaskDecl.model_validate({"id": task}).spec()], queues=[])
+        return dep_id
+
+    mine = await deploy(dev, "a", "1")
+    theirs = await deploy(prod, "b", "2")
+    run = await h.engine.trigger(TriggerRequest(env_id=prod.env_id, task_id="b"))
+    assert await h.engine.dequeue(dev.worker_group_id, 5, deployments=[mine], start=True) == []
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.status == "QUEUED" and row.attempt_number == 0
+    h.clock.advance(0.6)
+    (got,) = await h.engine.dequeue(dev.worker_group_id, 5, deployments=[theirs], start=True)
+    assert got.run.id == run.id and got.deliveries == 1
