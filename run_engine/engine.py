@@ -284,6 +284,11 @@ class RunEngine:
     async def latest_snapshot(self, run_id: str) -> Snapshot:
         return await self.systems.execution_snapshot.latest(run_id)
 
+    async def latest_snapshot_since(self, run_id: str, snapshot_id: str) -> tuple[Snapshot, bool]:
+        """The latest snapshot, and whether it continues the execution that held ``snapshot_id``
+        (see :meth:`ExecutionSnapshotSystem.latest_since`)."""
+        return await self.systems.execution_snapshot.latest_since(run_id, snapshot_id)
+
     async def snapshots(self, run_id: str) -> list[Snapshot]:
         return await self.resources.repo.runs.snapshots(run_id)
 

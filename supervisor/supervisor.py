@@ -558,6 +558,20 @@ class Supervisor:
             return None
         return reply.data["snapshot"] if reply.status == 200 else None
 
+    async def _latest_since(self, state: RunState, held: str) -> tuple[dict[str, Any] | None, bool | None]:
+        """The run's latest snapshot, and whether it continues the execution that held ``held``
+        (this supervisor's waits, their continuations in place, their suspension): False when it
+        is another execution's (restored elsewhere after a suspension this supervisor never saw,
+        another attempt), None when the engine cannot say. The attempt number cannot tell: a
+        restore keeps it."""
+        try:
+            reply = await self.http.get(f"/runs/{state.run_id}/snapshots/latest?since={held}")
+        except TransportError:
+            return None, None
+        if reply.status != 200 or not reply.data or "sameExecution" not in reply.data:
+            return None, None
+        return reply.data["snapshot"], reply.data["sameExecution"] is True
+
     async def _on_call(self, state: RunState, executor: Any, msg: dict[str, Any]) -> None:
         """A journaled call of the running task: journal a step, or wait (maybe suspending)."""
         try:
@@ -733,18 +747,16 @@ class Supervisor:
         if not (entries and entries[0]["sequence"] == seq and entries[0]["kind"] == msg["kind"]
                 and (wp_id is None or wp_id in (entries[0]["key"], entries[0].get("waitpointId")))):
             return None
-        latest = await self._latest(state.run_id)
-        if latest is None or (state.attempt is not None and latest.get("attemptNumber") not in (None, state.attempt)):
-            return None  # unknown, or another attempt's: not ours
+        latest, ours = await self._latest_since(state, state.snapshot_id)
+        if latest is None or not ours:
+            return None  # unknown, or another execution's (a restore elsewhere, another attempt)
         status = latest["executionStatus"]
         if status == "SUSPENDED":
             return Reply(200, {"blocked": True, "suspended": True, "snapshot": latest}, "")
         if status == "EXECUTING_WITH_WAITPOINTS":
             return Reply(200, {"blocked": True, "snapshot": latest}, "")
-        if status == "EXECUTING" and entries[0]["resolved"] and latest.get("checkpointId") is None:
-            # continued already, in place. Not a restore (its snapshot carries the checkpoint it
-            # restores): that execution is the run's, on another executor, and this one must stop
-            return Reply(200, {"blocked": False, "snapshot": latest, "entry": entries[0]}, "")
+        if status == "EXECUTING" and entries[0]["resolved"]:
+            return Reply(200, {"blocked": False, "snapshot": latest, "entry": entries[0]}, "")  # continued in place
         return None
 
     def _suspend(self, state: RunState, executor: Any) -> None:
@@ -817,12 +829,13 @@ class Supervisor:
         if snapshot_id != state.snapshot_id:
             return False  # a wait moved the snapshot on meanwhile; the next heartbeat names the new one
         if latest.get("executionStatus") in ("EXECUTING", "EXECUTING_WITH_WAITPOINTS"):
-            # a wait moving the snapshot on (the waiter picks the new one up), or another attempt
-            # running: this one was taken for stalled while this supervisor could not reach the
-            # engine, and must stop (the snapshot says whose attempt it is)
-            full = await self._latest(state.run_id)
-            if full is None or state.attempt is None or full.get("attemptNumber") in (None, state.attempt):
-                return False
+            # a wait moving the snapshot on (the waiter picks the new one up), or another execution
+            # running (another attempt, or this one restored elsewhere after a suspension for a
+            # wait that took too long): this one was taken for stalled while this supervisor could
+            # not reach the engine, and must stop
+            full, ours = await self._latest_since(state, snapshot_id)
+            if full is None or ours is not False or snapshot_id != state.snapshot_id:
+                return False  # ours (a wait moving it on), or unknown: the next heartbeat asks again
             latest = full
         # cancelled, finished, or another attempt's: this execution stops
         if executor is None:

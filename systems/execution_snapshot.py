@@ -107,6 +107,25 @@ class ExecutionSnapshotSystem:
         s = self.r.settings
         return self.r.clock.now() + max(s.executing_timeout_s, s.pending_executing_timeout_s)
 
+    SAME_EXECUTION_WALK = 16  # an execution's own moves after a snapshot it holds are two or three
+
+    async def latest_since(self, run_id: str, snapshot_id: str) -> tuple[Snapshot, bool]:
+        """The run's latest snapshot, and whether it continues the execution that held
+        ``snapshot_id``: every snapshot after it is that attempt's wait (EXECUTING_WITH_WAITPOINTS)
+        or its continuation in place (EXECUTING with no checkpoint), the last maybe its suspension.
+        A worker whose answer was lost tells by this its own move from a restore of the run
+        elsewhere (same attempt number, after a suspension it never saw) or a retry."""
+        chain = await self.r.repo.runs.snapshots_from(run_id, snapshot_id, self.SAME_EXECUTION_WALK)
+        if not chain or chain[0].id != snapshot_id or len(chain) == self.SAME_EXECUTION_WALK:
+            return await self.latest(run_id), False
+        held, *after = chain
+        same = all(s.attempt_number == held.attempt_number and (
+            (s.engine_status in (ExecutionStatus.EXECUTING_WITH_WAITPOINTS, ExecutionStatus.EXECUTING)
+             and s.checkpoint_id is None)  # a restore's EXECUTING carries the checkpoint it restores
+            or (s.engine_status == ExecutionStatus.SUSPENDED and i == len(after) - 1)) for i, s in enumerate(after))
+        return chain[-1], same and held.engine_status in (ExecutionStatus.EXECUTING,
+                                                           ExecutionStatus.EXECUTING_WITH_WAITPOINTS)
+
     async def latest(self, run_id: str) -> Snapshot:
         snapshot = await self.r.repo.runs.latest_snapshot(run_id)
         if snapshot is None:

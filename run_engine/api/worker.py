@@ -182,10 +182,18 @@ async def _group_run_id(ctx: ApiContext, request: Request) -> str:
            security="workerToken")
 async def latest_snapshot(request: Request) -> Response:
     """The latest snapshot; with ``after=<snapshot id>&waitMs=N`` it waits (long-poll) until the
-    latest is another one, e.g. a waiting run continued or was cancelled."""
+    latest is another one, e.g. a waiting run continued or was cancelled. With ``since=<snapshot
+    id>`` (no wait) it also says, as ``sameExecution``, whether the latest continues the execution
+    that held that snapshot (its own waits and continuations only: not a restore elsewhere, not
+    another attempt): a worker whose answer was lost tells by it whether a move was its own."""
     ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     run_id = await _check_group(ctx, group, request.path_params["run_id"])
+    if (since := request.query_params.get("since")) is not None:
+        if not looks_like_id(since, "snapshot"):
+            raise ApiError(400, "invalid_input", "since: must be a snapshot id")
+        latest, same = await ctx.engine.latest_snapshot_since(run_id, since)
+        return json_response({"snapshot": snapshot_object(latest), "sameExecution": same})
     after = request.query_params.get("after")
     raw_wait = request.query_params.get("waitMs", "0")
     if not is_number(raw_wait) or int(raw_wait) > 60_000:

@@ -921,6 +921,18 @@ class RunRepository:
         row = await cur.fetchone()
         return snapshot_row(row) if row else None
 
+    async def snapshots_from(self, run_id: str, snapshot_id: str, limit: int) -> list[Snapshot]:
+        """The run's valid snapshots from ``snapshot_id`` on, oldest first, ``limit`` at most (none
+        when it is not one of the run's)."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM task_run_execution_snapshot
+                   WHERE run_id = %(run)s AND is_valid
+                     AND seq >= (SELECT seq FROM task_run_execution_snapshot WHERE id = %(id)s AND run_id = %(run)s)
+                   ORDER BY seq LIMIT %(n)s""", {"run": run_id, "id": snapshot_id, "n": limit})
+            return [snapshot_row(r) for r in await cur.fetchall()]
+
     async def snapshots(self, run_id: str) -> list[Snapshot]:
         """Every snapshot of a run, oldest first (the audit log)."""
         async with self.pool.connection() as conn:

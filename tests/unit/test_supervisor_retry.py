@@ -195,7 +195,8 @@ async def test_a_wait_refused_after_an_unanswered_try_that_got_through_is_taken_
             if "/journal" in path:
                 return Reply(200, {"journal": [{"sequence": 3, "kind": "token", "key": "waitpoint_1",
                                                 "resolved": False, "waitpointId": "waitpoint_1"}]}, "")
-            return Reply(200, {"snapshot": suspended_snapshot}, "")
+            assert path == "/runs/run_1/snapshots/latest?since=snapshot_1"
+            return Reply(200, {"snapshot": suspended_snapshot, "sameExecution": True}, "")
 
     class Executor:
         stopped = False
@@ -209,7 +210,7 @@ async def test_a_wait_refused_after_an_unanswered_try_that_got_through_is_taken_
     msg = {"op": "wait", "sequence": 3, "kind": "token", "waitpointId": "waitpoint_1"}
     assert await sup._wait(state, executor, msg) is None
     assert executor.stopped and state.snapshot_id == "snapshot_2"
-    assert calls == ["/waits", "/waits", "/runs/run_1/journal?from=3", "/runs/run_1/snapshots/latest"]
+    assert calls == ["/waits", "/waits", "/runs/run_1/journal?from=3", "/runs/run_1/snapshots/latest?since=snapshot_1"]
     # another execution's wait at that sequence (another waitpoint): still a duplicate
     sup2, _ = supervisor([Reply(503, None, "lost"),
                           Reply(200, {"results": [{"ok": False, "status": 409, "error": {"message": "stale"}}]},
@@ -223,13 +224,14 @@ async def test_a_wait_refused_after_an_unanswered_try_that_got_through_is_taken_
 
 async def test_a_wait_refused_after_a_lost_answer_is_not_taken_as_ours_once_the_run_was_restored() -> None:
     """The lost try got through, then the run was suspended and restored on another executor
-    (EXECUTING again, same attempt, its snapshot carrying the checkpoint it restores): that
-    execution is the run's, and this one stops (a duplicate). Continued in place (no checkpoint),
-    the wait's outcome is taken as the answer."""
+    (EXECUTING again, same attempt): the engine says the moves since are not this execution's,
+    that execution is the run's, and this one stops (a duplicate). Continued in place (the engine
+    says its own), the wait's outcome is taken as the answer; an engine that cannot say (an older
+    server) is not taken as saying ours."""
     from run_engine.batching import Batcher
     from supervisor.supervisor import RunState
 
-    async def after_lost_answer(latest: dict[str, Any]) -> dict[str, Any] | None:
+    async def after_lost_answer(latest: dict[str, Any], same: bool | None) -> dict[str, Any] | None:
         sup, _ = supervisor([Reply(503, None, "lost"), Reply(200, {"results": [
             {"ok": False, "status": 409, "error": {"message": "stale"}}]}, "")])
         sup._waits = Batcher(sup._wait_many, max_batch=100)
@@ -241,7 +243,8 @@ async def test_a_wait_refused_after_a_lost_answer_is_not_taken_as_ours_once_the_
                     return Reply(200, {"journal": [{"sequence": 3, "kind": "token", "key": "waitpoint_1",
                                                     "resolved": True, "result": {"ok": True, "output": 1},
                                                     "waitpointId": "waitpoint_1"}]}, "")
-                return Reply(200, {"snapshot": latest}, "")
+                assert path == "/runs/run_1/snapshots/latest?since=snapshot_1"
+                return Reply(200, {"snapshot": latest, **({} if same is None else {"sameExecution": same})}, "")
 
         class Executor:
             def suspend(self) -> None:
@@ -255,9 +258,10 @@ async def test_a_wait_refused_after_a_lost_answer_is_not_taken_as_ours_once_the_
 
     restored = {"id": "snapshot_9", "executionStatus": "EXECUTING", "attemptNumber": 1,
                 "checkpointId": "checkpoint_1", "previousSnapshotId": "snapshot_8"}
-    assert (await after_lost_answer(restored) or {}).get("duplicate") is True
+    assert (await after_lost_answer(restored, False) or {}).get("duplicate") is True
     in_place = {**restored, "checkpointId": None, "previousSnapshotId": "snapshot_2"}
-    assert await after_lost_answer(in_place) == {"result": {"ok": True, "output": 1}}
+    assert await after_lost_answer(in_place, True) == {"result": {"ok": True, "output": 1}}
+    assert (await after_lost_answer(in_place, None) or {}).get("duplicate") is True
 
 
 async def test_connect_is_repeated_while_the_engine_cannot_serve_and_not_when_it_refuses() -> None:

@@ -595,12 +595,14 @@ async def test_a_duration_wait_whose_answer_was_lost_is_found_in_the_journal_not
         return Reply(200, {"journal": [{"sequence": 3, "kind": "wait", "key": "3", "resolved": False,
                                         "waitpointId": "waitpoint_d"}]}, "")
 
-    async def latest(run_id: str, after: Any = None, wait_ms: int = 0) -> Any:
-        return {"id": "snapshot_2", "executionStatus": "EXECUTING_WITH_WAITPOINTS", "attemptNumber": latest_attempt}
+    async def latest_since(state: Any, held: str) -> Any:  # the engine's sameExecution: our attempt's moves
+        assert held == "snapshot_1"
+        return ({"id": "snapshot_2", "executionStatus": "EXECUTING_WITH_WAITPOINTS", "attemptNumber": latest_attempt},
+                latest_attempt == 2)
 
     monkeypatch.setattr(sup, "_post", post)
     monkeypatch.setattr(sup.http, "get", get)
-    monkeypatch.setattr(sup, "_latest", latest)
+    monkeypatch.setattr(sup, "_latest_since", latest_since)
     monkeypatch.setattr("supervisor.supervisor.random.random", lambda: 0.0)
     try:
         msg = {"sequence": 3, "kind": "wait", "seconds": 30}
@@ -629,11 +631,11 @@ async def test_an_execution_taken_for_stalled_stops_once_another_attempt_runs(mo
         return Reply(409, {"error": {"code": "conflict", "latestSnapshot": {
             "id": "snapshot_9", "executionStatus": "EXECUTING"}}}, "")
 
-    async def latest(run_id: str, after: Any = None, wait_ms: int = 0) -> Any:
-        return {"id": "snapshot_9", "executionStatus": "EXECUTING", **running}
+    async def latest_since(state: Any, held: str) -> Any:  # the engine's sameExecution: our attempt's moves
+        return {"id": "snapshot_9", "executionStatus": "EXECUTING", **running}, running["attemptNumber"] == 2
 
     monkeypatch.setattr(sup, "_post", post)
-    monkeypatch.setattr(sup, "_latest", latest)
+    monkeypatch.setattr(sup, "_latest_since", latest_since)
     try:
         state = RunState("run_1", "snapshot_1", attempt=2)
         assert await sup._heartbeat(state, executor) is False and killed == []  # our attempt: a wait moved it
