@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 
 from run_engine.batching import Batcher
 from run_engine.clock import Clock
-from run_engine.dependencies import log_failure
+from run_engine.dependencies import log_failure, unavailable_dependency
 from run_engine.lua_scripts import LuaScript
 from run_engine.records import record
 from run_engine.tasks import stop_task
@@ -86,6 +86,11 @@ class JobQueue:
         self.items_key = f"{self.base}:items"
         self.dlq_key = f"{self.base}:dlq"
         self.epoch_key = f"{self.base}:epoch"
+        # since when this process has reached these jobs without a break: heartbeats (a job's
+        # reschedule) sent to it before then may have been lost (it was not running, or Redis
+        # was away), so a heartbeat timeout due within one timeout of it proves nothing yet
+        self.heard_since = clock.now()
+        self._cut_off = False
         self._reschedule = LuaScript.get("jobs_reschedule")
         self._claim = LuaScript.get("jobs_claim")
         self._settle = LuaScript.get("jobs_settle")
@@ -102,7 +107,16 @@ class JobQueue:
         return self.due_key if lane == "" else f"{self.base}:lane:{lane}"
 
     async def _call(self, script: LuaScript, args: Sequence[Any]) -> Any:
-        return await script(self.redis, [self.items_key], [self.base, *args])
+        try:
+            out = await script(self.redis, [self.items_key], [self.base, *args])
+        except Exception as exc:
+            if unavailable_dependency(exc) is not None:
+                self._cut_off = True
+            raise
+        if self._cut_off:  # Redis is back: heartbeats could not be recorded until now
+            self._cut_off = False
+            self.heard_since = self.clock.now()
+        return out
 
     async def schedule(self, job_id: str, kind: str, payload: dict[str, Any], run_at: float, lane: str = "") -> None:
         await self.apply((), [(job_id, kind, payload, run_at, lane)])

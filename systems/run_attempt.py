@@ -297,6 +297,8 @@ class RunAttemptSystem:
             if latest is None or latest.id != snapshot_id:
                 return  # the run moved on; this job is stale
             status = ExecutionStatus(latest.engine_status)
+            if status in (E.PENDING_EXECUTING, E.EXECUTING) and await self._not_heard_long_enough(latest, status):
+                return
             if status == E.PENDING_EXECUTING:
                 with contextlib.suppress(StaleSnapshotError):  # started meanwhile (a start takes no lock)
                     await self.dead_letter.requeue_undelivered(run_id, latest)
@@ -311,6 +313,24 @@ class RunAttemptSystem:
                                  retryable=True, forced_delay_s=self.r.settings.stalled_retry_delay_s)
             elif status == E.PENDING_CANCEL:
                 await self.finish_cancel_requested(run_id, snapshot_id)
+
+    async def _not_heard_long_enough(self, latest: Snapshot, status: ExecutionStatus) -> bool:
+        """True (and the timeout is armed again) when this process has not been able to hear the
+        run's heartbeats for a whole timeout: it started, or Redis came back, less than one ago.
+        A timeout that came due while no heartbeat could be recorded (the engine restarted after
+        an outage longer than the timeout) says nothing of the worker, which is most likely still
+        running the run or retrying its completion: failing the attempt then would run the run
+        again beside it. It gets one timeout from then; a worker really gone is still caught."""
+        timeout = self.r.settings.heartbeat_timeout_s(status)
+        if timeout is None:
+            return False
+        until = self.r.jobs.heard_since + timeout
+        if self.r.clock.now() >= until:
+            return False
+        log.warning("run %s: its heartbeat timeout came due while heartbeats could not be heard (a restart or "
+                    "Redis away); it is given until %s", latest.run_id, until)
+        await self.r.change_jobs(schedule=[engine_jobs.heartbeat(latest.run_id, latest.id, until)])
+        return True
 
     async def on_max_duration(self, run_id: str, attempt: int) -> None:
         async with self.r.locker.lock("max_duration", run_id):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from run_engine.engine import TriggerRequest
@@ -361,3 +363,69 @@ async def test_many_concurrent_lifecycles_share_batches(h: Harness) -> None:
     assert sorted(done) == sorted(r.id for r in runs)
     for r in runs[:5]:
         assert (await h.engine.get_run(r.id)).status == "COMPLETED"  # type: ignore[union-attr]
+
+
+async def test_a_heartbeat_timeout_due_while_the_engine_was_down_gives_the_worker_a_timeout_first(h: Harness) -> None:
+    """The engine was down for longer than the heartbeat timeout (no heartbeat could be heard) and
+    starts again: the overdue timeout does not fail the attempt (its worker most likely still runs
+    it, and would run beside a retry); the worker gets one timeout from the start. A worker that
+    is really gone is still caught once that has passed."""
+    from run_engine.engine import RunEngine
+
+    await h.deploy({"id": "t"})
+    alive, gone = await h.engine.trigger(req(h)), await h.engine.trigger(req(h))
+    started: dict[str, Any] = {}
+    for d in await h.engine.dequeue(h.env.worker_group_id, 2, "w"):
+        started[d.run.id] = await h.engine.start_attempt(d.run.id, d.snapshot.id)
+    before = h.engine
+    h.clock.advance(300)  # the engine is down for five minutes, and starts again
+    h.engine = await RunEngine.create(before.resources.settings, clock=h.clock, run_jobs=False)
+    try:
+        await _after_the_restart(h, alive, gone, started)
+    finally:
+        await h.engine.close()
+        h.engine = before
+
+
+async def _after_the_restart(h: Harness, alive: Any, gone: Any, started: dict[str, Any]) -> None:
+    assert await h.engine.run_due_jobs() == 2  # both timeouts were overdue: armed again, not failed
+    for run in (alive, gone):
+        assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
+    await h.advance(5)
+    await h.engine.heartbeat(alive.id, started[alive.id].snapshot.id)  # its worker retries and is heard
+    await h.advance(56)  # one timeout since the start: the silent one is failed, the other is not
+    assert (await h.engine.latest_snapshot(alive.id)).engine_status == "EXECUTING"
+    row = await h.engine.get_run(gone.id)
+    assert row is not None and row.error is not None and row.error["code"] == "TASK_RUN_STALLED_EXECUTING"
+    await h.engine.complete_attempt(alive.id, started[alive.id].snapshot.id, ok=True, output="done")
+    assert (await h.engine.get_run(alive.id)).status == "COMPLETED"  # type: ignore[union-attr]
+
+
+async def test_a_heartbeat_timeout_due_while_redis_was_away_gives_the_worker_a_timeout_first(h: Harness) -> None:
+    """Redis away for longer than the timeout (heartbeats refused): once the engine reaches it
+    again, an overdue timeout is armed again for one timeout instead of failing the attempt."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    run = await h.engine.trigger(req(h))
+    d = await dequeue_one(h)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    jobs = h.engine.resources.jobs
+    h.clock.advance(120)
+    real = jobs.redis
+
+    class Away:
+        def __getattr__(self, name: str) -> Any:
+            raise RedisConnectionError("Redis is away")
+
+    jobs.redis = Away()  # type: ignore[assignment]
+    with pytest.raises(RedisConnectionError):
+        await h.engine.heartbeat(run.id, s.snapshot.id)
+    jobs.redis = real
+    assert await h.engine.run_due_jobs() == 1
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
+    await h.engine.heartbeat(run.id, s.snapshot.id)
+    await h.advance(59)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
+    await h.advance(61)
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.error is not None and row.error["code"] == "TASK_RUN_STALLED_EXECUTING"
