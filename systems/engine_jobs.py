@@ -23,8 +23,10 @@ WAITPOINT_TIMEOUT = "waitpoint_timeout"  # a waitpoint with a timeout timed out 
 WAITPOINT_SWEEP = "waitpoint_sweep"  # the sweeper: RUN/BATCH waitpoints whose completion was lost
 SWEEP_ID = "sweep.waitpoints"
 BULK_ACTION = "bulk_action"  # the next page of a bulk cancel or replay (bulk_id)
+CONTINUE_BLOCKED = "continue_blocked"  # the next page of the runs completed waitpoints unblocked
 
-KINDS = (HEARTBEAT, MAX_DURATION, DELAYED, TTL, WAITPOINT_DATETIME, WAITPOINT_TIMEOUT, WAITPOINT_SWEEP, BULK_ACTION)
+KINDS = (HEARTBEAT, MAX_DURATION, DELAYED, TTL, WAITPOINT_DATETIME, WAITPOINT_TIMEOUT, WAITPOINT_SWEEP, BULK_ACTION,
+         CONTINUE_BLOCKED)
 
 
 def heartbeat_id(run_id: str, snapshot_id: str) -> str:
@@ -86,3 +88,8 @@ def bulk_action_id(bulk_id: str) -> str:
 
 def bulk_action(bulk_id: str, env_id: str, at: float) -> JobSpec:
     return bulk_action_id(bulk_id), BULK_ACTION, {"bulk_id": bulk_id}, at, env_id
+
+
+def continue_blocked(waitpoint_ids: list[str], after: str, env_id: str, at: float) -> JobSpec:
+    return (f"continue.{waitpoint_ids[0]}", CONTINUE_BLOCKED, {"waitpoint_ids": waitpoint_ids, "after": after},
+            at, env_id)

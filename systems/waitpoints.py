@@ -236,14 +236,37 @@ class WaitpointsSystem:
         # already); a continuation left undone is the sweeper's, a timeout job left armed fires
         # on a completed waitpoint and does nothing.
         try:
-            runs = {run_id for _, run_id in await self.wp.blocked_runs(done)}
+            runs = await self.wp.blocked_runs(done, limit=self.CONTINUE_PAGE + 1)
             cancel = [job for w, timed, _ in completed if timed and cancel_timeouts
                       for job in (engine_jobs.waitpoint_timeout_id(w), engine_jobs.waitpoint_datetime_id(w))]
-            await self.continue_runs(runs, cancel)
+            if len(runs) <= self.CONTINUE_PAGE:
+                await self.continue_runs(runs, cancel)
+            else:
+                await self._continue_later(done, cancel)
         except Exception as exc:
             log_failure(log, exc, "%d waitpoints completed; continuing the runs they blocked failed (the sweeper"
                         " will)", len(done))
         return completed
+
+    # A completion that unblocks more runs than this continues them a page at a time in an engine
+    # job of each environment's lane: thousands of runs waiting on one token must neither hold the
+    # completions of every tenant that share its batch, nor block Redis with one enqueue of them all
+    CONTINUE_PAGE = 200
+
+    async def _continue_later(self, waitpoint_ids: Sequence[str], cancel: Sequence[str]) -> None:
+        by_env: dict[str, list[str]] = {}
+        for wp_id, env_id in (await self.wp.environments_of(waitpoint_ids)).items():
+            by_env.setdefault(env_id, []).append(wp_id)
+        now = self.r.clock.now()
+        await self.r.change_jobs(cancel, [engine_jobs.continue_blocked(sorted(wps), "", env_id, now)
+                                          for env_id, wps in by_env.items()])
+
+    async def continue_page(self, waitpoint_ids: Sequence[str], after: str) -> str | None:
+        """Continue a page of the runs blocked on ``waitpoint_ids`` (by id after ``after``); the
+        id to go on after when a page was full, else None."""
+        runs = await self.wp.blocked_runs(waitpoint_ids, after=after, limit=self.CONTINUE_PAGE)
+        await self.continue_runs(runs)
+        return runs[-1] if len(runs) == self.CONTINUE_PAGE else None
 
     async def on_runs_finished(self, runs: Sequence[RunRow]) -> None:
         """Finished runs complete the waitpoints their parents wait on: a child's RUN waitpoint,
@@ -491,7 +514,14 @@ class WaitpointsSystem:
         (a suspend, a cancel) is looked at again. Then one queue call restores the suspended ones
         and one jobs call (with ``cancel_jobs``) re-arms the timeouts of those still executing.
         Dying in between: the reconciler finds a QUEUED_EXECUTING run missing from the queue."""
-        todo = sorted(set(run_ids))
+        every = sorted(set(run_ids))
+        out: dict[str, Snapshot] = {}
+        for start in range(0, max(len(every), 1), self.CONTINUE_PAGE):  # one statement, one enqueue a page
+            out.update(await self._continue_page(every[start:start + self.CONTINUE_PAGE], cancel_jobs))
+            cancel_jobs = ()
+        return out
+
+    async def _continue_page(self, todo: list[str], cancel_jobs: Sequence[str]) -> dict[str, Snapshot]:
         done: list[TransitionResult] = []
         for _ in range(5):
             if not todo:

@@ -566,13 +566,21 @@ class WaitpointRepository:
             cur = await conn.execute(_COMPLETE, {"rows": Jsonb(rows)})
             return [(r[0], bool(r[1]), int(r[2])) for r in await cur.fetchall()]
 
-    async def blocked_runs(self, waitpoint_ids: Sequence[str]) -> list[tuple[str, str]]:
-        """(waitpoint id, run id) of every run blocked on one of ``waitpoint_ids``."""
+    async def blocked_runs(self, waitpoint_ids: Sequence[str], *, after: str = "",
+                           limit: int | None = None) -> list[str]:
+        """The runs blocked on one of ``waitpoint_ids``, by id after ``after``, ``limit`` at most."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                "SELECT waitpoint_id, run_id FROM task_run_waitpoint WHERE waitpoint_id = ANY(%s)",
-                (list(waitpoint_ids),))
-            return [(r[0], r[1]) for r in await cur.fetchall()]
+                """SELECT DISTINCT run_id FROM task_run_waitpoint WHERE waitpoint_id = ANY(%s) AND run_id > %s
+                   ORDER BY run_id LIMIT %s""", (list(waitpoint_ids), after, limit))
+            return [r[0] for r in await cur.fetchall()]
+
+    async def environments_of(self, waitpoint_ids: Sequence[str]) -> dict[str, str]:
+        """waitpoint id -> its environment id."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT id, environment_id FROM waitpoint WHERE id = ANY(%s)",
+                                     (list(waitpoint_ids),))
+            return {r[0]: r[1] for r in await cur.fetchall()}
 
     # --- blocking -----------------------------------------------------------------------------
 

@@ -1184,3 +1184,37 @@ async def test_an_engine_start_keeps_where_the_sweepers_walk_stands(database_url
         assert found[0].payload == {"runs_after": "run_m", "waitpoints_after": "waitpoint_m"}
     finally:
         await again.close()
+
+
+async def test_a_token_many_runs_wait_on_continues_them_a_page_at_a_time_in_its_environments_lane(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of runs waiting on one token: its completion answers once the token is complete
+    and leaves their continuation to an engine job of the environment's lane, a page (one
+    statement, one enqueue) at a time. Before, the completion continued and enqueued them all at
+    once: one Lua call of every run, blocking Redis for every tenant, and the completion batch
+    of every tenant's tokens held for as long."""
+    wps = h.engine.systems.waitpoints
+    monkeypatch.setattr(wps, "CONTINUE_PAGE", 4)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    other, _ = await h.engine.waitpoints.create_token(h.env.env_id)
+    runs = []
+    for i in range(11):
+        run, s = await started_run(h)
+        keys = [token.id, other.id] if i == 0 else [token.id]  # the first waits on both
+        out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id, waitpoint_ids=keys)
+        if i % 2:  # half suspended: restored through the queue
+            await h.engine.suspend(run.id, out.snapshot.id)
+        runs.append(run.id)
+    enqueued = count_items(monkeypatch, h.engine.resources, "enqueue_items")
+    assert await h.engine.waitpoints.complete(token.id, "go")
+    statuses = {(await h.engine.latest_snapshot(r)).engine_status for r in runs}
+    assert statuses == {"EXECUTING_WITH_WAITPOINTS", "SUSPENDED"}  # none continued by the completion itself
+    assert enqueued == []
+    assert await h.engine.run_due_jobs() == 3  # pages of 4, 4 and 3 runs (one still blocked)
+    assert enqueued and max(enqueued) <= 4 and sum(enqueued) == 5
+    latest = {r: (await h.engine.latest_snapshot(r)).engine_status for r in runs}
+    assert latest[runs[0]] == "EXECUTING_WITH_WAITPOINTS"  # still waits on the other token
+    assert {latest[r] for i, r in enumerate(runs) if i and i % 2} == {"QUEUED_EXECUTING"}
+    assert {latest[r] for i, r in enumerate(runs) if i and not i % 2} == {"EXECUTING"}
+    assert await h.engine.waitpoints.complete(other.id, "also")  # few runs: continued at once
+    assert (await h.engine.latest_snapshot(runs[0])).engine_status == "EXECUTING"
