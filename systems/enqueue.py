@@ -15,7 +15,7 @@ from run_engine.db.runs import NewRun, RunRow
 from run_engine.errors import NotFoundError, QueueFullError, UnprocessableError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
-from run_engine.run_queue import EnqueueItem, RateLimit
+from run_engine.run_queue import EnqueueItem, QueueSettings, RateLimit
 from run_engine.statuses import ExecutionStatus, RunStatus
 from systems import engine_jobs
 from systems.resources import SystemResources
@@ -119,9 +119,17 @@ class EnqueueSystem:
         self._groups: dict[tuple[str, str, str], tuple[str | None, float]] = {}
         self._last_micros = 0
 
-    def invalidate(self) -> None:
-        self._tasks.clear()
-        self._queues.clear()
+    def invalidate(self, env_id: str | None = None) -> None:
+        """Forget the cached tasks and queues of ``env_id`` (of every environment when None). The
+        caches are this process's own: other processes see a deployment within CACHE_TTL_S."""
+        if env_id is None:
+            self._tasks.clear()
+            self._queues.clear()
+            return
+        for task in [k for k in self._tasks if k[0] == env_id]:
+            del self._tasks[task]
+        for queue in [k for k in self._queues if k[0] == env_id]:
+            del self._queues[queue]
 
     async def environment(self, env_id: str) -> _EnvInfo:
         info = self._envs.get(env_id)
@@ -181,20 +189,21 @@ class EnqueueSystem:
 
     async def mirror_queue(self, row: TaskQueue) -> None:
         """Copy a task queue's effective limit (override, else deployed) and pause flag to Redis."""
-        env_id, name = row.env_id, row.name
-        await self.r.queue.set_queue_limit(env_id, name, row.effective_limit)
-        await self.r.queue.set_key_limit(env_id, name, row.concurrency_key_limit)
-        rate = row.rate_limit
-        await self.r.queue.set_rate_limit(env_id, name, RateLimit(rate.limit, rate.period_ms, rate.burst)
-                                          if rate else None)
-        if row.paused:
-            await self.r.queue.pause(env_id, name)
-        else:
-            await self.r.queue.resume(env_id, name)
+        await self.mirror_queue_rows([row])
 
-    async def mirror_queues(self, env_id: str) -> None:
-        for row in await self.r.repo.deployments.list_queues(env_id):
-            await self.mirror_queue(row)
+    async def mirror_queue_rows(self, rows: Sequence[TaskQueue]) -> None:
+        """:meth:`mirror_queue` for many queues, in pipelined round trips."""
+        await self.r.queue.configure_queues([
+            QueueSettings(row.env_id, row.name, row.effective_limit, row.concurrency_key_limit,
+                          RateLimit(r.limit, r.period_ms, r.burst) if (r := row.rate_limit) else None, row.paused)
+            for row in rows
+        ])
+
+    async def mirror_queues(self, env_id: str, names: Sequence[str] | None = None) -> None:
+        """Mirror the environment's queues ``names`` (every queue of it when None: a restore of Redis)."""
+        deployments = self.r.repo.deployments
+        await self.mirror_queue_rows(await (deployments.list_queues(env_id) if names is None
+                                            else deployments.queues_named(env_id, names)))
 
     async def trigger_many(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
         """Create runs: one insert for all of them, then one enqueue for those that can run.

@@ -59,6 +59,12 @@ class WaitingForWorkerSystem:
         if not envs:
             raise UnprocessableError("no_environment",
                                      "this worker group serves no environment (run `run-engine bootstrap`)")
+        if len(envs) > 1:
+            # every environment's room for its queues first: a deployment refused in one of them
+            # is written in none (each registration checks again under its environment's lock)
+            names = [q.name for q in self._queues(tasks, queues)]
+            for env in envs:
+                await self.r.repo.deployments.check_queue_room(env.id, names, self.r.settings.max_queues_per_env)
         out = []
         for env in envs:
             dep_id, enqueued = await self.register_deployment(
@@ -83,23 +89,33 @@ class WaitingForWorkerSystem:
         self, *, env_id: str, worker_group_id: str, version: str, content_hash: str,
         tasks: Sequence[TaskSpec], queues: Sequence[QueueSpec],
     ) -> tuple[str, int]:
-        """Record the deployment (current from now on), mirror its queue limits into the run
-        queue and enqueue the runs that were waiting for it. Returns (deployment id, runs enqueued)."""
+        """Record the deployment (current from now on), mirror its queues' settings into the run
+        queue and enqueue the runs that were waiting for it. Returns (deployment id, runs enqueued).
+
+        Refused (422 ``too_many_queues``, nothing written) when the queues it declares that the
+        environment does not have would take it past ``max_queues_per_env``."""
         self.validate(tasks)
-        declared = {q.name: q for q in queues}
-        for t in tasks:
-            declared.setdefault(t.queue_name, QueueSpec(t.queue_name, type=queue_type(t.queue_name)))
-        queue_list = list(declared.values())
+        queue_list = self._queues(tasks, queues)
         dep_id, _ = await self.r.repo.deployments.register_deployment(
             deployment_id=new_id("deployment"), env_id=env_id, worker_group_id=worker_group_id,
             version=version, content_hash=content_hash, tasks=tasks, queues=queue_list,
-            queue_ids=[new_id("queue") for _ in queue_list],
+            queue_ids=[new_id("queue") for _ in queue_list], max_queues=self.r.settings.max_queues_per_env,
         )
-        await self.enqueue.mirror_queues(env_id)
-        self.enqueue.invalidate()
+        # its own queues only (read back: an override or pause of one is kept), and the caches of
+        # its environment only: the environment's other queues and other tenants are not its cost
+        await self.enqueue.mirror_queues(env_id, [q.name for q in queue_list])
+        self.enqueue.invalidate(env_id)
         await self.schedules.sync_declarative(env_id, tasks)
         waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, [t.id for t in tasks])
         return dep_id, await self.promote(waiting, dep_id, {t.id: t.queue_name for t in tasks})
+
+    @staticmethod
+    def _queues(tasks: Sequence[TaskSpec], queues: Sequence[QueueSpec]) -> list[QueueSpec]:
+        """The queues a deployment has: those it declares, and each task's own unless it names one."""
+        declared = {q.name: q for q in queues}
+        for t in tasks:
+            declared.setdefault(t.queue_name, QueueSpec(t.queue_name, type=queue_type(t.queue_name)))
+        return list(declared.values())
 
     async def promote(self, run_ids: list[str], deployment_id: str, queue_of: dict[str, str]) -> int:
         """PENDING_VERSION runs → QUEUED on ``deployment_id`` (``queue_of``: task → its queue there),

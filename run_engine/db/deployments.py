@@ -8,12 +8,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, from_row_or_none
-from run_engine.errors import ConflictError
+from run_engine.errors import ConflictError, UnprocessableError
+
+#: the first key of the advisory lock that makes one environment's deployment registrations take
+#: turns (the second is the environment id's hash)
+_DEPLOY_LOCK_CLASS = 0x4445504C  # "DEPL"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +129,18 @@ class DeploymentRepository:
         tasks: Sequence[TaskSpec],
         queues: Sequence[QueueSpec],
         queue_ids: Sequence[str],
+        max_queues: int | None = None,
     ) -> tuple[str, bool]:
         """Record a deployment and make it current; upsert its queues. Returns (id, created).
 
-        Registering the same content again returns the existing deployment."""
+        Registering the same content again returns the existing deployment. The registrations of
+        one environment take turns (a transaction-scoped advisory lock on it), so that two at once
+        both succeed, the later one current, and count each other's queues. A deployment whose
+        queues the environment does not have would take it past ``max_queues`` is refused
+        (:class:`UnprocessableError` ``too_many_queues``) with nothing written."""
         async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_DEPLOY_LOCK_CLASS, env_id))
+            await self._check_queue_room(conn, env_id, [q.name for q in queues], max_queues)
             existing = await (
                 await conn.execute(
                     """SELECT id, version FROM deployment
@@ -149,6 +161,7 @@ class DeploymentRepository:
                 " WHERE environment_id = %s AND worker_group_id = %s AND is_current AND id <> %s",
                 (env_id, worker_group_id, dep_id),
             )
+            cur = conn.cursor()
             if created:
                 await conn.execute(
                     """INSERT INTO deployment (id, environment_id, worker_group_id, version, content_hash, tasks,
@@ -157,7 +170,6 @@ class DeploymentRepository:
                     (dep_id, env_id, worker_group_id, version, content_hash,
                      Jsonb([dataclasses.asdict(t) for t in tasks]), Jsonb([dataclasses.asdict(q) for q in queues])),
                 )
-                cur = conn.cursor()
                 await cur.executemany(
                     """INSERT INTO deployment_task (deployment_id, environment_id, task_identifier, queue_name, retry,
                                                     max_duration_s, machine)
@@ -170,17 +182,44 @@ class DeploymentRepository:
                 )
             else:
                 await conn.execute("UPDATE deployment SET is_current = true WHERE id = %s", (dep_id,))
-            for queue, queue_id in zip(queues, queue_ids, strict=True):
-                await conn.execute(
-                    """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit, rate_limit)
-                       VALUES (%s, %s, %s, %s, %s, %s)
-                       ON CONFLICT (environment_id, name) DO UPDATE
-                           SET type = EXCLUDED.type, concurrency_limit = EXCLUDED.concurrency_limit,
-                               rate_limit = EXCLUDED.rate_limit""",
+            await cur.executemany(
+                """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit, rate_limit)
+                   VALUES (%s, %s, %s, %s, %s, %s)
+                   ON CONFLICT (environment_id, name) DO UPDATE
+                       SET type = EXCLUDED.type, concurrency_limit = EXCLUDED.concurrency_limit,
+                           rate_limit = EXCLUDED.rate_limit""",
+                [
                     (queue_id, env_id, queue.name, queue.type, queue.concurrency_limit,
-                     Jsonb(queue.rate_limit.stored()) if queue.rate_limit else None),
-                )
+                     Jsonb(queue.rate_limit.stored()) if queue.rate_limit else None)
+                    for queue, queue_id in zip(queues, queue_ids, strict=True)
+                ],
+            )
         return dep_id, created
+
+    async def check_queue_room(self, env_id: str, names: Sequence[str], max_queues: int | None) -> None:
+        """Refuse (``too_many_queues``) queues ``names`` that would take the environment past
+        ``max_queues``: a check ahead of registrations in many environments, none of which should
+        be written when one is refused (:meth:`register_deployment` checks again under its lock)."""
+        async with self.pool.connection() as conn:
+            await self._check_queue_room(conn, env_id, names, max_queues)
+
+    @staticmethod
+    async def _check_queue_room(conn: AsyncConnection[Any], env_id: str, names: Sequence[str],
+                                max_queues: int | None) -> None:
+        if max_queues is None or not names:
+            return
+        row = await (await conn.execute(
+            """SELECT count(*), count(*) FILTER (WHERE name = ANY(%s))
+               FROM task_queue WHERE environment_id = %s""", (list(names), env_id))).fetchone()
+        assert row is not None
+        have, declared_have = int(row[0]), int(row[1])
+        new = len(set(names)) - declared_have  # a queue it has already costs nothing
+        if new > 0 and have + new > max_queues:
+            raise UnprocessableError(
+                "too_many_queues",
+                f"deployment.queues: this deployment declares {new} queues this environment does not have, "
+                f"and it has {have} of the {max_queues} it may have (RUN_ENGINE_MAX_QUEUES_PER_ENV); "
+                "nothing was deployed: declare fewer queues or let tasks share them")
 
     async def current_task(self, env_id: str, worker_group_id: str, task_id: str) -> DeploymentTask | None:
         """The task as the current deployment of (env, group) declares it, or None."""
@@ -240,6 +279,14 @@ class DeploymentRepository:
             await cur.execute("SELECT * FROM task_queue WHERE environment_id = %s AND name = %s", (env_id, name))
             row = await cur.fetchone()
             return None if row is None else _queue(row)
+
+    async def queues_named(self, env_id: str, names: Sequence[str]) -> list[TaskQueue]:
+        """The environment's queues of ``names`` (those it has), by name."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_queue WHERE environment_id = %s AND name = ANY(%s) ORDER BY name",
+                              (env_id, list(names)))
+            return [_queue(r) for r in await cur.fetchall()]
 
     async def list_queues(self, env_id: str) -> list[TaskQueue]:
         async with self.pool.connection() as conn:

@@ -11,6 +11,7 @@ from run_engine.run_queue.models import (
     EnvStats,
     Handed,
     NackResult,
+    QueueSettings,
     QueueStats,
     RateLimit,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "Handed",
     "NackResult",
     "QueueKeys",
+    "QueueSettings",
     "QueueStats",
     "RateLimit",
     "RunQueue",

@@ -50,6 +50,19 @@ class RateLimit:
         return interval, interval * (self.burst - 1)
 
 
+@dataclass(frozen=True, slots=True)
+class QueueSettings:
+    """Everything the run queue holds of one queue's settings, to set at once
+    (:meth:`RunQueue.configure_queues`): ``None`` unsets a limit."""
+
+    env_id: str
+    queue: str
+    limit: int | None = None
+    key_limit: int | None = None
+    rate_limit: RateLimit | None = None
+    paused: bool = False
+
+
 @record
 class DequeuedMessage:
     """A run handed out by :meth:`RunQueue.dequeue`; it holds a slot at env, queue and key level

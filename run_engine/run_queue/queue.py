@@ -23,6 +23,7 @@ from run_engine.run_queue.models import (
     EnvStats,
     Handed,
     NackResult,
+    QueueSettings,
     QueueStats,
     RateLimit,
 )
@@ -46,6 +47,8 @@ def _name(value: bytes | str | None) -> str:
 
 
 class RunQueue:
+    CONFIGURE_CHUNK = 2000  # script calls per pipeline of configure_queues
+
     def __init__(
         self,
         redis: Redis,
@@ -317,6 +320,23 @@ class RunQueue:
 
     async def resume(self, env_id: str, queue: str) -> None:
         await self._configure("resume", env_id, queue, None)
+
+    async def configure_queues(self, settings: Sequence[QueueSettings]) -> None:
+        """Set every setting of each queue (limits, rate limit, paused) as the single-setting
+        methods above do, in pipelined round trips of ``CONFIGURE_CHUNK`` script calls."""
+        calls: list[Call] = []
+        for s in settings:
+            keys, base = self._shard_args(s.env_id)
+            env, queue = encode_name(s.env_id), encode_name(s.queue)
+            rate = "" if s.rate_limit is None else ",".join(str(x) for x in s.rate_limit.gcra())
+            calls += [
+                (keys, [base, "queue_limit", env, queue, "" if s.limit is None else s.limit]),
+                (keys, [base, "key_limit", env, queue, "" if s.key_limit is None else s.key_limit]),
+                (keys, [base, "rate_limit", env, queue, rate]),
+                (keys, [base, "pause" if s.paused else "resume", env, queue, ""]),
+            ]
+        for start in range(0, len(calls), self.CONFIGURE_CHUNK):
+            await self._config.call_many(self.redis, calls[start:start + self.CONFIGURE_CHUNK])
 
     async def queue_stats(self, env_id: str, queue: str) -> QueueStats:
         qk = self.keys.queue(env_id, queue)

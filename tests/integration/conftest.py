@@ -3,6 +3,7 @@ switched off, so tests drive timeouts step by step."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -84,10 +85,10 @@ async def h(make_engine: Callable[..., Any]) -> Harness:
     return harness
 
 
-@pytest.fixture
-async def api(h: Harness) -> AsyncIterator[httpx.AsyncClient]:
-    """The HTTP API over the harness's engine, in process, with the environment's API key (the
-    server's public URL is http://t)."""
+@contextlib.asynccontextmanager
+async def api_client(h: Harness, credential: str | None = None) -> AsyncIterator[httpx.AsyncClient]:
+    """The HTTP API over the harness's engine, in process, with ``credential`` (the environment's
+    API key when None; the server's public URL is http://t)."""
     from run_engine.api.app import create_app
     from run_engine.api.context import ApiContext
     from run_engine.run_tokens import RunTokens
@@ -97,5 +98,12 @@ async def api(h: Harness) -> AsyncIterator[httpx.AsyncClient]:
                      wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"),
                      public_url="http://t", secret="test-secret")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://t",
-                                 headers={"Authorization": f"Bearer {h.env.api_key}"}) as c:
+                                 headers={"Authorization": f"Bearer {credential or h.env.api_key}"}) as c:
+        yield c
+
+
+@pytest.fixture
+async def api(h: Harness) -> AsyncIterator[httpx.AsyncClient]:
+    """:func:`api_client` with the environment's API key."""
+    async with api_client(h) as c:
         yield c
