@@ -16,8 +16,16 @@ from starlette.routing import Route
 from run_engine.api import schemas as S
 from run_engine.api.auth import token_headers
 from run_engine.api.context import RUN_TOKEN_SCOPE, ApiContext, EnvAuth, ctx_of
-from run_engine.api.http import ApiError, body, json_response, page_size
-from run_engine.api.inputs import is_number, looks_like_id, unstorable
+from run_engine.api.http import (
+    JSON_PAYLOAD_TYPES,
+    ApiError,
+    DecodedPayload,
+    body,
+    decode_json_text,
+    json_response,
+    page_size,
+)
+from run_engine.api.inputs import is_number, looks_like_id
 from run_engine.api.models import (
     BatchBody,
     BatchV2Body,
@@ -44,17 +52,12 @@ from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 
 def _decode_payload(payload: Any, payload_type: str | None, field: str) -> Any:
-    """Trigger.dev's SDK sends JSON (or superjson) payloads as strings: decode them."""
-    if isinstance(payload, str) and payload_type in ("application/json", "application/super+json"):
-        try:
-            decoded = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            raise ApiError(400, "invalid_input", f"{field}: not valid JSON for payloadType {payload_type}") from None
-        if payload_type == "application/super+json" and isinstance(decoded, dict) and "json" in decoded:
-            decoded = decoded["json"]
-        if (problem := unstorable(decoded, field)) is not None:
-            raise ApiError(400, "invalid_input", problem)
-        return decoded
+    """Trigger.dev's SDK sends JSON (or superjson) payloads as strings: decode them (the API's
+    handlers did already, off the event loop when large: :func:`decode_payload`)."""
+    if isinstance(payload, DecodedPayload):
+        return payload.value
+    if isinstance(payload, str) and payload_type in JSON_PAYLOAD_TYPES:
+        return decode_json_text(payload, payload_type, field)
     return payload
 
 

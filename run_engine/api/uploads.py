@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from run_engine.api import schemas as S
 from run_engine.api.context import ApiContext, ctx_of
-from run_engine.api.http import MAX_REQUEST_BYTES, ApiError, json_response, read_body
+from run_engine.api.http import MAX_REQUEST_BYTES, ApiError, decode_payload, json_response, read_body
 from run_engine.api.inputs import is_number
 from run_engine.api.models import TriggerOptions
 from run_engine.api.openapi import Query, operation
@@ -99,7 +99,17 @@ async def unpack(ctx: ApiContext, env_id: str, items: Sequence[tuple[Any, Trigge
                  fields: Sequence[str]) -> list[tuple[Any, TriggerOptions | None]]:
     """``items`` (payload, options) with each ``application/store`` payload replaced by the packet
     uploaded at its path (and its type): 400 naming the field when there is none in the
-    environment (never another environment's, whatever the path)."""
+    environment (never another environment's, whatever the path); then each payload sent as JSON
+    text decoded (:func:`decode_payload`: a large one off the event loop)."""
+    out = await _unpack(ctx, env_id, items, fields)
+    limit = ctx.engine.settings.max_payload_bytes
+    return [(await decode_payload(payload, options.payloadType if options is not None else None,
+                                  f"{fields[i]}payload", limit), options)
+            for i, (payload, options) in enumerate(out)]
+
+
+async def _unpack(ctx: ApiContext, env_id: str, items: Sequence[tuple[Any, TriggerOptions | None]],
+                  fields: Sequence[str]) -> list[tuple[Any, TriggerOptions | None]]:
     stored = {i: payload for i, (payload, options) in enumerate(items)
               if options is not None and options.payloadType == STORE}
     if not stored:

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from run_engine.api import schemas as S
 from run_engine.api.context import ApiContext, EnvAuth, ctx_of, worker_bucket
-from run_engine.api.http import ApiError, body, error_payload, json_response
+from run_engine.api.http import SCAN_OFF_LOOP_BYTES, ApiError, body, decode_payload, error_payload, json_response
 from run_engine.api.inputs import is_number, looks_like_id, needs_scan, unstorable
 from run_engine.api.models import (
     BatchCompleteBody,
@@ -278,7 +278,9 @@ async def _complete(ctx: ApiContext, run_id: str, snapshot_id: str, req: Complet
     if req.ok:
         try:
             raw = orjson.dumps(req.output)
-            problem = unstorable(req.output, field) if needs_scan(raw) else None
+            if needs_scan(raw):  # a large output is walked off the event loop (every tenant's requests are on it)
+                problem = (await asyncio.to_thread(unstorable, req.output, field) if len(raw) > SCAN_OFF_LOOP_BYTES
+                           else unstorable(req.output, field))
         except orjson.JSONEncodeError:  # nested too deep for orjson
             problem = unstorable(req.output, field) or f"{field}: cannot be serialised"
     if req.ok and problem is None:
@@ -482,8 +484,11 @@ async def trigger_children(request: Request) -> Response:
     for i, item in enumerate(req.items):
         if item.options is not None and item.options.debounce is not None:
             raise ApiError(400, "invalid_input", f"items.{i}.options.debounce: triggerAndWait does not debounce")
-    requests = [trigger_request(ctx, auth, item.task, item.payload, item.options, f"items.{i}")
-                for i, item in enumerate(req.items)]
+    limit = ctx.engine.settings.max_payload_bytes
+    payloads = [await decode_payload(item.payload, item.options.payloadType if item.options else None,
+                                     f"items.{i}.payload", limit) for i, item in enumerate(req.items)]
+    requests = [trigger_request(ctx, auth, item.task, payload, item.options, f"items.{i}")
+                for i, (item, payload) in enumerate(zip(req.items, payloads, strict=True))]
     run_ids, outcome = await ctx.engine.trigger_and_wait(run_id, request.path_params["snapshot_id"], req.sequence,
                                                          requests, batch=req.batch, suspend=req.suspend)
     return _block_response(outcome, runIds=run_ids)
