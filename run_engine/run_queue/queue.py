@@ -252,6 +252,15 @@ class RunQueue:
         keys, base = self._shard_args(env_id)
         return bool(await self._move(self.redis, keys, [base, "giveback", encode_name(run_id), now_ms, due_ms]))
 
+    async def give_back_many(self, items: Sequence[tuple[str, str]], now_ms: int, due_ms: int) -> list[bool]:
+        """:meth:`give_back` for many ``(env_id, run_id)`` runs, in one pipeline: whether each was
+        held (a run no longer held, moved on by a cancel or the reconciler meanwhile, is left)."""
+        calls: list[Call] = []
+        for env_id, run_id in items:
+            keys, base = self._shard_args(env_id)
+            calls.append((keys, [base, "giveback", encode_name(run_id), now_ms, due_ms]))
+        return [bool(x) for x in await self._move.call_many(self.redis, calls)]
+
     async def redrive(self, env_id: str, run_id: str, now_ms: int) -> bool:
         return await self._one("redrive", env_id, run_id, now_ms)
 
