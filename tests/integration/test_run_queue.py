@@ -679,3 +679,12 @@ async def test_the_loss_of_any_one_shard_is_seen(q: RunQueue) -> None:
     assert await q.has_epoch()
     await q.redis.delete(f"{q.keys.base(1)}:epoch")  # the master of shard 1 restarted empty
     assert not await q.has_epoch()
+
+
+async def test_an_epoch_says_when_everything_is_to_be_read_once_more(q: RunQueue) -> None:
+    await q.mark_epoch(recheck_at=1_700_000_030.5)  # restored with a grace: once more from then on
+    assert await q.epoch() == 1_700_000_030.5
+    await q.mark_epoch()
+    assert await q.epoch() == 0
+    await q.redis.delete(f"{q.keys.base(0)}:epoch")
+    assert await q.epoch() is None
