@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from run_engine.batching import Batcher
 from run_engine.clock import Clock
 from run_engine.dependencies import log_failure, unavailable_dependency
+from run_engine.epochs import epoch_value, recheck_time
 from run_engine.lua_scripts import LuaScript
 from run_engine.records import record
 from run_engine.tasks import stop_task
@@ -215,14 +216,20 @@ class JobQueue:
         members = await self.redis.zrange(self.lanes_key, 0, -1)
         return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
 
-    async def has_epoch(self) -> bool:
-        """False when Redis lost the jobs' data (a flush, or a restart without persistence, of the
+    async def epoch(self) -> float | None:
+        """None when Redis lost the jobs' data (a flush, or a restart without persistence, of the
         node holding them: on a Redis Cluster not always the one holding the run queue): the
-        reconciler then re-arms every job from PostgreSQL and calls :meth:`mark_epoch`."""
-        return bool(await self.redis.exists(self.epoch_key))
+        reconciler then re-arms every job from PostgreSQL and calls :meth:`mark_epoch`. Else when
+        it is to look at every job once more (0: never; see :mod:`run_engine.epochs`)."""
+        value = await self.redis.get(self.epoch_key)
+        return None if value is None else recheck_time(value)
 
-    async def mark_epoch(self) -> None:
-        await self.redis.set(self.epoch_key, "1")
+    async def has_epoch(self) -> bool:
+        return await self.epoch() is not None
+
+    async def mark_epoch(self, recheck_at: float | None = None) -> None:
+        """The jobs are restored; with ``recheck_at``, to be looked at once more from then on."""
+        await self.redis.set(self.epoch_key, epoch_value(recheck_at))
 
     async def stats(self) -> tuple[int, float, int]:
         """(jobs scheduled, seconds the oldest due job is late, jobs in the job DLQ), one round trip.

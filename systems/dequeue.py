@@ -82,32 +82,37 @@ class DequeueSystem:
     async def _dequeue(self, worker_group_id: str, max_runs: int, worker_id: str | None,
                        environments: Sequence[str], deployments: Sequence[str], start: bool) -> Handed:
         messages = await self.r.queue.dequeue(worker_group_id, max_runs, self.r.now_ms(), environments)
-        if messages and deployments:
-            retry_at, backlog = messages.retry_at_ms, messages.backlog
-            messages = Handed(await self._runnable(messages, worker_group_id, deployments))
-            messages.retry_at_ms, messages.backlog = retry_at, backlog
-        if not messages:
-            return messages
         # No run lock: the compare-and-set from a dequeueable status decides. A run that moved on
         # meanwhile (a cancel or a TTL applies its snapshot before it touches the queue) is not
         # applied here and its message is dropped; the others' jobs are keyed by snapshot.
         results: Sequence[TransitionResult]
         starts: Sequence[TransitionResult | None]
-        handed_out: Sequence[DequeuedMessage] = messages
-        if start:
-            # one statement: PENDING_EXECUTING, then the attempt's EXECUTING after it (both kept)
-            handed_out, triples = await self._start_split(messages, worker_id)
-            results, starts = [p for p, _, _ in triples], [s for _, s, _ in triples]
-            journals = [j for _, _, j in triples]
-        else:
-            froms = tuple(DEQUEUEABLE)
-            results = await self.execution_snapshot.append_many([
-                Transition(run_id=m.run_id, new_snapshot_id=new_id("snapshot"),
-                           engine_status=ExecutionStatus.PENDING_EXECUTING, run_status=RunStatus.DEQUEUED,
-                           from_statuses=froms, description=self.DESCRIPTION, worker_id=worker_id)
-                for m in messages])
-            starts = [None] * len(results)
-            journals = [None] * len(results)
+        try:
+            if messages and deployments:
+                retry_at, backlog = messages.retry_at_ms, messages.backlog
+                messages = Handed(await self._runnable(messages, worker_group_id, deployments))
+                messages.retry_at_ms, messages.backlog = retry_at, backlog
+            if not messages:
+                return messages
+            handed_out: Sequence[DequeuedMessage] = messages
+            if start:
+                # one statement: PENDING_EXECUTING, then the attempt's EXECUTING after it (both kept)
+                handed_out, triples = await self._start_split(messages, worker_id)
+                results, starts = [p for p, _, _ in triples], [s for _, s, _ in triples]
+                journals = [j for _, _, j in triples]
+            else:
+                froms = tuple(DEQUEUEABLE)
+                results = await self.execution_snapshot.append_many([
+                    Transition(run_id=m.run_id, new_snapshot_id=new_id("snapshot"),
+                               engine_status=ExecutionStatus.PENDING_EXECUTING, run_status=RunStatus.DEQUEUED,
+                               from_statuses=froms, description=self.DESCRIPTION, worker_id=worker_id)
+                    for m in messages])
+                starts = [None] * len(results)
+                journals = [None] * len(results)
+        except Exception as exc:
+            if unavailable_dependency(exc) is not None and not is_committed(exc):
+                await self._give_back(messages)
+            raise
         dequeued: list[DequeuedRun] = []
         stray: list[tuple[str, str]] = []
         cancel: list[str] = []
@@ -161,14 +166,18 @@ class DequeueSystem:
         batch, of every tenant, from being handed out. Those runs are given back to their queues
         and, past the delivery limit, dead-lettered; any other fault is everyone's (a read-only
         standby, a schema mid-deploy): the call fails (when nothing was handed out) and the
-        runs stay held for the reconciler, as for an outage. Only an error in a run's data
-        (PostgreSQL's classes 22 and 54) is the run's. The messages handed out, their results."""
+        runs stay held for the reconciler. Only an error in a run's data (PostgreSQL's classes 22
+        and 54) is the run's. An outage fails the call and its runs are given back (see
+        :meth:`_give_back`); once split, only the halves it failed. The messages handed out,
+        their results."""
         failed: list[tuple[DequeuedMessage, Exception]] = []
         handed, results = await self._start_all(messages, worker_id, failed)
         theirs = [(m, exc) for m, exc in failed if _the_runs_fault(exc)]
         for m, exc in theirs:
             await self._not_handed_out(m, exc)
-        everyones = [exc for _, exc in failed if not _the_runs_fault(exc)]
+        if down := [m for m, exc in failed if unavailable_dependency(exc) is not None]:
+            await self._give_back(down)
+        everyones = [exc for _, exc in failed if not _the_runs_fault(exc) and unavailable_dependency(exc) is None]
         if everyones:
             if not handed and not theirs:
                 raise everyones[0]
@@ -181,7 +190,7 @@ class DequeueSystem:
                          ) -> tuple[list[DequeuedMessage], list[tuple[TransitionResult, TransitionResult, Any]]]:
         """See :meth:`_start_split`; the runs that failed on their own are added to ``failed``. An
         outage fails the whole call, unless part of it was split off (and may have committed):
-        then the rest stays held, and the reconciler makes it ready again."""
+        then the runs of the halves it failed are added to ``failed`` too."""
         try:
             triples = await self.r.repo.runs.dequeue_and_start(
                 [DequeueStart(m.run_id, new_id("snapshot"), new_id("snapshot"), worker_id) for m in messages],
@@ -193,7 +202,8 @@ class DequeueSystem:
             if unavailable_dependency(exc) is not None:
                 if not split:
                     raise
-                log_failure(log, exc, "dequeue: %d runs left held", len(messages))
+                log_failure(log, exc, "dequeue: %d runs not started", len(messages))
+                failed += [(m, exc) for m in messages]
                 return [], []
             if len(messages) == 1:
                 failed.append((messages[0], exc))
@@ -202,6 +212,22 @@ class DequeueSystem:
         first, first_results = await self._start_all(messages[:mid], worker_id, failed, split=True)
         second, second_results = await self._start_all(messages[mid:], worker_id, failed, split=True)
         return first + second, first_results + second_results
+
+    async def _give_back(self, messages: Sequence[DequeuedMessage]) -> None:
+        """Runs whose statement failed for an outage, before its commit: back to their queues at
+        once (their place kept, the delivery undone), one call for all. Left held, each would
+        take a slot of its environment until the reconciler's budgeted scan came round to it,
+        and the supervisors polling through the outage would fill every limit. If the statement
+        did commit and only its answer was lost (a connection cut mid-commit looks the same),
+        the next dequeue of such a run fails its compare-and-set (the run is not QUEUED) and
+        drops the message: never started twice. Best-effort: when Redis is unreachable too, the
+        runs stay held for the reconciler. No wake-up: pollers woken would only fail again."""
+        try:
+            now = self.r.now_ms()
+            await self.r.queue.give_back_many([(m.env_id, m.run_id) for m in messages], now, now)
+        except Exception as exc:
+            log_failure(log, exc, "dequeue: %d runs could not be given back; left held for the reconciler",
+                        len(messages))
 
     async def _not_handed_out(self, m: DequeuedMessage, exc: Exception) -> None:
         """A run whose dequeue fails on its own: back to its queue (the queue's back-off), to the

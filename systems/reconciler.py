@@ -14,7 +14,8 @@ PostgreSQL is the system of record; the Redis queue is rebuilt from it when they
 * a slot held by a run that is finished or suspended (its ack was lost) is freed.
 Each scan reads at most ``reconcile_budget`` rows a pass and goes on where the previous pass
 stopped (wrapping at the end), so a pass costs the same whatever the backlog; after Redis lost its
-data a pass reads everything at once.
+data a pass reads everything at once, and the first pass ``reconcile_grace_s`` later reads it all
+again (the runs touched within the grace before the loss, which the first left to their writers).
 Retention deletes finished runs (with their snapshots, journals and checkpoints, and first what
 Redis holds of them: a DLQ entry, a message) and completed waitpoints that no journal still names,
 older than the configured age, in batches.
@@ -108,19 +109,28 @@ class ReconcilerSystem:
         own: one that fails is logged and the pass goes on."""
         grace = self.r.settings.reconcile_grace_s if grace_s is None else grace_s
         report = ReconcileReport()
+        began = self.r.clock.now()
         # Redis lost its data (or is new): limits, pauses and rate limits first, then the runs and
         # the engine jobs (timeouts, timers) of everything not finished, all of them now. The
         # epoch is marked once that pass is through: one that fails or is cut short (the leader
         # restarting) is done again whole by the next pass, never left to the budgeted scans.
+        # That pass keeps the grace (it must not race a writer in flight), so it skips the runs
+        # touched just before the loss, whose messages and jobs were lost as well: the epoch
+        # says so (see run_engine.epochs), and the first pass from `grace` later reads everything
+        # once more, then marks the epoch whole. (PostgreSQL compares updated_at with its own
+        # clock; elapsed time is the same on both, whatever their offset.) The mark lives in
+        # Redis: a new leader does that pass too, and a second loss meanwhile is still seen.
         # The engine jobs have their own epoch (on a Redis Cluster they live on another master).
-        queue_lost = not await self.r.queue.has_epoch()
-        jobs_lost = queue_lost or not await self.r.jobs.has_epoch()
-        if queue_lost:
+        queue_epoch = await self.r.queue.epoch()
+        jobs_epoch = None if queue_epoch is None else await self.r.jobs.epoch()
+        queue_full = _everything_due(queue_epoch, began)
+        if queue_epoch is None:
             report.settings_restored = await self._restore_settings()
+        if queue_full:
             full = True
-        if jobs_lost:
+        if _everything_due(jobs_epoch, began):
             report.jobs_rearmed = await self.rearm_jobs(grace, full=True)
-            await self.r.jobs.mark_epoch()
+            await self.r.jobs.mark_epoch(_recheck_at(jobs_epoch, began, grace))
         # each step's coroutine is made only when it runs: a cancel part-way leaves none never awaited
         queued_done = False
         steps: tuple[Callable[[], Awaitable[None]], ...] = (
@@ -132,8 +142,8 @@ class ReconcilerSystem:
                 queued_done = queued_done or i == 0
             except Exception:
                 log.exception("reconciler: a step failed; the others went on")
-        if queue_lost and queued_done:  # (the other steps are as in any pass: never all of them)
-            await self.r.queue.mark_epoch()
+        if queue_full and queued_done:  # (the other steps are as in any pass: never all of them)
+            await self.r.queue.mark_epoch(_recheck_at(queue_epoch, began, grace))
         if (report.requeued_missing or report.requeued_stuck or report.delayed_enqueued or report.slots_freed
                 or report.jobs_rearmed or report.pending_version_enqueued):
             log.warning("reconciler repaired the queue: %s", report)
@@ -367,3 +377,15 @@ class ReconcilerSystem:
 
 def _run_id(run: RunRow) -> str:
     return run.id
+
+
+def _everything_due(epoch: float | None, now: float) -> bool:
+    """Whether a pass is to read everything: Redis lost the data (no epoch), or the time to read
+    it once more after the loss has come."""
+    return epoch is None or 0 < epoch <= now
+
+
+def _recheck_at(epoch: float | None, began: float, grace: float) -> float | None:
+    """After a pass that read everything from ``began`` on: when the next pass is to read it all
+    once more (the first after a loss skipped what was touched within ``grace``), or None."""
+    return began + grace if epoch is None and grace > 0 else None

@@ -14,6 +14,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from run_engine.epochs import epoch_value, recheck_time
 from run_engine.lua_scripts import Call, LuaScript
 from run_engine.run_queue.keys import QueueKeys, decode_name, encode_name
 from run_engine.run_queue.models import (
@@ -255,6 +256,15 @@ class RunQueue:
         keys, base = self._shard_args(env_id)
         return bool(await self._move(self.redis, keys, [base, "giveback", encode_name(run_id), now_ms, due_ms]))
 
+    async def give_back_many(self, items: Sequence[tuple[str, str]], now_ms: int, due_ms: int) -> list[bool]:
+        """:meth:`give_back` for many ``(env_id, run_id)`` runs, in one pipeline: whether each was
+        held (a run no longer held, moved on by a cancel or the reconciler meanwhile, is left)."""
+        calls: list[Call] = []
+        for env_id, run_id in items:
+            keys, base = self._shard_args(env_id)
+            calls.append((keys, [base, "giveback", encode_name(run_id), now_ms, due_ms]))
+        return [bool(x) for x in await self._move.call_many(self.redis, calls)]
+
     async def redrive(self, env_id: str, run_id: str, now_ms: int) -> bool:
         return await self._one("redrive", env_id, run_id, now_ms)
 
@@ -428,19 +438,25 @@ class RunQueue:
         # (and its shards' settings) is seen whichever master held a single key
         return [f"{self.keys.base(shard)}:epoch" for shard in range(self.keys.shards)]
 
-    async def has_epoch(self) -> bool:
-        """False when Redis lost the queue's data of any shard (a flush, or a restart without
+    async def epoch(self) -> float | None:
+        """None when Redis lost the queue's data of any shard (a flush, or a restart without
         persistence, of any node): the reconciler then restores settings and runs from PostgreSQL
-        and calls :meth:`mark_epoch`."""
+        and calls :meth:`mark_epoch`. Else when it is to read every run once more (0: never; see
+        :mod:`run_engine.epochs`)."""
         pipe = self.redis.pipeline(transaction=False)
         for key in self._epochs():
-            pipe.exists(key)
-        return all(await pipe.execute())
+            pipe.get(key)
+        values = await pipe.execute()
+        return None if any(v is None for v in values) else max(recheck_time(v) for v in values)
 
-    async def mark_epoch(self) -> None:
+    async def has_epoch(self) -> bool:
+        return await self.epoch() is not None
+
+    async def mark_epoch(self, recheck_at: float | None = None) -> None:
+        """The queue is restored; with ``recheck_at``, every run is to be read once more from then on."""
         pipe = self.redis.pipeline(transaction=False)
         for key in self._epochs():
-            pipe.set(key, "1")
+            pipe.set(key, epoch_value(recheck_at))
         await pipe.execute()
 
     async def message_states(self, items: Sequence[tuple[str, str]]) -> list[str | None]:

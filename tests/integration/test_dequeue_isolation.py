@@ -1,7 +1,8 @@
 """One run whose dequeue statement fails on its own (its data: a journal too large to replay, say)
 does not keep the other runs of the batch, of every tenant, from being handed out: the batch is
 split down to it; it goes back to its queue and, past its delivery limit, to the DLQ, ending
-SYSTEM_FAILURE. An outage is not split: the whole dequeue fails, nothing written."""
+SYSTEM_FAILURE. An outage is not split: the whole dequeue fails, nothing written, and its runs go
+back to their queues."""
 
 from __future__ import annotations
 
@@ -88,10 +89,10 @@ def test_a_statement_past_a_postgresql_limit_is_not_an_outage() -> None:
     assert unavailable_dependency(psycopg.errors.AdminShutdown("terminating connection")) == "postgres"
 
 
-async def test_an_outage_while_split_hands_out_what_started_and_leaves_the_rest_held(
+async def test_an_outage_while_split_hands_out_what_started_and_gives_the_rest_back(
         h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once split, a half may have committed: an outage in another half fails only that half
-    (its runs stay QUEUED, held for the reconciler), never the call: every run started is handed out."""
+    (its runs stay QUEUED and go back to their queues), never the call: every run started is handed out."""
     runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
                                         for i in range(8)])
     bad, away = runs[1].id, runs[6].id
@@ -112,6 +113,8 @@ async def test_an_outage_while_split_hands_out_what_started_and_leaves_the_rest_
     statuses = {r.id: (await h.engine.get_run(r.id)).status for r in runs}  # type: ignore[union-attr]
     assert {i for i, s in statuses.items() if s == "EXECUTING"} == handed  # no run started and not handed out
     assert {s for i, s in statuses.items() if i not in handed} == {"QUEUED"}
+    seen = await h.engine.resources.queue.inspect(h.env.env_id, away)
+    assert seen is not None and seen["message"]["state"] == "ready"  # type: ignore[index]
 
 
 async def test_a_fault_of_every_run_is_not_blamed_on_each(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -148,3 +151,48 @@ async def test_a_failure_after_the_commit_is_not_split(h: Harness, monkeypatch: 
         await h.engine.dequeue(h.env.worker_group_id, 10, start=True)
     assert sizes == [4]  # started: never tried again (the reconciler re-arms their timeouts)
     assert {(await h.engine.get_run(r.id)).status for r in runs} == {"EXECUTING"}  # type: ignore[union-attr]
+
+
+async def test_runs_an_outage_kept_from_starting_are_given_back_at_once(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue hands runs out before the start statement: when PostgreSQL is down, the runs go
+    straight back to their queues, their delivery not counted. Held, each took a slot of its
+    environment until the reconciler's scan came round to it: supervisors polling through an
+    outage filled the environment's limit, and after it nothing started for many passes."""
+    runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
+                                        for i in range(6)])
+    q = h.engine.resources.queue
+    await q.set_env_limit(h.env.env_id, 4)
+    failing_for(monkeypatch, {r.id for r in runs}, psycopg.OperationalError("server closed the connection"))
+    for _ in range(3):  # the supervisors poll on through the outage
+        with pytest.raises(psycopg.OperationalError):
+            await h.engine.dequeue(h.env.worker_group_id, 2, "S", start=True)
+    monkeypatch.undo()  # PostgreSQL is back
+
+    assert await q.running_ids(h.env.env_id) == set()  # no slot of the environment taken
+    for r in runs:
+        seen = await q.inspect(h.env.env_id, r.id)
+        assert seen is not None and seen["message"]["state"] == "ready"  # type: ignore[index]
+        assert seen["message"]["deliveries"] == "0"  # type: ignore[index]
+    got = await h.engine.dequeue(h.env.worker_group_id, 10, "S", start=True)  # no reconciler pass between
+    assert len(got) == 4 and all(d.started is not None and d.deliveries == 1 for d in got)
+    assert {d.run.id for d in got} <= {r.id for r in runs}
+
+
+async def test_runs_an_outage_kept_from_starting_stay_held_when_redis_is_down_too(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Giving them back is best-effort: the dequeue still fails with PostgreSQL's error, and the
+    runs stay held for the reconciler."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
+                                        for i in range(2)])
+    failing_for(monkeypatch, {r.id for r in runs}, psycopg.OperationalError("server closed the connection"))
+
+    async def unreachable(*args: Any) -> Any:
+        raise RedisConnectionError("Connection refused")
+
+    monkeypatch.setattr(h.engine.resources.queue, "give_back_many", unreachable)
+    with pytest.raises(psycopg.OperationalError):
+        await h.engine.dequeue(h.env.worker_group_id, 10, start=True)
+    assert await h.engine.resources.queue.running_ids(h.env.env_id) == {r.id for r in runs}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -24,13 +25,13 @@ from .conftest import Harness
 pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
 
-@pytest.fixture
-async def private(database_url: str, unique: str) -> AsyncIterator[Harness]:
+@contextlib.asynccontextmanager
+async def private_engine(database_url: str, unique: str, **settings: Any) -> AsyncIterator[Harness]:
     """An engine on its own embedded Redis server, so that FLUSHALL harms nobody else."""
     server = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="re-flush-")))
     url = server.start()
     engine = await RunEngine.create(EngineSettings(database_url=database_url, redis_url=url,
-                                                   key_prefix=f"flush{unique}", env_concurrency=200),
+                                                   key_prefix=f"flush{unique}", env_concurrency=200, **settings),
                                     clock=FakeClock(), run_jobs=False)
     env = await ensure_environment(engine.resources.repo, secret="s", org=f"org-flush-{unique}", project="p", env="dev")
     h = Harness(engine, engine.resources.clock, env)  # type: ignore[arg-type]
@@ -41,6 +42,12 @@ async def private(database_url: str, unique: str) -> AsyncIterator[Harness]:
     finally:
         await engine.close()
         server.stop()
+
+
+@pytest.fixture
+async def private(database_url: str, unique: str) -> AsyncIterator[Harness]:
+    async with private_engine(database_url, unique) as h:
+        yield h
 
 
 async def test_flushall_with_1000_queued_runs_loses_none(private: Harness) -> None:
@@ -352,6 +359,47 @@ async def test_a_full_pass_after_redis_lost_its_data_is_done_again_until_it_succ
     assert await engine.resources.queue.has_epoch()
     got = await engine.dequeue(h.env.worker_group_id, 5)
     assert sorted(x.run.id for x in got) == sorted(r.id for r in runs)
+
+
+async def test_runs_touched_just_before_redis_lost_its_data_are_restored_once_past_the_grace(
+        database_url: str, unique: str) -> None:
+    """The leader's passes keep the grace, so the full pass after a loss skipped the runs touched
+    within it before the loss (a queued run's message, an executing run's heartbeat job) and
+    marked the epoch: they waited for the budgeted scans to come round (tens of minutes for a
+    large backlog). The first pass a grace after that one reads everything again."""
+    async with private_engine(database_url, unique, reconcile_budget=1) as h:
+        engine, q, jobs = h.engine, h.engine.resources.queue, h.engine.resources.jobs
+        reconciler = engine.systems.reconciler
+        grace, interval = engine.resources.settings.reconcile_grace_s, engine.resources.settings.reconcile_interval_s
+        await reconciler.reconcile(grace_s=-1)  # a running system: both epochs marked
+        executing = await engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+        (d,) = await engine.dequeue(h.env.worker_group_id, 1, environments=[h.env.env_id], start=True)
+        assert d.run.id == executing.id and d.started is not None
+        heartbeat = f"hb.{executing.id}.{d.started.snapshot.id}"
+        # a backlog queued long ago, and the run of largest id triggered just before the loss:
+        # a budgeted pass (one row) reads a backlog run (or another test's) first, never it
+        *backlog, recent = sorted(r.id for r in await engine.trigger_many(
+            [TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i) for i in range(5)]))
+
+        async def age(ids: list[str], seconds: float) -> None:  # PostgreSQL's clock cannot be faked
+            async with engine.resources.repo.pool.connection() as conn:
+                await conn.execute("UPDATE task_run SET updated_at = updated_at - make_interval(secs => %s)"
+                                   " WHERE id = ANY(%s)", (seconds, ids))
+
+        await age(backlog, 3600)
+        await engine.redis.flushall()
+        report = await reconciler.reconcile()  # as the leader's duty calls it: with the grace
+        assert report.settings_restored >= 1 and report.requeued_missing >= len(backlog)
+        # within the grace: left to a writer that may still be in flight
+        assert await q.placements([(h.env.env_id, recent)]) == [None]
+        assert await jobs.missing([heartbeat]) == [heartbeat]
+        for _ in range(int(grace // interval)):  # the leader's next passes, the time passing on both clocks
+            h.clock.advance(interval)
+            await age([recent, executing.id], interval)
+            report = await reconciler.reconcile()
+            assert report.settings_restored == 0  # not the loss's pass again
+        assert await q.placements([(h.env.env_id, recent)]) == ["ready"]
+        assert await jobs.missing([heartbeat]) == []
 
 
 async def test_a_heartbeat_rearms_a_lost_timeout_job(h: Harness) -> None:

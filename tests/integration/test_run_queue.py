@@ -202,6 +202,21 @@ async def test_release_frees_slots_and_reenqueue_of_held_run_frees_them(q: RunQu
     assert m.deliveries == 1
 
 
+async def test_give_back_many_puts_held_runs_back_in_place_with_their_delivery_undone(q: RunQueue) -> None:
+    """Runs of environments on both shards, in one call: each held one is ready again at once, at
+    its place, its slot freed and its delivery not counted; one not held is left as it is."""
+    await q.enqueue([item("r1"), item("r2", score=NOW + 1), item("r3", env="envB"), item("r4", score=NOW + 2)], NOW)
+    assert {q.keys.shard_of("envA"), q.keys.shard_of("envB")} == {0, 1}
+    got = [*await q.dequeue("wg", 2, NOW, ["envA"]), *await q.dequeue("wg", 1, NOW, ["envB"])]
+    assert [m.run_id for m in got] == ["r1", "r2", "r3"]
+    given = await q.give_back_many([("envA", "r2"), ("envB", "r3"), ("envA", "r4"), ("envA", "r1")], NOW, NOW)
+    assert given == [True, True, False, True]  # r4 was never handed out
+    assert await q.running_ids("envA") == set() and await q.running_ids("envB") == set()
+    again = await q.dequeue("wg", 4, NOW)
+    assert [m.run_id for m in again if m.env_id == "envA"] == ["r1", "r2", "r4"]
+    assert {m.run_id: m.deliveries for m in again} == {"r1": 1, "r2": 1, "r3": 1, "r4": 1}
+
+
 async def test_remove_takes_a_run_out_from_anywhere(q: RunQueue) -> None:
     await q.enqueue([item("ready"), item("delayed", available_at_ms=NOW + 10)], NOW)
     assert await q.remove("envA", "ready") and await q.remove("envA", "delayed")
@@ -664,3 +679,12 @@ async def test_the_loss_of_any_one_shard_is_seen(q: RunQueue) -> None:
     assert await q.has_epoch()
     await q.redis.delete(f"{q.keys.base(1)}:epoch")  # the master of shard 1 restarted empty
     assert not await q.has_epoch()
+
+
+async def test_an_epoch_says_when_everything_is_to_be_read_once_more(q: RunQueue) -> None:
+    await q.mark_epoch(recheck_at=1_700_000_030.5)  # restored with a grace: once more from then on
+    assert await q.epoch() == 1_700_000_030.5
+    await q.mark_epoch()
+    assert await q.epoch() == 0
+    await q.redis.delete(f"{q.keys.base(0)}:epoch")
+    assert await q.epoch() is None
