@@ -12,7 +12,7 @@ import orjson
 from starlette.requests import Request
 
 from run_engine.api.http import ApiError, TtlCache, bearer
-from run_engine.api.inputs import looks_like_id
+from run_engine.api.inputs import looks_like_id, too_many_containers
 from run_engine.api.public_tokens import LEEWAY_S, environment_key, forbidden, looks_like_jwt, unverified_claims, verify
 from run_engine.engine import Environment, RunEngine, WorkerGroup
 from run_engine.ratelimit import ConnectionCaps, ReadGate, RequestLimiter, TooMany
@@ -87,8 +87,11 @@ class ApiContext:
         if value is None:
             return
         limit = self.engine.settings.max_payload_bytes
-        if len(encoded if encoded is not None else orjson.dumps(value)) > limit:
+        raw = encoded if encoded is not None else orjson.dumps(value)
+        if len(raw) > limit:
             raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
+        if (problem := too_many_containers(raw)) is not None:
+            raise ApiError(413, "payload_too_large", f"{field}: {problem}")
 
     def remember_run_group(self, run_id: str, group_id: str, env_id: str) -> None:
         if len(self._run_groups) > 100_000:

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from run_engine.api.inputs import is_number, needs_scan, unstorable
+from run_engine.api.inputs import is_number, needs_scan, too_many_containers, unstorable
 from run_engine.dependencies import unavailable_dependency
 from run_engine.errors import (
     ConflictError,
@@ -180,7 +180,10 @@ class DecodedPayload:
 
 
 def decode_json_text(text: str, payload_type: str, field: str) -> Any:
-    """The value of a payload's JSON text: 400 when it is not JSON or cannot be stored."""
+    """The value of a payload's JSON text: 400 when it is not JSON or cannot be stored, 413 when
+    it holds too many objects and arrays (before it is decoded)."""
+    if (problem := too_many_containers(text)) is not None:
+        raise ApiError(413, "payload_too_large", f"{field}: {problem}")
     try:
         decoded = orjson.loads(text)
     except orjson.JSONDecodeError:

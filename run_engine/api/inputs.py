@@ -21,6 +21,12 @@ from urllib.parse import unquote_to_bytes
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 MAX_DEPTH = 100
+#: the most JSON objects and arrays one stored value (a payload, an output, metadata, a step's
+#: result, a token's data) may hold, counted as the `[` and `{` of its JSON text (those in its
+#: strings too: a cheap upper bound). Every read of a run decodes its payload on the event loop
+#: that every tenant's requests share: a 3 MiB payload of a million empty lists took half a second
+#: a read; this many take ~30 ms at worst
+MAX_CONTAINERS = 250_000
 _NUL_ESCAPE = b"\\u0000"
 
 
@@ -78,6 +84,18 @@ def is_number(raw: str) -> bool:
     most 18 of them: a number PostgreSQL's bigint holds, and never one ``int`` refuses (past 4,300
     digits it raises)."""
     return raw.isascii() and raw.isdigit() and len(raw) <= 18
+
+
+def too_many_containers(raw: bytes | bytearray | str) -> str | None:
+    """Why a value's JSON text ``raw`` holds too many objects and arrays to be stored, or None."""
+    if isinstance(raw, str):
+        n = raw.count("[") + raw.count("{")
+    else:
+        n = raw.count(b"[") + raw.count(b"{")
+    if n <= MAX_CONTAINERS:
+        return None
+    return (f"holds {n} JSON objects and arrays (counting brackets in its strings); at most "
+            f"{MAX_CONTAINERS} are stored")
 
 
 def needs_scan(raw: bytes | bytearray) -> bool:

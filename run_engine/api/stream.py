@@ -95,7 +95,11 @@ async def run_stream(request: Request) -> Response:
                 last_status = None
                 idle = 0.0
                 while True:
-                    run = await ctx.engine.get_run(run_id, auth.env_id)
+                    # light: a change of its metadata or tags wakes the stream too, and the run's
+                    # payload (megabytes, maybe) is read and decoded only for an event to send
+                    run = await ctx.engine.get_run(run_id, auth.env_id, light=True)
+                    if run is not None and run.status != last_status:
+                        run = await ctx.engine.get_run(run_id, auth.env_id)
                     if run is None:  # deleted by retention meanwhile
                         return
                     if run.status != last_status:

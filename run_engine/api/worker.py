@@ -18,7 +18,7 @@ from starlette.routing import Route
 from run_engine.api import schemas as S
 from run_engine.api.context import ApiContext, EnvAuth, ctx_of, worker_bucket
 from run_engine.api.http import SCAN_OFF_LOOP_BYTES, ApiError, body, decode_payload, error_payload, json_response
-from run_engine.api.inputs import is_number, looks_like_id, needs_scan, unstorable
+from run_engine.api.inputs import is_number, looks_like_id, needs_scan, too_many_containers, unstorable
 from run_engine.api.models import (
     BatchCompleteBody,
     BatchCompleteItem,
@@ -278,7 +278,9 @@ async def _complete(ctx: ApiContext, run_id: str, snapshot_id: str, req: Complet
     if req.ok:
         try:
             raw = orjson.dumps(req.output)
-            if needs_scan(raw):  # a large output is walked off the event loop (every tenant's requests are on it)
+            if (many := too_many_containers(raw)) is not None:
+                problem = f"{field}: {many}"
+            elif needs_scan(raw):  # a large output is walked off the event loop (every tenant's requests are on it)
                 problem = (await asyncio.to_thread(unstorable, req.output, field) if len(raw) > SCAN_OFF_LOOP_BYTES
                            else unstorable(req.output, field))
         except orjson.JSONEncodeError:  # nested too deep for orjson

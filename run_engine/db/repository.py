@@ -9,6 +9,7 @@ checkpoints, batches), ``repo.tenancy`` (orgs, projects, environments, worker gr
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import orjson
@@ -30,8 +31,23 @@ def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
 
+#: a stored value this large is decoded with the cycle collector paused: a value of many small
+#: containers otherwise set off collections of the whole heap, four times the decoding's own cost
+_LARGE_JSON = 64 * 1024
+
+
+def _loads(data: str | bytes) -> Any:
+    if len(data) < _LARGE_JSON or not gc.isenabled():
+        return orjson.loads(data)
+    gc.disable()
+    try:
+        return orjson.loads(data)
+    finally:
+        gc.enable()
+
+
 set_json_dumps(_dumps)
-set_json_loads(orjson.loads)
+set_json_loads(_loads)
 
 
 async def _configure(conn: AsyncConnection[Any]) -> None:

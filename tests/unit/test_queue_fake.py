@@ -50,6 +50,7 @@ def test_public_api_is_pinned() -> None:
         "Handed",
         "NackResult",
         "QueueKeys",
+        "QueueSettings",
         "QueueStats",
         "RateLimit",
         "RunQueue",
