@@ -554,7 +554,8 @@ class RunEngine:
         return await self.jobs.run_due_once()
 
     async def _on_heartbeat_job(self, job: Job) -> None:
-        await self.systems.run_attempt.on_heartbeat_timeout(job.payload["run_id"], job.payload["snapshot_id"])
+        await self.systems.run_attempt.on_heartbeat_timeout(job.payload["run_id"], job.payload["snapshot_id"],
+                                                            graced=bool(job.payload.get("graced")))
 
     async def _on_delayed_job(self, job: Job) -> None:
         await self.systems.delayed_runs.enqueue_delayed(job.payload["run_id"])

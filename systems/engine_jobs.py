@@ -10,6 +10,8 @@ dates and timeouts, bulk actions) is in its environment's lane, and the lanes ta
 
 from __future__ import annotations
 
+from typing import Any
+
 from run_engine.jobs import JobSpec
 
 __all__ = ["JobSpec"]
@@ -33,8 +35,13 @@ def heartbeat_id(run_id: str, snapshot_id: str) -> str:
     return f"hb.{run_id}.{snapshot_id}"
 
 
-def heartbeat(run_id: str, snapshot_id: str, at: float) -> JobSpec:
-    return heartbeat_id(run_id, snapshot_id), HEARTBEAT, {"run_id": run_id, "snapshot_id": snapshot_id}, at, ""
+def heartbeat(run_id: str, snapshot_id: str, at: float, *, graced: bool = False) -> JobSpec:
+    """``graced``: armed again once already because it came due while no heartbeat could be heard
+    (a heartbeat moves the job, never this mark: a snapshot's timeout is graced once at most)."""
+    payload: dict[str, Any] = {"run_id": run_id, "snapshot_id": snapshot_id}
+    if graced:
+        payload["graced"] = True
+    return heartbeat_id(run_id, snapshot_id), HEARTBEAT, payload, at, ""
 
 
 def max_duration_id(run_id: str, attempt: int) -> str:

@@ -290,14 +290,15 @@ class RunAttemptSystem:
 
     # --- timeouts ---------------------------------------------------------------------------
 
-    async def on_heartbeat_timeout(self, run_id: str, snapshot_id: str) -> None:
+    async def on_heartbeat_timeout(self, run_id: str, snapshot_id: str, *, graced: bool = False) -> None:
         """The heartbeat job of ``snapshot_id`` fired: the worker went quiet."""
         async with self.r.locker.lock("heartbeat_timeout", run_id):
             latest = await self.r.repo.runs.latest_snapshot(run_id)
             if latest is None or latest.id != snapshot_id:
                 return  # the run moved on; this job is stale
             status = ExecutionStatus(latest.engine_status)
-            if status in (E.PENDING_EXECUTING, E.EXECUTING) and await self._not_heard_long_enough(latest, status):
+            if (status in (E.PENDING_EXECUTING, E.EXECUTING) and not graced
+                    and await self._not_heard_long_enough(latest, status)):
                 return
             if status == E.PENDING_EXECUTING:
                 with contextlib.suppress(StaleSnapshotError):  # started meanwhile (a start takes no lock)
@@ -320,7 +321,8 @@ class RunAttemptSystem:
         A timeout that came due while no heartbeat could be recorded (the engine restarted after
         an outage longer than the timeout) says nothing of the worker, which is most likely still
         running the run or retrying its completion: failing the attempt then would run the run
-        again beside it. It gets one timeout from then; a worker really gone is still caught."""
+        again beside it. It gets one timeout from then, once per snapshot (Redis failing now and
+        then must not keep a dead worker's run forever): a worker really gone is still caught."""
         timeout = self.r.settings.heartbeat_timeout_s(status)
         if timeout is None:
             return False
@@ -329,7 +331,7 @@ class RunAttemptSystem:
             return False
         log.warning("run %s: its heartbeat timeout came due while heartbeats could not be heard (a restart or "
                     "Redis away); it is given until %s", latest.run_id, until)
-        await self.r.change_jobs(schedule=[engine_jobs.heartbeat(latest.run_id, latest.id, until)])
+        await self.r.change_jobs(schedule=[engine_jobs.heartbeat(latest.run_id, latest.id, until, graced=True)])
         return True
 
     async def on_max_duration(self, run_id: str, attempt: int) -> None:

@@ -429,3 +429,38 @@ async def test_a_heartbeat_timeout_due_while_redis_was_away_gives_the_worker_a_t
     await h.advance(61)
     row = await h.engine.get_run(run.id)
     assert row is not None and row.error is not None and row.error["code"] == "TASK_RUN_STALLED_EXECUTING"
+
+
+async def test_a_heartbeat_timeout_is_given_more_time_once_per_snapshot(h: Harness) -> None:
+    """Redis failing now and then (one call in each timeout) must not keep a dead worker's run
+    EXECUTING forever: a snapshot's timeout is armed again once at most."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    run = await h.engine.trigger(req(h))
+    d = await dequeue_one(h)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    jobs = h.engine.resources.jobs
+    real = jobs.redis
+
+    class Away:
+        def __getattr__(self, name: str) -> Any:
+            raise RedisConnectionError("Redis is away")
+
+    async def blip() -> None:
+        jobs.redis = Away()  # type: ignore[assignment]
+        with pytest.raises(RedisConnectionError):
+            await jobs.stats()
+        with pytest.raises(RedisConnectionError):
+            await h.engine.heartbeat(run.id, s.snapshot.id)
+        jobs.redis = real
+        await jobs.stats()  # reached again: heard from now on
+
+    h.clock.advance(61)
+    await blip()
+    assert await h.engine.run_due_jobs() == 1  # due while nothing could be heard: armed again
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
+    h.clock.advance(59)
+    await blip()  # Redis away again just before the new deadline
+    await h.advance(2)
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.error is not None and row.error["code"] == "TASK_RUN_STALLED_EXECUTING"
