@@ -748,6 +748,10 @@ class Supervisor:
                 and (wp_id is None or wp_id in (entries[0]["key"], entries[0].get("waitpointId")))):
             return None
         latest, ours = await self._latest_since(state, state.snapshot_id)
+        if ours is None:  # an engine that cannot say (older than sameExecution): as it was told then
+            latest = await self._latest(state.run_id)
+            ours = latest is not None and (state.attempt is None
+                                           or latest.get("attemptNumber") in (None, state.attempt))
         if latest is None or not ours:
             return None  # unknown, or another execution's (a restore elsewhere, another attempt)
         status = latest["executionStatus"]
@@ -755,7 +759,7 @@ class Supervisor:
             return Reply(200, {"blocked": True, "suspended": True, "snapshot": latest}, "")
         if status == "EXECUTING_WITH_WAITPOINTS":
             return Reply(200, {"blocked": True, "snapshot": latest}, "")
-        if status == "EXECUTING" and entries[0]["resolved"]:
+        if status == "EXECUTING" and entries[0]["resolved"] and latest.get("checkpointId") is None:
             return Reply(200, {"blocked": False, "snapshot": latest, "entry": entries[0]}, "")  # continued in place
         return None
 
@@ -834,6 +838,11 @@ class Supervisor:
             # wait that took too long): this one was taken for stalled while this supervisor could
             # not reach the engine, and must stop
             full, ours = await self._latest_since(state, snapshot_id)
+            if ours is None:  # an engine that cannot say (older than sameExecution): the attempt number
+                full = await self._latest(state.run_id)
+                if (full is not None and state.attempt is not None
+                        and full.get("attemptNumber") not in (None, state.attempt)):
+                    ours = False
             if full is None or ours is not False or snapshot_id != state.snapshot_id:
                 return False  # ours (a wait moving it on), or unknown: the next heartbeat asks again
             latest = full

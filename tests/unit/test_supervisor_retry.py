@@ -227,7 +227,7 @@ async def test_a_wait_refused_after_a_lost_answer_is_not_taken_as_ours_once_the_
     (EXECUTING again, same attempt): the engine says the moves since are not this execution's,
     that execution is the run's, and this one stops (a duplicate). Continued in place (the engine
     says its own), the wait's outcome is taken as the answer; an engine that cannot say (an older
-    server) is not taken as saying ours."""
+    server) is answered as before, by the attempt number and the checkpoint."""
     from run_engine.batching import Batcher
     from supervisor.supervisor import RunState
 
@@ -243,6 +243,9 @@ async def test_a_wait_refused_after_a_lost_answer_is_not_taken_as_ours_once_the_
                     return Reply(200, {"journal": [{"sequence": 3, "kind": "token", "key": "waitpoint_1",
                                                     "resolved": True, "result": {"ok": True, "output": 1},
                                                     "waitpointId": "waitpoint_1"}]}, "")
+                if path == "/runs/run_1/snapshots/latest":  # an older engine's fallback
+                    assert same is None
+                    return Reply(200, {"snapshot": latest}, "")
                 assert path == "/runs/run_1/snapshots/latest?since=snapshot_1"
                 return Reply(200, {"snapshot": latest, **({} if same is None else {"sameExecution": same})}, "")
 
@@ -261,7 +264,10 @@ async def test_a_wait_refused_after_a_lost_answer_is_not_taken_as_ours_once_the_
     assert (await after_lost_answer(restored, False) or {}).get("duplicate") is True
     in_place = {**restored, "checkpointId": None, "previousSnapshotId": "snapshot_2"}
     assert await after_lost_answer(in_place, True) == {"result": {"ok": True, "output": 1}}
-    assert (await after_lost_answer(in_place, None) or {}).get("duplicate") is True
+    # an engine older than sameExecution: told as before, by the attempt and the checkpoint
+    assert await after_lost_answer(in_place, None) == {"result": {"ok": True, "output": 1}}
+    assert (await after_lost_answer(restored, None) or {}).get("duplicate") is True
+    assert (await after_lost_answer({**in_place, "attemptNumber": 2}, None) or {}).get("duplicate") is True
 
 
 async def test_connect_is_repeated_while_the_engine_cannot_serve_and_not_when_it_refuses() -> None:

@@ -645,6 +645,39 @@ async def test_an_execution_taken_for_stalled_stops_once_another_attempt_runs(mo
         await sup.http.close()
 
 
+async def test_against_an_older_engine_an_execution_taken_for_stalled_still_stops(monkeypatch: Any) -> None:
+    """An engine older than ``sameExecution`` cannot say whose the moves are: the attempt number
+    tells, as before (a retry elsewhere stops this execution)."""
+    from supervisor.supervisor import Reply, RunState
+
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1))
+    executor: Any = Returning()
+    killed: list[bool] = []
+    executor.kill = lambda: killed.append(True)
+    running = {"attemptNumber": 2}
+
+    async def post(path: str, json: Any = None) -> Reply:
+        return Reply(409, {"error": {"code": "conflict", "latestSnapshot": {
+            "id": "snapshot_9", "executionStatus": "EXECUTING"}}}, "")
+
+    async def latest_since(state: Any, held: str) -> Any:
+        return None, None  # the older engine: no sameExecution in its answer
+
+    async def latest(run_id: str, after: Any = None, wait_ms: int = 0) -> Any:
+        return {"id": "snapshot_9", "executionStatus": "EXECUTING", **running}
+
+    monkeypatch.setattr(sup, "_post", post)
+    monkeypatch.setattr(sup, "_latest_since", latest_since)
+    monkeypatch.setattr(sup, "_latest", latest)
+    try:
+        state = RunState("run_1", "snapshot_1", attempt=2)
+        assert await sup._heartbeat(state, executor) is False and killed == []
+        running["attemptNumber"] = 3
+        assert await sup._heartbeat(state, executor) is True and killed == [True]
+    finally:
+        await sup.http.close()
+
+
 async def test_a_dequeue_answer_of_an_unexpected_shape_does_not_end_the_poll_loop(monkeypatch: Any) -> None:
     sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1))
     sup.pool = Pool()  # type: ignore[assignment]
