@@ -267,10 +267,13 @@ class DequeueSystem:
         tasks = await self._tasks_of(deployments)
         keep: list[DequeuedMessage] = []
         foreign: list[DequeuedMessage] = []
+        anywhere = frozenset().union(*tasks.values())
         for m in messages:
-            # a run of an environment none of the worker's deployments is in is foreign too: the
-            # worker lacks its code (a group shared with an environment created after it connected)
-            (keep if m.task in tasks.get(m.env_id, ()) else foreign).append(m)
+            # a run of an environment none of the worker's deployments is in (a group shared with
+            # an environment made after it connected) is the worker's when one of its deployments
+            # elsewhere has the task (its code); else foreign: its executor would fail it
+            mine = m.task in tasks[m.env_id] if m.env_id in tasks else m.task in anywhere
+            (keep if mine else foreign).append(m)
         for m in foreign:
             try:
                 await self._not_for_this_worker(m, worker_group_id)

@@ -68,3 +68,20 @@ async def test_a_worker_gives_back_a_run_of_an_environment_it_has_no_deployment_
     h.clock.advance(0.6)
     (got,) = await h.engine.dequeue(dev.worker_group_id, 5, deployments=[theirs], start=True)
     assert got.run.id == run.id and got.deliveries == 1
+
+
+async def test_a_worker_runs_a_new_environments_task_one_of_its_deployments_has(h: Harness) -> None:
+    """A worker of identical code connected before the environment existed: its deployment
+    elsewhere has the task (its code), so it runs it rather than give it back."""
+    repo, org = h.engine.resources.repo, new_id("org")
+    dev = await ensure_environment(repo, secret="test-secret", org=org, project="proj", env="dev")
+    prod = await ensure_environment(repo, secret="test-secret", org=org, project="proj", env="prod")
+    mine, _ = await h.engine.register_deployment(
+        env_id=dev.env_id, worker_group_id=dev.worker_group_id, version="1", content_hash="same",
+        tasks=[TaskDecl.model_validate({"id": "a"}).spec()], queues=[])
+    await h.engine.register_deployment(
+        env_id=prod.env_id, worker_group_id=prod.worker_group_id, version="1", content_hash="same",
+        tasks=[TaskDecl.model_validate({"id": "a"}).spec()], queues=[])
+    run = await h.engine.trigger(TriggerRequest(env_id=prod.env_id, task_id="a"))
+    (got,) = await h.engine.dequeue(dev.worker_group_id, 5, deployments=[mine], start=True)
+    assert got.run.id == run.id
