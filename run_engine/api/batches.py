@@ -6,6 +6,7 @@ names another batch's run joins that run)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -13,11 +14,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from run_engine import jsontext
 from run_engine.api import schemas as S
 from run_engine.api.auth import token_headers
 from run_engine.api.context import ctx_of
-from run_engine.api.http import MAX_REQUEST_BYTES, ApiError, body, json_response, read_body, validate
-from run_engine.api.inputs import looks_like_id, needs_scan, unstorable
+from run_engine.api.http import (
+    MAX_REQUEST_BYTES,
+    SCAN_OFF_LOOP_BYTES,
+    ApiError,
+    body,
+    json_response,
+    read_body,
+    validate,
+)
+from run_engine.api.inputs import MAX_CONTAINERS, looks_like_id, needs_scan, unstorable
 from run_engine.api.models import BatchStreamItem, OpenBatchBody, TriggerOptions
 from run_engine.api.openapi import operation
 from run_engine.api.public import trigger_request, with_parent
@@ -47,8 +57,13 @@ def _items(raw: bytes | bytearray, size: int) -> list[BatchStreamItem]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        if (brackets := line.count(b"[") + line.count(b"{")) > 2 * MAX_CONTAINERS:
+            # more than a payload and its metadata may hold together: refused before it is parsed
+            raise ApiError(413, "payload_too_large", f"line {number}: holds {brackets} JSON objects and arrays "
+                                                     f"(counting brackets in its strings); a payload and its "
+                                                     f"metadata hold at most {MAX_CONTAINERS} each")
         try:
-            data = orjson.loads(line)
+            data = jsontext.loads(line)
         except orjson.JSONDecodeError as exc:
             raise ApiError(400, "invalid_input", f"line {number}: malformed JSON ({exc})") from None
         if needs_scan(line) and (problem := unstorable(data, f"line {number}")) is not None:
@@ -77,7 +92,9 @@ async def stream_items(request: Request) -> Response:
     size, seen = opened
     # an index makes one run: one sent again (another task, another key, a key's TTL passed) is not
     items, repeated = [], 0
-    for item in _items(await read_body(request, MAX_REQUEST_BYTES), size):
+    raw = await read_body(request, MAX_REQUEST_BYTES)
+    # a large body is parsed and walked in a thread: not on the event loop every tenant shares
+    for item in await asyncio.to_thread(_items, raw, size) if len(raw) > SCAN_OFF_LOOP_BYTES else _items(raw, size):
         if item.index in seen:
             repeated += 1
             continue

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from run_engine.api import schemas as S
 from run_engine.api.context import ApiContext, ctx_of
-from run_engine.api.http import MAX_REQUEST_BYTES, ApiError, decode_payload, json_response, read_body
+from run_engine.api.http import MAX_REQUEST_BYTES, ApiError, decode_payloads, json_response, read_body
 from run_engine.api.inputs import is_number
 from run_engine.api.models import TriggerOptions
 from run_engine.api.openapi import Query, operation
@@ -102,10 +102,10 @@ async def unpack(ctx: ApiContext, env_id: str, items: Sequence[tuple[Any, Trigge
     environment (never another environment's, whatever the path); then each payload sent as JSON
     text decoded (:func:`decode_payload`: a large one off the event loop)."""
     out = await _unpack(ctx, env_id, items, fields)
-    limit = ctx.engine.settings.max_payload_bytes
-    return [(await decode_payload(payload, options.payloadType if options is not None else None,
-                                  f"{fields[i]}payload", limit), options)
-            for i, (payload, options) in enumerate(out)]
+    decoded = await decode_payloads([(payload, options.payloadType if options is not None else None,
+                                      f"{fields[i]}payload") for i, (payload, options) in enumerate(out)],
+                                    ctx.engine.settings.max_payload_bytes)
+    return [(payload, options) for payload, (_, options) in zip(decoded, out, strict=True)]
 
 
 async def _unpack(ctx: ApiContext, env_id: str, items: Sequence[tuple[Any, TriggerOptions | None]],

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from run_engine.api import schemas as S
 from run_engine.api.context import ApiContext, EnvAuth, ctx_of, worker_bucket
-from run_engine.api.http import SCAN_OFF_LOOP_BYTES, ApiError, body, decode_payload, error_payload, json_response
+from run_engine.api.http import SCAN_OFF_LOOP_BYTES, ApiError, body, decode_payloads, error_payload, json_response
 from run_engine.api.inputs import is_number, looks_like_id, needs_scan, too_many_containers, unstorable
 from run_engine.api.models import (
     BatchCompleteBody,
@@ -486,9 +486,9 @@ async def trigger_children(request: Request) -> Response:
     for i, item in enumerate(req.items):
         if item.options is not None and item.options.debounce is not None:
             raise ApiError(400, "invalid_input", f"items.{i}.options.debounce: triggerAndWait does not debounce")
-    limit = ctx.engine.settings.max_payload_bytes
-    payloads = [await decode_payload(item.payload, item.options.payloadType if item.options else None,
-                                     f"items.{i}.payload", limit) for i, item in enumerate(req.items)]
+    payloads = await decode_payloads([(item.payload, item.options.payloadType if item.options else None,
+                                       f"items.{i}.payload") for i, item in enumerate(req.items)],
+                                     ctx.engine.settings.max_payload_bytes)
     requests = [trigger_request(ctx, auth, item.task, payload, item.options, f"items.{i}")
                 for i, (item, payload) in enumerate(zip(req.items, payloads, strict=True))]
     run_ids, outcome = await ctx.engine.trigger_and_wait(run_id, request.path_params["snapshot_id"], req.sequence,

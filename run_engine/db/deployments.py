@@ -217,7 +217,7 @@ class DeploymentRepository:
         if new > 0 and have + new > max_queues:
             raise UnprocessableError(
                 "too_many_queues",
-                f"deployment.queues: this deployment declares {new} queues this environment does not have, "
+                f"deployment.queues: this deployment declares {new} queues environment {env_id} does not have, "
                 f"and it has {have} of the {max_queues} it may have (RUN_ENGINE_MAX_QUEUES_PER_ENV); "
                 "nothing was deployed: declare fewer queues or let tasks share them")
 

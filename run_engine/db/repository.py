@@ -9,7 +9,6 @@ checkpoints, batches), ``repo.tenancy`` (orgs, projects, environments, worker gr
 from __future__ import annotations
 
 import asyncio
-import gc
 from typing import Any
 
 import orjson
@@ -17,6 +16,7 @@ from psycopg import AsyncConnection
 from psycopg.types.json import set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
+from run_engine import jsontext
 from run_engine.db.bulk_actions import BulkActionRepository
 from run_engine.db.deployments import DeploymentRepository
 from run_engine.db.maintenance import MaintenanceRepository
@@ -31,19 +31,8 @@ def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
 
-#: a stored value this large is decoded with the cycle collector paused: a value of many small
-#: containers otherwise set off collections of the whole heap, four times the decoding's own cost
-_LARGE_JSON = 64 * 1024
-
-
 def _loads(data: str | bytes) -> Any:
-    if len(data) < _LARGE_JSON or not gc.isenabled():
-        return orjson.loads(data)
-    gc.disable()
-    try:
-        return orjson.loads(data)
-    finally:
-        gc.enable()
+    return jsontext.loads(data)
 
 
 set_json_dumps(_dumps)

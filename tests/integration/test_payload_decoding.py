@@ -4,6 +4,7 @@ one tenant's three requests of a million empty lists held every tenant's request
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -66,15 +67,20 @@ async def test_a_payload_text_over_the_limit_is_refused_before_it_is_decoded(
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
 
 
-async def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    where: list[str] = []
+async def test_a_body_of_too_many_containers_is_refused_before_it_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """orjson holds the GIL whatever thread decodes: a body's objects and arrays are counted first,
+    and a large body is decoded with the collector paused."""
+    from run_engine import jsontext
+
+    decoded: list[bool] = []
     loads = orjson.loads
 
     def recorded(data: Any) -> Any:
-        where.append("loop" if threading.current_thread() is threading.main_thread() else "thread")
+        decoded.append(gc.isenabled())
         return loads(data)
 
-    monkeypatch.setattr(http.orjson, "loads", recorded)
+    monkeypatch.setattr(jsontext.orjson, "loads", recorded)
+    monkeypatch.setattr(http, "MAX_BODY_CONTAINERS", 200_000)
 
     class Request:
         def __init__(self, body: bytes) -> None:
@@ -86,5 +92,46 @@ async def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch: pytest.Mo
 
     big = orjson.dumps({"payload": [[] for _ in range(150_000)]})
     assert len((await http.read_json(Request(big)))["payload"]) == 150_000  # type: ignore[arg-type]
-    assert (await http.read_json(Request(b'{"a": 1}'))) == {"a": 1}  # type: ignore[arg-type]
-    assert where == ["thread", "loop"]
+    assert decoded == [False] and gc.isenabled()
+    with pytest.raises(http.ApiError) as refused:
+        await http.read_json(Request(orjson.dumps([[] for _ in range(200_001)])))  # type: ignore[arg-type]
+    assert refused.value.status == 413 and "200002 JSON objects and arrays" in refused.value.message
+    assert decoded == [False]  # never decoded
+
+
+async def test_a_batch_of_many_small_payload_texts_is_decoded_in_one_thread(
+        h: Harness, api: httpx.AsyncClient, decoded_where: list[str]) -> None:
+    """Each text under the bound, together over it: all decoded (and walked) in a thread, not one
+    after another on the loop."""
+    await h.deploy({"id": "hello"})
+    text = orjson.dumps([[] for _ in range(20_000)]).decode()  # 60 KB each, 300 KB in all
+    items = [{"task": "hello", "payload": text, "options": {"payloadType": "application/json"}} for _ in range(5)]
+    made = await api.post("/api/v1/tasks/batch", json={"items": items})
+    assert made.status_code == 200, made.text
+    assert decoded_where == ["thread"] * 5
+    small = await api.post("/api/v1/tasks/batch", json={"items": items[:2]})
+    assert small.status_code == 200 and decoded_where == ["thread"] * 5 + ["loop"] * 2
+
+
+async def test_a_streamed_batch_is_parsed_in_a_thread_and_a_line_of_too_many_containers_refused(
+        h: Harness, api: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from run_engine.api import batches
+
+    await h.deploy({"id": "hello"})
+    where: list[str] = []
+    items = batches._items
+
+    def recorded(raw: Any, size: int) -> Any:
+        where.append("loop" if threading.current_thread() is threading.main_thread() else "thread")
+        return items(raw, size)
+
+    monkeypatch.setattr(batches, "_items", recorded)
+    opened = (await api.post("/api/v3/batches", json={"runCount": 2})).json()
+    line = orjson.dumps({"index": 0, "task": "hello", "payload": [[] for _ in range(100_000)]})
+    sent = await api.post(f"/api/v3/batches/{opened['id']}/items", content=line + b"\n")
+    assert sent.status_code == 200, sent.text
+    assert where == ["thread"]
+    monkeypatch.setattr(batches, "MAX_CONTAINERS", 1000)
+    many = orjson.dumps({"index": 1, "task": "hello", "payload": [[] for _ in range(2001)]})
+    refused = await api.post(f"/api/v3/batches/{opened['id']}/items", content=many + b"\n")
+    assert refused.status_code == 413 and "line 1" in refused.json()["error"]["message"]

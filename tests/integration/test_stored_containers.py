@@ -11,6 +11,7 @@ import httpx
 import orjson
 import pytest
 
+from run_engine import jsontext
 from run_engine.api import inputs
 from run_engine.db import repository
 
@@ -66,7 +67,7 @@ def test_a_large_stored_value_is_decoded_with_the_collector_paused(monkeypatch: 
         seen.append(gc.isenabled())
         return loads(data)
 
-    monkeypatch.setattr(repository.orjson, "loads", recorded)
+    monkeypatch.setattr(jsontext.orjson, "loads", recorded)
     big = orjson.dumps([[] for _ in range(30_000)])
     assert repository._loads(big) == [[] for _ in range(30_000)] and repository._loads(b"[1]") == [1]
     assert seen == [False, True] and gc.isenabled()
