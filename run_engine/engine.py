@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Collection, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -37,7 +37,7 @@ from systems import engine_jobs as J
 from systems.bulk_actions import RunFilter, replay_request
 from systems.dead_letter import DeadRun
 from systems.dequeue import DequeuedRun
-from systems.enqueue import Debounce, TriggeredRun, TriggerRequest
+from systems.enqueue import DEFAULT_IDEMPOTENCY_TTL_S, Debounce, TriggeredRun, TriggerRequest
 from systems.explain import Explanation
 from systems.registry import Systems
 from systems.resources import SystemResources
@@ -152,10 +152,19 @@ class RunEngine:
     def new_batch_id(self) -> str:
         return new_id("batch")
 
-    async def open_batch(self, env_id: str, size: int, idempotency_key: str | None = None) -> tuple[str, int, bool]:
-        """A batch whose runs are triggered later (Trigger.dev's two-phase batch): (id, expected
-        size, whether the idempotency key had made it before)."""
-        return await self.resources.repo.waitpoints.open_batch(new_id("batch"), env_id, size, idempotency_key)
+    async def open_batch(self, env_id: str, size: int, idempotency_key: str | None = None,
+                         idempotency_key_ttl_s: float | None = None, *,
+                         two_phase: bool = True) -> tuple[str, int, bool]:
+        """A batch, whose runs are triggered later (Trigger.dev's two-phase batch, or a one-request
+        batch's, ``two_phase`` False): (id, expected size, whether the idempotency key had made it
+        before and has not expired: default 30 days, as a run's)."""
+        now = self.now()
+        expires = (datetime.fromtimestamp(now + (DEFAULT_IDEMPOTENCY_TTL_S if idempotency_key_ttl_s is None
+                                                 else idempotency_key_ttl_s), UTC)
+                   if idempotency_key is not None else None)
+        return await self.resources.repo.waitpoints.open_batch(new_id("batch"), env_id, size, idempotency_key,
+                                                               expires_at=expires, now=datetime.fromtimestamp(now, UTC),
+                                                               two_phase=two_phase)
 
     async def open_batch_items(self, env_id: str, batch_id: str) -> tuple[int, set[int]] | None:
         """A batch of the environment that takes items: its expected size and the indexes of the
@@ -163,8 +172,10 @@ class RunEngine:
         return await self.resources.repo.waitpoints.open_batch_items(batch_id, env_id)
 
     async def reset_idempotency_key(self, env_id: str, task_id: str, key: str) -> bool:
-        """Free an idempotency key of the task before its TTL; False when no run holds it."""
-        return await self.resources.repo.runs.reset_idempotency_key(env_id, task_id, key) > 0
+        """Free an idempotency key of the task before its TTL, and the same key of the environment's
+        batches; False when no run or batch holds it."""
+        runs = await self.resources.repo.runs.reset_idempotency_key(env_id, task_id, key)
+        return runs + await self.resources.repo.waitpoints.reset_batch_idempotency_key(env_id, key) > 0
 
     async def batch_record(self, env_id: str, batch_id: str) -> BatchRecord | None:
         """The environment's batch as it was made (expected size, idempotency key, parent run)."""

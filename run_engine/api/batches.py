@@ -28,7 +28,7 @@ from run_engine.api.http import (
     validate,
 )
 from run_engine.api.inputs import MAX_CONTAINERS, looks_like_id, needs_scan, unstorable
-from run_engine.api.models import BatchStreamItem, OpenBatchBody, TriggerOptions
+from run_engine.api.models import BatchStreamItem, OpenBatchBody, TriggerOptions, parse_duration_s
 from run_engine.api.openapi import operation
 from run_engine.api.public import trigger_request, with_parent
 from run_engine.api.uploads import unpack
@@ -40,7 +40,8 @@ async def open_batch(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
     req = await body(request, OpenBatchBody)
-    batch_id, size, cached = await ctx.engine.open_batch(auth.env_id, req.runCount, req.idempotencyKey)
+    ttl_s = None if req.idempotencyKeyTTL is None else parse_duration_s(req.idempotencyKeyTTL)
+    batch_id, size, cached = await ctx.engine.open_batch(auth.env_id, req.runCount, req.idempotencyKey, ttl_s)
     out: dict[str, Any] = {"id": batch_id, "runCount": size, "isCached": cached}
     if req.idempotencyKey is not None:
         out["idempotencyKey"] = req.idempotencyKey

@@ -1,7 +1,9 @@
 """``POST /api/v1/idempotencyKeys/{key}/reset`` with ``{taskIdentifier}``: Trigger.dev's SDK's
 ``idempotencyKeys.reset``. The task's runs that hold the key in the caller's environment give it up
 before its TTL, so that the next trigger with it makes a new run (those runs are otherwise
-untouched); 404 when none holds it."""
+untouched); the environment's batches that hold the key give it up too (a batch key is not a
+task's), so that the next batch with it is a new one; 404 when no run of the task and no batch
+holds it."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ async def reset_idempotency_key(request: Request) -> Response:
         raise ApiError(400, "invalid_input", f"idempotency key: 1 to {MAX_KEY_CHARS} characters")
     req = await body(request, ResetIdempotencyKeyBody)
     if not await ctx.engine.reset_idempotency_key(auth.env_id, req.taskIdentifier, key):
-        raise ApiError(404, "not_found", f"no run of task {req.taskIdentifier!r} holds that idempotency key")
+        raise ApiError(404, "not_found",
+                       f"no run of task {req.taskIdentifier!r} and no batch holds that idempotency key")
     return json_response({"id": key})
 
 

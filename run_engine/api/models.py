@@ -249,7 +249,16 @@ class OpenBatchBody(_Body):
     taskIdentifiers: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(default=None,
                                                                                             max_length=1000)
     idempotencyKey: str | None = Field(default=None, min_length=1, max_length=256)  # an index entry: bounded
+    #: how long the key names this batch (default 30 days, as a run's)
+    idempotencyKeyTTL: float | int | str | None = None
     parentRunId: str | None = Field(default=None, max_length=128)
+
+    @field_validator("idempotencyKeyTTL")
+    @classmethod
+    def _duration(cls, v: float | int | str | None) -> float | int | str | None:
+        if v is not None:
+            parse_duration_s(v)
+        return v
 
 
 class BatchStreamItem(_Body):

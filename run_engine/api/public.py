@@ -158,12 +158,41 @@ async def with_parent(ctx: ApiContext, auth: EnvAuth, req: TriggerRequest, field
     return dataclasses.replace(req, root_run_id=parent.root_run_id or parent.id, depth=parent.depth + 1)
 
 
-async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody) -> tuple[str, list[TriggerRequest],
-                                                                                 list[TriggeredRun]]:
-    """Trigger every item of a batch: one transaction for all of them."""
+def batch_key(request: Request) -> tuple[str | None, float | None]:
+    """A one-request batch's idempotency key and its TTL in seconds, from the headers Trigger.dev's
+    SDK sends them in (``idempotency-key``, ``idempotency-key-ttl``; default 30 days)."""
+    key = request.headers.get("idempotency-key") or None
+    if key is not None and len(key) > MAX_BATCH_KEY_CHARS:
+        raise ApiError(400, "invalid_input", f"idempotency-key: at most {MAX_BATCH_KEY_CHARS} characters")
+    ttl = request.headers.get("idempotency-key-ttl") or None
+    if ttl is None:
+        return key, None
+    try:
+        return key, parse_duration_s(float(ttl) if is_number(ttl) else ttl)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_input", f"idempotency-key-ttl: {exc}") from None
+
+
+#: as a trigger's ``options.idempotencyKey`` (an index entry: bounded)
+MAX_BATCH_KEY_CHARS = 256
+
+
+async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody, key: str | None = None,
+                         key_ttl_s: float | None = None) -> tuple[str, list[TriggerRequest], list[TriggeredRun], bool]:
+    """Trigger every item of a batch: one transaction for all of them. With an idempotency key,
+    the batch it made before (not expired) is answered with its runs (True): each item without a
+    key of its own is keyed ``{batch id}:{index}``, so a retry makes no run twice, and one whose
+    first attempt died between the batch and its runs makes the missing runs."""
     for task in {item.task for item in req.items}:
         _may_trigger(auth, task, "batchTrigger")
-    batch_id = ctx.engine.new_batch_id()
+    cached = False
+    if key is None:
+        batch_id = ctx.engine.new_batch_id()
+    else:
+        batch_id, size, cached = await ctx.engine.open_batch(auth.env_id, len(req.items), key, key_ttl_s,
+                                                             two_phase=False)
+        if size != len(req.items):
+            raise ApiError(409, "conflict", f"idempotency-key: names a batch of {size} items, not {len(req.items)}")
     parents: dict[str, RunRow] = {}
     top: dict[str, Any] = {}
     if isinstance(req, BatchV2Body) and req.parentRunId is not None:  # the parent of every item
@@ -174,18 +203,25 @@ async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody) -> tupl
     for i, (item, (payload, options)) in enumerate(zip(req.items, unpacked, strict=True)):
         if top:
             options = (options or TriggerOptions()).model_copy(update=top)
+        if key is not None and (options is None or options.idempotencyKey is None):
+            options = (options or TriggerOptions()).model_copy(update={"idempotencyKey": f"{batch_id}:{i}",
+                                                                       "idempotencyKeyTTL": None})
         requests.append(await with_parent(ctx, auth, trigger_request(ctx, auth, item.task, payload, options,
                                                                       f"items.{i}", batch_id=batch_id,
                                                                       trigger_function="batchTrigger"),
                                            f"items.{i}.options.parentRunId", parents))
-    return batch_id, requests, await ctx.engine.trigger_batch(auth.env_id, batch_id, requests)
+    if key is not None:  # the batch's row was made (or found) with its key
+        return batch_id, requests, await ctx.engine.trigger_many(requests), cached
+    return batch_id, requests, await ctx.engine.trigger_batch(auth.env_id, batch_id, requests), cached
 
 
-@operation("Trigger a batch of runs (1..1000 items)", S.BatchTriggered, body=BatchBody, security="anyToken")
+@operation("Trigger a batch of runs (1..1000 items; headers idempotency-key, idempotency-key-ttl)",
+           S.BatchTriggered, body=BatchBody, security="anyToken")
 async def batch_trigger(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True, public=True)
-    batch_id, requests, runs = await _trigger_items(ctx, auth, await body(request, BatchBody))
+    key, ttl_s = batch_key(request)
+    batch_id, requests, runs, _ = await _trigger_items(ctx, auth, await body(request, BatchBody), key, ttl_s)
     return json_response({"id": batch_id, "runs": [
         {"id": r.id, "taskIdentifier": q.task_id, "isCached": r.is_cached}
         for r, q in zip(runs, requests, strict=True)]},
@@ -197,7 +233,8 @@ async def batch_trigger(request: Request) -> Response:
 STRATEGIES = ("parallel", "sequential")
 
 
-@operation("Trigger a batch of runs in one request (Trigger.dev's v2 batch; header batch-processing-strategy)",
+@operation("Trigger a batch of runs in one request (Trigger.dev's v2 batch; headers batch-processing-strategy, "
+           "idempotency-key, idempotency-key-ttl)",
            S.BatchV2Triggered, body=BatchV2Body, security="anyToken")
 async def batch_trigger_v2(request: Request) -> Response:
     ctx = ctx_of(request)
@@ -205,8 +242,12 @@ async def batch_trigger_v2(request: Request) -> Response:
     strategy = request.headers.get("batch-processing-strategy") or "parallel"
     if strategy not in STRATEGIES:
         raise ApiError(400, "invalid_input", f"batch-processing-strategy: one of {', '.join(STRATEGIES)}")
-    batch_id, _, runs = await _trigger_items(ctx, auth, await body(request, BatchV2Body))
-    return json_response({"id": batch_id, "runCount": len(runs)},
+    key, ttl_s = batch_key(request)
+    batch_id, _, runs, cached = await _trigger_items(ctx, auth, await body(request, BatchV2Body), key, ttl_s)
+    out: dict[str, Any] = {"id": batch_id, "runCount": len(runs), "isCached": cached}
+    if key is not None:
+        out["idempotencyKey"] = key
+    return json_response(out,
                          headers=await token_headers(ctx, auth, f"read:batch:{batch_id}", 3600))
 
 

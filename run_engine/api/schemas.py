@@ -433,6 +433,8 @@ class PublicToken(_Out):
 class BatchV2Triggered(_Out):
     id: str
     runCount: int
+    isCached: bool
+    idempotencyKey: str | None = None
 
 
 class WorkerInstanceOut(_Out):

@@ -922,16 +922,24 @@ class WaitpointRepository:
         return {"run_waitpoints": runs, "batches": batches, "stuck_runs": stuck, "orphaned": orphans}, following
 
 
-    async def open_batch(self, batch_id: str, env_id: str, size: int,
-                         idempotency_key: str | None) -> tuple[str, int, bool]:
-        """A batch whose items come later (id, expected size, whether it existed: the same
-        idempotency key answers with the batch it made before)."""
-        async with self.pool.connection() as conn:
+    async def open_batch(self, batch_id: str, env_id: str, size: int, idempotency_key: str | None, *,
+                         expires_at: datetime | None = None, now: datetime | None = None,
+                         two_phase: bool = True) -> tuple[str, int, bool]:
+        """A batch (whose items come later, when ``two_phase``): (id, expected size, whether it
+        existed: the same idempotency key answers with the batch it made before until the key
+        ``expires_at``; a key expired at ``now`` is released first, as a run's is)."""
+        async with self.pool.connection() as conn, conn.transaction():
+            if idempotency_key is not None:
+                await conn.execute(
+                    """UPDATE batch_task_run SET idempotency_key = NULL, idempotency_key_expires_at = NULL
+                       WHERE environment_id = %s AND idempotency_key = %s
+                         AND idempotency_key_expires_at <= coalesce(%s, now())""", (env_id, idempotency_key, now))
             cur = await conn.execute(
-                """INSERT INTO batch_task_run (id, environment_id, size, idempotency_key, two_phase)
-                   VALUES (%s, %s, %s, %s, true)
+                """INSERT INTO batch_task_run (id, environment_id, size, idempotency_key, idempotency_key_expires_at,
+                                               two_phase)
+                   VALUES (%s, %s, %s, %s, %s, %s)
                    ON CONFLICT (environment_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-                   RETURNING id, size""", (batch_id, env_id, size, idempotency_key))
+                   RETURNING id, size""", (batch_id, env_id, size, idempotency_key, expires_at, two_phase))
             row = await cur.fetchone()
             if row is not None:
                 return str(row[0]), int(row[1]), False
@@ -941,6 +949,14 @@ class WaitpointRepository:
             found = await cur.fetchone()
             assert found is not None  # the conflict was with this row
             return str(found[0]), int(found[1]), True
+
+    async def reset_batch_idempotency_key(self, env_id: str, key: str) -> int:
+        """Free an idempotency key of the environment's batches whatever its TTL; how many held it."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "UPDATE batch_task_run SET idempotency_key = NULL, idempotency_key_expires_at = NULL "
+                "WHERE environment_id = %s AND idempotency_key = %s", (env_id, key))
+            return cur.rowcount
 
     async def open_batch_items(self, batch_id: str, env_id: str) -> tuple[int, set[int]] | None:
         """A batch of the environment that may take items (opened for them to come later; or made
