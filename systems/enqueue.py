@@ -264,9 +264,14 @@ class EnqueueSystem:
 
     async def check(self, req: TriggerRequest) -> None:
         """Refuse now what :meth:`_prepare` would refuse (bad input, an unknown worker group), without
-        creating anything: a batch whose last item is refused must not have made its first ones."""
+        creating any run: a batch whose last item is refused must not have made its first ones. Its
+        queue is made if missing (as its trigger would: a queue is only settings), so that one past
+        the environment's cap (``too_many_queues``) is refused now too."""
         self._validate(req)
-        await self.worker_group(await self.environment(req.env_id), req)
+        group_id = await self.worker_group(await self.environment(req.env_id), req)
+        task = await self.current_task(req.env_id, group_id, req.task_id)
+        await self._ensure_queue(req.env_id, req.queue or task.queue or f"task/{req.task_id}",
+                                 req.queue_concurrency_limit)
 
     async def create_debounced(self, req: TriggerRequest, deadline: datetime) -> TriggeredRun | None:
         """Create the DELAYED run of a debounced trigger (``req.delay_until`` in the future) that

@@ -217,3 +217,22 @@ async def test_an_idempotency_key_with_a_ttl_of_zero_is_not_kept(h: Any) -> None
     second = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="k0",
                                                    idempotency_key_ttl_s=0))
     assert second.id != first.id and not second.is_cached
+
+
+async def test_a_batch_whose_debounced_item_names_a_queue_past_the_cap_creates_nothing(
+        make_engine: Callable[..., Any]) -> None:
+    """Every item is checked before any run is created, its queue's room too: before, the plain
+    items were committed and the request answered 422, and the corrected retry made them again."""
+    from .conftest import api_client
+
+    h = await make_engine(max_queues_per_env=2)
+    await h.deploy({"id": "hello"})  # its queue task/hello is one of the two
+    async with api_client(h) as api:
+        body = {"items": [{"task": "hello", "payload": {"n": 1}},
+                          {"task": "hello", "payload": {"n": 2},
+                           "options": {"queue": "fresh", "debounce": {"key": "k", "delay": "10s"}}},
+                          {"task": "hello", "payload": {"n": 3},
+                           "options": {"queue": "fresher", "debounce": {"key": "j", "delay": "10s"}}}]}
+        refused = await api.post("/api/v1/tasks/batch", json=body)
+        assert refused.status_code == 422 and refused.json()["error"]["code"] == "too_many_queues"
+        assert await h.engine.list_runs(h.env.env_id, tasks=["hello"], limit=100, light=True) == []
