@@ -3,6 +3,7 @@ deployment with the task registers, they are enqueued (keeping their place in th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from systems.execution_snapshot import ExecutionSnapshotSystem
     from systems.schedules import SchedulesSystem
 
+log = logging.getLogger(__name__)
 E = ExecutionStatus
 BATCH = 200
 
@@ -30,9 +32,10 @@ BATCH = 200
 @dataclass(frozen=True, slots=True)
 class Deployed:
     env_id: str
-    deployment_id: str
+    deployment_id: str  # "" when refused
     version: str
     pending_runs_enqueued: int
+    refused: str | None = None  # why this environment did not take it (its queue cap), if it did not
 
 
 class WaitingForWorkerSystem:
@@ -59,18 +62,27 @@ class WaitingForWorkerSystem:
         if not envs:
             raise UnprocessableError("no_environment",
                                      "this worker group serves no environment (run `run-engine bootstrap`)")
-        if len(envs) > 1:
-            # every environment's room for its queues first: a deployment refused in one of them
-            # is written in none (each registration checks again under its environment's lock)
-            names = [q.name for q in self._queues(tasks, queues)]
-            for env in envs:
-                await self.r.repo.deployments.check_queue_room(env.id, names, self.r.settings.max_queues_per_env)
+        # each environment on its own: one at its queue cap (custom queues its triggers made count)
+        # keeps its current deployment and is answered as refused; the others take the new one.
+        # Refused everywhere, the connect is refused
         out = []
+        refusal: UnprocessableError | None = None
         for env in envs:
-            dep_id, enqueued = await self.register_deployment(
-                env_id=env.id, worker_group_id=group.id, version=version or content_hash[:12],
-                content_hash=content_hash, tasks=tasks, queues=queues)
+            try:
+                dep_id, enqueued = await self.register_deployment(
+                    env_id=env.id, worker_group_id=group.id, version=version or content_hash[:12],
+                    content_hash=content_hash, tasks=tasks, queues=queues)
+            except UnprocessableError as exc:
+                if exc.code != "too_many_queues":
+                    raise
+                log.warning("deployment %s not registered in environment %s: %s", version or content_hash[:12],
+                            env.id, exc)
+                refusal = refusal or exc
+                out.append(Deployed(env.id, "", version or content_hash[:12], 0, refused=str(exc)))
+                continue
             out.append(Deployed(env.id, dep_id, version or content_hash[:12], enqueued))
+        if refusal is not None and all(d.refused for d in out):
+            raise refusal
         return out
 
     def validate(self, tasks: Sequence[TaskSpec]) -> None:

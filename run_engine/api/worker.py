@@ -61,10 +61,14 @@ async def connect(request: Request) -> Response:
         group, version=req.deployment.version, content_hash=content_hash, environments=req.environments or (),
         tasks=[t.spec() for t in req.deployment.tasks], queues=[q.spec() for q in req.deployment.queues])
     deployments = [{"environmentId": d.env_id, "deploymentId": d.deployment_id,
-                    "pendingRunsEnqueued": d.pending_runs_enqueued} for d in deployed]
+                    "pendingRunsEnqueued": d.pending_runs_enqueued} for d in deployed if d.refused is None]
+    # an environment at its queue cap keeps its current deployment; the others took this one
+    refused = [{"environmentId": d.env_id, "error": {"code": "too_many_queues", "message": d.refused}}
+               for d in deployed if d.refused is not None]
     version = deployed[0].version
     return json_response({"deploymentId": deployments[0]["deploymentId"], "version": version,
-                          "workerGroupId": group.id, "deployments": deployments})
+                          "workerGroupId": group.id, "deployments": deployments,
+                          **({"refused": refused} if refused else {})})
 
 
 @operation("Worker liveness", S.Ok, body=WorkerHeartbeatBody, security="workerToken")

@@ -196,13 +196,6 @@ class DeploymentRepository:
             )
         return dep_id, created
 
-    async def check_queue_room(self, env_id: str, names: Sequence[str], max_queues: int | None) -> None:
-        """Refuse (``too_many_queues``) queues ``names`` that would take the environment past
-        ``max_queues``: a check ahead of registrations in many environments, none of which should
-        be written when one is refused (:meth:`register_deployment` checks again under its lock)."""
-        async with self.pool.connection() as conn:
-            await self._check_queue_room(conn, env_id, names, max_queues)
-
     @staticmethod
     async def _check_queue_room(conn: AsyncConnection[Any], env_id: str, names: Sequence[str],
                                 max_queues: int | None) -> None:

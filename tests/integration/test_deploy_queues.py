@@ -52,6 +52,39 @@ async def test_a_connect_past_the_queue_cap_is_refused_with_nothing_written(make
     assert len(await h.engine.list_queues(h.env.env_id)) == 5
 
 
+async def test_an_environment_at_its_cap_keeps_its_deployment_and_the_others_take_the_new_one(
+        make_engine: Callable[..., Any], unique: str) -> None:
+    """One environment of the group full of its triggers' custom queues does not stop a new version
+    in the others: it is answered as refused and keeps its current deployment."""
+    from run_engine.tenancy import ensure_environment
+
+    h: Harness = await make_engine(max_queues_per_env=5)
+    prod = await ensure_environment(h.engine.resources.repo, secret="test-secret", org=f"org-{unique}",
+                                    project="proj", env="prod")
+    assert prod.worker_group_id == h.env.worker_group_id
+    async with api_client(h, h.env.worker_group_token) as worker:
+        first = await worker.post(CONNECT, json=connect_body("1"))
+        assert first.status_code == 200, first.text
+        for i in range(4):  # dev's key holder names four custom queues: dev is at its cap of five
+            await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", queue=f"scratch{i}"))
+        second = await worker.post(CONNECT, json=connect_body("2", tasks=("hello", "new")))
+        assert second.status_code == 200, second.text
+        answer = second.json()
+        assert [d["environmentId"] for d in answer["deployments"]] == [prod.env_id]
+        assert [(r["environmentId"], r["error"]["code"]) for r in answer["refused"]] == [
+            (h.env.env_id, "too_many_queues")]
+        repo = h.engine.resources.repo.deployments
+        dev_current = await repo.current_task(h.env.env_id, h.env.worker_group_id, "hello")
+        prod_current = await repo.current_task(prod.env_id, prod.worker_group_id, "new")
+        dev_first = {d["environmentId"]: d["deploymentId"] for d in first.json()["deployments"]}[h.env.env_id]
+        assert dev_current is not None and dev_current.deployment_id == dev_first  # kept the version before
+        assert prod_current is not None and prod_current.deployment_id == answer["deployments"][0]["deploymentId"]
+        for i in range(3):  # prod at its cap too (task/hello, task/new): refused everywhere, the connect is
+            await h.engine.trigger(TriggerRequest(env_id=prod.env_id, task_id="hello", queue=f"scratch{i}"))
+        third = await worker.post(CONNECT, json=connect_body("3", tasks=("hello", "newer")))
+        assert third.status_code == 422 and third.json()["error"]["code"] == "too_many_queues"
+
+
 async def test_a_connect_sets_in_the_run_queue_only_the_queues_it_declares(h: Harness) -> None:
     env = h.env.env_id
     await h.engine.trigger(TriggerRequest(env_id=env, task_id="hello", queue="other", queue_concurrency_limit=3))
