@@ -132,13 +132,14 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
 @pytest.fixture(scope="session")
 def stack(database_url: str, redis_url: str, key_prefix: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    if redis_is_cluster(redis_url):
-        # the same tests on a Redis Cluster get a database of their own: the two stacks' servers
-        # would otherwise share runs (and leader duties) while each holds its queue in its own Redis
-        with fresh_database(database_url, f"re_cluster_{SESSION_TAG}") as own:
-            yield from _stack(own, redis_url, key_prefix, tmp_path_factory)
-    else:
-        yield from _stack(database_url, redis_url, key_prefix, tmp_path_factory)
+    # a database of its own: the server lives the whole session, and as the leader its reconciler
+    # and re-arm take up what they find in its database (a bulk action pending, a run without its
+    # message) into its own Redis: sharing the integration tests' database, it ran their bulk
+    # actions' pages (their limit test saw fifteen actions made of ten). The same tests on a Redis
+    # Cluster get another (the two stacks' servers would share runs and leader duties)
+    name = "re_cluster" if redis_is_cluster(redis_url) else "re_e2e"
+    with fresh_database(database_url, f"{name}_{SESSION_TAG}") as own:
+        yield from _stack(own, redis_url, key_prefix, tmp_path_factory)
 
 
 def _stack(database_url: str, redis_url: str, key_prefix: str,

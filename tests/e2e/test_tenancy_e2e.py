@@ -158,9 +158,8 @@ def test_keys_are_rotated_and_the_old_ones_refused(stack: Stack) -> None:
         (rotated["apiKey"], token, env_token)
 
 
-def test_the_secret_is_never_stored_and_the_server_requires_one(stack: Stack, database_url: str,
-                                                                tmp_path: Path) -> None:
-    with psycopg.connect(database_url) as conn:
+def test_the_secret_is_never_stored_and_the_server_requires_one(stack: Stack, tmp_path: Path) -> None:
+    with psycopg.connect(stack.env["DATABASE_URL"]) as conn:
         rows = conn.execute("SELECT key FROM engine_setting").fetchall()
         assert ("run_engine_secret",) not in rows
         stored = conn.execute("SELECT api_key_hash FROM runtime_environment").fetchall()
