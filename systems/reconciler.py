@@ -366,6 +366,11 @@ class ReconcilerSystem:
                 log.info("retention: %d rows deleted this pass; the rest next pass", total)
                 break
             await asyncio.sleep(0.05)  # leave room for the hot path between batches
+        while (gone := await self.r.repo.maintenance.delete_finished_batches_before(
+                age, self.r.settings.retention_batch)):
+            total += gone  # completed batches whose runs are gone: one row per batch request, forever
+            if gone < self.r.settings.retention_batch:
+                break
         while (gone := await self.r.repo.bulk_actions.delete_finished_before(age, self.r.settings.retention_batch)):
             total += gone  # finished bulk actions: a tenant may make and abort them at will
             if gone < self.r.settings.retention_batch:

@@ -10,8 +10,16 @@ from psycopg_pool import AsyncConnectionPool
 from run_engine.db.rows import from_prefixed, select_as
 from run_engine.db.runs import RunRow, Snapshot, run_row
 
-#: the conditions under which a finished run stays (see delete_finished_before)
-_RUN_STAYS = """NOT EXISTS (SELECT 1 FROM batch_task_run b WHERE b.id = r.batch_id AND b.status = 'PENDING')
+#: the conditions under which a finished run stays (see delete_finished_before): a run waits on its
+#: batch (its BATCH waitpoint is pending); its batch's idempotency key holds (a retried batch request
+#: answers with the batch's runs, and makes those it lacks again); or its parent has not finished
+#: (the status in a CASE: not the partial index of pending waitpoints, see waitpoints._IS_PENDING)
+_BATCH_WAITED = ("EXISTS (SELECT 1 FROM waitpoint w WHERE w.completed_by_batch_id = {batch}"
+                 " AND CASE WHEN w.status = 'PENDING' THEN true ELSE false END)")
+_RUN_STAYS = "NOT " + _BATCH_WAITED.format(batch="r.batch_id") + """
+                 AND NOT EXISTS (SELECT 1 FROM batch_task_run b WHERE b.id = r.batch_id
+                                   AND b.idempotency_key IS NOT NULL
+                                   AND coalesce(b.idempotency_key_expires_at > now(), true))
                  AND NOT EXISTS (SELECT 1 FROM task_run p WHERE p.id = r.parent_run_id AND p.finished_at IS NULL)"""
 _DOOMED_RUNS = f"""
 SELECT id, environment_id FROM task_run WHERE id IN (
@@ -29,6 +37,29 @@ SELECT id, environment_id FROM task_run WHERE id IN (
   AND finished_at IS NOT NULL AND finished_at < now() - make_interval(secs => %(age)s)
   AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now())
 ORDER BY finished_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+"""
+
+#: batches past retention that none of their runs is left in (deleted, they would show a batch short of
+#: its runs), that nobody waits on and whose parent, if any, has finished (it reads its batch when it
+#: replays its journal). A batch nobody waits on is never marked completed: its age is its creation's.
+_BATCH_GOES = """NOT EXISTS (SELECT 1 FROM task_run r WHERE r.batch_id = b.id)
+           AND NOT """ + _BATCH_WAITED.format(batch="b.id") + """
+           AND NOT EXISTS (SELECT 1 FROM task_run p WHERE p.id = b.parent_run_id AND p.finished_at IS NULL)"""
+_DOOMED_BATCHES = f"""
+WITH doomed AS (
+    SELECT id FROM batch_task_run WHERE id IN (
+        (SELECT b.id FROM batch_task_run b WHERE b.idempotency_key IS NULL
+           AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => %(age)s) AND {_BATCH_GOES}
+         ORDER BY coalesce(b.completed_at, b.created_at) LIMIT %(limit)s)
+        UNION ALL
+        (SELECT b.id FROM batch_task_run b WHERE b.idempotency_key IS NOT NULL
+           AND b.idempotency_key_expires_at <= now()
+           AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => %(age)s) AND {_BATCH_GOES}
+         ORDER BY b.idempotency_key_expires_at LIMIT %(limit)s))
+    -- again on the row as locked: a key set again meanwhile holds
+    AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now())
+    LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
+DELETE FROM batch_task_run WHERE id IN (SELECT id FROM doomed)
 """
 
 
@@ -166,3 +197,10 @@ class MaintenanceRepository:
                                    LIMIT %s FOR UPDATE SKIP LOCKED)
                    DELETE FROM waitpoint WHERE id IN (SELECT id FROM doomed)""", (age_s, limit))
             return len(doomed) + cur.rowcount
+
+    async def delete_finished_batches_before(self, age_s: float, limit: int) -> int:
+        """Delete up to ``limit`` batches done more than ``age_s`` ago whose runs retention has deleted
+        and whose idempotency key, if any, has expired (see _DOOMED_BATCHES)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(_DOOMED_BATCHES, {"age": age_s, "limit": limit})
+            return cur.rowcount

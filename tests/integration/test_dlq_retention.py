@@ -324,3 +324,53 @@ async def test_redrive_all_keeps_the_entry_of_a_run_on_its_way_in_and_goes_past_
     monkeypatch.setattr(dead, "redrive", busy_first)
     assert await dead.redrive_all(h.env.env_id) == (1, None)  # ids[1]; ids[0] busy; `coming` not dead yet
     assert {e.run_id for e in await h.engine.resources.queue.list_dlq(h.env.env_id)} == {ids[0], coming.id}
+
+
+async def batch_row(h: Harness, batch_id: str) -> bool:
+    async with h.engine.resources.repo.pool.connection() as conn:
+        cur = await conn.execute("SELECT 1 FROM batch_task_run WHERE id = %s", (batch_id,))
+        return await cur.fetchone() is not None
+
+
+async def run_all(h: Harness) -> None:
+    while got := await h.engine.dequeue(h.env.worker_group_id, 10):
+        for d in got:
+            s = d.started or await h.engine.start_attempt(d.run.id, d.snapshot.id)
+            await h.engine.complete_attempt(d.run.id, s.snapshot.id, ok=True)
+
+
+async def test_retention_deletes_batches_and_their_runs_once_nobody_needs_them(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A batch's row stayed for ever, and so did the runs of every batch nobody waits on (their
+    batch, never marked completed, looked still waited on): retention deleted none of a
+    batchTrigger's runs. Now such runs and their batch go; a batch whose idempotency key holds
+    keeps its runs (a retried request would make those missing again), and a batch a parent not
+    finished waits on keeps its children."""
+    h: Harness = await make_engine(retention_days=1e-9)
+    await h.deploy({"id": "hello"})
+    env = h.env.env_id
+    parent = await h.engine.trigger(TriggerRequest(env_id=env, task_id="hello"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(parent.id, d.snapshot.id)
+    plain, _, _ = await h.engine.open_batch(env, 2, two_phase=False)
+    plain_runs = await h.engine.trigger_many([TriggerRequest(env_id=env, task_id="hello", batch_id=plain)
+                                              for _ in range(2)])
+    keyed, _, _ = await h.engine.open_batch(env, 1, "nightly", idempotency_key_ttl_s=3600, two_phase=False)
+    (keyed_run,) = await h.engine.trigger_many([TriggerRequest(env_id=env, task_id="hello", batch_id=keyed)])
+    children, _ = await h.engine.trigger_and_wait(parent.id, started.snapshot.id, 0, [
+        TriggerRequest(env_id=env, task_id="hello") for _ in range(2)], batch=True)
+    await run_all(h)  # the parent resumes but does not finish
+    of_parent = (await h.engine.get_run(children[0])).batch_id  # type: ignore[union-attr]
+    assert of_parent is not None
+    await h.engine.systems.reconciler.retention()
+    assert [await h.engine.get_run(r.id) for r in plain_runs] == [None, None]
+    assert not await batch_row(h, plain)
+    assert await batch_row(h, keyed) and await h.engine.get_run(keyed_run.id) is not None
+    again, _, existed = await h.engine.open_batch(env, 1, "nightly", two_phase=False)
+    assert again == keyed and existed
+    assert await batch_row(h, of_parent) and all([await h.engine.get_run(c) for c in children])
+    async with h.engine.resources.repo.pool.connection() as conn:
+        await conn.execute("UPDATE batch_task_run SET idempotency_key_expires_at = now() - interval '1 s' "
+                           "WHERE id = %s", (keyed,))
+    await h.engine.systems.reconciler.retention()
+    assert not await batch_row(h, keyed) and await h.engine.get_run(keyed_run.id) is None
+    assert await batch_row(h, of_parent) and all([await h.engine.get_run(c) for c in children])
