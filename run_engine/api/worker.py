@@ -49,7 +49,6 @@ async def connect(request: Request) -> Response:
     ctx = ctx_of(request)
     group = await ctx.worker_group(request)
     req = await body(request, ConnectBody)
-    await ctx.engine.connect_worker_instance(group.id, _instance_name(group, req.workerInstanceName), req.concurrency)
     # the content hash is over the declaration as the worker sent it: the same declaration is
     # the same deployment, whatever the engine makes of it
     tasks = [t.model_dump(exclude_none=True) for t in req.deployment.tasks]
@@ -60,6 +59,8 @@ async def connect(request: Request) -> Response:
     deployed = await ctx.engine.deploy(
         group, version=req.deployment.version, content_hash=content_hash, environments=req.environments or (),
         tasks=[t.spec() for t in req.deployment.tasks], queues=[q.spec() for q in req.deployment.queues])
+    # recorded once its deployment was taken somewhere: a worker refused everywhere (422) is not one
+    await ctx.engine.connect_worker_instance(group.id, _instance_name(group, req.workerInstanceName), req.concurrency)
     deployments = [{"environmentId": d.env_id, "deploymentId": d.deployment_id,
                     "pendingRunsEnqueued": d.pending_runs_enqueued} for d in deployed if d.refused is None]
     # an environment at its queue cap keeps its current deployment; the others took this one

@@ -40,6 +40,8 @@ async def test_a_connect_past_the_queue_cap_is_refused_with_nothing_written(make
         current = await h.engine.resources.repo.deployments.current_task(h.env.env_id, h.env.worker_group_id,
                                                                          "hello")
         assert current is not None and current.deployment_id == first
+        # nor a worker instance: the group's listing showed one that never served
+        assert not [i for g in await h.engine.workers(h.env.env_id) for i in g.instances if i["name"].endswith("w-2")]
 
         fits = await worker.post(CONNECT, json=connect_body("3", *({"name": f"q{i}"} for i in range(4))))
         assert fits.status_code == 200, fits.text  # task/hello is there already: 4 new make 5
