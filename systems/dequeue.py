@@ -168,16 +168,26 @@ class DequeueSystem:
         standby, a schema mid-deploy): the call fails (when nothing was handed out) and the
         runs stay held for the reconciler. Only an error in a run's data (PostgreSQL's classes 22
         and 54) is the run's. An outage fails the call and its runs are given back (see
-        :meth:`_give_back`); once split, only the halves it failed. The messages handed out,
-        their results."""
+        :meth:`_give_back`); once split, only the halves it failed. A half that fails after its
+        commit (its runs started, their rows not read back) is neither given back nor tried
+        again: the reconciler re-arms its runs' timeouts, as for an unsplit call; the halves
+        started meanwhile are handed out all the same (the call fails only when none was). The
+        messages handed out, their results."""
         failed: list[tuple[DequeuedMessage, Exception]] = []
         handed, results = await self._start_all(messages, worker_id, failed)
+        started = [exc for _, exc in failed if is_committed(exc)]
+        failed = [(m, exc) for m, exc in failed if not is_committed(exc)]
         theirs = [(m, exc) for m, exc in failed if _the_runs_fault(exc)]
         for m, exc in theirs:
             await self._not_handed_out(m, exc)
         if down := [m for m, exc in failed if unavailable_dependency(exc) is not None]:
             await self._give_back(down)
         everyones = [exc for _, exc in failed if not _the_runs_fault(exc) and unavailable_dependency(exc) is None]
+        if started and not handed:
+            raise started[0]  # as unsplit: the runs are started, the reconciler re-arms them
+        if started:
+            log.error("dequeue: %d runs started but could not be read back; left for the reconciler to re-arm "
+                      "(their heartbeat timeout retries them)", len(started), exc_info=started[0])
         if everyones:
             if not handed and not theirs:
                 raise everyones[0]
@@ -189,8 +199,9 @@ class DequeueSystem:
                          failed: list[tuple[DequeuedMessage, Exception]], *, split: bool = False,
                          ) -> tuple[list[DequeuedMessage], list[tuple[TransitionResult, TransitionResult, Any]]]:
         """See :meth:`_start_split`; the runs that failed on their own are added to ``failed``. An
-        outage fails the whole call, unless part of it was split off (and may have committed):
-        then the runs of the halves it failed are added to ``failed`` too."""
+        outage, or a failure after the commit, fails the whole call, unless part of it was split
+        off (and may have committed): then the runs of the halves it failed are added to
+        ``failed`` too."""
         try:
             triples = await self.r.repo.runs.dequeue_and_start(
                 [DequeueStart(m.run_id, new_id("snapshot"), new_id("snapshot"), worker_id) for m in messages],
@@ -198,7 +209,12 @@ class DequeueSystem:
             return list(messages), triples
         except Exception as exc:
             if is_committed(exc):  # its runs started: not to be tried again (the reconciler re-arms them)
-                raise
+                if not split:
+                    raise
+                # once split, the other halves go on: those started are handed out, not dropped
+                # with this half's error (they would wait for the reconciler, then a heartbeat timeout)
+                failed += [(m, exc) for m in messages]
+                return [], []
             if unavailable_dependency(exc) is not None:
                 if not split:
                     raise

@@ -196,3 +196,37 @@ async def test_runs_an_outage_kept_from_starting_stay_held_when_redis_is_down_to
     with pytest.raises(psycopg.OperationalError):
         await h.engine.dequeue(h.env.worker_group_id, 10, start=True)
     assert await h.engine.resources.queue.running_ids(h.env.env_id) == {r.id for r in runs}
+
+
+async def test_a_half_failing_after_its_commit_does_not_drop_the_halves_started(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once split, a half that fails after its commit (its runs started, their rows not read back)
+    keeps its runs for the reconciler, as an unsplit call does; the halves that started are handed
+    out to the worker all the same (dropped with that error, they were EXECUTING with nobody
+    running them until the reconciler re-armed them and their heartbeat timeout retried them)."""
+    from run_engine.batching import committed
+
+    runs = await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i)
+                                        for i in range(8)])
+    bad, late = runs[1].id, runs[6].id
+    real = RunRepository.dequeue_and_start
+
+    async def patched(self: RunRepository, batch: Any, *args: Any) -> Any:
+        ids = {r.run_id for r in batch}
+        if bad in ids:
+            raise psycopg.errors.ProgramLimitExceeded("total size of jsonb array elements")
+        out = await real(self, batch, *args)
+        if late in ids:
+            with committed():
+                raise ValueError("could not read the rows back")
+        return out
+
+    monkeypatch.setattr(RunRepository, "dequeue_and_start", patched)
+    got = await h.engine.dequeue(h.env.worker_group_id, 10, "S", start=True)
+    handed = {d.run.id for d in got}
+    # the halves: [0 1 | 2 3] [4 5 6 7]; run 1 fails alone, the half of run 6 after its commit
+    assert handed == {runs[i].id for i in (0, 2, 3)}
+    assert all(d.started is not None for d in got)
+    statuses = {r.id: (await h.engine.get_run(r.id)).status for r in runs}  # type: ignore[union-attr]
+    assert {i for i, s in statuses.items() if s == "EXECUTING"} == handed | {runs[i].id for i in (4, 5, 6, 7)}
+    assert statuses[bad] == "QUEUED"  # given back to its queue, as when nothing else failed
