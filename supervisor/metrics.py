@@ -38,6 +38,9 @@ class SupervisorCollector:
                                   "started and handed to an executor.", value=sup.runs_started)
         yield CounterMetricFamily("run_engine_supervisor_runs_completed", "Attempts whose result this supervisor "
                                   "reported to the engine.", value=sup.completed)
+        yield GaugeMetricFamily("run_engine_supervisor_completions_pending", "Finished attempts whose result the "
+                                "engine has not taken yet (unreachable, 429, 5xx): held and retried until it does, "
+                                "their runs' heartbeats going on.", value=sup.completions_pending)
         yield CounterMetricFamily("run_engine_supervisor_suspends", "Runs checkpointed and suspended while they "
                                   "waited, their executor and slot released.", value=sup.suspended)
         yield CounterMetricFamily("run_engine_supervisor_executor_restarts", "Executor processes that died or "

@@ -15,7 +15,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,11 @@ class SupervisorConfig:
     # a blocked run waits this long in its executor, then is checkpointed (at once while runs queue
     # for the slots: see Supervisor._suspend_at_once)
     suspend_after_s: float = 5.0
-    completion_retry_s: float = 600.0  # how long a completion is retried while the engine cannot take it
+    # A finished attempt's result is held and its completion retried (its heartbeats going on) for as
+    # long as the engine cannot take it: never given up while the supervisor runs. Once it is told
+    # to stop (SIGTERM), a completion is still retried for this long from the stop, or from its
+    # first try when that is later; then it is given up (logged) and the supervisor exits.
+    completion_retry_s: float = 600.0
     wait_retry_s: float = 120.0  # how long a wait or trigger-and-wait call is retried likewise
     metrics_port: int | None = None  # serve Prometheus metrics on this port (supervisor/metrics.py)
     metrics_host: str = "127.0.0.1"
@@ -126,6 +130,11 @@ RETRY_STATUSES = frozenset({0, 429, 500, 502, 503, 504})
 #: a heartbeat the engine did not answer (unreachable, 429, 5xx) is tried again this soon rather than
 #: a whole interval later: three intervals missed, the run is taken for stalled and run again
 HEARTBEAT_RETRY_S = 2.0
+#: a completion the engine did not take is tried again after this, the wait doubling up to the cap
+COMPLETION_RETRY_FIRST_S = 0.2
+COMPLETION_RETRY_MAX_S = 10.0
+#: a completion still not taken is logged (at WARNING) at most this often, each try between at DEBUG
+COMPLETION_PROGRESS_LOG_S = 60.0
 
 
 class Supervisor:
@@ -150,10 +159,13 @@ class Supervisor:
         self._reporting = asyncio.Semaphore(config.concurrency)
         self._start_failures = 0  # executors that could not be started, in a row
         self._stopping = asyncio.Event()
+        self._stopped_at: float | None = None  # when it was told to stop (time.monotonic())
         self._poll: asyncio.Task[Any] | None = None
         self._release: asyncio.Task[None] | None = None
         self.completed = 0
         self.suspended = 0
+        self.completions_pending = 0  # finished attempts whose result the engine has not taken yet
+        self.completions_lost: list[str] = []  # runs whose completion was given up as it stopped
         self._backlog = False  # the last dequeue left runs of the group ready (more than the free slots)
         self._gathering = False  # a freed slot waits for others before its dequeue (DEQUEUE_GATHER_S)
         self._executing = 0  # runs holding a slot; the gathering ends early once none does
@@ -306,6 +318,7 @@ class Supervisor:
         if self._stopping.is_set():
             return
         log.info("stopping: draining %d in-flight runs", len(self._inflight))
+        self._stopped_at = time.monotonic()
         self._stopping.set()
         if self._poll is not None:
             self._release = asyncio.get_running_loop().create_task(self._say_stopping())
@@ -377,6 +390,10 @@ class Supervisor:
                 await self._release
             self.pool.close()
             await self.http.close()
+        if self.completions_lost:
+            log.error("stopped with %d completions the engine did not take, lost: their runs are retried at "
+                      "their heartbeat timeout (the task runs again): %s", len(self.completions_lost),
+                      ", ".join(self.completions_lost))
         log.info("stopped after %d runs", self.completed)
 
     async def _dequeue(self, max_runs: int) -> list[dict[str, Any]]:
@@ -459,7 +476,7 @@ class Supervisor:
                           "heartbeats while its failure is reported")
             try:
                 await asyncio.sleep(min(30.0, 0.5 * 2 ** (self._start_failures - 1)))
-                async with self._reporting:
+                async with self._reporting_turn():
                     slot.release()
                     await self._complete(run_id, {
                         "runId": run_id, "snapshotId": state.snapshot_id, "ok": False, "retryable": True,
@@ -508,11 +525,12 @@ class Supervisor:
             latest = await self._latest(run_id)
             if latest is None or latest.get("executionStatus") != "PENDING_CANCEL":
                 return
-        # heartbeats go on while the completion is retried: a short outage must not stall the run
+        # Heartbeats go on while the completion is retried, however long: the attempt finished and
+        # its result is held here; taken for stalled, the run would be retried and its task run again
         beat = _Later(self.config.heartbeat_interval_s, lambda: self._run_heartbeats(state, None), run_id,
                       "heartbeats while its completion is reported")
         try:
-            async with self._reporting:
+            async with self._reporting_turn():
                 slot.release()  # the next run may start while this one's completion is on its way
                 complete = await self._complete(run_id, {"runId": run_id, "snapshotId": state.snapshot_id, **result})
         finally:
@@ -521,34 +539,111 @@ class Supervisor:
             log.info("run %s: completion refused (%s %s)", run_id, complete.get("status"), complete.get("error"))
         self.completed += 1
 
+    @contextlib.asynccontextmanager
+    async def _reporting_turn(self) -> AsyncIterator[None]:
+        """One of the ``concurrency`` completions that may wait for their answer with their slot
+        given back (see ``_reporting``); waited for while all are taken, but not once the
+        supervisor stops: no dequeue is left for the slots, and every held completion must be tried
+        before it exits."""
+        held = await self._take_reporting()
+        try:
+            yield
+        finally:
+            if held:
+                self._reporting.release()
+
+    async def _take_reporting(self) -> bool:
+        """Take a reporting turn (True), or none when the supervisor stops first (False)."""
+        if not self._reporting.locked():
+            await self._reporting.acquire()  # free: taken without yielding
+            return True
+        if self._stopping.is_set():
+            return False
+        taking = asyncio.ensure_future(self._reporting.acquire())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+
+        def unwanted(task: asyncio.Future[Any]) -> None:  # taken after all as it was given up: back
+            if not task.cancelled() and task.exception() is None:
+                self._reporting.release()
+
+        try:
+            await asyncio.wait((taking, stopping), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            taking.cancel()
+            taking.add_done_callback(unwanted)
+            raise
+        finally:
+            stopping.cancel()
+        if taking.done():
+            return True
+        taking.cancel()
+        taking.add_done_callback(unwanted)
+        return False
+
     async def _complete(self, run_id: str, item: dict[str, Any]) -> dict[str, Any]:
-        """Report an attempt's result until the server answers it. Repeating is safe: a completion
-        that got through before its answer was lost is refused as stale (409), and nothing runs
-        twice. Gives up (logged) after ``completion_retry_s``."""
-        deadline = time.monotonic() + self.config.completion_retry_s
-        delay = 0.2
+        """Report an attempt's result until the engine answers it: taken, or refused (a 409 when
+        an earlier try got through and its answer was lost, or the run moved on; another 4xx).
+        Repeating is safe: a completion that got through is refused as stale, and nothing runs
+        twice. While the engine cannot take it (unreachable, 429, 5xx: a restart, PostgreSQL or
+        Redis away) the result is held and tried again with capped exponential back-off for as
+        long as that lasts, the run's heartbeats going on: given up, the run would be retried at
+        its heartbeat timeout and its finished task run again. Only a supervisor told to stop
+        gives it up, ``completion_retry_s`` after the stop (or after its first try, when later):
+        logged, and listed as lost when it exits."""
+        first = time.monotonic()
+        delay = COMPLETION_RETRY_FIRST_S
         shrunk = False
-        while True:
-            answer = await self._completions.submit(item)
-            status = 200 if answer["ok"] else answer.get("status", 0)
-            if status == 413 and not shrunk:
-                # an output over the engine's limit would be the same on every attempt: the run
-                # fails now; an error too large is cut down. Either way the run does not stay
-                # EXECUTING until its heartbeat timeout
-                item, shrunk = too_large(item, answer), True
-                continue
-            if status not in RETRY_STATUSES:
-                if status == 409:
-                    log.info("run %s: the completion was already taken (or the run moved on)", run_id)
-                return answer
-            if time.monotonic() + delay > deadline:
-                log.error("run %s: the engine did not take its completion for %.0f s; giving up (the run's "
-                          "heartbeat timeout retries it)", run_id, self.config.completion_retry_s)
-                return answer
-            log.warning("run %s: completion not taken (%s); retrying in %.1f s", run_id, status or "unreachable",
-                        delay)
-            await asyncio.sleep(delay * (1 + random.random() / 2))
-            delay = min(delay * 2, 5.0)
+        tries = 0
+        logged_at: float | None = None
+        self.completions_pending += 1
+        try:
+            while True:
+                answer = await self._completions.submit(item)
+                tries += 1
+                status = 200 if answer["ok"] else answer.get("status", 0)
+                if status == 413 and not shrunk:
+                    # an output over the engine's limit would be the same on every attempt: the run
+                    # fails now; an error too large is cut down. Either way the run does not stay
+                    # EXECUTING until its heartbeat timeout
+                    item, shrunk = too_large(item, answer), True
+                    continue
+                if status not in RETRY_STATUSES:
+                    if logged_at is not None:
+                        log.info("run %s: completion answered (%s) after %.0f s and %d tries", run_id, status,
+                                 time.monotonic() - first, tries)
+                    if status == 409:
+                        log.info("run %s: the completion was already taken (or the run moved on)", run_id)
+                    return answer
+                now = time.monotonic()
+                if self._stopped_at is not None and \
+                        now + delay > max(self._stopped_at, first) + self.config.completion_retry_s:
+                    log.error("run %s: the supervisor stops and the engine has not taken its completion (%s) "
+                              "in %.0f s and %d tries; giving it up (the run's heartbeat timeout retries it, "
+                              "and its task runs again)", run_id, status or "unreachable", now - first, tries)
+                    self.completions_lost.append(run_id)
+                    return answer
+                if logged_at is None:
+                    log.warning("run %s: completion not taken (%s); held and retried until the engine takes or "
+                                "refuses it", run_id, status or "unreachable")
+                    logged_at = now
+                elif now - logged_at >= COMPLETION_PROGRESS_LOG_S:
+                    log.warning("run %s: completion still not taken after %.0f s and %d tries (last: %s); "
+                                "retrying every %.0f s at most", run_id, now - first, tries,
+                                status or "unreachable", COMPLETION_RETRY_MAX_S)
+                    logged_at = now
+                else:
+                    log.debug("run %s: completion not taken (%s); retrying in %.1f s", run_id,
+                              status or "unreachable", delay)
+                stopping = self._stopping.is_set()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay * (1 + random.random() / 2)):
+                        if stopping:
+                            await asyncio.Future()  # the whole back-off
+                        else:
+                            await self._stopping.wait()  # told to stop: tried once more at once
+                delay = min(delay * 2, COMPLETION_RETRY_MAX_S)
+        finally:
+            self.completions_pending -= 1
 
     async def _latest(self, run_id: str, after: str | None = None, wait_ms: int = 0) -> dict[str, Any] | None:
         query = f"?after={after}&waitMs={wait_ms}" if after else ""

@@ -316,7 +316,7 @@ def test_logged_paths_hide_signatures_and_stay_printable() -> None:
 
 def test_supervisor_metrics_read_its_counters() -> None:
     sup = SimpleNamespace(pool=SimpleNamespace(busy=2, idle=1, restarts=3), config=SimpleNamespace(concurrency=4),
-                          runs_started=10, completed=9, suspended=1)
+                          runs_started=10, completed=9, suspended=1, completions_pending=2)
     text = generate_latest(SupervisorCollector(sup)).decode()  # type: ignore[arg-type]
     values = {(s.name, tuple(sorted(s.labels.items()))): s.value
               for f in text_string_to_metric_families(text) for s in f.samples}
@@ -326,6 +326,7 @@ def test_supervisor_metrics_read_its_counters() -> None:
         ("run_engine_supervisor_concurrency", ()): 4,
         ("run_engine_supervisor_runs_started_total", ()): 10,
         ("run_engine_supervisor_runs_completed_total", ()): 9,
+        ("run_engine_supervisor_completions_pending", ()): 2,
         ("run_engine_supervisor_suspends_total", ()): 1,
         ("run_engine_supervisor_executor_restarts_total", ()): 3,
     }

@@ -784,3 +784,141 @@ async def test_a_run_restored_elsewhere_while_this_execution_waited_out_an_outag
         assert answer is None and executor.told == ["kill"]  # this execution stops; the other is the run's
     finally:
         await sup.http.close()
+
+
+class Refusing:
+    """Completions the engine cannot take (503) until ``taken`` is set; each try recorded with
+    whether the supervisor had been told to stop by then."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.tries: list[tuple[str, bool]] = []
+        self.taken = False
+        self.taken_of: set[str] = set()  # runs whose completion is taken already
+
+    async def submit(self, item: dict[str, Any]) -> dict[str, Any]:
+        self.tries.append((item["runId"], self.sup._stopping.is_set()))
+        if self.taken or item["runId"] in self.taken_of:
+            return {"ok": True}
+        return {"ok": False, "status": 503, "error": {"code": "service_unavailable"}}
+
+
+def quick_retries(monkeypatch: Any) -> None:
+    import supervisor.supervisor as supervisor_module
+
+    monkeypatch.setattr(supervisor_module, "COMPLETION_RETRY_FIRST_S", 0.001, raising=False)
+    monkeypatch.setattr(supervisor_module, "COMPLETION_RETRY_MAX_S", 0.002, raising=False)
+
+
+async def test_a_completion_is_retried_past_its_old_deadline_until_the_engine_answers_it(monkeypatch: Any) -> None:
+    """Unreachable, 429 and 5xx are no answer: the result is held and sent again, however long
+    (completion_retry_s bounds it only once the supervisor stops); 409 (the run moved on) is one."""
+    quick_retries(monkeypatch)
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", completion_retry_s=0))
+    answers: list[dict[str, Any]] = [{"ok": False, "status": s, "error": {}} for s in (503, 0, 429, 502, 500, 504)] + [
+        {"ok": False, "status": 409, "error": {"message": "stale"}}, {"ok": True}]
+    sent: list[str] = []
+
+    class Answering:
+        async def submit(self, item: dict[str, Any]) -> dict[str, Any]:
+            sent.append(item["runId"])
+            return answers.pop(0)
+
+    sup._completions = Answering()  # type: ignore[assignment]
+    try:
+        answer = await asyncio.wait_for(sup._complete("run_1", {"runId": "run_1", "snapshotId": "s", "ok": True}), 10)
+        assert answer["status"] == 409 and sent == ["run_1"] * 7  # the first answer, after six tries without
+        assert sup.completions_pending == 0 and sup.completions_lost == []
+    finally:
+        await sup.http.close()
+
+
+async def test_a_held_completion_is_tried_at_once_when_the_supervisor_stops_and_delivered(monkeypatch: Any) -> None:
+    quick_retries(monkeypatch)
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
+                                      completion_retry_s=0))
+    sup.pool = Pool()  # type: ignore[assignment]
+    completions = sup._completions = Refusing(sup)  # type: ignore[assignment]
+    try:
+        task = await handed(sup, item("run_1"))
+        await until(lambda: len(completions.tries) > 2 or task.done())
+        assert not task.done()  # held (before: given up after completion_retry_s, here at once)
+
+        completions.taken = True  # the engine is back as the supervisor is told to stop
+        sup.stop()
+        await asyncio.wait_for(task, 10)
+        assert completions.tries[-1] == ("run_1", True)  # tried after the stop, and taken
+        assert sup.completed == 1 and sup.completions_lost == [] and sup.completions_pending == 0
+    finally:
+        await sup.http.close()
+
+
+async def test_a_supervisor_stopping_tries_its_held_completions_then_gives_them_up_logged(
+        monkeypatch: Any, caplog: Any) -> None:
+    """Stopped while the engine cannot take any completion: the run waiting for a turn to report
+    (the concurrency's completions already wait) no longer waits for one, every held completion
+    is tried after the stop, then given up after completion_retry_s and listed as lost as the
+    supervisor exits (their runs are retried at their heartbeat timeout)."""
+    quick_retries(monkeypatch)
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
+                                      completion_retry_s=0))
+    sup.pool = Pool()  # type: ignore[assignment]
+    completions = sup._completions = Refusing(sup)  # type: ignore[assignment]
+    dequeues = [[item("run_1")], [item("run_2")]]
+
+    async def connect() -> bool:
+        return True
+
+    async def dequeue(max_runs: int) -> list[dict[str, Any]]:
+        if dequeues:
+            return dequeues.pop(0)
+        await sup._stopping.wait()
+        return []
+
+    monkeypatch.setattr(sup, "_connect_unless_stopped", connect)
+    monkeypatch.setattr(sup, "_dequeue", dequeue)
+    monkeypatch.setattr("supervisor.supervisor.heap.settle", lambda: None)
+    try:
+        with caplog.at_level("INFO", logger="run_engine.supervisor"):
+            running = asyncio.create_task(sup._run())
+            # run_1's completion is retried; run_2, done too, keeps its slot waiting for a turn to report
+            await until(lambda: not dequeues and sup.pool.busy == 0 and len(completions.tries) > 2)
+            assert {r for r, _ in completions.tries} == {"run_1"} and sup._slots.locked()
+            assert not running.done()
+            sup.stop()
+            await asyncio.wait_for(running, 10)
+        assert ("run_1", True) in completions.tries and ("run_2", True) in completions.tries
+        assert sorted(sup.completions_lost) == ["run_1", "run_2"] and sup.completions_pending == 0
+        assert "stopped with 2 completions the engine did not take" in caplog.text
+        assert "run run_2: the supervisor stops and the engine has not taken its completion" in caplog.text
+    finally:
+        await sup.http.close()
+
+
+async def test_a_finished_run_waiting_for_a_turn_to_report_reports_at_once_when_the_supervisor_stops(
+        monkeypatch: Any) -> None:
+    """The concurrency's completions wait for the engine: a run finished after them keeps its slot
+    and waits for a turn, which the supervisor stopping (no more dequeues) gives at once; it does
+    not wait for the others' completions to be taken (or given up, completion_retry_s later)."""
+    quick_retries(monkeypatch)
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
+                                      completion_retry_s=3600))
+    sup.pool = Pool()  # type: ignore[assignment]
+    completions = sup._completions = Refusing(sup)  # type: ignore[assignment]
+    completions.taken_of.add("run_2")
+    try:
+        first = await handed(sup, item("run_1"))
+        await until(lambda: len(completions.tries) > 2)
+        second = await handed(sup, item("run_2"))
+        await until(lambda: sup.pool.busy == 0)
+        assert {r for r, _ in completions.tries} == {"run_1"} and sup._slots.locked()  # waits for a turn
+        sup.stop()
+        await until(second.done)  # taken while run_1's completion is still held
+        await second
+        assert ("run_2", True) in completions.tries and not first.done()
+        assert not sup._slots.locked()
+        completions.taken_of.add("run_1")
+        await asyncio.wait_for(first, 10)
+        assert sup.completed == 2 and sup.completions_lost == [] and sup._reporting._value == 1
+    finally:
+        await sup.http.close()
