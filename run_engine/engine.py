@@ -264,10 +264,11 @@ class RunEngine:
                          batches: Sequence[str] = (), ids: Sequence[str] = (), limit: int,
                          created_from: datetime | None = None, updated_after: datetime | None = None) -> ShapeRead:
         """A realtime shape's runs, light, with what tells a late commit apart: see
-        :meth:`RunRepository.shape_runs`."""
+        :meth:`RunRepository.shape_runs`. Like every read of many runs or tokens here, bounded by
+        ``costly_read_timeout_s`` (ReadTimeoutError past it)."""
         return await self.resources.repo.runs.shape_runs(env_id, tags=tags, tasks=tasks, batches=batches, ids=ids,
                                                          limit=limit, created_from=created_from,
-                                                         updated_after=updated_after)
+                                                         updated_after=updated_after, timeout_s=self._read_bound)
 
     async def put_packet(self, env_id: str, path: str, content_type: str, data: str) -> bool:
         """Keep a packet a client uploaded for a trigger to name (``application/store``) for
@@ -290,7 +291,7 @@ class RunEngine:
         bytes holds, and how many runs that is: see :meth:`RunRepository.run_packets`."""
         return await self.resources.repo.runs.run_packets(env_id, run_ids, item_bytes=item_bytes,
                                                           budget_bytes=budget_bytes, answer_bytes=answer_bytes,
-                                                          skip=skip)
+                                                          skip=skip, timeout_s=self._read_bound)
 
     async def latest_snapshot(self, run_id: str) -> Snapshot:
         return await self.systems.execution_snapshot.latest(run_id)
@@ -313,7 +314,8 @@ class RunEngine:
         return await self.resources.repo.runs.list_runs(env_id, statuses=statuses, tasks=tasks, tags=tags,
                                                         queues=queues, batches=batches, limit=limit, after=after,
                                                         created_from=created_from, created_to=created_to,
-                                                        updated_after=updated_after, light=light)
+                                                        updated_after=updated_after, light=light,
+                                                        timeout_s=self._read_bound)
 
     async def page_runs(self, env_id: str, *, limit: int, max_bytes: int = PAGE_BYTES, statuses: Sequence[str] = (),
                         tasks: Sequence[str] = (), tags: Sequence[str] = (), queues: Sequence[str] = (),
@@ -325,10 +327,15 @@ class RunEngine:
         return await self.resources.repo.runs.page_runs(
             env_id, limit=limit, max_bytes=max_bytes, statuses=statuses, tasks=tasks, tags=tags, queues=queues,
             batches=batches, after=after, created_from=created_from, created_to=created_to,
-            updated_after=updated_after)
+            updated_after=updated_after, timeout_s=self._read_bound)
 
     async def list_batches(self, env_id: str, limit: int = 50) -> list[BatchView]:
-        return await self.resources.repo.runs.list_batches(env_id, limit)
+        return await self.resources.repo.runs.list_batches(env_id, limit, timeout_s=self._read_bound)
+
+    @property
+    def _read_bound(self) -> float | None:
+        """The statement timeout of the reads whose cost a tenant's data decides (lists, shapes)."""
+        return self.resources.settings.costly_read_timeout_s or None
 
     async def child_runs(self, run_id: str) -> list[str]:
         return await self.resources.repo.runs.child_runs(run_id)
@@ -430,7 +437,7 @@ class RunEngine:
         whether more follow."""
         return await self.resources.repo.waitpoints.list_tokens(
             env_id, statuses=statuses, timed_out=timed_out, tags=tags, idempotency_key=idempotency_key,
-            created_from=created_from, created_to=created_to, limit=limit, after=after)
+            created_from=created_from, created_to=created_to, limit=limit, after=after, timeout_s=self._read_bound)
 
     async def run_waitpoint(self, env_id: str, run_id: str) -> Waitpoint:
         """The RUN waitpoint of a run of the environment (made on demand; NotFoundError otherwise)."""

@@ -10,6 +10,7 @@ Hierarchy::
     ├── ConflictError              the request contradicts what exists (HTTP 409)
     ├── QueueFullError             the environment's queue is at its maximum length (HTTP 429)
     ├── LockTimeoutError           the run lock could not be taken in time
+    ├── ReadTimeoutError           a costly read went past its statement timeout (HTTP 503)
     ├── ValidationError            bad input (HTTP 400), names the field
     └── ConfigurationError         bad settings, missing embedded server, …
 
@@ -105,6 +106,18 @@ class LockTimeoutError(RunEngineError):
         self.resources = resources
         self.waited_s = waited_s
         self.attempts = attempts
+
+
+class ReadTimeoutError(RunEngineError):
+    """A read whose cost the tenant's data decides (a list, a realtime shape) went past
+    ``RUN_ENGINE_COSTLY_READ_TIMEOUT_S`` and was cancelled by PostgreSQL."""
+
+    code = "read_timeout"
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"the read took longer than {timeout_s:g} s and was stopped: narrow it (fewer or "
+                         "rarer filters, a shorter createdAt window, a smaller page) or retry later")
+        self.timeout_s = timeout_s
 
 
 class ValidationError(RunEngineError):

@@ -6,8 +6,9 @@
 * :class:`ConnectionCaps`: open long-polls and realtime streams per credential in this process, so
   that idle or slow clients cannot hold the server's memory and connections.
 * :class:`ReadGate`: reads in flight at once per environment and in all, in this process, for reads
-  whose cost a tenant's own data decides (a realtime shape over a million tagged runs): they wait
-  their turn instead of taking the database pool every tenant's work needs.
+  whose cost a tenant's own data decides (a realtime shape over a million tagged runs, a run list
+  filtered by tag): they wait their turn instead of taking the database pool every tenant's work
+  needs, and an environment whose reads queue up waits behind its own, not in front of others'.
 
 Over a limit the API answers 429 with ``Retry-After``. A Redis error lets the request through (a
 limiter must not take the API down with it) and is logged.
@@ -16,6 +17,7 @@ limiter must not take the API down with it) and is logged.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -127,30 +129,92 @@ class ConnectionCaps:
 
 
 class ReadGate:
-    """At most ``per_key`` holders per key (an environment) and ``total`` in all at once; the
-    others wait their turn, a key's in its own queue before it takes one of the ``total`` turns
-    (a busy key's queue holds no turn another key could use)."""
+    """At most ``per_key`` turns per key (an environment) and ``total`` in all at once. The keys
+    with reads waiting take the turns given back in rotation, a key that holds fewer turns first: a
+    key that holds none is served at the next turn given back unless others that hold none are
+    ahead of it in the rotation, and then after one read of each, however many reads any key has
+    queued (a key's queued reads wait behind each other, never in front of another key's). Taking
+    a free turn costs O(1), giving one back O(keys waiting), nothing per read waiting.
+
+    The key is the environment the caller authenticated as, never a name the request carries (a
+    caller who could choose keys would count as many tenants)."""
 
     def __init__(self, per_key: int, total: int) -> None:
         self.per_key = per_key
-        self._total = asyncio.Semaphore(total)
-        self._keys: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}  # key -> (its gate, [users])
+        self.total = total
+        self._in_use = 0
+        self._keys: dict[str, _Key] = {}  # keys holding or waiting for a turn
+        # the keys with reads waiting, in rotation order (a key served goes to the back: dicts
+        # keep their order)
+        self._ring: dict[str, _Key] = {}
 
     @contextlib.asynccontextmanager
     async def turn(self, key: str) -> AsyncIterator[None]:
         entry = self._keys.get(key)
         if entry is None:
-            entry = self._keys[key] = (asyncio.Semaphore(self.per_key), [0])
-        gate, users = entry
-        users[0] += 1
+            entry = self._keys[key] = _Key()
+        if not entry.waiters and entry.held < self.per_key and self._in_use < self.total:
+            entry.held += 1
+            self._in_use += 1
+        else:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            entry.waiters.append(waiter)
+            self._ring.setdefault(key, entry)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():  # given a turn as it was cancelled
+                    self._give_back(key, entry)
+                elif waiter in entry.waiters:  # (else a turn given back found it cancelled, dropped it)
+                    entry.waiters.remove(waiter)
+                    if not entry.waiters:
+                        del self._ring[key]
+                    self._forget(key, entry)
+                raise
         try:
-            async with gate, self._total:
-                yield
+            yield
         finally:
-            users[0] -= 1
-            if not users[0]:
-                del self._keys[key]
+            self._give_back(key, entry)
+
+    def _give_back(self, key: str, entry: _Key) -> None:
+        entry.held -= 1
+        self._in_use -= 1
+        self._forget(key, entry)
+        while self._in_use < self.total:
+            chosen: tuple[str, _Key] | None = None
+            for name, candidate in self._ring.items():  # the fewest turns held, the first of those
+                if candidate.held < self.per_key and (chosen is None or candidate.held < chosen[1].held):
+                    chosen = (name, candidate)
+                    if not candidate.held:
+                        break
+            if chosen is None:
+                return
+            name, served = chosen
+            del self._ring[name]
+            waiter = served.waiters.popleft()
+            if served.waiters:
+                self._ring[name] = served  # to the back of the rotation
+            if waiter.cancelled():  # its task has not run since: nothing to give it
+                self._forget(name, served)
+                continue
+            served.held += 1
+            self._in_use += 1
+            waiter.set_result(None)
+
+    def _forget(self, key: str, entry: _Key) -> None:
+        if not entry.held and not entry.waiters:
+            del self._keys[key]
 
     def waiting_or_reading(self, key: str) -> int:
         entry = self._keys.get(key)
-        return entry[1][0] if entry else 0
+        return entry.held + len(entry.waiters) if entry else 0
+
+
+class _Key:
+    """A key's turns held and its reads waiting, oldest first."""
+
+    __slots__ = ("held", "waiters")
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()

@@ -130,6 +130,9 @@ class EngineSettings:
     api_rate_burst: int | None = None  # requests allowed back to back (default: one second's worth)
     max_streams_per_key: int = 100  # open realtime streams per environment, per server process
     max_long_polls_per_token: int = 1000  # open long-polls per worker token, per server process
+    # statement timeout of the reads whose cost a tenant's data decides (run and token lists,
+    # realtime shapes, the dashboard's lists); past it 503 read_timeout (0: no bound)
+    costly_read_timeout_s: float = 5.0
     # bearer token of GET /metrics (None: not served), at least 16 characters; kept out of repr()
     metrics_token: str | None = field(default=None, repr=False)
     default_retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -181,6 +184,7 @@ class EngineSettings:
             "api_rate_burst": "RUN_ENGINE_API_RATE_BURST",
             "max_streams_per_key": "RUN_ENGINE_MAX_STREAMS_PER_KEY",
             "max_long_polls_per_token": "RUN_ENGINE_MAX_LONG_POLLS_PER_TOKEN",
+            "costly_read_timeout_s": "RUN_ENGINE_COSTLY_READ_TIMEOUT_S",
             "metrics_token": "RUN_ENGINE_METRICS_TOKEN",
             "db_pool_max": "RUN_ENGINE_DB_POOL_MAX",
         }
@@ -201,6 +205,8 @@ class EngineSettings:
             raise ConfigurationError("RUN_ENGINE_MAX_QUEUES_PER_ENV: at least 1")
         if values.get("max_schedules_per_env", 1) < 1:
             raise ConfigurationError("RUN_ENGINE_MAX_SCHEDULES_PER_ENV: at least 1")
+        if values.get("costly_read_timeout_s", 0) < 0:
+            raise ConfigurationError("RUN_ENGINE_COSTLY_READ_TIMEOUT_S: at least 0 (0: no bound)")
         if values.get("retention_days", 0) > MAX_RETENTION_DAYS:  # (PostgreSQL's dates end before)
             raise ConfigurationError(f"RUN_ENGINE_RETENTION_DAYS: at most {MAX_RETENTION_DAYS} (0: keep forever)")
         if raw_locks := env.get("RUN_ENGINE_LOCK_REDIS_URLS", "").strip():

@@ -28,9 +28,10 @@ RUN_TOKEN_SCOPE = ("trigger children, create, read and complete waitpoint tokens
 _LIVE = frozenset({"EXECUTING", "WAITING"})
 #: credential look-ups that missed the caches, in flight at once per process
 LOOKUPS_AT_ONCE = 4
-#: reads whose cost the tenant's own data decides (realtime shapes, token lists) in flight at once
-#: per environment, and in all (of a pool of 8 connections by default): a tenant whose reads cost
-#: seconds (a million runs of one tag) waits for its own turns
+#: reads whose cost the tenant's own data decides (realtime shapes, run and token lists, the
+#: dashboard's lists) in flight at once per environment, and in all (of a pool of 8 connections by
+#: default): a tenant whose reads cost seconds (a million runs of one tag) waits for its own turns,
+#: and the environments waiting take the turns given back in rotation (ReadGate)
 COSTLY_READS_PER_ENV = 2
 COSTLY_READS_AT_ONCE = 4
 T = TypeVar("T")

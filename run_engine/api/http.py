@@ -31,6 +31,7 @@ from run_engine.errors import (
     LockTimeoutError,
     NotFoundError,
     QueueFullError,
+    ReadTimeoutError,
     RunEngineError,
     StaleSnapshotError,
     TooManyError,
@@ -99,6 +100,8 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
         return err(429, exc.code, str(exc), headers={"Retry-After": "1"})
     if isinstance(exc, LockTimeoutError):
         return err(503, exc.code, "the run is busy; try again", headers={"Retry-After": "1"})
+    if isinstance(exc, ReadTimeoutError):  # a statement timeout: what the caller asked for, or the load
+        return err(503, exc.code, str(exc), headers={"Retry-After": "2"})
     if (dependency := unavailable_dependency(exc)) is not None:
         name = {"postgres": "PostgreSQL", "redis": "Redis"}[dependency]
         return err(503, "service_unavailable", f"{name} is unavailable; try again",
@@ -115,7 +118,7 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
 
 async def handle_exception(request: Request, exc: Exception) -> Response:
     status, data, headers = error_payload(exc)
-    if status == 503 and data["error"]["code"] == "service_unavailable":
+    if status == 503 and data["error"]["code"] in ("service_unavailable", "read_timeout"):
         log.warning("%s %s: %s (%s)", request.method, redact(request.url.path), data["error"]["message"], exc)
     elif status >= 500:
         log.error("error on %s %s", request.method, redact(request.url.path), exc_info=exc)

@@ -22,7 +22,8 @@ ERRORS = {400: "invalid input (the message names the field)", 401: "missing or b
           403: "credentials of another scope", 404: "unknown id, or an id of another environment",
           409: "conflict: stale snapshot or wrong state", 413: "payload too large",
           422: "well-formed but impossible", 429: "rate limited (see Retry-After)",
-          431: "request head too large", 503: "a dependency is unavailable; retry"}
+          431: "request head too large", 503: "a dependency is unavailable, or a list or realtime read took too long "
+                                             "(read_timeout); retry"}
 SECURITY: dict[str, list[dict[str, list[str]]]] = {"apiKey": [{"apiKey": []}],
             "apiKeyOrRunToken": [{"apiKey": []}, {"runToken": []}],
             "apiKeyOrPublicToken": [{"apiKey": []}, {"publicToken": []}],

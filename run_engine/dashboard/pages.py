@@ -66,12 +66,14 @@ async def runs(request: Request, dash: Dash) -> Response:
             after = (datetime.fromisoformat(ts), run_id)
         except ValueError:
             raise ApiError(400, "invalid_input", "after: not a cursor of this page") from None
-    found = await dash.ctx.engine.list_runs(
-        dash.env.id, statuses=[f["status"]] if f["status"] else [], tasks=[f["task"]] if f["task"] else [],
-        tags=[f["tag"]] if f["tag"] else [], queues=[f["queue"]] if f["queue"] else [],
-        batches=[f["batch"]] if f["batch"] else [], limit=PAGE_SIZE + 1, after=after,
-        created_from=_day(f["from"], "from", end=False), created_to=_day(f["to"], "to", end=True),
-        light=True)  # the table shows no payload, output or metadata
+    created_from, created_to = _day(f["from"], "from", end=False), _day(f["to"], "to", end=True)
+    async with dash.ctx.costly_reads.turn(dash.env.id):  # the API's run list's turns (a tag filter may walk far)
+        found = await dash.ctx.engine.list_runs(
+            dash.env.id, statuses=[f["status"]] if f["status"] else [], tasks=[f["task"]] if f["task"] else [],
+            tags=[f["tag"]] if f["tag"] else [], queues=[f["queue"]] if f["queue"] else [],
+            batches=[f["batch"]] if f["batch"] else [], limit=PAGE_SIZE + 1, after=after,
+            created_from=created_from, created_to=created_to,
+            light=True)  # the table shows no payload, output or metadata
     rows, more = found[:PAGE_SIZE], len(found) > PAGE_SIZE
     given = {k: v for k, v in f.items() if v}
     next_url = ("/dashboard/runs?" + urlencode({**given, "after": f"{rows[-1].created_at.isoformat()}|{rows[-1].id}"})
@@ -154,8 +156,9 @@ async def dlq(request: Request, dash: Dash) -> Response:
 
 @page
 async def batches(request: Request, dash: Dash) -> Response:
-    return render(request, "batches.html", {"title": "Batches",
-                                            "batches": await dash.ctx.engine.list_batches(dash.env.id)}, dash=dash)
+    async with dash.ctx.costly_reads.turn(dash.env.id):  # counts every run of the environment's batches
+        rows = await dash.ctx.engine.list_batches(dash.env.id)
+    return render(request, "batches.html", {"title": "Batches", "batches": rows}, dash=dash)
 
 
 @page
@@ -164,7 +167,8 @@ async def tokens(request: Request, dash: Dash) -> Response:
     if status not in ("", "WAITING", "COMPLETED"):
         raise ApiError(400, "invalid_input", "status: WAITING or COMPLETED")
     statuses = {"WAITING": ["PENDING"], "COMPLETED": ["COMPLETED"]}.get(status, [])
-    rows, _ = await dash.ctx.engine.list_tokens(dash.env.id, statuses=statuses, limit=100)
+    async with dash.ctx.costly_reads.turn(dash.env.id):  # the API's token list's turns
+        rows, _ = await dash.ctx.engine.list_tokens(dash.env.id, statuses=statuses, limit=100)
     return render(request, "tokens.html", {"title": "Tokens", "status": status,
                                            "tokens": [(w, token_status(w)) for w in rows]}, dash=dash)
 

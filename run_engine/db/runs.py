@@ -21,6 +21,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.batching import committed
+from run_engine.db.bounded import bounded_read
 from run_engine.db.rows import columns_of, from_prefixed, from_row, from_slice, select_as, to_columns
 from run_engine.records import evolve, record
 
@@ -980,15 +981,16 @@ class RunRepository:
                         limit: int = 25, after: tuple[datetime, str] | None = None,
                         created_from: datetime | None = None, created_to: datetime | None = None,
                         updated_after: datetime | None = None, light: bool = False,
-                        ids: Sequence[str] = ()) -> list[RunRow]:
+                        ids: Sequence[str] = (), timeout_s: float | None = None) -> list[RunRow]:
         """Newest first; ``after`` is the (created_at, id) of the last run of the previous page;
         ``created_from`` ≤ created_at < ``created_to``; ``updated_after`` < updated_at; only
         those of ``ids`` when given. ``light``: without payload, output, metadata and error
-        (``None``), for callers that need none of them: a run's may be megabytes."""
+        (``None``), for callers that need none of them: a run's may be megabytes. ``timeout_s``:
+        each statement's bound (:func:`bounded_read`; None: none)."""
         where, params = self._run_filter(env_id, statuses, tasks, tags, queues, batches, after, created_from,
                                          created_to, updated_after, ids)
         params["limit"] = limit
-        async with self.pool.connection() as conn:
+        async with bounded_read(self.pool, timeout_s) as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(f"SELECT {_LIGHT_RUN if light else '*'} FROM task_run WHERE {where} "
                               "ORDER BY created_at DESC, id DESC LIMIT %(limit)s", params)
@@ -996,19 +998,20 @@ class RunRepository:
 
     async def shape_runs(self, env_id: str, *, tags: Sequence[str] = (), tasks: Sequence[str] = (),
                          batches: Sequence[str] = (), ids: Sequence[str] = (), limit: int,
-                         created_from: datetime | None = None, updated_after: datetime | None = None) -> ShapeRead:
+                         created_from: datetime | None = None, updated_after: datetime | None = None,
+                         timeout_s: float | None = None) -> ShapeRead:
         """The runs of a realtime shape as :meth:`list_runs` reads them light, with the id of the
         transaction that wrote each one's row (``xmin``, 32 bits) and the oldest transaction still
         running when they were read (the snapshot's xmin, 64 bits): a row written by a transaction
         older than that was visible to this read."""
         if tags and updated_after is None and not (batches or ids):
-            walked = await self._shape_walk(env_id, tags, tasks, created_from, limit)
+            walked = await self._shape_walk(env_id, tags, tasks, created_from, limit, timeout_s)
             if walked is not None:
                 return walked
         where, params = self._run_filter(env_id, (), tasks, tags, (), batches, None, created_from, None,
                                          updated_after, ids)
         params["limit"] = limit
-        async with self.pool.connection() as conn:
+        async with bounded_read(self.pool, timeout_s) as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(f"SELECT {_LIGHT_RUN}, xmin::text::bigint AS row_xmin, "
                               "(SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint) AS snapshot_xmin "
@@ -1018,7 +1021,7 @@ class RunRepository:
                          int(rows[0]["snapshot_xmin"]) if rows else None)
 
     async def _shape_walk(self, env_id: str, tags: Sequence[str], tasks: Sequence[str],
-                          created_from: datetime | None, limit: int) -> ShapeRead | None:
+                          created_from: datetime | None, limit: int, timeout_s: float | None) -> ShapeRead | None:
         """A tag shape's first read, when its runs are common among the environment's newest: the
         newest :data:`SHAPE_WALK_ROWS` of the environment's runs walked in order, those with a tag
         kept. The answer when ``limit`` of them have one or the walk saw every run of the window;
@@ -1026,7 +1029,7 @@ class RunRepository:
         fetch and sort every run of a common tag: a million of them, over a second a read."""
         params: dict[str, Any] = {"env": env_id, "from": created_from, "tags": list(tags), "tasks": list(tasks),
                                   "walk": SHAPE_WALK_ROWS, "limit": limit}
-        async with self.pool.connection() as conn:
+        async with bounded_read(self.pool, timeout_s) as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(_SHAPE_WALK, params)
             rows = await cur.fetchall()
@@ -1037,7 +1040,8 @@ class RunRepository:
                          {r["id"]: int(r["row_xmin"]) for r in hits}, int(rows[0]["walk_snapshot_xmin"]))
 
     async def run_packets(self, env_id: str, run_ids: Sequence[str], *, item_bytes: int, budget_bytes: int,
-                          answer_bytes: int, skip: Collection[str] = ()) -> tuple[dict[str, RunPackets], int]:
+                          answer_bytes: int, skip: Collection[str] = (),
+                          timeout_s: float | None = None) -> tuple[dict[str, RunPackets], int]:
         """The payload, output, metadata and error of the environment's first runs among
         ``run_ids`` (in that order) that one realtime answer of ``answer_bytes`` holds, by id, and
         how many of ``run_ids`` that is (one at least; a run that is not there counts, without
@@ -1049,7 +1053,7 @@ class RunRepository:
         if not run_ids:
             return {}, 0
         wanted = {field: field not in skip for field in ("payload", "output", "metadata", "error")}
-        async with self.pool.connection() as conn:
+        async with bounded_read(self.pool, timeout_s) as conn:
             cur = await conn.execute(_RUN_PACKETS, {"ids": list(run_ids), "env": env_id, "item": item_bytes,
                                                     "budget": budget_bytes, "work": 4 * budget_bytes,
                                                     "answer": answer_bytes, "chars": SHAPE_ERROR_CHARS, **wanted})
@@ -1086,7 +1090,8 @@ class RunRepository:
                         tasks: Sequence[str] = (), tags: Sequence[str] = (), queues: Sequence[str] = (),
                         batches: Sequence[str] = (), after: tuple[datetime, str] | None = None,
                         created_from: datetime | None = None, created_to: datetime | None = None,
-                        updated_after: datetime | None = None, ids: Sequence[str] = ()) -> tuple[list[RunRow], bool]:
+                        updated_after: datetime | None = None, ids: Sequence[str] = (),
+                        timeout_s: float | None = None) -> tuple[list[RunRow], bool]:
         """Like :meth:`list_runs`, whole runs, but fewer than ``limit`` when their payloads,
         outputs and metadata pass ``max_bytes`` (as JSON text; never fewer than one): one tenant's
         page of hundred 3 MiB payloads must not take the memory every tenant's requests share.
@@ -1094,7 +1099,7 @@ class RunRepository:
         where, params = self._run_filter(env_id, statuses, tasks, tags, queues, batches, after, created_from,
                                          created_to, updated_after, ids)
         params["limit"], params["max_bytes"] = limit + 1, max_bytes
-        async with self.pool.connection() as conn:
+        async with bounded_read(self.pool, timeout_s) as conn:
             cur = await conn.execute(page_walk("task_run", where, _RUN_BYTES), params)
             kept, more = walked_page(await cur.fetchall(), limit, max_bytes)
             whole = conn.cursor(row_factory=dict_row)
@@ -1102,9 +1107,9 @@ class RunRepository:
             runs = [run_row(r) for r in await whole.fetchall()]
         return runs, more
 
-    async def list_batches(self, env_id: str, limit: int = 50) -> list[BatchView]:
+    async def list_batches(self, env_id: str, limit: int = 50, *, timeout_s: float | None = None) -> list[BatchView]:
         """The environment's batches, newest first, with how many of their runs have finished."""
-        async with self.pool.connection() as conn:
+        async with bounded_read(self.pool, timeout_s) as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
                 """SELECT batch_id AS id, count(*) AS runs, min(created_at) AS created_at,

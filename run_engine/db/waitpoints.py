@@ -17,6 +17,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.batching import committed
+from run_engine.db.bounded import bounded_read
 from run_engine.db.rows import from_prefixed, from_row, select_as, to_columns
 from run_engine.db.runs import (
     LATEST_OF_INPUT,
@@ -539,11 +540,12 @@ class WaitpointRepository:
                           tags: Sequence[str] = (), idempotency_key: str | None = None,
                           created_from: datetime | None = None, created_to: datetime | None = None,
                           limit: int = 25, after: tuple[datetime, str] | None = None,
-                          max_bytes: int = PAGE_BYTES) -> tuple[list[Waitpoint], bool]:
+                          max_bytes: int = PAGE_BYTES, timeout_s: float | None = None) -> tuple[list[Waitpoint], bool]:
         """MANUAL waitpoints newest first; ``timed_out`` narrows COMPLETED ones by error output.
         Fewer than ``limit`` when their outputs pass ``max_bytes`` (as JSON text; at least one): the
-        sizes are read first, then the tokens that fit. Returns them and whether more follow."""
-        async with self.pool.connection() as conn:
+        sizes are read first, then the tokens that fit. Returns them and whether more follow.
+        ``timeout_s``: each statement's bound (:func:`bounded_read`; None: none)."""
+        async with bounded_read(self.pool, timeout_s) as conn:
             cur = await conn.execute(_TOKEN_PAGE, {
                 "env": env_id, "statuses": list(statuses) or None, "timed_out": timed_out,
                 "tags": list(tags) or None, "key": idempotency_key, "from": created_from, "to": created_to,

@@ -90,3 +90,12 @@ def test_the_schedules_an_environment_may_make_are_at_least_one() -> None:
     assert EngineSettings.from_env({}).max_schedules_per_env == 10_000
     with pytest.raises(ConfigurationError, match="RUN_ENGINE_MAX_SCHEDULES_PER_ENV"):
         EngineSettings.from_env({"RUN_ENGINE_MAX_SCHEDULES_PER_ENV": "0"})
+
+
+def test_the_costly_read_timeout_is_a_setting() -> None:
+    """The statement timeout of the reads whose cost a tenant's data decides (0: none)."""
+    assert EngineSettings.from_env({}).costly_read_timeout_s == 5.0
+    assert EngineSettings.from_env({"RUN_ENGINE_COSTLY_READ_TIMEOUT_S": "0.25"}).costly_read_timeout_s == 0.25
+    assert EngineSettings.from_env({"RUN_ENGINE_COSTLY_READ_TIMEOUT_S": "0"}).costly_read_timeout_s == 0
+    with pytest.raises(ConfigurationError, match="RUN_ENGINE_COSTLY_READ_TIMEOUT_S"):
+        EngineSettings.from_env({"RUN_ENGINE_COSTLY_READ_TIMEOUT_S": "-1"})
