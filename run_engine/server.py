@@ -15,7 +15,7 @@ import uvicorn
 from run_engine import heap
 from run_engine.api.access_log import AccessLog
 from run_engine.api.app import create_app
-from run_engine.api.context import ApiContext
+from run_engine.api.context import ApiContext, costly_read_gate
 from run_engine.engine import RunEngine
 from run_engine.metrics import EngineMetrics
 from run_engine.ratelimit import ConnectionCaps, RequestLimiter
@@ -118,7 +118,8 @@ async def api_context(settings: EngineSettings, *, secret: str, public_url: str)
         caps = ConnectionCaps({"streams": settings.max_streams_per_key,
                                "long-polls": settings.max_long_polls_per_token})
         yield ApiContext(engine=engine, tokens=RunTokens(secret), wakeups=wakeups, public_url=public_url,
-                         realtime=realtime, limiter=limiter, caps=caps, secret=secret)
+                         realtime=realtime, limiter=limiter, caps=caps, secret=secret,
+                         costly_reads=costly_read_gate(settings.db_pool_max))
     finally:  # shielded: a second Ctrl-C must not leave connections and tasks behind
         for undo in uninstall:
             undo()

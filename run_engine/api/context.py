@@ -34,6 +34,14 @@ LOOKUPS_AT_ONCE = 4
 #: and the environments waiting take the turns given back in rotation (ReadGate)
 COSTLY_READS_PER_ENV = 2
 COSTLY_READS_AT_ONCE = 4
+
+
+def costly_read_gate(pool_max: int) -> ReadGate:
+    """The gate for a database pool of ``pool_max`` connections: at most half of them for costly
+    reads (4 of the default 8), so that a smaller pool still leaves the hot path (trigger, dequeue,
+    complete) connections whatever the tenants read; an environment at most half of those."""
+    total = max(1, min(COSTLY_READS_AT_ONCE, pool_max // 2))
+    return ReadGate(max(1, min(COSTLY_READS_PER_ENV, total // 2)), total)
 T = TypeVar("T")
 
 

@@ -67,3 +67,16 @@ async def test_a_cancel_during_a_redis_close_still_closes_its_connections(redis_
     with pytest.raises(asyncio.CancelledError):
         await closing
     assert not conn.is_connected  # (redis-py's aclose, cancelled there, leaves it connected)
+
+
+@pytest.mark.parametrize(("pool_max", "per_env", "total"), [(8, 2, 4), (4, 1, 2), (2, 1, 1), (1, 1, 1), (32, 2, 4)])
+async def test_costly_reads_take_at_most_half_of_the_pool(database_url: str, redis_url: str, key_prefix: str,
+                                                          pool_max: int, per_env: int, total: int) -> None:
+    """With four turns whatever the pool, a pool of four let the tenants' list and shape reads hold
+    every connection: trigger, dequeue and complete waited behind them."""
+    from run_engine.server import api_context
+
+    settings = EngineSettings(database_url=database_url, redis_url=redis_url, key_prefix=f"{key_prefix}:gate",
+                              db_pool_max=pool_max, db_pool_min=1)
+    async with api_context(settings, secret="s", public_url="http://t") as ctx:
+        assert (ctx.costly_reads.per_key, ctx.costly_reads.total) == (per_env, total)
