@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,7 +21,7 @@ from run_engine.db.repository import Repository
 from run_engine.db.runs import PAGE_BYTES, BatchView, RunPackets, RunRow, ShapeRead, Snapshot
 from run_engine.db.schedules import Schedule
 from run_engine.db.tenancy import Environment, GroupListing, WorkerGroup, WorkerView
-from run_engine.db.waitpoints import BatchRecord, JournalEntry, JournalPage, SweepCursors, Waitpoint
+from run_engine.db.waitpoints import BatchItemError, BatchRecord, JournalEntry, JournalPage, SweepCursors, Waitpoint
 from run_engine.errors import NotFoundError
 from run_engine.events import EventBus, RunEvent
 from run_engine.ids import new_id
@@ -49,7 +49,7 @@ __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun",
            "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
            "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
-           "GroupListing", "RunPackets", "UploadedPacket", "BatchRecord", "ShapeRead", "PACKET_TTL_S",
+           "GroupListing", "RunPackets", "UploadedPacket", "BatchRecord", "BatchItemError", "ShapeRead", "PACKET_TTL_S",
            "PACKET_BYTES_PER_ENV", "is_batch_entry", "JournalPage", "ResolvedJournal"]
 
 #: how long a packet uploaded for a trigger is kept (the trigger reads it at once; a retried one later)
@@ -149,6 +149,11 @@ class RunEngine:
         """Create runs; requests with ``debounce`` join their key's DELAYED run when there is one."""
         return await self.systems.debounce.trigger_many(requests)
 
+    async def check_trigger(self, request: TriggerRequest) -> None:
+        """Raise what :meth:`trigger_many` would refuse the request for (bad input, an unknown
+        worker group, a queue past the environment's cap), creating no run."""
+        await self.systems.debounce.check(request)
+
     def new_batch_id(self) -> str:
         return new_id("batch")
 
@@ -181,9 +186,12 @@ class RunEngine:
         """The environment's batch as it was made (expected size, idempotency key, parent run)."""
         return await self.resources.repo.waitpoints.batch_record(batch_id, env_id)
 
-    async def note_batch_items(self, batch_id: str, indexes: Sequence[int]) -> int:
-        """Record the triggered items of a two-phase batch; how many of its indexes have been."""
-        return await self.resources.repo.waitpoints.note_batch_items(batch_id, indexes)
+    async def note_batch_items(self, batch_id: str, indexes: Sequence[int],
+                               failed: Mapping[int, BatchItemError] | None = None) -> int:
+        """Record the triggered items of a two-phase batch, and those that failed on their own (each
+        counts as sent and as finished; the first failure of an index not sent before is kept); how
+        many of its indexes have been sent."""
+        return await self.resources.repo.waitpoints.note_batch_items(batch_id, indexes, failed)
 
     async def trigger_batch(self, env_id: str, batch_id: str, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
         """Record a batch and create its runs: one insert for the runs, one queue call."""

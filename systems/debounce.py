@@ -57,8 +57,7 @@ class DebounceSystem:
         else:
             return await self.enqueue.trigger_many(requests)
         for req in requests:  # every item checked before any is created (a refusal creates nothing)
-            self.validate(req)
-            await self.enqueue.check(req)
+            await self.check(req)
         plain = [i for i, req in enumerate(requests) if req.debounce is None]
         out: dict[int, TriggeredRun] = {}
         if plain:
@@ -67,6 +66,11 @@ class DebounceSystem:
             if req.debounce is not None:
                 out[i] = await self.trigger(req)
         return [out[i] for i in range(len(requests))]
+
+    async def check(self, req: TriggerRequest) -> None:
+        """Refuse now what triggering ``req`` would refuse, creating no run (a queue it names is made)."""
+        self.validate(req)
+        await self.enqueue.check(req)
 
     async def trigger(self, req: TriggerRequest) -> TriggeredRun:
         """One debounced trigger: the run holding its idempotency key, else the DELAYED run of its

@@ -2,37 +2,34 @@
 batch with the number of runs it will have, then stream its items as NDJSON. Items are triggered
 as they are read, each deduplicated by its index (a retried stream triggers nothing twice); the
 batch is sealed once every index has been triggered (an item whose idempotency or debounce key
-names another batch's run joins that run)."""
+names another batch's run joins that run) or has failed. One bad item never fails the others: a
+line that is not a valid item (:mod:`run_engine.api.batch_lines`), or an item refused for its own
+input, fails alone, is answered in ``errors`` and kept with the batch (its ``processing.errors``)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from run_engine import jsontext
 from run_engine.api import schemas as S
 from run_engine.api.auth import token_headers
-from run_engine.api.context import ctx_of
-from run_engine.api.http import (
-    MAX_REQUEST_BYTES,
-    SCAN_OFF_LOOP_BYTES,
-    ApiError,
-    body,
-    json_response,
-    read_body,
-    validate,
-)
-from run_engine.api.inputs import MAX_CONTAINERS, looks_like_id, needs_scan, unstorable
+from run_engine.api.batch_lines import LineError, read_lines
+from run_engine.api.context import ApiContext, ctx_of
+from run_engine.api.http import MAX_REQUEST_BYTES, SCAN_OFF_LOOP_BYTES, ApiError, body, json_response, read_body
+from run_engine.api.inputs import looks_like_id
 from run_engine.api.models import BatchStreamItem, OpenBatchBody, TriggerOptions, parse_duration_s
 from run_engine.api.openapi import operation
 from run_engine.api.public import trigger_request, with_parent
 from run_engine.api.uploads import unpack
-from run_engine.engine import RunRow
+from run_engine.engine import BatchItemError, RunRow, TriggeredRun, TriggerRequest
+from run_engine.errors import UnprocessableError, ValidationError
+
+#: the engine's refusals of an item for what it asks (HTTP 400 and 422), before any run is made
+ITEM_REFUSALS = (ValidationError, UnprocessableError)
 
 
 @operation("Open a batch (Trigger.dev's two-phase batch, phase 1)", S.BatchOpened, body=OpenBatchBody)
@@ -48,38 +45,6 @@ async def open_batch(request: Request) -> Response:
     return json_response(out, headers=await token_headers(ctx, auth, f"read:batch:{batch_id}", 3600))
 
 
-def _items(raw: bytes | bytearray, size: int) -> list[BatchStreamItem]:
-    lines = bytes(raw).splitlines()
-    # counted before any is parsed: a body of a million one-line items would hold the event loop
-    # (every tenant's requests) for seconds, while a batch has at most runCount items to send
-    if sum(1 for line in lines if line.strip()) > size:
-        raise ApiError(400, "invalid_input", f"more items than the batch's runCount {size}: send each index once")
-    items: list[BatchStreamItem] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if (brackets := line.count(b"[") + line.count(b"{")) > 2 * MAX_CONTAINERS:
-            # more than a payload and its metadata may hold together: refused before it is parsed
-            raise ApiError(413, "payload_too_large", f"line {number}: holds {brackets} JSON objects and arrays "
-                                                     f"(counting brackets in its strings); a payload and its "
-                                                     f"metadata hold at most {MAX_CONTAINERS} each")
-        try:
-            data = jsontext.loads(line)
-        except orjson.JSONDecodeError as exc:
-            raise ApiError(400, "invalid_input", f"line {number}: malformed JSON ({exc})") from None
-        if needs_scan(line) and (problem := unstorable(data, f"line {number}")) is not None:
-            raise ApiError(400, "invalid_input", problem)
-        try:
-            item = validate(BatchStreamItem, data)
-        except ApiError as exc:
-            raise ApiError(400, "invalid_input", f"line {number}: {exc.message}") from None
-        if item.index >= size:
-            raise ApiError(400, "invalid_input", f"line {number}: index {item.index} is not below the batch's "
-                                                 f"runCount {size}")
-        items.append(item)
-    return items
-
-
 @operation("Stream a batch's items as NDJSON (phase 2); sealed once every run exists", S.BatchItemsStreamed,
            any_body=True)
 async def stream_items(request: Request) -> Response:
@@ -91,39 +56,89 @@ async def stream_items(request: Request) -> Response:
     if opened is None:
         raise ApiError(404, "not_found", "batch not found (or not opened for its items to be sent)")
     size, seen = opened
-    # an index makes one run: one sent again (another task, another key, a key's TTL passed) is not
-    items, repeated = [], 0
     raw = await read_body(request, MAX_REQUEST_BYTES)
     # a large body is parsed and walked in a thread: not on the event loop every tenant shares
-    for item in await asyncio.to_thread(_items, raw, size) if len(raw) > SCAN_OFF_LOOP_BYTES else _items(raw, size):
-        if item.index in seen:
+    lines = await asyncio.to_thread(read_lines, raw, size) if len(raw) > SCAN_OFF_LOOP_BYTES else read_lines(raw, size)
+    errors = list(lines.errors)
+    # an index makes one run: one sent again (another task, another key, a key's TTL passed) is not
+    items: list[tuple[int, BatchStreamItem]] = []
+    repeated = 0
+    taken = set(seen)
+    for number, item in lines.items:
+        if item.index in taken:
             repeated += 1
             continue
-        seen.add(item.index)
-        items.append(item)
-    requests = []
+        taken.add(item.index)
+        items.append((number, item))
+    # from here on an item refused for its own input fails alone, as a bad line does
+    refused: dict[int, ApiError] = {}
+    unpacked = await unpack(ctx, auth.env_id, [(item.payload, item.options) for _, item in items],
+                            [f"items.{item.index}." for _, item in items], refused)
+    requests: list[tuple[int, BatchStreamItem, TriggerRequest]] = []
     parents: dict[str, RunRow] = {}
-    unpacked = await unpack(ctx, auth.env_id, [(item.payload, item.options) for item in items],
-                            [f"items.{item.index}." for item in items])
-    for item, (payload, given) in zip(items, unpacked, strict=True):
+    for position, ((number, item), (payload, given)) in enumerate(zip(items, unpacked, strict=True)):
+        if position in refused:
+            errors.append(LineError.of(number, item, refused[position]))
+            continue
         options = given or TriggerOptions()
         if options.idempotencyKey is None:  # the index deduplicates a retried stream (kept the default TTL)
             options = options.model_copy(update={"idempotencyKey": f"{batch_id}:{item.index}",
                                                  "idempotencyKeyTTL": None})
-        # a parent must be a run of the caller's environment (400 otherwise), as for any trigger
-        requests.append(await with_parent(ctx, auth, trigger_request(
-            ctx, auth, item.task, payload, options, f"items.{item.index}", batch_id=batch_id,
-            trigger_function="batchTrigger"), f"items.{item.index}.options.parentRunId", parents))
-    runs = await ctx.engine.trigger_many(requests) if requests else []  # the batch row exists (phase 1)
-    deduplicated = sum(1 for r in runs if r.is_cached) + repeated
-    # sealed once every index was triggered (an item may have joined a run of another batch); a
-    # crash before this line is mended by the SDK's retry: its items are deduplicated, then noted
-    held = await ctx.engine.note_batch_items(batch_id, [item.index for item in items]) if items else len(seen)
-    out: dict[str, Any] = {"id": batch_id, "itemsAccepted": len(runs) - (deduplicated - repeated),
-                           "itemsDeduplicated": deduplicated, "sealed": held >= size}
+        try:
+            # a parent must be a run of the caller's environment (refused otherwise), as for any trigger
+            requests.append((number, item, await with_parent(ctx, auth, trigger_request(
+                ctx, auth, item.task, payload, options, f"items.{item.index}", batch_id=batch_id,
+                trigger_function="batchTrigger"), f"items.{item.index}.options.parentRunId", parents)))
+        except ApiError as exc:
+            errors.append(LineError.of(number, item, exc))
+    triggered = await _trigger(ctx, requests, errors)  # the batch row exists (phase 1)
+    made = [item.index for item, _ in triggered]
+    # an item that failed counts as sent (the batch seals without it) unless its index was sent
+    # before or made by another line: its first failure, in line order, is kept with the batch
+    failed: dict[int, BatchItemError] = {}
+    errors.sort(key=lambda e: e.line)
+    for error in errors:
+        if error.index is not None and error.index not in seen and error.index not in failed:
+            failed[error.index] = error.failure()
+    for index in made:
+        failed.pop(index, None)
+    # sealed once every index was triggered or failed (an item may have joined a run of another
+    # batch); a crash before this line is mended by the SDK's retry: its items are deduplicated,
+    # its failures found again, then noted
+    held = await ctx.engine.note_batch_items(batch_id, made, failed) if made or failed else len(seen)
+    cached = sum(1 for _, run in triggered if run.is_cached)
+    out: dict[str, Any] = {"id": batch_id, "itemsAccepted": len(triggered) - cached,
+                           "itemsDeduplicated": cached + repeated, "sealed": held >= size}
     if held < size:
         out |= {"enqueuedCount": held, "expectedCount": size}
+    if errors:
+        out["errors"] = [error.answer() for error in errors]
     return json_response(out)
+
+
+async def _trigger(ctx: ApiContext, requests: list[tuple[int, BatchStreamItem, TriggerRequest]],
+                   errors: list[LineError]) -> list[tuple[BatchStreamItem, TriggeredRun]]:
+    """Trigger the items' runs in one call; an item the engine refuses for its own input (an unknown
+    worker group, a queue past the environment's cap) is added to ``errors`` and the others are
+    triggered. Such a refusal creates nothing (every item is checked before any run is made), so
+    each item is then checked alone; a refusal none of them has alone is the request's."""
+    if not requests:
+        return []
+    try:
+        runs = await ctx.engine.trigger_many([req for _, _, req in requests])
+    except ITEM_REFUSALS:
+        kept = []
+        for number, item, req in requests:
+            try:
+                await ctx.engine.check_trigger(req)
+            except ITEM_REFUSALS as exc:
+                errors.append(LineError.of(number, item, exc))
+            else:
+                kept.append((number, item, req))
+        if len(kept) == len(requests):
+            raise
+        return await _trigger(ctx, kept, errors)
+    return [(item, run) for (_, item, _), run in zip(requests, runs, strict=True)]
 
 
 ROUTES = [

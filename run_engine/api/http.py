@@ -208,27 +208,44 @@ def decode_json_text(text: str, payload_type: str, field: str) -> Any:
     return decoded
 
 
-async def decode_payloads(payloads: Sequence[tuple[Any, str | None, str]], limit: int) -> list[Any]:
+async def decode_payloads(payloads: Sequence[tuple[Any, str | None, str]], limit: int,
+                          failed: dict[int, ApiError] | None = None) -> list[Any]:
     """Each (payload, its payloadType, its field) sent as JSON text as a :class:`DecodedPayload`
     (anything else as it is): 413 at once for a text over the payload limit, and all of them
     decoded and walked in a thread when together they are large. A 3 MiB text of a million empty
     lists took the event loop, and every tenant's requests on it, for two seconds; a batch of many
-    texts each under the bound, as long."""
+    texts each under the bound, as long. With ``failed``, a payload's own error is put there by
+    its position instead of raised (the payload is answered as it was given)."""
     texts = [(i, p, t, f) for i, (p, t, f) in enumerate(payloads) if isinstance(p, str) and t in JSON_PAYLOAD_TYPES]
     if not texts:
         return list(payloads and [p for p, _, _ in payloads])
-    for _, text, _, field in texts:
+    for i, text, _, field in texts:
         if len(text) > limit:
-            raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
+            error = ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
+            if failed is None:
+                raise error
+            failed[i] = error
+    texts = [t for t in texts if not failed or t[0] not in failed]
 
     def decode_all() -> list[Any]:
-        return [DecodedPayload(decode_json_text(text, kind, field)) for _, text, kind, field in texts]
+        out: list[Any] = []
+        for _, text, kind, field in texts:
+            try:
+                out.append(DecodedPayload(decode_json_text(text, kind, field)))
+            except ApiError as exc:
+                if failed is None:
+                    raise
+                out.append(exc)
+        return out
 
     decoded = (await asyncio.to_thread(decode_all) if sum(len(text) for _, text, _, _ in texts) > SCAN_OFF_LOOP_BYTES
                else decode_all())
     out = [p for p, _, _ in payloads]
     for (i, _, _, _), value in zip(texts, decoded, strict=True):
-        out[i] = value
+        if isinstance(value, ApiError) and failed is not None:
+            failed[i] = value
+        else:
+            out[i] = value
     return out
 
 

@@ -288,8 +288,9 @@ async def get_batch_v2(request: Request) -> Response:
         "id": batch_id, "status": status, "createdAt": iso(created),
         "updatedAt": iso(max([created, *(r.updated_at for r in runs)])), "runCount": size,
         "runs": [r.id for r in reversed(runs)],
-        # an item that cannot be triggered fails its request (400) and is never part of a batch
-        "processing": {"errors": []}}
+        # a streamed item that failed on its own (a one-request batch's bad item fails its request)
+        "processing": {"errors": [{"index": e.index, "taskIdentifier": e.task_id, "error": e.message,
+                                   "errorCode": e.code} for e in (made.item_errors if made else ())]}}
     if made is not None and made.idempotency_key is not None:
         out["idempotencyKey"] = made.idempotency_key
     return json_response(out)

@@ -130,6 +130,16 @@ class BatchOpened(_Out):
     idempotencyKey: str | None = None
 
 
+class StreamedLineError(_Out):
+    """A streamed line that made no run: its line number (from 1), the batch index and task it
+    names (left out when it names none: it then fails no item), its error message and code."""
+    line: int
+    index: int | None = None
+    taskIdentifier: str | None = None
+    error: str
+    errorCode: str
+
+
 class BatchItemsStreamed(_Out):
     id: str
     itemsAccepted: int
@@ -137,6 +147,7 @@ class BatchItemsStreamed(_Out):
     sealed: bool
     enqueuedCount: int | None = None
     expectedCount: int | None = None
+    errors: list[StreamedLineError] | None = None
 
 
 class Batch(_Out):
@@ -146,8 +157,17 @@ class Batch(_Out):
     runs: list[str]
 
 
+class BatchItemFailure(_Out):
+    """An item of the batch that failed on its own and has no run (``taskIdentifier`` "" when its
+    line named no task)."""
+    index: int
+    taskIdentifier: str
+    error: str
+    errorCode: str
+
+
 class BatchProcessing(_Out):
-    errors: list[dict[str, Any]]
+    errors: list[BatchItemFailure]
 
 
 class BatchV2(_Out):

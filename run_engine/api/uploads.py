@@ -96,28 +96,41 @@ async def upload(request: Request) -> Response:
 
 
 async def unpack(ctx: ApiContext, env_id: str, items: Sequence[tuple[Any, TriggerOptions | None]],
-                 fields: Sequence[str]) -> list[tuple[Any, TriggerOptions | None]]:
+                 fields: Sequence[str], failed: dict[int, ApiError] | None = None,
+                 ) -> list[tuple[Any, TriggerOptions | None]]:
     """``items`` (payload, options) with each ``application/store`` payload replaced by the packet
     uploaded at its path (and its type): 400 naming the field when there is none in the
     environment (never another environment's, whatever the path); then each payload sent as JSON
-    text decoded (:func:`decode_payload`: a large one off the event loop)."""
-    out = await _unpack(ctx, env_id, items, fields)
-    decoded = await decode_payloads([(payload, options.payloadType if options is not None else None,
+    text decoded (:func:`decode_payload`: a large one off the event loop). With ``failed``, an
+    item's own error is put there by its position instead (the item is answered as it was given)
+    and the others go on; what the request names in all (:data:`NAMED_BYTES`) is still its own."""
+    out = await _unpack(ctx, env_id, items, fields, failed)
+    decoded = await decode_payloads([(None, None, "") if failed and i in failed else
+                                     (payload, options.payloadType if options is not None else None,
                                       f"{fields[i]}payload") for i, (payload, options) in enumerate(out)],
-                                    ctx.engine.settings.max_payload_bytes)
-    return [(payload, options) for payload, (_, options) in zip(decoded, out, strict=True)]
+                                    ctx.engine.settings.max_payload_bytes, failed)
+    return [(out[i][0] if failed and i in failed else payload, options)
+            for i, (payload, (_, options)) in enumerate(zip(decoded, out, strict=True))]
 
 
 async def _unpack(ctx: ApiContext, env_id: str, items: Sequence[tuple[Any, TriggerOptions | None]],
-                  fields: Sequence[str]) -> list[tuple[Any, TriggerOptions | None]]:
+                  fields: Sequence[str], failed: dict[int, ApiError] | None,
+                  ) -> list[tuple[Any, TriggerOptions | None]]:
     stored = {i: payload for i, (payload, options) in enumerate(items)
               if options is not None and options.payloadType == STORE}
     if not stored:
         return list(items)
-    for i, payload in stored.items():
+
+    def fail(i: int, error: ApiError) -> None:
+        if failed is None:
+            raise error
+        failed[i] = error
+
+    for i, payload in list(stored.items()):
         if not isinstance(payload, str) or not payload or len(payload) > 2 * MAX_NAME:
-            raise ApiError(400, "invalid_input", f"{fields[i]}payload: an application/store payload is the "
-                                                 "storagePath of an upload (PUT /api/v2/packets/{name})")
+            fail(i, ApiError(400, "invalid_input", f"{fields[i]}payload: an application/store payload is the "
+                                                   "storagePath of an upload (PUT /api/v2/packets/{name})"))
+            del stored[i]
     found = await ctx.engine.uploaded_packets(env_id, sorted(set(stored.values())))
     out = list(items)
     named = 0
@@ -125,8 +138,10 @@ async def _unpack(ctx: ApiContext, env_id: str, items: Sequence[tuple[Any, Trigg
         packet = found.get(path)
         options = items[i][1]
         if packet is None or options is None:
-            raise ApiError(400, "invalid_input", f"{fields[i]}payload: no uploaded packet at {path[:200]!r} in "
-                                                 "this environment (PUT /api/v2/packets/{name} first; kept an hour)")
+            fail(i, ApiError(400, "invalid_input", f"{fields[i]}payload: no uploaded packet at {path[:200]!r} in "
+                                                   "this environment (PUT /api/v2/packets/{name} first; kept an "
+                                                   "hour)"))
+            continue
         # one small request naming the same 3 MiB packet a thousand times must not decode 3 GB
         named += len(packet.data)
         if named > NAMED_BYTES:

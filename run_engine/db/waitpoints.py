@@ -7,7 +7,7 @@ runs. Whichever commits second sees the other's write, and continuing a run is i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -265,6 +265,21 @@ LIMIT %(limit)s
 
 #: the finished children of batch ``b`` (a scalar subquery of an UPDATE of batch_task_run b)
 _FINISHED_CHILDREN = "(SELECT count(*) FROM task_run r WHERE r.batch_id = b.id AND r.finished_at IS NOT NULL)"
+
+_NOTE_BATCH_ITEMS = """
+-- note a two-phase batch's items sent: %(made)s triggered, %(failed)s failed on their own with
+-- %(errors)s ({"<index>": {taskIdentifier, error, errorCode}}). Every expression reads the row as
+-- it was (a concurrent note committed first is read here: the row is locked, then re-read), so a
+-- failure is kept, and counted, only for an index not sent before. Returns the indexes sent.
+UPDATE batch_task_run
+SET items_seen = ARRAY(SELECT DISTINCT i FROM unnest(items_seen || %(made)s::integer[] || %(failed)s::integer[]) AS i
+                       ORDER BY i),
+    item_errors = item_errors || coalesce((SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(%(errors)s) e
+                                           WHERE NOT e.key::integer = ANY(items_seen)), '{}'::jsonb),
+    items_failed = items_failed + (SELECT count(*) FROM unnest(%(failed)s::integer[]) AS f(i)
+                                   WHERE NOT f.i = ANY(items_seen))::integer
+WHERE id = %(batch)s RETURNING cardinality(items_seen)
+"""
 
 _BATCH_WAITPOINTS = """
 -- the pending BATCH waitpoints of %(batches)s (the status in a CASE: not the pending index, see _IS_PENDING)
@@ -869,18 +884,21 @@ class WaitpointRepository:
 
     async def count_finished_children(self, batch_counts: dict[str, int]) -> list[str]:
         """Add finished children to their batches; the batches now complete. One row update per
-        batch; only when the sum reaches the batch's size are its finished children counted (a
-        child that finished twice, dead-lettered then redriven, or was reported twice, was added
-        twice): the batch completes if they are all there, else its sum becomes that count."""
+        batch; only when the sum reaches the batch's size (less its items that failed on their
+        own, which have no run) are its finished children counted (a child that finished twice,
+        dead-lettered then redriven, or was reported twice, was added twice): the batch completes
+        if they are all there, else its sum becomes that count."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 """UPDATE batch_task_run b SET
-                       completed_count = CASE WHEN b.completed_count + i.n < b.size THEN b.completed_count + i.n
-                                              ELSE """ + _FINISHED_CHILDREN + """ END,
-                       status = CASE WHEN b.completed_count + i.n >= b.size
-                                      AND """ + _FINISHED_CHILDREN + """ >= b.size THEN 'COMPLETED' ELSE b.status END,
-                       completed_at = CASE WHEN b.completed_count + i.n >= b.size
-                                            AND """ + _FINISHED_CHILDREN + """ >= b.size THEN now() END
+                       completed_count = CASE WHEN b.completed_count + i.n < b.size - b.items_failed
+                                              THEN b.completed_count + i.n ELSE """ + _FINISHED_CHILDREN + """ END,
+                       status = CASE WHEN b.completed_count + i.n >= b.size - b.items_failed
+                                      AND """ + _FINISHED_CHILDREN + """ >= b.size - b.items_failed
+                                     THEN 'COMPLETED' ELSE b.status END,
+                       completed_at = CASE WHEN b.completed_count + i.n >= b.size - b.items_failed
+                                            AND """ + _FINISHED_CHILDREN + """ >= b.size - b.items_failed
+                                           THEN now() END
                    FROM (SELECT unnest(%s::text[]) AS id, unnest(%s::int[]) AS n) i
                    WHERE b.id = i.id AND b.status = 'PENDING' RETURNING b.id, b.status""",
                 (list(batch_counts), list(batch_counts.values())))
@@ -976,19 +994,25 @@ class WaitpointRepository:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute("SELECT size, two_phase, cardinality(items_seen) AS items_seen, idempotency_key, "
-                              "parent_run_id, created_at FROM batch_task_run WHERE id = %s AND environment_id = %s",
-                              (batch_id, env_id))
+                              "parent_run_id, created_at, item_errors FROM batch_task_run "
+                              "WHERE id = %s AND environment_id = %s", (batch_id, env_id))
             row = await cur.fetchone()
-            return None if row is None else BatchRecord(**row)
+            if row is None:
+                return None
+            errors = row.pop("item_errors")
+            return BatchRecord(**row, item_errors=tuple(
+                BatchItemError.from_json(int(index), errors[index]) for index in sorted(errors, key=int)))
 
-    async def note_batch_items(self, batch_id: str, indexes: Sequence[int]) -> int:
-        """Record that the items at ``indexes`` of a two-phase batch were triggered; how many of its
-        indexes have been, with these."""
+    async def note_batch_items(self, batch_id: str, indexes: Sequence[int],
+                               failed: Mapping[int, BatchItemError] | None = None) -> int:
+        """Record that the items at ``indexes`` of a two-phase batch were triggered and those of
+        ``failed`` failed on their own; how many of its indexes have been sent, with these. A
+        failure is kept only for an index not sent before (triggered, or failed already: the
+        first failure stays), so a retried stream changes nothing."""
+        errors = {str(index): error.as_json() for index, error in (failed or {}).items()}
         async with self.pool.connection() as conn:
-            cur = await conn.execute(
-                """UPDATE batch_task_run
-                   SET items_seen = ARRAY(SELECT DISTINCT i FROM unnest(items_seen || %s::integer[]) AS i ORDER BY i)
-                   WHERE id = %s RETURNING cardinality(items_seen)""", (list(indexes), batch_id))
+            cur = await conn.execute(_NOTE_BATCH_ITEMS, {"batch": batch_id, "made": list(indexes),
+                                                         "failed": [int(i) for i in errors], "errors": Jsonb(errors)})
             return _first_int(await cur.fetchone())
 
     async def insert_batch(self, batch_id: str, env_id: str, size: int, parent_run_id: str | None = None) -> None:
@@ -999,16 +1023,35 @@ class WaitpointRepository:
 
 
 @record
+class BatchItemError:
+    """Why an item of a two-phase batch failed on its own (no run was made for it): the task it
+    named, if any ("" when none could be read), the error's message and code (as an API error's)."""
+    index: int
+    task_id: str
+    message: str
+    code: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"taskIdentifier": self.task_id, "error": self.message, "errorCode": self.code}
+
+    @classmethod
+    def from_json(cls, index: int, data: dict[str, str]) -> BatchItemError:
+        return cls(index, data.get("taskIdentifier", ""), data.get("error", ""), data.get("errorCode", ""))
+
+
+@record
 class BatchRecord:
     """A batch's own row: the runs it will have (``size``), whether it was opened for its items to
-    come later (two-phase) and how many of them it has been sent, its idempotency key, the run that
-    triggered it (a run's batchTriggerAndWait), when it was made."""
+    come later (two-phase) and how many of them it has been sent (its failed items among them), its
+    idempotency key, the run that triggered it (a run's batchTriggerAndWait), when it was made, and
+    the items that failed on their own, by index."""
     size: int
     two_phase: bool
     items_seen: int
     idempotency_key: str | None
     parent_run_id: str | None
     created_at: datetime
+    item_errors: tuple[BatchItemError, ...]
 
 
 def _first_int(row: tuple[Any, ...] | None) -> int:

@@ -115,23 +115,27 @@ async def test_a_batch_of_many_small_payload_texts_is_decoded_in_one_thread(
 
 async def test_a_streamed_batch_is_parsed_in_a_thread_and_a_line_of_too_many_containers_refused(
         h: Harness, api: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    from run_engine.api import batches
+    from run_engine.api import batch_lines, batches
 
     await h.deploy({"id": "hello"})
     where: list[str] = []
-    items = batches._items
+    read = batches.read_lines
 
     def recorded(raw: Any, size: int) -> Any:
         where.append("loop" if threading.current_thread() is threading.main_thread() else "thread")
-        return items(raw, size)
+        return read(raw, size)
 
-    monkeypatch.setattr(batches, "_items", recorded)
+    monkeypatch.setattr(batches, "read_lines", recorded)
     opened = (await api.post("/api/v3/batches", json={"runCount": 2})).json()
     line = orjson.dumps({"index": 0, "task": "hello", "payload": [[] for _ in range(100_000)]})
     sent = await api.post(f"/api/v3/batches/{opened['id']}/items", content=line + b"\n")
     assert sent.status_code == 200, sent.text
     assert where == ["thread"]
-    monkeypatch.setattr(batches, "MAX_CONTAINERS", 1000)
+    monkeypatch.setattr(batch_lines, "MAX_CONTAINERS", 1000)
     many = orjson.dumps({"index": 1, "task": "hello", "payload": [[] for _ in range(2001)]})
     refused = await api.post(f"/api/v3/batches/{opened['id']}/items", content=many + b"\n")
-    assert refused.status_code == 413 and "line 1" in refused.json()["error"]["message"]
+    # refused before it is parsed, as its item's failure (its index is read from the line's start)
+    assert refused.status_code == 200, refused.text
+    (error,) = refused.json()["errors"]
+    assert error["errorCode"] == "payload_too_large" and "line 1" in error["error"]
+    assert (error["line"], error["index"], error["taskIdentifier"]) == (1, 1, "hello")

@@ -1,0 +1,163 @@
+"""A streamed batch (`POST /api/v3/batches/{batchId}/items`) whose lines are not all valid items: one
+bad line (malformed JSON, past the line's bound, a bad shape, an item refused for its input) fails
+its own item only; the others are made and run, the failure is answered per line and kept with the
+batch, which seals and completes without it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from .conftest import Harness
+
+NDJSON = {"Content-Type": "application/x-ndjson"}
+
+
+def line(index: int, task: str = "hello", **fields: Any) -> bytes:
+    return orjson.dumps({"index": index, "task": task, "payload": {"i": index}} | fields)
+
+
+async def opened(api: httpx.AsyncClient, run_count: int, **fields: Any) -> str:
+    made = await api.post("/api/v3/batches", json={"runCount": run_count} | fields)
+    assert made.status_code == 200, made.text
+    batch_id: str = made.json()["id"]
+    return batch_id
+
+
+async def run_to_completion(h: Harness, run_ids: list[str]) -> None:
+    got = {d.run.id: d for d in await h.engine.dequeue(h.env.worker_group_id, 10)}
+    for run_id in run_ids:
+        started = await h.engine.start_attempt(run_id, got[run_id].snapshot.id)
+        await h.engine.complete_attempt(run_id, started.snapshot.id, ok=True, output={"done": run_id})
+
+
+async def test_a_bad_line_fails_its_own_item_and_the_others_run(h: Harness, api: httpx.AsyncClient,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from run_engine.api import batch_lines
+
+    monkeypatch.setattr(batch_lines, "MAX_CONTAINERS", 100)
+    batch_id = await opened(api, 6)
+    body = b"\n".join([
+        line(0),
+        b'{"index": 1, "task": "hello", "payload": {"i": 1,,}}',  # malformed JSON
+        line(2),
+        line(3, task=""),  # a bad shape
+        line(4, payload=[[] for _ in range(201)]),  # past the line's bound: refused before it is parsed
+        line(5, payload="\u0000"),  # cannot be stored
+    ])
+    sent = await api.post(f"/api/v3/batches/{batch_id}/items", content=body, headers=NDJSON)
+    assert sent.status_code == 200, sent.text
+    answer = sent.json()
+    assert (answer["itemsAccepted"], answer["itemsDeduplicated"], answer["sealed"]) == (2, 0, True)
+    assert [(e["line"], e.get("index"), e["errorCode"]) for e in answer["errors"]] == [
+        (2, 1, "invalid_input"), (4, 3, "invalid_input"), (5, 4, "payload_too_large"), (6, 5, "invalid_input")]
+    assert "malformed JSON" in answer["errors"][0]["error"] and answer["errors"][0]["taskIdentifier"] == "hello"
+
+    got = (await api.get(f"/api/v2/batches/{batch_id}")).json()
+    assert got["status"] == "PENDING" and got["runCount"] == 6 and len(got["runs"]) == 2
+    assert [(e["index"], e["taskIdentifier"], e["errorCode"]) for e in got["processing"]["errors"]] == [
+        (1, "hello", "invalid_input"), (3, "", "invalid_input"), (4, "hello", "payload_too_large"),
+        (5, "hello", "invalid_input")]
+    assert all(e["error"] for e in got["processing"]["errors"])
+    await run_to_completion(h, got["runs"])
+    done = (await api.get(f"/api/v2/batches/{batch_id}")).json()
+    assert done["status"] == "COMPLETED"  # the failed items count as finished
+    payloads = sorted([(await h.engine.get_run(r)).payload["i"] for r in got["runs"]])  # type: ignore[union-attr]
+    assert payloads == [0, 2]
+
+
+async def test_a_retried_stream_changes_nothing_and_answers_its_failures_again(
+        h: Harness, api: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process died after the runs were made but before the items were noted: the retry (the
+    SDK sends the same body again) makes no run twice and finds the same failures, noted once."""
+    batch_id = await opened(api, 3, idempotencyKey="retried")
+    body = b"\n".join([line(0), b'{"index": 1, "task": "hello", "payload": nope}', line(2)])
+    note = h.engine.note_batch_items
+
+    async def died(*args: Any, **kwargs: Any) -> int:
+        raise RuntimeError("the process died here")
+
+    monkeypatch.setattr(h.engine, "note_batch_items", died)
+    with pytest.raises(RuntimeError, match="died"):
+        await api.post(f"/api/v3/batches/{batch_id}/items", content=body, headers=NDJSON)
+    monkeypatch.setattr(h.engine, "note_batch_items", note)
+    assert (await api.get(f"/api/v2/batches/{batch_id}")).json()["status"] == "PROCESSING"
+    assert await opened(api, 3, idempotencyKey="retried") == batch_id  # the SDK's retry opens it again
+    for _ in range(2):
+        again = (await api.post(f"/api/v3/batches/{batch_id}/items", content=body, headers=NDJSON)).json()
+        assert (again["itemsAccepted"], again["itemsDeduplicated"], again["sealed"]) == (0, 2, True)
+        assert [(e["line"], e["index"]) for e in again["errors"]] == [(2, 1)]
+    got = (await api.get(f"/api/v2/batches/{batch_id}")).json()
+    assert len(got["runs"]) == 2 and [e["index"] for e in got["processing"]["errors"]] == [1]
+    # the item sent again, well formed: its index failed already, as an index made is made once
+    fixed = (await api.post(f"/api/v3/batches/{batch_id}/items", content=line(1), headers=NDJSON)).json()
+    assert (fixed["itemsAccepted"], fixed["itemsDeduplicated"], "errors" in fixed) == (0, 1, False)
+
+
+async def test_a_line_that_names_no_index_fails_no_item(h: Harness, api: httpx.AsyncClient) -> None:
+    """Nothing says which item a line that cannot be read was meant to be: it is answered by its
+    line number, the others are made, and the batch waits for the missing index."""
+    batch_id = await opened(api, 4)
+    body = b"\n".join([line(0), b"{nope", line(2), line(7)])
+    sent = (await api.post(f"/api/v3/batches/{batch_id}/items", content=body, headers=NDJSON)).json()
+    assert (sent["itemsAccepted"], sent["sealed"], sent["enqueuedCount"], sent["expectedCount"]) == (2, False, 2, 4)
+    assert [(e["line"], "index" in e) for e in sent["errors"]] == [(2, False), (4, False)]
+    assert "runCount 4" in sent["errors"][1]["error"]
+    got = (await api.get(f"/api/v2/batches/{batch_id}")).json()
+    assert got["status"] == "PROCESSING" and got["processing"]["errors"] == []
+    rest = await api.post(f"/api/v3/batches/{batch_id}/items", content=line(1) + b"\n" + line(3), headers=NDJSON)
+    assert rest.json()["sealed"] is True and rest.json()["itemsAccepted"] == 2
+    # a body none of whose lines is an item is refused whole, as before
+    for garbage in (b"{nope", b"[1, 2]\nnull", line(9)):
+        refused = await api.post(f"/api/v3/batches/{batch_id}/items", content=garbage, headers=NDJSON)
+        assert refused.status_code == 400 and "line 1" in refused.json()["error"]["message"], garbage
+
+
+async def test_an_item_refused_for_its_input_fails_alone(h: Harness, api: httpx.AsyncClient) -> None:
+    """Refusals after the line was read: a payload text that is not JSON, an upload that is not
+    there, a parent run of no such id, a worker group that does not exist (the engine's own)."""
+    batch_id = await opened(api, 5)
+    body = b"\n".join([
+        line(0),
+        line(1, payload="{not json", options={"payloadType": "application/json"}),
+        line(2, payload="uploads/none/x.json", options={"payloadType": "application/store"}),
+        line(3, options={"parentRunId": "run_aaaaaaaaaaaaaaaaaaaaaaaa"}),
+        line(4, options={"workerGroup": "nope"}),
+    ])
+    sent = await api.post(f"/api/v3/batches/{batch_id}/items", content=body, headers=NDJSON)
+    assert sent.status_code == 200, sent.text
+    answer = sent.json()
+    assert (answer["itemsAccepted"], answer["sealed"]) == (1, True)
+    assert [(e["index"], e["errorCode"]) for e in answer["errors"]] == [
+        (1, "invalid_input"), (2, "invalid_input"), (3, "invalid_input"), (4, "invalid_input")]
+    messages = [e["error"] for e in answer["errors"]]
+    assert messages[0].startswith("items.1.payload") and messages[1].startswith("items.2.payload")
+    assert "parentRunId" in messages[2] and messages[3].startswith("options.workerGroup")
+    got = (await api.get(f"/api/v2/batches/{batch_id}")).json()
+    assert len(got["runs"]) == 1 and [e["index"] for e in got["processing"]["errors"]] == [1, 2, 3, 4]
+
+
+async def test_a_batch_whose_runs_are_waited_on_completes_without_its_failed_items(
+        h: Harness, api: httpx.AsyncClient) -> None:
+    """Runs a parent waits on are counted into their batch as they finish: the batch's own record
+    completes (its runs may then be deleted with the retention) once the runs it has finished, its
+    failed item counted as finished."""
+    from run_engine.engine import TriggerRequest
+
+    parent = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    await h.engine.start_attempt(parent.id, d.snapshot.id)
+    batch_id = await opened(api, 3)
+    waited = {"parentRunId": parent.id, "resumeParentOnCompletion": True}
+    body = b"\n".join([line(0, options=waited), line(1, task="", options=waited), line(2, options=waited)])
+    sent = (await api.post(f"/api/v3/batches/{batch_id}/items", content=body, headers=NDJSON)).json()
+    assert sent["sealed"] is True and sent["itemsAccepted"] == 2
+    runs = (await api.get(f"/api/v2/batches/{batch_id}")).json()["runs"]
+    await run_to_completion(h, runs)
+    async with h.engine.resources.repo.waitpoints.pool.connection() as conn:
+        cur = await conn.execute("SELECT status FROM batch_task_run WHERE id = %s", (batch_id,))
+        assert await cur.fetchone() == ("COMPLETED",)
+
