@@ -149,6 +149,11 @@ class RunEngine:
         """Create runs; requests with ``debounce`` join their key's DELAYED run when there is one."""
         return await self.systems.debounce.trigger_many(requests)
 
+    async def trigger_each(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun | Exception]:
+        """:meth:`trigger_many`, a debounced request that fails after the others' runs were made
+        answered by its error in its place (a refusal found before any run is made still raises)."""
+        return await self.systems.debounce.trigger_each(requests)
+
     async def check_trigger(self, request: TriggerRequest) -> None:
         """Raise what :meth:`trigger_many` would refuse the request for (bad input, an unknown
         worker group, a queue past the environment's cap), creating no run."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import cast
 
 from run_engine.db.runs import DebounceReplacement
 from run_engine.errors import ConflictError, ValidationError
@@ -50,21 +51,37 @@ class DebounceSystem:
     async def trigger_many(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
         """Create runs (or join debounced ones), answers in the requests' order: the requests
         without ``debounce`` in one :meth:`EnqueueSystem.trigger_many` call, then each debounced
-        one (in order, so two items of one batch with one key make one run)."""
+        one (in order, so two items of one batch with one key make one run). A debounced one that
+        fails raises, the runs made before it standing (see :meth:`trigger_each`)."""
+        return cast(list[TriggeredRun], await self._trigger(requests, each=False))
+
+    async def trigger_each(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun | Exception]:
+        """:meth:`trigger_many`, each debounced item's failure answered in its place instead of
+        raised: it comes after the plain items' runs were committed (its run's lock busy, its key
+        changing hands, an outage), so a caller that answers per item does not fail them with it.
+        A refusal found before any run is made (every item is checked first) still raises."""
+        return await self._trigger(requests, each=True)
+
+    async def _trigger(self, requests: Sequence[TriggerRequest], *, each: bool) -> list[TriggeredRun | Exception]:
         for req in requests:
             if req.debounce is not None:
                 break
         else:
-            return await self.enqueue.trigger_many(requests)
+            return list(await self.enqueue.trigger_many(requests))
         for req in requests:  # every item checked before any is created (a refusal creates nothing)
             await self.check(req)
         plain = [i for i, req in enumerate(requests) if req.debounce is None]
-        out: dict[int, TriggeredRun] = {}
+        out: dict[int, TriggeredRun | Exception] = {}
         if plain:
             out.update(zip(plain, await self.enqueue.trigger_many([requests[i] for i in plain]), strict=True))
         for i, req in enumerate(requests):
             if req.debounce is not None:
-                out[i] = await self.trigger(req)
+                try:
+                    out[i] = await self.trigger(req)
+                except Exception as exc:
+                    if not each:
+                        raise
+                    out[i] = exc
         return [out[i] for i in range(len(requests))]
 
     async def check(self, req: TriggerRequest) -> None:

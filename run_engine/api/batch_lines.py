@@ -39,7 +39,8 @@ MAX_MESSAGE = 1000
 @dataclass(frozen=True, slots=True)
 class LineError:
     """A line of the body that made no run: its number (from 1), the batch index it names (None when
-    it names none: it fails no item), the task it names, and the error it would have had alone."""
+    it names none: it fails no item), the task it names, the error it would have had alone, and
+    whether its item failed for good (``final``) or only for the moment (a retry may make it)."""
 
     line: int
     index: int | None
@@ -47,12 +48,13 @@ class LineError:
     status: int
     code: str
     message: str
+    final: bool = True
 
     @classmethod
-    def of(cls, line: int, item: BatchStreamItem, exc: Exception) -> LineError:
-        """The error of a valid line whose item was refused (``exc``: an API or engine error)."""
+    def of(cls, line: int, item: BatchStreamItem, exc: Exception, *, final: bool = True) -> LineError:
+        """The error of a valid line whose item was not made (``exc``: an API or engine error)."""
         status, data, _ = error_payload(exc)
-        return cls(line, item.index, item.task, status, data["error"]["code"], data["error"]["message"])
+        return cls(line, item.index, item.task, status, data["error"]["code"], data["error"]["message"], final)
 
     def answer(self) -> dict[str, Any]:
         out: dict[str, Any] = {"line": self.line}

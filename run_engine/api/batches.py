@@ -9,6 +9,7 @@ input, fails alone, is answered in ``errors`` and kept with the batch (its ``pro
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from starlette.requests import Request
@@ -28,6 +29,7 @@ from run_engine.api.uploads import unpack
 from run_engine.engine import BatchItemError, RunRow, TriggeredRun, TriggerRequest
 from run_engine.errors import UnprocessableError, ValidationError
 
+log = logging.getLogger(__name__)
 #: the engine's refusals of an item for what it asks (HTTP 400 and 422), before any run is made
 ITEM_REFUSALS = (ValidationError, UnprocessableError)
 
@@ -98,7 +100,7 @@ async def stream_items(request: Request) -> Response:
     failed: dict[int, BatchItemError] = {}
     errors.sort(key=lambda e: e.line)
     for error in errors:
-        if error.index is not None and error.index not in seen and error.index not in failed:
+        if error.final and error.index is not None and error.index not in seen and error.index not in failed:
             failed[error.index] = error.failure()
     for index in made:
         failed.pop(index, None)
@@ -121,11 +123,14 @@ async def _trigger(ctx: ApiContext, requests: list[tuple[int, BatchStreamItem, T
     """Trigger the items' runs in one call; an item the engine refuses for its own input (an unknown
     worker group, a queue past the environment's cap) is added to ``errors`` and the others are
     triggered. Such a refusal creates nothing (every item is checked before any run is made), so
-    each item is then checked alone; a refusal none of them has alone is the request's."""
+    each item is then checked alone; a refusal none of them has alone is the request's. A debounced
+    item that fails once the others' runs were made (its run's lock busy, its key changing hands)
+    is added to ``errors`` for the moment only: its index is not noted, so the stream's retry
+    triggers it again."""
     if not requests:
         return []
     try:
-        runs = await ctx.engine.trigger_many([req for _, _, req in requests])
+        runs = await ctx.engine.trigger_each([req for _, _, req in requests])
     except ITEM_REFUSALS:
         kept = []
         for number, item, req in requests:
@@ -138,7 +143,17 @@ async def _trigger(ctx: ApiContext, requests: list[tuple[int, BatchStreamItem, T
         if len(kept) == len(requests):
             raise
         return await _trigger(ctx, kept, errors)
-    return [(item, run) for (_, item, _), run in zip(requests, runs, strict=True)]
+    made = []
+    for (number, item, _), run in zip(requests, runs, strict=True):
+        if isinstance(run, Exception):
+            error = LineError.of(number, item, run, final=isinstance(run, ITEM_REFUSALS))
+            log.log(logging.ERROR if error.status == 500 else logging.WARNING,
+                    "batch item %d (line %d) not triggered after the others: %r", item.index, number, run,
+                    exc_info=run if error.status == 500 else None)
+            errors.append(error)
+        else:
+            made.append((item, run))
+    return made
 
 
 ROUTES = [

@@ -161,3 +161,35 @@ async def test_a_batch_whose_runs_are_waited_on_completes_without_its_failed_ite
         cur = await conn.execute("SELECT status FROM batch_task_run WHERE id = %s", (batch_id,))
         assert await cur.fetchone() == ("COMPLETED",)
 
+
+async def test_a_debounced_item_that_fails_after_the_others_were_made_fails_for_the_moment(
+        h: Harness, api: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain items' runs are committed before a debounced item joins its run: its run's lock
+    busy then fails that item only, not the request; it is not noted, so the stream's retry joins
+    it (before, the request answered 503 after the plain runs were made)."""
+    from run_engine.engine import Debounce, TriggerRequest
+    from run_engine.errors import LockTimeoutError
+
+    debounced = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello",
+                                                      debounce=Debounce("k", 10, "leading", None)))
+    delayed_runs = h.engine.systems.delayed_runs
+    join = delayed_runs.debounce
+
+    async def busy(run_id: str, *args: Any, **kwargs: Any) -> Any:
+        raise LockTimeoutError((run_id,), 15.0, 10)
+
+    monkeypatch.setattr(delayed_runs, "debounce", busy)
+    batch_id = await opened(api, 2)
+    body = line(0) + b"\n" + line(1, options={"debounce": {"key": "k", "delay": "10s"}})
+    sent = await api.post(f"/api/v3/batches/{batch_id}/items", content=body, headers=NDJSON)
+    assert sent.status_code == 200, sent.text
+    answer = sent.json()
+    assert (answer["itemsAccepted"], answer["sealed"], answer["enqueuedCount"]) == (1, False, 1)
+    assert [(e["line"], e["index"], e["errorCode"]) for e in answer["errors"]] == [(2, 1, "lock_timeout")]
+    assert (await api.get(f"/api/v2/batches/{batch_id}")).json()["processing"]["errors"] == []
+    monkeypatch.setattr(delayed_runs, "debounce", join)
+    again = (await api.post(f"/api/v3/batches/{batch_id}/items", content=body, headers=NDJSON)).json()
+    assert (again["itemsAccepted"], again["itemsDeduplicated"], again["sealed"], "errors" in again) == (
+        0, 2, True, False)
+    runs = await h.engine.list_runs(h.env.env_id, tasks=["hello"], limit=10, light=True)
+    assert len(runs) == 2 and debounced.id in {r.id for r in runs}  # the plain run, once; the joined one
