@@ -70,7 +70,8 @@ class SchedulesSystem:
             raise ValidationError(field, str(exc)) from None
 
     async def upsert(self, env_id: str, *, task: str, cron: str, timezone: str = "UTC", external_id: str | None = None,
-                     deduplication_key: str | None = None, kind: str = "IMPERATIVE") -> Schedule:
+                     deduplication_key: str | None = None, kind: str = "IMPERATIVE",
+                     worker_group_id: str | None = None) -> Schedule:
         """Create a schedule; the same deduplication key updates the existing one instead."""
         if not task or len(task) > 128:
             raise ValidationError("task", "must be 1..128 characters")
@@ -85,7 +86,7 @@ class SchedulesSystem:
         row = await self.r.repo.schedules.upsert(
             id=new_id("sched"), env_id=env_id, task_id=task, cron=cron, timezone=timezone,
             external_id=external_id, deduplication_key=deduplication_key, next_run_at=next_run, type=kind,
-            max_schedules=cap)
+            max_schedules=cap, worker_group_id=worker_group_id)
         if row is None:
             raise UnprocessableError("too_many_schedules", f"this environment has {cap} schedules, the most it may "
                                      "have (RUN_ENGINE_MAX_SCHEDULES_PER_ENV); delete one or change one instead")
@@ -119,8 +120,10 @@ class SchedulesSystem:
             raise NotFoundError("schedule", schedule_id)
         return updated
 
-    async def sync_declarative(self, env_id: str, tasks: Sequence[TaskSpec]) -> None:
-        """A deployment's ``cron`` declarations become its environment's declarative schedules."""
+    async def sync_declarative(self, env_id: str, worker_group_id: str, tasks: Sequence[TaskSpec]) -> None:
+        """A deployment's ``cron`` declarations become its environment's declarative schedules, of
+        its worker group (their runs go there); the group's schedules of tasks that no longer
+        declare one go (not another group's: an environment has a current deployment per group)."""
         keep = []
         for t in tasks:
             if t.cron is None:
@@ -128,8 +131,8 @@ class SchedulesSystem:
             key = DECLARATIVE_PREFIX + t.id
             keep.append(key)
             await self.upsert(env_id, task=t.id, cron=t.cron.pattern, timezone=t.cron.timezone,
-                              deduplication_key=key, kind="DECLARATIVE")
-        await self.r.repo.schedules.delete_declarative(env_id, keep)
+                              deduplication_key=key, kind="DECLARATIVE", worker_group_id=worker_group_id)
+        await self.r.repo.schedules.delete_declarative(env_id, worker_group_id, keep)
 
     # --- firing -------------------------------------------------------------------------------
 
@@ -181,7 +184,8 @@ class SchedulesSystem:
             run = await self.enqueue.trigger_many([TriggerRequest(
                 env_id=current.env_id, task_id=current.task_id, payload=scheduled_payload(current, tick),
                 idempotency_key=schedule_key(current.id, tick), idempotency_key_ttl_s=30 * 86400,
-                trigger_function="trigger", tags=(f"schedule:{current.id}",))])
+                trigger_function="trigger", tags=(f"schedule:{current.id}",),
+                worker_group_id=current.worker_group_id)])
         except RunEngineError as refused:
             # Refused for the environment's own reasons (its queue is full, its task cannot be
             # triggered): this tick is skipped, not tried again at every poll, where it would

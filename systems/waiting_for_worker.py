@@ -117,7 +117,7 @@ class WaitingForWorkerSystem:
         # its environment only: the environment's other queues and other tenants are not its cost
         await self.enqueue.mirror_queues(env_id, [q.name for q in queue_list])
         self.enqueue.invalidate(env_id)
-        await self.schedules.sync_declarative(env_id, tasks)
+        await self.schedules.sync_declarative(env_id, worker_group_id, tasks)
         waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, [t.id for t in tasks])
         return dep_id, await self.promote(waiting, dep_id, {t.id: t.queue_name for t in tasks})
 

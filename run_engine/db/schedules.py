@@ -27,6 +27,9 @@ class Schedule:
     type: str  # IMPERATIVE (made through the API) or DECLARATIVE (a task's cron)
     created_at: datetime
     updated_at: datetime
+    # a declarative schedule's: the group whose deployment declared it, where its runs go (None: the
+    # environment's default group, as for an imperative schedule)
+    worker_group_id: str | None = None
 
 
 class ScheduleRepository:
@@ -35,7 +38,8 @@ class ScheduleRepository:
 
     async def upsert(self, *, id: str, env_id: str, task_id: str, cron: str, timezone: str,
                      external_id: str | None, deduplication_key: str | None, next_run_at: datetime,
-                     type: str, max_schedules: int | None = None) -> Schedule | None:
+                     type: str, max_schedules: int | None = None,
+                     worker_group_id: str | None = None) -> Schedule | None:
         """Insert a schedule, or update the one with the same (environment, deduplication key).
         None when it would be new and the environment has ``max_schedules`` already (a soft bound:
         racing creations may pass it by what they add at that moment)."""
@@ -43,9 +47,9 @@ class ScheduleRepository:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
                 """INSERT INTO task_schedule (id, environment_id, task_identifier, cron, timezone, external_id,
-                                              deduplication_key, active, next_run_at, type)
+                                              deduplication_key, active, next_run_at, type, worker_group_id)
                    SELECT %(id)s, %(environment_id)s, %(task_identifier)s, %(cron)s, %(timezone)s, %(external_id)s,
-                          %(deduplication_key)s, true, %(next_run_at)s, %(type)s
+                          %(deduplication_key)s, true, %(next_run_at)s, %(type)s, %(worker_group_id)s
                    WHERE %(max)s::int IS NULL
                       OR EXISTS (SELECT 1 FROM task_schedule WHERE environment_id = %(environment_id)s
                                    AND deduplication_key = %(deduplication_key)s)
@@ -54,6 +58,7 @@ class ScheduleRepository:
                    ON CONFLICT (environment_id, deduplication_key) WHERE deduplication_key IS NOT NULL DO UPDATE
                        SET task_identifier = EXCLUDED.task_identifier, cron = EXCLUDED.cron,
                            timezone = EXCLUDED.timezone, external_id = EXCLUDED.external_id,
+                           worker_group_id = EXCLUDED.worker_group_id,
                            next_run_at = CASE WHEN task_schedule.cron = EXCLUDED.cron
                                                AND task_schedule.timezone = EXCLUDED.timezone
                                               THEN task_schedule.next_run_at ELSE EXCLUDED.next_run_at END,
@@ -61,7 +66,7 @@ class ScheduleRepository:
                    RETURNING *""",
                 {"id": id, "environment_id": env_id, "task_identifier": task_id, "cron": cron,
                  "timezone": timezone, "external_id": external_id, "deduplication_key": deduplication_key,
-                 "next_run_at": next_run_at, "type": type, "max": max_schedules})
+                 "next_run_at": next_run_at, "type": type, "max": max_schedules, "worker_group_id": worker_group_id})
             return from_row_or_none(Schedule, await cur.fetchone())
 
     async def get(self, schedule_id: str, env_id: str | None = None) -> Schedule | None:
@@ -134,12 +139,15 @@ class ScheduleRepository:
                  "id": schedule_id, "env": env_id})
             return from_row_or_none(Schedule, await cur.fetchone())
 
-    async def delete_declarative(self, env_id: str, keep: Sequence[str]) -> None:
-        """Remove the declarative schedules of tasks that no longer declare a cron."""
+    async def delete_declarative(self, env_id: str, worker_group_id: str, keep: Sequence[str]) -> None:
+        """Remove the declarative schedules the group's deployments declared of tasks that no longer
+        declare a cron (another group's current deployment may still declare theirs); and those
+        whose group is gone (the group's deployment now declares them, or nobody does)."""
         async with self.pool.connection() as conn:
             await conn.execute(
                 """DELETE FROM task_schedule WHERE environment_id = %s AND type = 'DECLARATIVE'
-                     AND NOT (deduplication_key = ANY(%s))""", (env_id, list(keep)))
+                     AND (worker_group_id = %s OR worker_group_id IS NULL)
+                     AND NOT (deduplication_key = ANY(%s))""", (env_id, worker_group_id, list(keep)))
 
     async def now(self) -> datetime:
         """The database's time: every process plans by it, whatever its own clock says."""
