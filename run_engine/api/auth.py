@@ -16,7 +16,7 @@ from run_engine.api.context import ApiContext, EnvAuth, ctx_of
 from run_engine.api.http import ApiError, body, json_response
 from run_engine.api.models import PublicTokenBody, parse_duration_s
 from run_engine.api.openapi import operation
-from run_engine.api.public_tokens import MAX_LIFETIME_S, mint
+from run_engine.api.public_tokens import MAX_LIFETIME_S, MAX_TOKEN_CHARS, mint
 
 DEFAULT_LIFETIME_S = 15 * 60
 
@@ -73,6 +73,10 @@ async def public_token(request: Request) -> Response:
                                              "(its API key was not derived from the installation secret)")
     token = mint(key, auth.env_id, list(req.scopes), lifetime_s=lifetime_s, one_time=req.oneTimeUse,
                  realtime=req.realtime, now=now)
+    if len(token) > MAX_TOKEN_CHARS:  # signed, it would be refused at every use
+        raise ApiError(400, "invalid_input", f"the token would be {len(token)} characters, more than the "
+                                             f"{MAX_TOKEN_CHARS} a request may carry: fewer or shorter scopes, or "
+                                             "a smaller realtime object")
     return json_response({"token": token})
 
 

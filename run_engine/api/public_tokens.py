@@ -98,14 +98,18 @@ def verify(token: str, key: str, claims: dict[str, Any], now: float) -> PublicCl
         raise ApiError(401, "unauthorized", "invalid public access token: no expiry (exp)")
     if exp + LEEWAY_S < now:
         raise ApiError(401, "unauthorized", "the public access token has expired")
+    one_time = claims.get("otu") is True
+    if one_time and exp > now + MAX_LIFETIME_S + LEEWAY_S:
+        # its use is remembered until it expires: a record kept for ever (past Redis's bounds, a 500)
+        raise ApiError(401, "unauthorized", f"invalid public access token: a one-time token may expire at most "
+                                            f"{MAX_LIFETIME_S} s from now (exp)")
     if isinstance(nbf, int | float) and nbf - LEEWAY_S > now:
         raise ApiError(401, "unauthorized", "the public access token is not valid yet")
     raw = claims.get("scopes")
     scopes = raw if isinstance(raw, list) else []
     if len(scopes) > MAX_SCOPES:
         raise ApiError(401, "unauthorized", f"invalid public access token: more than {MAX_SCOPES} scopes")
-    return PublicClaims(claims["sub"], frozenset(s for s in scopes if isinstance(s, str)), int(exp),
-                        claims.get("otu") is True)
+    return PublicClaims(claims["sub"], frozenset(s for s in scopes if isinstance(s, str)), int(exp), one_time)
 
 
 def environment_key(secret: str, env_id: str, env_type: str, generation: int, key_hash: str) -> str | None:
