@@ -1,9 +1,10 @@
 """Cron expressions: ``minute hour day-of-month month day-of-week`` (an optional leading seconds
-field makes six), with ``*``, lists, ranges, steps, month and weekday names, and the macros
-``@yearly @monthly @weekly @daily @hourly``. Times are computed in the schedule's IANA timezone:
-a wall time that does not exist (spring forward) is skipped, one that happens twice (fall back)
-fires once. Day-of-month and day-of-week restrict together when both are given (Vixie cron: either
-may match)."""
+field makes six), with ``*``, lists, ranges, steps, month and weekday names, ``?`` (any: in the
+day-of-month and day-of-week fields only, as Quartz-style crons write ``0 0 ? * MON``), and the
+macros ``@yearly @monthly @weekly @daily @hourly``. Times are computed in the schedule's IANA
+timezone: a wall time that does not exist (spring forward) is skipped, one that happens twice
+(fall back) fires once. Day-of-month and day-of-week restrict together when both are given (Vixie
+cron: either may match)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,21 @@ class CronError(ValueError):
 def _field(text: str, lo: int, hi: int, names: dict[str, int] | None = None) -> frozenset[int]:
     values: set[int] = set()
     for part in text.lower().split(","):
+        # an empty item is not "*" ("0 , * * *" is not hourly, "/5" not "*/5"); "?" is a whole
+        # day-of-month or day-of-week field (Cron.parse), never an item nor another field
+        if part == "":
+            raise CronError(f"{text!r} has an empty list item")
+        if part.startswith("/"):
+            raise CronError(f"{text!r}: a step needs a start before it (*/5, 0-30/5, 5/15)")
+        if "?" in part:
+            raise CronError("'?' (any) is only a whole day-of-month or day-of-week field")
         step = 1
         if "/" in part:
             part, step_text = part.split("/", 1)
             if not (step_text.isascii() and step_text.isdigit()) or int(step_text) == 0:
                 raise CronError(f"bad step in {text!r}")
             step = int(step_text)
-        if part in ("*", ""):
+        if part == "*":
             start, end = lo, hi
         elif "-" in part:
             a, b = part.split("-", 1)
@@ -74,9 +83,11 @@ class Cron:
         if len(parts) != 6:
             raise CronError("a cron expression has 5 fields (minute hour day month weekday), or 6 with seconds first")
         sec, minute, hour, day, month, weekday = parts
+        # "?" (Quartz, Trigger.dev) is "*" where it may stand: the whole day-of-month or day-of-week
+        day, weekday = ("*" if f == "?" else f for f in (day, weekday))
         weekdays = frozenset(d % 7 for d in _field(weekday, 0, 7, DAYS))  # 7 is Sunday too
         return cls(expression, _field(sec, 0, 59), _field(minute, 0, 59), _field(hour, 0, 23), _field(day, 1, 31),
-                   _field(month, 1, 12, MONTHS), weekdays, day in ("*", "?"), weekday in ("*", "?"))
+                   _field(month, 1, 12, MONTHS), weekdays, day == "*", weekday == "*")
 
     def _day_matches(self, d: datetime) -> bool:
         dom = d.day in self.days

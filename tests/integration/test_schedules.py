@@ -251,3 +251,14 @@ async def test_a_schedule_made_over_the_api_cannot_take_a_declarative_key_nor_a_
         assert (await api.get(f"/api/v1/schedules?{query}")).status_code == 400, query[:12]
     assert (await api.get("/api/v1/queues?page=" + "9" * 5000)).status_code == 400
     assert (await api.get("/api/v1/runs?page[size]=" + "9" * 5000)).status_code == 400
+
+
+async def test_a_cron_over_the_api_takes_question_marks_in_its_day_fields_and_refuses_empty_items(  # type: ignore[no-untyped-def]
+        h: Harness, api) -> None:
+    made = await api.post("/api/v1/schedules", json={"task": "hello", "cron": "0 0 ? * MON"})
+    assert made.status_code == 200, made.text
+    assert datetime.fromisoformat(made.json()["nextRun"].replace("Z", "+00:00")).isoweekday() == 1
+    for cron, words in (("0 , * * *", "empty list item"), ("1,,2 * * * *", "empty list item"),
+                        ("/5 * * * *", "a step needs a start"), ("? 0 * * *", "only a whole day-of-month")):
+        refused = await api.post("/api/v1/schedules", json={"task": "hello", "cron": cron})
+        assert refused.status_code == 400 and "cron" in refused.text and words in refused.text, (cron, refused.text)

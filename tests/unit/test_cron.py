@@ -36,6 +36,24 @@ def test_timezones_and_daylight_saving() -> None:
     assert first.isoformat() == "2026-10-25T00:30:00+00:00" and second.date().isoformat() == "2026-10-26"
 
 
+def test_question_mark_is_any_in_the_day_fields_only() -> None:
+    """Quartz-style crons (Trigger.dev's examples) write "?" for the day field that does not restrict."""
+    assert nxt("0 0 ? * MON", "2026-01-01T00:00:00+00:00") == "2026-01-05T00:00:00+00:00"  # Thu → Mon
+    assert nxt("0 0 1 * ?", "2026-01-01T00:00:00+00:00") == "2026-02-01T00:00:00+00:00"
+    assert nxt("0 0 ? * ?", "2026-01-01T00:00:00+00:00") == "2026-01-02T00:00:00+00:00"
+    for expr in ("? * * * *", "0 ? * * *", "0 0 * ? *", "0 0 1,? * *", "0 0 * * ?/2", "? 0 0 * * *"):
+        with pytest.raises(CronError, match=r"'\?'"):
+            Cron.parse(expr)
+
+
+@pytest.mark.parametrize("expr,message", [("0 , * * *", "empty"), ("1,,2 * * * *", "empty"), ("0 0 , * *", "empty"),
+                                          ("1, * * * *", "empty"), (",5 * * * *", "empty"), ("/5 * * * *", "step"),
+                                          ("0 0 * * mon,", "empty")])
+def test_an_empty_list_item_or_a_bare_step_is_refused_not_read_as_any(expr: str, message: str) -> None:
+    with pytest.raises(CronError, match=message):
+        Cron.parse(expr)
+
+
 @pytest.mark.parametrize("expr", ["* * * *", "60 * * * *", "* 24 * * *", "*/0 * * * *", "a b c d e", "5-1 * * * *"])
 def test_bad_expressions_are_refused(expr: str) -> None:
     with pytest.raises(CronError):
