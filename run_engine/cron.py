@@ -1,10 +1,16 @@
 """Cron expressions: ``minute hour day-of-month month day-of-week`` (an optional leading seconds
 field makes six), with ``*``, lists, ranges, steps, month and weekday names, ``?`` (any: in the
 day-of-month and day-of-week fields only, as Quartz-style crons write ``0 0 ? * MON``), and the
-macros ``@yearly @monthly @weekly @daily @hourly``. Times are computed in the schedule's IANA
-timezone: a wall time that does not exist (spring forward) is skipped, one that happens twice
-(fall back) fires once. Day-of-month and day-of-week restrict together when both are given (Vixie
-cron: either may match)."""
+macros ``@yearly @monthly @weekly @daily @hourly``. Day-of-month and day-of-week restrict together
+when both are given (Vixie cron: either may match).
+
+Times are computed in the schedule's IANA timezone, across daylight saving changes after Vixie
+cron and cronie. A job whose hour field takes every hour (``*``, ``*/1``, ``0-23``: it runs at fixed
+minutes every hour) goes by elapsed time: it fires at each instant whose wall time matches, so at
+both occurrences of a wall time a fall back repeats, and not at all at wall times a spring forward
+skips. A job at fixed hours fires once a matching wall time: at its first occurrence when a fall
+back repeats it, and at the first instant after the gap (03:00 for 02:30 in New York) when a
+spring forward skips it (once, however many of its times the gap holds)."""
 
 from __future__ import annotations
 
@@ -101,10 +107,45 @@ class Cron:
         return dom or dow
 
     def next_after(self, after: datetime, timezone: str = "UTC") -> datetime:
-        """The first fire time strictly after ``after`` (aware), as an aware UTC datetime."""
+        """The first fire time strictly after ``after`` (aware), as an aware UTC datetime (the
+        daylight saving rules are the module's). Looks 5 years ahead at most."""
         tz = zone(timezone)
-        local = after.astimezone(tz).replace(tzinfo=None, microsecond=0) + timedelta(seconds=1)
-        limit = local + timedelta(days=366 * 5)
+        every_hour = self.hours == _EVERY_HOUR
+        base = after.astimezone(UTC).replace(tzinfo=None, microsecond=0)
+        if not _EARLIEST <= base < _LATEST:
+            raise CronError(f"{after.isoformat()} is out of the range of dates cron works with")
+        first = base + _SECOND  # the first candidate
+        horizon = min(first + _HORIZON, _LATEST)
+        # Instants and wall times are naive (UTC, local). Between two changes of the zone's offset,
+        # wall time is instant + offset: walk the wall times of one such stretch at a time. Start
+        # two days back so that a fixed-hour job knows the wall times already passed (a wall time
+        # repeated by a fall back in the last day had its first occurrence then).
+        at = first - _PAST
+        passed = datetime.min  # fixed hours: the wall times the stretches before reached (fired once)
+        while at < horizon:
+            offset = _offset(tz, at)
+            start = max(at, first) + offset
+            if not every_hour:
+                start = max(start, passed)
+            wall = self._first_match(start, horizon + offset)
+            candidate = horizon if wall is None else wall - offset
+            change = _next_change(tz, at, offset, candidate)
+            if change is None:
+                if wall is None:
+                    break
+                return candidate.replace(tzinfo=UTC)
+            # the offset changes before `candidate` (at which `wall` is not the wall time): no match
+            # up to `change`, where the next stretch begins
+            later = _offset(tz, change)
+            if later > offset and not every_hour and change >= first \
+                    and self._first_match(max(change + offset, passed), change + later) is not None:
+                return change.replace(tzinfo=UTC)  # fixed hours: a wall time the gap skips fires after it
+            passed = max(passed, change + offset)
+            at = change
+        raise CronError(f"{self.expression!r} never fires")
+
+    def _first_match(self, local: datetime, limit: datetime) -> datetime | None:
+        """The first wall time from ``local`` (included) and before ``limit`` that the fields match."""
         while local < limit:
             if local.month not in self.months:
                 local = (local.replace(day=1, hour=0, minute=0, second=0) + timedelta(days=32)).replace(day=1)
@@ -119,15 +160,40 @@ class Cron:
                 local = local.replace(second=0) + timedelta(minutes=1)
                 continue
             if local.second not in self.seconds:
-                local += timedelta(seconds=1)
+                local += _SECOND
                 continue
-            aware = local.replace(tzinfo=tz)
-            utc = aware.astimezone(UTC)
-            # a wall time that does not exist comes back changed from a round trip: skip it
-            if utc.astimezone(tz).replace(tzinfo=None) == local and utc > after:
-                return utc
-            local += timedelta(seconds=1)
-        raise CronError(f"{self.expression!r} never fires")
+            return local
+        return None
+
+
+_EVERY_HOUR = frozenset(range(24))
+_SECOND = timedelta(seconds=1)
+_DAY = timedelta(days=1)
+_PAST = 2 * _DAY  # more than any offset change goes back
+_HORIZON = timedelta(days=366 * 5)
+_EARLIEST = datetime(1, 1, 1) + 2 * _PAST
+_LATEST = datetime(9999, 11, 1)  # a month's step and a day's offset past it still fit in a datetime
+
+
+def _offset(tz: ZoneInfo, instant: datetime) -> timedelta:
+    """The zone's UTC offset at the (naive UTC) instant."""
+    return tz.fromutc(instant.replace(tzinfo=tz)).utcoffset() or timedelta()
+
+
+def _next_change(tz: ZoneInfo, at: datetime, offset: timedelta, until: datetime) -> datetime | None:
+    """The first instant in ``(at, until]`` whose offset is not ``offset`` (``at``'s), to the second;
+    None when there is none. Probes a day at a time: since 1970 tzdata's offset changes are a week
+    apart at least, so none is missed (two in a day that cancel out would be)."""
+    lo = at
+    while lo < until:
+        hi = min(lo + _DAY, until)
+        if _offset(tz, hi) != offset:
+            while hi - lo > _SECOND:  # the offset is `offset` at lo, another at hi
+                mid = lo + timedelta(seconds=(hi - lo) // _SECOND // 2)
+                lo, hi = (mid, hi) if _offset(tz, mid) == offset else (lo, mid)
+            return hi
+        lo = hi
+    return None
 
 
 #: names the host's zone files have but that are not IANA zones, or that mean another thing on
