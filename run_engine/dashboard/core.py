@@ -127,7 +127,9 @@ def redirect(request: Request, to: str, flash: str | None = None) -> Response:
 
 
 async def signed_in(request: Request) -> Dash | None:
-    """The session's environment, if the cookie is ours, unexpired, and its key still the one."""
+    """The session's environment, if the cookie is ours, unexpired, not signed out, and its key
+    still the one. Whether it was signed out is asked of Redis on every call (one EXISTS, never
+    cached): Redis unreachable, this raises (the caller answers 503: fail closed)."""
     ctx = ctx_of(request)
     session = sessions(ctx).read(request.cookies.get(COOKIE), ctx.engine.now())
     if session is None:
@@ -135,7 +137,17 @@ async def signed_in(request: Request) -> Dash | None:
     env = await ctx.environment(session.env_id)
     if env is None or not same(session.key_hash_prefix, env.api_key_hash[:16]):
         return None
+    if await ctx.engine.redis.exists(session.signed_out_key(ctx.engine.settings.key_prefix)):
+        return None
     return Dash(ctx, env, session)
+
+
+async def sign_out(dash: Dash) -> None:
+    """Mark the session signed out in Redis until it would have expired (every copy of its cookie
+    ends with it); raises when Redis cannot be reached."""
+    engine = dash.ctx.engine
+    await engine.redis.set(dash.session.signed_out_key(engine.settings.key_prefix), "1",
+                           ex=dash.session.signed_out_ttl_s(engine.now()))
 
 
 def key_hash(key: str) -> str:
@@ -146,7 +158,9 @@ def key_hash(key: str) -> str:
 EXPECTED = (ApiError, RunEngineError, *DEPENDENCY_ERRORS)
 
 
-def _error_page(request: Request, dash: Dash, exc: Exception) -> Response:
+def _error_page(request: Request, dash: Dash | None, exc: Exception) -> Response:
+    """The error page of ``exc``; without ``dash`` (the session could not be checked) it shows
+    nothing of the environment."""
     status, data, headers = error_payload(exc)
     response = render(request, "error.html", {"status": status, "message": data["error"]["message"],
                                               "title": "Error"}, dash=dash, status=status)
@@ -162,7 +176,10 @@ def page(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
 
     @functools.wraps(handler)
     async def wrapped(request: Request) -> Response:
-        dash = await signed_in(request)
+        try:
+            dash = await signed_in(request)
+        except EXPECTED as exc:  # PostgreSQL or Redis away: the session cannot be checked
+            return _error_page(request, None, exc)
         if dash is None:
             target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             return RedirectResponse(f"/dashboard/login?next={quote(target, safe='')}", 303, headers=SECURITY_HEADERS)
@@ -182,7 +199,10 @@ def action(handler: Callable[[Request, Dash, dict[str, str]], Awaitable[Response
 
     @functools.wraps(handler)
     async def wrapped(request: Request) -> Response:
-        dash = await signed_in(request)
+        try:
+            dash = await signed_in(request)
+        except EXPECTED as exc:
+            return _error_page(request, None, exc)
         if dash is None:
             return RedirectResponse("/dashboard/login", 303, headers=SECURITY_HEADERS)
         try:

@@ -4,6 +4,11 @@ The cookie holds ``<env id>.<key hash prefix>.<expires>.<csrf>.<signature>``, HM
 derived from the installation secret (so every server process accepts it). The key hash prefix ties
 the session to the key it was opened with: rotating the key ends its sessions. ``csrf`` is the token
 every form and htmx request of the session must carry (the cookie is also SameSite=Strict).
+
+A session's id is a digest of its signed body (the random ``csrf`` makes it unique), so sessions
+opened before ids existed have one too. Signing out keeps that id in Redis (``<prefix>:dash:out:<id>``)
+until the session would have expired: a copy of the cookie ends with it (core.signed_in checks it
+on every request; nothing of it is cached).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ COOKIE = "re_session"
 LOGIN_COOKIE = "re_login"  # the sign-in form's own CSRF token (double submit)
 LIFETIME_S = 12 * 3600
 PATH = "/dashboard"
+#: a signed-out mark outlives its session's expiry by this much (server processes' clocks differ a little)
+SIGNED_OUT_LEEWAY_S = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +36,24 @@ class Session:
     key_hash_prefix: str
     expires_at: int
     csrf: str
+
+    @property
+    def body(self) -> str:
+        """What the cookie signs."""
+        return f"{self.env_id}.{self.key_hash_prefix}.{self.expires_at}.{self.csrf}"
+
+    @property
+    def id(self) -> str:
+        """The session's id: a digest of its signed body (no secret; it names the session)."""
+        return base64.urlsafe_b64encode(hashlib.sha256(self.body.encode()).digest()[:18]).decode()
+
+    def signed_out_key(self, prefix: str) -> str:
+        """The Redis key marking this session signed out, under the installation's ``prefix``."""
+        return f"{prefix}:dash:out:{self.id}"
+
+    def signed_out_ttl_s(self, now: float) -> int:
+        """How long the signed-out mark must live: the session's remaining lifetime, and a leeway."""
+        return max(1, self.expires_at - int(now)) + SIGNED_OUT_LEEWAY_S
 
 
 class Sessions:
@@ -42,11 +67,11 @@ class Sessions:
     def open(self, env_id: str, key_hash: str, now: float) -> tuple[Session, str]:
         """A new session and its cookie value."""
         session = Session(env_id, key_hash[:16], int(now) + LIFETIME_S, secrets.token_urlsafe(18))
-        body = f"{session.env_id}.{session.key_hash_prefix}.{session.expires_at}.{session.csrf}"
-        return session, f"{body}.{self._sign(body)}"
+        return session, f"{session.body}.{self._sign(session.body)}"
 
     def read(self, value: str | None, now: float) -> Session | None:
-        """The session of a cookie value: signed by us and not expired; None otherwise."""
+        """The session of a cookie value: signed by us and not expired; None otherwise (whether it
+        was signed out is Redis's to say: core.signed_in)."""
         if not value or len(value) > 512:
             return None
         try:

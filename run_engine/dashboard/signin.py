@@ -10,8 +10,19 @@ from starlette.responses import Response
 
 from run_engine.api.context import ctx_of
 from run_engine.api.http import ApiError
-from run_engine.dashboard.core import FLASH_COOKIE, action, read_form, redirect, render, sessions, signed_in
+from run_engine.dashboard.core import (
+    FLASH_COOKIE,
+    Dash,
+    action,
+    read_form,
+    redirect,
+    render,
+    sessions,
+    sign_out,
+    signed_in,
+)
 from run_engine.dashboard.session import COOKIE, LIFETIME_S, LOGIN_COOKIE, clear_cookie, same, set_cookie
+from run_engine.dependencies import DEPENDENCY_ERRORS, REDIS_DOWN
 
 
 def _next(value: str | None) -> str:
@@ -29,7 +40,11 @@ def _form(request: Request, *, error: str | None = None, status: int = 200, next
 
 
 async def login_form(request: Request) -> Response:
-    if await signed_in(request) is not None:
+    try:
+        dash = await signed_in(request)
+    except DEPENDENCY_ERRORS:  # the session cannot be checked: the form (signing in needs no Redis)
+        dash = None
+    if dash is not None:
         return redirect(request, _next(request.query_params.get("next")))
     return _form(request)
 
@@ -58,7 +73,16 @@ async def login(request: Request) -> Response:
 
 
 @action
-async def logout(request: Request, dash: object, form: dict[str, str]) -> Response:
+async def logout(request: Request, dash: Dash, form: dict[str, str]) -> Response:
+    """Ends the session for every copy of its cookie (Redis keeps it signed out until it would have
+    expired). Redis unreachable: 503 and the cookie kept, so that signing out can be tried again
+    (a browser told it signed out while a copied cookie still works would be worse)."""
+    try:
+        await sign_out(dash)
+    except REDIS_DOWN:
+        raise ApiError(503, "service_unavailable", "Redis is unavailable: the session was not ended; "
+                                                   "sign out again once it is back",
+                       extra={"dependency": "redis"}, headers={"Retry-After": "2"}) from None
     response = redirect(request, "/dashboard/login")
     for name in (COOKIE, FLASH_COOKIE):
         clear_cookie(response, request, name)

@@ -147,6 +147,101 @@ def test_tampered_or_rotated_sessions_end(stack: Stack) -> None:
         wait_until(ended, 30)
 
 
+def test_signing_out_ends_every_copy_of_the_session(stack: Stack) -> None:
+    """Sign-out only deleted the browser's cookie: the session, signed and stateless, stayed valid
+    for its 12 hours, and a copy of the cookie went on reading and acting on the environment. Now
+    Redis keeps the session signed out until it would have expired; other sessions go on."""
+    import redis
+
+    own = stack.project("dash-signs-out")
+    run_id = own.trigger("manual", {"x": 1})
+    c, csrf = signed_in(own)
+    other, _ = signed_in(own)  # another browser, same key
+    with contextlib.closing(c), contextlib.closing(other):
+        copy = c.cookies["re_session"]
+        r = c.post("/dashboard/logout", data={"csrf": csrf})
+        assert r.status_code == 303 and r.headers["location"] == "/dashboard/login"
+        assert 're_session=""' in r.headers["set-cookie"]
+        with httpx.Client(base_url=own.url, timeout=30) as thief:
+            thief.cookies.set("re_session", copy, path="/dashboard")
+            for path in (*PAGES, f"/dashboard/runs/{run_id}"):
+                r = thief.get(path)
+                assert r.status_code == 303 and r.headers["location"].startswith("/dashboard/login?next="), path
+            r = thief.post("/dashboard/queues/pause", data={"queue": "task/manual", "action": "pause", "csrf": csrf})
+            assert r.status_code == 303 and r.headers["location"] == "/dashboard/login"
+            r = thief.post("/dashboard/logout", data={"csrf": csrf})  # signing out again: nothing left to end
+            assert r.status_code == 303 and r.headers["location"] == "/dashboard/login"
+            assert thief.get("/dashboard/login").status_code == 200  # the form, not a redirect to the runs
+        with own.client() as api:
+            assert api.get("/api/v1/queues/task/manual").json()["paused"] is False
+        assert other.get("/dashboard/runs").status_code == 200
+        # the mark lives as long as the session would have (12 h), under the installation's prefix
+        body = copy.rsplit(".", 1)[0]
+        from run_engine.dashboard.session import LIFETIME_S, SIGNED_OUT_LEEWAY_S, Session
+        env_id, prefix, expires, token = body.split(".")
+        key = Session(env_id, prefix, int(expires), token).signed_out_key(stack.env["RUN_ENGINE_KEY_PREFIX"])
+        with contextlib.closing(redis.Redis.from_url(stack.env["REDIS_URL"])) as r_:
+            ttl = r_.ttl(key)
+        assert LIFETIME_S - 120 < ttl <= LIFETIME_S + SIGNED_OUT_LEEWAY_S, (key, ttl)
+        # signing in again is a new session
+        again, _ = signed_in(own)
+        with contextlib.closing(again):
+            assert again.cookies["re_session"] != copy and again.get("/dashboard/runs").status_code == 200
+
+
+def test_redis_down_the_dashboard_fails_closed_and_sign_out_waits_for_it(stack: Stack) -> None:
+    """Whether a session was signed out is Redis's to say: Redis unreachable, a page or an action
+    is a 503 error page that shows nothing of the environment (never the page of a session that may
+    have been signed out), and signing out is refused with the cookie kept, to be tried again once
+    Redis is back; the sign-in form still answers."""
+    import dataclasses
+    import time
+
+    from .conftest import start_server, stop
+    from .test_outage_e2e import _proxied
+
+    own = stack.project("dash-redis-down")
+    proxy, through = _proxied("REDIS_URL", stack.env["REDIS_URL"])
+    log = stack.logs / "dash-redis-down.log"
+    url, server = start_server(stack.env, log, REDIS_URL=through)
+    here = dataclasses.replace(own, url=url)
+    c, csrf = signed_in(here)
+    try:
+        with contextlib.closing(c):
+            copy = c.cookies["re_session"]
+            proxy.cut()
+            deadline = time.monotonic() + 60
+            while (r := c.get("/dashboard/runs")).status_code != 503:
+                assert r.status_code == 200, r.text[:300]
+                assert time.monotonic() < deadline, "the dashboard still answers with Redis cut"
+                time.sleep(0.2)
+            assert "Redis is unavailable" in r.text and r.headers["content-type"].startswith("text/html")
+            assert int(r.headers["Retry-After"]) >= 1
+            assert "Sign out" not in r.text and csrf not in r.text
+            r = c.post("/dashboard/queues/pause", data={"queue": "task/manual", "action": "pause", "csrf": csrf})
+            assert r.status_code == 503
+            r = c.post("/dashboard/logout", data={"csrf": csrf})
+            assert r.status_code == 503 and "Redis is unavailable" in r.text
+            assert "re_session" not in r.headers.get("set-cookie", "")  # kept: sign out again later
+            assert c.get("/dashboard/login").status_code == 200
+            proxy.restore()
+            deadline = time.monotonic() + 60
+            while c.get("/dashboard/runs").status_code != 200:
+                assert time.monotonic() < deadline, "the session did not work again once Redis was back"
+                time.sleep(0.2)
+            r = c.post("/dashboard/logout", data={"csrf": csrf})
+            assert r.status_code == 303 and r.headers["location"] == "/dashboard/login"
+        with httpx.Client(base_url=url, timeout=30) as thief:
+            thief.cookies.set("re_session", copy, path="/dashboard")
+            assert thief.get("/dashboard/runs").status_code == 303
+        text = log.read_text()
+        assert "Exception in ASGI application" not in text, text[-3000:]
+        assert "ERROR run_engine.api" not in text and "ERROR run_engine.dashboard" not in text, text[-3000:]
+    finally:
+        stop(server)
+        proxy.close()
+
+
 def test_bad_input_is_a_page_with_the_reason(alpha: Stack) -> None:
     c, csrf = signed_in(alpha)
     with contextlib.closing(c):
