@@ -1,5 +1,5 @@
 """The dashboard at ``/dashboard``: server-rendered pages (Jinja2, htmx) over the engine facade,
-signed in with an environment's secret API key. See docs/DASHBOARD.md."""
+signed in with an environment's secret API key. See the README's "Dashboard" and docs/API.md."""
 
 from __future__ import annotations
 
