@@ -32,6 +32,22 @@ class Schedule:
     worker_group_id: str | None = None
 
 
+# Each environment's due ticks are the head of its range of task_schedule_due_by_environment
+# (environment, next tick) WHERE active: per_environment rows read for each environment with due
+# ticks (by next tick alone, each environment's look-up walked every environment's due schedules).
+# The environments are found by task_schedule_due (next tick): the due rows are read once.
+_DUE_SQL = """
+SELECT * FROM (
+    SELECT s.*, row_number() OVER (PARTITION BY s.environment_id ORDER BY s.next_run_at, s.id) AS turn
+    FROM (SELECT DISTINCT environment_id FROM task_schedule WHERE active AND next_run_at <= %(now)s) e
+    CROSS JOIN LATERAL (
+        SELECT * FROM task_schedule t
+        WHERE t.environment_id = e.environment_id AND t.active AND t.next_run_at <= %(now)s
+        ORDER BY t.next_run_at LIMIT %(per)s) s) due
+ORDER BY turn, next_run_at, id LIMIT %(limit)s
+"""
+
+
 class ScheduleRepository:
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
@@ -158,19 +174,14 @@ class ScheduleRepository:
             return row[0]  # type: ignore[no-any-return]
 
     async def due(self, now: datetime, limit: int, per_environment: int) -> list[Schedule]:
-        """The schedules due at ``now``, oldest tick first, at most ``per_environment`` of each
-        environment: one with thousands of schedules due takes its share of a poll, not all of it."""
+        """The schedules due at ``now``, at most ``per_environment`` of each environment (its oldest
+        ticks), taken in turns: every environment's oldest due tick first (the oldest of them
+        first), then every environment's second, and so on up to ``limit``. A tenant with one due
+        tick has it in the next poll, however many others have due, as long as fewer than
+        ``limit`` environments have due ticks."""
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(
-                """SELECT s.* FROM (SELECT DISTINCT environment_id FROM task_schedule
-                                    WHERE active AND next_run_at <= %(now)s) e
-                   CROSS JOIN LATERAL (
-                       SELECT * FROM task_schedule t
-                       WHERE t.environment_id = e.environment_id AND t.active AND t.next_run_at <= %(now)s
-                       ORDER BY t.next_run_at LIMIT %(per)s) s
-                   ORDER BY s.next_run_at LIMIT %(limit)s""",
-                {"now": now, "per": per_environment, "limit": limit})
+            await cur.execute(_DUE_SQL, {"now": now, "per": per_environment, "limit": limit})
             return [from_row(Schedule, r) for r in await cur.fetchall()]
 
     async def deactivate(self, schedule_id: str, fired_at: datetime) -> bool:

@@ -262,3 +262,30 @@ async def test_a_cron_over_the_api_takes_question_marks_in_its_day_fields_and_re
                         ("/5 * * * *", "a step needs a start"), ("? 0 * * *", "only a whole day-of-month")):
         refused = await api.post("/api/v1/schedules", json={"task": "hello", "cron": cron})
         assert refused.status_code == 400 and "cron" in refused.text and words in refused.text, (cron, refused.text)
+
+
+async def test_many_busy_environments_do_not_hold_back_a_quiet_tenants_due_tick(
+        make_engine, monkeypatch: pytest.MonkeyPatch, unique: str) -> None:  # type: ignore[no-untyped-def]
+    """A poll takes each environment's due ticks in turns (every environment's oldest first): busy
+    environments whose own share of a poll fills it together (3 x 4 ticks ten minutes late, a poll of
+    10) no longer starve a quiet tenant's fresh tick poll after poll (the oldest ticks of all were
+    taken first, and a tick fired late skips the ticks it missed)."""
+    from run_engine.tenancy import ensure_environment
+    from systems import schedules
+
+    monkeypatch.setattr(schedules, "DUE_PER_POLL", 10)
+    monkeypatch.setattr(schedules, "DUE_PER_ENVIRONMENT", 4)
+    h: Harness = await make_engine()
+    repo = h.engine.resources.repo
+    busy = [await ensure_environment(repo, secret="test-secret", org=f"busy-{unique}-{i}", project="p", env="dev")
+            for i in range(3)]
+    made = {env.env_id: [await h.engine.systems.schedules.upsert(env.env_id, task="hello", cron="* * * * *")
+                         for _ in range(6)] for env in busy}
+    h.clock.advance(600)
+    quiet = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *")
+    h.clock.advance((quiet.next_run_at - ts(h)).total_seconds() + 1)
+    await h.engine.systems.schedules.fire_due(jitter_s=0)
+    assert len(await runs_of(h, quiet.id)) == 1  # in the first poll
+    for env_id, scheds in made.items():  # the other nine ticks of the poll shared by the busy three
+        fired = [s for s in scheds if await repo.runs.list_runs(env_id, tags=[f"schedule:{s.id}"], limit=10)]
+        assert len(fired) == 3
