@@ -11,6 +11,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, from_row_or_none
 
+_CREATE_LOCK_CLASS = 0x53434844  # "SCHD": an environment's capped schedule upserts take turns
+
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
@@ -57,9 +59,11 @@ class ScheduleRepository:
                      type: str, max_schedules: int | None = None,
                      worker_group_id: str | None = None) -> Schedule | None:
         """Insert a schedule, or update the one with the same (environment, deduplication key).
-        None when it would be new and the environment has ``max_schedules`` already (a soft bound:
-        racing creations may pass it by what they add at that moment)."""
-        async with self.pool.connection() as conn:
+        None when it would be new and the environment has ``max_schedules`` already (the
+        environment's capped upserts take turns: a transaction-scoped advisory lock on it)."""
+        async with self.pool.connection() as conn, conn.transaction():
+            if max_schedules is not None:
+                await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_CREATE_LOCK_CLASS, env_id))
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
                 """INSERT INTO task_schedule (id, environment_id, task_identifier, cron, timezone, external_id,

@@ -289,3 +289,29 @@ async def test_many_busy_environments_do_not_hold_back_a_quiet_tenants_due_tick(
     for env_id, scheds in made.items():  # the other nine ticks of the poll shared by the busy three
         fired = [s for s in scheds if await repo.runs.list_runs(env_id, tags=[f"schedule:{s.id}"], limit=10)]
         assert len(fired) == 3
+
+
+async def test_concurrent_creates_stop_at_the_environments_cap(make_engine, unique: str) -> None:  # type: ignore[no-untyped-def]
+    """The cap was counted in each insert: creates at once each saw room for themselves (36 at once
+    with a cap of 5 made 6 to 10). The environment's capped creates take turns now (three
+    environments: racing creates do not pass the cap every time)."""
+    from run_engine.errors import UnprocessableError
+    from run_engine.tenancy import ensure_environment
+
+    h: Harness = await make_engine(max_schedules_per_env=5, db_pool_max=16)
+    schedules = h.engine.systems.schedules
+    for n in range(3):
+        env = await ensure_environment(h.engine.resources.repo, secret="test-secret", org=f"cap-{unique}-{n}",
+                                       project="p", env="dev")
+
+        async def create(i: int, env_id: str = env.env_id) -> bool:
+            try:
+                await schedules.upsert(env_id, task="hello", cron="0 * * * *", deduplication_key=f"c{i}")
+                return True
+            except UnprocessableError:
+                return False
+
+        await asyncio.gather(*(create(i) for i in range(4)))
+        made = sum(await asyncio.gather(*(create(i) for i in range(4, 40))))
+        total, _ = await h.engine.resources.repo.schedules.count(env.env_id)
+        assert (made, total) == (1, 5), f"environment {n}"
