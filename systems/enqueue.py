@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from run_engine.db.deployments import TaskQueue
-from run_engine.db.runs import NewRun, RunRow
+from run_engine.db.runs import InsertGuard, NewRun, RunRow
 from run_engine.errors import NotFoundError, QueueFullError, UnprocessableError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
@@ -205,13 +205,16 @@ class EnqueueSystem:
         await self.mirror_queue_rows(await (deployments.list_queues(env_id) if names is None
                                             else deployments.queues_named(env_id, names)))
 
-    async def trigger_many(self, requests: Sequence[TriggerRequest]) -> list[TriggeredRun]:
+    async def trigger_many(self, requests: Sequence[TriggerRequest], *,
+                           guard: InsertGuard | None = None) -> list[TriggeredRun]:
         """Create runs: one insert for all of them, then one enqueue for those that can run.
 
         A request whose idempotency key (environment, task, key) is held by a run whose key has
         not expired gets that run back (``is_cached``) and creates nothing. Delayed runs are
         DELAYED until an engine job enqueues them; runs with a TTL get an engine job that expires
-        them if they have not started by then."""
+        them if they have not started by then. ``guard`` is run in the insert's transaction, before
+        it (a statement of its own, not shared with other callers' runs): what it raises leaves
+        nothing made and is raised."""
         now = self.r.clock.now()
         new_runs: list[NewRun] = []
         items: list[EnqueueItem] = []
@@ -239,7 +242,8 @@ class EnqueueSystem:
             await self._check_queue_length(await self._not_held(items, item_requests, now))
         for env_id, keys in keyed.items():
             await self.r.repo.runs.release_expired_idempotency_keys(env_id, keys, datetime.fromtimestamp(now, UTC))
-        inserted = await self.r.insert_runs(new_runs)
+        inserted = (await self.r.insert_runs(new_runs) if guard is None
+                    else await self.r.repo.runs.insert_runs(new_runs, guard=guard))
         if len(inserted) < len(new_runs):
             results, items, jobs, new_runs = await self._cached(requests, new_runs, results, inserted, items, jobs)
         try:

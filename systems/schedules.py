@@ -1,10 +1,13 @@
 """SchedulesSystem: cron schedules, imperative (API) and declarative (``@task(cron=...)``).
 
-Every engine process plans (the DBOS technique, seeds/002): a schedule's tick is fired as a run
-whose idempotency key is (schedule, tick), so however many processes fire the same tick, exactly
-one run is created. Each process waits a random jitter after the tick and first reads whether the
-tick was already fired, which turns the herd of writes into mostly reads; then it moves the
-schedule to its next tick with a compare-and-set.
+Every engine process plans (the DBOS technique, seeds/002). Each process waits a random jitter
+after the tick and first reads whether the tick was already fired, which turns the herd of writes
+into mostly reads; then the tick's run is inserted in the transaction that moves the schedule to
+its next tick with a compare-and-set (still at that tick, with the task, cron, zone, external id
+and worker group read, and no other transaction holding it): however many processes fire the same
+tick, and whatever dies between, exactly one run is made, whatever happens to the schedule
+meanwhile (its task changed, the schedule deleted or deactivated: none is made once that is
+committed). The run's idempotency key is (schedule, tick) too.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
+
+from psycopg import AsyncConnection
 
 from run_engine.cron import Cron, CronError
 from run_engine.db.deployments import TaskSpec
@@ -45,6 +50,10 @@ def scheduled_payload(schedule: Schedule, tick: datetime) -> dict[str, Any]:
     return {"scheduleId": schedule.id, "type": schedule.type, "timestamp": tick.isoformat(),
             "lastTimestamp": schedule.last_run_at.isoformat() if schedule.last_run_at else None,
             "timezone": schedule.timezone, "externalId": schedule.external_id}
+
+
+class _TickTaken(Exception):
+    """Raised in a tick's run insert to leave nothing made: the schedule is no longer as read."""
 
 
 class SchedulesSystem:
@@ -180,12 +189,22 @@ class SchedulesSystem:
             log.error("schedule %s stopped: its next tick after %s cannot be worked out: %s", schedule_id, tick, exc)
             await self.r.repo.schedules.deactivate(schedule_id, tick)
             return 0
+
+        async def take(conn: AsyncConnection[Any]) -> None:
+            # in the run's transaction: the tick is the run's only if the schedule is still as read
+            if not await self.r.repo.schedules.take_tick(conn, current, following):
+                raise _TickTaken
+
         try:
             run = await self.enqueue.trigger_many([TriggerRequest(
                 env_id=current.env_id, task_id=current.task_id, payload=scheduled_payload(current, tick),
                 idempotency_key=schedule_key(current.id, tick), idempotency_key_ttl_s=30 * 86400,
                 trigger_function="trigger", tags=(f"schedule:{current.id}",),
-                worker_group_id=current.worker_group_id)])
+                worker_group_id=current.worker_group_id)], guard=take)
+        except _TickTaken:
+            # fired by another process meanwhile, or being fired; or the schedule changed, was
+            # deleted or deactivated (a changed schedule's tick is fired as it is now, next poll)
+            return 0
         except RunEngineError as refused:
             # Refused for the environment's own reasons (its queue is full, its task cannot be
             # triggered): this tick is skipped, not tried again at every poll, where it would
@@ -193,7 +212,6 @@ class SchedulesSystem:
             log.warning("schedule %s: the tick of %s was refused and is skipped: %s", schedule_id, tick, refused)
             await self.r.repo.schedules.advance(schedule_id, tick, following)
             return 0
-        await self.r.repo.schedules.advance(schedule_id, tick, following)
         return 0 if run[0].is_cached else 1
 
     async def start(self) -> None:

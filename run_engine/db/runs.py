@@ -9,7 +9,7 @@ is one round trip and one commit, however many runs a batch carries.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -619,6 +619,9 @@ class NewRun:
     debounce_deadline: datetime | None = None  # the latest date those triggers may push it to
 
 
+#: what must hold for runs to be inserted, checked (and written) in the insert's transaction
+InsertGuard = Callable[[AsyncConnection[Any]], Awaitable[None]]
+
 _INSERT_RUNS_TEMPLATE = """
 -- insert_runs: many runs and their first snapshots in one statement.
 WITH input AS (
@@ -698,15 +701,24 @@ class RunRepository:
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
 
-    async def insert_runs(self, runs: Sequence[NewRun], *, debounced: bool = False) -> set[str]:
+    async def insert_runs(self, runs: Sequence[NewRun], *, debounced: bool = False,
+                          guard: InsertGuard | None = None) -> set[str]:
         """Insert runs with their first snapshots; the ids inserted. A run whose idempotency key
         (environment, task, key) is taken is skipped: see :meth:`runs_by_idempotency_key`; with
-        ``debounced``, also a run whose debounce key a DELAYED run holds (:meth:`delayed_run_by_debounce_key`)."""
+        ``debounced``, also a run whose debounce key a DELAYED run holds (:meth:`delayed_run_by_debounce_key`).
+        With ``guard``, the insert is in a transaction that ``guard`` begins (what it raises rolls
+        it back and is raised)."""
         rows = [to_columns(r) for r in runs]
         async with self.pool.connection() as conn:
-            cur = await conn.execute(_INSERT_DEBOUNCED_RUNS_SQL if debounced else _INSERT_RUNS_SQL,
-                                     {"rows": Jsonb(rows)})
-            return {r[0] for r in await cur.fetchall()}
+            if guard is None:
+                cur = await conn.execute(_INSERT_DEBOUNCED_RUNS_SQL if debounced else _INSERT_RUNS_SQL,
+                                         {"rows": Jsonb(rows)})
+                return {r[0] for r in await cur.fetchall()}
+            async with conn.transaction():
+                await guard(conn)
+                cur = await conn.execute(_INSERT_DEBOUNCED_RUNS_SQL if debounced else _INSERT_RUNS_SQL,
+                                         {"rows": Jsonb(rows)})
+                return {r[0] for r in await cur.fetchall()}
 
     async def delayed_run_by_debounce_key(self, env_id: str, task_id: str, key: str) -> RunRow | None:
         """The DELAYED run holding a debounce key (there is at most one: task_run_debounce_uq)."""

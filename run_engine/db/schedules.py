@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
+from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -195,6 +197,25 @@ class ScheduleRepository:
                 """UPDATE task_schedule SET active = false, next_run_at = NULL, updated_at = now()
                    WHERE id = %s AND next_run_at = %s""", (schedule_id, fired_at))
             return cur.rowcount > 0
+
+    async def take_tick(self, conn: AsyncConnection[Any], schedule: Schedule, next_run_at: datetime) -> bool:
+        """In the caller's transaction (the one that inserts the tick's run): move ``schedule`` past
+        its due tick to ``next_run_at``, only if it is still as read (active, at that tick, the same
+        task, cron, zone, external id and worker group) and no other transaction holds it (another
+        process firing it, an edit or a delete under way: SKIP LOCKED, tried again at the next
+        poll). Held until the transaction ends: an edit or delete of the schedule waits for the run
+        made with it."""
+        cur = await conn.execute(
+            """UPDATE task_schedule SET last_run_at = next_run_at, next_run_at = %(next)s
+               WHERE id = (SELECT id FROM task_schedule
+                           WHERE id = %(id)s AND active AND next_run_at = %(tick)s AND task_identifier = %(task)s
+                             AND cron = %(cron)s AND timezone = %(tz)s AND external_id IS NOT DISTINCT FROM %(ext)s
+                             AND worker_group_id IS NOT DISTINCT FROM %(group)s
+                           FOR UPDATE SKIP LOCKED)""",
+            {"next": next_run_at, "id": schedule.id, "tick": schedule.next_run_at, "task": schedule.task_id,
+             "cron": schedule.cron, "tz": schedule.timezone, "ext": schedule.external_id,
+             "group": schedule.worker_group_id})
+        return cur.rowcount > 0
 
     async def advance(self, schedule_id: str, fired_at: datetime, next_run_at: datetime) -> bool:
         """Move the schedule past ``fired_at`` (only if nobody did yet): compare-and-set."""

@@ -291,6 +291,124 @@ async def test_many_busy_environments_do_not_hold_back_a_quiet_tenants_due_tick(
         assert len(fired) == 3
 
 
+@pytest.mark.parametrize("edited", ["before its run is stored", "after its run is stored"])
+async def test_a_tick_whose_task_changes_while_it_is_in_flight_makes_one_run(
+        make_engine, monkeypatch: pytest.MonkeyPatch, edited: str) -> None:  # type: ignore[no-untyped-def]
+    """Process A fires tick T (task hello); meanwhile the schedule's task changes (same cron: the tick
+    is kept) and process B fires T for the new task. The idempotency key is unique per (environment,
+    task, key): the two runs were both made. The run is stored in the transaction that moves the
+    schedule past T, only if the schedule is still as read: one run of T."""
+    a: Harness = await make_engine()
+    b: Harness = await make_engine()
+    await a.deploy({"id": "hello"}, {"id": "other"})
+    sched = await a.engine.systems.schedules.upsert(a.env.env_id, task="hello", cron="* * * * *",
+                                                   deduplication_key="k")
+    tick = sched.next_run_at
+    for e in (a, b):
+        e.clock.advance((tick - ts(e)).total_seconds())
+    enqueue = a.engine.systems.schedules.enqueue
+    real = enqueue.trigger_many
+
+    async def edit_and_fire_from_b() -> None:
+        await a.engine.systems.schedules.upsert(a.env.env_id, task="other", cron="* * * * *", deduplication_key="k")
+        await b.engine.systems.schedules.fire_due(jitter_s=0)
+
+    async def with_edit(requests, **kw):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(enqueue, "trigger_many", real)  # once
+        if edited.startswith("before"):
+            await edit_and_fire_from_b()
+        out = await real(requests, **kw)
+        if edited.startswith("after"):
+            await edit_and_fire_from_b()
+        return out
+
+    monkeypatch.setattr(enqueue, "trigger_many", with_edit)
+    await a.engine.systems.schedules.fire_due(jitter_s=0)
+    runs = await runs_of(a, sched.id)
+    assert [(r.task_id, r.payload["timestamp"]) for r in runs] == [
+        ("other" if edited.startswith("before") else "hello", tick.isoformat())]
+    after = await a.engine.resources.repo.schedules.get(sched.id)
+    assert after is not None and after.last_run_at == tick and after.next_run_at > tick
+
+
+async def test_a_process_dying_after_a_ticks_run_makes_no_second_run_for_a_new_task(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run was stored, then the process died before moving the schedule past the tick; the task
+    was changed before another process fired the tick again: a second run, of the new task. The run
+    and the move are one transaction now: nothing is left to fire again."""
+    await h.deploy({"id": "hello"}, {"id": "other"})
+    sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *",
+                                                   deduplication_key="k")
+    h.clock.advance((sched.next_run_at - ts(h)).total_seconds())
+    repo = h.engine.resources.repo.schedules
+
+    async def died(*args: object) -> bool:
+        raise ConnectionError("the process died")
+
+    monkeypatch.setattr(repo, "advance", died)
+    await h.engine.systems.schedules.fire_due(jitter_s=0)
+    monkeypatch.undo()
+    await h.engine.systems.schedules.upsert(h.env.env_id, task="other", cron="* * * * *", deduplication_key="k")
+    await h.engine.systems.schedules.fire_due(jitter_s=0)
+    assert [r.task_id for r in await runs_of(h, sched.id)] == ["hello"]
+
+
+async def test_a_process_dying_while_it_fires_a_tick_leaves_the_tick_to_fire(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dead with the tick taken and its run inserted but not committed: neither stands, and the next
+    poll fires the tick (of the schedule as it is then)."""
+    from psycopg.types.json import Jsonb
+
+    from run_engine.db.rows import to_columns
+    from run_engine.db.runs import _INSERT_RUNS_SQL
+
+    await h.deploy({"id": "hello"}, {"id": "other"})
+    sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *",
+                                                   deduplication_key="k")
+    h.clock.advance((sched.next_run_at - ts(h)).total_seconds())
+    runs = h.engine.resources.repo.runs
+    real = runs.insert_runs
+
+    async def in_transaction(new_runs, *, guard=None, **kw):  # type: ignore[no-untyped-def]
+        async def then_die(conn):  # type: ignore[no-untyped-def]
+            await guard(conn)  # the tick taken
+            await conn.execute(_INSERT_RUNS_SQL, {"rows": Jsonb([to_columns(r) for r in new_runs])})  # its run
+            raise ConnectionError("the process died")
+        return await real(new_runs, guard=then_die, **kw)
+
+    monkeypatch.setattr(runs, "insert_runs", in_transaction)
+    assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 0
+    monkeypatch.undo()
+    after = await h.engine.resources.repo.schedules.get(sched.id)
+    assert after is not None and after.next_run_at == sched.next_run_at and after.last_run_at is None
+    assert await runs_of(h, sched.id) == []
+    await h.engine.systems.schedules.upsert(h.env.env_id, task="other", cron="* * * * *", deduplication_key="k")
+    assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 1
+    assert [r.task_id for r in await runs_of(h, sched.id)] == ["other"]
+
+
+@pytest.mark.parametrize("action", ["delete", "deactivate"])
+async def test_a_schedule_deleted_or_deactivated_while_its_tick_is_in_flight_makes_no_run(
+        h: Harness, monkeypatch: pytest.MonkeyPatch, action: str) -> None:
+    """Deleted (DELETE answered 200) or deactivated between the poll's read and the tick's trigger:
+    the run was made all the same."""
+    sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *")
+    h.clock.advance((sched.next_run_at - ts(h)).total_seconds())
+    enqueue = h.engine.systems.schedules.enqueue
+    real = enqueue.trigger_many
+
+    async def stopped_first(requests, **kw):  # type: ignore[no-untyped-def]
+        if action == "delete":
+            assert await h.engine.delete_schedule(sched.id, h.env.env_id)
+        else:
+            await h.engine.set_schedule_active(h.env.env_id, sched.id, False)
+        return await real(requests, **kw)
+
+    monkeypatch.setattr(enqueue, "trigger_many", stopped_first)
+    assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 0
+    assert await runs_of(h, sched.id) == []
+
+
 async def test_concurrent_creates_stop_at_the_environments_cap(make_engine, unique: str) -> None:  # type: ignore[no-untyped-def]
     """The cap was counted in each insert: creates at once each saw room for themselves (36 at once
     with a cap of 5 made 6 to 10). The environment's capped creates take turns now (three
