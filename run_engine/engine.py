@@ -187,6 +187,11 @@ class RunEngine:
         runs = await self.resources.repo.runs.reset_idempotency_key(env_id, task_id, key)
         return runs + await self.resources.repo.waitpoints.reset_batch_idempotency_key(env_id, key) > 0
 
+    async def release_empty_batch_key(self, env_id: str, batch_id: str) -> bool:
+        """Free the idempotency key of a batch that has no run (its request failed before making
+        any), so that the key's retry makes a new batch; whether it was freed."""
+        return await self.resources.repo.waitpoints.release_empty_batch_key(batch_id, env_id)
+
     async def batch_record(self, env_id: str, batch_id: str) -> BatchRecord | None:
         """The environment's batch as it was made (expected size, idempotency key, parent run)."""
         return await self.resources.repo.waitpoints.batch_record(batch_id, env_id)

@@ -4,6 +4,7 @@ allows it and its scopes say so) a public access token."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -49,6 +50,8 @@ from run_engine.api.uploads import unpack
 from run_engine.engine import RunRow, TaskQueue, TriggeredRun, TriggerRequest
 from run_engine.errors import InvalidTransitionError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
+
+log = logging.getLogger(__name__)
 
 
 def _decode_payload(payload: Any, payload_type: str | None, field: str) -> Any:
@@ -136,9 +139,8 @@ async def trigger(request: Request) -> Response:
     # A run found by its idempotency or debounce key may be anyone's run of the environment: a
     # caller whose token is scoped (a public token that may only trigger, a run's token) is not
     # handed a token to read it, only its id.
-    scoped = auth.scopes is not None or auth.run_id is not None
     return json_response({"id": run.id, "isCached": run.is_cached},
-                         headers={} if run.is_cached and scoped else
+                         headers={} if run.is_cached and _scoped(auth) else
                          await token_headers(ctx, auth, f"read:runs:{run.id}", 3600))
 
 
@@ -177,42 +179,150 @@ def batch_key(request: Request) -> tuple[str | None, float | None]:
 MAX_BATCH_KEY_CHARS = 256
 
 
+def _scoped(auth: EnvAuth) -> bool:
+    """Whether the caller holds less than the environment's secret key: a public access token or a
+    run's token."""
+    return auth.scopes is not None or auth.run_id is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ItemRun:
+    """A batch item's run as the batch endpoints answer it."""
+
+    id: str
+    task_id: str
+    is_cached: bool
+
+
 async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody, key: str | None = None,
-                         key_ttl_s: float | None = None) -> tuple[str, list[TriggerRequest], list[TriggeredRun], bool]:
+                         key_ttl_s: float | None = None) -> tuple[str, list[_ItemRun], bool]:
     """Trigger every item of a batch: one transaction for all of them. With an idempotency key,
-    the batch it made before (not expired) is answered with its runs (True): each item without a
-    key of its own is keyed ``{batch id}:{index}``, so a retry makes no run twice, and one whose
-    first attempt died between the batch and its runs makes the missing runs."""
+    each item without a key of its own is keyed ``{batch id}:{index}``, and the batch the key made
+    before (not expired) is answered with its runs (True): see :func:`_cached_batch`."""
     for task in {item.task for item in req.items}:
         _may_trigger(auth, task, "batchTrigger")
-    cached = False
     if key is None:
         batch_id = ctx.engine.new_batch_id()
-    else:
-        batch_id, size, cached = await ctx.engine.open_batch(auth.env_id, len(req.items), key, key_ttl_s,
-                                                             two_phase=False)
-        if size != len(req.items):
-            raise ApiError(409, "conflict", f"idempotency-key: names a batch of {size} items, not {len(req.items)}")
+        requests = await _item_requests(ctx, auth, req, batch_id, range(len(req.items)), keyed=False)
+        runs = await ctx.engine.trigger_batch(auth.env_id, batch_id, requests)
+        return batch_id, _answers(requests, runs), False
+    batch_id, size, cached = await ctx.engine.open_batch(auth.env_id, len(req.items), key, key_ttl_s,
+                                                         two_phase=False)
+    if size != len(req.items):  # a scoped caller learns no more of another's batch than that it is there
+        raise ApiError(409, "conflict", "idempotency-key: names a batch of another number of items" if _scoped(auth)
+                       else f"idempotency-key: names a batch of {size} items, not {len(req.items)}")
+    if cached:
+        return batch_id, await _cached_batch(ctx, auth, req, batch_id), True
+    # the batch's row was made with its key: its runs now
+    try:
+        requests = await _item_requests(ctx, auth, req, batch_id, range(len(req.items)), keyed=True)
+        runs = await ctx.engine.trigger_many(requests)
+    except Exception:
+        # refused (a bad item, a queue past its cap or full, an outage) before any run was made:
+        # the key is freed, so that its retry makes the batch anew, whoever sends it (a batch
+        # found by its key is made whole for the secret key only)
+        try:
+            await ctx.engine.release_empty_batch_key(auth.env_id, batch_id)
+        except Exception:
+            log.warning("batch %s: its key not freed after its request failed", batch_id, exc_info=True)
+        raise
+    return batch_id, _answers(requests, runs), False
+
+
+async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_id: str) -> list[_ItemRun]:
+    """The answer to a batch whose idempotency key found the batch ``batch_id`` it made before.
+
+    A batch key is the environment's, not a task's: the request may not be the one that made the
+    batch (other tasks, other keys; a caller holding only a public or run token that names another
+    party's key). It never adds runs that are not the batch's own. When every item finds its run
+    in the batch (at its index, ``{batch}:{index}``, of the item's task; or, for an item with its
+    own ``idempotencyKey``, the batch's run of its task holding that key), those, by position.
+    Items with none are made (the first attempt died between the batch's row and its runs, or
+    the item joined another batch's run by its own key or debounce key, which its retry joins
+    again) only for the environment's secret key and only when every run of the batch is one of
+    the items' (the request is the batch's own); any other caller (whose scopes cannot be shown
+    to cover the tasks the batch was made of) is answered with the batch's runs as they are.
+    Another request (a run of the batch at an item's index of another task, or that no item
+    names) is answered with the batch's runs for the secret key, 409 for any other caller. Such
+    answers are all ``isCached`` and trigger nothing."""
+    size = len(req.items)
+    # newest first; a batch has at most one run an item (one more shows that it is not one of these)
+    stored = list(reversed(await ctx.engine.list_runs(auth.env_id, batches=[batch_id], limit=size + 1,
+                                                      light=True)))
+    prefix = f"{batch_id}:"
+    at: dict[int, RunRow] = {}
+    others: list[RunRow] = []
+    mismatch = len(stored) > size
+    for run in stored:
+        held = run.idempotency_key or ""
+        index = held[len(prefix):] if held.startswith(prefix) else ""
+        if index.isdecimal() and int(index) < size and int(index) not in at:
+            at[int(index)] = run
+        else:
+            others.append(run)
+    found: list[RunRow | None] = []
+    for i, item in enumerate(req.items):
+        own = item.options.idempotencyKey if item.options is not None else None
+        mine = at.get(i)
+        if mine is not None:
+            mismatch |= own is not None or mine.task_id != item.task
+        elif own is not None:
+            mine = next((r for r in others if r.task_id == item.task and r.idempotency_key == own), None)
+        found.append(mine)
+    mismatch |= len({r.id for r in found if r is not None}) < len(stored)  # a run of the batch no item names
+    if not mismatch and all(r is not None for r in found):
+        return [_ItemRun(r.id, r.task_id, True) for r in found if r is not None]
+    if mismatch and _scoped(auth):  # maybe another party's batch: that the key is taken is all it learns
+        raise ApiError(409, "conflict", "idempotency-key: names a batch made of other items")
+    if mismatch or _scoped(auth):
+        return [_ItemRun(r.id, r.task_id, True) for r in _in_order(at, others)]
+    missing = [i for i, r in enumerate(found) if r is None]
+    requests = await _item_requests(ctx, auth, req, batch_id, missing, keyed=True)
+    made = dict(zip(missing, _answers(requests, await ctx.engine.trigger_many(requests)), strict=True))
+    return [made[i] if r is None else _ItemRun(r.id, r.task_id, True) for i, r in enumerate(found)]
+
+
+def _in_order(at: dict[int, RunRow], others: list[RunRow]) -> list[RunRow]:
+    """A batch's runs: those keyed by their index in its order, then the others oldest first."""
+    return [at[i] for i in sorted(at)] + others
+
+
+async def _item_requests(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_id: str, indexes: Sequence[int], *,
+                         keyed: bool) -> list[TriggerRequest]:
+    """The trigger requests of the batch's items at ``indexes``; ``keyed``: each without a key of
+    its own keyed ``{batch id}:{index}``, so that a retry makes no run twice."""
     parents: dict[str, RunRow] = {}
     top: dict[str, Any] = {}
     if isinstance(req, BatchV2Body) and req.parentRunId is not None:  # the parent of every item
         top = {"parentRunId": req.parentRunId, "resumeParentOnCompletion": bool(req.resumeParentOnCompletion)}
+    items = [req.items[i] for i in indexes]
+    unpacked = await unpack(ctx, auth.env_id, [(item.payload, item.options) for item in items],
+                            [f"items.{i}." for i in indexes])
     requests = []
-    unpacked = await unpack(ctx, auth.env_id, [(item.payload, item.options) for item in req.items],
-                            [f"items.{i}." for i in range(len(req.items))])
-    for i, (item, (payload, options)) in enumerate(zip(req.items, unpacked, strict=True)):
+    for i, item, (payload, options) in zip(indexes, items, unpacked, strict=True):
         if top:
             options = (options or TriggerOptions()).model_copy(update=top)
-        if key is not None and (options is None or options.idempotencyKey is None):
+        if keyed and (options is None or options.idempotencyKey is None):
             options = (options or TriggerOptions()).model_copy(update={"idempotencyKey": f"{batch_id}:{i}",
                                                                        "idempotencyKeyTTL": None})
         requests.append(await with_parent(ctx, auth, trigger_request(ctx, auth, item.task, payload, options,
                                                                       f"items.{i}", batch_id=batch_id,
                                                                       trigger_function="batchTrigger"),
                                            f"items.{i}.options.parentRunId", parents))
-    if key is not None:  # the batch's row was made (or found) with its key
-        return batch_id, requests, await ctx.engine.trigger_many(requests), cached
-    return batch_id, requests, await ctx.engine.trigger_batch(auth.env_id, batch_id, requests), cached
+    return requests
+
+
+def _answers(requests: Sequence[TriggerRequest], runs: Sequence[TriggeredRun]) -> list[_ItemRun]:
+    return [_ItemRun(r.id, q.task_id, r.is_cached) for q, r in zip(requests, runs, strict=True)]
+
+
+async def _batch_token(ctx: ApiContext, auth: EnvAuth, batch_id: str, cached: bool) -> dict[str, str]:
+    """The headers that let the caller read the batch (``x-trigger-jwt-claims`` or ``x-trigger-jwt``):
+    none for a scoped caller whose key found a batch made before, which may be another party's
+    (as a single trigger's run found by its key: its id is all such a caller learns)."""
+    if cached and _scoped(auth):
+        return {}
+    return await token_headers(ctx, auth, f"read:batch:{batch_id}", 3600)
 
 
 @operation("Trigger a batch of runs (1..1000 items; headers idempotency-key, idempotency-key-ttl)",
@@ -221,11 +331,10 @@ async def batch_trigger(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True, public=True)
     key, ttl_s = batch_key(request)
-    batch_id, requests, runs, _ = await _trigger_items(ctx, auth, await body(request, BatchBody), key, ttl_s)
+    batch_id, runs, cached = await _trigger_items(ctx, auth, await body(request, BatchBody), key, ttl_s)
     return json_response({"id": batch_id, "runs": [
-        {"id": r.id, "taskIdentifier": q.task_id, "isCached": r.is_cached}
-        for r, q in zip(runs, requests, strict=True)]},
-        headers=await token_headers(ctx, auth, f"read:batch:{batch_id}", 3600))
+        {"id": r.id, "taskIdentifier": r.task_id, "isCached": r.is_cached} for r in runs]},
+        headers=await _batch_token(ctx, auth, batch_id, cached))
 
 
 #: ``batch-processing-strategy`` of Trigger.dev's one-request batch: both are accepted and neither
@@ -243,12 +352,13 @@ async def batch_trigger_v2(request: Request) -> Response:
     if strategy not in STRATEGIES:
         raise ApiError(400, "invalid_input", f"batch-processing-strategy: one of {', '.join(STRATEGIES)}")
     key, ttl_s = batch_key(request)
-    batch_id, _, runs, cached = await _trigger_items(ctx, auth, await body(request, BatchV2Body), key, ttl_s)
-    out: dict[str, Any] = {"id": batch_id, "runCount": len(runs), "isCached": cached}
+    req = await body(request, BatchV2Body)
+    batch_id, _, cached = await _trigger_items(ctx, auth, req, key, ttl_s)
+    # the batch's number of items (a cached batch's runs may be fewer: items that joined others' runs)
+    out: dict[str, Any] = {"id": batch_id, "runCount": len(req.items), "isCached": cached}
     if key is not None:
         out["idempotencyKey"] = key
-    return json_response(out,
-                         headers=await token_headers(ctx, auth, f"read:batch:{batch_id}", 3600))
+    return json_response(out, headers=await _batch_token(ctx, auth, batch_id, cached))
 
 
 @operation("Get a batch", S.Batch, security="anyToken")

@@ -970,6 +970,16 @@ class WaitpointRepository:
             assert found is not None  # the conflict was with this row
             return str(found[0]), int(found[1]), True
 
+    async def release_empty_batch_key(self, batch_id: str, env_id: str) -> bool:
+        """Free the idempotency key of the environment's batch ``batch_id`` if no run is in it
+        (the request that made it failed before any): whether it was freed."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """UPDATE batch_task_run SET idempotency_key = NULL, idempotency_key_expires_at = NULL
+                   WHERE id = %s AND environment_id = %s AND idempotency_key IS NOT NULL
+                     AND NOT EXISTS (SELECT 1 FROM task_run WHERE batch_id = %s)""", (batch_id, env_id, batch_id))
+            return cur.rowcount > 0
+
     async def reset_batch_idempotency_key(self, env_id: str, key: str) -> int:
         """Free an idempotency key of the environment's batches whatever its TTL; how many held it."""
         async with self.pool.connection() as conn:
