@@ -95,6 +95,12 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
     ctx.check_size(o.metadata, f"{at}options.metadata")
     queue_name = o.queue.name if o.queue is not None and not isinstance(o.queue, str) else o.queue
     queue_limit = o.queue.concurrencyLimit if o.queue is not None and not isinstance(o.queue, str) else None
+    # a queue's limit holds for every run of the environment that names it: a trigger sets it only
+    # with the environment's secret key (Trigger.dev's v3 trigger did, for any caller; v4 has no
+    # such option), never a public token's or a run's (it may name the queue, not reconfigure it)
+    if queue_limit is not None and _scoped(auth):
+        raise ApiError(403, "forbidden", f"{at}options.queue.concurrencyLimit: only the environment's secret key "
+                                         "sets a queue's concurrency limit; name the queue alone")
     retry = None
     if o.retry is not None:
         retry = {k: v for k, v in {

@@ -1,12 +1,14 @@
 """What a caller holding less than the environment's secret key (a public access token, a run's
 token) may reach through options another party's requests share with it: a batch's idempotency
-key (the environment's, not a task's). It never reads another party's batch through the token the
-answer carries, and never adds runs to another party's batch."""
+key (the environment's, not a task's) and a trigger's queue. It never reads another party's batch
+through the token the answer carries, never adds runs to another party's batch, and never changes
+a queue's concurrency limit."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 
 from run_engine.api.public_tokens import AUDIENCE, ISSUER, sign
@@ -169,3 +171,50 @@ async def test_a_scoped_caller_learns_no_size_of_another_batch(h: Harness) -> No
         got = await api.post(BATCH_ROUTES[1], headers={"idempotency-key": "sized"},
                              json={"items": [{"task": "hello", "payload": {}}] * 2})
     assert got.status_code == 409 and "1" not in got.json()["error"]["message"], got.text
+
+
+# --- a trigger's queue ---------------------------------------------------------------------------
+
+async def queue_limit(api: httpx.AsyncClient, name: str) -> int | None:
+    got = await api.get(f"/api/v1/queues/{name}")
+    assert got.status_code == 200, got.text
+    limit: int | None = got.json()["concurrencyLimit"]
+    return limit
+
+
+@pytest.mark.parametrize("caller", ["public", "run"])
+async def test_a_scoped_trigger_cannot_set_a_queues_concurrency_limit(h: Harness, caller: str) -> None:
+    """A token that may only trigger ``hello`` names the queue ``limited`` (another task's,
+    deployed with limit 1) with ``concurrencyLimit: 0``: refused (it rewrote the limit for every
+    run of the environment, 0 stalling the queue), as is a new queue's limit; the backend's runs
+    of ``limited`` still start. Naming the queue alone is allowed."""
+    token = public_token(h, ["trigger:tasks:hello", "batchTrigger:tasks:hello"]) if caller == "public" \
+        else await run_token(h)
+    limited = {"queue": {"name": "limited", "concurrencyLimit": 0}}
+    async with api_client(h, token) as api:
+        for path, body in (("/api/v1/tasks/hello/trigger", {"payload": {}, "options": limited}),
+                           ("/api/v1/tasks/hello/trigger",
+                            {"payload": {}, "options": {"queue": {"name": "fresh", "concurrencyLimit": 5}}}),
+                           (BATCH_ROUTES[0], {"items": [{"task": "hello", "options": limited}]}),
+                           (BATCH_ROUTES[1], {"items": [{"task": "hello"}, {"task": "hello", "options": limited}]})):
+            got = await api.post(path, json=body)
+            assert got.status_code == 403, got.text
+            assert "options.queue.concurrencyLimit" in got.json()["error"]["message"]
+        named = await api.post("/api/v1/tasks/hello/trigger",
+                               json={"payload": {}, "options": {"queue": {"name": "fresh"}}})
+        assert named.status_code == 200, named.text
+    async with api_client(h) as api:
+        assert await queue_limit(api, "limited") == 1
+        assert await queue_limit(api, "fresh") is None
+        victim = (await api.post("/api/v1/tasks/limited/trigger", json={"payload": {}})).json()["id"]
+    assert await h.engine.list_runs(h.env.env_id, tasks=["hello"], queues=["limited"], limit=10) == []
+    handed = [d.run.id for d in await h.engine.dequeue(h.env.worker_group_id, 10)]
+    assert victim in handed and named.json()["id"] in handed
+
+
+async def test_the_secret_key_still_sets_a_queues_concurrency_limit_by_trigger(h: Harness,
+                                                                               api: httpx.AsyncClient) -> None:
+    got = await api.post("/api/v1/tasks/hello/trigger",
+                         json={"payload": {}, "options": {"queue": {"name": "reports", "concurrencyLimit": 2}}})
+    assert got.status_code == 200, got.text
+    assert await queue_limit(api, "reports") == 2
