@@ -91,8 +91,11 @@ async def _queue(dash: Dash, form: dict[str, str]) -> TaskQueue:
 
 @action
 async def pause_queue(request: Request, dash: Dash, form: dict[str, str]) -> Response:
+    action = form.get("action")
+    if action not in ("pause", "resume"):  # a form with none (or another) did not mean to resume
+        raise ApiError(400, "invalid_input", "action: pause or resume")
     row = await _queue(dash, form)
-    if form.get("action") == "pause":
+    if action == "pause":
         await dash.ctx.engine.pause_queue(dash.env.id, row.name)
         return redirect(request, "/dashboard/queues", f"Paused {row.name}")
     await dash.ctx.engine.resume_queue(dash.env.id, row.name)
@@ -144,7 +147,10 @@ async def schedule_active(request: Request, dash: Dash, form: dict[str, str]) ->
     schedule_id = request.path_params["schedule_id"]
     if not looks_like_id(schedule_id, "sched"):
         raise ApiError(404, "not_found", "schedule not found")
-    active = form.get("action") == "activate"
+    action = form.get("action")
+    if action not in ("activate", "deactivate"):
+        raise ApiError(400, "invalid_input", "action: activate or deactivate")
+    active = action == "activate"
     row = await dash.ctx.engine.set_schedule_active(dash.env.id, schedule_id, active)
     done = "activated" if active else "deactivated"
     return redirect(request, "/dashboard/schedules", f"{row.task_id} ({row.cron}) {done}")

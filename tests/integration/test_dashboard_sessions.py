@@ -82,3 +82,25 @@ async def test_a_sign_out_redis_cannot_record_is_a_503_and_the_session_is_kept(
         assert "Sign out" in out.text and "re_session" not in out.headers.get("set-cookie", "")
         assert (await c.get("/dashboard/runs")).status_code == 200
         assert (await c.post("/dashboard/logout", data={"csrf": csrf})).status_code == 303
+
+
+async def test_a_queue_or_schedule_form_without_its_action_changes_nothing(h: Harness) -> None:
+    """A pause form with no action (or another) resumed the queue, and a schedule form deactivated."""
+    await h.engine.pause_queue(h.env.env_id, "task/hello")
+    schedule = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="0 * * * *")
+    try:
+        async with api_client(h) as c:
+            csrf = await sign_in(c, h.env.api_key)
+            for data in ({}, {"action": "unpause"}, {"action": ""}):
+                got = await c.post("/dashboard/queues/pause", data={"csrf": csrf, "queue": "task/hello", **data})
+                assert got.status_code == 400, got.text
+                got = await c.post(f"/dashboard/schedules/{schedule.id}/active", data={"csrf": csrf, **data})
+                assert got.status_code == 400, got.text
+            assert (await h.engine.task_queue(h.env.env_id, "task/hello")).paused  # type: ignore[union-attr]
+            assert (await h.engine.resources.repo.schedules.get(schedule.id)).active  # type: ignore[union-attr]
+            resumed = await c.post("/dashboard/queues/pause", data={"csrf": csrf, "queue": "task/hello",
+                                                                    "action": "resume"})
+            assert resumed.status_code == 303
+            assert not (await h.engine.task_queue(h.env.env_id, "task/hello")).paused  # type: ignore[union-attr]
+    finally:
+        await h.engine.resources.repo.schedules.delete(schedule.id, h.env.env_id)
