@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import quote, unquote
 
 import orjson
 from pydantic import BaseModel
@@ -126,9 +127,14 @@ async def handle_exception(request: Request, exc: Exception) -> Response:
 
 
 def redact(path: str) -> str:
-    """A path as it may be logged: a callback URL's signature is a credential."""
+    """A path as it may be logged: a callback URL's signature is a credential (also when the path
+    spells the route's slashes or letters percent-encoded: it is routed decoded)."""
     head, sep, _ = path.partition("/callback/")
-    return f"{head}{sep}[redacted]" if sep else path
+    if sep:
+        return f"{head}{sep}[redacted]"
+    if "%" in path and "/callback/" in (decoded := unquote(path)):
+        return quote(decoded.partition("/callback/")[0], safe="/") + "/callback/[redacted]"
+    return path
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

@@ -76,6 +76,10 @@ def test_callback_signatures_are_never_logged() -> None:
     assert redact("/api/v1/waitpoints/tokens/waitpoint_x/callback/SECRETSIG") == \
         "/api/v1/waitpoints/tokens/waitpoint_x/callback/[redacted]"
     assert redact("/api/v3/runs/run_x") == "/api/v3/runs/run_x"
+    # routed decoded: its slashes or letters percent-encoded, the signature is still there
+    for spelled in ("callback%2FSECRETSIG", "%63allback/SECRETSIG", "callback%2fSECRETSIG"):
+        logged = redact(f"/api/v1/waitpoints/tokens/waitpoint_x/{spelled}")
+        assert "SECRETSIG" not in logged and logged.endswith("/callback/[redacted]"), logged
 
 
 async def test_a_large_body_is_scanned_off_the_loop_and_still_names_the_field() -> None:
