@@ -5,7 +5,7 @@ run is never expired (it has started once)."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from run_engine.db.runs import DebounceReplacement, RunRow
@@ -65,7 +65,12 @@ class DelayedRunsSystem:
                                     {"reason": "delay"}, attempt=result.run.attempt_number))
 
     async def reschedule(self, run_id: str, env_id: str, delay_until: datetime) -> RunRow:
-        """Move a DELAYED run's date (and its TTL with it); InvalidTransitionError otherwise."""
+        """Move a DELAYED run's date (and its TTL with it); InvalidTransitionError otherwise. A date
+        already past is now, as it is for a trigger: kept as given, the TTL counted from it would
+        have passed already (the run expired as soon as it was queued) and the run would take a
+        place in its queue ahead of the runs queued since that date."""
+        now = datetime.fromtimestamp(self.r.clock.now(), UTC)
+        delay_until = max(delay_until, now)
         async with self.r.locker.lock("reschedule", run_id):
             run = await self.r.repo.runs.get_run(run_id, env_id)
             if run is None:

@@ -194,3 +194,23 @@ async def test_a_trigger_repeated_with_its_key_gets_its_run_back_while_the_queue
     assert again.id == first.id and again.is_cached
     with pytest.raises(QueueFullError):  # a run it would make is still refused
         await h.engine.trigger(req(h, idempotency_key="order-2"))
+
+
+async def test_a_run_rescheduled_to_a_date_past_is_run_not_expired(h: Harness) -> None:
+    """A trigger with a delay date already past makes a run queued now (its TTL counted from now);
+    a reschedule to such a date (``POST …/reschedule {delay: "<yesterday>"}``, the dashboard's) is
+    "now" too: the date kept as given made the TTL, counted from it, already passed (the run was
+    expired the moment it was enqueued) and put the run ahead of its queue by that much."""
+    waiting = await h.engine.trigger(req(h))  # queued before the reschedule: it stays ahead
+    run = await h.engine.trigger(req(h, delay_until=at(h, 60), ttl_s=600))
+    h.clock.advance(1)
+    rescheduled = await h.engine.reschedule(h.env.env_id, run.id, at(h, -3600))  # "run it now" (an hour-old date)
+    await h.advance(0.1)
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.status == "QUEUED", f"{row and row.status}: rescheduled to run now"
+    assert rescheduled.delay_until is not None
+    assert rescheduled.delay_until.timestamp() == pytest.approx(h.clock.now() - 0.1)  # the date is now
+    await h.advance(598)  # its TTL runs from now, not from an hour ago
+    assert (await h.engine.get_run(run.id)).status == "QUEUED"  # type: ignore[union-attr]
+    got = [d.run.id for d in await h.engine.dequeue(h.env.worker_group_id, 5)]
+    assert got == [waiting.id, run.id]  # its place in the queue is now, not an hour ago
