@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 E = ExecutionStatus
 #: statuses a TTL expires: never started, not running
 EXPIRABLE = (E.QUEUED, E.DELAYED, E.PENDING_VERSION)
+#: the least a TTL job that found its run handed out (or being handed out) waits to look again
+RECHECK_S = 1.0
 
 
 class DelayedRunsSystem:
@@ -114,19 +116,36 @@ class DelayedRunsSystem:
 
     async def expire(self, run_id: str) -> bool:
         """The TTL passed: a run that never started ends EXPIRED (its parent's wait, if any, ends
-        with that error). True if it expired."""
+        with that error). True if it expired.
+
+        A run handed out to a worker but not started (PENDING_EXECUTING, attempt 0) is not expired:
+        it may yet start in time. Nor is the TTL given up: its worker may never start it, and the
+        PENDING_EXECUTING timeout then puts it back in the queue, never started, long past its TTL;
+        so the job is moved to just after that timeout, to look again (as often as the run is
+        handed out again). A started run (attempt ≥ 1: a retry, a restore) is never expired. The
+        job is moved, not made anew, within the job's own handling: a process that dies first
+        leaves the job claimed, and it is delivered again."""
         async with self.r.locker.lock("expire", run_id):
             found = await self.r.run_with_latest(run_id)
-            if found is None or found[1].engine_status not in EXPIRABLE or found[1].attempt_number > 0:
+            if found is None or found[1].attempt_number > 0:
                 return False
             run, latest = found
-            if run.ttl_s is None:  # none (any more: redriven from the DLQ): a job left behind
-                return False
+            status = latest.engine_status
+            if run.ttl_s is None or (status not in EXPIRABLE and status != E.PENDING_EXECUTING):
+                return False  # no TTL (any more: redriven from the DLQ), or finished: a job left behind
+            now = self.r.clock.now()
             # a job of an earlier date (the run was rescheduled or debounced, and the process died
             # before moving the job): not yet; the job goes to the date the TTL ends
             ends = (run.delay_until or run.created_at).timestamp() + run.ttl_s
-            if ends > self.r.clock.now() + 0.001:
+            if ends > now + 0.001:
                 await self.r.change_jobs(schedule=[engine_jobs.ttl(run_id, run.env_id, ends)])
+                return False
+            if status == E.PENDING_EXECUTING:
+                timeout = self.r.settings.heartbeat_timeout_s(E.PENDING_EXECUTING) or 60.0
+                requeued_by = latest.created_at.timestamp() + timeout + RECHECK_S
+                # past it (the timeout's job is late, or was put off): a whole timeout later
+                again = requeued_by if requeued_by > now + RECHECK_S else now + timeout
+                await self.r.change_jobs(schedule=[engine_jobs.ttl(run_id, run.env_id, again)])
                 return False
             # the snapshot first (a dequeue takes no lock: one that got in first wins, and this one
             # changes nothing); a message handed out after it is dropped by that dequeue
@@ -136,6 +155,9 @@ class DelayedRunsSystem:
                     description="TTL passed before the run started",
                     error={"type": "EXPIRED", "message": f"the run was not started within its TTL of {run.ttl_s}s"})
             except StaleSnapshotError:
-                return False  # dequeued meanwhile: it started in time
+                # dequeued meanwhile: handed out, not yet started; look again soon (a start then
+                # leaves it alone, a handed-out run is looked at again as above)
+                await self.r.change_jobs(schedule=[engine_jobs.ttl(run_id, run.env_id, now + RECHECK_S)])
+                return False
             await self.r.queue.remove(run.env_id, run_id)
         return True

@@ -214,3 +214,55 @@ async def test_a_run_rescheduled_to_a_date_past_is_run_not_expired(h: Harness) -
     assert (await h.engine.get_run(run.id)).status == "QUEUED"  # type: ignore[union-attr]
     got = [d.run.id for d in await h.engine.dequeue(h.env.worker_group_id, 5)]
     assert got == [waiting.id, run.id]  # its place in the queue is now, not an hour ago
+
+
+async def test_a_run_handed_out_but_never_started_still_expires_after_its_requeue(h: Harness) -> None:
+    """The TTL job finds the run PENDING_EXECUTING (handed out, not started): it looks again at the
+    PENDING_EXECUTING timeout instead of giving up for good, so a run its worker never starts,
+    requeued QUEUED (attempt 0), is expired then rather than waiting past its TTL for ever."""
+    run = await h.engine.trigger(req(h, ttl_s=10))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)  # a worker takes it, then dies
+    await h.advance(11)  # the TTL passes while it is handed out: not expired (it may yet start)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "PENDING_EXECUTING"
+    await h.advance(49.5)  # the PENDING_EXECUTING timeout (60 s): back to the queue, never started
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED"
+    await h.advance(1)  # the TTL job looks again just after that timeout
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.status == "EXPIRED", f"{row and row.status} a minute past a TTL of 10 s"
+    assert await h.statuses(run.id) == ["QUEUED", "PENDING_EXECUTING", "QUEUED", "FINISHED"]
+    assert await h.engine.resources.queue.has_messages([(h.env.env_id, run.id)]) == [False]
+
+
+async def test_a_requeued_run_whose_ttl_job_was_lost_gets_it_back(h: Harness) -> None:
+    """Whatever became of its TTL job while it was handed out, a run requeued without having
+    started gets the job back from the reconciler's re-arm of lost jobs."""
+    from systems import engine_jobs
+
+    run = await h.engine.trigger(req(h, ttl_s=10))
+    await h.engine.dequeue(h.env.worker_group_id, 5)
+    await h.engine.resources.jobs.ack(engine_jobs.ttl_id(run.id))  # lost
+    await h.advance(61)  # requeued
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED"
+    assert await h.engine.systems.reconciler.rearm_jobs(0, full=True) >= 1
+    await h.advance(1)
+    assert (await h.engine.get_run(run.id)).status == "EXPIRED"  # type: ignore[union-attr]
+
+
+async def test_a_run_started_after_its_ttl_passed_while_handed_out_is_never_expired(h: Harness) -> None:
+    """The TTL passes while the run is handed out; its worker then starts it: a TTL job that still
+    fires later (re-armed meanwhile, or racing the start's cancel) leaves it and its retries alone."""
+    from systems import engine_jobs
+
+    run = await h.engine.trigger(req(h, ttl_s=10))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    await h.advance(11)  # the TTL job fires while PENDING_EXECUTING
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    late = [engine_jobs.ttl(run.id, h.env.env_id, h.clock.now() + 1)]
+    await h.engine.resources.change_jobs(schedule=late)  # a job armed again after the start's cancel
+    await h.advance(2)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "EXECUTING"
+    out = await h.engine.complete_attempt(run.id, s.snapshot.id, ok=False, error={"type": "E", "message": "x"})
+    assert out.action == "retry"
+    await h.engine.resources.change_jobs(schedule=[engine_jobs.ttl(run.id, h.env.env_id, h.clock.now() + 1)])
+    await h.advance(120)  # queued again for its retry: attempt 1 is never expired
+    assert (await h.engine.get_run(run.id)).status == "QUEUED"  # type: ignore[union-attr]
