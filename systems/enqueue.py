@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -424,10 +425,15 @@ class EnqueueSystem:
                 raise QueueFullError(env_id, queued, n, limit)
 
     def _ttl(self, ttl_s: float | None) -> float | None:
+        """The run's TTL, in whole seconds (it is stored so): the one asked for, rounded down, at
+        most ``max_ttl_s``. A TTL of 0 (or under a second) is none of the run's own, as in
+        Trigger.dev, whose SDK and server drop a ttl of 0 (``stringifyDuration``): the run then
+        has ``max_ttl_s``, the default, like a run triggered without one (it was expired at once)."""
         cap = self.r.settings.max_ttl_s
-        if ttl_s is None:
+        if ttl_s is None or ttl_s < 1:
             return cap
-        return ttl_s if cap is None else min(ttl_s, cap)
+        own = float(math.floor(ttl_s))
+        return own if cap is None else min(own, cap)
 
     def _queue_timestamp(self, now: float) -> datetime:
         """``now`` with microseconds, strictly increasing in this process, so that runs
@@ -461,6 +467,8 @@ class EnqueueSystem:
             raise ValidationError("queue", "must be 1..128 characters")
         if req.priority_s < 0:
             raise ValidationError("priority_s", "must be >= 0")
+        if req.ttl_s is not None and not req.ttl_s >= 0:
+            raise ValidationError("ttl_s", "must be >= 0")
         if req.max_attempts is not None and req.max_attempts < 1:
             raise ValidationError("max_attempts", "must be >= 1")
         if len(req.tags) > 10:

@@ -266,3 +266,40 @@ async def test_a_run_started_after_its_ttl_passed_while_handed_out_is_never_expi
     await h.engine.resources.change_jobs(schedule=[engine_jobs.ttl(run.id, h.env.env_id, h.clock.now() + 1)])
     await h.advance(120)  # queued again for its retry: attempt 1 is never expired
     assert (await h.engine.get_run(run.id)).status == "QUEUED"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("ttl", [0, "0s", 0.5])
+async def test_a_ttl_of_zero_is_no_ttl_not_an_expiry_at_once(h: Harness, ttl: object) -> None:
+    """Trigger.dev's SDK and server drop a numeric ttl of 0 (the run has none); here ``ttl: 0``
+    (or ``"0s"``, or under a second) expired the run the moment it was queued."""
+    from .conftest import api_client
+
+    async with api_client(h) as api:
+        answer = await api.post("/api/v1/tasks/hello/trigger", json={"payload": {}, "options": {"ttl": ttl}})
+        assert answer.status_code == 200, answer.text
+        run_id = answer.json()["id"]
+        await h.advance(3600)
+        row = await h.engine.get_run(run_id)
+        assert row is not None and row.status == "QUEUED" and row.ttl_s is None, f"{row and row.status}"
+        shown = (await api.get(f"/api/v3/runs/{run_id}")).json()
+        assert shown.get("ttl") is None
+        negative = await api.post("/api/v1/tasks/hello/trigger", json={"payload": {}, "options": {"ttl": -1}})
+        assert negative.status_code == 400 and "ttl" in negative.text
+
+
+async def test_a_ttl_is_whole_seconds_and_zero_leaves_the_cap(make_engine) -> None:  # type: ignore[no-untyped-def]
+    h: Harness = await make_engine(max_ttl_s=20)
+    await h.deploy({"id": "hello"})
+    await h.engine.pause_queue(h.env.env_id, "task/hello")
+    zero = await h.engine.trigger(req(h, ttl_s=0))  # no TTL of its own: the installation's cap
+    fraction = await h.engine.trigger(req(h, ttl_s=5.7))
+    assert (await h.engine.get_run(fraction.id)).ttl_s == 5  # type: ignore[union-attr]
+    await h.advance(5.2)
+    assert (await h.engine.get_run(fraction.id)).status == "EXPIRED"  # type: ignore[union-attr]
+    assert (await h.engine.get_run(zero.id)).status == "QUEUED"  # type: ignore[union-attr]
+    await h.advance(15)
+    assert (await h.engine.get_run(zero.id)).status == "EXPIRED"  # type: ignore[union-attr]
+    from run_engine.errors import ValidationError
+
+    with pytest.raises(ValidationError):
+        await h.engine.trigger(req(h, ttl_s=-1))
