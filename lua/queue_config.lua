@@ -6,40 +6,69 @@
 -- ARGV[1] B, ARGV[2] op, ARGV[3] env, ARGV[4] queue ('' for env_limit), ARGV[5] value ('' = unset)
 --   ops: env_limit | queue_limit | key_limit | pause | resume | rate_limit (value "T,tau": emission
 --   interval and burst tolerance in ms, '' = none)
--- returns: 1
+--   op settings: every setting of a queue at once, ARGV[5] its version in PostgreSQL ('' = none),
+--   ARGV[6] limit, ARGV[7] key limit, ARGV[8] rate ("T,tau" or ''), ARGV[9] paused ('1'/'0'),
+--   ARGV[10] '1' for a repair. The version is kept in the queue's meta (`sv`); settings older than
+--   it are ignored, and so are settings of the same version but for a repair (the reconciler's, which
+--   found the queue's settings unlike PostgreSQL's at that version: written by a process of the
+--   version before this one, which knows no versions)
+-- returns: 1 (settings: 0 when ignored)
 local op, env, q, value = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 
-local function put(hkey, field)
-  if value == '' then redis.call('HDEL', hkey, field) else redis.call('HSET', hkey, field, value) end
+local function put(hkey, field, v)
+  if v == '' then redis.call('HDEL', hkey, field) else redis.call('HSET', hkey, field, v) end
+end
+
+local function parse_rate(v)
+  if v == '' then return true end
+  return string.match(v, '^(%d+),(%d+)$')
+end
+
+local function set_rate(qm, v)
+  if v == '' then
+    redis.call('HDEL', qm, 'rate_t', 'rate_tau', 'tat')
+    return
+  end
+  local t, tau = string.match(v, '^(%d+),(%d+)$')
+  local was = redis.call('HMGET', qm, 'rate_t', 'rate_tau')
+  redis.call('HSET', qm, 'rate_t', t, 'rate_tau', tau)
+  -- a new rate starts afresh: the arrival time the old one reached (a day ahead, for one a day)
+  -- would hold the queue back by the old rate (the same rate set again keeps it)
+  if was[1] ~= t or was[2] ~= tau then redis.call('HDEL', qm, 'tat') end
 end
 
 if op == 'env_limit' then
-  put(ekey(env) .. ':meta', 'limit')
+  put(ekey(env) .. ':meta', 'limit', value)
   unpark_env(env)
 elseif op == 'queue_limit' then
-  put(qkey(env, q) .. ':meta', 'limit')
+  put(qkey(env, q) .. ':meta', 'limit', value)
   unpark_queue(env, q)
 elseif op == 'key_limit' then
-  put(qkey(env, q) .. ':meta', 'key_limit')
+  put(qkey(env, q) .. ':meta', 'key_limit', value)
   unpark_keys(env, q)
 elseif op == 'rate_limit' then
-  local qm = qkey(env, q) .. ':meta'
-  if value == '' then
-    redis.call('HDEL', qm, 'rate_t', 'rate_tau', 'tat')
-  else
-    local t, tau = string.match(value, '^(%d+),(%d+)$')
-    if not t then return redis.error_reply('rate_limit value must be "T,tau"') end
-    local was = redis.call('HMGET', qm, 'rate_t', 'rate_tau')
-    redis.call('HSET', qm, 'rate_t', t, 'rate_tau', tau)
-    -- a new rate starts afresh: the arrival time the old one reached (a day ahead, for one a day)
-    -- would hold the queue back by the old rate (the same rate set again keeps it)
-    if was[1] ~= t or was[2] ~= tau then redis.call('HDEL', qm, 'tat') end
-  end
+  if not parse_rate(value) then return redis.error_reply('rate_limit value must be "T,tau"') end
+  set_rate(qkey(env, q) .. ':meta', value)
   unpark_queue(env, q) -- parked ahead of the old rate: the next dequeue weighs it by the new one
 elseif op == 'pause' then
   redis.call('HSET', qkey(env, q) .. ':meta', 'paused', 1)
 elseif op == 'resume' then
   redis.call('HDEL', qkey(env, q) .. ':meta', 'paused')
+  unpark_queue(env, q)
+elseif op == 'settings' then
+  if not parse_rate(ARGV[8]) then return redis.error_reply('settings rate must be "T,tau"') end
+  local qm = qkey(env, q) .. ':meta'
+  if value ~= '' then
+    local have = tonumber(redis.call('HGET', qm, 'sv') or '')
+    local version = tonumber(value)
+    if have and (version < have or (version == have and ARGV[10] ~= '1')) then return 0 end
+    redis.call('HSET', qm, 'sv', value) -- as given: a double's text would round its digits
+  end
+  put(qm, 'limit', ARGV[6])
+  put(qm, 'key_limit', ARGV[7])
+  set_rate(qm, ARGV[8])
+  if ARGV[9] == '1' then redis.call('HSET', qm, 'paused', 1) else redis.call('HDEL', qm, 'paused') end
+  unpark_keys(env, q)
   unpark_queue(env, q)
 else
   return redis.error_reply('unknown op ' .. op)

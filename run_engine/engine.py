@@ -526,12 +526,19 @@ class RunEngine:
             tasks=tasks, queues=queues)
 
     async def pause_queue(self, env_id: str, queue: str) -> None:
-        await self.resources.repo.deployments.set_queue_paused(env_id, queue, True)
-        await self.resources.queue.pause(env_id, queue)
+        await self._set_queue_paused(env_id, queue, True)
 
     async def resume_queue(self, env_id: str, queue: str) -> None:
-        await self.resources.repo.deployments.set_queue_paused(env_id, queue, False)
-        await self.resources.queue.resume(env_id, queue)
+        await self._set_queue_paused(env_id, queue, False)
+
+    async def _set_queue_paused(self, env_id: str, queue: str, paused: bool) -> None:
+        """PostgreSQL first, then its row (with its settings' version) copied to Redis: a copy of an
+        older row by another process (a trigger's) arriving later is ignored there; a copy that
+        fails here is an error for the caller, and the reconciler copies the row again."""
+        row = await self.resources.repo.deployments.set_queue_paused(env_id, queue, paused)
+        if row is None:
+            raise NotFoundError("queue", queue)
+        await self.systems.enqueue.mirror_queue(row)
 
     async def task_queue(self, env_id: str, name: str) -> TaskQueue | None:
         return await self.resources.repo.deployments.task_queue(env_id, name)

@@ -99,6 +99,14 @@ class _TaskInfo:
     fetched_at: float = field(default_factory=time.monotonic)
 
 
+def _settings(row: TaskQueue) -> QueueSettings:
+    """What the run queue holds of a task queue: its effective limit, key limit, rate limit and
+    pause, with their version."""
+    rate = RateLimit(r.limit, r.period_ms, r.burst) if (r := row.rate_limit) else None
+    return QueueSettings(row.env_id, row.name, row.effective_limit, row.concurrency_key_limit, rate, row.paused,
+                         row.settings_version)
+
+
 def _remember(cache: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
     """Put ``key`` in a bounded cache, forgetting the oldest entry when it is full: task ids and
     queue names are chosen by tenants, so the caches must not grow with what they send."""
@@ -189,16 +197,20 @@ class EnqueueSystem:
         _remember(self._queues, (env_id, name), None, self.CACHE_SIZE)
 
     async def mirror_queue(self, row: TaskQueue) -> None:
-        """Copy a task queue's effective limit (override, else deployed) and pause flag to Redis."""
+        """Copy a task queue's effective limit (override, else deployed), rate limit and pause flag
+        to Redis, with their version: Redis keeps a newer copy (another process's, made after an
+        operator's change that this row, read before it, does not have)."""
         await self.mirror_queue_rows([row])
 
-    async def mirror_queue_rows(self, rows: Sequence[TaskQueue]) -> None:
-        """:meth:`mirror_queue` for many queues, in pipelined round trips."""
-        await self.r.queue.configure_queues([
-            QueueSettings(row.env_id, row.name, row.effective_limit, row.concurrency_key_limit,
-                          RateLimit(r.limit, r.period_ms, r.burst) if (r := row.rate_limit) else None, row.paused)
-            for row in rows
-        ])
+    async def mirror_queue_rows(self, rows: Sequence[TaskQueue], *, repair: bool = False) -> None:
+        """:meth:`mirror_queue` for many queues, in pipelined round trips (``repair``: also over a
+        copy of the same version, found unlike the row)."""
+        await self.r.queue.configure_queues([_settings(row) for row in rows], repair=repair)
+
+    async def stale_queue_rows(self, rows: Sequence[TaskQueue]) -> list[TaskQueue]:
+        """The queues of ``rows`` whose copy in Redis is behind the row (see RunQueue.stale_settings)."""
+        stale = await self.r.queue.stale_settings([_settings(row) for row in rows])
+        return [row for row, behind in zip(rows, stale, strict=True) if behind]
 
     async def mirror_queues(self, env_id: str, names: Sequence[str] | None = None) -> None:
         """Mirror the environment's queues ``names`` (every queue of it when None: a restore of Redis)."""

@@ -11,7 +11,10 @@ PostgreSQL is the system of record; the Redis queue is rebuilt from it when they
 * a PENDING_VERSION run whose task the current deployment has (it was created from a stale cache
   while that deployment registered, after the registration promoted the runs waiting for it) is
   enqueued;
-* a slot held by a run that is finished or suspended (its ack was lost) is freed.
+* a slot held by a run that is finished or suspended (its ack was lost) is freed;
+* a queue whose settings in Redis are behind PostgreSQL's (a write to Redis that failed, or a
+  process that died, after PostgreSQL's: a pause shown but not applied) is copied again: the queues
+  changed lately, by their settings' version, and the next ``reconcile_budget`` of all of them.
 Each scan reads at most ``reconcile_budget`` rows a pass and goes on where the previous pass
 stopped (wrapping at the end), so a pass costs the same whatever the backlog; after Redis lost its
 data a pass reads everything at once, and the first pass ``reconcile_grace_s`` later reads it all
@@ -30,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from run_engine.db.deployments import TaskQueue
 from run_engine.db.runs import RunRow, Snapshot
 from run_engine.statuses import ExecutionStatus
 from systems import engine_jobs
@@ -47,6 +51,12 @@ log = logging.getLogger(__name__)
 BULK_PAGE = 1000  # bulk actions under way re-armed per query
 RETENTION_PASS_S = 20.0  # of deleting finished runs, per retention pass
 SLOT_PAGE = 500  # environments whose slots in use are counted per round trip
+#: a queue's settings change is compared again for this long (its version is PostgreSQL's clock when
+#: its statement ran, a moment before it commits)
+SETTINGS_LAG_S = 60.0
+#: a new leader's first pass compares the settings changed this long before it (the walk of every
+#: queue, ``reconcile_budget`` a pass, finds the others)
+SETTINGS_LOOKBACK_S = 3600.0
 T = TypeVar("T")
 E = ExecutionStatus
 #: execution statuses in which a run legitimately holds a queue slot
@@ -62,6 +72,7 @@ class ReconcileReport:
     pending_version_enqueued: int = 0
     slots_freed: int = 0
     settings_restored: int = 0
+    settings_repaired: int = 0  # queues whose settings in Redis were behind PostgreSQL's
     jobs_rearmed: int = 0
     scanned: int = 0  # QUEUED runs read
 
@@ -81,6 +92,7 @@ class ReconcilerSystem:
         self._cursors: dict[str, str] = {}  # scan → the last id read (leader-local: a new leader starts over)
         # env → {run → latest snapshot id}: runs the last pass saw holding a slot they should not
         self._slot_suspects: dict[str, dict[str, str | None]] = {}
+        self._settings_since: int | None = None  # µs of PostgreSQL's clock: settings changed since, to compare
 
     async def _pages(self, scan: str, fetch: Callable[[str, int], Awaitable[Sequence[T]]],
                      key: Callable[[T], str], full: bool) -> AsyncIterator[Sequence[T]]:
@@ -124,7 +136,8 @@ class ReconcilerSystem:
         queue_epoch = await self.r.queue.epoch()
         jobs_epoch = None if queue_epoch is None else await self.r.jobs.epoch()
         queue_full = _everything_due(queue_epoch, began)
-        if queue_epoch is None:
+        restored = queue_epoch is None
+        if restored:
             report.settings_restored = await self._restore_settings()
         if queue_full:
             full = True
@@ -135,7 +148,8 @@ class ReconcilerSystem:
         queued_done = False
         steps: tuple[Callable[[], Awaitable[None]], ...] = (
             lambda: self._queued_runs(grace, report, full), lambda: self._delayed_runs(grace, report),
-            lambda: self._pending_version_runs(grace, report), lambda: self._slots(report, grace))
+            lambda: self._pending_version_runs(grace, report), lambda: self._slots(report, grace),
+            lambda: self._queue_settings(report, full and not restored))
         for i, step in enumerate(steps):
             try:
                 await step()
@@ -145,7 +159,7 @@ class ReconcilerSystem:
         if queue_full and queued_done:  # (the other steps are as in any pass: never all of them)
             await self.r.queue.mark_epoch(_recheck_at(queue_epoch, began, grace))
         if (report.requeued_missing or report.requeued_stuck or report.delayed_enqueued or report.slots_freed
-                or report.jobs_rearmed or report.pending_version_enqueued):
+                or report.jobs_rearmed or report.pending_version_enqueued or report.settings_repaired):
             log.warning("reconciler repaired the queue: %s", report)
         return report
 
@@ -178,6 +192,36 @@ class ReconcilerSystem:
                 await self.r.queue.set_env_limit(env_id, row.concurrency_limit)
             await self.enqueue.mirror_queues(env_id)
         return len(envs)
+
+    async def _queue_settings(self, report: ReconcileReport, full: bool) -> None:
+        """Copy again to Redis the settings of the queues whose copy there is behind PostgreSQL's:
+        among the queues whose settings changed since the previous pass (by their version; a new
+        leader: in the last SETTINGS_LOOKBACK_S), and the next ``reconcile_budget`` queues of all
+        (``full``: all of them). A copy newer than the row read meanwhile (an operator's change
+        just made) is kept by Redis."""
+        deployments = self.r.repo.deployments
+        now_us = await deployments.clock_us()
+        since = self._settings_since
+        if since is None:
+            since = now_us - int(SETTINGS_LOOKBACK_S * 1_000_000)
+        after: tuple[int, str] | None = None
+        while True:
+            page = await deployments.queues_changed_since(since, after, self.PAGE)
+            await self._repair_settings(page, report)
+            if len(page) < self.PAGE:
+                break
+            after = (page[-1].settings_version, page[-1].id)
+        self._settings_since = now_us - int(SETTINGS_LAG_S * 1_000_000)  # only once compared
+        async for rows in self._pages("queue settings", deployments.queues_page, lambda row: row.id, full):
+            await self._repair_settings(rows, report)
+
+    async def _repair_settings(self, rows: Sequence[TaskQueue], report: ReconcileReport) -> None:
+        stale = await self.enqueue.stale_queue_rows(rows)
+        if stale:
+            await self.enqueue.mirror_queue_rows(stale, repair=True)
+            report.settings_repaired += len(stale)
+            log.warning("reconciler: the settings of queues %s in Redis were behind PostgreSQL's; copied again",
+                        [(row.env_id, row.name) for row in stale[:10]])
 
     async def _queued_runs(self, grace: float, report: ReconcileReport, full: bool) -> None:
         async def fetch(after: str, limit: int) -> list[RunRow]:

@@ -103,6 +103,9 @@ class TaskQueue:
     rate_limit: RateLimitSpec | None
     paused: bool
     created_at: datetime
+    #: moved on by every change of the settings above (PostgreSQL's clock in µs, and always more than
+    #: the one before: migration 0034's trigger); the run queue keeps the newest copy it was given
+    settings_version: int = 0
 
     @property
     def effective_limit(self) -> int | None:
@@ -295,12 +298,15 @@ class DeploymentRepository:
                    ORDER BY environment_id, name LIMIT %s""", (list(env_ids), limit))
             return [(str(r[0]), str(r[1])) for r in await cur.fetchall()]
 
-    async def set_queue_paused(self, env_id: str, name: str, paused: bool) -> bool:
+    async def set_queue_paused(self, env_id: str, name: str, paused: bool) -> TaskQueue | None:
+        """The queue as it is once paused (or resumed), with its settings' version; None if missing."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute(
-                "UPDATE task_queue SET paused = %s WHERE environment_id = %s AND name = %s", (paused, env_id, name)
-            )
-            return cur.rowcount > 0
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                "UPDATE task_queue SET paused = %s WHERE environment_id = %s AND name = %s RETURNING *",
+                (paused, env_id, name))
+            row = await cur.fetchone()
+            return None if row is None else _queue(row)
 
     async def set_queue_override(self, env_id: str, name: str, limit: int | None) -> TaskQueue | None:
         async with self.pool.connection() as conn:
@@ -312,3 +318,31 @@ class DeploymentRepository:
             )
             row = await cur.fetchone()
             return None if row is None else _queue(row)
+
+    async def clock_us(self) -> int:
+        """PostgreSQL's clock in µs, the clock of the queues' settings versions."""
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint")).fetchone()
+            assert row is not None
+            return int(row[0])
+
+    async def queues_changed_since(self, since_us: int, after: tuple[int, str] | None,
+                                   limit: int) -> list[TaskQueue]:
+        """Queues of every environment whose settings changed at or after ``since_us`` (by their
+        version), ordered by (version, id), after ``after``."""
+        after_version, after_id = after if after is not None else (since_us - 1, "")
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT * FROM task_queue
+                   WHERE settings_version >= %s AND (settings_version, id) > (%s, %s)
+                   ORDER BY settings_version, id LIMIT %s""", (since_us, after_version, after_id, limit))
+            return [_queue(r) for r in await cur.fetchall()]
+
+    async def queues_page(self, after_id: str, limit: int) -> list[TaskQueue]:
+        """Queues of every environment, by id after ``after_id``."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_queue WHERE id > %s ORDER BY id LIMIT %s", (after_id, limit))
+            return [_queue(r) for r in await cur.fetchall()]

@@ -53,7 +53,9 @@ class RateLimit:
 @dataclass(frozen=True, slots=True)
 class QueueSettings:
     """Everything the run queue holds of one queue's settings, to set at once
-    (:meth:`RunQueue.configure_queues`): ``None`` unsets a limit."""
+    (:meth:`RunQueue.configure_queues`): ``None`` unsets a limit. ``version`` (the settings'
+    version in PostgreSQL) makes the run queue ignore these settings when it holds a newer copy
+    (a copy of the same version too, but for a repair); None sets them whatever it holds."""
 
     env_id: str
     queue: str
@@ -61,6 +63,7 @@ class QueueSettings:
     key_limit: int | None = None
     rate_limit: RateLimit | None = None
     paused: bool = False
+    version: int | None = None
 
 
 @record

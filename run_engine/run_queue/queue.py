@@ -331,22 +331,50 @@ class RunQueue:
     async def resume(self, env_id: str, queue: str) -> None:
         await self._configure("resume", env_id, queue, None)
 
-    async def configure_queues(self, settings: Sequence[QueueSettings]) -> None:
+    async def configure_queues(self, settings: Sequence[QueueSettings], *, repair: bool = False) -> list[bool]:
         """Set every setting of each queue (limits, rate limit, paused) as the single-setting
-        methods above do, in pipelined round trips of ``CONFIGURE_CHUNK`` script calls."""
+        methods above do, one script call a queue, in pipelined round trips of ``CONFIGURE_CHUNK``.
+        A queue whose settings carry a ``version`` keeps those it has when they are newer, or of
+        that version (``repair``: only when newer). Whether each queue's settings were set."""
         calls: list[Call] = []
         for s in settings:
             keys, base = self._shard_args(s.env_id)
-            env, queue = encode_name(s.env_id), encode_name(s.queue)
-            rate = "" if s.rate_limit is None else ",".join(str(x) for x in s.rate_limit.gcra())
-            calls += [
-                (keys, [base, "queue_limit", env, queue, "" if s.limit is None else s.limit]),
-                (keys, [base, "key_limit", env, queue, "" if s.key_limit is None else s.key_limit]),
-                (keys, [base, "rate_limit", env, queue, rate]),
-                (keys, [base, "pause" if s.paused else "resume", env, queue, ""]),
-            ]
+            calls.append((keys, [base, "settings", encode_name(s.env_id), encode_name(s.queue),
+                                 "" if s.version is None else s.version, *self._settings_fields(s),
+                                 "1" if repair else "0"]))
+        done: list[bool] = []
         for start in range(0, len(calls), self.CONFIGURE_CHUNK):
-            await self._config.call_many(self.redis, calls[start:start + self.CONFIGURE_CHUNK])
+            chunk = calls[start:start + self.CONFIGURE_CHUNK]
+            done += [bool(x) for x in await self._config.call_many(self.redis, chunk)]
+        return done
+
+    @staticmethod
+    def _settings_fields(s: QueueSettings) -> list[str]:
+        """What the queue's meta holds of ``s``: limit, key_limit, rate ("T,tau") and paused ('1'/'0')."""
+        return ["" if s.limit is None else str(s.limit), "" if s.key_limit is None else str(s.key_limit),
+                "" if s.rate_limit is None else ",".join(str(x) for x in s.rate_limit.gcra()),
+                "1" if s.paused else "0"]
+
+    async def stale_settings(self, settings: Sequence[QueueSettings]) -> list[bool]:
+        """Whether each queue's settings in Redis are behind ``settings`` (PostgreSQL's, with their
+        version): of an older version (or none), or of this version but unlike them (written by a
+        process that knows no versions). One pipelined round trip."""
+        if not settings:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for s in settings:
+            pipe.hmget(f"{self.keys.queue(s.env_id, s.queue)}:meta", "sv", "limit", "key_limit", "rate_t",
+                       "rate_tau", "paused")
+        stale = []
+        for s, (sv, limit, key_limit, rate_t, rate_tau, paused) in zip(settings, await pipe.execute(), strict=True):
+            have = None if sv is None else int(_s(sv))
+            if s.version is None or have is None or have != s.version:
+                stale.append(s.version is None or have is None or have < s.version)
+                continue
+            rate = "" if rate_t is None else f"{_s(rate_t)},{_s(rate_tau)}"
+            held = [_s(limit), _s(key_limit), rate, "1" if _s(paused) == "1" else "0"]
+            stale.append(held != self._settings_fields(s))
+        return stale
 
     async def queue_stats(self, env_id: str, queue: str) -> QueueStats:
         qk = self.keys.queue(env_id, queue)
