@@ -193,14 +193,16 @@ local function after_pop(env, q, ck, r, kvt)
     redis.call('ZADD', r .. ':heads', head[2], ck)
   else
     redis.call('ZREM', r .. ':heads', ck)
-    if kvt > clocks[r .. ':vt'] then redis.call('HSET', r .. ':kvt', ck, kvt) end
     redis.call('ZREM', r .. ':ks', ck)
   end
   local qhead = redis.call('ZRANGE', r .. ':heads', 0, 0, 'WITHSCORES')
   if qhead[1] then
+    -- the key went idle, others are still active: it keeps its time if ahead (save_key_time)
+    if not head[1] and kvt > clocks[r .. ':vt'] then save_key_time(r, ck, kvt) end
     -- the env still has this ready queue and is listed: nothing to change at its level
     redis.call('ZADD', g .. ':e:' .. env .. ':qs', qhead[2], q)
   else
+    forget_key_times(r) -- no key of the queue is active (:heads and :ks hold the same keys)
     redis.call('ZREM', g .. ':e:' .. env .. ':qs', q)
     refresh_env(wg, env)
   end

@@ -9,7 +9,7 @@
 --   B:g:<wg>:e:<env>:q:<q>:k:<ck>     ZSET  run -> score (ready runs of one concurrency key)
 --   B:g:<wg>:e:<env>:q:<q>:ks         ZSET  ck -> virtual time (keys with ready runs)
 --   B:g:<wg>:e:<env>:q:<q>:heads      ZSET  ck -> head score
---   B:g:<wg>:e:<env>:q:<q>:kvt        HASH  ck -> saved virtual time of an idle key; field '' unused
+--   B:g:<wg>:e:<env>:q:<q>:kvz        ZSET  ck -> saved virtual time of an idle key (see save_key_time)
 --   B:g:<wg>:e:<env>:q:<q>:vt         STRING queue virtual clock
 --   B:e:<env>:meta                    HASH  limit, queued
 --   B:e:<env>:running                 SET   runs holding an env slot
@@ -78,6 +78,29 @@ local function refresh_queue(wg, env, q)
   refresh_env(wg, env)
 end
 
+-- A key that goes idle while its virtual time is ahead of its queue's clock keeps that time in
+-- the queue's :kvz, so that coming back at once it does not jump ahead of the keys it was served
+-- before (it starts at max(the clock, its time)). Such a time is at most one run ahead of the
+-- clock: once the clock reaches it, it is worth nothing. So a queue none of whose keys is active
+-- any more (in this group) forgets them all (forget_key_times: a key coming back starts at the
+-- clock, as a new one: the end of a busy period of start-time fair queuing), and a queue that is
+-- never idle keeps the KEY_TIMES_MAX highest (a key dropped comes back at the clock: one turn
+-- early at most, among its own queue's keys). Each distinct key (a request id, a user id) left one
+-- entry for ever, removed only if that key was used again.
+local KEY_TIMES_MAX = 1000
+
+local function save_key_time(r, ck, vt)
+  local kz = r .. ':kvz'
+  redis.call('ZADD', kz, vt, ck)
+  local n = redis.call('ZCARD', kz)
+  if n > KEY_TIMES_MAX then redis.call('ZREMRANGEBYRANK', kz, 0, n - KEY_TIMES_MAX - 1) end
+end
+
+-- (:kvt is the HASH of the version before, which kept every idle key's time for ever: dropped too)
+local function forget_key_times(r)
+  redis.call('UNLINK', r .. ':kvz', r .. ':kvt')
+end
+
 -- After a key's ready set changed: keep its head score, (de)activate it with its virtual time.
 local function refresh_key(wg, env, q, ck)
   local r = rkey(wg, env, q)
@@ -88,16 +111,19 @@ local function refresh_key(wg, env, q, ck)
     redis.call('ZADD', r .. ':heads', head[2], ck)
     if not cur then
       local qvt = tonumber(redis.call('GET', r .. ':vt') or '0')
-      local kvt = tonumber(redis.call('HGET', r .. ':kvt', ck) or '0')
-      redis.call('ZADD', r .. ':ks', math.max(qvt, kvt), ck)
-      redis.call('HDEL', r .. ':kvt', ck)
+      local kvt = redis.call('ZSCORE', r .. ':kvz', ck)
+      redis.call('ZADD', r .. ':ks', math.max(qvt, tonumber(kvt or '0')), ck)
+      if kvt then redis.call('ZREM', r .. ':kvz', ck) end
     end
   else
     redis.call('ZREM', r .. ':heads', ck)
     if cur then
-      local qvt = tonumber(redis.call('GET', r .. ':vt') or '0')
-      if tonumber(cur) > qvt then redis.call('HSET', r .. ':kvt', ck, cur) end
       redis.call('ZREM', r .. ':ks', ck)
+      if redis.call('EXISTS', r .. ':ks') == 0 then
+        forget_key_times(r)
+      elseif tonumber(cur) > tonumber(redis.call('GET', r .. ':vt') or '0') then
+        save_key_time(r, ck, cur)
+      end
     end
   end
   refresh_queue(wg, env, q)

@@ -157,6 +157,67 @@ async def test_key_fairness_inside_one_queue(q: RunQueue) -> None:
     assert len([r for r in order if r.startswith("small")]) == 10, order
 
 
+def _group_queue(q: RunQueue, env: str = "envA", queue: str = "task/a") -> str:
+    """The prefix of a queue's keys in group wg's index (queue_lib: B:g:<wg>:e:<env>:q:<q>)."""
+    return q.keys.ready(env, "wg", queue, "").rsplit(":k:", 1)[0]
+
+
+async def _idle_key_times(redis_client: aioredis.Redis, group_queue: str) -> int:
+    """How many idle keys' virtual times the queue keeps (:kvz; :kvt, the hash of the version before)."""
+    return int(await redis_client.zcard(f"{group_queue}:kvz")) + int(await redis_client.hlen(f"{group_queue}:kvt"))
+
+
+async def test_distinct_concurrency_keys_leave_nothing_behind_once_their_runs_are_done(
+        q: RunQueue, redis_client: aioredis.Redis) -> None:
+    """Each key's saved virtual time was written when its last ready run was handed out and deleted
+    only when that key was used again: a tenant whose keys are unique (a request id, a user id)
+    grew one Redis hash by one field per key, for ever, with no run left anywhere."""
+    n = 500
+    await q.enqueue([item(f"r{i}", concurrency_key=f"user-{i}", score=NOW + i) for i in range(n)], NOW)
+    handed = []
+    while len(handed) < n:
+        got = await q.dequeue("wg", 100, NOW + 1)
+        assert got
+        handed += got
+    await q.ack([("envA", m.run_id) for m in handed])
+    assert (await q.env_stats("envA")).queued == 0 and not await q.running_ids("envA")
+    group_queue = _group_queue(q)
+    left = [suffix for suffix in ("kvt", "kvz", "ks", "heads") if await redis_client.exists(f"{group_queue}:{suffix}")]
+    assert left == [], f"{await _idle_key_times(redis_client, group_queue)} idle keys' times left for {n} keys done"
+
+
+async def test_a_queue_that_is_never_idle_keeps_the_times_of_a_bounded_number_of_idle_keys(
+        q: RunQueue, redis_client: aioredis.Redis) -> None:
+    """Key "big" always has runs, so the queue is never idle; 1,500 keys of one run each go idle
+    one after the other, each a run ahead of the queue's clock: at most 1,000 times are kept."""
+    await q.enqueue([item(f"big{i}", concurrency_key="big", score=NOW + i) for i in range(100)], NOW)
+    await q.enqueue([item(f"u{i}", concurrency_key=f"user-{i}", score=NOW + 100 + i) for i in range(1500)], NOW)
+    handed = 0
+    while handed < 1550:
+        got = await q.dequeue("wg", min(100, 1550 - handed), NOW + 1)
+        assert got
+        handed += len(got)
+        await q.ack([(m.env_id, m.run_id) for m in got])
+    assert (await q.queue_stats("envA", "task/a")).queued == 50  # big's, still ready
+    kept = await _idle_key_times(redis_client, _group_queue(q))
+    assert 0 < kept <= 1000, f"{kept} idle keys' times kept"
+
+
+async def test_a_key_coming_back_at_once_does_not_take_the_turns_of_another(q: RunQueue) -> None:
+    """Key a has a backlog; key b has one run at a time, enqueued again as soon as the one before
+    was handed out: b's time, kept while it is idle, still makes the two take turns."""
+    await q.enqueue([item(f"a{i}", concurrency_key="a", score=NOW + i) for i in range(100)]
+                    + [item("b0", concurrency_key="b", score=NOW)], NOW)
+    order: list[str | None] = []
+    for _ in range(40):
+        [m] = await q.dequeue("wg", 1, NOW + 1)
+        order.append(m.concurrency_key)
+        await q.ack([(m.env_id, m.run_id)])
+        if m.concurrency_key == "b":
+            await q.enqueue([item(f"b{len(order)}", concurrency_key="b", score=NOW + len(order))], NOW)
+    assert order.count("a") == order.count("b") == 20, order
+
+
 async def test_nack_backs_off_then_dead_letters_and_redrive_resets(q: RunQueue) -> None:
     await q.enqueue([item("r1", task="t")], NOW)
     now = NOW

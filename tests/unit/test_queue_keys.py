@@ -36,6 +36,6 @@ def test_keys_of_different_things_never_collide(items: list[tuple[str, str, str,
         ready = keys.ready(env, wg, queue, ck)
         add(ready, ("ready", env, wg, queue, ck))
         group_queue = ready.rsplit(":k:", 1)[0]
-        for suffix in ("ks", "heads", "kvt", "vt"):
+        for suffix in ("ks", "heads", "kvz", "kvt", "vt"):
             add(f"{group_queue}:{suffix}", (suffix, env, wg, queue))
         add(keys.message(env, ck or "r"), ("msg", ck or "r"))  # run ids are unique across envs
