@@ -4,10 +4,12 @@
 -- lowering one or pausing takes effect at the next dequeue, which parks what it finds blocked).
 -- KEYS[1] B:delayed (declares the shard's slot)
 -- ARGV[1] B, ARGV[2] op, ARGV[3] env, ARGV[4] queue ('' for env_limit), ARGV[5] value ('' = unset)
---   ops: env_limit | queue_limit | key_limit | pause | resume | rate_limit (value "T,tau": emission
---   interval and burst tolerance in ms, '' = none)
+--   ops: env_limit | queue_limit | key_limit | pause | resume | rate_limit (value "T,tau,T_us,tau_us":
+--   the GCRA's emission interval and burst tolerance in whole ms, rounded down, for the dequeue of the
+--   version before (rate_t, rate_tau), then in µs, the interval rounded up, for this one's
+--   (rate_t_us, rate_tau_us); '' = none)
 --   op settings: every setting of a queue at once, ARGV[5] its version in PostgreSQL ('' = none),
---   ARGV[6] limit, ARGV[7] key limit, ARGV[8] rate ("T,tau" or ''), ARGV[9] paused ('1'/'0'),
+--   ARGV[6] limit, ARGV[7] key limit, ARGV[8] rate (as rate_limit's value), ARGV[9] paused ('1'/'0'),
 --   ARGV[10] '1' for a repair. The version is kept in the queue's meta (`sv`); settings older than
 --   it are ignored, and so are settings of the same version but for a repair (the reconciler's, which
 --   found the queue's settings unlike PostgreSQL's at that version: written by a process of the
@@ -19,22 +21,27 @@ local function put(hkey, field, v)
   if v == '' then redis.call('HDEL', hkey, field) else redis.call('HSET', hkey, field, v) end
 end
 
+local RATE = '^(%d+),(%d+),(%d+),(%d+)$'
+
 local function parse_rate(v)
   if v == '' then return true end
-  return string.match(v, '^(%d+),(%d+)$')
+  return string.match(v, RATE)
 end
 
 local function set_rate(qm, v)
   if v == '' then
-    redis.call('HDEL', qm, 'rate_t', 'rate_tau', 'tat')
+    redis.call('HDEL', qm, 'rate_t', 'rate_tau', 'tat', 'rate_t_us', 'rate_tau_us', 'tat_us')
     return
   end
-  local t, tau = string.match(v, '^(%d+),(%d+)$')
-  local was = redis.call('HMGET', qm, 'rate_t', 'rate_tau')
-  redis.call('HSET', qm, 'rate_t', t, 'rate_tau', tau)
+  local t, tau, t_us, tau_us = string.match(v, RATE)
+  local was = redis.call('HMGET', qm, 'rate_t', 'rate_tau', 'rate_t_us', 'rate_tau_us')
+  redis.call('HSET', qm, 'rate_t', t, 'rate_tau', tau, 'rate_t_us', t_us, 'rate_tau_us', tau_us)
   -- a new rate starts afresh: the arrival time the old one reached (a day ahead, for one a day)
-  -- would hold the queue back by the old rate (the same rate set again keeps it)
-  if was[1] ~= t or was[2] ~= tau then redis.call('HDEL', qm, 'tat') end
+  -- would hold the queue back by the old rate (the same rate set again keeps it, and so does one
+  -- that the version before set, without its µs fields)
+  if was[1] ~= t or was[2] ~= tau or (was[3] and (was[3] ~= t_us or was[4] ~= tau_us)) then
+    redis.call('HDEL', qm, 'tat', 'tat_us')
+  end
 end
 
 if op == 'env_limit' then
@@ -47,7 +54,7 @@ elseif op == 'key_limit' then
   put(qkey(env, q) .. ':meta', 'key_limit', value)
   unpark_keys(env, q)
 elseif op == 'rate_limit' then
-  if not parse_rate(value) then return redis.error_reply('rate_limit value must be "T,tau"') end
+  if not parse_rate(value) then return redis.error_reply('rate_limit value must be "T,tau,T_us,tau_us"') end
   set_rate(qkey(env, q) .. ':meta', value)
   unpark_queue(env, q) -- parked ahead of the old rate: the next dequeue weighs it by the new one
 elseif op == 'pause' then
@@ -56,7 +63,7 @@ elseif op == 'resume' then
   redis.call('HDEL', qkey(env, q) .. ':meta', 'paused')
   unpark_queue(env, q)
 elseif op == 'settings' then
-  if not parse_rate(ARGV[8]) then return redis.error_reply('settings rate must be "T,tau"') end
+  if not parse_rate(ARGV[8]) then return redis.error_reply('settings rate must be "T,tau,T_us,tau_us"') end
   local qm = qkey(env, q) .. ':meta'
   if value ~= '' then
     local have = tonumber(redis.call('HGET', qm, 'sv') or '')

@@ -8,13 +8,16 @@
 -- A blocked env (at its limit), queue (paused or at its limit) or key (at its key limit) is parked:
 -- taken out of the group's indexes until a slot frees or its settings change (see queue_lib), so
 -- later calls never walk past it. A budget of candidates still bounds the work of one call.
--- A queue with a rate limit (GCRA: emission interval `rate_t` ms, burst tolerance `rate_tau` ms,
--- theoretical arrival time `tat`) is parked while it is ahead of its rate, until the time it may
--- serve again (the group's :rp; unparked by the group's first dequeue from then on, 500 a call),
--- so that thousands of queues ahead of their rate cost later calls nothing (skipped, they took
--- every call's budget, and their environment, never served, stayed first: no run of any tenant of
--- the group was handed out). The earliest such time of the group is returned so that a long-poll
--- can wake for it.
+-- A queue with a rate limit (GCRA: emission interval `rate_t_us`, burst tolerance `rate_tau_us`,
+-- theoretical arrival time `tat_us`, in µs; in whole ms, 600 a second was 1,000 a second) is parked
+-- while it is ahead of its rate, until the time it may serve again (the group's :rp, in ms;
+-- unparked by the group's first dequeue from then on, 500 a call), so that thousands of queues
+-- ahead of their rate cost later calls nothing (skipped, they took every call's budget, and their
+-- environment, never served, stayed first: no run of any tenant of the group was handed out). The
+-- earliest such time of the group is returned so that a long-poll can wake for it. `rate_t`,
+-- `rate_tau` and `tat` are the same in ms, rounded down, as the version before this one reads and
+-- writes them (a rolling upgrade): a queue it set has only those, and the `tat` it writes counts
+-- here too, as `tat_us` written here goes to its `tat`.
 -- With environments given (ARGV[8..]), only their runs are handed out (a supervisor narrowed to
 -- environments, or holding an environment's token): they are looked up in the group's index.
 -- KEYS[1] B:delayed
@@ -26,6 +29,7 @@
 -- choice of shard by it, so that environments on different shards get even shares), and how many
 -- of those are ones this call may serve (all of them, or those of ARGV[8..]): the caller's backlog
 local wg, now, max = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local now_us = now * 1000 -- the rate limits' unit
 local default_env_limit, window = tonumber(ARGV[6]), tonumber(ARGV[7])
 promote(now, tonumber(ARGV[5]))
 unpark_rated(wg, now, tonumber(ARGV[5]))
@@ -48,7 +52,7 @@ end
 -- runs one script at a time: nothing else changes it meanwhile). Written through at once, but for
 -- the queued counters, added up and written at the end.
 local envs_seen = {}   -- env -> {limit, running}
-local queues_seen = {} -- env\0q -> {paused, limit, rate_t, rate_tau, tat, key_limit, running}
+local queues_seen = {} -- env\0q -> {paused, limit, rate_t, rate_tau, tat (µs), key_limit, running}
 local keys_running = {} -- env\0q\0ck -> runs holding the key's slots (queues with a key limit only)
 local clocks = {}      -- a queue's or the group's key -> its virtual clock
 local queued = {}      -- env\0q -> {env, q, delta}
@@ -67,9 +71,15 @@ local function queue_seen(env, q)
   local id = env .. '\0' .. q
   local c = queues_seen[id]
   if not c then
-    local meta = redis.call('HMGET', qkey(env, q) .. ':meta', 'paused', 'limit', 'rate_t', 'rate_tau', 'tat', 'key_limit')
-    c = {paused = meta[1] == '1', limit = tonumber(meta[2]), rate_t = tonumber(meta[3]),
-         rate_tau = tonumber(meta[4]) or 0, tat = tonumber(meta[5]) or 0, key_limit = tonumber(meta[6])}
+    local meta = redis.call('HMGET', qkey(env, q) .. ':meta', 'paused', 'limit', 'rate_t', 'rate_tau', 'tat',
+                            'key_limit', 'rate_t_us', 'rate_tau_us', 'tat_us')
+    c = {paused = meta[1] == '1', limit = tonumber(meta[2]), key_limit = tonumber(meta[6])}
+    if meta[7] then
+      c.rate_t, c.rate_tau = tonumber(meta[7]), tonumber(meta[8]) or 0
+    elseif meta[3] then
+      c.rate_t, c.rate_tau = tonumber(meta[3]) * 1000, (tonumber(meta[4]) or 0) * 1000
+    end
+    c.tat = math.max(tonumber(meta[9]) or 0, (tonumber(meta[5]) or 0) * 1000)
     if c.limit and not c.paused then c.running = redis.call('SCARD', qkey(env, q) .. ':running') end
     queues_seen[id] = c
   end
@@ -152,14 +162,16 @@ local function pick_queue(env)
     local tat = nil
     local allowed_at = nil
     if c.rate_t then
-      tat = math.max(c.tat, now)
+      tat = math.max(c.tat, now_us)
       allowed_at = tat - c.rate_tau
-      if allowed_at > now then tat = false end
+      -- `now` is a whole ms: a run due within it may go (one every 1,667 µs is 3 in 5 ms, and a
+      -- rate over 1,000 a second is more than one a call, even without a burst)
+      if allowed_at >= now_us + 1000 then tat = false end
     end
     if c.paused or (c.limit and c.running >= c.limit) then
       park_queue(wg, env, q)
     elseif tat == false then
-      park_queue_until(wg, env, q, allowed_at) -- ahead of its rate
+      park_queue_until(wg, env, q, math.floor(allowed_at / 1000)) -- ahead of its rate (the ms it is due in)
     else
       local ck, kvt = pick_key(env, q, c.key_limit)
       if ck then return q, ck, kvt, tat and (tat + c.rate_t) end
@@ -257,7 +269,9 @@ while #out < max * 7 and budget > 0 do
       clocks[g .. ':meta'] = evt
     end
     if next_tat then
-      redis.call('HSET', qkey(env, q) .. ':meta', 'tat', next_tat)
+      -- (written as integers: a number's own text would round µs since 1970 to 14 digits)
+      redis.call('HSET', qkey(env, q) .. ':meta', 'tat_us', string.format('%.0f', next_tat),
+                 'tat', string.format('%.0f', math.floor(next_tat / 1000)))
       c.tat = next_tat
     end
     after_pop(env, q, ck, r, kvt + 1)

@@ -102,8 +102,11 @@ class ExplainSystem:
                                                   f"of its {qmeta['key_limit']} runs at once",
                                   {"concurrency_key": msg.get("ck"), "running": facts["key_running"],
                                    "limit": int(qmeta["key_limit"])}))
-        if "rate_t" in qmeta:
-            allowed = max(float(qmeta.get("tat") or 0), now) - float(qmeta.get("rate_tau") or 0)
+        if "rate_t" in qmeta or "rate_t_us" in qmeta:  # as the dequeue reads them (lua/queue_dequeue.lua)
+            tau = (float(qmeta["rate_tau_us"]) / 1000 if "rate_tau_us" in qmeta
+                   else float(qmeta.get("rate_tau") or 0))
+            tat = max(float(qmeta.get("tat_us") or 0) / 1000, float(qmeta.get("tat") or 0))
+            allowed = max(tat, now) - tau
             if allowed > now:
                 until = _at(allowed)
                 reasons.append(Reason("RATE_LIMITED", f"the queue {queue!r} is at its rate limit until {_text(until)}",

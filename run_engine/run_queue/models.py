@@ -45,9 +45,21 @@ class RateLimit:
     burst: int = 1
 
     def gcra(self) -> tuple[int, int]:
-        """Emission interval and burst tolerance, in ms."""
+        """Emission interval and burst tolerance in whole ms, rounded down as the version before
+        this one reads them (the fields ``rate_t``, ``rate_tau``: 600 a second was 1 ms, 1,000 a
+        second); the dequeue uses :meth:`gcra_us`."""
         interval = max(1, self.period_ms // self.limit)
         return interval, interval * (self.burst - 1)
+
+    def gcra_us(self) -> tuple[int, int]:
+        """Emission interval and burst tolerance in µs, the interval rounded up (never more runs than
+        ``limit`` a period: 600 a second is 1,667 µs); a period under 1 ms counts as 1 ms."""
+        interval = max(1, -(-max(1, self.period_ms) * 1000 // self.limit))
+        return interval, interval * (self.burst - 1)
+
+    def stored(self) -> str:
+        """The run queue's form: "T,tau,T_us,tau_us" (:meth:`gcra`, then :meth:`gcra_us`)."""
+        return ",".join(str(x) for x in (*self.gcra(), *self.gcra_us()))
 
 
 @dataclass(frozen=True, slots=True)

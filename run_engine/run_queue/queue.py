@@ -321,7 +321,7 @@ class RunQueue:
     async def set_rate_limit(self, env_id: str, queue: str, rate: RateLimit | None) -> None:
         """A GCRA rate limit on handing out the queue's runs (None: no rate limit)."""
         keys, base = self._shard_args(env_id)
-        value = "" if rate is None else ",".join(str(x) for x in rate.gcra())
+        value = "" if rate is None else rate.stored()
         await self._config(self.redis, keys, [base, "rate_limit", encode_name(env_id), encode_name(queue), value])
 
     async def pause(self, env_id: str, queue: str) -> None:
@@ -350,9 +350,10 @@ class RunQueue:
 
     @staticmethod
     def _settings_fields(s: QueueSettings) -> list[str]:
-        """What the queue's meta holds of ``s``: limit, key_limit, rate ("T,tau") and paused ('1'/'0')."""
+        """What the queue's meta holds of ``s``: limit, key_limit, rate (see RateLimit.stored) and
+        paused ('1'/'0')."""
         return ["" if s.limit is None else str(s.limit), "" if s.key_limit is None else str(s.key_limit),
-                "" if s.rate_limit is None else ",".join(str(x) for x in s.rate_limit.gcra()),
+                "" if s.rate_limit is None else s.rate_limit.stored(),
                 "1" if s.paused else "0"]
 
     async def stale_settings(self, settings: Sequence[QueueSettings]) -> list[bool]:
@@ -363,15 +364,15 @@ class RunQueue:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for s in settings:
-            pipe.hmget(f"{self.keys.queue(s.env_id, s.queue)}:meta", "sv", "limit", "key_limit", "rate_t",
-                       "rate_tau", "paused")
+            pipe.hmget(f"{self.keys.queue(s.env_id, s.queue)}:meta", "sv", "limit", "key_limit", "paused", "rate_t",
+                       "rate_tau", "rate_t_us", "rate_tau_us")
         stale = []
-        for s, (sv, limit, key_limit, rate_t, rate_tau, paused) in zip(settings, await pipe.execute(), strict=True):
+        for s, (sv, limit, key_limit, paused, *rate_fields) in zip(settings, await pipe.execute(), strict=True):
             have = None if sv is None else int(_s(sv))
             if s.version is None or have is None or have != s.version:
                 stale.append(s.version is None or have is None or have < s.version)
                 continue
-            rate = "" if rate_t is None else f"{_s(rate_t)},{_s(rate_tau)}"
+            rate = "" if rate_fields[0] is None else ",".join(_s(x) for x in rate_fields)
             held = [_s(limit), _s(key_limit), rate, "1" if _s(paused) == "1" else "0"]
             stale.append(held != self._settings_fields(s))
         return stale

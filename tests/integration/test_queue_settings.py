@@ -199,3 +199,19 @@ async def test_the_run_queue_keeps_the_newest_copy_of_a_queues_settings(h: Harne
     stats = await queue.queue_stats(env, "v")
     assert (stats.limit, stats.paused) == (3, False)
     assert await queue.configure_queues([QueueSettings(env, "v", limit=4, version=1_800_000_000_000_000)]) == [False]
+
+
+async def test_a_rate_limit_copied_by_the_version_before_is_copied_again_in_microseconds(h: Harness) -> None:
+    """A queue's rate limit written by a process of the version before has only its fields in whole
+    ms (rounded down: 600 a second was 1,000): the reconciler's walk finds it unlike PostgreSQL's and
+    copies it with its µs fields."""
+    env, queue = h.env.env_id, h.engine.resources.queue
+    await h.deploy({"id": "hello"}, {"id": "limited", "queue": "limited"},
+                   queues=[{"name": "limited", "concurrencyLimit": 1, "rateLimit": {"limit": 600}}], version="2")
+    meta = f"{queue.keys.queue(env, 'limited')}:meta"
+    assert await h.engine.redis.hmget(meta, "rate_t", "rate_t_us") == [b"1", b"1667"]
+    await h.engine.redis.hdel(meta, "rate_t_us", "rate_tau_us", "tat_us")
+    await h.engine.redis.hset(meta, "tat", 1_900_000_000_000)  # where that version's dequeues got to
+    await h.engine.systems.reconciler.reconcile(full=True)
+    assert await h.engine.redis.hmget(meta, "rate_t", "rate_t_us", "rate_tau_us", "tat") == [
+        b"1", b"1667", b"0", b"1900000000000"]  # the same rate: its arrival time kept

@@ -634,6 +634,56 @@ async def test_rate_limit_spaces_runs_and_allows_bursts(q: RunQueue) -> None:
     assert len(await q.dequeue("wg", 20, NOW + 1102)) == 7  # r13..r19 at once
 
 
+async def _handed_in_one_second(q: RunQueue, start: int = NOW) -> int:
+    """Runs a poller that dequeues every millisecond for one second is handed (acked at once)."""
+    handed = 0
+    for t in range(1000):
+        got = await q.dequeue("wg", 100, start + t)
+        handed += len(got)
+        if got:
+            await q.ack([(m.env_id, m.run_id) for m in got])
+    return handed
+
+
+async def test_a_rate_limit_of_600_a_second_never_hands_out_more_than_600_a_second(q: RunQueue) -> None:
+    """GCRA's emission interval was period // limit in whole ms: 1000 // 600 = 1 ms, so a queue
+    limited to 600 runs a second (an external API's quota) was handed 1,000 a second."""
+    from run_engine.run_queue import RateLimit
+
+    await q.set_rate_limit("envA", "task/a", RateLimit(limit=600, period_ms=1000, burst=1))
+    await q.enqueue([item(f"r{i}", score=NOW + i) for i in range(2000)], NOW)
+    handed = await _handed_in_one_second(q)
+    assert 599 <= handed <= 601, f"{handed} runs handed out in one second under a limit of 600/s"
+
+
+@pytest.mark.parametrize("limit", [501, 999, 2500])
+async def test_a_rate_limit_holds_to_its_rate_above_500_a_second(q: RunQueue, limit: int) -> None:
+    """From 501 to 999 a second a queue was handed 1,000 a second (up to twice its rate), and above
+    1,000 a second 1,000 (its rate silently capped): now its rate, polled every millisecond."""
+    from run_engine.run_queue import RateLimit
+
+    await q.set_rate_limit("envA", "task/a", RateLimit(limit=limit, period_ms=1000, burst=1))
+    await q.enqueue([item(f"r{i}", score=NOW + i) for i in range(limit + 100)], NOW)
+    handed = await _handed_in_one_second(q)
+    assert limit - 1 <= handed <= limit + 1, f"{handed} runs handed out in one second under a limit of {limit}/s"
+
+
+async def test_a_rate_limit_set_by_the_version_before_still_holds(q: RunQueue, redis_client: aioredis.Redis) -> None:
+    """A rolling upgrade: a queue whose rate the version before set has only its fields in whole ms
+    (rate_t, rate_tau, tat); they hold, and what this version hands out moves the version before's
+    `tat` too (its dequeues run beside this one's until every process is upgraded)."""
+    meta = f"{q.keys.queue('envA', 'task/a')}:meta"
+    await redis_client.hset(meta, mapping={"rate_t": 100, "rate_tau": 0, "tat": NOW + 50})  # 10 a second
+    await q.enqueue([item(f"r{i}", score=NOW + i) for i in range(5)], NOW)
+    got = await q.dequeue("wg", 5, NOW)
+    assert list(got) == [] and got.retry_at_ms == NOW + 50  # its tat, written by a dequeue of that version
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW + 50)] == ["r0"]
+    tat, tat_us = await redis_client.hmget(meta, "tat", "tat_us")
+    assert (int(tat), int(tat_us)) == (NOW + 150, (NOW + 150) * 1000)
+    got = await q.dequeue("wg", 5, NOW + 100)
+    assert list(got) == [] and got.retry_at_ms == NOW + 150
+
+
 async def test_environments_on_different_shards_get_even_shares(redis_client: aioredis.Redis, key_prefix: str,
                                                                 unique: str) -> None:
     """Eight environments over four shards (two, three, one and two of them): the dequeues visit the
