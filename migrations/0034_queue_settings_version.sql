@@ -8,7 +8,8 @@
 -- the one before: the reconciler reads the queues changed lately by it (task_queue_settings_version),
 -- and a queue made again or a database restored from a backup still moves forward. Rows from before
 -- have 0 (older than anything written from now on). task_queue holds settings, bounded by
--- RUN_ENGINE_MAX_QUEUES_PER_ENV a tenant: its index is built in the transaction.
+-- RUN_ENGINE_MAX_QUEUES_PER_ENV a tenant; its index (task_queue_settings_version) is built without
+-- blocking writes by migration 0038.
 ALTER TABLE task_queue ADD COLUMN IF NOT EXISTS settings_version bigint NOT NULL DEFAULT 0;
 
 CREATE OR REPLACE FUNCTION task_queue_settings_version() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -32,4 +33,3 @@ DROP TRIGGER IF EXISTS task_queue_settings_version ON task_queue;
 CREATE TRIGGER task_queue_settings_version BEFORE INSERT OR UPDATE ON task_queue
     FOR EACH ROW EXECUTE FUNCTION task_queue_settings_version();
 
-CREATE INDEX IF NOT EXISTS task_queue_settings_version ON task_queue (settings_version, id);
