@@ -4,16 +4,17 @@
 -- lowering one or pausing takes effect at the next dequeue, which parks what it finds blocked).
 -- KEYS[1] B:delayed (declares the shard's slot)
 -- ARGV[1] B, ARGV[2] op, ARGV[3] env, ARGV[4] queue ('' for env_limit), ARGV[5] value ('' = unset)
---   ops: env_limit | queue_limit | key_limit | pause | resume | rate_limit (value "T,tau,T_us,tau_us":
+--   ops: env_limit | queue_limit (each concurrency key's) | key_limit (each key's, when lower) |
+--   queue_cap (all the queue's keys' together) | pause | resume | rate_limit (value "T,tau,T_us,tau_us":
 --   the GCRA's emission interval and burst tolerance in whole ms, rounded down, for the dequeue of the
 --   version before (rate_t, rate_tau), then in µs, the interval rounded up, for this one's
 --   (rate_t_us, rate_tau_us); '' = none)
 --   op settings: every setting of a queue at once, ARGV[5] its version in PostgreSQL ('' = none),
 --   ARGV[6] limit, ARGV[7] key limit, ARGV[8] rate (as rate_limit's value), ARGV[9] paused ('1'/'0'),
---   ARGV[10] '1' for a repair. The version is kept in the queue's meta (`sv`); settings older than
---   it are ignored, and so are settings of the same version but for a repair (the reconciler's, which
---   found the queue's settings unlike PostgreSQL's at that version: written by a process of the
---   version before this one, which knows no versions)
+--   ARGV[10] '1' for a repair, ARGV[11] cap (as queue_cap's value). The version is kept in the
+--   queue's meta (`sv`); settings older than it are ignored, and so are settings of the same version
+--   but for a repair (the reconciler's, which found the queue's settings unlike PostgreSQL's at that
+--   version: written by a process of the version before this one, which knows no versions)
 -- returns: 1 (settings: 0 when ignored)
 local op, env, q, value = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 
@@ -47,12 +48,14 @@ end
 if op == 'env_limit' then
   put(ekey(env) .. ':meta', 'limit', value)
   unpark_env(env)
-elseif op == 'queue_limit' then
-  put(qkey(env, q) .. ':meta', 'limit', value)
-  unpark_queue(env, q)
-elseif op == 'key_limit' then
-  put(qkey(env, q) .. ':meta', 'key_limit', value)
+elseif op == 'queue_limit' or op == 'key_limit' then
+  -- each key's limit: its keys were parked at the old one (the queue too, at 0)
+  put(qkey(env, q) .. ':meta', op == 'queue_limit' and 'limit' or 'key_limit', value)
   unpark_keys(env, q)
+  unpark_queue(env, q)
+elseif op == 'queue_cap' then
+  put(qkey(env, q) .. ':meta', 'cap', value)
+  unpark_queue(env, q)
 elseif op == 'rate_limit' then
   if not parse_rate(value) then return redis.error_reply('rate_limit value must be "T,tau,T_us,tau_us"') end
   set_rate(qkey(env, q) .. ':meta', value)
@@ -73,6 +76,7 @@ elseif op == 'settings' then
   end
   put(qm, 'limit', ARGV[6])
   put(qm, 'key_limit', ARGV[7])
+  put(qm, 'cap', ARGV[11] or '')
   set_rate(qm, ARGV[8])
   if ARGV[9] == '1' then redis.call('HSET', qm, 'paused', 1) else redis.call('HDEL', qm, 'paused') end
   unpark_keys(env, q)

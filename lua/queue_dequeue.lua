@@ -5,9 +5,15 @@
 --   queues of an environment: oldest head (lowest score) first; paused or full ones skipped
 --   keys of a queue: lowest virtual time first; full keys skipped
 -- One run is taken per pass and the choice is made again, so environments and keys interleave.
--- A blocked env (at its limit), queue (paused or at its limit) or key (at its key limit) is parked:
--- taken out of the group's indexes until a slot frees or its settings change (see queue_lib), so
--- later calls never walk past it. A budget of candidates still bounds the work of one call.
+-- The queue's `limit` holds for each of its concurrency keys (runs without one are the key ''), as
+-- Trigger.dev's concurrencyLimit does: a queue of limit 1 keyed by user runs one run of each user at
+-- once, any number of users together (the environment's limit is the cap over all). `key_limit`, when
+-- lower, holds for each key too; `cap`, when set, over all the queue's keys together (optional: none
+-- by default). The version before read `limit` as that cap (it still does, in a rolling upgrade: the
+-- stricter rule, meanwhile, where it dequeues).
+-- A blocked env (at its limit), queue (paused, at its cap, or of limit 0) or key (at its limit) is
+-- parked: taken out of the group's indexes until a slot frees or its settings change (see queue_lib),
+-- so later calls never walk past it. A budget of candidates still bounds the work of one call.
 -- A queue with a rate limit (GCRA: emission interval `rate_t_us`, burst tolerance `rate_tau_us`,
 -- theoretical arrival time `tat_us`, in µs; in whole ms, 600 a second was 1,000 a second) is parked
 -- while it is ahead of its rate, until the time it may serve again (the group's :rp, in ms;
@@ -52,8 +58,8 @@ end
 -- runs one script at a time: nothing else changes it meanwhile). Written through at once, but for
 -- the queued counters, added up and written at the end.
 local envs_seen = {}   -- env -> {limit, running}
-local queues_seen = {} -- env\0q -> {paused, limit, rate_t, rate_tau, tat (µs), key_limit, running}
-local keys_running = {} -- env\0q\0ck -> runs holding the key's slots (queues with a key limit only)
+local queues_seen = {} -- env\0q -> {paused, key_cap, cap, rate_t, rate_tau, tat (µs), running}
+local keys_running = {} -- env\0q\0ck -> runs holding the key's slots (queues with a limit only)
 local clocks = {}      -- a queue's or the group's key -> its virtual clock
 local queued = {}      -- env\0q -> {env, q, delta}
 
@@ -72,15 +78,18 @@ local function queue_seen(env, q)
   local c = queues_seen[id]
   if not c then
     local meta = redis.call('HMGET', qkey(env, q) .. ':meta', 'paused', 'limit', 'rate_t', 'rate_tau', 'tat',
-                            'key_limit', 'rate_t_us', 'rate_tau_us', 'tat_us')
-    c = {paused = meta[1] == '1', limit = tonumber(meta[2]), key_limit = tonumber(meta[6])}
+                            'key_limit', 'rate_t_us', 'rate_tau_us', 'tat_us', 'cap')
+    -- each key's limit: the queue's, or its key limit when lower
+    local key_cap, key_limit = tonumber(meta[2]), tonumber(meta[6])
+    if key_limit and (not key_cap or key_limit < key_cap) then key_cap = key_limit end
+    c = {paused = meta[1] == '1', key_cap = key_cap, cap = tonumber(meta[10])}
     if meta[7] then
       c.rate_t, c.rate_tau = tonumber(meta[7]), tonumber(meta[8]) or 0
     elseif meta[3] then
       c.rate_t, c.rate_tau = tonumber(meta[3]) * 1000, (tonumber(meta[4]) or 0) * 1000
     end
     c.tat = math.max(tonumber(meta[9]) or 0, (tonumber(meta[5]) or 0) * 1000)
-    if c.limit and not c.paused then c.running = redis.call('SCARD', qkey(env, q) .. ':running') end
+    if c.cap and not c.paused then c.running = redis.call('SCARD', qkey(env, q) .. ':running') end
     queues_seen[id] = c
   end
   return c
@@ -139,12 +148,12 @@ local function first_free(zkey, skip, prefix)
   return nil
 end
 
-local function pick_key(env, q, key_limit)
+local function pick_key(env, q, key_cap)
   local r = rkey(wg, env, q)
   while budget > 0 do
     local ck, kvt = first_free(r .. ':ks', skip_k, env .. '\0' .. q .. '\0')
     if not ck then return nil end
-    if key_limit and key_running(env, q, ck) >= key_limit then
+    if key_cap and key_running(env, q, ck) >= key_cap then
       park_key(wg, env, q, ck)
     else
       return ck, kvt
@@ -168,12 +177,13 @@ local function pick_queue(env)
       -- rate over 1,000 a second is more than one a call, even without a burst)
       if allowed_at >= now_us + 1000 then tat = false end
     end
-    if c.paused or (c.limit and c.running >= c.limit) then
+    -- (a limit of 0 holds every key: the queue is parked, not each of its keys one by one)
+    if c.paused or (c.key_cap and c.key_cap <= 0) or (c.cap and c.running >= c.cap) then
       park_queue(wg, env, q)
     elseif tat == false then
       park_queue_until(wg, env, q, math.floor(allowed_at / 1000)) -- ahead of its rate (the ms it is due in)
     else
-      local ck, kvt = pick_key(env, q, c.key_limit)
+      local ck, kvt = pick_key(env, q, c.key_cap)
       if ck then return q, ck, kvt, tat and (tat + c.rate_t) end
       skip_q[env .. '\0' .. q] = true
     end

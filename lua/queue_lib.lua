@@ -13,13 +13,13 @@
 --   B:g:<wg>:e:<env>:q:<q>:vt         STRING queue virtual clock
 --   B:e:<env>:meta                    HASH  limit, queued
 --   B:e:<env>:running                 SET   runs holding an env slot
---   B:e:<env>:q:<q>:meta              HASH  limit, key_limit, paused, queued
+--   B:e:<env>:q:<q>:meta              HASH  limit (each key's), key_limit, cap (all keys'), paused, queued
 --   B:e:<env>:q:<q>:running           SET   runs holding a queue slot
 --   B:e:<env>:q:<q>:k:<ck>:running    SET   runs holding a key slot
 --   B:e:<env>:dlq                     ZSET  run -> dead at ms
 --   B:e:<env>:parked                  SET   groups in whose index the env is parked (at its limit)
---   B:e:<env>:q:<q>:parked            SET   groups in whose index the queue is parked (paused / full)
---   B:e:<env>:q:<q>:k:<ck>:parked     SET   groups in whose index the key is parked (at key limit)
+--   B:e:<env>:q:<q>:parked            SET   groups in whose index the queue is parked (paused / at its cap / limit 0)
+--   B:e:<env>:q:<q>:k:<ck>:parked     SET   groups in whose index the key is parked (at its limit)
 --   B:e:<env>:q:<q>:pk                SET   keys of the queue with a :parked set
 --   B:g:<wg>:rp                       ZSET  env NUL queue -> ms: queues parked while ahead of their rate
 -- Message states: ready, delayed, held (holds slots), released (suspended), dlq.

@@ -93,10 +93,20 @@ class ExplainSystem:
         if env_running >= env_limit:  # type: ignore[operator]
             reasons.append(Reason("ENV_AT_LIMIT", f"the environment runs {env_running} of its {env_limit} runs at once",
                                   {"running": env_running, "limit": env_limit}))
-        if "limit" in qmeta and facts["queue_running"] >= int(qmeta["limit"]):  # type: ignore[operator]
+        # the queue's limit holds for each concurrency key (runs without one are a key of their own),
+        # as lua/queue_dequeue.lua reads it; its optional cap for all its keys together
+        ck, key_running = msg.get("ck") or "", facts["key_running"]
+        if "limit" in qmeta and key_running >= int(qmeta["limit"]):  # type: ignore[operator]
+            whose = (f"runs {key_running} runs of the concurrency key {ck!r}" if ck
+                     else f"runs {key_running} runs without a concurrency key")
+            reasons.append(Reason("QUEUE_AT_LIMIT", f"the queue {queue!r} {whose}: its limit is {qmeta['limit']} "
+                                                    "runs at once for each concurrency key",
+                                  {"queue": queue, "running": key_running, "limit": int(qmeta["limit"]),
+                                   **({"concurrency_key": ck} if ck else {})}))
+        if "cap" in qmeta and facts["queue_running"] >= int(qmeta["cap"]):  # type: ignore[operator]
             reasons.append(Reason("QUEUE_AT_LIMIT", f"the queue {queue!r} runs {facts['queue_running']} of its "
-                                                    f"{qmeta['limit']} runs at once",
-                                  {"queue": queue, "running": facts["queue_running"], "limit": int(qmeta["limit"])}))
+                                                    f"{qmeta['cap']} runs at once (all its keys together)",
+                                  {"queue": queue, "running": facts["queue_running"], "limit": int(qmeta["cap"])}))
         if "key_limit" in qmeta and facts["key_running"] >= int(qmeta["key_limit"]):  # type: ignore[operator]
             reasons.append(Reason("KEY_AT_LIMIT", f"the concurrency key {msg.get('ck')!r} runs {facts['key_running']} "
                                                   f"of its {qmeta['key_limit']} runs at once",

@@ -65,7 +65,10 @@ class RateLimit:
 @dataclass(frozen=True, slots=True)
 class QueueSettings:
     """Everything the run queue holds of one queue's settings, to set at once
-    (:meth:`RunQueue.configure_queues`): ``None`` unsets a limit. ``version`` (the settings'
+    (:meth:`RunQueue.configure_queues`): ``None`` unsets a limit. ``limit`` holds for each
+    concurrency key of the queue (runs without one are a key of their own), as Trigger.dev's
+    concurrencyLimit; ``key_limit`` too, when lower; ``cap``, over all its keys together (none by
+    default; the engine sets none: ``task_queue`` has no such column). ``version`` (the settings'
     version in PostgreSQL) makes the run queue ignore these settings when it holds a newer copy
     (a copy of the same version too, but for a repair); None sets them whatever it holds."""
 
@@ -76,6 +79,7 @@ class QueueSettings:
     rate_limit: RateLimit | None = None
     paused: bool = False
     version: int | None = None
+    cap: int | None = None
 
 
 @record
@@ -120,11 +124,15 @@ class DlqEntry:
 
 @dataclass(frozen=True, slots=True)
 class QueueStats:
+    """``running``: the runs holding a slot of the queue, all its keys together; ``limit`` holds
+    for each key (see :class:`QueueSettings`), ``cap`` for all together."""
+
     queued: int
     running: int
     limit: int | None
     key_limit: int | None
     paused: bool
+    cap: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

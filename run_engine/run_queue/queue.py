@@ -311,12 +311,19 @@ class RunQueue:
         await self._configure("env_limit", env_id, "", limit)
 
     async def set_queue_limit(self, env_id: str, queue: str, limit: int | None) -> None:
-        """Combined cap over all concurrency keys of the queue (None: only the env limit)."""
+        """The queue's concurrency limit, which holds for each of its concurrency keys (runs
+        without one are a key of their own), as Trigger.dev's concurrencyLimit (None: only the env
+        limit). The version before this one read it as a cap over all keys together."""
         await self._configure("queue_limit", env_id, queue, limit)
 
     async def set_key_limit(self, env_id: str, queue: str, limit: int | None) -> None:
-        """Cap per concurrency key of the queue (None: no per-key cap)."""
+        """A cap per concurrency key of the queue, when lower than its limit (None: none)."""
         await self._configure("key_limit", env_id, queue, limit)
+
+    async def set_queue_cap(self, env_id: str, queue: str, cap: int | None) -> None:
+        """An optional cap over all concurrency keys of the queue together (None: none, the
+        default: the env limit is the cap over all)."""
+        await self._configure("queue_cap", env_id, queue, cap)
 
     async def set_rate_limit(self, env_id: str, queue: str, rate: RateLimit | None) -> None:
         """A GCRA rate limit on handing out the queue's runs (None: no rate limit)."""
@@ -339,9 +346,9 @@ class RunQueue:
         calls: list[Call] = []
         for s in settings:
             keys, base = self._shard_args(s.env_id)
+            *fields, cap = self._settings_fields(s)
             calls.append((keys, [base, "settings", encode_name(s.env_id), encode_name(s.queue),
-                                 "" if s.version is None else s.version, *self._settings_fields(s),
-                                 "1" if repair else "0"]))
+                                 "" if s.version is None else s.version, *fields, "1" if repair else "0", cap]))
         done: list[bool] = []
         for start in range(0, len(calls), self.CONFIGURE_CHUNK):
             chunk = calls[start:start + self.CONFIGURE_CHUNK]
@@ -350,11 +357,11 @@ class RunQueue:
 
     @staticmethod
     def _settings_fields(s: QueueSettings) -> list[str]:
-        """What the queue's meta holds of ``s``: limit, key_limit, rate (see RateLimit.stored) and
-        paused ('1'/'0')."""
+        """What the queue's meta holds of ``s``: limit, key_limit, rate (see RateLimit.stored),
+        paused ('1'/'0') and cap."""
         return ["" if s.limit is None else str(s.limit), "" if s.key_limit is None else str(s.key_limit),
                 "" if s.rate_limit is None else s.rate_limit.stored(),
-                "1" if s.paused else "0"]
+                "1" if s.paused else "0", "" if s.cap is None else str(s.cap)]
 
     async def stale_settings(self, settings: Sequence[QueueSettings]) -> list[bool]:
         """Whether each queue's settings in Redis are behind ``settings`` (PostgreSQL's, with their
@@ -364,31 +371,33 @@ class RunQueue:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for s in settings:
-            pipe.hmget(f"{self.keys.queue(s.env_id, s.queue)}:meta", "sv", "limit", "key_limit", "paused", "rate_t",
-                       "rate_tau", "rate_t_us", "rate_tau_us")
+            pipe.hmget(f"{self.keys.queue(s.env_id, s.queue)}:meta", "sv", "limit", "key_limit", "paused", "cap",
+                       "rate_t", "rate_tau", "rate_t_us", "rate_tau_us")
         stale = []
-        for s, (sv, limit, key_limit, paused, *rate_fields) in zip(settings, await pipe.execute(), strict=True):
+        for s, (sv, limit, key_limit, paused, cap, *rate_fields) in zip(settings, await pipe.execute(),
+                                                                         strict=True):
             have = None if sv is None else int(_s(sv))
             if s.version is None or have is None or have != s.version:
                 stale.append(s.version is None or have is None or have < s.version)
                 continue
             rate = "" if rate_fields[0] is None else ",".join(_s(x) for x in rate_fields)
-            held = [_s(limit), _s(key_limit), rate, "1" if _s(paused) == "1" else "0"]
+            held = [_s(limit), _s(key_limit), rate, "1" if _s(paused) == "1" else "0", _s(cap)]
             stale.append(held != self._settings_fields(s))
         return stale
 
     async def queue_stats(self, env_id: str, queue: str) -> QueueStats:
         qk = self.keys.queue(env_id, queue)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(f"{qk}:meta", "queued", "limit", "key_limit", "paused")
+        pipe.hmget(f"{qk}:meta", "queued", "limit", "key_limit", "paused", "cap")
         pipe.scard(f"{qk}:running")
-        (queued, limit, key_limit, paused), running = await pipe.execute()
+        (queued, limit, key_limit, paused, cap), running = await pipe.execute()
         return QueueStats(
             queued=int(queued or 0),
             running=int(running),
             limit=None if limit is None else int(limit),
             key_limit=None if key_limit is None else int(key_limit),
             paused=_s(paused) == "1",
+            cap=None if cap is None else int(cap),
         )
 
     async def env_stats(self, env_id: str) -> EnvStats:

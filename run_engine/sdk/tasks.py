@@ -38,8 +38,10 @@ class Queue:
 
 
 def queue(name: str, concurrency_limit: int | None = None, rate_limit: dict[str, Any] | None = None) -> Queue:
-    """Declare a queue shared by tasks; ``concurrency_limit`` caps its runs at once, ``rate_limit``
-    (``{"limit": 10, "period": "1s", "burst": 1}``) how many may start per period."""
+    """Declare a queue shared by tasks; ``concurrency_limit`` caps its runs at once, of each
+    concurrency key (a trigger's ``concurrencyKey``; runs without one are a key of their own), as in
+    Trigger.dev; ``rate_limit`` (``{"limit": 10, "period": "1s", "burst": 1}``) how many may start
+    per period."""
     if not name or ":" in name:
         raise ValueError("queue names are non-empty and contain no ':'")
     if rate_limit is not None and not (isinstance(rate_limit.get("limit"), int) and rate_limit["limit"] >= 1):

@@ -456,7 +456,7 @@ _op = st.one_of(
     st.tuples(st.sampled_from(["ack", "nack", "release", "remove"]), st.integers(0, 99)),
     st.tuples(st.just("env_limit"), st.sampled_from(_ENVS), _limit),
     st.tuples(
-        st.sampled_from(["queue_limit", "key_limit"]),
+        st.sampled_from(["queue_limit", "key_limit", "queue_cap"]),
         st.sampled_from(_ENVS),
         st.sampled_from(_QUEUES),
         _limit,
@@ -481,6 +481,7 @@ async def _settings_scenario(
     env_limit: dict[str, int | None] = {}
     q_limit: dict[tuple[str, str], int | None] = {}
     k_limit: dict[tuple[str, str], int | None] = {}
+    q_cap: dict[tuple[str, str], int | None] = {}
     paused: set[tuple[str, str]] = set()
     now = NOW
 
@@ -496,12 +497,13 @@ async def _settings_scenario(
     def blocked(run: str) -> bool:
         env, name, key = attrs[run]
         el = env_limit.get(env)
-        ql, kl = q_limit.get((env, name)), k_limit.get((env, name))
+        ql, kl, cap = q_limit.get((env, name)), k_limit.get((env, name)), q_cap.get((env, name))
         return (
             (env, name) in paused
             or count(env) >= (2 if el is None else el)
-            or (ql is not None and count(env, name) >= ql)
+            or (ql is not None and count(env, name, key) >= ql)  # the queue's limit holds for each key
             or (kl is not None and count(env, name, key) >= kl)
+            or (cap is not None and count(env, name) >= cap)
         )
 
     try:
@@ -532,9 +534,11 @@ async def _settings_scenario(
                     held.add(m.run_id)
                     queued.discard(m.run_id)
                     el, ql, kl = env_limit.get(env), q_limit.get((env, name)), k_limit.get((env, name))
+                    cap = q_cap.get((env, name))
                     assert count(env) <= (2 if el is None else el)
-                    assert ql is None or count(env, name) <= ql
+                    assert ql is None or count(env, name, key) <= ql
                     assert kl is None or count(env, name, key) <= kl
+                    assert cap is None or count(env, name) <= cap
                     assert (env, name) not in paused
                 if len(got) < step[1]:  # nothing dequeueable may be left behind (parking strands nothing)
                     stranded = [r for r in queued if due[r] <= now and not blocked(r)]
@@ -564,6 +568,9 @@ async def _settings_scenario(
             elif kind == "key_limit":
                 k_limit[(step[1], step[2])] = step[3]
                 await q.set_key_limit(step[1], step[2], step[3])
+            elif kind == "queue_cap":
+                q_cap[(step[1], step[2])] = step[3]
+                await q.set_queue_cap(step[1], step[2], step[3])
             elif kind == "pause":
                 paused.add((step[1], step[2]))
                 await q.pause(step[1], step[2])

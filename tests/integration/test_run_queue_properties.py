@@ -39,8 +39,9 @@ op = st.one_of(
 @dataclass
 class Model:
     env_limit: int
-    queue_limit: int
+    queue_limit: int  # each concurrency key's (runs without one are the key None)
     key_limit: int
+    queue_cap: int  # all the queue's keys' together
     attrs: dict[str, tuple[str, str, str | None]] = field(default_factory=dict)
     queued: set[str] = field(default_factory=set)
     held: set[str] = field(default_factory=set)
@@ -49,7 +50,7 @@ class Model:
     acked: set[str] = field(default_factory=set)
 
 
-async def scenario(redis_url: str, prefix: str, limits: tuple[int, int, int], ops: list[tuple]) -> None:  # type: ignore[type-arg]
+async def scenario(redis_url: str, prefix: str, limits: tuple[int, int, int, int], ops: list[tuple]) -> None:  # type: ignore[type-arg]
     client = await connect_redis(redis_url, max_connections=8)
     q = RunQueue(client, prefix=prefix, shards=2, max_deliveries=3, default_env_limit=100)
     m = Model(*limits)
@@ -60,6 +61,7 @@ async def scenario(redis_url: str, prefix: str, limits: tuple[int, int, int], op
             for name in QUEUES:
                 await q.set_queue_limit(env, name, m.queue_limit)
                 await q.set_key_limit(env, name, m.key_limit)
+                await q.set_queue_cap(env, name, m.queue_cap)
         for n, step in enumerate(ops):
             kind = step[0]
             if kind == "enqueue":
@@ -100,9 +102,9 @@ async def scenario(redis_url: str, prefix: str, limits: tuple[int, int, int], op
                 assert len(held) <= m.env_limit
                 for name in QUEUES:
                     in_q = [r for r in held if m.attrs[r][1] == name]
-                    assert len(in_q) <= m.queue_limit
+                    assert len(in_q) <= m.queue_cap
                     for key in KEYS:
-                        assert len([r for r in in_q if m.attrs[r][2] == key]) <= m.key_limit
+                        assert len([r for r in in_q if m.attrs[r][2] == key]) <= min(m.queue_limit, m.key_limit)
                 queued = {r for r in m.queued if m.attrs[r][0] == env}
                 assert (await q.env_stats(env)).queued == len(queued)
                 assert {e.run_id for e in await q.list_dlq(env)} == {r for r in m.dlq if m.attrs[r][0] == env}
@@ -113,6 +115,7 @@ async def scenario(redis_url: str, prefix: str, limits: tuple[int, int, int], op
                 await q.resume(env, name)
                 await q.set_queue_limit(env, name, None)
                 await q.set_key_limit(env, name, None)
+                await q.set_queue_cap(env, name, None)
         drained: list[str] = []
         while True:
             got = await q.dequeue("wg", 50, now + 10**9)
@@ -128,9 +131,9 @@ async def scenario(redis_url: str, prefix: str, limits: tuple[int, int, int], op
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(limits=st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 3)),
+@given(limits=st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 3), st.integers(1, 8)),
        ops=st.lists(op, min_size=1, max_size=60))
 def test_queue_invariants_hold_for_random_operation_sequences(
-    redis_url: str, key_prefix: str, limits: tuple[int, int, int], ops: list[tuple]  # type: ignore[type-arg]
+    redis_url: str, key_prefix: str, limits: tuple[int, int, int, int], ops: list[tuple]  # type: ignore[type-arg]
 ) -> None:
     asyncio.run(scenario(redis_url, f"{key_prefix}:p{secrets.token_hex(4)}", limits, ops))

@@ -1,0 +1,147 @@
+"""A queue's concurrency limit holds for each concurrency key, as Trigger.dev's concurrencyLimit:
+a queue of limit 1 with concurrencyKey = a user id runs one run of each user at once, any number of
+users together. Runs without a concurrency key are one key of their own (at most the limit at
+once, as before); the environment's limit is the cap over all; a cap over all the queue's keys
+together is an optional setting of the run queue (none by default)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from run_engine.engine import TriggerRequest
+from run_engine.run_queue import EnqueueItem, RunQueue
+
+from .conftest import Harness
+
+pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
+
+NOW = 1_700_000_000_000
+
+
+@pytest.fixture
+async def q(redis_client: aioredis.Redis, key_prefix: str, unique: str) -> RunQueue:
+    queue = RunQueue(redis_client, prefix=f"{key_prefix}:ck{unique}", shards=2, default_env_limit=1000)
+    await queue.load_scripts()
+    return queue
+
+
+def item(run: str, key: str | None = None, score: float = NOW, queue: str = "task/a") -> EnqueueItem:
+    return EnqueueItem(run_id=run, env_id="envA", queue=queue, worker_group="wg", score_ms=score,
+                       concurrency_key=key)
+
+
+def req(h: Harness, task: str = "limited", **kw: Any) -> TriggerRequest:
+    return TriggerRequest(env_id=h.env.env_id, task_id=task, **kw)
+
+
+async def handed(q: RunQueue, now: int = NOW) -> list[str]:
+    return sorted(m.run_id for m in await q.dequeue("wg", 10, now))
+
+
+# --- the run queue -------------------------------------------------------------------------------
+
+async def test_two_keys_under_a_limit_of_one_run_one_each_and_a_key_waits_for_its_own_slot(q: RunQueue) -> None:
+    await q.set_queue_limit("envA", "task/a", 1)
+    await q.enqueue([item("a1", "A"), item("b1", "B", NOW + 1), item("a2", "A", NOW + 2)], NOW)
+    assert await handed(q) == ["a1", "b1"]  # one run of each key at once
+    assert await handed(q) == []  # a2 waits: its key A is at the limit
+    await q.ack([("envA", "b1")])  # B's slot frees: not A's
+    assert await handed(q) == []
+    await q.ack([("envA", "a1")])  # A's slot frees: its key, parked at its limit, is put back
+    assert await handed(q) == ["a2"]
+    stats = await q.queue_stats("envA", "task/a")
+    assert (stats.running, stats.limit, stats.cap) == (1, 1, None)
+
+
+async def test_runs_without_a_key_are_still_capped_at_the_limit_beside_keyed_runs(q: RunQueue) -> None:
+    await q.set_queue_limit("envA", "task/a", 2)
+    await q.enqueue([item(f"n{i}", None, NOW + i) for i in range(4)]
+                    + [item(f"k{i}", "k", NOW + 10 + i) for i in range(3)], NOW)
+    assert await handed(q) == ["k0", "k1", "n0", "n1"]  # 2 without a key, 2 of key k
+    assert await handed(q) == []
+    assert (await q.queue_stats("envA", "task/a")).running == 4  # all the queue's keys together
+    await q.ack([("envA", "k0")])
+    assert await handed(q) == ["k2"]  # a freed slot of key k is not one of the runs without a key
+    await q.ack([("envA", "n0")])
+    assert await handed(q) == ["n2"]
+
+
+async def test_a_key_limit_lower_than_the_queues_limit_holds_for_each_key(q: RunQueue) -> None:
+    await q.set_queue_limit("envA", "task/a", 3)
+    await q.set_key_limit("envA", "task/a", 1)
+    await q.enqueue([item("a1", "A"), item("a2", "A", NOW + 1), item("b1", "B", NOW + 2)], NOW)
+    assert await handed(q) == ["a1", "b1"]
+    await q.set_key_limit("envA", "task/a", None)  # back to the queue's limit: A's parked key is put back
+    assert await handed(q) == ["a2"]
+
+
+async def test_an_optional_cap_holds_over_all_keys_together(q: RunQueue) -> None:
+    await q.set_queue_limit("envA", "task/a", 2)
+    await q.set_queue_cap("envA", "task/a", 3)
+    await q.enqueue([item(f"{k}{i}", k, NOW + i) for k in "ab" for i in range(3)], NOW)
+    got = await handed(q)
+    assert len(got) == 3 and sum(r.startswith("a") for r in got) <= 2 and sum(r.startswith("b") for r in got) <= 2
+    assert await handed(q) == []  # the queue is at its cap
+    await q.ack([("envA", got[0])])  # a freed slot puts the queue back
+    assert len(await handed(q)) == 1
+    await q.set_queue_cap("envA", "task/a", None)  # no cap: each key up to the limit
+    await handed(q)
+    assert len(await q.running_ids("envA")) == 4  # 2 of a, 2 of b
+
+
+async def test_a_limit_of_0_holds_every_key_until_it_is_raised(q: RunQueue) -> None:
+    await q.set_queue_limit("envA", "task/a", 0)
+    await q.enqueue([item(f"r{i}", f"k{i}", NOW + i) for i in range(50)] + [item("none", None, NOW)], NOW)
+    assert await handed(q) == []
+    await q.set_queue_limit("envA", "task/a", 1)
+    assert len(await q.dequeue("wg", 100, NOW)) == 51  # one of each key
+
+
+# --- the engine: the deployed limit, or the operator's override, for each key ----------------------
+
+async def test_each_concurrency_key_gets_the_queues_limit_as_in_trigger_dev(h: Harness) -> None:
+    """Trigger.dev's concurrencyKey ("a separate queue per key, each with the queue's
+    concurrencyLimit": one run per user at once with a limit of 1) — the queue's limit was one cap
+    over all keys: a queue of limit 1 ran one user at a time in all (from a review of queue
+    semantics)."""
+    for user in ("alice", "bob"):
+        await h.engine.trigger(req(h, concurrency_key=user))
+    got = await h.engine.dequeue(h.env.worker_group_id, 5)
+    assert sorted(d.run.concurrency_key for d in got) == ["alice", "bob"]
+    later = await h.engine.trigger(req(h, concurrency_key="alice"))
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # alice's one run is running
+    (alice,) = [d for d in got if d.run.concurrency_key == "alice"]
+    s = await h.engine.start_attempt(alice.run.id, alice.snapshot.id)
+    await h.engine.complete_attempt(alice.run.id, s.snapshot.id, ok=True, output={})
+    assert [d.run.id for d in await h.engine.dequeue(h.env.worker_group_id, 5)] == [later.id]
+
+
+async def test_an_override_is_the_limit_of_each_key_and_the_queue_shows_all_its_runs(
+        h: Harness, api: httpx.AsyncClient) -> None:
+    await h.engine.trigger(req(h))  # the queue is copied to Redis on first use
+    await h.engine.set_queue_concurrency_override(h.env.env_id, "limited", 2)
+    for user in ("alice", "alice", "alice", "bob"):
+        await h.engine.trigger(req(h, concurrency_key=user))
+    got = await h.engine.dequeue(h.env.worker_group_id, 10)
+    keys = sorted(d.run.concurrency_key or "" for d in got)
+    assert keys == ["", "alice", "alice", "bob"]  # two of alice's three; the run without a key
+    shown = (await api.get("/api/v1/queues/limited")).json()
+    assert (shown["running"], shown["queued"], shown["concurrencyLimit"]) == (4, 1, 2)
+
+
+async def test_explain_says_which_key_is_at_the_queues_limit(h: Harness) -> None:
+    from run_engine.api.serialize import explanation_object
+
+    first = await h.engine.trigger(req(h, concurrency_key="alice"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    await h.engine.start_attempt(first.id, d.snapshot.id)
+    alice = await h.engine.trigger(req(h, concurrency_key="alice"))
+    bob = await h.engine.trigger(req(h, concurrency_key="bob"))
+    (r,) = explanation_object(await h.engine.explain(h.env.env_id, alice.id))["reasons"]
+    assert (r["code"], r["running"], r["limit"], r["concurrencyKey"]) == ("QUEUE_AT_LIMIT", 1, 1, "alice")
+    (r,) = explanation_object(await h.engine.explain(h.env.env_id, bob.id))["reasons"]
+    assert r["code"] == "READY"  # bob's key runs nothing: the queue's limit does not hold it back
