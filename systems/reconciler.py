@@ -410,11 +410,14 @@ class ReconcilerSystem:
                 log.info("retention: %d rows deleted this pass; the rest next pass", total)
                 break
             await asyncio.sleep(0.05)  # leave room for the hot path between batches
-        while (gone := await self.r.repo.maintenance.delete_finished_batches_before(
+        # batches whose runs are gone (one row per batch request, kept for ever before): within the
+        # same pass's time, a pause between batches (the first pass after an upgrade finds them all)
+        while time.monotonic() <= ends and (gone := await self.r.repo.maintenance.delete_finished_batches_before(
                 age, self.r.settings.retention_batch)):
-            total += gone  # completed batches whose runs are gone: one row per batch request, forever
+            total += gone
             if gone < self.r.settings.retention_batch:
                 break
+            await asyncio.sleep(0.05)
         while (gone := await self.r.repo.bulk_actions.delete_finished_before(age, self.r.settings.retention_batch)):
             total += gone  # finished bulk actions: a tenant may make and abort them at will
             if gone < self.r.settings.retention_batch:

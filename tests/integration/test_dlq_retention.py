@@ -374,3 +374,27 @@ async def test_retention_deletes_batches_and_their_runs_once_nobody_needs_them(m
     await h.engine.systems.reconciler.retention()
     assert not await batch_row(h, keyed) and await h.engine.get_run(keyed_run.id) is None
     assert await batch_row(h, of_parent) and all([await h.engine.get_run(c) for c in children])
+
+
+async def test_deleting_old_batches_keeps_to_the_passs_time(make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The first pass after the upgrade finds every batch row ever made: it deletes them within the
+    pass's time, like runs, and leaves the rest to the next passes (the leader's other duties wait)."""
+    import systems.reconciler as reconciler
+
+    h: Harness = await make_engine(retention_days=1e-9, retention_batch=1)
+    await h.deploy({"id": "hello"})
+    batches = []
+    for _ in range(3):
+        batch_id, _, _ = await h.engine.open_batch(h.env.env_id, 1, two_phase=False)
+        await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", batch_id=batch_id)])
+        batches.append(batch_id)
+    await run_all(h)
+    monkeypatch.setattr(reconciler, "RETENTION_PASS_S", -1.0)  # the pass's time is up at once
+    await h.engine.systems.reconciler.retention()
+    assert all([await batch_row(h, b) for b in batches])
+    monkeypatch.undo()
+    for _ in range(10):
+        if not any([await batch_row(h, b) for b in batches]):
+            break
+        await h.engine.systems.reconciler.retention()
+    assert not any([await batch_row(h, b) for b in batches])
