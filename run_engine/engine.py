@@ -164,17 +164,18 @@ class RunEngine:
 
     async def open_batch(self, env_id: str, size: int, idempotency_key: str | None = None,
                          idempotency_key_ttl_s: float | None = None, *,
-                         two_phase: bool = True) -> tuple[str, int, bool]:
+                         two_phase: bool = True, made_by: str | None = None) -> tuple[str, int, bool]:
         """A batch, whose runs are triggered later (Trigger.dev's two-phase batch, or a one-request
         batch's, ``two_phase`` False): (id, expected size, whether the idempotency key had made it
-        before and has not expired: default 30 days, as a run's)."""
+        before and has not expired: default 30 days, as a run's). ``made_by``: the identity of the
+        credential making it, kept on its row (:attr:`BatchRecord.made_by`)."""
         now = self.now()
         expires = (datetime.fromtimestamp(now + (DEFAULT_IDEMPOTENCY_TTL_S if idempotency_key_ttl_s is None
                                                  else idempotency_key_ttl_s), UTC)
                    if idempotency_key is not None else None)
         return await self.resources.repo.waitpoints.open_batch(new_id("batch"), env_id, size, idempotency_key,
                                                                expires_at=expires, now=datetime.fromtimestamp(now, UTC),
-                                                               two_phase=two_phase)
+                                                               two_phase=two_phase, made_by=made_by)
 
     async def open_batch_items(self, env_id: str, batch_id: str) -> tuple[int, set[int]] | None:
         """A batch of the environment that takes items: its expected size and the indexes of the
@@ -191,6 +192,14 @@ class RunEngine:
         """Free the idempotency key of a batch that has no run (its request failed before making
         any), so that the key's retry makes a new batch; whether it was freed."""
         return await self.resources.repo.waitpoints.release_empty_batch_key(batch_id, env_id)
+
+    async def runs_holding_keys(self, env_id: str, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], RunRow]:
+        """The environment's runs holding these (task, idempotency key) pairs, keys not expired:
+        the runs a trigger with them would be answered with."""
+        if not keys:
+            return {}
+        return await self.resources.repo.runs.runs_by_idempotency_key(env_id, keys,
+                                                                      datetime.fromtimestamp(self.now(), UTC))
 
     async def batch_record(self, env_id: str, batch_id: str) -> BatchRecord | None:
         """The environment's batch as it was made (expected size, idempotency key, parent run)."""

@@ -13,7 +13,15 @@ from starlette.requests import Request
 
 from run_engine.api.http import ApiError, TtlCache, bearer
 from run_engine.api.inputs import looks_like_id, too_many_containers
-from run_engine.api.public_tokens import LEEWAY_S, environment_key, forbidden, looks_like_jwt, unverified_claims, verify
+from run_engine.api.public_tokens import (
+    LEEWAY_S,
+    environment_key,
+    forbidden,
+    looks_like_jwt,
+    token_identity,
+    unverified_claims,
+    verify,
+)
 from run_engine.engine import Environment, RunEngine, WorkerGroup
 from run_engine.ratelimit import ConnectionCaps, ReadGate, RequestLimiter, TooMany
 from run_engine.realtime import RealtimeHub
@@ -54,6 +62,7 @@ class EnvAuth:
     run_id: str | None = None  # set when a run token (an executor) made the call
     attempt: int | None = None
     scopes: frozenset[str] | None = None  # set when a public access token made the call (what it may do)
+    token_id: str | None = None  # and that token's identity (:func:`token_identity`)
 
     @classmethod
     def of(cls, env: Environment) -> EnvAuth:
@@ -167,7 +176,7 @@ class ApiContext:
         if not allowed:
             raise forbidden()
         auth = EnvAuth(env.id, env.project_id, env.organization_id, env.default_worker_group_id,
-                       scopes=checked.scopes)
+                       scopes=checked.scopes, token_id=token_identity(token))
         if recheck:
             return auth
         await self.check_limit(auth.bucket)

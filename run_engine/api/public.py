@@ -191,6 +191,18 @@ def _scoped(auth: EnvAuth) -> bool:
     return auth.scopes is not None or auth.run_id is not None
 
 
+def _maker(auth: EnvAuth) -> str | None:
+    """Who makes a batch, as its row keeps it (``batch_task_run.made_by``): a public access token
+    by its own identity (a digest of the token: another token, of the same scopes or not, is
+    another caller), a run's token by its run (every attempt of the run), the environment's
+    secret key None (any holder of it; None is never a token's own batch)."""
+    if auth.run_id is not None:
+        return f"run:{auth.run_id}"
+    if auth.scopes is not None:
+        return f"pat:{auth.token_id}" if auth.token_id is not None else None
+    return None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _ItemRun:
     """A batch item's run as the batch endpoints answer it."""
@@ -201,42 +213,46 @@ class _ItemRun:
 
 
 async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody, key: str | None = None,
-                         key_ttl_s: float | None = None) -> tuple[str, list[_ItemRun], bool]:
+                         key_ttl_s: float | None = None) -> tuple[str, list[_ItemRun], bool, bool]:
     """Trigger every item of a batch: one transaction for all of them. With an idempotency key,
     each item without a key of its own is keyed ``{batch id}:{index}``, and the batch the key made
-    before (not expired) is answered with its runs (True): see :func:`_cached_batch`."""
+    before (not expired) is answered with its runs (True): see :func:`_cached_batch`. Last, whether
+    the caller may read the batch (it made it, or holds the secret key)."""
     for task in {item.task for item in req.items}:
         _may_trigger(auth, task, "batchTrigger")
     if key is None:
         batch_id = ctx.engine.new_batch_id()
         requests = await _item_requests(ctx, auth, req, batch_id, range(len(req.items)), keyed=False)
         runs = await ctx.engine.trigger_batch(auth.env_id, batch_id, requests)
-        return batch_id, _answers(requests, runs), False
+        return batch_id, _answers(requests, runs), False, True
     batch_id, size, cached = await ctx.engine.open_batch(auth.env_id, len(req.items), key, key_ttl_s,
-                                                         two_phase=False)
+                                                         two_phase=False, made_by=_maker(auth))
     if size != len(req.items):  # a scoped caller learns no more of another's batch than that it is there
         raise ApiError(409, "conflict", "idempotency-key: names a batch of another number of items" if _scoped(auth)
                        else f"idempotency-key: names a batch of {size} items, not {len(req.items)}")
     if cached:
-        return batch_id, await _cached_batch(ctx, auth, req, batch_id), True
-    # the batch's row was made with its key: its runs now
+        answers, own = await _cached_batch(ctx, auth, req, batch_id)
+        return batch_id, answers, True, own
+    # the batch's row was made with its key (and its maker): its runs now
     try:
         requests = await _item_requests(ctx, auth, req, batch_id, range(len(req.items)), keyed=True)
         runs = await ctx.engine.trigger_many(requests)
     except Exception:
         # refused (a bad item, a queue past its cap or full, an outage) before any run was made:
         # the key is freed, so that its retry makes the batch anew, whoever sends it (a batch
-        # found by its key is made whole for the secret key only)
+        # found by its key is made whole for its maker and the secret key only). A process that
+        # dies here frees nothing: the maker's retry makes the runs (see _cached_batch)
         try:
             await ctx.engine.release_empty_batch_key(auth.env_id, batch_id)
         except Exception:
             log.warning("batch %s: its key not freed after its request failed", batch_id, exc_info=True)
         raise
-    return batch_id, _answers(requests, runs), False
+    return batch_id, _answers(requests, runs), False, True
 
 
-async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_id: str) -> list[_ItemRun]:
-    """The answer to a batch whose idempotency key found the batch ``batch_id`` it made before.
+async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_id: str) -> tuple[list[_ItemRun], bool]:
+    """The answer to a batch whose idempotency key found the batch ``batch_id`` it made before, and
+    whether the caller is the batch's own (the secret key, or the credential that made it).
 
     A batch key is the environment's, not a task's: the request may not be the one that made the
     batch (other tasks, other keys; a caller holding only a public or run token that names another
@@ -244,14 +260,21 @@ async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_id
     in the batch (at its index, ``{batch}:{index}``, of the item's task; or, for an item with its
     own ``idempotencyKey``, the batch's run of its task holding that key), those, by position.
     Items with none are made (the first attempt died between the batch's row and its runs, or
-    the item joined another batch's run by its own key or debounce key, which its retry joins
-    again) only for the environment's secret key and only when every run of the batch is one of
-    the items' (the request is the batch's own); any other caller (whose scopes cannot be shown
-    to cover the tasks the batch was made of) is answered with the batch's runs as they are.
-    Another request (a run of the batch at an item's index of another task, or that no item
-    names) is answered with the batch's runs for the secret key, 409 for any other caller. Such
-    answers are all ``isCached`` and trigger nothing."""
+    the item joined a run outside the batch by its own key or debounce key, which its retry joins
+    again) when every run of the batch is one of the items' (the request is the batch's own) and
+    the caller made the batch (the same public token or run, ``batch_task_run.made_by``) or holds
+    the environment's secret key. Any other caller (whose scopes cannot be shown to cover the
+    tasks the batch was made of; a row without a maker, made before it was kept or by a process
+    that does not keep it, is never a token's) makes none: the items without a run in the batch
+    are answered with the runs their own keys hold outside it, as a trigger with that key would
+    be, and when an item has none, 409. Another request (a run of the batch at an item's index of
+    another task, or that no item names) is answered with the batch's runs as they are for its
+    own, 409 for any other caller. The runs found are all ``isCached``."""
     size = len(req.items)
+    own = not _scoped(auth)
+    if not own and (maker := _maker(auth)) is not None:  # a row without a maker is no token's
+        record = await ctx.engine.batch_record(auth.env_id, batch_id)
+        own = record is not None and record.made_by == maker
     # newest first; a batch has at most one run an item (one more shows that it is not one of these)
     stored = list(reversed(await ctx.engine.list_runs(auth.env_id, batches=[batch_id], limit=size + 1,
                                                       light=True)))
@@ -268,24 +291,43 @@ async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_id
             others.append(run)
     found: list[RunRow | None] = []
     for i, item in enumerate(req.items):
-        own = item.options.idempotencyKey if item.options is not None else None
+        mine_key = _own_key(item.options)
         mine = at.get(i)
         if mine is not None:
-            mismatch |= own is not None or mine.task_id != item.task
-        elif own is not None:
-            mine = next((r for r in others if r.task_id == item.task and r.idempotency_key == own), None)
+            mismatch |= mine_key is not None or mine.task_id != item.task
+        elif mine_key is not None:
+            mine = next((r for r in others if r.task_id == item.task and r.idempotency_key == mine_key), None)
         found.append(mine)
     mismatch |= len({r.id for r in found if r is not None}) < len(stored)  # a run of the batch no item names
     if not mismatch and all(r is not None for r in found):
-        return [_ItemRun(r.id, r.task_id, True) for r in found if r is not None]
-    if mismatch and _scoped(auth):  # maybe another party's batch: that the key is taken is all it learns
-        raise ApiError(409, "conflict", "idempotency-key: names a batch made of other items")
-    if mismatch or _scoped(auth):
-        return [_ItemRun(r.id, r.task_id, True) for r in _in_order(at, others)]
+        return [_ItemRun(r.id, r.task_id, True) for r in found if r is not None], own
+    if mismatch:
+        if not own:  # maybe another party's batch: that the key is taken is all it learns
+            raise ApiError(409, "conflict", "idempotency-key: names a batch made of other items")
+        return [_ItemRun(r.id, r.task_id, True) for r in _in_order(at, others)], own
     missing = [i for i, r in enumerate(found) if r is None]
-    requests = await _item_requests(ctx, auth, req, batch_id, missing, keyed=True)
-    made = dict(zip(missing, _answers(requests, await ctx.engine.trigger_many(requests)), strict=True))
-    return [made[i] if r is None else _ItemRun(r.id, r.task_id, True) for i, r in enumerate(found)]
+    if own:
+        requests = await _item_requests(ctx, auth, req, batch_id, missing, keyed=True)
+        made = dict(zip(missing, _answers(requests, await ctx.engine.trigger_many(requests)), strict=True))
+        return [made[i] if r is None else _ItemRun(r.id, r.task_id, True) for i, r in enumerate(found)], own
+    # another caller's batch of these items: the runs outside it that the items' own keys joined
+    keys = [(req.items[i].task, k) for i in missing if (k := _own_key(req.items[i].options)) is not None]
+    held_by = await ctx.engine.runs_holding_keys(auth.env_id, keys)
+    answers: list[_ItemRun] = []
+    for item, in_batch in zip(req.items, found, strict=True):
+        mine_key = _own_key(item.options)
+        holder = in_batch if in_batch is not None or mine_key is None else held_by.get((item.task, mine_key))
+        if holder is None:
+            raise ApiError(409, "conflict", "idempotency-key: names a batch not all of whose runs were made, which "
+                                            "only the credential that made it or the environment's secret key "
+                                            "may make")
+        answers.append(_ItemRun(holder.id, holder.task_id, True))
+    return answers, own
+
+
+def _own_key(options: TriggerOptions | None) -> str | None:
+    """A batch item's own ``idempotencyKey``, if it has one."""
+    return options.idempotencyKey if options is not None else None
 
 
 def _in_order(at: dict[int, RunRow], others: list[RunRow]) -> list[RunRow]:
@@ -322,11 +364,11 @@ def _answers(requests: Sequence[TriggerRequest], runs: Sequence[TriggeredRun]) -
     return [_ItemRun(r.id, q.task_id, r.is_cached) for q, r in zip(requests, runs, strict=True)]
 
 
-async def _batch_token(ctx: ApiContext, auth: EnvAuth, batch_id: str, cached: bool) -> dict[str, str]:
+async def _batch_token(ctx: ApiContext, auth: EnvAuth, batch_id: str, own: bool) -> dict[str, str]:
     """The headers that let the caller read the batch (``x-trigger-jwt-claims`` or ``x-trigger-jwt``):
-    none for a scoped caller whose key found a batch made before, which may be another party's
-    (as a single trigger's run found by its key: its id is all such a caller learns)."""
-    if cached and _scoped(auth):
+    none for a scoped caller whose key found a batch another credential made, which may be another
+    party's (as a single trigger's run found by its key: its id is all such a caller learns)."""
+    if not own:
         return {}
     return await token_headers(ctx, auth, f"read:batch:{batch_id}", 3600)
 
@@ -337,10 +379,10 @@ async def batch_trigger(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True, public=True)
     key, ttl_s = batch_key(request)
-    batch_id, runs, cached = await _trigger_items(ctx, auth, await body(request, BatchBody), key, ttl_s)
+    batch_id, runs, _, own = await _trigger_items(ctx, auth, await body(request, BatchBody), key, ttl_s)
     return json_response({"id": batch_id, "runs": [
         {"id": r.id, "taskIdentifier": r.task_id, "isCached": r.is_cached} for r in runs]},
-        headers=await _batch_token(ctx, auth, batch_id, cached))
+        headers=await _batch_token(ctx, auth, batch_id, own))
 
 
 #: ``batch-processing-strategy`` of Trigger.dev's one-request batch: both are accepted and neither
@@ -359,12 +401,12 @@ async def batch_trigger_v2(request: Request) -> Response:
         raise ApiError(400, "invalid_input", f"batch-processing-strategy: one of {', '.join(STRATEGIES)}")
     key, ttl_s = batch_key(request)
     req = await body(request, BatchV2Body)
-    batch_id, _, cached = await _trigger_items(ctx, auth, req, key, ttl_s)
+    batch_id, _, cached, own = await _trigger_items(ctx, auth, req, key, ttl_s)
     # the batch's number of items (a cached batch's runs may be fewer: items that joined others' runs)
     out: dict[str, Any] = {"id": batch_id, "runCount": len(req.items), "isCached": cached}
     if key is not None:
         out["idempotencyKey"] = key
-    return json_response(out, headers=await _batch_token(ctx, auth, batch_id, cached))
+    return json_response(out, headers=await _batch_token(ctx, auth, batch_id, own))
 
 
 @operation("Get a batch", S.Batch, security="anyToken")

@@ -112,6 +112,14 @@ def verify(token: str, key: str, claims: dict[str, Any], now: float) -> PublicCl
     return PublicClaims(claims["sub"], frozenset(s for s in scopes if isinstance(s, str)), int(exp), one_time)
 
 
+def token_identity(token: str) -> str:
+    """A stable identity of a public access token: a digest of the token itself (its signed claims
+    and signature, as checked), the same for every call made with it and another for any other
+    token, even one of the same scopes (each browser user's token is another caller). Not the
+    digest a one-time token's use is remembered by."""
+    return hashlib.sha256(f"public-token.{token}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def environment_key(secret: str, env_id: str, env_type: str, generation: int, key_hash: str) -> str | None:
     """The environment's current secret key, derived again from the installation secret; None when
     the stored key was not derived from this secret (then no public token of it can be checked)."""

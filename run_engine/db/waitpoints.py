@@ -944,10 +944,12 @@ class WaitpointRepository:
 
     async def open_batch(self, batch_id: str, env_id: str, size: int, idempotency_key: str | None, *,
                          expires_at: datetime | None = None, now: datetime | None = None,
-                         two_phase: bool = True) -> tuple[str, int, bool]:
+                         two_phase: bool = True, made_by: str | None = None) -> tuple[str, int, bool]:
         """A batch (whose items come later, when ``two_phase``): (id, expected size, whether it
         existed: the same idempotency key answers with the batch it made before until the key
-        ``expires_at``; a key expired at ``now`` is released first, as a run's is)."""
+        ``expires_at``; a key expired at ``now`` is released first, as a run's is). ``made_by``:
+        the identity of the credential that makes it (None: the environment's secret key), kept
+        on a batch made now (a batch found keeps its own)."""
         async with self.pool.connection() as conn, conn.transaction():
             if idempotency_key is not None:
                 await conn.execute(
@@ -956,10 +958,10 @@ class WaitpointRepository:
                          AND idempotency_key_expires_at <= coalesce(%s, now())""", (env_id, idempotency_key, now))
             cur = await conn.execute(
                 """INSERT INTO batch_task_run (id, environment_id, size, idempotency_key, idempotency_key_expires_at,
-                                               two_phase)
-                   VALUES (%s, %s, %s, %s, %s, %s)
+                                               two_phase, made_by)
+                   VALUES (%s, %s, %s, %s, %s, %s, %s)
                    ON CONFLICT (environment_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-                   RETURNING id, size""", (batch_id, env_id, size, idempotency_key, expires_at, two_phase))
+                   RETURNING id, size""", (batch_id, env_id, size, idempotency_key, expires_at, two_phase, made_by))
             row = await cur.fetchone()
             if row is not None:
                 return str(row[0]), int(row[1]), False
@@ -1004,7 +1006,7 @@ class WaitpointRepository:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute("SELECT size, two_phase, cardinality(items_seen) AS items_seen, idempotency_key, "
-                              "parent_run_id, created_at, item_errors FROM batch_task_run "
+                              "parent_run_id, created_at, made_by, item_errors FROM batch_task_run "
                               "WHERE id = %s AND environment_id = %s", (batch_id, env_id))
             row = await cur.fetchone()
             if row is None:
@@ -1053,14 +1055,17 @@ class BatchItemError:
 class BatchRecord:
     """A batch's own row: the runs it will have (``size``), whether it was opened for its items to
     come later (two-phase) and how many of them it has been sent (its failed items among them), its
-    idempotency key, the run that triggered it (a run's batchTriggerAndWait), when it was made, and
-    the items that failed on their own, by index."""
+    idempotency key, the run that triggered it (a run's batchTriggerAndWait), when it was made, who
+    made it (a keyed one-request batch made by a public or run token: that credential's identity;
+    None for the secret key, or when unknown: made before it was kept, or by a process that does not
+    keep it), and the items that failed on their own, by index."""
     size: int
     two_phase: bool
     items_seen: int
     idempotency_key: str | None
     parent_run_id: str | None
     created_at: datetime
+    made_by: str | None
     item_errors: tuple[BatchItemError, ...]
 
 

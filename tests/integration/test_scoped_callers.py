@@ -2,7 +2,7 @@
 token) may reach through options another party's requests share with it: a batch's idempotency
 key (the environment's, not a task's) and a trigger's queue. It never reads another party's batch
 through the token the answer carries, never adds runs to another party's batch, and never changes
-a queue's concurrency limit."""
+a queue's concurrency limit; the batch it made itself, its retry makes whole."""
 
 from __future__ import annotations
 
@@ -129,22 +129,112 @@ async def test_a_batch_found_by_its_key_gets_no_new_runs(h: Harness, route: str)
     assert await batch_runs(h, victim_batch) == [("limited", {"card": "4111-1111"})]
 
 
-async def test_only_the_secret_key_makes_the_runs_of_a_batch_made_without_them(h: Harness) -> None:
-    """A batch whose first request died between its row and its runs: a caller whose scopes cannot
-    be shown to cover the tasks it was made of makes none of them (nor puts its own in it)."""
-    batch_id, _, _ = await h.engine.open_batch(h.env.env_id, 1, "half-made", two_phase=False)
-    async with api_client(h, public_token(h, ["batchTrigger:tasks:hello"])) as api:
-        for route in BATCH_ROUTES:
-            got = await api.post(route, headers={"idempotency-key": "half-made"},
-                                 json={"items": [{"task": "hello", "payload": {"injected": True}}]})
-            assert got.status_code == 200 and got.json()["id"] == batch_id, got.text
-            assert got.json().get("runs", []) == [] and "x-trigger-jwt" not in got.headers
-    assert await batch_runs(h, batch_id) == []
+class Died(BaseException):
+    """The server process dying (no handler runs: not an Exception)."""
+
+
+async def die_before_the_runs(h: Harness, monkeypatch: pytest.MonkeyPatch, token: str, route: str, key: str,
+                              body: dict[str, Any]) -> str:
+    """A keyed batch request whose process dies between its batch's row and its runs' insert: the
+    batch's id (it has no run)."""
+    async def died(requests: Any) -> Any:
+        raise Died
+
+    monkeypatch.setattr(h.engine, "trigger_many", died)
+    async with api_client(h, token) as api:
+        with pytest.raises(Died):
+            await api.post(route, headers={"idempotency-key": key}, json=body)
+    monkeypatch.undo()
+    batch_id, _, found = await h.engine.open_batch(h.env.env_id, len(body["items"]), key, two_phase=False)
+    assert found and await batch_runs(h, batch_id) == []
+    return batch_id
+
+
+@pytest.mark.parametrize("route", BATCH_ROUTES)
+@pytest.mark.parametrize("caller", ["public", "run"])
+async def test_a_scoped_callers_retry_makes_the_runs_its_dead_first_attempt_did_not(
+        h: Harness, monkeypatch: pytest.MonkeyPatch, route: str, caller: str) -> None:
+    """The batch is its maker's own (``batch_task_run.made_by``): the same token's retry makes its
+    runs as the secret key's would, and may read the batch (it made none and was answered 200 with
+    none: no run until the key expired, 30 days)."""
+    token = public_token(h, ["batchTrigger:tasks:hello"]) if caller == "public" else await run_token(h)
+    body: dict[str, Any] = {"items": [{"task": "hello", "payload": {"n": 1}}]}
+    batch_id = await die_before_the_runs(h, monkeypatch, token, route, "frontend-order-7", body)
+    async with api_client(h, token) as api:
+        retry = await api.post(route, headers={"idempotency-key": "frontend-order-7"}, json=body)
+        assert retry.status_code == 200 and retry.json()["id"] == batch_id, retry.text
+        again = await api.post(route, headers={"idempotency-key": "frontend-order-7"}, json=body)
+    assert await batch_runs(h, batch_id) == [("hello", {"n": 1})]
+    (run,) = await h.engine.list_runs(h.env.env_id, batches=[batch_id], limit=10)
+    if route == BATCH_ROUTES[0]:
+        assert retry.json()["runs"] == [{"id": run.id, "taskIdentifier": "hello", "isCached": False}]
+        assert again.json()["runs"] == [{"id": run.id, "taskIdentifier": "hello", "isCached": True}]
+    else:
+        assert retry.json()["isCached"] is True and retry.json()["runCount"] == 1
+    assert await can_read(h, retry.headers["x-trigger-jwt"], batch_id, run.id) == ["v1 batch", "v2 batch", "run"]
+
+
+async def test_only_its_maker_and_the_secret_key_make_the_runs_of_a_batch_made_without_them(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose first request died between its row and its runs: another caller holding a
+    token (of the same scopes, or a run's), whose scopes cannot be shown to cover the tasks it was
+    made of, makes none of them (nor puts its own in it), learns nothing of it and is told so
+    (409; it was answered 200 with the runs there were: a batch answered as made whose items never
+    ran); nor
+    does any token make those of a batch whose row does not say who made it (made before
+    ``made_by`` was kept, or by a process of the version before: a rolling upgrade). The maker's
+    retry, or the secret key's, makes them."""
+    body: dict[str, Any] = {"items": [{"task": "hello", "payload": {"n": 1}}]}
+    maker = public_token(h, ["batchTrigger:tasks:hello"])
+    made_by_token = await die_before_the_runs(h, monkeypatch, maker, BATCH_ROUTES[0], "half-made", body)
+    unknown, _, _ = await h.engine.open_batch(h.env.env_id, 1, "old-row", two_phase=False)  # made_by NULL
+    injected = {"items": [{"task": "hello", "payload": {"injected": True}}]}
+    tried = [(token, key) for token in (public_token(h, ["batchTrigger:tasks:hello"], n=2), await run_token(h))
+             for key in ("half-made", "old-row")] + [(maker, "old-row")]
+    for token, key in tried:
+        async with api_client(h, token) as api:
+            for route in BATCH_ROUTES:
+                got = await api.post(route, headers={"idempotency-key": key}, json=injected)
+                assert got.status_code == 409 and got.json()["error"]["code"] == "conflict", got.text
+                assert "x-trigger-jwt" not in got.headers and "batch_" not in got.text
+    assert await batch_runs(h, made_by_token) == [] and await batch_runs(h, unknown) == []
+    async with api_client(h, maker) as api:
+        retry = await api.post(BATCH_ROUTES[0], headers={"idempotency-key": "half-made"}, json=body)
+    assert retry.status_code == 200 and retry.json()["runs"][0]["isCached"] is False, retry.text
+    assert await batch_runs(h, made_by_token) == [("hello", {"n": 1})]
     async with api_client(h) as api:
-        made = await api.post(BATCH_ROUTES[0], headers={"idempotency-key": "half-made"},
+        made = await api.post(BATCH_ROUTES[0], headers={"idempotency-key": "old-row"},
                               json={"items": [{"task": "limited", "payload": {"n": 1}}]})
     assert made.status_code == 200 and made.json()["runs"][0]["isCached"] is False, made.text
-    assert await batch_runs(h, batch_id) == [("limited", {"n": 1})]
+    assert await batch_runs(h, unknown) == [("limited", {"n": 1})]
+
+
+async def test_a_scoped_callers_retry_answers_every_item_in_its_place(h: Harness) -> None:
+    """An item that joined a run outside the batch by its own ``idempotencyKey`` is answered at its
+    index with that run (v1 matches runs to items by position: the retry answered the batch's one
+    run, item 1's, at index 0), for the token that made the batch, another token sending the same
+    items, and the secret key; nothing is made again."""
+    outside = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key="pre"))
+    token = public_token(h, ["batchTrigger:tasks:hello"])
+    body = {"items": [{"task": "hello", "payload": {"i": 0}, "options": {"idempotencyKey": "pre"}},
+                      {"task": "hello", "payload": {"i": 1}}]}
+    async with api_client(h, token) as api:
+        first = await api.post(BATCH_ROUTES[0], headers={"idempotency-key": "b-1"}, json=body)
+        assert first.status_code == 200, first.text
+        again = await api.post(BATCH_ROUTES[0], headers={"idempotency-key": "b-1"}, json=body)
+    first_ids = [r["id"] for r in first.json()["runs"]]
+    assert first_ids[0] == outside.id
+    retried = {"maker": again}
+    for name, credential in (("another token", public_token(h, ["batchTrigger:tasks:hello"], n=2)),
+                             ("secret key", None)):
+        async with api_client(h, credential) as api:
+            retried[name] = await api.post(BATCH_ROUTES[0], headers={"idempotency-key": "b-1"}, json=body)
+    for name, got in retried.items():
+        assert got.status_code == 200, (name, got.text)
+        assert [r["id"] for r in got.json()["runs"]] == first_ids, f"{name}: first {first_ids}, retried {got.json()}"
+        assert all(r["isCached"] for r in got.json()["runs"]), (name, got.text)
+    assert "x-trigger-jwt" in again.headers and "x-trigger-jwt" not in retried["another token"].headers
+    assert await batch_runs(h, first.json()["id"]) == [("hello", {"i": 1})]
 
 
 async def test_a_batch_request_refused_before_its_runs_frees_its_key(h: Harness) -> None:
