@@ -8,7 +8,7 @@
 --   queue_cap (all the queue's keys' together) | pause | resume | rate_limit (value "T,tau,T_us,tau_us":
 --   the GCRA's emission interval and burst tolerance in whole ms, rounded down, for the dequeue of the
 --   version before (rate_t, rate_tau), then in µs, the interval rounded up, for this one's
---   (rate_t_us, rate_tau_us); '' = none)
+--   (rate_t_us, rate_tau_us, and rate_us_for: "T,tau", the ms they go with); '' = none)
 --   op settings: every setting of a queue at once, ARGV[5] its version in PostgreSQL ('' = none),
 --   ARGV[6] limit, ARGV[7] key limit, ARGV[8] rate (as rate_limit's value), ARGV[9] paused ('1'/'0'),
 --   ARGV[10] '1' for a repair, ARGV[11] cap (as queue_cap's value). The version is kept in the
@@ -31,16 +31,19 @@ end
 
 local function set_rate(qm, v)
   if v == '' then
-    redis.call('HDEL', qm, 'rate_t', 'rate_tau', 'tat', 'rate_t_us', 'rate_tau_us', 'tat_us')
+    redis.call('HDEL', qm, 'rate_t', 'rate_tau', 'tat', 'rate_t_us', 'rate_tau_us', 'rate_us_for', 'tat_us')
     return
   end
   local t, tau, t_us, tau_us = string.match(v, RATE)
-  local was = redis.call('HMGET', qm, 'rate_t', 'rate_tau', 'rate_t_us', 'rate_tau_us')
-  redis.call('HSET', qm, 'rate_t', t, 'rate_tau', tau, 'rate_t_us', t_us, 'rate_tau_us', tau_us)
+  local was = redis.call('HMGET', qm, 'rate_t', 'rate_tau', 'rate_t_us', 'rate_tau_us', 'rate_us_for')
+  -- the µs fields with the ms ones they go with (see rate_us_holds in queue_lib)
+  redis.call('HSET', qm, 'rate_t', t, 'rate_tau', tau, 'rate_t_us', t_us, 'rate_tau_us', tau_us,
+             'rate_us_for', t .. ',' .. tau)
   -- a new rate starts afresh: the arrival time the old one reached (a day ahead, for one a day)
   -- would hold the queue back by the old rate (the same rate set again keeps it, and so does one
-  -- that the version before set, without its µs fields)
-  if was[1] ~= t or was[2] ~= tau or (was[3] and (was[3] ~= t_us or was[4] ~= tau_us)) then
+  -- that the version before set, without its µs fields or with µs fields it made stale)
+  local held_us = was[3] and rate_us_holds(was[1], was[2], was[5])
+  if was[1] ~= t or was[2] ~= tau or (held_us and (was[3] ~= t_us or was[4] ~= tau_us)) then
     redis.call('HDEL', qm, 'tat', 'tat_us')
   end
 end

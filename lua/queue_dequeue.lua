@@ -22,8 +22,9 @@
 -- environment, never served, stayed first: no run of any tenant of the group was handed out). The
 -- earliest such time of the group is returned so that a long-poll can wake for it. `rate_t`,
 -- `rate_tau` and `tat` are the same in ms, rounded down, as the version before this one reads and
--- writes them (a rolling upgrade): a queue it set has only those, and the `tat` it writes counts
--- here too, as `tat_us` written here goes to its `tat`.
+-- writes them (a rolling upgrade): a queue it set has only those, the `tat` it writes counts here
+-- too, as `tat_us` written here goes to its `tat`, and a rate it removes or changes, or a `tat` it
+-- writes or deletes, makes the µs fields stale (see rate_us_holds): the fields in ms hold then.
 -- With environments given (ARGV[8..]), only their runs are handed out (a supervisor narrowed to
 -- environments, or holding an environment's token): they are looked up in the group's index.
 -- KEYS[1] B:delayed
@@ -77,18 +78,29 @@ local function queue_seen(env, q)
   local id = env .. '\0' .. q
   local c = queues_seen[id]
   if not c then
-    local meta = redis.call('HMGET', qkey(env, q) .. ':meta', 'paused', 'limit', 'rate_t', 'rate_tau', 'tat',
-                            'key_limit', 'rate_t_us', 'rate_tau_us', 'tat_us', 'cap')
+    local qm = qkey(env, q) .. ':meta'
+    local meta = redis.call('HMGET', qm, 'paused', 'limit', 'rate_t', 'rate_tau', 'tat', 'key_limit',
+                            'rate_t_us', 'rate_tau_us', 'tat_us', 'cap', 'rate_us_for')
     -- each key's limit: the queue's, or its key limit when lower
     local key_cap, key_limit = tonumber(meta[2]), tonumber(meta[6])
     if key_limit and (not key_cap or key_limit < key_cap) then key_cap = key_limit end
     c = {paused = meta[1] == '1', key_cap = key_cap, cap = tonumber(meta[10])}
+    -- µs fields the version before has made stale (its rate removed or changed, its `tat`) are
+    -- dropped: the fields in ms hold (no `rate_t`: no rate limit)
+    if meta[7] and not rate_us_holds(meta[3], meta[4], meta[11]) then
+      redis.call('HDEL', qm, 'rate_t_us', 'rate_tau_us', 'rate_us_for')
+      meta[7] = false
+    end
+    if meta[9] and not tat_us_holds(meta[5], meta[9]) then
+      redis.call('HDEL', qm, 'tat_us')
+      meta[9] = false
+    end
     if meta[7] then
       c.rate_t, c.rate_tau = tonumber(meta[7]), tonumber(meta[8]) or 0
     elseif meta[3] then
       c.rate_t, c.rate_tau = tonumber(meta[3]) * 1000, (tonumber(meta[4]) or 0) * 1000
     end
-    c.tat = math.max(tonumber(meta[9]) or 0, (tonumber(meta[5]) or 0) * 1000)
+    c.tat = tonumber(meta[9]) or (tonumber(meta[5]) or 0) * 1000
     if c.cap and not c.paused then c.running = redis.call('SCARD', qkey(env, q) .. ':running') end
     queues_seen[id] = c
   end

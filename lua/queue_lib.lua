@@ -13,7 +13,9 @@
 --   B:g:<wg>:e:<env>:q:<q>:vt         STRING queue virtual clock
 --   B:e:<env>:meta                    HASH  limit, queued
 --   B:e:<env>:running                 SET   runs holding an env slot
---   B:e:<env>:q:<q>:meta              HASH  limit (each key's), key_limit, cap (all keys'), paused, queued
+--   B:e:<env>:q:<q>:meta              HASH  limit (each key's), key_limit, cap (all keys'), paused, queued,
+--                                           the rate limit's rate_t, rate_tau, tat (ms) and rate_t_us,
+--                                           rate_tau_us, rate_us_for, tat_us (see rate_us_holds)
 --   B:e:<env>:q:<q>:running           SET   runs holding a queue slot
 --   B:e:<env>:q:<q>:k:<ck>:running    SET   runs holding a key slot
 --   B:e:<env>:dlq                     ZSET  run -> dead at ms
@@ -197,6 +199,20 @@ local function unpark_rated(wg, now, limit)
       if redis.call('SREM', qkey(env, q) .. ':parked', wg) == 1 then refresh_queue(wg, env, q) end
     end
   end
+end
+
+-- A queue's rate limit is kept in µs (rate_t_us, rate_tau_us, tat_us) beside the same in whole ms
+-- (rate_t, rate_tau, tat) that the version before reads and writes. That version (a rolling
+-- upgrade) writes and deletes only the fields in ms, so the µs fields hold only while the ms fields
+-- still say what was written beside them: the rate's while `rate_us_for` is "rate_t,rate_tau" (that
+-- version removed the rate, or set another, otherwise), the arrival time's while `tat` is `tat_us`
+-- in whole ms (that version's config deleted `tat` for a new rate, or its dequeue moved it, otherwise).
+local function rate_us_holds(t, tau, us_for)
+  return t and us_for and us_for == t .. ',' .. (tau or '') or false
+end
+
+local function tat_us_holds(tat, tat_us)
+  return tat and tat_us and tonumber(tat) == math.floor(tonumber(tat_us) / 1000) or false
 end
 
 local function unpark_keys(env, q)

@@ -112,10 +112,14 @@ class ExplainSystem:
                                                   f"of its {qmeta['key_limit']} runs at once",
                                   {"concurrency_key": msg.get("ck"), "running": facts["key_running"],
                                    "limit": int(qmeta["key_limit"])}))
-        if "rate_t" in qmeta or "rate_t_us" in qmeta:  # as the dequeue reads them (lua/queue_dequeue.lua)
-            tau = (float(qmeta["rate_tau_us"]) / 1000 if "rate_tau_us" in qmeta
+        if "rate_t" in qmeta:  # as the dequeue reads them (lua/queue_dequeue.lua, queue_lib's rate_us_holds)
+            rate_ms = f"{qmeta['rate_t']},{qmeta.get('rate_tau', '')}"
+            tau = (float(qmeta.get("rate_tau_us") or 0) / 1000
+                   if "rate_t_us" in qmeta and qmeta.get("rate_us_for") == rate_ms
                    else float(qmeta.get("rate_tau") or 0))
-            tat = max(float(qmeta.get("tat_us") or 0) / 1000, float(qmeta.get("tat") or 0))
+            tat = float(qmeta.get("tat") or 0)
+            if "tat" in qmeta and "tat_us" in qmeta and tat == float(qmeta["tat_us"]) // 1000:
+                tat = float(qmeta["tat_us"]) / 1000
             allowed = max(tat, now) - tau
             if allowed > now:
                 until = _at(allowed)

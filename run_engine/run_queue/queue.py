@@ -42,6 +42,17 @@ def _scored(reply: Any) -> list[tuple[bytes | str, float]]:
     return [(member, float(score)) for member, score in reply]
 
 
+def _held_rate(t: str | None, tau: str | None, t_us: str | None, tau_us: str | None,
+               us_for: str | None) -> str:
+    """The rate limit a queue's meta holds, as RateLimit.stored writes it: its µs fields only while
+    they go with its ms ones (lua/queue_lib.lua, rate_us_holds): a rate removed or changed by a
+    process of the version before, which writes only the ms fields, is the ms one ('' if none)."""
+    if t is None:
+        return ""
+    ms = f"{t},{tau or ''}"
+    return f"{ms},{t_us},{tau_us}" if t_us is not None and us_for == ms else ms
+
+
 def _name(value: bytes | str | None) -> str:
     """A name the scripts hand back (stored encoded: see :mod:`run_engine.run_queue.keys`)."""
     return decode_name(_s(value))
@@ -372,7 +383,7 @@ class RunQueue:
         pipe = self.redis.pipeline(transaction=False)
         for s in settings:
             pipe.hmget(f"{self.keys.queue(s.env_id, s.queue)}:meta", "sv", "limit", "key_limit", "paused", "cap",
-                       "rate_t", "rate_tau", "rate_t_us", "rate_tau_us")
+                       "rate_t", "rate_tau", "rate_t_us", "rate_tau_us", "rate_us_for")
         stale = []
         for s, (sv, limit, key_limit, paused, cap, *rate_fields) in zip(settings, await pipe.execute(),
                                                                          strict=True):
@@ -380,7 +391,7 @@ class RunQueue:
             if s.version is None or have is None or have != s.version:
                 stale.append(s.version is None or have is None or have < s.version)
                 continue
-            rate = "" if rate_fields[0] is None else ",".join(_s(x) for x in rate_fields)
+            rate = _held_rate(*(None if x is None else _s(x) for x in rate_fields))
             held = [_s(limit), _s(key_limit), rate, "1" if _s(paused) == "1" else "0", _s(cap)]
             stale.append(held != self._settings_fields(s))
         return stale

@@ -83,3 +83,16 @@ async def test_rate_limit_and_back_off(h: Harness) -> None:
     await h.engine.complete_attempt(failing.id, s.snapshot.id, ok=False, error={"type": "E", "message": "x"})
     (r,) = await codes(h, failing.id)
     assert r["code"] == "NOT_DUE" and "back-off" in r["message"]
+
+
+async def test_a_rate_limit_removed_by_the_version_before_is_no_reason(h: Harness) -> None:
+    """A rolling upgrade: a process of the version before removes a rate limit by its fields in ms
+    alone; the µs fields this version wrote beside them hold no more (lua/queue_lib.lua)."""
+    queue = h.engine.resources.queue
+    first = await h.engine.trigger(req(h))
+    await queue.set_rate_limit(h.env.env_id, "task/hello", RateLimit(1, 60_000))
+    assert [d.run.id for d in await h.engine.dequeue(h.env.worker_group_id, 5)] == [first.id]
+    later = await h.engine.trigger(req(h))
+    assert [r["code"] for r in await codes(h, later.id)] == ["RATE_LIMITED"]
+    await h.engine.redis.hdel(f"{queue.keys.queue(h.env.env_id, 'task/hello')}:meta", "rate_t", "rate_tau", "tat")
+    assert [r["code"] for r in await codes(h, later.id)] == ["READY"]

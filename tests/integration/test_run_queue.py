@@ -691,6 +691,81 @@ async def test_a_rate_limit_set_by_the_version_before_still_holds(q: RunQueue, r
     assert list(got) == [] and got.retry_at_ms == NOW + 150
 
 
+# queue_config's rate_limit op as the version before rate limits in µs ran it, on this version's
+# queue_lib (its unpark_queue is that version's): it writes and deletes the fields in ms alone
+_RATE_LIMIT_OF_THE_VERSION_BEFORE = """
+local env, q, value = ARGV[3], ARGV[4], ARGV[5]
+local qm = qkey(env, q) .. ':meta'
+if value == '' then
+  redis.call('HDEL', qm, 'rate_t', 'rate_tau', 'tat')
+else
+  local t, tau = string.match(value, '^(%d+),(%d+)$')
+  local was = redis.call('HMGET', qm, 'rate_t', 'rate_tau')
+  redis.call('HSET', qm, 'rate_t', t, 'rate_tau', tau)
+  if was[1] ~= t or was[2] ~= tau then redis.call('HDEL', qm, 'tat') end
+end
+unpark_queue(env, q)
+return 1
+"""
+
+
+async def _rate_limit_of_the_version_before(q: RunQueue, redis_client: aioredis.Redis, value: str) -> None:
+    """A process of the version before sets envA's task/a's rate limit ("T,tau" in ms; '' = none)."""
+    from run_engine._resources import read_text
+    from run_engine.run_queue.keys import encode_name
+
+    keys, base = q._shard_args("envA")
+    await redis_client.eval(read_text("lua", "queue_lib.lua") + "\n" + _RATE_LIMIT_OF_THE_VERSION_BEFORE,
+                            len(keys), *keys, base, "rate_limit", encode_name("envA"), encode_name("task/a"), value)
+
+
+async def test_a_rate_limit_removed_by_the_version_before_holds_no_more(q: RunQueue,
+                                                                         redis_client: aioredis.Redis) -> None:
+    """A rolling upgrade: a rate limit this version set (its µs fields beside those in ms) and a
+    process of the version before removed (the fields in ms alone) kept holding the queue in this
+    version's dequeues, at the old rate, as long as the µs fields were there."""
+    from run_engine.run_queue import RateLimit
+
+    meta = f"{q.keys.queue('envA', 'task/a')}:meta"
+    await q.set_rate_limit("envA", "task/a", RateLimit(limit=1, period_ms=60_000))  # one a minute
+    await q.enqueue([item(f"r{i}", score=NOW + i) for i in range(3)], NOW)
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW)] == ["r0"]
+    await _rate_limit_of_the_version_before(q, redis_client, "")
+    got = await q.dequeue("wg", 5, NOW + 10)
+    assert [m.run_id for m in got] == ["r1", "r2"]
+    assert not {b"rate_t_us", b"rate_tau_us", b"rate_us_for", b"tat_us"} & set(await redis_client.hkeys(meta))
+
+
+async def test_a_rate_limit_changed_by_the_version_before_holds_at_its_new_rate(
+        q: RunQueue, redis_client: aioredis.Redis) -> None:
+    """A rolling upgrade: a rate limit this version set and a process of the version before changed
+    (the fields in ms alone, its `tat` deleted: a new rate starts afresh) held the queue at the old
+    rate in this version's dequeues, from the arrival time the old one reached (an hour ahead, for
+    one an hour). The new rate holds, in ms, until this version sets it again (in µs, its arrival
+    time kept); that version's dequeues still move the arrival time."""
+    from run_engine.run_queue import RateLimit
+
+    meta = f"{q.keys.queue('envA', 'task/a')}:meta"
+    await q.set_rate_limit("envA", "task/a", RateLimit(limit=1, period_ms=3_600_000))  # one an hour
+    await q.enqueue([item(f"r{i}", score=NOW + i) for i in range(4)], NOW)
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW)] == ["r0"]
+    await _rate_limit_of_the_version_before(q, redis_client, "100,0")  # ten a second
+    got = await q.dequeue("wg", 5, NOW + 1000)
+    assert [m.run_id for m in got] == ["r1"] and got.retry_at_ms == NOW + 1100
+    assert await redis_client.hmget(meta, "rate_t_us", "tat", "tat_us") == [
+        None, str(NOW + 1100).encode(), str((NOW + 1100) * 1000).encode()]
+    await q.set_rate_limit("envA", "task/a", RateLimit(limit=10, period_ms=1000))  # the same rate: tat kept
+    await redis_client.hset(meta, "tat", NOW + 1200)  # a dequeue of the version before hands out a run
+    got = await q.dequeue("wg", 5, NOW + 1150)
+    assert list(got) == [] and got.retry_at_ms == NOW + 1200
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW + 1200)] == ["r2"]
+    await _rate_limit_of_the_version_before(q, redis_client, "100,0")  # the same rate set again by it
+    assert await redis_client.hmget(meta, "rate_t_us", "rate_us_for", "tat_us") == [
+        b"100000", b"100,0", str((NOW + 1300) * 1000).encode()]  # this version's fields still hold
+    assert list(await q.dequeue("wg", 5, NOW + 1299)) == []
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW + 1300)] == ["r3"]
+
+
 async def test_environments_on_different_shards_get_even_shares(redis_client: aioredis.Redis, key_prefix: str,
                                                                 unique: str) -> None:
     """Eight environments over four shards (two, three, one and two of them): the dequeues visit the
