@@ -4,6 +4,11 @@ day-of-month and day-of-week fields only, as Quartz-style crons write ``0 0 ? * 
 macros ``@yearly @monthly @weekly @daily @hourly``. Day-of-month and day-of-week restrict together
 when both are given (Vixie cron: either may match).
 
+An empty list item (``0 , * * *``, ``1,,2``) or a step with nothing before it (``/5``) is refused;
+``lenient=True`` reads them as the versions before this rule did (an empty item is ``*``, ``/5`` is
+``*/5``), for the crons those versions accepted and stored (a schedule made through the API, a
+task's declared cron): they keep firing as they did (``Cron.read_leniently`` tells them apart).
+
 Times are computed in the schedule's IANA timezone, across daylight saving changes after Vixie
 cron and cronie. A job whose hour field takes every hour (``*``, ``*/1``, ``0-23``: it runs at fixed
 minutes every hour) goes by elapsed time: it fires at each instant whose wall time matches, so at
@@ -29,15 +34,17 @@ class CronError(ValueError):
     pass
 
 
-def _field(text: str, lo: int, hi: int, names: dict[str, int] | None = None) -> frozenset[int]:
+def _field(text: str, lo: int, hi: int, names: dict[str, int] | None = None, lenient: bool = False) -> frozenset[int]:
     values: set[int] = set()
     for part in text.lower().split(","):
-        # an empty item is not "*" ("0 , * * *" is not hourly, "/5" not "*/5"); "?" is a whole
-        # day-of-month or day-of-week field (Cron.parse), never an item nor another field
-        if part == "":
-            raise CronError(f"{text!r} has an empty list item")
-        if part.startswith("/"):
-            raise CronError(f"{text!r}: a step needs a start before it (*/5, 0-30/5, 5/15)")
+        # an empty item is not "*" ("0 , * * *" is not hourly, "/5" not "*/5"), but read leniently;
+        # "?" is a whole day-of-month or day-of-week field (Cron.parse), never an item nor another field
+        if _loose(part):
+            if not lenient:
+                if part == "":
+                    raise CronError(f"{text!r} has an empty list item")
+                raise CronError(f"{text!r}: a step needs a start before it (*/5, 0-30/5, 5/15)")
+            part = "*" + part
         if "?" in part:
             raise CronError("'?' (any) is only a whole day-of-month or day-of-week field")
         step = 1
@@ -60,6 +67,11 @@ def _field(text: str, lo: int, hi: int, names: dict[str, int] | None = None) -> 
     return frozenset(values)
 
 
+def _loose(part: str) -> bool:
+    """An empty list item, or a step with nothing before it: ``*`` to the versions before."""
+    return part == "" or part.startswith("/")
+
+
 def _value(text: str, names: dict[str, int] | None) -> int:
     if names and text in names:
         return names[text]
@@ -79,9 +91,13 @@ class Cron:
     weekdays: frozenset[int]  # 0 = Sunday
     any_day: bool
     any_weekday: bool
+    #: parsed with ``lenient`` and only valid so (an empty list item or a bare step read as ``*``)
+    read_leniently: bool = False
 
     @classmethod
-    def parse(cls, expression: str) -> Cron:
+    def parse(cls, expression: str, *, lenient: bool = False) -> Cron:
+        """``lenient``: an empty list item is ``*`` and a bare step ``/n`` is ``*/n``, as the versions
+        before read them (for crons they accepted and stored); strict otherwise."""
         text = MACROS.get(expression.strip().lower(), expression.strip())
         parts = text.split()
         if len(parts) == 5:
@@ -91,9 +107,11 @@ class Cron:
         sec, minute, hour, day, month, weekday = parts
         # "?" (Quartz, Trigger.dev) is "*" where it may stand: the whole day-of-month or day-of-week
         day, weekday = ("*" if f == "?" else f for f in (day, weekday))
-        weekdays = frozenset(d % 7 for d in _field(weekday, 0, 7, DAYS))  # 7 is Sunday too
-        return cls(expression, _field(sec, 0, 59), _field(minute, 0, 59), _field(hour, 0, 23), _field(day, 1, 31),
-                   _field(month, 1, 12, MONTHS), weekdays, day == "*", weekday == "*")
+        weekdays = frozenset(d % 7 for d in _field(weekday, 0, 7, DAYS, lenient))  # 7 is Sunday too
+        return cls(expression, _field(sec, 0, 59, None, lenient), _field(minute, 0, 59, None, lenient),
+                   _field(hour, 0, 23, None, lenient), _field(day, 1, 31, None, lenient),
+                   _field(month, 1, 12, MONTHS, lenient), weekdays, day == "*", weekday == "*",
+                   lenient and any(_loose(p) for f in parts for p in f.split(",")))
 
     def _day_matches(self, d: datetime) -> bool:
         dom = d.day in self.days

@@ -8,6 +8,10 @@ and worker group read, and no other transaction holding it): however many proces
 tick, and whatever dies between, exactly one run is made, whatever happens to the schedule
 meanwhile (its task changed, the schedule deleted or deactivated: none is made once that is
 committed). The run's idempotency key is (schedule, tick) too.
+
+A cron is parsed strictly only when a user writes a new one through the API (create, update): the
+crons stored or declared before (a schedule's, a deployment's) are read leniently, as the versions
+that accepted them read them (``Cron.parse(lenient=True)``), so that they keep firing as they did.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ host_time = time.time  # this host's clock (the engine's is the same, but in tes
 DUE_PER_POLL = 200  # ticks one poll of one process fires at most
 DUE_PER_ENVIRONMENT = 20  # of them, of one environment
 FIRING_AT_ONCE = 20  # triggered at once
+LENIENT_WARNINGS = 10_000  # schedules whose lenient cron a process remembers having warned of
 
 
 def schedule_key(schedule_id: str, tick: datetime) -> str:
@@ -62,6 +67,7 @@ class SchedulesSystem:
         self.enqueue = enqueue
         self._task: asyncio.Task[None] | None = None
         self._firing: set[tuple[str, datetime]] = set()
+        self._warned_lenient: set[str] = set()  # schedules whose cron is only valid read leniently
 
     async def _now(self) -> datetime:
         """The database's time (one host's clock stepped an hour ahead must not fire every schedule
@@ -71,12 +77,38 @@ class SchedulesSystem:
         return await self.r.repo.schedules.now() + timedelta(seconds=moved)
 
     @staticmethod
-    def next_tick(cron: str, timezone: str, after: datetime) -> datetime:
+    def next_tick(cron: str, timezone: str, after: datetime, *, lenient: bool = False) -> datetime:
+        """The first tick after ``after``; ``lenient`` for a cron stored or declared before, read
+        as the versions before read it (an empty list item as ``*``, ``/5`` as ``*/5``)."""
+        return SchedulesSystem._tick(cron, timezone, after, lenient)[0]
+
+    @staticmethod
+    def _tick(cron: str, timezone: str, after: datetime, lenient: bool) -> tuple[datetime, bool]:
+        """(the first tick after ``after``, whether the cron is only valid read leniently)."""
         try:
-            return Cron.parse(cron).next_after(after, timezone)
+            parsed = Cron.parse(cron, lenient=lenient)
+            return parsed.next_after(after, timezone), parsed.read_leniently
         except CronError as exc:
             field = "timezone" if "timezone" in str(exc) else "cron"
             raise ValidationError(field, str(exc)) from None
+
+    def _stored_tick(self, schedule_id: str, cron: str, timezone: str, after: datetime) -> datetime:
+        """The next tick of a cron stored or declared before: read leniently, with a warning (once
+        per schedule a process) when it is only valid so."""
+        following, leniently = self._tick(cron, timezone, after, True)
+        if leniently:
+            self._warn_lenient(schedule_id, cron)
+        return following
+
+    def _warn_lenient(self, schedule_id: str, cron: str) -> None:
+        if schedule_id in self._warned_lenient:
+            return
+        if len(self._warned_lenient) >= LENIENT_WARNINGS:
+            self._warned_lenient.clear()
+        self._warned_lenient.add(schedule_id)
+        log.warning("schedule %s: its cron %r has an empty list item or a step with nothing before it, refused "
+                    "for a new cron; read as the versions before read it ('*' for the empty item, '*/n' for "
+                    "'/n'), it keeps firing so (write it so to silence this)", schedule_id, cron)
 
     async def upsert(self, env_id: str, *, task: str, cron: str, timezone: str = "UTC", external_id: str | None = None,
                      deduplication_key: str | None = None, kind: str = "IMPERATIVE",
@@ -87,7 +119,17 @@ class SchedulesSystem:
         if kind == "IMPERATIVE" and deduplication_key is not None and deduplication_key.startswith(DECLARATIVE_PREFIX):
             raise ValidationError("deduplicationKey", f"{DECLARATIVE_PREFIX!r} keys are the deployments' own "
                                                       "(a task's declared cron)")
-        next_run = self.next_tick(cron, timezone, await self._now())
+        now = await self._now()
+        # a task's declared cron is a deployment's, which the versions before took (and unchanged code
+        # still declares): read leniently; and so is, over the API, the cron the schedule of that
+        # deduplication key has already (the SDK's create at every start of an app): not a new cron
+        lenient = kind == "DECLARATIVE"
+        try:
+            next_run, leniently = self._tick(cron, timezone, now, lenient)
+        except ValidationError as exc:
+            if lenient or exc.field != "cron" or not await self._has_cron(env_id, deduplication_key, cron):
+                raise
+            next_run, leniently = self._tick(cron, timezone, now, True)
         # every process's planner reads the due schedules each poll: an environment making a million
         # would make each poll of every tenant's schedules read them (a deployment's own, one per
         # task with a cron, are bounded by its tasks)
@@ -99,7 +141,16 @@ class SchedulesSystem:
         if row is None:
             raise UnprocessableError("too_many_schedules", f"this environment has {cap} schedules, the most it may "
                                      "have (RUN_ENGINE_MAX_SCHEDULES_PER_ENV); delete one or change one instead")
+        if leniently:
+            self._warn_lenient(row.id, cron)
         return row
+
+    async def _has_cron(self, env_id: str, deduplication_key: str | None, cron: str) -> bool:
+        """Whether the environment's schedule with this deduplication key has this cron already."""
+        if deduplication_key is None:
+            return False
+        row = await self.r.repo.schedules.get_by_deduplication_key(env_id, deduplication_key)
+        return row is not None and row.cron == cron
 
     async def update(self, env_id: str, schedule_id: str, *, task: str, cron: str, timezone: str = "UTC",
                      external_id: str | None = None) -> Schedule:
@@ -112,7 +163,10 @@ class SchedulesSystem:
         if row.type != "IMPERATIVE":
             raise UnprocessableError("declarative_schedule", "a declarative schedule follows its task's cron: "
                                                              "change the task's declaration instead")
-        next_run = self.next_tick(cron, timezone, await self._now())
+        now = await self._now()
+        # the cron it has already (a change of its task or external id) is not a new one: read as before
+        next_run = (self._stored_tick(schedule_id, cron, timezone, now) if cron == row.cron
+                    else self.next_tick(cron, timezone, now))
         updated = await self.r.repo.schedules.update(schedule_id, env_id, task_id=task, cron=cron, timezone=timezone,
                                                      external_id=external_id, next_run_at=next_run)
         if updated is None:  # deleted meanwhile
@@ -123,7 +177,7 @@ class SchedulesSystem:
         row = await self.r.repo.schedules.get(schedule_id, env_id)
         if row is None:
             raise NotFoundError("schedule", schedule_id)
-        next_run = self.next_tick(row.cron, row.timezone, await self._now()) if active else None
+        next_run = self._stored_tick(row.id, row.cron, row.timezone, await self._now()) if active else None
         updated = await self.r.repo.schedules.set_active(schedule_id, env_id, active, next_run)
         if updated is None:  # deleted meanwhile
             raise NotFoundError("schedule", schedule_id)
@@ -184,7 +238,7 @@ class SchedulesSystem:
         # whose next tick cannot be worked out (its zone gone from this host) is stopped, never
         # left due at the head of the list, fired again at every poll before every other tenant's
         try:
-            following = self.next_tick(current.cron, current.timezone, max(tick, now))
+            following = self._stored_tick(current.id, current.cron, current.timezone, max(tick, now))
         except ValidationError as exc:
             log.error("schedule %s stopped: its next tick after %s cannot be worked out: %s", schedule_id, tick, exc)
             await self.r.repo.schedules.deactivate(schedule_id, tick)

@@ -93,7 +93,9 @@ class WaitingForWorkerSystem:
         for i, t in enumerate(tasks):
             if t.cron is not None:
                 try:
-                    Cron.parse(t.cron.pattern).next_after(now, t.cron.timezone)
+                    # leniently, as the versions before (unchanged code declaring "/5 * * * *" still
+                    # deploys, and its schedule fires as it did; SchedulesSystem warns of it)
+                    Cron.parse(t.cron.pattern, lenient=True).next_after(now, t.cron.timezone)
                 except CronError as exc:
                     raise ValidationError(f"deployment.tasks.{i}.cron", str(exc)) from None
 

@@ -98,6 +98,13 @@ class ScheduleRepository:
                               (schedule_id, env_id, env_id))
             return from_row_or_none(Schedule, await cur.fetchone())
 
+    async def get_by_deduplication_key(self, env_id: str, deduplication_key: str) -> Schedule | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_schedule WHERE environment_id = %s AND deduplication_key = %s",
+                              (env_id, deduplication_key))
+            return from_row_or_none(Schedule, await cur.fetchone())
+
     async def page(self, env_id: str, limit: int, after: tuple[datetime, str] | None,
                    offset: int = 0) -> list[Schedule]:
         """Newest first; ``after`` is the (created_at, id) of the last schedule of the previous page

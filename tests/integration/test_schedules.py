@@ -4,7 +4,8 @@ across engines, activate/deactivate, timezones, declarative schedules."""
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+import logging
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -433,3 +434,85 @@ async def test_concurrent_creates_stop_at_the_environments_cap(make_engine, uniq
         made = sum(await asyncio.gather(*(create(i) for i in range(4, 40))))
         total, _ = await h.engine.resources.repo.schedules.count(env.env_id)
         assert (made, total) == (1, 5), f"environment {n}"
+
+
+async def legacy_schedule(h: Harness, cron: str, key: str, *, due: datetime | None = None) -> str:
+    """A schedule as a version before 0cbce10 stored it: its API took an empty list item or a bare
+    step (read as "*"), which the API refuses now."""
+    from run_engine.ids import new_id
+
+    sched = await h.engine.resources.repo.schedules.upsert(
+        id=new_id("sched"), env_id=h.env.env_id, task_id="hello", cron=cron, timezone="UTC", external_id=None,
+        deduplication_key=key, next_run_at=due or ts(h) - timedelta(seconds=30), type="IMPERATIVE")
+    assert sched is not None
+    return sched.id
+
+
+async def test_a_schedule_stored_with_a_cron_refused_now_keeps_firing_as_before(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    """A cron the version before accepted ("/5" as "*/5", "0 , * * *" hourly) was taken at its next
+    tick as one whose next tick cannot be worked out: the schedule was stopped for good, silently,
+    by old and new processes alike. It fires as the version before fired it, with a warning."""
+    caplog.set_level(logging.WARNING, logger="systems.schedules")
+    schedules = h.engine.systems.schedules
+    five = await legacy_schedule(h, "/5 * * * *", "legacy-five")
+    hourly = await legacy_schedule(h, "0 , * * *", "legacy-hourly")
+    await schedules.fire_due(jitter_s=0)
+    for sched_id, minutes in ((five, 5), (hourly, 60)):
+        assert len(await runs_of(h, sched_id)) == 1
+        after = await h.engine.resources.repo.schedules.get(sched_id)
+        assert after is not None and after.active and after.next_run_at is not None
+        assert after.next_run_at > ts(h) and after.next_run_at.minute % minutes == 0
+        assert after.next_run_at - ts(h) <= timedelta(minutes=minutes)
+    row = await h.engine.resources.repo.schedules.get(five)
+    assert row is not None and row.next_run_at is not None
+    h.clock.advance((row.next_run_at - ts(h)).total_seconds())
+    await schedules.fire_due(jitter_s=0)
+    assert len(await runs_of(h, five)) == 2
+    # deactivated and activated again: from now, as before
+    await schedules.set_active(h.env.env_id, five, False)
+    on = await schedules.set_active(h.env.env_id, five, True)
+    assert on.active and on.next_run_at is not None and on.next_run_at.minute % 5 == 0
+    warned = [r.getMessage() for r in caplog.records if "read as the versions before" in r.getMessage()]
+    assert len([m for m in warned if five in m]) == 1 and len([m for m in warned if hourly in m]) == 1, warned
+
+
+async def test_a_deployment_declaring_a_cron_refused_now_still_registers_and_its_schedule_fires(h: Harness) -> None:
+    """Unchanged code declaring "0 0 , * *" (every day, to the version before) could not register:
+    ValidationError deployment.tasks.1.cron ',' has an empty list item."""
+    await h.deploy({"id": "hello"}, {"id": "nightly", "cron": "0 0 , * *"}, version="2")
+    (decl,) = [r for r in await h.engine.resources.repo.schedules.page(h.env.env_id, 10, None)
+               if r.type == "DECLARATIVE"]
+    assert decl.cron == "0 0 , * *" and decl.next_run_at is not None
+    assert decl.next_run_at - ts(h) <= timedelta(days=1) and (decl.next_run_at.hour, decl.next_run_at.minute) == (0, 0)
+    h.clock.advance((decl.next_run_at - ts(h)).total_seconds())
+    await h.engine.systems.schedules.fire_due(jitter_s=0)
+    (run,) = await runs_of(h, decl.id)
+    after = await h.engine.resources.repo.schedules.get(decl.id)
+    assert after is not None and after.active and after.next_run_at == decl.next_run_at + timedelta(days=1)
+    await h.deploy({"id": "hello"}, {"id": "nightly", "cron": "/5 * * * *"}, version="3")  # and changed so
+    again = await h.engine.resources.repo.schedules.get(decl.id)
+    assert again is not None and again.cron == "/5 * * * *" and again.next_run_at is not None
+    assert again.next_run_at.minute % 5 == 0 and again.next_run_at - ts(h) <= timedelta(minutes=5)
+
+
+async def test_the_api_refuses_a_new_cron_with_an_empty_item_but_not_the_one_a_schedule_has(  # type: ignore[no-untyped-def]
+        h: Harness, api) -> None:
+    """The SDK's create with a deduplication key (an app's start) or a PUT sending the cron the
+    schedule has already writes no new cron: it keeps working for a schedule stored before."""
+    sched_id = await legacy_schedule(h, "/5 * * * *", "boot", due=ts(h) + timedelta(minutes=5))
+    same = await api.post("/api/v1/schedules", json={"task": "hello", "cron": "/5 * * * *",
+                                                     "deduplicationKey": "boot", "externalId": "x"})
+    assert same.status_code == 200 and same.json()["id"] == sched_id and same.json()["externalId"] == "x", same.text
+    put = await api.put(f"/api/v1/schedules/{sched_id}", json={"task": "hello", "cron": "/5 * * * *",
+                                                                "timezone": "Europe/Paris"})
+    assert put.status_code == 200 and put.json()["timezone"] == "Europe/Paris", put.text
+    for body in ({"task": "hello", "cron": "0 , * * *", "deduplicationKey": "boot"},  # a new cron
+                 {"task": "hello", "cron": "/5 * * * *", "deduplicationKey": "other"},  # a new schedule
+                 {"task": "hello", "cron": "/5 * * * *"}):
+        refused = await api.post("/api/v1/schedules", json=body)
+        assert refused.status_code == 400 and "cron" in refused.text, (body, refused.text)
+    put = await api.put(f"/api/v1/schedules/{sched_id}", json={"task": "hello", "cron": "/10 * * * *"})
+    assert put.status_code == 400 and "a step needs a start" in put.text, put.text
+    row = await h.engine.resources.repo.schedules.get(sched_id)
+    assert row is not None and row.cron == "/5 * * * *" and row.active

@@ -159,6 +159,30 @@ def test_an_empty_list_item_or_a_bare_step_is_refused_not_read_as_any(expr: str,
         Cron.parse(expr)
 
 
+@pytest.mark.parametrize("expr,same_as", [("/5 * * * *", "*/5 * * * *"), ("0 , * * *", "0 * * * *"),
+                                          ("1,,2 * * * *", "* * * * *"), ("0 0 , * *", "0 0 1-31 * *"),
+                                          ("0 0 , * mon", "0 0 1-31 * mon"), ("0 0 * * mon,", "0 0 * * 0-6"),
+                                          ("0 /6 * * *", "0 */6 * * *"), ("0 0 ? * /2", "0 0 * * */2")])
+def test_read_leniently_an_empty_item_is_any_and_a_bare_step_starts_at_the_lowest(expr: str, same_as: str) -> None:
+    """As the versions before read them: the crons they accepted and stored keep firing as they did."""
+    old, new = Cron.parse(expr, lenient=True), Cron.parse(same_as)
+    assert old.read_leniently and not new.read_leniently
+    fields = ("seconds", "minutes", "hours", "days", "months", "weekdays", "any_day", "any_weekday")
+    assert [getattr(old, f) for f in fields] == [getattr(new, f) for f in fields]
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    for _ in range(50):
+        assert old.next_after(start) == new.next_after(start)
+        start = new.next_after(start)
+
+
+def test_read_leniently_is_strict_otherwise() -> None:
+    assert not Cron.parse("*/5 * * * *", lenient=True).read_leniently
+    assert not Cron.parse("0 0 ? * MON", lenient=True).read_leniently
+    for expr in ("? * * * *", "0 0 1,? * *", "5/ * * * *", "/ * * * *", "/0 * * * *", "60 * * * *"):
+        with pytest.raises(CronError):
+            Cron.parse(expr, lenient=True)
+
+
 @pytest.mark.parametrize("expr", ["* * * *", "60 * * * *", "* 24 * * *", "*/0 * * * *", "a b c d e", "5-1 * * * *"])
 def test_bad_expressions_are_refused(expr: str) -> None:
     with pytest.raises(CronError):
