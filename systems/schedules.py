@@ -27,7 +27,7 @@ from psycopg import AsyncConnection
 
 from run_engine.cron import Cron, CronError
 from run_engine.db.deployments import TaskSpec
-from run_engine.db.schedules import Schedule
+from run_engine.db.schedules import DroppedDeclarative, Schedule
 from run_engine.errors import NotFoundError, RunEngineError, UnprocessableError, ValidationError
 from run_engine.ids import new_id
 from run_engine.tasks import stop_task
@@ -185,8 +185,10 @@ class SchedulesSystem:
 
     async def sync_declarative(self, env_id: str, worker_group_id: str, tasks: Sequence[TaskSpec]) -> None:
         """A deployment's ``cron`` declarations become its environment's declarative schedules, of
-        its worker group (their runs go there); the group's schedules of tasks that no longer
-        declare one go (not another group's: an environment has a current deployment per group)."""
+        its worker group (their runs go there). A schedule of the group's whose task no longer
+        declares one goes, unless another group's current deployment declares it (an environment has
+        a current deployment per group, and a schedule is keyed by task: the last group to declare
+        it took it): that group takes it, with its declared cron and zone."""
         keep = []
         for t in tasks:
             if t.cron is None:
@@ -195,7 +197,30 @@ class SchedulesSystem:
             keep.append(key)
             await self.upsert(env_id, task=t.id, cron=t.cron.pattern, timezone=t.cron.timezone,
                               deduplication_key=key, kind="DECLARATIVE", worker_group_id=worker_group_id)
-        await self.r.repo.schedules.delete_declarative(env_id, worker_group_id, keep)
+        repo = self.r.repo.schedules
+        dropped = await repo.dropped_declarative(env_id, worker_group_id, keep)
+        if not dropped:
+            return
+        now = await self._now()
+        handoffs: list[tuple[DroppedDeclarative, datetime | None]] = []
+        for d in dropped:
+            if d.declared_cron is None or d.declared_timezone is None:
+                continue  # nobody else declares it: deleted
+            following = None
+            if (d.declared_cron, d.declared_timezone) != (d.cron, d.timezone):
+                try:
+                    following = self._stored_tick(d.schedule_id, d.declared_cron, d.declared_timezone, now)
+                except ValidationError as exc:
+                    # left as it is (still declared: not deleted), until that group's next connect
+                    log.warning("schedule %s: not handed to worker group %s, whose cron %r (%s) has no next tick "
+                                "here: %s", d.schedule_id, d.worker_group_id, d.declared_cron, d.declared_timezone,
+                                exc)
+                    continue
+            handoffs.append((d, following))
+        handed, _ = await repo.drop_declarative(env_id, worker_group_id, keep, handoffs)
+        if handed:
+            log.info("environment %s: worker group %s no longer declares %d cron(s) another group's current "
+                     "deployment declares: handed to that group", env_id, worker_group_id, handed)
 
     # --- firing -------------------------------------------------------------------------------
 

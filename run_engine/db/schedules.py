@@ -9,6 +9,7 @@ from typing import Any
 
 from psycopg import AsyncConnection
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_row, from_row_or_none
@@ -50,6 +51,36 @@ SELECT * FROM (
         ORDER BY t.next_run_at LIMIT %(per)s) s) due
 ORDER BY turn, next_run_at, id LIMIT %(limit)s
 """
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedDeclarative:
+    """A declarative schedule a group's deployment no longer declares, and the declaration of its
+    task's cron by another group's current deployment, if one has it (else the four are None)."""
+
+    schedule_id: str
+    cron: str
+    timezone: str
+    deployment_id: str | None
+    worker_group_id: str | None
+    declared_cron: str | None
+    declared_timezone: str | None
+
+
+# The cron of schedule s's task that the current deployments of s's environment by groups other than
+# %(group)s declare (deployment.tasks: a task's "cron" is {"pattern", "timezone"}; the versions before
+# 059ff40 kept the worker's own declaration, a pattern alone as a string; "" declares none).
+_DECLARED_ELSEWHERE = """
+    SELECT d.id AS deployment_id, d.worker_group_id, c.pattern, c.tz
+    FROM deployment d
+    CROSS JOIN LATERAL jsonb_array_elements(d.tasks) t
+    CROSS JOIN LATERAL (
+        SELECT CASE jsonb_typeof(t->'cron') WHEN 'string' THEN t->>'cron'
+                                            WHEN 'object' THEN t->'cron'->>'pattern' END AS pattern,
+               CASE WHEN jsonb_typeof(t->'cron') = 'object'
+                    THEN coalesce(t->'cron'->>'timezone', 'UTC') ELSE 'UTC' END AS tz) c
+    WHERE d.environment_id = s.environment_id AND d.is_current AND d.worker_group_id <> %(group)s
+      AND t->>'id' = s.task_identifier AND c.pattern <> ''"""
 
 
 class ScheduleRepository:
@@ -168,15 +199,74 @@ class ScheduleRepository:
                  "id": schedule_id, "env": env_id})
             return from_row_or_none(Schedule, await cur.fetchone())
 
-    async def delete_declarative(self, env_id: str, worker_group_id: str, keep: Sequence[str]) -> None:
-        """Remove the declarative schedules the group's deployments declared of tasks that no longer
-        declare a cron (another group's current deployment may still declare theirs); and those
-        whose group is gone (the group's deployment now declares them, or nobody does)."""
+    async def dropped_declarative(self, env_id: str, worker_group_id: str,
+                                  keep: Sequence[str]) -> list[DroppedDeclarative]:
+        """The declarative schedules the group's deployment no longer declares (the group's, or of no
+        group: one deleted), each with the declaration of another group's current deployment of the
+        environment that still declares its task's cron, if one does: the one that declares the
+        schedule's cron and zone first, then the environment's default group's, then the newest."""
         async with self.pool.connection() as conn:
-            await conn.execute(
-                """DELETE FROM task_schedule WHERE environment_id = %s AND type = 'DECLARATIVE'
-                     AND (worker_group_id = %s OR worker_group_id IS NULL)
-                     AND NOT (deduplication_key = ANY(%s))""", (env_id, worker_group_id, list(keep)))
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                f"""SELECT s.id AS schedule_id, s.cron, s.timezone, o.deployment_id, o.worker_group_id,
+                           o.pattern AS declared_cron, o.tz AS declared_timezone
+                    FROM task_schedule s
+                    LEFT JOIN LATERAL ({_DECLARED_ELSEWHERE}
+                        ORDER BY (c.pattern = s.cron AND c.tz = s.timezone) DESC,
+                                 d.worker_group_id = (SELECT default_worker_group_id FROM runtime_environment
+                                                      WHERE id = s.environment_id) DESC NULLS LAST,
+                                 d.created_at DESC, d.id
+                        LIMIT 1) o ON true
+                    WHERE s.environment_id = %(env)s AND s.type = 'DECLARATIVE'
+                      AND (s.worker_group_id = %(group)s OR s.worker_group_id IS NULL)
+                      AND NOT (s.deduplication_key = ANY(%(keep)s))""",
+                {"env": env_id, "group": worker_group_id, "keep": list(keep)})
+            return [from_row(DroppedDeclarative, r) for r in await cur.fetchall()]
+
+    async def drop_declarative(self, env_id: str, worker_group_id: str, keep: Sequence[str],
+                               handoffs: Sequence[tuple[DroppedDeclarative, datetime | None]]) -> tuple[int, int]:
+        """In one statement: hand each of ``handoffs`` (from :meth:`dropped_declarative`, with its
+        next tick when the declared cron or zone is not the schedule's) to the group that declares
+        it, with its cron and zone, if that deployment is still current and the schedule still as
+        read; and delete the group's (or group-less) declarative schedules not in ``keep`` that are
+        not handed and that no other group's current deployment of the environment declares.
+        Returns (handed, deleted)."""
+        rows = [{"id": d.schedule_id, "cron": d.cron, "timezone": d.timezone, "deployment_id": d.deployment_id,
+                 "worker_group_id": d.worker_group_id, "new_cron": d.declared_cron,
+                 "new_timezone": d.declared_timezone, "next_run_at": nxt.isoformat() if nxt else None}
+                for d, nxt in handoffs]
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                f"""WITH handoff AS (
+                        SELECT * FROM jsonb_to_recordset(%(handoffs)s) AS h(
+                            id text, cron text, timezone text, deployment_id text, worker_group_id text,
+                            new_cron text, new_timezone text, next_run_at timestamptz)),
+                    handed AS (
+                        UPDATE task_schedule s
+                           SET worker_group_id = h.worker_group_id, cron = h.new_cron, timezone = h.new_timezone,
+                               next_run_at = CASE WHEN s.active THEN coalesce(h.next_run_at, s.next_run_at)
+                                                  ELSE s.next_run_at END,
+                               updated_at = now()
+                          FROM handoff h
+                         WHERE s.id = h.id AND s.environment_id = %(env)s AND s.type = 'DECLARATIVE'
+                           AND (s.worker_group_id = %(group)s OR s.worker_group_id IS NULL)
+                           AND NOT (s.deduplication_key = ANY(%(keep)s))
+                           AND s.cron = h.cron AND s.timezone = h.timezone
+                           AND EXISTS (SELECT 1 FROM deployment d WHERE d.id = h.deployment_id AND d.is_current)
+                        RETURNING s.id),
+                    deleted AS (
+                        DELETE FROM task_schedule s
+                         WHERE s.environment_id = %(env)s AND s.type = 'DECLARATIVE'
+                           AND (s.worker_group_id = %(group)s OR s.worker_group_id IS NULL)
+                           AND NOT (s.deduplication_key = ANY(%(keep)s))
+                           AND s.id NOT IN (SELECT id FROM handed)
+                           AND NOT EXISTS ({_DECLARED_ELSEWHERE})
+                        RETURNING s.id)
+                    SELECT (SELECT count(*) FROM handed), (SELECT count(*) FROM deleted)""",
+                {"env": env_id, "group": worker_group_id, "keep": list(keep), "handoffs": Jsonb(rows)})
+            row = await cur.fetchone()
+            assert row is not None
+            return int(row[0]), int(row[1])
 
     async def now(self) -> datetime:
         """The database's time: every process plans by it, whatever its own clock says."""

@@ -76,3 +76,68 @@ async def test_a_tick_of_a_cron_another_group_declared_runs_on_that_group(h: Har
     assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 1
     (run,) = await h.engine.resources.repo.runs.list_runs(h.env.env_id, tags=[f"schedule:{sched.id}"], limit=10)
     assert (run.worker_group_id, run.status) == (gpu, "QUEUED")
+
+
+async def test_a_group_dropping_a_cron_another_groups_deployment_declares_hands_the_schedule_to_it(
+        h: Harness) -> None:
+    """Declarative schedules are keyed by environment and task: the last group to declare a task's
+    cron took the row, and its own drop then deleted it while the other group's current deployment
+    still declared it (its ticks lost until that group's next connect)."""
+    nightly = {"id": "nightly", "cron": {"pattern": "0 3 * * *", "timezone": "UTC"}}
+    # a new version (h.deploy's content hash is its version's: "1" is the fixture's deployment, and
+    # the same content is the same deployment, with the tasks it was registered with)
+    await h.deploy({"id": "hello"}, nightly, version="2")
+    default = h.env.worker_group_id
+    (before,) = [r for r in await h.engine.resources.repo.schedules.page(h.env.env_id, 10, None)
+                 if r.type == "DECLARATIVE"]
+    gpu = await other_group(h)
+    await deploy(h, gpu, "g1", nightly)  # the gpu group declares it too: the row is the gpu group's
+    assert await declared(h) == [("nightly", gpu)]
+    await deploy(h, gpu, "g2", {"id": "nightly"})  # ... and drops it: the default group's again
+    assert await declared(h) == [("nightly", default)]
+    after = await h.engine.resources.repo.schedules.get(before.id)  # the same schedule, at the same tick
+    assert after is not None and after.active and after.next_run_at == before.next_run_at
+    assert (after.cron, after.timezone) == ("0 3 * * *", "UTC")
+    # its tick's run goes to the default group, which has the task
+    assert after.next_run_at is not None
+    h.clock.advance((after.next_run_at - datetime.fromtimestamp(h.clock.now(), UTC)).total_seconds())
+    await h.engine.systems.schedules.fire_due(jitter_s=0)
+    (run,) = await h.engine.resources.repo.runs.list_runs(h.env.env_id, tags=[f"schedule:{after.id}"], limit=10)
+    assert run.worker_group_id == default
+    # nobody declares it any more: gone
+    await h.deploy({"id": "hello"}, {"id": "nightly"}, version="3")
+    assert await declared(h) == []
+
+
+async def test_a_schedule_handed_to_another_group_takes_the_cron_that_group_declares(h: Harness) -> None:
+    await h.deploy({"id": "hello"}, {"id": "nightly", "cron": {"pattern": "0 3 * * *", "timezone": "Asia/Tokyo"}},
+                   version="2")
+    default = h.env.worker_group_id
+    gpu = await other_group(h)
+    await deploy(h, gpu, "g1", {"id": "nightly", "cron": "*/5 * * * *"})
+    (row,) = [r for r in await h.engine.resources.repo.schedules.page(h.env.env_id, 10, None)
+              if r.type == "DECLARATIVE"]
+    assert (row.worker_group_id, row.cron, row.timezone) == (gpu, "*/5 * * * *", "UTC")
+    await deploy(h, gpu, "g2", {"id": "render"})  # the gpu group no longer has the task
+    after = await h.engine.resources.repo.schedules.get(row.id)
+    assert after is not None and after.next_run_at is not None
+    assert (after.worker_group_id, after.cron, after.timezone) == (default, "0 3 * * *", "Asia/Tokyo")
+    now = datetime.fromtimestamp(h.clock.now(), UTC)
+    assert after.next_run_at > now and (after.next_run_at - now).total_seconds() <= 86400
+    assert after.next_run_at.astimezone(UTC).hour == 18 and after.next_run_at.minute == 0  # 03:00 in Tokyo
+
+
+async def test_a_schedule_is_not_handed_to_a_deployment_no_longer_current(h: Harness) -> None:
+    """The hand-over is read, then written: a declaring deployment replaced between the two (its
+    group's next version, without the cron) takes nothing, and the schedule nobody declares goes."""
+    nightly = {"id": "nightly", "cron": "0 3 * * *"}
+    await h.deploy({"id": "hello"}, nightly, version="2")
+    gpu = await other_group(h)
+    await deploy(h, gpu, "g1", nightly)
+    repo = h.engine.resources.repo.schedules
+    (dropped,) = await repo.dropped_declarative(h.env.env_id, gpu, [])  # as the gpu group's drop reads it
+    assert dropped.worker_group_id == h.env.worker_group_id and dropped.declared_cron == "0 3 * * *"
+    await h.deploy({"id": "hello"}, {"id": "nightly"}, version="3")  # meanwhile: the default group's is gone
+    assert await declared(h) == [("nightly", gpu)]
+    assert await repo.drop_declarative(h.env.env_id, gpu, [], [(dropped, None)]) == (0, 1)
+    assert await declared(h) == []
