@@ -197,8 +197,8 @@ class SchedulesSystem:
             keep.append(key)
             await self.upsert(env_id, task=t.id, cron=t.cron.pattern, timezone=t.cron.timezone,
                               deduplication_key=key, kind="DECLARATIVE", worker_group_id=worker_group_id)
-        repo = self.r.repo.schedules
-        dropped = await repo.dropped_declarative(env_id, worker_group_id, keep)
+        stored = self.r.repo.schedules
+        dropped = await stored.dropped_declarative(env_id, worker_group_id, keep)
         if not dropped:
             return
         now = await self._now()
@@ -217,7 +217,7 @@ class SchedulesSystem:
                                 exc)
                     continue
             handoffs.append((d, following))
-        handed, _ = await repo.drop_declarative(env_id, worker_group_id, keep, handoffs)
+        handed, _ = await stored.drop_declarative(env_id, worker_group_id, keep, handoffs)
         if handed:
             log.info("environment %s: worker group %s no longer declares %d cron(s) another group's current "
                      "deployment declares: handed to that group", env_id, worker_group_id, handed)
