@@ -60,6 +60,10 @@ TRIGGER_TO_START = Histogram("run_engine_trigger_to_start_seconds", "From a run 
 DEQUEUE = Histogram("run_engine_dequeue_seconds", "Duration of one engine dequeue call (queue script, run locks, "
                     "snapshot writes), by outcome: runs handed out or empty.", ["outcome"], buckets=FAST_BUCKETS,
                     registry=REGISTRY)
+SCHEDULE_TICKS = Counter("run_engine_schedule_ticks", "Due schedule ticks this process dealt with, by outcome: "
+                         "fired (a run made), skipped (the environment refused the run: its queue full, its task "
+                         "not triggerable), stopped (the next tick cannot be worked out: the schedule deactivated).",
+                         ["outcome"], registry=REGISTRY)
 LOCK_WAIT = Histogram("run_engine_lock_wait_seconds", "From asking for a run lock to holding it, by the "
                       "operation that takes it.", ["lock"], buckets=FAST_BUCKETS, registry=REGISTRY)
 
@@ -76,6 +80,7 @@ class EngineMetrics:
         self._created = {s: RUNS_CREATED.labels(s) for s in CREATED_STATUSES}
         self._finished = {s: RUNS_FINISHED.labels(s) for s in FINAL_STATUSES}
         self._dequeue = {o: DEQUEUE.labels(o) for o in ("runs", "empty")}
+        self._ticks = {o: SCHEDULE_TICKS.labels(o) for o in ("fired", "skipped", "stopped")}
         self._locks: dict[str, Any] = {}
 
     def install(self, events: EventBus) -> Callable[[], None]:
@@ -83,6 +88,7 @@ class EngineMetrics:
         unsubscribe = events.subscribe("*", self.on_event)
         TIMINGS.dequeue = self.on_dequeue
         TIMINGS.lock_wait = self.on_lock_wait
+        TIMINGS.schedule_tick = self.on_schedule_tick
 
         def uninstall() -> None:
             unsubscribe()
@@ -125,6 +131,12 @@ class EngineMetrics:
             self._dequeue[outcome].observe(seconds)
         except Exception:
             log.debug("dequeue timing not recorded", exc_info=True)
+
+    def on_schedule_tick(self, outcome: str) -> None:
+        try:
+            self._ticks[outcome].inc()
+        except Exception:
+            log.debug("schedule tick not counted", exc_info=True)
 
     def on_lock_wait(self, lock: str, seconds: float) -> None:
         try:

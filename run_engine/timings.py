@@ -7,23 +7,34 @@ from collections.abc import Callable
 
 #: ``observer(label, seconds)``
 Observer = Callable[[str, float], None]
+#: ``counter(label)``
+Count = Callable[[str], None]
 
 
 def _ignore(label: str, seconds: float) -> None:
     return None
 
 
+def _uncounted(label: str) -> None:
+    return None
+
+
 class Timings:
     """``dequeue``: one engine dequeue call, label ``runs`` or ``empty``; ``lock_wait``: from asking
     for a run lock to holding it, label the lock's name (``start_attempt``, ``dequeue``, …).
+    And one count: ``schedule_tick``, a due schedule tick this process dealt with, label ``fired``
+    (its run made), ``skipped`` (the environment refused its run: its queue full, its task not
+    triggerable) or ``stopped`` (its next tick cannot be worked out: the schedule was deactivated).
     An observer must not raise: it is called in the middle of the work it times."""
 
     def __init__(self) -> None:
         self.dequeue: Observer = _ignore
         self.lock_wait: Observer = _ignore
+        self.schedule_tick: Count = _uncounted
 
     def reset(self) -> None:
         self.dequeue = self.lock_wait = _ignore
+        self.schedule_tick = _uncounted
 
 
 TIMINGS = Timings()

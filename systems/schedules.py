@@ -31,6 +31,7 @@ from run_engine.db.schedules import DroppedDeclarative, Schedule
 from run_engine.errors import NotFoundError, RunEngineError, UnprocessableError, ValidationError
 from run_engine.ids import new_id
 from run_engine.tasks import stop_task
+from run_engine.timings import TIMINGS
 from systems.enqueue import TriggerRequest
 from systems.resources import SystemResources
 
@@ -267,6 +268,7 @@ class SchedulesSystem:
         except ValidationError as exc:
             log.error("schedule %s stopped: its next tick after %s cannot be worked out: %s", schedule_id, tick, exc)
             await self.r.repo.schedules.deactivate(schedule_id, tick)
+            TIMINGS.schedule_tick("stopped")
             return 0
 
         async def take(conn: AsyncConnection[Any]) -> None:
@@ -290,8 +292,12 @@ class SchedulesSystem:
             # stay at the head of the due list, before every other tenant's schedules.
             log.warning("schedule %s: the tick of %s was refused and is skipped: %s", schedule_id, tick, refused)
             await self.r.repo.schedules.advance(schedule_id, tick, following)
+            TIMINGS.schedule_tick("skipped")
             return 0
-        return 0 if run[0].is_cached else 1
+        if run[0].is_cached:
+            return 0
+        TIMINGS.schedule_tick("fired")
+        return 1
 
     async def start(self) -> None:
         if self._task is None:

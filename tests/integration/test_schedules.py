@@ -516,3 +516,26 @@ async def test_the_api_refuses_a_new_cron_with_an_empty_item_but_not_the_one_a_s
     assert put.status_code == 400 and "a step needs a start" in put.text, put.text
     row = await h.engine.resources.repo.schedules.get(sched_id)
     assert row is not None and row.cron == "/5 * * * *" and row.active
+
+
+async def test_the_ticks_a_process_fires_skips_or_stops_are_counted(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A refused tick was only a warning in the log: an operator could not see an environment's
+    schedules skipping every tick (its queue full) on a dashboard."""
+    from run_engine import metrics
+
+    def ticks(outcome: str) -> float:
+        return metrics.REGISTRY.get_sample_value("run_engine_schedule_ticks_total", {"outcome": outcome}) or 0.0
+
+    h: Harness = await make_engine(max_queue_length=1)
+    await h.deploy({"id": "hello"})
+    uninstall = metrics.EngineMetrics().install(h.engine.events)
+    try:
+        before = {o: ticks(o) for o in ("fired", "skipped")}
+        sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *")
+        h.clock.advance((sched.next_run_at - ts(h)).total_seconds())
+        assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 1  # the queue is full now
+        h.clock.advance(60)
+        assert await h.engine.systems.schedules.fire_due(jitter_s=0) == 0
+        assert {o: ticks(o) - before[o] for o in before} == {"fired": 1, "skipped": 1}
+    finally:
+        uninstall()
