@@ -267,8 +267,8 @@ class SchedulesSystem:
             following = self._stored_tick(current.id, current.cron, current.timezone, max(tick, now))
         except ValidationError as exc:
             log.error("schedule %s stopped: its next tick after %s cannot be worked out: %s", schedule_id, tick, exc)
-            await self.r.repo.schedules.deactivate(schedule_id, tick)
-            TIMINGS.schedule_tick("stopped")
+            if await self.r.repo.schedules.deactivate(schedule_id, tick):  # (not by another process first)
+                TIMINGS.schedule_tick("stopped")
             return 0
 
         async def take(conn: AsyncConnection[Any]) -> None:
@@ -291,8 +291,8 @@ class SchedulesSystem:
             # triggered): this tick is skipped, not tried again at every poll, where it would
             # stay at the head of the due list, before every other tenant's schedules.
             log.warning("schedule %s: the tick of %s was refused and is skipped: %s", schedule_id, tick, refused)
-            await self.r.repo.schedules.advance(schedule_id, tick, following)
-            TIMINGS.schedule_tick("skipped")
+            if await self.r.repo.schedules.advance(schedule_id, tick, following):  # once, whoever skips it
+                TIMINGS.schedule_tick("skipped")
             return 0
         if run[0].is_cached:
             return 0

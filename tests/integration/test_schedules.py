@@ -539,3 +539,36 @@ async def test_the_ticks_a_process_fires_skips_or_stops_are_counted(make_engine)
         assert {o: ticks(o) - before[o] for o in before} == {"fired": 1, "skipped": 1}
     finally:
         uninstall()
+
+
+async def test_a_tick_two_processes_skip_is_counted_once(make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Both read the tick due before either moved the schedule past it: only the one whose move
+    took counts it (each counted it: a dashboard showed twice the ticks skipped)."""
+    from run_engine import metrics
+
+    def skipped() -> float:
+        return metrics.REGISTRY.get_sample_value("run_engine_schedule_ticks_total", {"outcome": "skipped"}) or 0.0
+
+    h: Harness = await make_engine(max_queue_length=1)
+    await h.deploy({"id": "hello"})
+    await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))  # the queue is full
+    uninstall = metrics.EngineMetrics().install(h.engine.events)
+    try:
+        sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *")
+        tick = sched.next_run_at
+        assert tick is not None
+        h.clock.advance((tick - ts(h)).total_seconds())
+        before = skipped()
+        schedules = h.engine.systems.schedules
+        now = await schedules._now()
+        assert await schedules._fire_now(sched.id, tick, now) == 0  # refused: skipped, moved on
+        stale = sched  # what the other process read before that move
+
+        async def as_read_before(schedule_id: str, env_id: str | None = None) -> object:
+            return stale
+
+        monkeypatch.setattr(h.engine.resources.repo.schedules, "get", as_read_before)
+        assert await schedules._fire_now(sched.id, tick, now) == 0  # refused too; its move finds it moved
+        assert skipped() - before == 1
+    finally:
+        uninstall()
