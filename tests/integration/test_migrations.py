@@ -65,25 +65,29 @@ def test_concurrent_migrators_apply_each_file_once(empty_database: str) -> None:
     assert applied == [m.version for m in available_migrations()]
 
 
-def test_an_index_built_concurrently_is_valid_and_rebuilt_when_left_invalid(empty_database: str) -> None:
-    """0019 runs outside a transaction (CREATE INDEX CONCURRENTLY); an interrupted build leaves an
-    invalid index, which the next migrate drops and builds again (0012's index, which it replaces,
-    is gone)."""
+@pytest.mark.parametrize(("index", "version"), [
+    ("task_run_env_tags", "0019"), ("batch_done_unkeyed", "0030"), ("batch_done_keyed", "0030"),
+    ("task_schedule_due_by_environment", "0032"), ("task_queue_settings_version", "0038"),
+    ("task_schedule_worker_group", "0038")])
+def test_an_index_built_concurrently_is_valid_and_rebuilt_when_left_invalid(empty_database: str, index: str,
+                                                                            version: str) -> None:
+    """These migrations run outside a transaction (CREATE INDEX CONCURRENTLY: no write waits); an
+    interrupted build leaves an invalid index, which the next migrate drops and builds again."""
     migrate_sync(empty_database)
 
-    def valid(name: str = "task_run_env_tags") -> list[bool]:
+    def valid(name: str = index) -> list[bool]:
         with psycopg.connect(empty_database) as conn:
             return [r[0] for r in conn.execute(
                 """SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
                    WHERE c.relname = %s""", (name,))]
 
-    assert valid() == [True] and valid("task_run_tags") == []
+    assert valid() == [True]
+    assert valid("task_run_tags") == []  # 0012's index, which 0019's replaces, is gone
     with psycopg.connect(empty_database, autocommit=True) as conn:  # as an interrupted build leaves it
-        conn.execute("""UPDATE pg_index SET indisvalid = false
-                        WHERE indexrelid = 'task_run_env_tags'::regclass""")
-        conn.execute("DELETE FROM schema_migration WHERE version = '0019'")
+        conn.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = %s::regclass", (index,))
+        conn.execute("DELETE FROM schema_migration WHERE version = %s", (version,))
     assert valid() == [False]
-    assert migrate_sync(empty_database) == ["0019"]
+    assert migrate_sync(empty_database) == [version]
     assert valid() == [True]
 
 

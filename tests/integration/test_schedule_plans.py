@@ -66,26 +66,3 @@ def test_the_due_query_reads_each_environments_due_ticks_through_its_own_range(b
     assert sum(read(n) for n in per_environment) <= environments * PER_ENVIRONMENT, plan
     # finding the environments reads the table (its due rows) once at most: linear, not a product
     assert sum(read(n) for n in scans) <= rows + environments * PER_ENVIRONMENT, plan
-
-
-def test_the_due_index_is_rebuilt_when_its_build_was_interrupted(empty_database: str) -> None:
-    """0032 builds it concurrently (no write waits): a build interrupted leaves it invalid, and the
-    next migrate drops it and builds it again."""
-    from run_engine.db.migrations import migrate_sync
-
-    migrate_sync(empty_database)
-
-    def valid() -> list[bool]:
-        with psycopg.connect(empty_database) as conn:
-            return [r[0] for r in conn.execute(
-                """SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-                   WHERE c.relname = 'task_schedule_due_by_environment'""")]
-
-    assert valid() == [True]
-    with psycopg.connect(empty_database, autocommit=True) as conn:  # as an interrupted build leaves it
-        conn.execute("""UPDATE pg_index SET indisvalid = false
-                        WHERE indexrelid = 'task_schedule_due_by_environment'::regclass""")
-        conn.execute("DELETE FROM schema_migration WHERE version = '0032'")
-    assert valid() == [False]
-    assert migrate_sync(empty_database) == ["0032"]
-    assert valid() == [True]
