@@ -58,6 +58,12 @@ class SupervisorConfig:
     # to stop (SIGTERM), a completion is still retried for this long from the stop, or from its
     # first try when that is later; then it is given up (logged) and the supervisor exits.
     completion_retry_s: float = 600.0
+    # A completion the engine answers 500 (an error of its own on that result, not unavailability:
+    # 503) on every try for this long is sent instead as the attempt's retryable failure
+    # COMPLETION_REFUSED; that refused as long too, it is given up and the run's heartbeat timeout
+    # retries it. Without a bound a result the engine cannot take kept its run EXECUTING for good
+    # and held one of the supervisor's reporting turns (all of them held, no run is dequeued).
+    completion_refused_s: float = 300.0
     wait_retry_s: float = 120.0  # how long a wait or trigger-and-wait call is retried likewise
     metrics_port: int | None = None  # serve Prometheus metrics on this port (supervisor/metrics.py)
     metrics_host: str = "127.0.0.1"
@@ -165,7 +171,7 @@ class Supervisor:
         self.completed = 0
         self.suspended = 0
         self.completions_pending = 0  # finished attempts whose result the engine has not taken yet
-        self.completions_lost: list[str] = []  # runs whose completion was given up as it stopped
+        self.completions_lost: list[str] = []  # runs whose completion was given up (as it stopped, or refused)
         self._backlog = False  # the last dequeue left runs of the group ready (more than the free slots)
         self._gathering = False  # a freed slot waits for others before its dequeue (DEQUEUE_GATHER_S)
         self._executing = 0  # runs holding a slot; the gathering ends early once none does
@@ -592,7 +598,8 @@ class Supervisor:
         logged, and listed as lost when it exits."""
         first = time.monotonic()
         delay = COMPLETION_RETRY_FIRST_S
-        shrunk = False
+        shrunk = refused = False
+        refused_since: float | None = None  # the first of the 500s answered in a row
         tries = 0
         logged_at: float | None = None
         self.completions_pending += 1
@@ -615,6 +622,23 @@ class Supervisor:
                         log.info("run %s: the completion was already taken (or the run moved on)", run_id)
                     return answer
                 now = time.monotonic()
+                if status != 500:
+                    refused_since = None
+                elif refused_since is None:
+                    refused_since = now
+                elif now - refused_since >= self.config.completion_refused_s:
+                    if not refused:
+                        log.error("run %s: the engine answered its completion 500 on every try for %.0f s (%s); "
+                                  "reporting the attempt as failed (COMPLETION_REFUSED, retryable) instead",
+                                  run_id, now - refused_since, _error_text(answer))
+                        item, refused, refused_since = refused_result(item, answer), True, None
+                        delay = COMPLETION_RETRY_FIRST_S
+                        continue
+                    log.error("run %s: the engine refused its result and its failure with 500 for %.0f s each; "
+                              "giving it up (the run's heartbeat timeout retries it, and its task runs again)",
+                              run_id, self.config.completion_refused_s)
+                    self.completions_lost.append(run_id)
+                    return answer
                 if self._stopped_at is not None and \
                         now + delay > max(self._stopped_at, first) + self.config.completion_retry_s:
                     log.error("run %s: the supervisor stops and the engine has not taken its completion (%s) "
@@ -1037,6 +1061,23 @@ def too_large(item: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
             cut[key] = value if not isinstance(value, str) else value[:ERROR_KEPT_CHARS * 2]
     cut.setdefault("message", "the attempt's error was too large to store")
     return {**base, "retryable": item.get("retryable", True), "error": cut}
+
+
+def _error_text(answer: dict[str, Any]) -> str:
+    error = answer.get("error")
+    if not isinstance(error, dict):
+        return "no error given"
+    return f"{error.get('code', 'error')}: {str(error.get('message', ''))[:200]}"
+
+
+def refused_result(item: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """A completion the engine kept answering 500, as it is sent instead (once): the attempt's
+    retryable failure, without the output or error the engine could not take (the retry policy
+    decides whether the task runs again)."""
+    what = "output" if item.get("ok") else "error"
+    return {"runId": item["runId"], "snapshotId": item["snapshotId"], "ok": False, "retryable": True,
+            "error": {"type": "COMPLETION_REFUSED", "name": "CompletionRefused",
+                      "message": f"the engine could not take the attempt's {what} ({_error_text(answer)})"}}
 
 
 @dataclass(eq=False)

@@ -833,6 +833,76 @@ async def test_a_completion_is_retried_past_its_old_deadline_until_the_engine_an
         await sup.http.close()
 
 
+async def test_a_completion_answered_500_for_too_long_is_reported_as_a_retryable_failure_then_given_up(
+        monkeypatch: Any, caplog: Any) -> None:
+    """The engine answering one result 500 on every try (an error of its own on that result; 503
+    is unavailability and is held for however long) no longer keeps the run EXECUTING for good:
+    after completion_refused_s of 500s in a row the attempt is reported as failed
+    (COMPLETION_REFUSED, retryable, without the output); that refused as long too, it is given
+    up, so that the run's heartbeat timeout retries it. A 503 between resets the count."""
+    quick_retries(monkeypatch)
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json",
+                                      completion_refused_s=0.05))
+    sent: list[dict[str, Any]] = []
+
+    class Answering:
+        def __init__(self, refuse_failures: bool) -> None:
+            self.refuse_failures = refuse_failures
+
+        async def submit(self, item: dict[str, Any]) -> dict[str, Any]:
+            sent.append(item)
+            await asyncio.sleep(0.005)
+            if item["ok"] or self.refuse_failures:
+                return {"ok": False, "status": 500, "error": {"code": "internal_error", "message": "internal error"}}
+            return {"ok": True, "action": "retry"}
+
+    try:
+        sup._completions = Answering(refuse_failures=False)  # type: ignore[assignment]
+        with caplog.at_level("INFO", logger="run_engine.supervisor"):
+            answer = await asyncio.wait_for(sup._complete("run_1", {
+                "runId": "run_1", "snapshotId": "s", "ok": True, "output": {"x": 1}}), 10)
+        assert answer == {"ok": True, "action": "retry"}
+        assert len(sent) > 2 and all(i["ok"] for i in sent[:-1])  # held, tried again, then reported failed
+        assert sent[-1] == {"runId": "run_1", "snapshotId": "s", "ok": False, "retryable": True, "error": {
+            "type": "COMPLETION_REFUSED", "name": "CompletionRefused",
+            "message": "the engine could not take the attempt's output (internal_error: internal error)"}}
+        assert "reporting the attempt as failed (COMPLETION_REFUSED" in caplog.text
+        assert sup.completions_lost == [] and sup.completions_pending == 0
+
+        sent.clear()
+        sup._completions = Answering(refuse_failures=True)  # type: ignore[assignment]
+        answer = await asyncio.wait_for(sup._complete("run_2", {
+            "runId": "run_2", "snapshotId": "s", "ok": False, "error": {"type": "X", "message": "m"}}), 10)
+        assert answer["status"] == 500  # given up: its heartbeats stop, its heartbeat timeout retries it
+        assert sent[0]["error"]["type"] == "X" and sent[-1]["error"]["type"] == "COMPLETION_REFUSED"
+        assert sup.completions_lost == ["run_2"] and sup.completions_pending == 0
+    finally:
+        await sup.http.close()
+
+
+async def test_a_completion_answered_500_now_and_then_is_held_as_long_as_it_takes(monkeypatch: Any) -> None:
+    """500s broken by any other answer (503: the engine away) do not add up to a refusal."""
+    quick_retries(monkeypatch)
+    sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json",
+                                      completion_refused_s=0.05))
+    sent: list[dict[str, Any]] = []
+
+    class Answering:
+        async def submit(self, item: dict[str, Any]) -> dict[str, Any]:
+            sent.append(item)
+            await asyncio.sleep(0.02)
+            if len(sent) == 40:
+                return {"ok": True, "action": "complete"}
+            return {"ok": False, "status": 500 if len(sent) % 2 else 503, "error": {}}
+
+    sup._completions = Answering()  # type: ignore[assignment]
+    try:
+        answer = await asyncio.wait_for(sup._complete("run_1", {"runId": "run_1", "snapshotId": "s", "ok": True}), 10)
+        assert answer == {"ok": True, "action": "complete"} and all(i["ok"] for i in sent) and len(sent) == 40
+    finally:
+        await sup.http.close()
+
+
 async def test_a_held_completion_is_tried_at_once_when_the_supervisor_stops_and_delivered(monkeypatch: Any) -> None:
     quick_retries(monkeypatch)
     sup = Supervisor(SupervisorConfig(api_url="http://x", token="t", tasks_module="json", concurrency=1,
