@@ -30,6 +30,8 @@ from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 log = logging.getLogger(__name__)
 RECHECK_S = 10.0  # a safety net only: changes arrive through RealtimeHub at once
+#: a stream whose credential could not be checked again for this many intervals ends
+UNCHECKED_CHECKS = 3
 KEEPALIVE_S = 15.0
 
 
@@ -41,7 +43,10 @@ async def while_allowed(chunks: AsyncGenerator[bytes, None], allowed: Callable[[
                         every_s: float | None = None) -> AsyncIterator[bytes]:
     """``chunks`` for as long as the credential that opened the stream holds (a token that expires,
     a key rotated, a session ended: the stream ends), checked before a chunk goes out at most every
-    ``every_s``. A check that cannot be made now (PostgreSQL away) is made again at the next chunk."""
+    ``every_s``. A check that cannot be made now (PostgreSQL or Redis away) is made again at the
+    next chunk; none made for ``UNCHECKED_CHECKS`` intervals, the stream ends (the client opens it
+    again, and is let in or refused as any new request): a session signed out, or a token revoked,
+    meanwhile is not streamed to for as long as an outage lasts."""
     every_s = RECHECK_S if every_s is None else every_s
     checked = time.monotonic()
     async with contextlib.aclosing(chunks):
@@ -52,6 +57,10 @@ async def while_allowed(chunks: AsyncGenerator[bytes, None], allowed: Callable[[
                         return
                     checked = time.monotonic()
                 except Exception as exc:  # noqa: BLE001 (anything but a refusal: look again later)
+                    if time.monotonic() - checked >= every_s * UNCHECKED_CHECKS:
+                        log.warning("a stream's credential could not be checked again for %.0f s: ending it "
+                                    "(%r)", time.monotonic() - checked, exc)
+                        return
                     log.warning("a stream's credential could not be checked again: %r", exc)
             yield chunk
 

@@ -17,9 +17,9 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from run_engine.api.context import ApiContext, EnvAuth, ctx_of
 from run_engine.api.http import ApiError, error_payload, read_body
-from run_engine.dashboard.session import COOKIE, Session, Sessions, clear_cookie, same, set_cookie
+from run_engine.dashboard.session import COOKIE, Session, Sessions, clear_cookie, same, set_cookie, since_key
 from run_engine.dependencies import DEPENDENCY_ERRORS
-from run_engine.engine import Environment
+from run_engine.engine import Environment, RunEngine
 from run_engine.errors import RunEngineError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 from run_engine.tenancy import hash_secret
@@ -128,8 +128,9 @@ def redirect(request: Request, to: str, flash: str | None = None) -> Response:
 
 async def signed_in(request: Request) -> Dash | None:
     """The session's environment, if the cookie is ours, unexpired, not signed out, and its key
-    still the one. Whether it was signed out is asked of Redis on every call (one EXISTS, never
-    cached): Redis unreachable, this raises (the caller answers 503: fail closed)."""
+    still the one. Whether it was signed out is asked of Redis on every call (one round trip, never
+    cached): Redis unreachable, this raises (the caller answers 503: fail closed); a session opened
+    before Redis's signed-out marks begin (it lost them) is refused too."""
     ctx = ctx_of(request)
     session = sessions(ctx).read(request.cookies.get(COOKIE), ctx.engine.now())
     if session is None:
@@ -137,9 +138,26 @@ async def signed_in(request: Request) -> Dash | None:
     env = await ctx.environment(session.env_id)
     if env is None or not same(session.key_hash_prefix, env.api_key_hash[:16]):
         return None
-    if await ctx.engine.redis.exists(session.signed_out_key(ctx.engine.settings.key_prefix)):
+    prefix = ctx.engine.settings.key_prefix
+    async with ctx.engine.redis.pipeline(transaction=False) as pipe:
+        pipe.exists(session.signed_out_key(prefix))
+        pipe.get(since_key(prefix))
+        signed_out, since = await pipe.execute()
+    if signed_out:
+        return None
+    if not session.known_since(int(since) if since is not None else await marks_since(ctx.engine)):
         return None
     return Dash(ctx, env, session)
+
+
+async def marks_since(engine: RunEngine) -> int:
+    """The time from which Redis holds every session's signed-out mark: written now when missing
+    (a new installation, or Redis lost its data), the value a concurrent writer won with otherwise."""
+    now, key = int(engine.now()), since_key(engine.settings.key_prefix)
+    if await engine.redis.set(key, now, nx=True):
+        return now
+    earlier = await engine.redis.get(key)
+    return now if earlier is None else int(earlier)
 
 
 async def sign_out(dash: Dash) -> None:

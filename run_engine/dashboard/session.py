@@ -8,7 +8,10 @@ every form and htmx request of the session must carry (the cookie is also SameSi
 A session's id is a digest of its signed body (the random ``csrf`` makes it unique), so sessions
 opened before ids existed have one too. Signing out keeps that id in Redis (``<prefix>:dash:out:<id>``)
 until the session would have expired: a copy of the cookie ends with it (core.signed_in checks it
-on every request; nothing of it is cached).
+on every request; nothing of it is cached). Those marks are complete only since Redis has kept them:
+``<prefix>:dash:since`` holds the time (s) they are kept from, written when found missing (a new
+installation, or Redis lost its data: a flush, a restart without persistence), and a session opened
+before it is refused (sign in again): whether it was signed out is no longer known.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ LIFETIME_S = 12 * 3600
 PATH = "/dashboard"
 #: a signed-out mark outlives its session's expiry by this much (server processes' clocks differ a little)
 SIGNED_OUT_LEEWAY_S = 60
+#: a session opened this little before the marks' start is still taken (processes' clocks differ)
+SINCE_LEEWAY_S = 2
+
+
+def since_key(prefix: str) -> str:
+    """The Redis key holding the time from which the signed-out marks are all there."""
+    return f"{prefix}:dash:since"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,14 @@ class Session:
     def signed_out_key(self, prefix: str) -> str:
         """The Redis key marking this session signed out, under the installation's ``prefix``."""
         return f"{prefix}:dash:out:{self.id}"
+
+    @property
+    def opened_at(self) -> int:
+        return self.expires_at - LIFETIME_S
+
+    def known_since(self, since: int) -> bool:
+        """Whether a sign-out of this session would be among the marks kept from ``since``."""
+        return self.opened_at + SINCE_LEEWAY_S >= since
 
     def signed_out_ttl_s(self, now: float) -> int:
         """How long the signed-out mark must live: the session's remaining lifetime, and a leeway."""

@@ -14,6 +14,7 @@ from run_engine.dashboard.core import (
     FLASH_COOKIE,
     Dash,
     action,
+    marks_since,
     read_form,
     redirect,
     render,
@@ -42,7 +43,7 @@ def _form(request: Request, *, error: str | None = None, status: int = 200, next
 async def login_form(request: Request) -> Response:
     try:
         dash = await signed_in(request)
-    except DEPENDENCY_ERRORS:  # the session cannot be checked: the form (signing in needs no Redis)
+    except DEPENDENCY_ERRORS:  # the session cannot be checked: the form
         dash = None
     if dash is not None:
         return redirect(request, _next(request.query_params.get("next")))
@@ -65,6 +66,11 @@ async def login(request: Request) -> Response:
     if env is None:
         return _form(request, error="That is not an environment's secret API key (tr_dev_…, tr_prod_…).",
                      status=401, next_path=next_path)
+    try:  # Redis keeps the session's sign-out from before it opens (or the session would be refused)
+        await marks_since(ctx.engine)
+    except REDIS_DOWN:
+        return _form(request, error="Redis is unavailable: sessions cannot be opened now; try again shortly.",
+                     status=503, next_path=next_path)
     _, cookie = sessions(ctx).open(env.id, env.api_key_hash, ctx.engine.now())
     response = redirect(request, next_path)
     set_cookie(response, request, COOKIE, cookie, LIFETIME_S)

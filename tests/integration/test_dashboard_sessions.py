@@ -65,6 +65,45 @@ async def test_a_session_opened_before_server_side_sign_out_works_and_ends_at_si
         assert (await c.get("/dashboard/runs")).status_code == 303
 
 
+async def redis_lost_its_data(h: Harness) -> None:
+    """What a FLUSHALL or a restart without persistence does to the dashboard's keys."""
+    keys = [k async for k in h.engine.redis.scan_iter(match=f"{h.engine.settings.key_prefix}:dash:*")]
+    if keys:
+        await h.engine.redis.delete(*keys)
+
+
+async def test_a_signed_out_session_stays_out_after_redis_lost_its_marks(h: Harness) -> None:
+    """The signed-out marks live in Redis: once it lost them, a copy of a signed-out cookie read
+    the dashboard again for the rest of its 12 hours. Sessions opened before Redis's marks begin
+    are refused now (sign in again); one opened after works, however long after its sign-in."""
+    async with api_client(h) as c:
+        csrf = await sign_in(c, h.env.api_key)
+        copy = c.cookies["re_session"]
+        assert (await c.post("/dashboard/logout", data={"csrf": csrf})).status_code == 303
+    await redis_lost_its_data(h)
+    h.clock.advance(60)
+    async with api_client(h) as c:
+        c.cookies.set("re_session", copy, path="/dashboard")
+        after = await c.get("/dashboard/runs")
+        assert after.status_code == 303, f"the signed-out session reads /dashboard/runs again: {after.status_code}"
+
+        await sign_in(c, h.env.api_key)  # a new session works, a minute and an hour after it opened
+        h.clock.advance(60)
+        assert (await c.get("/dashboard/runs")).status_code == 200
+        h.clock.advance(3600)
+        assert (await c.get("/dashboard/runs")).status_code == 200
+
+
+async def test_a_session_opened_on_a_redis_without_marks_yet_is_kept(h: Harness) -> None:
+    """A new installation (or an upgrade to marks with a start): signing in writes their start
+    before the session opens, so the session is not taken for one older than the marks."""
+    await redis_lost_its_data(h)
+    async with api_client(h) as c:
+        await sign_in(c, h.env.api_key)
+        h.clock.advance(600)
+        assert (await c.get("/dashboard/runs")).status_code == 200
+
+
 async def test_a_sign_out_redis_cannot_record_is_a_503_and_the_session_is_kept(
         h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """Redis gone between the session's check and the sign-out's mark: telling the browser it
