@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -36,6 +39,10 @@ RUN_TOKEN_SCOPE = ("trigger children, create, read and complete waitpoint tokens
 _LIVE = frozenset({"EXECUTING", "WAITING"})
 #: credential look-ups that missed the caches, in flight at once per process
 LOOKUPS_AT_ONCE = 4
+#: a credential that matched is looked up without waiting behind a flood for this long after; the
+#: mark is kept in Redis too, so that a process just started (a restart, a deploy: every cache
+#: empty) does not hold every tenant's first request behind a flood of unknown keys
+KNOWN_S = 600.0
 #: reads whose cost the tenant's own data decides (realtime shapes, run and token lists, the
 #: dashboard's lists) in flight at once per environment, and in all (of a pool of 8 connections by
 #: default): a tenant whose reads cost seconds (a million runs of one tag) waits for its own turns,
@@ -51,6 +58,7 @@ def costly_read_gate(pool_max: int) -> ReadGate:
     total = max(1, min(COSTLY_READS_AT_ONCE, pool_max // 2))
     return ReadGate(max(1, min(COSTLY_READS_PER_ENV, total // 2)), total)
 T = TypeVar("T")
+log = logging.getLogger("run_engine.api")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +102,9 @@ class ApiContext:
     # credential look-ups that missed the caches, in flight at once: a flood of unknown keys (each
     # a miss, two queries) takes a bounded share of the database pool every tenant's work needs
     _lookups: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(LOOKUPS_AT_ONCE))
-    # hashes that matched a credential in the last 10 minutes: looked up again (every 5 s) without
-    # waiting behind a flood of unknown keys
-    _known: TtlCache = field(default_factory=lambda: TtlCache(ttl_s=600))
+    # hashes that matched a credential in the last 10 minutes (when this process last marked them in
+    # Redis): looked up again (every 5 s) without waiting behind a flood of unknown keys
+    _known: TtlCache = field(default_factory=lambda: TtlCache(ttl_s=KNOWN_S))
     _run_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
     costly_reads: ReadGate = field(default_factory=lambda: ReadGate(COSTLY_READS_PER_ENV, COSTLY_READS_AT_ONCE))
 
@@ -254,15 +262,39 @@ class ApiContext:
 
     async def _look_up(self, find: Callable[[str], Awaitable[T | None]], key_hash: str) -> T | None:
         """A credential look-up that missed the caches, at most LOOKUPS_AT_ONCE in flight; a hash
-        that matched a credential lately is looked up at once."""
-        if self._known.get(key_hash):
+        that matched a credential lately (in this process, or in any: Redis, asked only while the
+        slots are all taken) is looked up at once."""
+        marked_at = self._known.get(key_hash)
+        if marked_at is not None or (self._lookups.locked() and await self._known_elsewhere(key_hash)):
             found = await find(key_hash)
         else:
             async with self._lookups:
                 found = await find(key_hash)
         if found is not None:
-            self._known.put(key_hash, True)
+            now = time.monotonic()
+            if marked_at is None or now - marked_at > KNOWN_S / 2:
+                await self._mark_known(key_hash)
+                marked_at = now
+            self._known.put(key_hash, marked_at)
         return found
+
+    def _known_key(self, key_hash: str) -> str:
+        # a digest of the stored hash, not the hash itself: Redis's data names no credential's row
+        digest = hashlib.sha256(f"known:{key_hash}".encode()).hexdigest()[:32]
+        return f"{self.engine.settings.key_prefix}:cred:known:{digest}"
+
+    async def _known_elsewhere(self, key_hash: str) -> bool:
+        try:
+            return bool(await self.engine.redis.exists(self._known_key(key_hash)))
+        except Exception as exc:  # noqa: BLE001 (Redis away: the look-up waits its turn, as before)
+            log.debug("credential mark unreadable: %r", exc)
+            return False
+
+    async def _mark_known(self, key_hash: str) -> None:
+        try:
+            await self.engine.redis.set(self._known_key(key_hash), 1, ex=int(KNOWN_S))
+        except Exception as exc:  # noqa: BLE001 (the mark is a courtesy to the next process)
+            log.debug("credential mark not written: %r", exc)
 
     async def environment_by_key(self, key: str) -> Environment | None:
         """The environment of a secret API key (cached a few seconds), or None."""

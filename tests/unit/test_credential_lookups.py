@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,10 +20,6 @@ from run_engine.run_tokens import RunTokens
 class SlowDirectory:
     """An engine whose credential look-ups wait until released, counting how many run at once."""
 
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.running = self.most = self.calls = 0
-
     async def _find(self, key_hash: str) -> None:
         self.calls += 1
         self.running += 1
@@ -34,8 +31,27 @@ class SlowDirectory:
 
     environment_by_key_hash = worker_group_by_token_hash = _find
 
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.running = self.most = self.calls = 0
+        self.redis = Marks()
+        self.settings = SimpleNamespace(key_prefix="t")
+
     def now(self) -> float:
         return 0.0
+
+
+class Marks:
+    """What the look-ups keep in Redis (the installation's, shared by its processes)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, object] = {}
+
+    async def exists(self, key: str) -> int:
+        return int(key in self.data)
+
+    async def set(self, key: str, value: object, ex: int | None = None) -> None:
+        self.data[key] = value
 
 
 def context(engine: Any) -> ApiContext:
@@ -93,3 +109,36 @@ async def test_a_key_that_matched_lately_is_not_held_behind_a_flood() -> None:
     assert await asyncio.wait_for(ctx.environment_by_key(good), 5) == "the environment"
     engine.release.set()
     await asyncio.gather(*flood)
+
+
+async def test_a_key_that_matched_lately_in_another_process_is_not_held_behind_a_flood() -> None:
+    """A process just started (a restart, a deploy) knows no key yet: a key that matched in the
+    process before (or another one) is not held behind a flood of unknown keys, which took every
+    look-up slot (each tenant's first request waited behind the whole flood)."""
+    from run_engine.tenancy import hash_secret
+
+    engine = SlowDirectory()
+    good = "good-key"
+    real_find = engine._find
+
+    async def find(key_hash: str) -> object:
+        if key_hash == hash_secret(good):
+            return "the environment"
+        return await real_find(key_hash)
+
+    engine.environment_by_key_hash = find  # type: ignore[method-assign]
+    assert await context(engine).environment_by_key(good) == "the environment"  # the process before
+    assert not any(hash_secret(good) in k for k in engine.redis.data)  # no credential's hash in Redis
+    restarted = context(engine)
+    flood = [asyncio.ensure_future(restarted.environment_by_key(secrets.token_hex(8))) for _ in range(20)]
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert engine.running == LOOKUPS_AT_ONCE  # the flood holds every slot
+    assert await asyncio.wait_for(restarted.environment_by_key(good), 5) == "the environment"
+    waiting = asyncio.ensure_future(restarted.environment_by_key("never-matched"))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert not waiting.done()  # behind the flood, as before
+    engine.release.set()
+    await asyncio.gather(*flood)
+    assert await waiting is None
