@@ -217,6 +217,13 @@ class RunEngine:
         await self.resources.repo.waitpoints.insert_batch(batch_id, env_id, len(requests))
         return await self.systems.debounce.trigger_many(requests)
 
+    async def trigger_batch_each(self, env_id: str, batch_id: str,
+                                 requests: Sequence[TriggerRequest]) -> list[TriggeredRun | Exception]:
+        """:meth:`trigger_batch`, a debounced request that fails after the others' runs were made
+        answered by its error in its place (:meth:`trigger_each`)."""
+        await self.resources.repo.waitpoints.insert_batch(batch_id, env_id, len(requests))
+        return await self.systems.debounce.trigger_each(requests)
+
     async def dequeue(self, worker_group_id: str, max_runs: int = 1, worker_id: str | None = None,
                       environments: Sequence[str] = (), deployments: Sequence[str] = (),
                       start: bool = False) -> Handed:

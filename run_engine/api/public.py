@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from run_engine.api import schemas as S
 from run_engine.api.auth import token_headers
+from run_engine.api.batch_lines import MAX_MESSAGE
 from run_engine.api.context import RUN_TOKEN_SCOPE, ApiContext, EnvAuth, ctx_of
 from run_engine.api.http import (
     JSON_PAYLOAD_TYPES,
@@ -23,6 +24,7 @@ from run_engine.api.http import (
     DecodedPayload,
     body,
     decode_json_text,
+    error_payload,
     json_response,
     page_size,
 )
@@ -47,7 +49,7 @@ from run_engine.api.openapi import PAGE, Query, csv, operation
 from run_engine.api.public_tokens import allows, forbidden, read_scopes
 from run_engine.api.serialize import explanation_object, iso, pagination, run_object
 from run_engine.api.uploads import unpack
-from run_engine.engine import RunRow, TaskQueue, TriggeredRun, TriggerRequest
+from run_engine.engine import BatchItemError, RunRow, TaskQueue, TriggeredRun, TriggerRequest
 from run_engine.errors import InvalidTransitionError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
@@ -212,19 +214,70 @@ class _ItemRun:
     is_cached: bool
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ItemFailed:
+    """A batch item that made no run, though the others did: a debounced item that failed after the
+    other items' runs were committed (its run's lock busy, its key changing hands, an outage then).
+    Its index, task, and the error it would have had alone (``exc``: the engine's)."""
+
+    index: int
+    task_id: str
+    code: str
+    message: str
+    exc: Exception
+
+    @classmethod
+    def of(cls, index: int, task_id: str, exc: Exception) -> _ItemFailed:
+        status, data, _ = error_payload(exc)
+        log.log(logging.ERROR if status == 500 else logging.WARNING,
+                "batch item %d not triggered after the others: %r", index, exc,
+                exc_info=exc if status == 500 else None)
+        return cls(index, task_id, data["error"]["code"], data["error"]["message"][:MAX_MESSAGE], exc)
+
+    def answer(self) -> dict[str, Any]:
+        return {"index": self.index, "taskIdentifier": self.task_id, "error": self.message, "errorCode": self.code}
+
+    def failure(self) -> BatchItemError:
+        """As the batch keeps it (``processing.errors``)."""
+        return BatchItemError(self.index, self.task_id, self.message.replace("\x00", "\\u0000"), self.code)
+
+
+_ItemAnswer = _ItemRun | _ItemFailed
+
+
+def _made_any(answers: Sequence[_ItemAnswer]) -> None:
+    """Raise the first item's error when no item has a run: with no other item to answer, the
+    request fails as a trigger of that item would (as before one bad item stopped failing the others)."""
+    if answers and all(isinstance(a, _ItemFailed) for a in answers):
+        raise next(a.exc for a in answers if isinstance(a, _ItemFailed))
+
+
 async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody, key: str | None = None,
-                         key_ttl_s: float | None = None) -> tuple[str, list[_ItemRun], bool, bool]:
+                         key_ttl_s: float | None = None) -> tuple[str, list[_ItemAnswer], bool, bool]:
     """Trigger every item of a batch: one transaction for all of them. With an idempotency key,
     each item without a key of its own is keyed ``{batch id}:{index}``, and the batch the key made
     before (not expired) is answered with its runs (True): see :func:`_cached_batch`. Last, whether
-    the caller may read the batch (it made it, or holds the secret key)."""
+    the caller may read the batch (it made it, or holds the secret key).
+
+    One bad item never fails the others: a debounced item that fails after the other items' runs
+    were made is answered in its place (:class:`_ItemFailed`), the others as made. Without an
+    idempotency key nothing can make it later (a retry is another batch): it is kept with the batch
+    as a failed item (``processing.errors``; it counts as finished). With a key it is a failure of
+    the moment, not kept: the retry with the key makes it (see :func:`_cached_batch`)."""
     for task in {item.task for item in req.items}:
         _may_trigger(auth, task, "batchTrigger")
     if key is None:
         batch_id = ctx.engine.new_batch_id()
         requests = await _item_requests(ctx, auth, req, batch_id, range(len(req.items)), keyed=False)
-        runs = await ctx.engine.trigger_batch(auth.env_id, batch_id, requests)
-        return batch_id, _answers(requests, runs), False, True
+        runs = await ctx.engine.trigger_batch_each(auth.env_id, batch_id, requests)
+        answers = _answers(range(len(req.items)), requests, runs)
+        _made_any(answers)
+        if failed := {a.index: a.failure() for a in answers if isinstance(a, _ItemFailed)}:
+            try:
+                await ctx.engine.note_batch_items(batch_id, [], failed)
+            except Exception:  # the runs were made and the failure is answered: only its record is lost
+                log.warning("batch %s: its failed items %s not kept", batch_id, sorted(failed), exc_info=True)
+        return batch_id, answers, False, True
     batch_id, size, cached = await ctx.engine.open_batch(auth.env_id, len(req.items), key, key_ttl_s,
                                                          two_phase=False, made_by=_maker(auth))
     if size != len(req.items):  # a scoped caller learns no more of another's batch than that it is there
@@ -236,7 +289,8 @@ async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody, key: st
     # the batch's row was made with its key (and its maker): its runs now
     try:
         requests = await _item_requests(ctx, auth, req, batch_id, range(len(req.items)), keyed=True)
-        runs = await ctx.engine.trigger_many(requests)
+        answers = _answers(range(len(req.items)), requests, await ctx.engine.trigger_each(requests))
+        _made_any(answers)
     except Exception:
         # refused (a bad item, a queue past its cap or full, an outage) before any run was made:
         # the key is freed, so that its retry makes the batch anew, whoever sends it (a batch
@@ -247,10 +301,11 @@ async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody, key: st
         except Exception:
             log.warning("batch %s: its key not freed after its request failed", batch_id, exc_info=True)
         raise
-    return batch_id, _answers(requests, runs), False, True
+    return batch_id, answers, False, True
 
 
-async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_id: str) -> tuple[list[_ItemRun], bool]:
+async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody,
+                        batch_id: str) -> tuple[list[_ItemAnswer], bool]:
     """The answer to a batch whose idempotency key found the batch ``batch_id`` it made before, and
     whether the caller is the batch's own (the secret key, or the credential that made it).
 
@@ -269,7 +324,9 @@ async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_id
     are answered with the runs their own keys hold outside it, as a trigger with that key would
     be, and when an item has none, 409. Another request (a run of the batch at an item's index of
     another task, or that no item names) is answered with the batch's runs as they are for its
-    own, 409 for any other caller. The runs found are all ``isCached``."""
+    own, 409 for any other caller. The runs found are all ``isCached``. An item made now that fails
+    after the others' runs were made is answered in its place (:class:`_ItemFailed`), not kept:
+    the next retry makes it."""
     size = len(req.items)
     own = not _scoped(auth)
     if not own and (maker := _maker(auth)) is not None:  # a row without a maker is no token's
@@ -308,12 +365,15 @@ async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_id
     missing = [i for i, r in enumerate(found) if r is None]
     if own:
         requests = await _item_requests(ctx, auth, req, batch_id, missing, keyed=True)
-        made = dict(zip(missing, _answers(requests, await ctx.engine.trigger_many(requests)), strict=True))
-        return [made[i] if r is None else _ItemRun(r.id, r.task_id, True) for i, r in enumerate(found)], own
+        made = dict(zip(missing, _answers(missing, requests, await ctx.engine.trigger_each(requests)), strict=True))
+        answers: list[_ItemAnswer] = [made[i] if r is None else _ItemRun(r.id, r.task_id, True)
+                                      for i, r in enumerate(found)]
+        _made_any(answers)
+        return answers, own
     # another caller's batch of these items: the runs outside it that the items' own keys joined
     keys = [(req.items[i].task, k) for i in missing if (k := _own_key(req.items[i].options)) is not None]
     held_by = await ctx.engine.runs_holding_keys(auth.env_id, keys)
-    answers: list[_ItemRun] = []
+    answers = []
     for item, in_batch in zip(req.items, found, strict=True):
         mine_key = _own_key(item.options)
         holder = in_batch if in_batch is not None or mine_key is None else held_by.get((item.task, mine_key))
@@ -360,8 +420,11 @@ async def _item_requests(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_i
     return requests
 
 
-def _answers(requests: Sequence[TriggerRequest], runs: Sequence[TriggeredRun]) -> list[_ItemRun]:
-    return [_ItemRun(r.id, q.task_id, r.is_cached) for q, r in zip(requests, runs, strict=True)]
+def _answers(indexes: Sequence[int], requests: Sequence[TriggerRequest],
+             runs: Sequence[TriggeredRun | Exception]) -> list[_ItemAnswer]:
+    """The run of each item (at ``indexes`` of the batch), or its failure."""
+    return [_ItemFailed.of(i, q.task_id, r) if isinstance(r, Exception) else _ItemRun(r.id, q.task_id, r.is_cached)
+            for i, q, r in zip(indexes, requests, runs, strict=True)]
 
 
 async def _batch_token(ctx: ApiContext, auth: EnvAuth, batch_id: str, own: bool) -> dict[str, str]:
@@ -379,10 +442,17 @@ async def batch_trigger(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True, public=True)
     key, ttl_s = batch_key(request)
-    batch_id, runs, _, own = await _trigger_items(ctx, auth, await body(request, BatchBody), key, ttl_s)
-    return json_response({"id": batch_id, "runs": [
-        {"id": r.id, "taskIdentifier": r.task_id, "isCached": r.is_cached} for r in runs]},
-        headers=await _batch_token(ctx, auth, batch_id, own))
+    batch_id, answers, _, own = await _trigger_items(ctx, auth, await body(request, BatchBody), key, ttl_s)
+    # an item that failed alone has no run: the runs are the other items', in their order
+    out: dict[str, Any] = {"id": batch_id, "runs": [
+        {"id": r.id, "taskIdentifier": r.task_id, "isCached": r.is_cached} for r in answers if isinstance(r, _ItemRun)]}
+    return json_response(out | _errors(answers), headers=await _batch_token(ctx, auth, batch_id, own))
+
+
+def _errors(answers: Sequence[_ItemAnswer]) -> dict[str, Any]:
+    """``errors``: the items that failed alone, by index (left out when there are none)."""
+    failed = [a.answer() for a in answers if isinstance(a, _ItemFailed)]
+    return {"errors": failed} if failed else {}
 
 
 #: ``batch-processing-strategy`` of Trigger.dev's one-request batch: both are accepted and neither
@@ -401,12 +471,12 @@ async def batch_trigger_v2(request: Request) -> Response:
         raise ApiError(400, "invalid_input", f"batch-processing-strategy: one of {', '.join(STRATEGIES)}")
     key, ttl_s = batch_key(request)
     req = await body(request, BatchV2Body)
-    batch_id, _, cached, own = await _trigger_items(ctx, auth, req, key, ttl_s)
+    batch_id, answers, cached, own = await _trigger_items(ctx, auth, req, key, ttl_s)
     # the batch's number of items (a cached batch's runs may be fewer: items that joined others' runs)
     out: dict[str, Any] = {"id": batch_id, "runCount": len(req.items), "isCached": cached}
     if key is not None:
         out["idempotencyKey"] = key
-    return json_response(out, headers=await _batch_token(ctx, auth, batch_id, own))
+    return json_response(out | _errors(answers), headers=await _batch_token(ctx, auth, batch_id, own))
 
 
 @operation("Get a batch", S.Batch, security="anyToken")
@@ -446,7 +516,8 @@ async def get_batch_v2(request: Request) -> Response:
         "id": batch_id, "status": status, "createdAt": iso(created),
         "updatedAt": iso(max([created, *(r.updated_at for r in runs)])), "runCount": size,
         "runs": [r.id for r in reversed(runs)],
-        # a streamed item that failed on its own (a one-request batch's bad item fails its request)
+        # an item that failed on its own: a streamed one, or a one-request batch's debounced item that
+        # failed after the others' runs were made (an item refused for its input fails its request)
         "processing": {"errors": [{"index": e.index, "taskIdentifier": e.task_id, "error": e.message,
                                    "errorCode": e.code} for e in (made.item_errors if made else ())]}}
     if made is not None and made.idempotency_key is not None:

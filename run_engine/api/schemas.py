@@ -105,9 +105,19 @@ class BatchRun(_Out):
     isCached: bool
 
 
+class BatchItemFailure(_Out):
+    """An item of the batch that failed on its own and has no run (``taskIdentifier`` "" when its
+    line named no task)."""
+    index: int
+    taskIdentifier: str
+    error: str
+    errorCode: str
+
+
 class BatchTriggered(_Out):
     id: str
     runs: list[BatchRun]
+    errors: list[BatchItemFailure] | None = None
 
 
 class BulkAction(_Out):
@@ -155,15 +165,6 @@ class Batch(_Out):
     status: Literal["PENDING", "COMPLETED"]
     runCount: int
     runs: list[str]
-
-
-class BatchItemFailure(_Out):
-    """An item of the batch that failed on its own and has no run (``taskIdentifier`` "" when its
-    line named no task)."""
-    index: int
-    taskIdentifier: str
-    error: str
-    errorCode: str
 
 
 class BatchProcessing(_Out):
@@ -455,6 +456,7 @@ class BatchV2Triggered(_Out):
     runCount: int
     isCached: bool
     idempotencyKey: str | None = None
+    errors: list[BatchItemFailure] | None = None
 
 
 class WorkerInstanceOut(_Out):

@@ -140,7 +140,7 @@ async def die_before_the_runs(h: Harness, monkeypatch: pytest.MonkeyPatch, token
     async def died(requests: Any) -> Any:
         raise Died
 
-    monkeypatch.setattr(h.engine, "trigger_many", died)
+    monkeypatch.setattr(h.engine, "trigger_each", died)  # the call a one-request batch makes its runs with
     async with api_client(h, token) as api:
         with pytest.raises(Died):
             await api.post(route, headers={"idempotency-key": key}, json=body)
