@@ -266,19 +266,35 @@ LIMIT %(limit)s
 #: the finished children of batch ``b`` (a scalar subquery of an UPDATE of batch_task_run b)
 _FINISHED_CHILDREN = "(SELECT count(*) FROM task_run r WHERE r.batch_id = b.id AND r.finished_at IS NOT NULL)"
 
+#: the failures of %(failed)s a note counts: those of indexes not sent before (of the row as it was)
+_NEWLY_FAILED = ("(SELECT count(*) FROM unnest(%(failed)s::integer[]) AS f(i)"
+                 " WHERE NOT f.i = ANY(b.items_seen))::integer")
+#: the runs batch ``b`` completes with, its newly failed items counted
+_RUNS_LEFT = f"(b.size - b.items_failed - {_NEWLY_FAILED})"
+#: whether the failures the note counts complete batch ``b``, as count_finished_children would have
+#: had they been counted first: its finished children (counted as they finish) reach the runs left
+_NOTE_COMPLETES = f"""(b.status = 'PENDING' AND {_NEWLY_FAILED} > 0 AND b.completed_count >= {_RUNS_LEFT}
+                       AND {_FINISHED_CHILDREN} >= {_RUNS_LEFT})"""
+
 _NOTE_BATCH_ITEMS = """
--- note a two-phase batch's items sent: %(made)s triggered, %(failed)s failed on their own with
--- %(errors)s ({"<index>": {taskIdentifier, error, errorCode}}). Every expression reads the row as
--- it was (a concurrent note committed first is read here: the row is locked, then re-read), so a
--- failure is kept, and counted, only for an index not sent before. Returns the indexes sent.
-UPDATE batch_task_run
-SET items_seen = ARRAY(SELECT DISTINCT i FROM unnest(items_seen || %(made)s::integer[] || %(failed)s::integer[]) AS i
-                       ORDER BY i),
-    item_errors = item_errors || coalesce((SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(%(errors)s) e
-                                           WHERE NOT e.key::integer = ANY(items_seen)), '{}'::jsonb),
-    items_failed = items_failed + (SELECT count(*) FROM unnest(%(failed)s::integer[]) AS f(i)
-                                   WHERE NOT f.i = ANY(items_seen))::integer
-WHERE id = %(batch)s RETURNING cardinality(items_seen)
+-- note a batch's items sent: %(made)s triggered, %(failed)s failed on their own with %(errors)s
+-- ({"<index>": {taskIdentifier, error, errorCode}}). Every expression reads the row as it was (the
+-- transaction locked it first), so a failure is kept, and counted, only for an index not sent
+-- before; and in the same statement the batch completes if its runs had all finished but for
+-- these failures (they may be noted after its runs finished: a later stream, a retry after dying
+-- before the note). Returns the indexes sent.
+UPDATE batch_task_run b
+SET items_seen = ARRAY(SELECT DISTINCT i FROM unnest(b.items_seen || %(made)s::integer[] || %(failed)s::integer[])
+                       AS i ORDER BY i),
+    item_errors = b.item_errors || coalesce((SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(%(errors)s) e
+                                             WHERE NOT e.key::integer = ANY(b.items_seen)), '{}'::jsonb),
+    items_failed = b.items_failed + """ + _NEWLY_FAILED + """,
+    completed_count = CASE WHEN b.status = 'PENDING' AND """ + _NEWLY_FAILED + """ > 0
+                                AND b.completed_count >= """ + _RUNS_LEFT + """
+                           THEN """ + _FINISHED_CHILDREN + """ ELSE b.completed_count END,
+    status = CASE WHEN """ + _NOTE_COMPLETES + """ THEN 'COMPLETED' ELSE b.status END,
+    completed_at = CASE WHEN """ + _NOTE_COMPLETES + """ THEN now() ELSE b.completed_at END
+WHERE b.id = %(batch)s RETURNING cardinality(b.items_seen)
 """
 
 _BATCH_WAITPOINTS = """
@@ -1017,12 +1033,19 @@ class WaitpointRepository:
 
     async def note_batch_items(self, batch_id: str, indexes: Sequence[int],
                                failed: Mapping[int, BatchItemError] | None = None) -> int:
-        """Record that the items at ``indexes`` of a two-phase batch were triggered and those of
-        ``failed`` failed on their own; how many of its indexes have been sent, with these. A
-        failure is kept only for an index not sent before (triggered, or failed already: the
-        first failure stays), so a retried stream changes nothing."""
+        """Record that the items at ``indexes`` of a batch were triggered and those of ``failed``
+        failed on their own; how many of its indexes have been sent, with these. A failure is kept
+        only for an index not sent before (triggered, or failed already: the first failure stays),
+        so a retried stream changes nothing. The failures are counted (``items_failed``) and the
+        batch completes, when its runs had all finished but for them, in one statement: they may
+        come after its runs were made and counted as they finished (:meth:`count_finished_children`
+        compares those with ``items_failed`` as it is then). The row is locked first, so that the
+        statement reads every finish counted before it, and a count after it reads its
+        ``items_failed``. (A batch a parent waits on, batchTriggerAndWait, is never noted: it has
+        no failed item.)"""
         errors = {str(index): error.as_json() for index, error in (failed or {}).items()}
-        async with self.pool.connection() as conn:
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT 1 FROM batch_task_run WHERE id = %s FOR UPDATE", (batch_id,))
             cur = await conn.execute(_NOTE_BATCH_ITEMS, {"batch": batch_id, "made": list(indexes),
                                                          "failed": [int(i) for i in errors], "errors": Jsonb(errors)})
             return _first_int(await cur.fetchone())

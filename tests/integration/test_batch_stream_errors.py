@@ -193,3 +193,66 @@ async def test_a_debounced_item_that_fails_after_the_others_were_made_fails_for_
         0, 2, True, False)
     runs = await h.engine.list_runs(h.env.env_id, tasks=["hello"], limit=10, light=True)
     assert len(runs) == 2 and debounced.id in {r.id for r in runs}  # the plain run, once; the joined one
+
+
+async def stored(h: Harness, batch_id: str) -> tuple[str, int, int, bool]:
+    """The batch's own row: its status, items_failed, completed_count, and whether completed_at is set."""
+    async with h.engine.resources.repo.waitpoints.pool.connection() as conn:
+        cur = await conn.execute("SELECT status, items_failed, completed_count, completed_at IS NOT NULL "
+                                 "FROM batch_task_run WHERE id = %s", (batch_id,))
+        row = await cur.fetchone()
+    assert row is not None
+    return row[0], row[1], row[2], row[3]
+
+
+@pytest.mark.parametrize("how", ["a later stream", "a retry after dying before the note"])
+async def test_an_item_failed_after_the_batch_s_runs_finished_completes_its_stored_row(
+        h: Harness, api: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """The batch's stored row completes once its runs have finished and its failed items are
+    counted, whichever comes first: its failed item noted after its (waited) runs had finished, by a
+    later stream or by the retry of a stream whose process died before the note. Before, items_failed
+    was counted after the runs' finishes had been, and the row stayed PENDING for good while
+    GET /api/v2/batches answered COMPLETED."""
+    from run_engine.engine import TriggerRequest
+
+    parent = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    await h.engine.start_attempt(parent.id, d.snapshot.id)
+    batch_id = await opened(api, 3)
+    waited = {"parentRunId": parent.id, "resumeParentOnCompletion": True}
+    good = line(0, options=waited) + b"\n" + line(2, options=waited)
+    bad = line(1, task="", options=waited)
+    if how == "a later stream":
+        sent = (await api.post(f"/api/v3/batches/{batch_id}/items", content=good, headers=NDJSON)).json()
+        assert sent["itemsAccepted"] == 2 and sent["sealed"] is False
+    else:
+        note = h.engine.note_batch_items
+
+        async def died(*args: Any, **kwargs: Any) -> int:
+            raise RuntimeError("the process died here")
+
+        monkeypatch.setattr(h.engine, "note_batch_items", died)
+        with pytest.raises(RuntimeError, match="died"):
+            await api.post(f"/api/v3/batches/{batch_id}/items", content=good + b"\n" + bad, headers=NDJSON)
+        monkeypatch.setattr(h.engine, "note_batch_items", note)
+    await run_to_completion(h, (await api.get(f"/api/v2/batches/{batch_id}")).json()["runs"])
+    assert await stored(h, batch_id) == ("PENDING", 0, 2, False)  # one item not known to have failed yet
+    body = bad if how == "a later stream" else good + b"\n" + bad
+    sent = (await api.post(f"/api/v3/batches/{batch_id}/items", content=body, headers=NDJSON)).json()
+    assert sent["sealed"] is True and [e["index"] for e in sent["errors"]] == [1]
+    assert (await api.get(f"/api/v2/batches/{batch_id}")).json()["status"] == "COMPLETED"
+    assert await stored(h, batch_id) == ("COMPLETED", 1, 2, True)
+
+
+async def test_a_batch_all_of_whose_items_failed_is_stored_completed(h: Harness, api: httpx.AsyncClient) -> None:
+    """No run to finish: the row completes when its failures are noted (it stayed PENDING)."""
+    batch_id = await opened(api, 2)
+    sent = (await api.post(f"/api/v3/batches/{batch_id}/items", content=line(0, task="") + b"\n{nope",
+                           headers=NDJSON)).json()
+    assert sent["itemsAccepted"] == 0 and sent["sealed"] is False and [e.get("index") for e in sent["errors"]] == [
+        0, None]
+    assert await stored(h, batch_id) == ("PENDING", 1, 0, False)
+    sent = (await api.post(f"/api/v3/batches/{batch_id}/items", content=line(1, task=""), headers=NDJSON)).json()
+    assert sent["sealed"] is True
+    assert (await api.get(f"/api/v2/batches/{batch_id}")).json()["status"] == "COMPLETED"
+    assert await stored(h, batch_id) == ("COMPLETED", 2, 0, True)
