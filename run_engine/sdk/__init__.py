@@ -4,9 +4,19 @@ from run_engine.sdk import runs, tokens
 from run_engine.sdk.context import Context
 from run_engine.sdk.errors import AbortTaskRunError, TaskError
 from run_engine.sdk.runtime import NonDeterminismError
-from run_engine.sdk.tasks import Queue, RunHandle, RunResult, Task, TaskRunFailedError, queue, task
+from run_engine.sdk.tasks import (
+           BatchItemsFailedError,
+           Queue,
+           RunHandle,
+           RunResult,
+           Task,
+           TaskRunFailedError,
+           queue,
+           task,
+)
 from run_engine.sdk.waits import WaitpointTimeoutError, WaitResult, wait
 
-__all__ = ["AbortTaskRunError", "Context", "NonDeterminismError", "Queue", "RunHandle", "RunResult", "Task",
+__all__ = ["AbortTaskRunError", "BatchItemsFailedError", "Context", "NonDeterminismError", "Queue", "RunHandle",
+           "RunResult", "Task",
            "TaskError", "TaskRunFailedError", "WaitResult", "WaitpointTimeoutError", "queue", "runs", "task",
            "tokens", "wait"]

@@ -57,6 +57,18 @@ class RunHandle:
     is_cached: bool = False
 
 
+class BatchItemsFailedError(Exception):
+    """Some items of a batch made no run, though the others did: ``handles`` holds each item's
+    run in item order (None for an item that failed), ``errors`` the failed items
+    (``{index, taskIdentifier, error, errorCode}``)."""
+
+    def __init__(self, handles: list[RunHandle | None], errors: list[dict[str, Any]]) -> None:
+        what = "; ".join(f"item {e.get('index')}: {e.get('errorCode')}: {e.get('error')}" for e in errors[:5])
+        super().__init__(f"{len(errors)} of {len(handles)} batch items made no run ({what})")
+        self.handles = handles
+        self.errors = errors
+
+
 class TaskRunFailedError(Exception):
     def __init__(self, run_id: str, error: Any) -> None:
         message = error.get("message", "") if isinstance(error, dict) else str(error)
@@ -147,10 +159,20 @@ class Task:
         return [RunResult.of(r) for r in await rt.wait("batch", items=items, batch=True)]
 
     async def batch_trigger(self, items: list[Any], options: dict[str, Any] | None = None) -> list[RunHandle]:
-        """Trigger one run per payload in one request (up to 1,000)."""
+        """Trigger one run per payload in one request (up to 1,000): a handle per payload, in
+        order. Items that made no run while the others did (a debounced item failing after the
+        others' runs were made) raise :class:`BatchItemsFailedError`, which holds the handles."""
         data = await request("POST", "/api/v1/tasks/batch", json={
             "items": [{"task": self.id, "payload": p, "options": options or {}} for p in items]})
-        return [RunHandle(r["id"], r.get("isCached", False)) for r in data["runs"]]
+        failed = {e["index"]: e for e in data.get("errors") or ()}
+        made = iter(data["runs"])  # the other items' runs, in their order
+        handles: list[RunHandle | None] = []
+        for index in range(len(items)):
+            run = None if index in failed else next(made)
+            handles.append(None if run is None else RunHandle(run["id"], run.get("isCached", False)))
+        if failed:
+            raise BatchItemsFailedError(handles, list(failed.values()))
+        return [h for h in handles if h is not None]
 
 
 def task(
