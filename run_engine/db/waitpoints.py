@@ -1007,13 +1007,13 @@ class WaitpointRepository:
             return cur.rowcount
 
     async def open_batch_items(self, batch_id: str, env_id: str) -> tuple[int, set[int]] | None:
-        """A batch of the environment that may take items (opened for them to come later; or made
-        before batches said so, by no run): its expected size and the indexes of the items
-        triggered so far; None for a run's batchTriggerAndWait batch (its parent waits for its own
-        children) or none."""
+        """A batch of the environment opened for its items to come later: its expected size and
+        the indexes of the items triggered so far; None for a batch made in one request (it keeps no
+        sent indexes: each line would be one more run of it), a run's batchTriggerAndWait batch (its
+        parent waits for its own children) or none."""
         async with self.pool.connection() as conn:
             cur = await conn.execute("SELECT size, items_seen FROM batch_task_run WHERE id = %s AND environment_id = %s"
-                                     " AND (two_phase OR parent_run_id IS NULL)", (batch_id, env_id))
+                                     " AND two_phase", (batch_id, env_id))
             row = await cur.fetchone()
             return None if row is None else (int(row[0]), set(row[1] or ()))
 

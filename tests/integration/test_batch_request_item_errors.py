@@ -100,3 +100,21 @@ async def test_a_batch_none_of_whose_items_was_made_fails_as_before(
     sent = await api.post("/api/v2/tasks/batch", json={"items": [
         {"task": "hello", "payload": 1, "options": DEBOUNCED}]}, headers={"idempotency-key": "none"})
     assert sent.status_code == 503 and sent.json()["error"]["code"] == "lock_timeout", sent.text
+
+
+@pytest.mark.parametrize("key", [None, "one-request"])
+async def test_a_one_request_batch_takes_no_streamed_items(h: Harness, api: httpx.AsyncClient, key: str | None) -> None:
+    """The two-phase batch's item stream (`POST /api/v3/batches/{id}/items`) took a one-request
+    batch's id: each line made one more run of that batch (a batch of 2 read 4 runs), since such a
+    batch keeps no sent indexes. Only a batch opened for its items takes them (404 otherwise)."""
+    headers = {"idempotency-key": key} if key else {}
+    sent = await api.post("/api/v1/tasks/batch", headers=headers, json={"items": [
+        {"task": "hello", "payload": {"i": 0}}, {"task": "hello", "payload": {"i": 1}}]})
+    assert sent.status_code == 200, sent.text
+    batch = sent.json()["id"]
+    lines = '{"index": 0, "task": "hello", "payload": {"x": 1}}\n{"index": 1, "task": "hello", "payload": {"x": 2}}\n'
+    more = await api.post(f"/api/v3/batches/{batch}/items", content=lines,
+                          headers={"Content-Type": "application/x-ndjson"})
+    assert more.status_code == 404, more.text
+    got = await api.get(f"/api/v1/batches/{batch}")
+    assert got.json()["runCount"] == 2 and len(got.json()["runs"]) == 2
