@@ -172,22 +172,27 @@ class DeadLetterSystem:
             wanted = [e for e in entries if self._matches(e, tasks, queues)]
             # the sizes of this slice's runs first (in order, no further than one past the page's
             # bytes, nor than the runs the page can still take), then the runs that fit: two
-            # queries a slice
-            ids = [e.run_id for e in wanted[:size - len(found) + 1]]
-            sizes = await runs.run_sizes(env_id, ids, PAGE_BYTES - total) if ids else {}
+            # queries a slice (more only when runs measured were gone: those do not fill the page)
             take: list[DlqEntry] = []
             full = False
-            for e in wanted:
-                if (len(found) + len(take) == size or ((found or take) and total > PAGE_BYTES)
-                        or e.run_id not in sizes):  # not measured: past the page's bytes or size
-                    full = True
-                    break
-                measured = sizes[e.run_id]
-                if measured is None:  # deleted by retention before its entry was
-                    await queue.forget_dead(env_id, e.run_id)
-                    continue
-                take.append(e)
-                total += measured
+            while wanted and not full:
+                ids = [e.run_id for e in wanted[:size - len(found) - len(take) + 1]]
+                sizes = await runs.run_sizes(env_id, ids, PAGE_BYTES - total)
+                rest: list[DlqEntry] = []
+                for i, e in enumerate(wanted):
+                    if len(found) + len(take) == size or ((found or take) and total > PAGE_BYTES):
+                        full = True
+                        break
+                    if e.run_id not in sizes:  # not measured: the runs measured before it were gone
+                        rest = wanted[i:]
+                        break
+                    measured = sizes[e.run_id]
+                    if measured is None:  # deleted by retention before its entry was
+                        await queue.forget_dead(env_id, e.run_id)
+                        continue
+                    take.append(e)
+                    total += measured
+                wanted = rest
             have = await runs.runs_by_ids(env_id, [e.run_id for e in take]) if take else {}
             found += [DeadRun(have[e.run_id], e) for e in take if e.run_id in have]
             if full:  # the next page goes on after the last run this one took
