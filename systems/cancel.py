@@ -26,11 +26,19 @@ class CancelSystem:
         self.run_attempt = run_attempt
 
     async def cancel(self, run_id: str) -> RunStatus:
-        """Cancel a run and the children it waits on; a finished run is left as it is. Returns
-        the run's public status after."""
+        """Cancel a run and the children it waits on, and theirs, a level at a time (a chain of
+        any depth: no recursion); a finished run is left as it is. Children cancelled already
+        are gone through to theirs: a cancel that stopped part way (its process died, a lock
+        was busy) leaves runs below a run it cancelled, which a cancel tried again reaches.
+        Returns the run's public status after."""
         status = await self._cancel_one(run_id)
-        for child in await self.r.repo.runs.waiting_children(run_id):
-            await self.cancel(child)
+        level = [run_id]
+        while level:
+            children = await self.r.repo.runs.waiting_children(level)
+            for child, finished in children:
+                if not finished:
+                    await self._cancel_one(child)
+            level = [child for child, _ in children]
         return status
 
     async def _cancel_one(self, run_id: str) -> RunStatus:

@@ -1138,13 +1138,17 @@ class RunRepository:
                 "SELECT id FROM task_run WHERE parent_run_id = %s ORDER BY created_at LIMIT 100", (run_id,))
             return [r[0] for r in await cur.fetchall()]
 
-    async def waiting_children(self, run_id: str) -> list[str]:
-        """Unfinished children whose completion the run waits for (cancel cascades to them)."""
+    async def waiting_children(self, run_ids: Sequence[str]) -> list[tuple[str, bool]]:
+        """The children whose completion the runs wait for that a cancel of the runs goes to (not
+        finished) or through (cancelled: a cancel that stopped part way may have left theirs), in
+        one query: (id, whether it has finished)."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """SELECT id FROM task_run WHERE parent_run_id = %s AND resume_parent_on_completion
-                     AND finished_at IS NULL""", (run_id,))
-            return [r[0] for r in await cur.fetchall()]
+                """SELECT id, finished_at IS NOT NULL FROM task_run
+                   WHERE parent_run_id = ANY(%s) AND resume_parent_on_completion
+                     AND (finished_at IS NULL OR status = 'CANCELED')
+                   ORDER BY created_at, id""", (list(run_ids),))
+            return [(r[0], r[1]) for r in await cur.fetchall()]
 
     async def pending_version_runs(self, env_id: str, worker_group_id: str, tasks: Sequence[str]) -> list[str]:
         async with self.pool.connection() as conn:

@@ -39,3 +39,60 @@ async def test_a_dlq_page_whose_first_entries_are_of_deleted_runs_does_not_say_t
         dead, after = await h.engine.list_dead(h.env.env_id, 1, after)
         seen += [d.run.id for d in dead]
     assert seen == ids[2:]
+
+
+async def test_a_cancel_of_a_deep_chain_of_waiting_runs_is_answered_and_reaches_its_end(h: Harness) -> None:
+    """A cancel went down the runs each run waits on by recursion: a chain of a thousand (each run
+    triggered with the one before as its parent, resumeParentOnCompletion: what the public API
+    takes) failed the request with a RecursionError (500) a thousand deep, the runs below left as
+    they were."""
+    from run_engine.ids import new_id
+
+    from .conftest import api_client
+
+    ids = [new_id("run") for _ in range(1100)]
+    await h.engine.trigger_many([
+        TriggerRequest(env_id=h.env.env_id, task_id="hello", run_id=run_id, parent_run_id=parent,
+                       root_run_id=ids[0] if parent else None, depth=depth,
+                       resume_parent_on_completion=parent is not None)
+        for depth, (run_id, parent) in enumerate(zip(ids, [None, *ids[:-1]], strict=True))])
+    async with api_client(h) as client:
+        r = await client.post(f"/api/v2/runs/{ids[0]}/cancel")
+    assert r.status_code == 200, r.text
+    runs = await h.engine.resources.repo.runs.runs_by_ids(h.env.env_id, ids)
+    assert {runs[i].status for i in ids} == {"CANCELED"}
+
+
+async def test_a_cancel_tried_again_reaches_the_runs_below_a_run_it_cancelled_before_it_stopped(
+        h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A cancel that stopped part way down (its process died, a lock was busy) after it had
+    cancelled a waiting run left that run's own children running; the cancel tried again went
+    only into children not finished, so never past the run it had cancelled: they ran on."""
+    from .test_waitpoints import req, started_run
+
+    root, s = await started_run(h)
+    (child_id,), out = await h.engine.trigger_and_wait(root.id, s.snapshot.id, 0, [req(h)])
+    await h.engine.suspend(root.id, out.snapshot.id)
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    cs = await h.engine.start_attempt(child_id, d.snapshot.id)
+    (grandchild_id,), out = await h.engine.trigger_and_wait(child_id, cs.snapshot.id, 0, [req(h)])
+    await h.engine.suspend(child_id, out.snapshot.id)
+    cancel = h.engine.systems.cancel
+    real = cancel._cancel_one
+
+    async def dies_at_the_grandchild(run_id: str):  # type: ignore[no-untyped-def]
+        if run_id == grandchild_id:
+            raise ConnectionError("the process died here")
+        return await real(run_id)
+
+    monkeypatch.setattr(cancel, "_cancel_one", dies_at_the_grandchild)
+    try:
+        await h.engine.cancel(root.id)
+    except ConnectionError:
+        pass
+    monkeypatch.undo()
+    assert (await h.engine.get_run(child_id)).status == "CANCELED"  # type: ignore[union-attr]
+    assert (await h.engine.get_run(grandchild_id)).status == "QUEUED"  # type: ignore[union-attr]
+    await h.engine.cancel(root.id)  # the caller tries again
+    assert (await h.engine.get_run(grandchild_id)).status == "CANCELED"  # type: ignore[union-attr]
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
