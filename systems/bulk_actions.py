@@ -195,14 +195,13 @@ class BulkActionsSystem:
         make few round trips of them). A run cancelled since the action was made counts too, as
         an earlier try at this page (one that died before recording it, or a second worker on it)
         cancelled it; a run that had finished before is left alone and not counted."""
-        cancelled = 0
-        todo: list[RunRow] = []
-        for run in runs:
-            if RunStatus(run.status) not in FINAL_RUN_STATUSES:
-                todo.append(run)
-            elif (run.status == RunStatus.CANCELED and run.finished_at is not None
-                  and run.finished_at >= action.created_at):
-                cancelled += 1
+        # A run cancelled since is cancelled again (a no-op for it): a try that stopped part way
+        # down the runs it waits on (a busy lock, a process that died) left some of theirs, which
+        # this goes on to; it answers CANCELED, and is counted.
+        todo = [run for run in runs if RunStatus(run.status) not in FINAL_RUN_STATUSES
+                or (run.status == RunStatus.CANCELED and run.finished_at is not None
+                    and run.finished_at >= action.created_at)]
+
         async def cancel(run_id: str) -> object:
             async with self._cancels:  # the pool and the locks are every tenant's
                 return await self.cancel.cancel(run_id)
@@ -211,7 +210,7 @@ class BulkActionsSystem:
         _retry_unless_refused("cancel", [(run.id, o) for run, o in zip(todo, outcomes, strict=True)])
         # cancelled (CANCELED), or cancelling while it executes (EXECUTING: PENDING_CANCEL); a run
         # that finished on its own since the page was read answers its own final status
-        return cancelled + sum(1 for o in outcomes if o in (RunStatus.CANCELED, RunStatus.EXECUTING))
+        return sum(1 for o in outcomes if o in (RunStatus.CANCELED, RunStatus.EXECUTING))
 
     async def _replay(self, action: BulkAction, runs: list[RunRow]) -> int:
         if not runs:

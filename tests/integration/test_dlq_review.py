@@ -96,3 +96,50 @@ async def test_a_cancel_tried_again_reaches_the_runs_below_a_run_it_cancelled_be
     await h.engine.cancel(root.id)  # the caller tries again
     assert (await h.engine.get_run(grandchild_id)).status == "CANCELED"  # type: ignore[union-attr]
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+
+
+async def test_a_bulk_cancel_page_tried_again_reaches_the_runs_below_a_run_its_first_try_cancelled(
+        h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A bulk cancel's page whose cascade stopped part way (a busy lock, a process that died)
+    is tried again; the try again left out the runs of the page cancelled since the action was
+    made (counted as the earlier try's) and so never went on below them: their children's
+    children ran on."""
+    from run_engine.engine import RunFilter
+
+    from .test_waitpoints import started_run
+
+    root, s = await started_run(h)
+    (child_id,), out = await h.engine.trigger_and_wait(
+        root.id, s.snapshot.id, 0, [TriggerRequest(env_id=h.env.env_id, task_id="hello", tags=("nested",))])
+    await h.engine.suspend(root.id, out.snapshot.id)
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+    cs = await h.engine.start_attempt(child_id, d.snapshot.id)
+    (grandchild_id,), out = await h.engine.trigger_and_wait(
+        child_id, cs.snapshot.id, 0, [TriggerRequest(env_id=h.env.env_id, task_id="hello")])
+    await h.engine.suspend(child_id, out.snapshot.id)
+    async with h.engine.resources.repo.pool.connection() as conn:  # the root alone is named by the filter
+        await conn.execute("UPDATE task_run SET tags = '{nested}' WHERE id = %s", (root.id,))
+        await conn.execute("UPDATE task_run SET tags = '{}' WHERE id = %s", (child_id,))
+    action, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("nested",)))
+    cancel = h.engine.systems.cancel
+    real = cancel._cancel_one
+
+    async def busy_at_the_grandchild(run_id: str):  # type: ignore[no-untyped-def]
+        if run_id == grandchild_id:
+            raise ConnectionError("PostgreSQL went away here")
+        return await real(run_id)
+
+    bulk = h.engine.systems.bulk_actions
+    monkeypatch.setattr(cancel, "_cancel_one", busy_at_the_grandchild)
+    try:
+        await bulk.run_page(action.id)
+    except RuntimeError:  # the page fails, to be tried again
+        pass
+    monkeypatch.undo()
+    assert (await h.engine.get_run(root.id)).status == "CANCELED"  # type: ignore[union-attr]
+    assert (await h.engine.get_run(grandchild_id)).status == "QUEUED"  # type: ignore[union-attr]
+    while await bulk.run_page(action.id):
+        pass
+    done = await h.engine.bulk_action(h.env.env_id, action.id)
+    assert (done.status, done.processed, done.succeeded) == ("COMPLETED", 1, 1)  # type: ignore[union-attr]
+    assert (await h.engine.get_run(grandchild_id)).status == "CANCELED"  # type: ignore[union-attr]
