@@ -192,6 +192,8 @@ class DeadLetterSystem:
                         continue
                     take.append(e)
                     total += measured
+                if len(rest) == len(wanted):  # nothing measured (not expected): the page ends here
+                    full = True
                 wanted = rest
             have = await runs.runs_by_ids(env_id, [e.run_id for e in take]) if take else {}
             found += [DeadRun(have[e.run_id], e) for e in take if e.run_id in have]
