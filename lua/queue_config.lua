@@ -48,13 +48,33 @@ local function set_rate(qm, v)
   end
 end
 
+-- each concurrency key's limit, as the dequeue reads it from the queue's meta: the queue's limit, or
+-- its key limit when lower (nil: none)
+local function key_cap_of(env, q)
+  local meta = redis.call('HMGET', qkey(env, q) .. ':meta', 'limit', 'key_limit')
+  local cap, key_limit = tonumber(meta[1]), tonumber(meta[2])
+  if key_limit and (not cap or key_limit < cap) then cap = key_limit end
+  return cap
+end
+
+-- The keys parked at their limit are put back only when each key's limit rose (or went): at the
+-- same limit or a lower one they are still blocked, and putting back every one (a queue's settings
+-- are written again at each deploy, by a repair, by any other change) had the group's next
+-- dequeue calls spend their budget parking them again: with thousands of keys, seconds of calls
+-- that handed nothing to any tenant of the group. A slot freed still puts its own key back.
+local function unpark_keys_if_raised(env, q, before)
+  local after = key_cap_of(env, q)
+  if before ~= nil and (after == nil or after > before) then unpark_keys(env, q) end
+end
+
 if op == 'env_limit' then
   put(ekey(env) .. ':meta', 'limit', value)
   unpark_env(env)
 elseif op == 'queue_limit' or op == 'key_limit' then
   -- each key's limit: its keys were parked at the old one (the queue too, at 0)
+  local before = key_cap_of(env, q)
   put(qkey(env, q) .. ':meta', op == 'queue_limit' and 'limit' or 'key_limit', value)
-  unpark_keys(env, q)
+  unpark_keys_if_raised(env, q, before)
   unpark_queue(env, q)
 elseif op == 'queue_cap' then
   put(qkey(env, q) .. ':meta', 'cap', value)
@@ -77,12 +97,13 @@ elseif op == 'settings' then
     if have and (version < have or (version == have and ARGV[10] ~= '1')) then return 0 end
     redis.call('HSET', qm, 'sv', value) -- as given: a double's text would round its digits
   end
+  local before = key_cap_of(env, q)
   put(qm, 'limit', ARGV[6])
   put(qm, 'key_limit', ARGV[7])
   put(qm, 'cap', ARGV[11] or '')
   set_rate(qm, ARGV[8])
   if ARGV[9] == '1' then redis.call('HSET', qm, 'paused', 1) else redis.call('HDEL', qm, 'paused') end
-  unpark_keys(env, q)
+  unpark_keys_if_raised(env, q, before)
   unpark_queue(env, q)
 else
   return redis.error_reply('unknown op ' .. op)

@@ -101,6 +101,42 @@ async def test_a_limit_of_0_holds_every_key_until_it_is_raised(q: RunQueue) -> N
     assert len(await q.dequeue("wg", 100, NOW)) == 51  # one of each key
 
 
+async def parked_keys(q: RunQueue, redis_client: aioredis.Redis, queue: str = "task/a") -> set[str]:
+    """The concurrency keys of envA's queue parked at their limit in group wg (out of its index)."""
+    from run_engine.run_queue.keys import encode_name
+
+    base = q._shard_args("envA")[1]
+    qk = f"{base}:e:{encode_name('envA')}:q:{encode_name(queue)}"
+    keys = {k.decode() for k in await redis_client.smembers(f"{qk}:pk")}
+    return {k for k in keys if await redis_client.sismember(f"{qk}:k:{k}:parked", "wg")}
+
+
+async def test_keys_parked_at_their_limit_stay_parked_when_the_limit_is_written_again_or_lowered(
+        q: RunQueue, redis_client: aioredis.Redis) -> None:
+    """A queue's settings written again (at each deploy, by a repair) or lowered put back every key
+    parked at its limit, so that the group's next dequeue calls spent their budget parking them
+    again (bench/settings_stall.py: 10,000 keys, 6 calls of ~50 ms handing nothing to anyone). They
+    stay parked now; a raise, or no limit, puts them back, and a freed slot its own key."""
+    from run_engine.run_queue import QueueSettings
+
+    await q.set_queue_limit("envA", "task/a", 1)
+    await q.enqueue([item(f"{k}{i}", k, NOW + i) for k in "abc" for i in range(2)], NOW)
+    assert await handed(q) == ["a0", "b0", "c0"]
+    assert await handed(q) == []  # each key at its limit: parked
+    assert await parked_keys(q, redis_client) == {"a", "b", "c"}
+    await q.set_queue_limit("envA", "task/a", 1)
+    await q.configure_queues([QueueSettings("envA", "task/a", limit=1)])
+    await q.set_key_limit("envA", "task/a", 1)
+    assert await parked_keys(q, redis_client) == {"a", "b", "c"}  # still blocked: left parked
+    await q.configure_queues([QueueSettings("envA", "task/a", limit=5, key_limit=1)])  # each key's: still 1
+    assert await parked_keys(q, redis_client) == {"a", "b", "c"}
+    await q.ack([("envA", "a0")])  # a freed slot puts its own key back
+    assert await handed(q) == ["a1"]
+    await q.configure_queues([QueueSettings("envA", "task/a", limit=2)])  # raised: every key back
+    assert await parked_keys(q, redis_client) == set()
+    assert await handed(q) == ["b1", "c1"]
+
+
 # --- the engine: the deployed limit, or the operator's override, for each key ----------------------
 
 async def test_each_concurrency_key_gets_the_queues_limit_as_in_trigger_dev(h: Harness) -> None:
