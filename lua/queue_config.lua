@@ -48,6 +48,9 @@ local function set_rate(qm, v)
   end
 end
 
+-- keys put back by this call at most (the rest by the shard's next dequeue calls: unpark_pending)
+local KEYS_AT_ONCE = 1000
+
 -- each concurrency key's limit, as the dequeue reads it from the queue's meta: the queue's limit, or
 -- its key limit when lower (nil: none)
 local function key_cap_of(env, q)
@@ -64,7 +67,7 @@ end
 -- that handed nothing to any tenant of the group. A slot freed still puts its own key back.
 local function unpark_keys_if_raised(env, q, before)
   local after = key_cap_of(env, q)
-  if before ~= nil and (after == nil or after > before) then unpark_keys(env, q) end
+  if before ~= nil and (after == nil or after > before) then unpark_keys(env, q, KEYS_AT_ONCE) end
 end
 
 if op == 'env_limit' then

@@ -40,6 +40,7 @@ local now_us = now * 1000 -- the rate limits' unit
 local default_env_limit, window = tonumber(ARGV[6]), tonumber(ARGV[7])
 promote(now, tonumber(ARGV[5]))
 unpark_rated(wg, now, tonumber(ARGV[5]))
+unpark_pending(tonumber(ARGV[5])) -- keys a raised limit is still putting back (queue_config)
 
 local g = gkey(wg)
 local only = {}

@@ -23,6 +23,7 @@
 --   B:e:<env>:q:<q>:parked            SET   groups in whose index the queue is parked (paused / at its cap / limit 0)
 --   B:e:<env>:q:<q>:k:<ck>:parked     SET   groups in whose index the key is parked (at its limit)
 --   B:e:<env>:q:<q>:pk                SET   keys of the queue with a :parked set
+--   B:unpark                          SET   env NUL queue: queues whose parked keys are being put back
 --   B:g:<wg>:rp                       ZSET  env NUL queue -> ms: queues parked while ahead of their rate
 -- Message states: ready, delayed, held (holds slots), released (suspended), dlq.
 -- Parking: the dequeue takes an env, queue or key it finds blocked out of the group's indexes
@@ -215,8 +216,43 @@ local function tat_us_holds(tat, tat_us)
   return tat and tat_us and tonumber(tat) == math.floor(tonumber(tat_us) / 1000) or false
 end
 
-local function unpark_keys(env, q)
-  for _, ck in ipairs(redis.call('SMEMBERS', qkey(env, q) .. ':pk')) do unpark_key(env, q, ck) end
+-- A queue's parked keys are put back at most `limit` at a time (each a few commands): a raise of
+-- the limit of a queue with 100,000 keys parked was one call of seconds, Redis serving no one else
+-- meanwhile. The queues with keys still to put back are listed in B:unpark (env NUL queue), and the
+-- shard's next dequeue calls go on with them (unpark_pending). Returns how many were put back.
+local function unpark_keys(env, q, limit)
+  local pk = qkey(env, q) .. ':pk'
+  local done = 0
+  while done < limit do
+    local some = redis.call('SRANDMEMBER', pk, math.min(limit - done, 200))
+    if #some == 0 then break end
+    for _, ck in ipairs(some) do
+      unpark_key(env, q, ck)
+      redis.call('SREM', pk, ck) -- (unpark_key leaves a key without a :parked set listed)
+    end
+    done = done + #some
+  end
+  if redis.call('EXISTS', pk) == 1 then
+    redis.call('SADD', B .. ':unpark', env .. '\0' .. q)
+  else
+    redis.call('SREM', B .. ':unpark', env .. '\0' .. q)
+  end
+  return done
+end
+
+-- Go on putting back the keys of the queues listed in B:unpark, at most `limit` keys a call.
+local function unpark_pending(limit)
+  local left = limit
+  while left > 0 do
+    local member = redis.call('SRANDMEMBER', B .. ':unpark')
+    if not member then return end
+    local cut = string.find(member, '\0', 1, true)
+    if not cut then
+      redis.call('SREM', B .. ':unpark', member)
+    else
+      left = left - unpark_keys(string.sub(member, 1, cut - 1), string.sub(member, cut + 1), left)
+    end
+  end
 end
 
 -- A held run gives its slots back; whatever was parked at those levels may run again.
