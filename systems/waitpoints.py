@@ -302,16 +302,24 @@ class WaitpointsSystem:
         run = await self.r.repo.runs.get_run(run_id, env_id)
         if run is None:
             raise NotFoundError("run", run_id)
-        wp, _ = await self._create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
-                                                  completed_by_run_id=run_id, idempotency_key=f"run:{run_id}"))
-        if wp.type != "RUN" or wp.completed_by_run_id != run_id:  # a token took that key: one of its own
+        key = f"run:{run_id}"
+        for _ in range(3):
             wp, _ = await self._create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
-                                                      completed_by_run_id=run_id))
-        if not run.resume_parent_on_completion:
-            # its finish completes RUN waitpoints from now on; one that finished in between is seen
-            # below (and the sweeper completes any RUN waitpoint whose run has finished)
-            await self.r.repo.runs.mark_waited_on(run_id)
-        fresh = await self.r.repo.runs.get_run(run_id, env_id)
+                                                      completed_by_run_id=run_id, idempotency_key=key))
+            if wp.type != "RUN" or wp.completed_by_run_id != run_id:  # a token took that key: one of its own
+                wp, _ = await self._create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
+                                                          completed_by_run_id=run_id))
+            if not run.resume_parent_on_completion:
+                # its finish completes RUN waitpoints from now on; one that finished in between is seen
+                # below (and the sweeper completes any RUN waitpoint whose run has finished)
+                await self.r.repo.runs.mark_waited_on(run_id)
+            fresh = await self.r.repo.runs.get_run(run_id, env_id)
+            if fresh is None or fresh.finished_at is not None or wp.status == "PENDING":
+                break
+            # Completed, by a run not finished: the run was reopened since (redriven from the DLQ)
+            # and this is the end of its earlier life. The key is let go and the next waitpoint
+            # waits for how the run ends now (waiters that took this one keep its outcome).
+            await self.wp.release_run_key(wp.id, key)
         if fresh is not None and fresh.finished_at is not None and wp.status == "PENDING":
             ok = fresh.status == RunStatus.COMPLETED
             await self.complete_many([Completion(fresh.output if ok else (fresh.error or {"type": fresh.status}),

@@ -556,6 +556,13 @@ class WaitpointRepository:
             found = {r["id"]: _waitpoint(r) for r in await cur.fetchall()}
         return [found[wp.id] for wp in wps]
 
+    async def release_run_key(self, waitpoint_id: str, key: str) -> None:
+        """Let go of the key of a completed RUN waitpoint (its run was reopened since: the next
+        waiter gets a waitpoint of its own)."""
+        async with self.pool.connection() as conn:
+            await conn.execute("UPDATE waitpoint SET idempotency_key = NULL WHERE id = %s AND idempotency_key = %s"
+                               " AND type = 'RUN' AND status = 'COMPLETED'", (waitpoint_id, key))
+
     async def get(self, waitpoint_id: str, env_id: str | None = None) -> Waitpoint | None:
         wp = (await self.get_many([waitpoint_id])).get(waitpoint_id)
         return wp if wp is not None and env_id in (None, wp.env_id) else None

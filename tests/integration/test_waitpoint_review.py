@@ -1,0 +1,47 @@
+"""From a review of waitpoints and waitpoint tokens: each test shows a bug of the code before it
+(a waiting run resumed with the wrong result, or never resumed)."""
+
+from __future__ import annotations
+
+from run_engine.engine import TriggerRequest
+from run_engine.statuses import RunStatus
+
+from .conftest import Harness
+
+
+def req(h: Harness, task: str = "hello", **kw: object) -> TriggerRequest:
+    return TriggerRequest(env_id=h.env.env_id, task_id=task, **kw)  # type: ignore[arg-type]
+
+
+async def start(h: Harness, *run_ids: str) -> list:  # type: ignore[type-arg]
+    """Dequeue and start ``run_ids`` (their attempts, in that order)."""
+    got = {d.run.id: d for d in await h.engine.dequeue(h.env.worker_group_id, 10)}
+    return [await h.engine.start_attempt(run_id, got[run_id].snapshot.id) for run_id in run_ids]
+
+
+async def test_a_wait_on_a_run_redriven_from_the_dlq_waits_for_its_new_outcome(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A run that went to the DLQ completed the RUN waitpoint its waiters share with its failure.
+    Redriven, it runs again; a run that waits on it afterwards must wait for how it ends now, not
+    be resumed at once with the failure of the run's earlier life (the waitpoint found by its key
+    ``run:<id>`` was the completed one)."""
+    h: Harness = await make_engine(max_deliveries=1)
+    await h.deploy({"id": "hello"})
+    target = await h.engine.trigger(req(h))
+    await h.engine.run_waitpoint(h.env.env_id, target.id)  # someone waits on it (its finish completes it)
+    assert len(await h.engine.dequeue(h.env.worker_group_id, 1)) == 1
+    await h.advance(61)  # handed out and never started: to the DLQ
+    dead = await h.engine.get_run(target.id)
+    assert dead is not None and dead.status == RunStatus.SYSTEM_FAILURE
+    await h.engine.redrive(h.env.env_id, target.id)
+
+    waiter = await h.engine.trigger(req(h))
+    started, again = await start(h, waiter.id, target.id)
+    wp = await h.engine.run_waitpoint(h.env.env_id, target.id)
+    outcome = await h.engine.block(waiter.id, started.snapshot.id, sequence=0, kind="token", key=target.id,
+                                   waitpoint_ids=[wp.id])
+    assert outcome.blocked, outcome.entry  # before: resumed at once with the DLQ's SYSTEM_FAILURE
+
+    await h.engine.complete_attempt(target.id, again.snapshot.id, ok=True, output={"second": "life"})
+    entry = await h.engine.waitpoints.resolved_entry(waiter.id, 0)
+    assert entry is not None and entry["resolved"] and entry["result"] == {"ok": True, "output": {"second": "life"}}
+    assert (await h.engine.latest_snapshot(waiter.id)).engine_status == "EXECUTING"
