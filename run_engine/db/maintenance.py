@@ -190,8 +190,11 @@ class MaintenanceRepository:
             cur = await conn.execute(
                 """WITH doomed AS (SELECT id FROM waitpoint w WHERE status = 'COMPLETED'
                                      AND completed_at < now() - make_interval(secs => %s)
-                                     -- a token's key kept for its TTL (a new token would take it)
-                                     AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now())
+                                     -- a token's key kept for its TTL (a new token would take it);
+                                     -- a RUN waitpoint's (run:<id>, no expiry) is no caller's: a wait
+                                     -- on that run made later makes another, completed at once
+                                     AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now()
+                                          OR type = 'RUN')
                                      AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
                                      AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)
                                    LIMIT %s FOR UPDATE SKIP LOCKED)

@@ -45,3 +45,19 @@ async def test_a_wait_on_a_run_redriven_from_the_dlq_waits_for_its_new_outcome(m
     entry = await h.engine.waitpoints.resolved_entry(waiter.id, 0)
     assert entry is not None and entry["resolved"] and entry["result"] == {"ok": True, "output": {"second": "life"}}
     assert (await h.engine.latest_snapshot(waiter.id)).engine_status == "EXECUTING"
+
+
+async def test_retention_deletes_the_run_waitpoint_of_a_run_it_deleted(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """``wait.for_run`` makes a RUN waitpoint keyed ``run:<id>`` whose key never expires: retention,
+    which keeps a keyed waitpoint until its key expires, kept every one for ever (and walked them
+    all again at every batch of every pass), long after the run it named was deleted."""
+    h: Harness = await make_engine(retention_days=1e-9)
+    await h.deploy({"id": "hello"})
+    target = await h.engine.trigger(req(h))
+    (started,) = await start(h, target.id)
+    await h.engine.complete_attempt(target.id, started.snapshot.id, ok=True, output=1)
+    wp = await h.engine.run_waitpoint(h.env.env_id, target.id)  # a wait on it, answered at once
+    assert (await h.engine.get_waitpoint(wp.id)).status == "COMPLETED"  # type: ignore[union-attr]
+    await h.engine.systems.reconciler.retention()
+    assert await h.engine.get_run(target.id) is None
+    assert await h.engine.get_waitpoint(wp.id) is None  # before: kept for ever
