@@ -269,16 +269,17 @@ class WaitpointsSystem:
         return runs[-1] if len(runs) == self.CONTINUE_PAGE else None
 
     async def on_runs_finished(self, runs: Sequence[RunRow]) -> None:
-        """Finished runs complete the waitpoints their parents wait on: a child's RUN waitpoint,
-        or (when the last child of a batch finishes) the batch's BATCH waitpoint."""
+        """Finished runs complete the waitpoints their parents (or any run) wait on: a run's RUN
+        waitpoints, and (when the last child of a batch finishes) the batch's BATCH waitpoint."""
         waited = [r for r in runs if r.resume_parent_on_completion]
         if not waited:
             return
-        singles = [r for r in waited if r.batch_id is None]
+        # every run's RUN waitpoints, a batch's runs' too: another run may wait on one of them
+        # (wait.for_run); a run with none costs a look-up by an index in the same statement
         completions = [
             Completion(r.output if r.status == RunStatus.COMPLETED else (r.error or {"type": r.status}),
                        r.status != RunStatus.COMPLETED, run_id=r.id)
-            for r in singles
+            for r in waited
         ]
         batches = Counter(r.batch_id for r in waited if r.batch_id is not None)
         if batches:

@@ -61,3 +61,24 @@ async def test_retention_deletes_the_run_waitpoint_of_a_run_it_deleted(make_engi
     await h.engine.systems.reconciler.retention()
     assert await h.engine.get_run(target.id) is None
     assert await h.engine.get_waitpoint(wp.id) is None  # before: kept for ever
+
+
+async def test_a_wait_on_a_run_of_a_batch_resumes_when_that_run_finishes(h: Harness) -> None:
+    """``wait.for_run`` on a run that belongs to a batch: its finish counted it in its batch and
+    completed no RUN waitpoint (only runs outside batches did), so the waiter stayed blocked until
+    the sweeper's walk came upon that waitpoint (a pass every few seconds, 5,000 waitpoints a
+    pass: minutes behind many waiting runs)."""
+    batch_id = h.engine.new_batch_id()
+    (item, other) = await h.engine.trigger_batch(h.env.env_id, batch_id,
+                                                 [req(h, batch_id=batch_id), req(h, batch_id=batch_id)])
+    waiter = await h.engine.trigger(req(h))
+    started_waiter, started_item = await start(h, waiter.id, item.id)
+    wp = await h.engine.run_waitpoint(h.env.env_id, item.id)
+    outcome = await h.engine.block(waiter.id, started_waiter.snapshot.id, sequence=0, kind="token", key=item.id,
+                                   waitpoint_ids=[wp.id])
+    assert outcome.blocked
+    await h.engine.complete_attempt(item.id, started_item.snapshot.id, ok=True, output="done")
+    latest = await h.engine.latest_snapshot(waiter.id)
+    assert latest.engine_status == "EXECUTING"  # before: EXECUTING_WITH_WAITPOINTS until a sweep
+    entry = await h.engine.waitpoints.resolved_entry(waiter.id, 0)
+    assert entry is not None and entry["result"] == {"ok": True, "output": "done"}
