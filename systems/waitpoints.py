@@ -750,6 +750,10 @@ class WaitpointsSystem:
         else:  # the batch completes with the runs it created; results come from the runs named here
             await self.wp.repoint(parent_id, sequence, None, key, {RUN_IDS: run_ids},
                                   batch_shrink=(batch_id, len(taken)))
+            # its runs that finished before it shrank were counted against its size then, short of
+            # it: counted again now, the batch completes if they are all there
+            if await self.wp.count_finished_children({batch_id: 0}):
+                await self.complete_many([Completion(None, id=w) for w in await self.wp.batch_waitpoints([batch_id])])
             held = sorted({t.id for t in taken.values()} - ancestry)  # (an ancestor's item: its state then)
             joined = [await self.run_waitpoint(parent.env_id, run_id) for run_id in held]
             await self.wp.block(parent_id, [w.id for w in joined], None)

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from run_engine.engine import TriggerRequest
 from run_engine.statuses import RunStatus
 
@@ -82,3 +86,34 @@ async def test_a_wait_on_a_run_of_a_batch_resumes_when_that_run_finishes(h: Harn
     assert latest.engine_status == "EXECUTING"  # before: EXECUTING_WITH_WAITPOINTS until a sweep
     entry = await h.engine.waitpoints.resolved_entry(waiter.id, 0)
     assert entry is not None and entry["result"] == {"ok": True, "output": "done"}
+
+
+async def test_a_batch_whose_created_runs_all_finished_before_it_shrank_for_a_joined_run_completes(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """batchTriggerAndWait with an item whose key names an existing run: the batch is shrunk to the
+    runs it created after they are made. Those that finished before the shrink were counted against
+    the batch's first size, short of it; nothing counted again after, and the parent stayed
+    blocked until the sweeper found the batch (every few seconds) instead of resuming at once."""
+    holder = await h.engine.trigger(req(h, payload="held", idempotency_key="held-1"))
+    (st,) = await start(h, holder.id)
+    await h.engine.complete_attempt(holder.id, st.snapshot.id, ok=True, output="held done")
+    parent = await h.engine.trigger(req(h))
+    (ps,) = await start(h, parent.id)
+    repo = h.engine.resources.repo.waitpoints
+    real = repo.repoint
+
+    async def child_finishes_first(run_id: str, sequence: int, waitpoint_id: str | None, key: str,
+                                   result: Any, batch_shrink: tuple[str, int] | None = None) -> None:
+        (made,) = [r for r in result["runIds"] if r != holder.id]
+        (cs,) = await start(h, made)  # a worker ran it faster than the parent's call went on
+        await h.engine.complete_attempt(made, cs.snapshot.id, ok=True, output="fast done")
+        await real(run_id, sequence, waitpoint_id, key, result, batch_shrink)
+
+    monkeypatch.setattr(repo, "repoint", child_finishes_first)
+    ids, out = await h.engine.trigger_and_wait(parent.id, ps.snapshot.id, 0,
+                                               [req(h, payload="held", idempotency_key="held-1"),
+                                                req(h, payload="fast")], batch=True)
+    assert ids[0] == holder.id
+    # before: blocked (EXECUTING_WITH_WAITPOINTS) until a sweep
+    assert not out.blocked and (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
+    assert out.entry is not None and [r["output"] for r in out.entry["result"]] == ["held done", "fast done"]
