@@ -910,8 +910,13 @@ class WaitpointRepository:
         batch; only when the sum reaches the batch's size (less its items that failed on their
         own, which have no run) are its finished children counted (a child that finished twice,
         dead-lettered then redriven, or was reported twice, was added twice): the batch completes
-        if they are all there, else its sum becomes that count."""
-        async with self.pool.connection() as conn:
+        if they are all there, else its sum becomes that count. The rows are locked first (in id
+        order) and counted in a statement after: a count that waited behind another's for a row
+        must read the runs that other count was for, whose finish its own snapshot, taken before
+        it waited, would not hold (the batch was found short of them, for good)."""
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT 1 FROM batch_task_run WHERE id = ANY(%s) ORDER BY id FOR UPDATE",
+                               (list(batch_counts),))
             cur = await conn.execute(
                 """UPDATE batch_task_run b SET
                        completed_count = CASE WHEN b.completed_count + i.n < b.size - b.items_failed

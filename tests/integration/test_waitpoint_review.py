@@ -117,3 +117,44 @@ async def test_a_batch_whose_created_runs_all_finished_before_it_shrank_for_a_jo
     # before: blocked (EXECUTING_WITH_WAITPOINTS) until a sweep
     assert not out.blocked and (await h.engine.latest_snapshot(parent.id)).engine_status == "EXECUTING"
     assert out.entry is not None and [r["output"] for r in out.entry["result"]] == ["held done", "fast done"]
+
+
+async def test_the_last_finish_of_a_batch_counted_behind_another_completes_it(h: Harness, database_url: str) -> None:
+    """Two runs of a batch finish at once and count themselves in it. The count that waited on the
+    batch's row behind the other's (here: B's, behind a transaction that counts A) read the
+    batch's finished runs in the snapshot its statement began with, from before A finished: it
+    found the batch short, and the batch (and the parent waiting on it) stayed pending until the
+    sweeper found it. The row is locked first now, and its runs are counted after."""
+    import asyncio
+
+    import psycopg
+
+    batch_id = h.engine.new_batch_id()
+    a, b = await h.engine.trigger_batch(h.env.env_id, batch_id, [req(h, batch_id=batch_id), req(h, batch_id=batch_id)])
+    repo = h.engine.resources.repo.waitpoints
+
+    async def finished(run_id: str) -> None:  # the run's finish, committed
+        async with h.engine.resources.repo.pool.connection() as conn:
+            await conn.execute("UPDATE task_run SET finished_at = now() WHERE id = %s", (run_id,))
+
+    await finished(b.id)
+    other = await psycopg.AsyncConnection.connect(database_url)
+    try:
+        await other.execute("SELECT 1 FROM batch_task_run WHERE id = %s FOR UPDATE", (batch_id,))
+        pid = other.info.backend_pid
+        counting = asyncio.create_task(repo.count_finished_children({batch_id: 1}))  # B's count
+        deadline = asyncio.get_running_loop().time() + 60
+        async with h.engine.resources.repo.pool.connection() as conn:
+            while not (await (await conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                    (pid,))).fetchone())[0]:  # type: ignore[index]
+                assert asyncio.get_running_loop().time() < deadline, "B's count never waited on the row"
+                await asyncio.sleep(0.02)
+        await finished(a.id)
+        # A's count, ahead of B's: one of two, the batch not complete yet
+        await other.execute("UPDATE batch_task_run SET completed_count = completed_count + 1 WHERE id = %s",
+                            (batch_id,))
+        await other.commit()
+        assert await counting == [batch_id]  # before: [] (PENDING, both runs finished)
+    finally:
+        await other.close()
