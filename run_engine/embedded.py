@@ -79,17 +79,26 @@ class EmbeddedRedis:
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise ConfigurationError(f"embedded redis-server exited with {self._proc.returncode}; "
-                                         f"see {self.data_dir}/redis.log")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        log.info("embedded redis on %s", self.url)
-                        return self.url
-            except OSError:
-                time.sleep(0.02)
+            exited = self._proc.poll() is not None
+            found = _redis_on(self.port)
+            if found is not None and found[0] == self._proc.pid:
+                log.info("embedded redis on %s", self.url)
+                return self.url
+            if found is not None and exited:  # another redis-server has the port: ours could not bind it
+                pid, data = found
+                if data == self.data_dir:  # the same data: another command of the same project's, shared
+                    self._proc = None  # (not ours to stop)
+                    log.info("embedded redis on %s (shared with pid %d)", self.url, pid)
+                    return self.url
+                raise ConfigurationError(
+                    f"port {self.port} is in use by another redis-server (pid {pid}, data in {data}), "
+                    "another project's `run-engine dev` perhaps; set RUN_ENGINE_REDIS_PORT to another port")
+            if exited:
+                raise ConfigurationError(
+                    f"embedded redis-server exited with {self._proc.returncode}"
+                    + (f" (port {self.port} is in use; set RUN_ENGINE_REDIS_PORT to another port)"
+                       if _port_taken(self.port) else "") + f"; see {self.data_dir}/redis.log")
+            time.sleep(0.02)
         raise ConfigurationError(f"embedded redis-server did not answer within {timeout_s}s")
 
     def stop(self, *, kill: bool = False) -> None:
@@ -107,6 +116,29 @@ class EmbeddedRedis:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _redis_on(port: int) -> tuple[int, Path] | None:
+    """(pid, data directory) of the redis-server answering on ``port``, or None."""
+    import redis as syncredis
+
+    client = syncredis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.2)
+    try:
+        pid = int(client.info("server")["process_id"])
+        data = client.config_get("dir").get("dir")
+        return pid, Path(str(data)).resolve()
+    except (syncredis.RedisError, OSError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
+
+
+def _port_taken(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
 
 
 class EmbeddedRedisCluster:
