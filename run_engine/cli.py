@@ -366,10 +366,16 @@ def supervisor_cmd(
     metrics_host: Annotated[str, typer.Option(envvar="RUN_ENGINE_SUPERVISOR_METRICS_HOST",
                                               help="Address of the metrics port.")] = "127.0.0.1",
     json_logs: JsonLogs = False,
+    die_with_parent: Annotated[bool, typer.Option(hidden=True, help="Stop when the parent process dies (dev).")]
+    = False,
 ) -> None:
     """Serve a worker group: pull its runs and execute them in warm executor processes."""
     import sys
 
+    if die_with_parent:  # `dev`'s: a `dev` killed with SIGKILL must not leave it running its tasks
+        from run_engine.server_workers import die_with_parent as _die_with_parent
+
+        _die_with_parent()
     if json_logs:
         logs.configure(json=True)
     from supervisor.supervisor import SupervisorConfig, run_supervisor
@@ -424,7 +430,7 @@ def dev(
         supervisor = subprocess.Popen(
             [sys.executable, "-m", "run_engine.cli", "supervisor",  # the token by environment: not in `ps`
              "--tasks", tasks, "--api-url", url, "--concurrency", str(concurrency), "--name", "dev",
-             *(["--json"] if json_logs else [])],
+             "--die-with-parent", *(["--json"] if json_logs else [])],
             env={**os.environ, "RUN_ENGINE_WORKER_TOKEN": creds.worker_group_token,
                  "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])})
 

@@ -78,7 +78,9 @@ class EmbeddedRedis:
             "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.data_dir),
             "--logfile", str(self.data_dir / "redis.log"), *self.extra_args,
         ]
-        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        # stopped with its parent however the parent dies (SIGKILL too): never left holding the port
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      preexec_fn=_parent_death_signal())
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -142,6 +144,28 @@ def _port_taken(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child sent SIGTERM when this process dies, however it dies
+    (Linux; elsewhere None). The parent's ``atexit`` and :meth:`stop` do it on a clean exit only.
+    Not from another thread than the main one: the kernel sends it when the thread that started the
+    child ends (a pool's thread restarting a server would take it down with it)."""
+    import threading
+
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call
+            os._exit(1)
+
+    return preexec
 
 
 class EmbeddedRedisCluster:
