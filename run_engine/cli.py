@@ -482,9 +482,15 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def main() -> None:
+    from run_engine.db.migrations import MigrationError
+
     logs.configure()
     cli_help.tidy(app)
-    app()
+    try:
+        app()
+    except MigrationError as exc:  # every command that touches the database migrates first
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -36,10 +36,19 @@ def _call(url: str, key: str, method: str, path: str, **kwargs: Any) -> Any:
     try:
         r = httpx.request(method, f"{url.rstrip('/')}{path}", headers={"Authorization": f"Bearer {key}"},
                           timeout=30, **kwargs)
+    except httpx.InvalidURL as exc:
+        err_console.print(f"invalid --api-url {url!r}: {exc}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
     except httpx.TransportError as exc:
         err_console.print(f"[red]cannot reach {url}: {exc}[/red]")
         raise typer.Exit(1) from None
-    data = r.json() if r.content else None
+    try:
+        data = r.json() if r.content else None
+    except ValueError:  # a proxy's error page, another program on the port: not a run-engine server
+        err_console.print(f"{r.status_code}: not a run-engine answer from {url} "
+                          f"({r.headers.get('content-type', 'no content type')}): {r.text[:200]}",
+                          style="red", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     if r.status_code >= 400:
         error = (data or {}).get("error", {}) if isinstance(data, dict) else {}
         err_console.print(f"[red]{r.status_code} {error.get('code', '')}: {error.get('message', r.text)}[/red]")

@@ -36,6 +36,15 @@ LOCK_ATTEMPTS = 40
 LOCK_RETRY_S = 2.0
 
 
+class MigrationError(RuntimeError):
+    """Migrations could not be applied: the database cannot be reached, a file failed (its
+    transaction rolled back) or could not take its locks. The message says which, for a person."""
+
+
+def _redacted(url: str) -> str:
+    return re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", url)
+
+
 @dataclass(frozen=True, slots=True)
 class Migration:
     version: str
@@ -55,7 +64,12 @@ def available_migrations() -> list[Migration]:
 def migrate_sync(database_url: str) -> list[str]:
     """Apply every pending migration; return the versions applied by this call."""
     applied_now: list[str] = []
-    with psycopg.connect(database_url, autocommit=True) as conn:
+    try:
+        conn = psycopg.connect(database_url, autocommit=True)
+    except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:  # refused, unknown database, bad URL
+        raise MigrationError(f"cannot connect to PostgreSQL at {_redacted(database_url)!r}: "
+                             f"{str(exc).strip()}") from None
+    with conn:
         # polled, not waited for in a statement: a session waiting inside pg_advisory_lock holds a
         # snapshot that CREATE INDEX CONCURRENTLY (a no-transaction migration) would wait on: deadlock
         while not conn.execute("SELECT pg_try_advisory_lock(%s)", (_ADVISORY_LOCK_ID,)).fetchone()[0]:  # type: ignore[index]
@@ -78,7 +92,11 @@ def migrate_sync(database_url: str) -> list[str]:
                     conn.execute("INSERT INTO schema_migration (version, name) VALUES (%s, %s)",
                                  (migration.version, migration.name))
                 else:
-                    _apply_in_transaction(conn, migration, sql)
+                    try:
+                        _apply_in_transaction(conn, migration, sql)
+                    except psycopg.Error as exc:
+                        raise MigrationError(f"migration {migration.version}_{migration.name} failed and was rolled "
+                                             f"back: {str(exc).strip()}") from exc
                 log.info("applied migration %s_%s", migration.version, migration.name)
                 applied_now.append(migration.version)
         finally:
@@ -88,7 +106,7 @@ def migrate_sync(database_url: str) -> list[str]:
 
 def _apply_in_transaction(conn: psycopg.Connection, migration: Migration, sql: str) -> None:
     """Apply one file in a transaction whose lock waits are bounded (:data:`LOCK_TIMEOUT_S`), tried
-    again while another session holds a lock it needs; RuntimeError naming that session at last."""
+    again while another session holds a lock it needs; MigrationError naming that session at last."""
     for attempt in range(1, LOCK_ATTEMPTS + 1):
         try:
             with conn.transaction():
@@ -100,7 +118,7 @@ def _apply_in_transaction(conn: psycopg.Connection, migration: Migration, sql: s
         except psycopg.errors.LockNotAvailable:
             holders = _lock_holders(conn)
             if attempt == LOCK_ATTEMPTS:
-                raise RuntimeError(
+                raise MigrationError(
                     f"migration {migration.version}_{migration.name} could not take its locks in {attempt} "
                     f"attempts of {LOCK_TIMEOUT_S:g} s: held by {holders or 'sessions that have since ended'}; "
                     "end those transactions (or wait for them) and start again") from None

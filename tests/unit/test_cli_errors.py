@@ -1,0 +1,66 @@
+"""The CLI answers a bad address, a server that is not run-engine and an unreachable database with
+a message and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "run_engine.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=60)
+
+
+class _Html(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # a proxy's error page, or another program on the port
+        body = b"<html><body>502 Bad Gateway</body></html>"
+        self.send_response(502)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def html_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Html)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_answer_that_is_not_json_is_a_message(html_server: str) -> None:
+    out = cli("runs", "list", "--api-url", html_server, "--api-key", "tr_dev_x")
+    assert out.returncode == 1, out
+    assert "Traceback" not in out.stderr and "JSONDecodeError" not in out.stderr, out.stderr
+    assert "502" in out.stderr and "not a run-engine answer" in out.stderr, out.stderr
+
+
+def test_a_malformed_api_url_is_a_message() -> None:
+    out = cli("runs", "list", "--api-url", "http://[::1", "--api-key", "tr_dev_x")
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr and "InvalidURL" not in out.stderr, out.stderr
+    assert "http://[::1" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("url", ["postgresql://postgres@127.0.0.1:1/nope", "not a url"])
+def test_migrate_with_a_database_it_cannot_reach_is_a_message(url: str) -> None:
+    out = cli("migrate", DATABASE_URL=url, REDIS_URL="redis://127.0.0.1:1/0")
+    assert out.returncode == 1, out
+    assert "Traceback" not in out.stderr and "╭" not in out.stderr, out.stderr
+    assert out.stderr.startswith("error: cannot connect to PostgreSQL"), out.stderr
