@@ -16,6 +16,7 @@ from run_engine import cli_help, logs
 from run_engine.cli_client import register as register_client_commands
 from run_engine.cli_client import register_worker_groups
 from run_engine.db.migrations import migrate_sync
+from run_engine.dependencies import DEPENDENCY_ERRORS, unavailable_dependency, wait_until_reachable
 from run_engine.services import services
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ def server(
         key = _secret(secret, svc.data_dir)
         settings = _settings(svc.database_url, svc.redis_url)
         if fd is None:  # a child of --workers: its parent migrated
+            _wait_for_services(svc.database_url, svc.redis_url, shutdown)
             migrate_sync(svc.database_url)
         else:
             from run_engine.server_workers import die_with_parent
@@ -146,7 +148,27 @@ def server(
         if workers > 1 and fd is None:  # (a child serves its inherited socket, whatever its environment says)
             _serve_workers(workers, host, port, svc.database_url, svc.redis_url, key, json_logs, shutdown)
             return
-        _run(serve(settings, host=host, port=port, secret=key, shutdown=shutdown, fd=fd))
+        try:
+            _run(serve(settings, host=host, port=port, secret=key, shutdown=shutdown, fd=fd))
+        except DEPENDENCY_ERRORS as exc:  # gone again between the wait and the start
+            typer.echo(f"error: {unavailable_dependency(exc) or 'a dependency'} cannot be reached: {exc}", err=True)
+            raise SystemExit(1) from None
+
+
+def _wait_for_services(database_url: str, redis_url: str, shutdown: Any) -> None:
+    """Wait up to RUN_ENGINE_STARTUP_WAIT_S (60 s) for PostgreSQL and Redis to answer (started beside
+    them, the server often comes up first); a one-line error and exit 1 if they do not."""
+    try:
+        wait_s = float(os.environ.get("RUN_ENGINE_STARTUP_WAIT_S", "60"))
+    except ValueError:
+        typer.echo("error: RUN_ENGINE_STARTUP_WAIT_S must be a number of seconds", err=True)
+        raise SystemExit(2) from None
+    problem = wait_until_reachable(database_url, redis_url, wait_s, stopping=lambda: shutdown.requested)
+    if problem is not None:
+        if shutdown.requested:
+            raise SystemExit(0)
+        typer.echo(f"error: {problem}", err=True)
+        raise SystemExit(1)
 
 
 def _serve_workers(count: int, host: str, port: int, database_url: str, redis_url: str, secret: str,

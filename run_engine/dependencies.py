@@ -4,6 +4,9 @@ and for background loops that log an outage in one line instead of a traceback p
 from __future__ import annotations
 
 import logging
+import re
+import time
+from collections.abc import Callable
 
 import psycopg
 from psycopg_pool import PoolClosed, PoolTimeout
@@ -34,3 +37,63 @@ def log_failure(log: logging.Logger, exc: BaseException, message: str, *args: ob
         log.warning(message + ": %s unreachable (%s); will retry", *args, dependency, type(exc).__name__)
     else:
         log.error(message, *args, exc_info=exc)
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password hidden (for a message or a log line)."""
+    return re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", url)
+
+
+def _postgres_answers(url: str) -> str | None:
+    try:
+        with psycopg.connect(url, connect_timeout=3, autocommit=True) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return None
+
+
+def _redis_answers(url: str) -> str | None:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    except ValueError as exc:  # not a Redis URL
+        return str(exc)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        if isinstance(exc, redis_errors.ResponseError) and "MOVED" in str(exc):
+            return None  # (a cluster node answered)
+        return str(exc) or type(exc).__name__
+    finally:
+        client.close()
+    return None
+
+
+def wait_until_reachable(database_url: str, redis_url: str, wait_s: float, *,
+                         stopping: Callable[[], bool] = lambda: False, log: logging.Logger | None = None,
+                         retry_s: float = 1.0) -> str | None:
+    """Wait for PostgreSQL (a connection) and Redis (a PING) to answer, at most ``wait_s`` (a
+    server started beside them, as docker compose does, often comes up first); None once both
+    answer, else what the one that does not says (also when ``stopping`` becomes true)."""
+    log = log or logging.getLogger("run_engine")
+    deadline = time.monotonic() + wait_s
+    logged = 0.0
+    checks = (("PostgreSQL", database_url, _postgres_answers), ("Redis", redis_url, _redis_answers))
+    while True:
+        for name, url, answers in checks:
+            problem = answers(url)
+            if problem is None:
+                continue
+            now = time.monotonic()
+            if now >= deadline or stopping():
+                return f"cannot reach {name} at {redacted_url(url)}: {problem}"
+            if now - logged >= 5:
+                log.warning("waiting for %s at %s (%s); giving up in %.0f s", name, redacted_url(url), problem,
+                            deadline - now)
+                logged = now
+            time.sleep(min(retry_s, max(0.0, deadline - now)))
+            break
+        else:
+            return None

@@ -280,9 +280,12 @@ class Supervisor:
         for attempt in range(60):
             try:  # an engine that takes the connection but never answers counts as unreachable
                 response = await asyncio.wait_for(self._post("/connect", body), CONNECT_TIMEOUT_S)
-            except TransportError:
-                if attempt == 59:
-                    raise
+            except TransportError as exc:
+                if attempt == 59:  # a message and exit 1, not a traceback
+                    raise SystemExit(f"error: cannot reach the engine at {self.config.api_url} "
+                                     f"after 60 attempts: {exc!r}") from None
+                if attempt % 10 == 0:
+                    log.warning("the engine at %s cannot be reached (%r); retrying", self.config.api_url, exc)
             else:  # an engine that cannot serve now (429, 5xx: its Redis or PostgreSQL away) is retried too
                 if response.status not in RETRY_STATUSES or attempt == 59:
                     break

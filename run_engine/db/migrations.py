@@ -23,6 +23,7 @@ from pathlib import Path
 import psycopg
 
 from run_engine._resources import data_dir
+from run_engine.dependencies import redacted_url
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,6 @@ LOCK_RETRY_S = 2.0
 class MigrationError(RuntimeError):
     """Migrations could not be applied: the database cannot be reached, a file failed (its
     transaction rolled back) or could not take its locks. The message says which, for a person."""
-
-
-def _redacted(url: str) -> str:
-    return re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", url)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +64,7 @@ def migrate_sync(database_url: str) -> list[str]:
     try:
         conn = psycopg.connect(database_url, autocommit=True)
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:  # refused, unknown database, bad URL
-        raise MigrationError(f"cannot connect to PostgreSQL at {_redacted(database_url)!r}: "
+        raise MigrationError(f"cannot connect to PostgreSQL at {redacted_url(database_url)!r}: "
                              f"{str(exc).strip()}") from None
     with conn:
         # polled, not waited for in a statement: a session waiting inside pg_advisory_lock holds a

@@ -64,3 +64,15 @@ def test_migrate_with_a_database_it_cannot_reach_is_a_message(url: str) -> None:
     assert out.returncode == 1, out
     assert "Traceback" not in out.stderr and "╭" not in out.stderr, out.stderr
     assert out.stderr.startswith("error: cannot connect to PostgreSQL"), out.stderr
+
+
+def test_a_server_whose_redis_never_answers_waits_then_says_so() -> None:
+    """`run-engine server` started before its Redis (docker compose) waits for it up to
+    RUN_ENGINE_STARTUP_WAIT_S, then gives one line and exit 1: it was a redis ConnectionError's
+    traceback at once."""
+    database = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:1/nope")
+    out = cli("server", "--port", "0", DATABASE_URL=database, REDIS_URL="redis://:hunter2@127.0.0.1:1/0",
+              RUN_ENGINE_SECRET="s" * 32, RUN_ENGINE_STARTUP_WAIT_S="1")
+    assert out.returncode == 1, out
+    assert "Traceback" not in out.stderr and "╭" not in out.stderr, out.stderr
+    assert "error: cannot reach" in out.stderr and "hunter2" not in out.stderr, out.stderr

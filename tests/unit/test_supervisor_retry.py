@@ -308,3 +308,23 @@ async def test_a_heartbeat_the_engine_did_not_answer_is_tried_again_soon(monkeyp
     await asyncio.wait_for(sup._run_heartbeats(RunState("run_1", "snapshot_1"), None), 5)
     interval = sup.config.heartbeat_interval_s
     assert slept == [HEARTBEAT_RETRY_S, HEARTBEAT_RETRY_S, interval, interval] and len(calls) == 5
+
+
+async def test_an_engine_never_reached_ends_the_supervisor_with_a_message(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """60 connects that never reach the engine end the supervisor with one line naming it (exit 1),
+    not the last transport error's traceback."""
+    import pytest
+
+    import supervisor.supervisor as module
+
+    async def no_wait(seconds: float) -> None:
+        return None
+
+    monkeypatch.setattr(module.asyncio, "sleep", no_wait)
+    sup, calls = supervisor([OSError("connection refused")] * 60)
+    sup.config = SupervisorConfig(api_url="http://engine:3030", token="t", tasks_module="json")
+    sup.name, sup._deployments = "w", []
+    with pytest.raises(SystemExit) as stopped:
+        await sup.connect()
+    assert calls == ["/connect"] * 60
+    assert str(stopped.value).startswith("error: cannot reach the engine at http://engine:3030 after 60 attempts")
