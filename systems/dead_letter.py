@@ -1,6 +1,9 @@
 """DeadLetterSystem: a dequeued run whose worker never started it is requeued with back-off;
 past the delivery limit it goes to its environment's DLQ and fails as SYSTEM_FAILURE.
-Redrive puts it back in its queue directly."""
+Redrive puts it back in its queue directly. After Redis lost its data the reconciler rebuilds the
+DLQs from PostgreSQL (:meth:`DeadLetterSystem.rebuild`): a run is in the DLQ exactly while its
+status is SYSTEM_FAILURE (the DLQ's move is the only way a run gets that status; a redrive, which
+takes only such a run, takes it away)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from run_engine.errors import (
     ValidationError,
 )
 from run_engine.events import RunEvent
-from run_engine.run_queue.models import DlqEntry
+from run_engine.run_queue.models import DeadMessage, DlqEntry
 from run_engine.statuses import FINAL_RUN_STATUSES, ExecutionStatus, RunStatus
 from systems import engine_jobs
 from systems.resources import SystemResources
@@ -36,6 +39,8 @@ DLQ_ERROR = {
     "code": "TASK_RUN_DEQUEUED_MAX_RETRIES",
     "message": "The run was dequeued too many times without starting",
 }
+#: the reason of every DLQ entry (each is a nack's past the delivery limit, lua/queue_nack.lua)
+DLQ_REASON = "max deliveries reached"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,8 @@ class DeadLetterSystem:
     WALK = 5000
     #: the runs one call of redrive_all puts back at most (then a cursor to go on from)
     REDRIVES = 1000
+    #: the dead runs whose entries a batch of the rebuild writes (one Redis round trip)
+    REBUILD_PAGE = 500
 
     def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
                  enqueue: EnqueueSystem, waitpoints: WaitpointsSystem) -> None:
@@ -243,3 +250,45 @@ class DeadLetterSystem:
             if len(entries) < self.PAGE:
                 return count, None
 
+    async def rebuild(self, budget: int, *, restart: bool = False) -> tuple[int, int]:
+        """Write again the DLQ entries Redis lost, from the runs PostgreSQL shows dead-lettered:
+        at most ``budget`` runs read, in batches of REBUILD_PAGE by id, each batch one Redis round
+        trip, going on from where the previous call stopped (kept in Redis, so a new leader goes on
+        too). ``restart``: from the first run (Redis lost its data; called again until through, and
+        once more a grace later for the runs dead-lettered while it was lost). Without a rebuild
+        under way this does nothing. Each entry gets its run's time of death (finished at) and the
+        DLQ's reason; the delivery count, which PostgreSQL does not keep, is the limit. A run the
+        queue knows is left as it is, and a run redriven or deleted meanwhile is never brought back
+        (see MaintenanceRepository.dead_runs_page). Returns (entries written, runs read)."""
+        queue = self.r.queue
+        after = "" if restart else await queue.dlq_rebuild_after()
+        if after is None:
+            return 0, 0
+        if restart:
+            await queue.set_dlq_rebuild_after(after)
+        restored = read = 0
+
+        async def restore(runs: list[RunRow]) -> None:
+            nonlocal restored
+            restored += await queue.restore_dead([self._dead_message(run) for run in runs])
+
+        through = False
+        while read < budget:
+            limit = min(self.REBUILD_PAGE, budget - read)
+            n, after = await self.r.repo.maintenance.dead_runs_page(after, limit, restore)
+            read += n
+            if n < limit:
+                through = True
+                break
+        await queue.set_dlq_rebuild_after(None if through else after)
+        if through:
+            log.warning("DLQ rebuild: through; %d entries written in its last pass", restored)
+        elif read:
+            log.warning("DLQ rebuild: %d entries written of %d dead runs read this pass; going on after %s",
+                        restored, read, after)
+        return restored, read
+
+    def _dead_message(self, run: RunRow) -> DeadMessage:
+        dead_at = run.finished_at or run.updated_at
+        return DeadMessage(self.enqueue.item_for(run), int(dead_at.timestamp() * 1000), DLQ_REASON,
+                           self.r.queue.max_deliveries)

@@ -14,7 +14,10 @@ PostgreSQL is the system of record; the Redis queue is rebuilt from it when they
 * a slot held by a run that is finished or suspended (its ack was lost) is freed;
 * a queue whose settings in Redis are behind PostgreSQL's (a write to Redis that failed, or a
   process that died, after PostgreSQL's: a pause shown but not applied) is copied again: the queues
-  changed lately, by their settings' version, and the next ``reconcile_budget`` of all of them.
+  changed lately, by their settings' version, and the next ``reconcile_budget`` of all of them;
+* after Redis lost its data, the DLQ entries of the runs PostgreSQL shows dead-lettered are written
+  again (``DeadLetterSystem.rebuild``): DLQ_BUDGET_FACTOR × ``reconcile_budget`` runs a pass, from
+  the pass that finds the loss until through (and once more from the recheck a grace later).
 Each scan reads at most ``reconcile_budget`` rows a pass and goes on where the previous pass
 stopped (wrapping at the end), so a pass costs the same whatever the backlog; after Redis lost its
 data a pass reads everything at once, and the first pass ``reconcile_grace_s`` later reads it all
@@ -41,6 +44,7 @@ from systems.engine_jobs import JobSpec
 from systems.resources import SystemResources
 
 if TYPE_CHECKING:
+    from systems.dead_letter import DeadLetterSystem
     from systems.delayed_runs import DelayedRunsSystem
     from systems.enqueue import EnqueueSystem
     from systems.execution_snapshot import ExecutionSnapshotSystem
@@ -74,16 +78,22 @@ class ReconcileReport:
     settings_restored: int = 0
     settings_repaired: int = 0  # queues whose settings in Redis were behind PostgreSQL's
     jobs_rearmed: int = 0
+    dlq_restored: int = 0  # DLQ entries written again after Redis lost them
     scanned: int = 0  # QUEUED runs read
 
 
 class ReconcilerSystem:
     PAGE = 500
+    #: the DLQ's rebuild reads this many times ``reconcile_budget`` dead runs a pass: a dead run is
+    #: a light row and a few Redis commands (2,000 take ~60 ms, docs/BENCHMARKS.md), so a pass
+    #: stays well under a second and a DLQ of 100,000 is back in 5 passes rather than 50
+    DLQ_BUDGET_FACTOR = 10
 
     def __init__(self, resources: SystemResources, *, execution_snapshot: ExecutionSnapshotSystem,
                  enqueue: EnqueueSystem, run_attempt: RunAttemptSystem, delayed_runs: DelayedRunsSystem,
-                 waiting_for_worker: WaitingForWorkerSystem) -> None:
+                 waiting_for_worker: WaitingForWorkerSystem, dead_letter: DeadLetterSystem) -> None:
         self.r = resources
+        self.dead_letter = dead_letter
         self.waiting_for_worker = waiting_for_worker
         self.execution_snapshot = execution_snapshot
         self.enqueue = enqueue
@@ -149,7 +159,8 @@ class ReconcilerSystem:
         steps: tuple[Callable[[], Awaitable[None]], ...] = (
             lambda: self._queued_runs(grace, report, full), lambda: self._delayed_runs(grace, report),
             lambda: self._pending_version_runs(grace, report), lambda: self._slots(report, grace),
-            lambda: self._queue_settings(report, full and not restored))
+            lambda: self._queue_settings(report, full and not restored),
+            lambda: self._dead_letters(report, restart=queue_full))
         for i, step in enumerate(steps):
             try:
                 await step()
@@ -159,9 +170,18 @@ class ReconcilerSystem:
         if queue_full and queued_done:  # (the other steps are as in any pass: never all of them)
             await self.r.queue.mark_epoch(_recheck_at(queue_epoch, began, grace))
         if (report.requeued_missing or report.requeued_stuck or report.delayed_enqueued or report.slots_freed
-                or report.jobs_rearmed or report.pending_version_enqueued or report.settings_repaired):
+                or report.jobs_rearmed or report.pending_version_enqueued or report.settings_repaired
+                or report.dlq_restored):
             log.warning("reconciler repaired the queue: %s", report)
         return report
+
+    async def _dead_letters(self, report: ReconcileReport, *, restart: bool) -> None:
+        """The DLQ entries Redis lost: the next DLQ_BUDGET_FACTOR × ``reconcile_budget`` dead runs,
+        while a rebuild is under way (``restart``: Redis lost its data, or the recheck after the
+        loss has come)."""
+        budget = max(1, self.DLQ_BUDGET_FACTOR * self.r.settings.reconcile_budget)
+        restored, _ = await self.dead_letter.rebuild(budget, restart=restart)
+        report.dlq_restored += restored
 
     async def _delayed_runs(self, grace: float, report: ReconcileReport) -> None:
         for run_id in await self.r.repo.maintenance.due_delayed_runs(grace, self.PAGE):

@@ -70,7 +70,7 @@ class Systems:
             debounce=DebounceSystem(r, enqueue=enqueue, delayed_runs=delayed_runs),
             reconciler=ReconcilerSystem(r, execution_snapshot=execution_snapshot, enqueue=enqueue,
                                         run_attempt=run_attempt, delayed_runs=delayed_runs,
-                                        waiting_for_worker=waiting_for_worker),
+                                        waiting_for_worker=waiting_for_worker, dead_letter=dead_letter),
             schedules=schedules,
             explain=ExplainSystem(r),
             bulk_actions=BulkActionsSystem(r, enqueue=enqueue, cancel=cancel),

@@ -8,7 +8,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from run_engine.db.rows import from_prefixed, select_as
-from run_engine.db.runs import RunRow, Snapshot, run_row
+from run_engine.db.runs import LIGHT_RUN_COLUMNS, RunRow, Snapshot, run_row
 
 #: the conditions under which a finished run stays (see delete_finished_before): a run waits on its
 #: batch (its BATCH waitpoint is pending); its batch's idempotency key holds (a retried batch request
@@ -134,6 +134,31 @@ class MaintenanceRepository:
                    WHERE status = 'QUEUED' AND id > %s AND updated_at < now() - make_interval(secs => %s)
                    ORDER BY id LIMIT %s""", (after_id, older_than_s, limit))
             return [run_row(r) for r in await cur.fetchall()]
+
+    async def dead_runs_page(self, after_id: str, limit: int,
+                             restore: Callable[[list[RunRow]], Awaitable[None]]) -> tuple[int, str]:
+        """The next ``limit`` runs in the DLQ (status SYSTEM_FAILURE: see migration 0042) by id
+        after ``after_id``, read light and handed to ``restore`` (which writes their DLQ entries in
+        Redis) while they are locked FOR SHARE. A redrive (which updates the row) or retention
+        (which deletes it, its Redis entries first) of one of them waits until ``restore`` is
+        through, and then finds the entry to move or drop; one that got in first changed the row
+        before the lock, and the run is left out. Returns how many runs the page read before the
+        lock (fewer than ``limit``: the end) and the last id it read (``after_id`` if none)."""
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(
+                "SELECT id FROM task_run WHERE status = 'SYSTEM_FAILURE' AND id > %s ORDER BY id LIMIT %s",
+                (after_id, limit))
+            ids = [r[0] for r in await cur.fetchall()]
+            if not ids:
+                return 0, after_id
+            rows = conn.cursor(row_factory=dict_row)
+            # again on the row as it is when locked: a run redriven or deleted meanwhile is not read
+            await rows.execute(f"SELECT {LIGHT_RUN_COLUMNS} FROM task_run WHERE id = ANY(%s)"
+                               " AND status = 'SYSTEM_FAILURE' ORDER BY id FOR SHARE", (ids,))
+            runs = [run_row(r) for r in await rows.fetchall()]
+            if runs:
+                await restore(runs)
+            return len(ids), ids[-1]
 
     async def deployable_pending_runs(self, older_than_s: float, limit: int) -> list[tuple[str, str, str, str]]:
         """PENDING_VERSION runs, untouched for ``older_than_s``, whose task the current deployment

@@ -361,6 +361,8 @@ PAGE_BYTES = 16 * 1024 * 1024
 #: a run row without the columns that may be megabytes (payload, output, metadata, error)
 _HEAVY = {"payload", "output", "metadata", "error"}
 _LIGHT_RUN = ", ".join(f"NULL AS {c}" if c in _HEAVY else c for _, c in columns_of(RunRow))
+#: the columns of a run without its payload, output, metadata and error (NULL in their place)
+LIGHT_RUN_COLUMNS = _LIGHT_RUN
 #: what a run's heavy columns take as JSON text, the measure of a page of whole runs
 _RUN_BYTES = ("coalesce(octet_length(payload::text), 0) + coalesce(octet_length(output::text), 0) "
               "+ coalesce(octet_length(metadata::text), 0) + coalesce(octet_length(error::text), 0)")

@@ -4,6 +4,7 @@ returns. Keys come from :class:`QueueKeys` (one hash tag per environment's shard
 
 from run_engine.run_queue.keys import QueueKeys, jump_hash
 from run_engine.run_queue.models import (
+    DeadMessage,
     DequeuedMessage,
     DequeuedRun,
     DlqEntry,
@@ -18,6 +19,7 @@ from run_engine.run_queue.models import (
 from run_engine.run_queue.queue import RunQueue
 
 __all__ = [
+    "DeadMessage",
     "DequeuedMessage",
     "DequeuedRun",
     "DlqEntry",

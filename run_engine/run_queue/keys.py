@@ -69,6 +69,11 @@ class QueueKeys:
     def delayed(self, shard: int) -> str:
         return f"{self.base(shard)}:delayed"
 
+    def dlq_rebuild(self) -> str:
+        """Where the reconciler's rebuild of the DLQs after a loss of Redis's data has got to (one
+        key, in shard 0's slot: lost with it, a rebuild starts over, as it must)."""
+        return f"{self.base(0)}:dlq_rebuild"
+
     def message(self, env_id: str, run_id: str) -> str:
         return f"{self.base_for(env_id)}:msg:{encode_name(run_id)}"
 

@@ -123,6 +123,17 @@ class DlqEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class DeadMessage:
+    """A DLQ entry to write again after Redis lost it: the run's message (``item``, as an enqueue
+    writes it) in the DLQ since ``dead_at_ms``, with its reason and delivery count."""
+
+    item: EnqueueItem
+    dead_at_ms: int
+    reason: str
+    deliveries: int
+
+
+@dataclass(frozen=True, slots=True)
 class QueueStats:
     """``running``: the runs holding a slot of the queue, all its keys together; ``limit`` holds
     for each key (see :class:`QueueSettings`), ``cap`` for all together."""

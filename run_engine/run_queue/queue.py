@@ -18,6 +18,7 @@ from run_engine.epochs import epoch_value, recheck_time
 from run_engine.lua_scripts import Call, LuaScript
 from run_engine.run_queue.keys import QueueKeys, decode_name, encode_name
 from run_engine.run_queue.models import (
+    DeadMessage,
     DequeuedMessage,
     DlqEntry,
     EnqueueItem,
@@ -94,9 +95,11 @@ class RunQueue:
         self._nack = LuaScript.get("queue_nack")
         self._move = LuaScript.get("queue_move")
         self._config = LuaScript.get("queue_config")
+        self._restore_dead = LuaScript.get("queue_restore_dead")
 
     async def load_scripts(self) -> None:
-        for script in (self._enqueue, self._dequeue, self._ack, self._nack, self._move, self._config):
+        for script in (self._enqueue, self._dequeue, self._ack, self._nack, self._move, self._config,
+                       self._restore_dead):
             await script.load(self.redis)
 
     def _shard_args(self, env_id: str) -> tuple[list[str], str]:
@@ -260,6 +263,35 @@ class RunQueue:
 
     async def dead_letter(self, env_id: str, run_id: str, reason: str, now_ms: int) -> None:
         await self._one("dead_letter", env_id, run_id, now_ms, reason)
+
+    async def restore_dead(self, entries: Sequence[DeadMessage]) -> int:
+        """Write again the DLQ entries of runs whose messages Redis lost, each in its own
+        environment's DLQ; a run whose message is there (in any state) is left as it is. One
+        script call per shard, all in one round trip. Returns how many were written."""
+        by_shard: dict[int, list[str | int | float]] = defaultdict(list)
+        for e in entries:
+            it = e.item
+            by_shard[self.keys.shard_of(it.env_id)] += [
+                encode_name(it.run_id), encode_name(it.env_id), encode_name(it.queue),
+                encode_name(it.concurrency_key or ""), encode_name(it.worker_group), it.score_ms, it.task,
+                e.dead_at_ms, e.reason, e.deliveries,
+            ]
+        calls: list[Call] = [([self.keys.delayed(shard)], [self.keys.base(shard), *args])
+                             for shard, args in by_shard.items()]
+        return sum(int(n) for n in await self._restore_dead.call_many(self.redis, calls))
+
+    async def dlq_rebuild_after(self) -> str | None:
+        """The last run id a rebuild of the DLQs has gone through ("": none yet); None: no rebuild
+        under way."""
+        value = await self.redis.get(self.keys.dlq_rebuild())
+        return None if value is None else _s(value)
+
+    async def set_dlq_rebuild_after(self, after: str | None) -> None:
+        """Record where the rebuild of the DLQs has got to (None: through, or none)."""
+        if after is None:
+            await self.redis.delete(self.keys.dlq_rebuild())
+        else:
+            await self.redis.set(self.keys.dlq_rebuild(), after)
 
     async def give_back(self, env_id: str, run_id: str, now_ms: int, due_ms: int) -> bool:
         """Put a held run back (ready at ``due_ms``, its place kept, the delivery undone): the

@@ -68,7 +68,7 @@ def test_concurrent_migrators_apply_each_file_once(empty_database: str) -> None:
 @pytest.mark.parametrize(("index", "version"), [
     ("task_run_env_tags", "0019"), ("batch_done_unkeyed", "0030"), ("batch_done_keyed", "0030"),
     ("task_schedule_due_by_environment", "0032"), ("task_queue_settings_version", "0038"),
-    ("task_schedule_worker_group", "0038")])
+    ("task_schedule_worker_group", "0038"), ("task_run_dead", "0042")])
 def test_an_index_built_concurrently_is_valid_and_rebuilt_when_left_invalid(empty_database: str, index: str,
                                                                             version: str) -> None:
     """These migrations run outside a transaction (CREATE INDEX CONCURRENTLY: no write waits); an

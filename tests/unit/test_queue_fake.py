@@ -42,6 +42,7 @@ def test_public_api_is_pinned() -> None:
     import run_engine.run_queue as rq
 
     assert sorted(rq.__all__) == [
+        "DeadMessage",
         "DequeuedMessage",
         "DequeuedRun",
         "DlqEntry",
