@@ -22,8 +22,9 @@
 --   B:e:<env>:parked                  SET   groups in whose index the env is parked (at its limit)
 --   B:e:<env>:q:<q>:parked            SET   groups in whose index the queue is parked (paused / at its cap / limit 0)
 --   B:e:<env>:q:<q>:k:<ck>:parked     SET   groups in whose index the key is parked (at its limit)
---   B:e:<env>:q:<q>:pk                SET   keys of the queue with a :parked set
---   B:unpark                          SET   env NUL queue: queues whose parked keys are being put back
+--   B:e:<env>:q:<q>:pk                SET   keys of the queue with a :parked set (but those in :upk)
+--   B:e:<env>:q:<q>:upk               SET   keys parked before a raise, still to put back (unpark_keys)
+--   B:unpark                          SET   env NUL queue: queues whose :upk holds keys
 --   B:g:<wg>:rp                       ZSET  env NUL queue -> ms: queues parked while ahead of their rate
 -- Message states: ready, delayed, held (holds slots), released (suspended), dlq.
 -- Parking: the dequeue takes an env, queue or key it finds blocked out of the group's indexes
@@ -218,26 +219,51 @@ end
 
 -- A queue's parked keys are put back at most `limit` at a time (each a few commands): a raise of
 -- the limit of a queue with 100,000 keys parked was one call of seconds, Redis serving no one else
--- meanwhile. The queues with keys still to put back are listed in B:unpark (env NUL queue), and the
--- shard's next dequeue calls go on with them (unpark_pending). Returns how many were put back.
-local function unpark_keys(env, q, limit)
-  local pk = qkey(env, q) .. ':pk'
+-- meanwhile. A raise moves the keys parked so far (:pk) to the queue's :upk, the keys it is still
+-- putting back, and lists the queue in B:unpark (env NUL queue) while :upk holds any: the shard's
+-- next dequeue calls go on with them (unpark_pending). Keys parked after the raise (at the new
+-- limit, still blocked) go to :pk again, not :upk: listed with the keys to put back, they were put
+-- back by every dequeue call of the shard and parked again by it, and with over 500 of them the
+-- queue never left B:unpark (each call of every group paid for 500 for as long as they had runs
+-- waiting). A key in :upk that a freed slot put back meanwhile is only dropped from it.
+local function unpark_listed(env, q, limit)
+  local upk = qkey(env, q) .. ':upk'
   local done = 0
   while done < limit do
-    local some = redis.call('SRANDMEMBER', pk, math.min(limit - done, 200))
+    local some = redis.call('SRANDMEMBER', upk, math.min(limit - done, 200))
     if #some == 0 then break end
     for _, ck in ipairs(some) do
       unpark_key(env, q, ck)
-      redis.call('SREM', pk, ck) -- (unpark_key leaves a key without a :parked set listed)
+      redis.call('SREM', upk, ck)
     end
     done = done + #some
   end
-  if redis.call('EXISTS', pk) == 1 then
+  if redis.call('EXISTS', upk) == 1 then
     redis.call('SADD', B .. ':unpark', env .. '\0' .. q)
   else
     redis.call('SREM', B .. ':unpark', env .. '\0' .. q)
   end
   return done
+end
+
+-- The keys parked so far join the ones to put back (a raise; O(1) but for a raise while some of an
+-- earlier one's are still there: O(both), in Redis's own code).
+local function take_parked(env, q)
+  local pk, upk = qkey(env, q) .. ':pk', qkey(env, q) .. ':upk'
+  if redis.call('EXISTS', pk) == 0 then return end
+  if redis.call('EXISTS', upk) == 0 then
+    redis.call('RENAME', pk, upk)
+  else
+    redis.call('SUNIONSTORE', upk, upk, pk)
+    redis.call('DEL', pk)
+  end
+end
+
+-- A raise: put back the keys parked at the old limit, `limit` now and the rest later. Returns how
+-- many were put back now.
+local function unpark_keys(env, q, limit)
+  take_parked(env, q)
+  return unpark_listed(env, q, limit)
 end
 
 -- Go on putting back the keys of the queues listed in B:unpark, at most `limit` keys a call.
@@ -250,7 +276,10 @@ local function unpark_pending(limit)
     if not cut then
       redis.call('SREM', B .. ':unpark', member)
     else
-      left = left - unpark_keys(string.sub(member, 1, cut - 1), string.sub(member, cut + 1), left)
+      local env, q = string.sub(member, 1, cut - 1), string.sub(member, cut + 1)
+      -- (listed by the version before this one, which put back the keys of :pk: they are taken once)
+      if redis.call('EXISTS', qkey(env, q) .. ':upk') == 0 then take_parked(env, q) end
+      left = left - unpark_listed(env, q, left)
     end
   end
 end

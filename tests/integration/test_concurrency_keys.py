@@ -107,7 +107,7 @@ async def parked_keys(q: RunQueue, redis_client: aioredis.Redis, queue: str = "t
 
     base = q._shard_args("envA")[1]
     qk = f"{base}:e:{encode_name('envA')}:q:{encode_name(queue)}"
-    keys = {k.decode() for k in await redis_client.smembers(f"{qk}:pk")}
+    keys = {k.decode() for k in await redis_client.sunion([f"{qk}:pk", f"{qk}:upk"])}  # :upk: a raise's
     return {k for k in keys if await redis_client.sismember(f"{qk}:k:{k}:parked", "wg")}
 
 
@@ -165,6 +165,39 @@ async def test_a_raise_puts_back_thousands_of_parked_keys_a_bounded_number_a_cal
     assert sorted(second) == sorted(f"r{k}_1" for k in range(keys))  # each key's second run, once
     assert await parked_keys(q, redis_client) == set()
     assert await q.dequeue("wg", 500, NOW) == []
+
+
+async def test_keys_parked_again_at_the_raised_limit_are_not_put_back_on_every_dequeue(
+        q: RunQueue, redis_client: aioredis.Redis) -> None:
+    """A raise puts back the keys parked at the old limit, 1,000 at once and the rest by the
+    shard's next dequeue calls (B:unpark). Keys still blocked at the new limit park again, and
+    only their own freed slot may put them back; but they went back into the same set, so with
+    more than ~500 of them B:unpark never emptied: every dequeue call of the shard, of every group,
+    put back 500 keys still at their limit and parked them again, for as long as they had runs
+    waiting. Here a limit of 2 lowered to 1 and raised back to 2 (a deploy and its revert), every
+    key holding 2 runs."""
+    from run_engine.run_queue import QueueSettings
+
+    keys = 1_600
+    await q.set_env_limit("envA", 100_000)
+    await q.configure_queues([QueueSettings("envA", "task/a", limit=2)])
+    await q.enqueue([item(f"r{k}_{i}", f"k{k}", NOW + i) for k in range(keys) for i in range(3)], NOW)
+    held: list[str] = []
+    for _ in range(200):  # two runs of every key, then calls that park the keys at their limit
+        got = await q.dequeue("wg", 1_000, NOW)
+        held += [m.run_id for m in got]
+        if not got and len(await parked_keys(q, redis_client)) == keys:
+            break
+    assert len(held) == 2 * keys
+    await q.configure_queues([QueueSettings("envA", "task/a", limit=1)])
+    await q.configure_queues([QueueSettings("envA", "task/a", limit=2)])  # raised: keys put back
+    base = q._shard_args("envA")[1]
+    for _ in range(10):  # every key is still at its limit: nothing runs, and the raise's work ends
+        assert await q.dequeue("wg", 1_000, NOW) == []
+    assert await redis_client.scard(f"{base}:unpark") == 0
+    assert len(await parked_keys(q, redis_client)) == keys
+    await q.ack([("envA", "r0_0")])  # a freed slot still puts its own key back
+    assert [m.run_id for m in await q.dequeue("wg", 1_000, NOW)] == ["r0_2"]
 
 
 # --- the engine: the deployed limit, or the operator's override, for each key ----------------------
