@@ -15,6 +15,16 @@ from redis import exceptions as redis_errors
 POSTGRES_DOWN = (psycopg.OperationalError, PoolTimeout, PoolClosed)
 REDIS_DOWN = (redis_errors.ConnectionError, redis_errors.TimeoutError)
 DEPENDENCY_ERRORS = (*POSTGRES_DOWN, *REDIS_DOWN)
+# Redis reachable but refusing every write for a while, as an outage does and until it ends: a
+# replica written to during a failover (READONLY), a cluster failing over or resharding
+# (CLUSTERDOWN, MASTERDOWN, TRYAGAIN), maxmemory reached under noeviction (OOM), snapshots failing
+# with stop-writes-on-bgsave-error (MISCONF). Like PostgreSQL's read-only transactions (25006: a
+# connection still on a primary demoted by a failover; refusing_writes), they are 503s, not 500s: a supervisor
+# takes a completion answered 500 for completion_refused_s for the engine's own error on that
+# result and reports the attempt failed instead (its output dropped, the task run again).
+REDIS_REFUSING = (redis_errors.ReadOnlyError, redis_errors.ClusterDownError, redis_errors.TryAgainError,
+                  redis_errors.OutOfMemoryError)
+REDIS_REFUSING_REPLIES = ("READONLY ", "CLUSTERDOWN ", "MASTERDOWN ", "TRYAGAIN ", "OOM ", "MISCONF ")
 
 
 def unavailable_dependency(exc: BaseException) -> str | None:
@@ -26,6 +36,20 @@ def unavailable_dependency(exc: BaseException) -> str | None:
         return "postgres"
     if isinstance(exc, REDIS_DOWN):
         return "redis"
+    if isinstance(exc, REDIS_REFUSING) or (isinstance(exc, redis_errors.ResponseError)
+                                           and str(exc).startswith(REDIS_REFUSING_REPLIES)):
+        return "redis"
+    return None
+
+
+def refusing_writes(exc: BaseException) -> str | None:
+    """"postgres" or "redis" when ``exc`` is a dependency refusing writes for a while (an outage
+    to the API's callers: 503), else None. PostgreSQL's read-only transaction is not an outage to
+    the engine's own loops (a dequeue keeps its runs held rather than give them back)."""
+    if (dependency := unavailable_dependency(exc)) is not None:
+        return dependency
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        return "postgres"
     return None
 
 

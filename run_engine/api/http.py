@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from run_engine import jsontext
 from run_engine.api.inputs import is_number, needs_scan, too_many_containers, unstorable
-from run_engine.dependencies import unavailable_dependency
+from run_engine.dependencies import refusing_writes
 from run_engine.errors import (
     ConflictError,
     DuplicateExecutionError,
@@ -103,7 +103,7 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
         return err(503, exc.code, "the run is busy; try again", headers={"Retry-After": "1"})
     if isinstance(exc, ReadTimeoutError):  # a statement timeout: what the caller asked for, or the load
         return err(503, exc.code, str(exc), headers={"Retry-After": "2"})
-    if (dependency := unavailable_dependency(exc)) is not None:
+    if (dependency := refusing_writes(exc)) is not None:
         name = {"postgres": "PostgreSQL", "redis": "Redis"}[dependency]
         return err(503, "service_unavailable", f"{name} is unavailable; try again",
                    {"dependency": dependency}, headers={"Retry-After": "2"})
