@@ -67,11 +67,13 @@ async def login(request: Request) -> Response:
         return _form(request, error="That is not an environment's secret API key (tr_dev_…, tr_prod_…).",
                      status=401, next_path=next_path)
     try:  # Redis keeps the session's sign-out from before it opens (or the session would be refused)
-        await marks_since(ctx.engine)
+        since = await marks_since(ctx.engine)
     except REDIS_DOWN:
         return _form(request, error="Redis is unavailable: sessions cannot be opened now; try again shortly.",
                      status=503, next_path=next_path)
-    _, cookie = sessions(ctx).open(env.id, env.api_key_hash, ctx.engine.now())
+    # opened at the marks' start at the earliest: written from another process's clock, it may be
+    # ahead of this one's (by more than the leeway, every session opened here was refused at once)
+    _, cookie = sessions(ctx).open(env.id, env.api_key_hash, max(ctx.engine.now(), since))
     response = redirect(request, next_path)
     set_cookie(response, request, COOKIE, cookie, LIFETIME_S)
     clear_cookie(response, request, LOGIN_COOKIE)

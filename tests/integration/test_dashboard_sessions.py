@@ -104,6 +104,21 @@ async def test_a_session_opened_on_a_redis_without_marks_yet_is_kept(h: Harness)
         assert (await c.get("/dashboard/runs")).status_code == 200
 
 
+async def test_a_session_opened_by_a_process_whose_clock_is_behind_the_marks_start_is_kept(h: Harness) -> None:
+    """The marks' start is written by whichever process found it missing, from its own clock: a
+    process whose clock is behind that one's by more than the 2 s leeway opened sessions "before"
+    the marks (by its clock), and each was refused at once (sign in, and the form again), until
+    its own clock passed the start. A session opens at the marks' start at the earliest."""
+    await redis_lost_its_data(h)
+    prefix = h.engine.settings.key_prefix
+    await h.engine.redis.set(f"{prefix}:dash:since", int(h.engine.now()) + 30)  # another process, 30 s ahead
+    async with api_client(h) as c:
+        await sign_in(c, h.env.api_key)
+        assert (await c.get("/dashboard/runs")).status_code == 200
+        h.clock.advance(60)
+        assert (await c.get("/dashboard/runs")).status_code == 200
+
+
 async def test_a_sign_out_redis_cannot_record_is_a_503_and_the_session_is_kept(
         h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """Redis gone between the session's check and the sign-out's mark: telling the browser it
