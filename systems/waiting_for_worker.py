@@ -69,7 +69,7 @@ class WaitingForWorkerSystem:
         refusal: UnprocessableError | None = None
         for env in envs:
             try:
-                dep_id, enqueued = await self.register_deployment(
+                dep_id, enqueued, registered = await self._register(
                     env_id=env.id, worker_group_id=group.id, version=version or content_hash[:12],
                     content_hash=content_hash, tasks=tasks, queues=queues)
             except UnprocessableError as exc:
@@ -80,7 +80,8 @@ class WaitingForWorkerSystem:
                 refusal = refusal or exc
                 out.append(Deployed(env.id, "", version or content_hash[:12], 0, refused=str(exc)))
                 continue
-            out.append(Deployed(env.id, dep_id, version or content_hash[:12], enqueued))
+            # the same content is the deployment registered before, with its version
+            out.append(Deployed(env.id, dep_id, registered, enqueued))
         if refusal is not None and all(d.refused for d in out):
             raise refusal
         return out
@@ -108,9 +109,19 @@ class WaitingForWorkerSystem:
 
         Refused (422 ``too_many_queues``, nothing written) when the queues it declares that the
         environment does not have would take it past ``max_queues_per_env``."""
+        dep_id, enqueued, _ = await self._register(env_id=env_id, worker_group_id=worker_group_id, version=version,
+                                                   content_hash=content_hash, tasks=tasks, queues=queues)
+        return dep_id, enqueued
+
+    async def _register(
+        self, *, env_id: str, worker_group_id: str, version: str, content_hash: str,
+        tasks: Sequence[TaskSpec], queues: Sequence[QueueSpec],
+    ) -> tuple[str, int, str]:
+        """:meth:`register_deployment`, and the version the deployment has (the one registered
+        before with the same content, if any)."""
         self.validate(tasks)
         queue_list = self._queues(tasks, queues)
-        dep_id, _ = await self.r.repo.deployments.register_deployment(
+        dep_id, _, registered = await self.r.repo.deployments.register_deployment(
             deployment_id=new_id("deployment"), env_id=env_id, worker_group_id=worker_group_id,
             version=version, content_hash=content_hash, tasks=tasks, queues=queue_list,
             queue_ids=[new_id("queue") for _ in queue_list], max_queues=self.r.settings.max_queues_per_env,
@@ -121,7 +132,7 @@ class WaitingForWorkerSystem:
         self.enqueue.invalidate(env_id)
         await self.schedules.sync_declarative(env_id, worker_group_id, tasks)
         waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, [t.id for t in tasks])
-        return dep_id, await self.promote(waiting, dep_id, {t.id: t.queue_name for t in tasks})
+        return dep_id, await self.promote(waiting, dep_id, {t.id: t.queue_name for t in tasks}), registered
 
     @staticmethod
     def _queues(tasks: Sequence[TaskSpec], queues: Sequence[QueueSpec]) -> list[QueueSpec]:

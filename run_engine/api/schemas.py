@@ -348,6 +348,7 @@ class SnapshotOut(_Out):
 class Deployment(_Out):
     environmentId: str
     deploymentId: str
+    version: str
     pendingRunsEnqueued: int
 
 

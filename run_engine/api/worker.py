@@ -61,13 +61,14 @@ async def connect(request: Request) -> Response:
         tasks=[t.spec() for t in req.deployment.tasks], queues=[q.spec() for q in req.deployment.queues])
     # recorded once its deployment was taken somewhere: a worker refused everywhere (422) is not one
     await ctx.engine.connect_worker_instance(group.id, _instance_name(group, req.workerInstanceName), req.concurrency)
-    deployments = [{"environmentId": d.env_id, "deploymentId": d.deployment_id,
+    # each with its version: the same content connected again is the deployment registered before,
+    # with the version it was registered with (an environment may have had it, another not)
+    deployments = [{"environmentId": d.env_id, "deploymentId": d.deployment_id, "version": d.version,
                     "pendingRunsEnqueued": d.pending_runs_enqueued} for d in deployed if d.refused is None]
     # an environment at its queue cap keeps its current deployment; the others took this one
     refused = [{"environmentId": d.env_id, "error": {"code": "too_many_queues", "message": d.refused}}
                for d in deployed if d.refused is not None]
-    version = deployed[0].version
-    return json_response({"deploymentId": deployments[0]["deploymentId"], "version": version,
+    return json_response({"deploymentId": deployments[0]["deploymentId"], "version": deployments[0]["version"],
                           "workerGroupId": group.id, "deployments": deployments,
                           **({"refused": refused} if refused else {})})
 

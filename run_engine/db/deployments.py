@@ -133,10 +133,12 @@ class DeploymentRepository:
         queues: Sequence[QueueSpec],
         queue_ids: Sequence[str],
         max_queues: int | None = None,
-    ) -> tuple[str, bool]:
-        """Record a deployment and make it current; upsert its queues. Returns (id, created).
+    ) -> tuple[str, bool, str]:
+        """Record a deployment and make it current; upsert its queues. Returns (id, created, its
+        version).
 
-        Registering the same content again returns the existing deployment. The registrations of
+        Registering the same content again returns the existing deployment (with the version it
+        was registered with, whatever ``version`` this call gives). The registrations of
         one environment take turns (a transaction-scoped advisory lock on it), so that two at once
         both succeed, the later one current, and count each other's queues. A deployment whose
         queues the environment does not have would take it past ``max_queues`` is refused
@@ -154,6 +156,7 @@ class DeploymentRepository:
             ).fetchone()
             created = existing is None
             dep_id = deployment_id if existing is None else existing[0]
+            version = version if existing is None else existing[1]
             if created and await (await conn.execute(
                     "SELECT 1 FROM deployment WHERE environment_id = %s AND worker_group_id = %s AND version = %s",
                     (env_id, worker_group_id, version))).fetchone():
@@ -197,7 +200,7 @@ class DeploymentRepository:
                     for queue, queue_id in zip(queues, queue_ids, strict=True)
                 ],
             )
-        return dep_id, created
+        return dep_id, created, version
 
     @staticmethod
     async def _check_queue_room(conn: AsyncConnection[Any], env_id: str, names: Sequence[str],
