@@ -281,6 +281,9 @@ class DequeueSystem:
     async def _runnable(self, messages: Sequence[DequeuedMessage], worker_group_id: str,
                         deployments: Sequence[str]) -> list[DequeuedMessage]:
         tasks = await self._tasks_of(deployments)
+        # runs triggered with lockToVersion are their version's deployment's only
+        locks = await self.r.repo.runs.version_locks([m.run_id for m in messages])
+        own = set(deployments)
         keep: list[DequeuedMessage] = []
         foreign: list[DequeuedMessage] = []
         anywhere = frozenset().union(*tasks.values())
@@ -288,21 +291,25 @@ class DequeueSystem:
             # a run of an environment none of the worker's deployments is in (a group shared with
             # an environment made after it connected) is the worker's when one of its deployments
             # elsewhere has the task (its code); else foreign: its executor would fail it
-            mine = m.task in tasks[m.env_id] if m.env_id in tasks else m.task in anywhere
+            if m.run_id in locks:
+                mine = locks[m.run_id] in own
+            else:
+                mine = m.task in tasks[m.env_id] if m.env_id in tasks else m.task in anywhere
             (keep if mine else foreign).append(m)
         for m in foreign:
             try:
-                await self._not_for_this_worker(m, worker_group_id)
+                await self._not_for_this_worker(m, worker_group_id, locked=m.run_id in locks)
             except Exception:  # it stays held: the reconciler makes it ready again
                 log.exception("run %s: could not give it back", m.run_id)
         return keep
 
-    async def _not_for_this_worker(self, m: DequeuedMessage, worker_group_id: str) -> None:
-        """A run of a task the worker lacks: back to the queue for another worker, or, when the
-        current deployment lacks the task too, PENDING_VERSION until one has it."""
+    async def _not_for_this_worker(self, m: DequeuedMessage, worker_group_id: str, *, locked: bool = False) -> None:
+        """A run of a task the worker lacks (or locked to another version): back to the queue for
+        another worker, or, when the current deployment lacks the task too, PENDING_VERSION until
+        one has it (never a run locked to a version: that version's deployment has its task)."""
         now = self.r.now_ms()
-        current = await self.enqueue.current_task(m.env_id, worker_group_id, m.task)
-        if current.deployment_id is None:
+        current = None if locked else await self.enqueue.current_task(m.env_id, worker_group_id, m.task)
+        if current is not None and current.deployment_id is None:
             async with self.r.locker.lock("pending_version", m.run_id):
                 (result,) = await self.execution_snapshot.append_many([Transition(
                     run_id=m.run_id, new_snapshot_id=new_id("snapshot"), engine_status=ExecutionStatus.PENDING_VERSION,

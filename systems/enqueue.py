@@ -72,6 +72,8 @@ class TriggerRequest:
     # own); neither: the environment's default group
     worker_group: str | None = None
     worker_group_id: str | None = None
+    # lockToVersion: the run is the deployment of that version's (of its worker group) only
+    lock_to_version: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +125,7 @@ class EnqueueSystem:
     def __init__(self, resources: SystemResources) -> None:
         self.r = resources
         self._envs: dict[str, _EnvInfo] = {}
-        self._tasks: dict[tuple[str, str, str], _TaskInfo] = {}
+        self._tasks: dict[tuple[str, ...], _TaskInfo] = {}
         self._queues: dict[tuple[str, str], None] = {}
         self._groups: dict[tuple[str, str, str], tuple[str | None, float]] = {}
         self._last_micros = 0
@@ -182,6 +184,27 @@ class EnqueueSystem:
             info = _TaskInfo(row.deployment_id, row.queue_name) if row else _TaskInfo(None, None)
             _remember(self._tasks, key, info, self.CACHE_SIZE)
         return info
+
+    async def version_task(self, env_id: str, worker_group_id: str, task_id: str, version: str) -> _TaskInfo:
+        """The task as the deployment of (env, group) with ``version`` has it, current or not
+        (lockToVersion); ValidationError when there is none or it lacks the task: no worker could
+        ever take such a run. Cached for CACHE_TTL_S."""
+        key = (env_id, worker_group_id, task_id, version)
+        info = self._tasks.get(key)
+        if info is None or time.monotonic() - info.fetched_at > self.CACHE_TTL_S:
+            row = await self.r.repo.deployments.version_task(env_id, worker_group_id, version, task_id)
+            info = _TaskInfo(row.deployment_id, row.queue_name) if row else _TaskInfo(None, None)
+            _remember(self._tasks, key, info, self.CACHE_SIZE)
+        if info.deployment_id is None:
+            raise ValidationError("lockToVersion", f"no deployment of version {version!r} has the task {task_id!r} "
+                                                   "in the worker group this run goes to")
+        return info
+
+    async def _task(self, req: TriggerRequest, group_id: str) -> _TaskInfo:
+        """The task as the run's deployment has it: the version it locks to, else the current one."""
+        if req.lock_to_version is not None:
+            return await self.version_task(req.env_id, group_id, req.task_id, req.lock_to_version)
+        return await self.current_task(req.env_id, group_id, req.task_id)
 
     async def _ensure_queue(self, env_id: str, name: str, limit: int | None) -> None:
         if limit is None and (env_id, name) in self._queues:
@@ -286,7 +309,7 @@ class EnqueueSystem:
         the environment's cap (``too_many_queues``) is refused now too."""
         self._validate(req)
         group_id = await self.worker_group(await self.environment(req.env_id), req)
-        task = await self.current_task(req.env_id, group_id, req.task_id)
+        task = await self._task(req, group_id)
         await self._ensure_queue(req.env_id, req.queue or task.queue or f"task/{req.task_id}",
                                  req.queue_concurrency_limit)
 
@@ -320,7 +343,7 @@ class EnqueueSystem:
         jobs: list[engine_jobs.JobSpec] = []
         env = await self.environment(req.env_id)
         group_id = await self.worker_group(env, req)
-        task = await self.current_task(req.env_id, group_id, req.task_id)
+        task = await self._task(req, group_id)
         queue = req.queue or task.queue or f"task/{req.task_id}"
         await self._ensure_queue(req.env_id, queue, req.queue_concurrency_limit)
         runnable = task.deployment_id is not None
@@ -361,6 +384,7 @@ class EnqueueSystem:
             max_duration_s=req.max_duration_s,
             machine=req.machine,
             locked_to_deployment_id=task.deployment_id,
+            locked_to_version=req.lock_to_version,
             parent_run_id=req.parent_run_id,
             root_run_id=req.root_run_id,
             depth=req.depth,

@@ -127,7 +127,7 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
         # a parent that will wait for this run (wait.for_run): its finish completes its RUN waitpoint
         resume_parent_on_completion=bool(o.resumeParentOnCompletion and (o.parentRunId or auth.run_id)),
         debounce=o.debounce.spec() if o.debounce is not None else None,  # its delay replaces options.delay
-        worker_group=o.workerGroup,
+        worker_group=o.workerGroup, lock_to_version=o.lockToVersion,
     )
 
 

@@ -233,6 +233,21 @@ class DeploymentRepository:
             )
             return from_row_or_none(DeploymentTask, await cur.fetchone())
 
+    async def version_task(self, env_id: str, worker_group_id: str, version: str,
+                           task_id: str) -> DeploymentTask | None:
+        """The task as the deployment of (env, group) with ``version`` declares it (current or
+        not), or None when no such deployment has it."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT dt.*, d.version FROM deployment_task dt
+                   JOIN deployment d ON d.id = dt.deployment_id
+                   WHERE d.environment_id = %s AND d.worker_group_id = %s AND d.version = %s
+                     AND dt.task_identifier = %s""",
+                (env_id, worker_group_id, version, task_id),
+            )
+            return from_row_or_none(DeploymentTask, await cur.fetchone())
+
     async def deployment_tasks(self, deployment_ids: Sequence[str]) -> dict[str, tuple[str, frozenset[str]]]:
         """deployment id → (environment id, the tasks it has)."""
         async with self.pool.connection() as conn:

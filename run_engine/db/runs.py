@@ -92,6 +92,8 @@ class RunRow:
     queue_timestamp: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
+    #: the version the run was triggered with (lockToVersion): locked to its deployment for good
+    locked_to_version: str | None = None
 
 
 
@@ -619,6 +621,7 @@ class NewRun:
     description: str = "Run was created"
     debounce_key: str | None = None  # while the run is DELAYED, triggers with this key join it
     debounce_deadline: datetime | None = None  # the latest date those triggers may push it to
+    locked_to_version: str | None = None  # lockToVersion: the run is its deployment's only
 
 
 #: what must hold for runs to be inserted, checked (and written) in the insert's transaction
@@ -635,20 +638,22 @@ WITH input AS (
         metadata jsonb, max_attempts int, retry jsonb, max_duration_s int, machine text,
         locked_to_deployment_id text, parent_run_id text, root_run_id text, depth int,
         batch_id text, trigger_function text, resume_parent_on_completion bool,
-        queue_timestamp timestamptz, description text, debounce_key text, debounce_deadline timestamptz)
+        queue_timestamp timestamptz, description text, debounce_key text, debounce_deadline timestamptz,
+        locked_to_version text)
 ), runs AS (
     INSERT INTO task_run (
         id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
         concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
         delay_until, tags, metadata, max_attempts, retry, max_duration_s, machine,
         locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
-        resume_parent_on_completion, queued_at, queue_timestamp, debounce_key, debounce_deadline)
+        resume_parent_on_completion, queued_at, queue_timestamp, debounce_key, debounce_deadline,
+        locked_to_version)
     SELECT id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
         concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
         delay_until, coalesce(tags, '{}'), metadata, max_attempts, retry, max_duration_s, machine,
         locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
         coalesce(resume_parent_on_completion, false), CASE WHEN engine_status = 'QUEUED' THEN now() END,
-        coalesce(queue_timestamp, now()), debounce_key, debounce_deadline
+        coalesce(queue_timestamp, now()), debounce_key, debounce_deadline, locked_to_version
     FROM input
     /*conflict*/
     RETURNING id, created_at
@@ -1151,6 +1156,15 @@ class RunRepository:
                      AND (finished_at IS NULL OR status = 'CANCELED')
                    ORDER BY created_at, id""", (list(run_ids),))
             return [(r[0], r[1]) for r in await cur.fetchall()]
+
+    async def version_locks(self, run_ids: Sequence[str]) -> dict[str, str]:
+        """run id → the deployment it is locked to, for the runs of ``run_ids`` triggered with
+        lockToVersion (the others are any deployment's that has their task)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT id, locked_to_deployment_id FROM task_run
+                   WHERE id = ANY(%s) AND locked_to_version IS NOT NULL""", (list(run_ids),))
+            return {r[0]: r[1] for r in await cur.fetchall()}
 
     async def pending_version_runs(self, env_id: str, worker_group_id: str, tasks: Sequence[str]) -> list[str]:
         async with self.pool.connection() as conn:

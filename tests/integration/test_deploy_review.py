@@ -1,7 +1,12 @@
-"""From a review of deployments, connect, worker groups and versions."""
+"""From a review of deployments, connect, worker groups and versions: a run triggered with
+``lockToVersion`` runs on that version only (refused when no deployment of that version has its
+task), and a connect answers the version of the deployment it registered."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import httpx
 import pytest
 
 from .conftest import Harness, api_client
@@ -9,6 +14,53 @@ from .conftest import Harness, api_client
 pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
 CONNECT = "/engine/v1/worker-actions/connect"
+
+
+async def _trigger(api: httpx.AsyncClient, task: str, **options: Any) -> httpx.Response:
+    return await api.post(f"/api/v1/tasks/{task}/trigger", json={"payload": {}, "options": options})
+
+
+async def test_a_run_locked_to_a_version_runs_on_that_version_only(h: Harness, api: httpx.AsyncClient) -> None:
+    old = await h.deploy({"id": "a", "queue": "old-q"}, {"id": "only-old"}, queues=[{"name": "old-q"}],
+                         version="old")
+    new = await h.deploy({"id": "a"}, {"id": "b"}, version="new")  # current from now on
+    answer = await _trigger(api, "a", lockToVersion="old")
+    assert answer.status_code == 200, answer.text
+    run = await h.engine.get_run(answer.json()["id"])
+    assert run is not None and run.status == "QUEUED"
+    # locked to the version it named (its settings, its queue there), not the current one
+    assert run.locked_to_deployment_id == old and run.queue == "old-q"
+    # a worker of the current version is not handed it: the run waits for a worker of its version
+    assert await h.engine.dequeue(h.env.worker_group_id, 5, deployments=[new]) == []
+    again = await h.engine.get_run(run.id)
+    assert again is not None and again.status == "QUEUED"
+    h.clock.advance(0.6)
+    (got,) = await h.engine.dequeue(h.env.worker_group_id, 5, deployments=[old])
+    assert got.run.id == run.id
+    # a task of a replaced version only: locked to it, never PENDING_VERSION
+    answer = await _trigger(api, "only-old", lockToVersion="old")
+    assert answer.status_code == 200, answer.text
+    assert await h.engine.dequeue(h.env.worker_group_id, 5, deployments=[new]) == []
+    row = await h.engine.get_run(answer.json()["id"])
+    assert row is not None and row.status == "QUEUED" and row.locked_to_deployment_id == old
+    # without the option a run is the current version's, as before
+    plain = await _trigger(api, "a")
+    row = await h.engine.get_run(plain.json()["id"])
+    assert row is not None and row.locked_to_deployment_id == new
+
+
+async def test_a_lock_to_a_version_that_cannot_run_the_task_is_refused(h: Harness, api: httpx.AsyncClient) -> None:
+    """A version no deployment of the environment has (never connected), or one without the task:
+    400 at once, rather than a run that no worker could ever take."""
+    await h.deploy({"id": "a"}, version="v1")
+    await h.deploy({"id": "a"}, {"id": "b"}, version="v2")
+    for task, version in (("a", "v9"), ("b", "v1"), ("a", "1 ")):
+        answer = await _trigger(api, task, lockToVersion=version)
+        assert answer.status_code == 400, answer.text
+        assert "lockToVersion" in answer.json()["error"]["message"]
+    batch = await api.post("/api/v1/tasks/batch", json={"items": [
+        {"task": "a", "payload": {}}, {"task": "a", "payload": {}, "options": {"lockToVersion": "v9"}}]})
+    assert batch.status_code == 400, batch.text
 
 
 async def test_a_connect_answers_the_version_of_the_deployment_it_registered(h: Harness) -> None:
