@@ -85,8 +85,10 @@ async def test_the_dlq_is_rebuilt_per_environment_after_redis_lost_its_data(
     await h.engine.systems.reconciler.reconcile(grace_s=-1)  # the pass that finds the epoch gone
     after = await listed(h)
     runs = await dead_runs(h, mine)
-    # each environment's own entries, ordered by their time of death, with their reason and count
-    assert [e["run"]["id"] for e in after] == sorted(mine, key=lambda i: (runs[i].finished_at, i))
+    # each environment's own entries, ordered by their time of death (in ms, as the DLQ keeps it;
+    # runs that died in the same ms by id), with their reason and count
+    assert [e["run"]["id"] for e in after] == sorted(
+        mine, key=lambda i: (int(runs[i].finished_at.timestamp() * 1000), i))
     for e in after:
         run = runs[e["run"]["id"]]
         assert e["reason"] == "max deliveries reached" and e["deliveries"] == 1
