@@ -53,9 +53,34 @@ class ExecutorFailure(Exception):
 
 # --- the child process ---------------------------------------------------------------------------
 
+#: an error's message and stack trace are cut to this many characters in the executor (the engine
+#: keeps 32 K of each): a task's exception of any size fails its run as any other does, instead of
+#: ending its executor with a frame over MAX_FRAME_BYTES (TASK_MESSAGE_TOO_LARGE, not retried)
+ERROR_TEXT_CHARS = 64 * 1024
+
+
+def _text(value: str) -> str:
+    """``value`` as it can be sent: lone surrogates (not UTF-8, refused by orjson) replaced, cut to
+    ERROR_TEXT_CHARS."""
+    if len(value) > ERROR_TEXT_CHARS:
+        value = value[:ERROR_TEXT_CHARS] + f"\u2026 [cut: {len(value) - ERROR_TEXT_CHARS} more characters]"
+    return value.encode("utf-8", "replace").decode("utf-8")
+
+
 def _error_of(exc: BaseException) -> dict[str, Any]:
-    return {"type": "BUILT_IN_ERROR", "name": type(exc).__name__, "message": str(exc),
-            "stackTrace": "".join(traceback.format_exception(exc))}
+    """The attempt's error for ``exc``, whatever the task's exception does: its ``__str__`` may
+    raise (traceback prints ``<exception str() failed>`` then; so do we), its text may not be
+    UTF-8, or be of any size. Formatting it must never end the executor."""
+    name = type(exc).__name__
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<{name}: str() failed>"
+    try:
+        stack = "".join(traceback.format_exception(exc))
+    except Exception:
+        stack = f"<the stack trace of {name} could not be formatted>"
+    return {"type": "BUILT_IN_ERROR", "name": _text(name), "message": _text(message), "stackTrace": _text(stack)}
 
 
 async def _run_one(msg: dict[str, Any], channel: Channel) -> dict[str, Any]:

@@ -1,0 +1,50 @@
+"""Hostile task code in a warm executor (from a review of the executor and the SDK runtime): what
+a task raises, returns or leaves behind fails (or finishes) its own run cleanly, and neither kills
+the executor nor reaches the next run."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from supervisor.executor import Executor
+
+MB = 1024 * 1024
+
+
+def _run(task: str, payload: Any = None, journal: list[dict[str, Any]] | None = None,
+         token: str = "rt_x") -> dict[str, Any]:
+    return {"type": "run", "runId": "run_hostile", "task": task, "payload": payload, "attempt": 1, "tags": [],
+            "queue": "q", "runToken": token, "apiUrl": "http://127.0.0.1:1", "journal": journal or []}
+
+
+def _in_loop(scenario: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(scenario, 90))
+
+
+@pytest.mark.parametrize(("task", "payload", "says"), [
+    ("raises-unprintable", None, "_Unprintable"),  # its __str__ raises
+    ("raises-surrogate", None, "half a character"),  # a lone surrogate: not UTF-8, not JSON
+    ("raises-huge", 70 * MB, "xxxx"),  # over the pipe's 64 MiB frame limit
+])
+def test_an_error_that_cannot_be_printed_or_sent_as_is_fails_its_run_and_keeps_the_executor(
+        task: str, payload: Any, says: str) -> None:
+    """Before: the executor died formatting or sending the error (TASK_PROCESS_EXITED, the error
+    lost; or TASK_MESSAGE_TOO_LARGE, not retried, for a message the engine would have cut)."""
+
+    async def scenario() -> None:
+        ex = Executor("tests.unit.hostile_tasks")
+        try:
+            await ex.ready()
+            out = await ex.run(_run(task, payload), max_duration_s=60, memory_mb=None)
+            assert out["ok"] is False and out["retryable"] is True, out
+            assert out["error"]["type"] == "BUILT_IN_ERROR" and says in out["error"]["message"]
+            assert len(out["error"]["message"]) < MB and len(out["error"]["stackTrace"]) < MB
+            assert ex.alive  # and reused
+            assert await ex.run(_run("ok"), max_duration_s=60, memory_mb=None) == {"ok": True, "output": "ok"}
+        finally:
+            ex.kill()
+
+    _in_loop(scenario())
