@@ -150,9 +150,12 @@ class Runtime:
         if inspect.isawaitable(result):
             result = await result
         try:
-            orjson.dumps(result)
+            encoded = orjson.dumps(result)
         except TypeError as exc:
             raise TypeError(f"step {name!r} returned {type(result).__name__}, which is not JSON: {exc}") from None
+        # what the journal holds, which a replay returns: the same value now (a date as its string,
+        # NaN as None, a tuple as a list), so that the run computes on with what it would restored
+        result = orjson.loads(encoded)
         await self.channel.call("journal", sequence=seq, key=name, result=result)
         return result
 

@@ -222,3 +222,7 @@ async def returns_past_its_steps(payload: Any, ctx: Any) -> str:
         asyncio.get_running_loop().create_task(ctx.step(f"bg{i}", lambda i=i: i))
     await asyncio.sleep(0.2)  # every step's call is sent before the result
     return "done"
+
+# the tasks of tests/unit/test_executor_hostile.py, in the module every executor test forks with
+# (the fork server is one per process, with the module of the first executor preloaded)
+from tests.unit import hostile_tasks  # noqa: E402, F401

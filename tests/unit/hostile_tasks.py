@@ -3,6 +3,7 @@ may produce, which must fail (or finish) its run cleanly and leave its executor 
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 from run_engine.sdk import task
@@ -31,3 +32,11 @@ async def raises_huge(payload: int) -> None:
 @task(id="ok")
 async def ok(payload: Any) -> str:
     return "ok"
+
+
+@task(id="step-of-python-values")
+async def step_of_python_values(payload: Any, ctx: Any) -> str:
+    """A step whose result JSON stores differently (a date, NaN, a tuple): what the task sees."""
+    value = await ctx.step("values", lambda: {"at": datetime.datetime(2024, 1, 2, 3, 4, 5), "nan": float("nan"),
+                                              "pair": (1, 2)})
+    return repr(value)

@@ -35,7 +35,7 @@ def test_an_error_that_cannot_be_printed_or_sent_as_is_fails_its_run_and_keeps_t
     lost; or TASK_MESSAGE_TOO_LARGE, not retried, for a message the engine would have cut)."""
 
     async def scenario() -> None:
-        ex = Executor("tests.unit.hostile_tasks")
+        ex = Executor("tests.unit.big_tasks")
         try:
             await ex.ready()
             out = await ex.run(_run(task, payload), max_duration_s=60, memory_mb=None)
@@ -44,6 +44,37 @@ def test_an_error_that_cannot_be_printed_or_sent_as_is_fails_its_run_and_keeps_t
             assert len(out["error"]["message"]) < MB and len(out["error"]["stackTrace"]) < MB
             assert ex.alive  # and reused
             assert await ex.run(_run("ok"), max_duration_s=60, memory_mb=None) == {"ok": True, "output": "ok"}
+        finally:
+            ex.kill()
+
+    _in_loop(scenario())
+
+
+def test_a_step_returns_what_its_replay_will_return() -> None:
+    """A step's result is what the journal holds, on its first execution as on a replay. Before: the
+    first execution got the Python value (a datetime, NaN, a tuple) and a replay its JSON (a string,
+    None, a list), so a restored run saw another value than the one it computed with (and code
+    such as ``value["at"].year`` failed only once the run was suspended)."""
+
+    async def scenario() -> None:
+        ex = Executor("tests.unit.big_tasks")
+        try:
+            await ex.ready()
+            journaled: list[dict[str, Any]] = []
+
+            def on_call(msg: dict[str, Any]) -> None:  # the supervisor journals the step
+                journaled.append(msg)
+                ex.reply(msg["id"], {})
+
+            first = await ex.run(_run("step-of-python-values"), max_duration_s=60, memory_mb=None, on_call=on_call)
+            assert first["ok"] and len(journaled) == 1
+            entry = {"sequence": 0, "kind": "step", "key": "values", "resolved": True,
+                     "result": journaled[0]["result"]}
+            replay = await ex.run(_run("step-of-python-values", journal=[entry]), max_duration_s=60,
+                                  memory_mb=None, on_call=on_call)
+            assert replay["ok"] and len(journaled) == 1  # replayed, not run again
+            assert first["output"] == replay["output"] == repr({"at": "2024-01-02T03:04:05", "nan": None,
+                                                                "pair": [1, 2]})
         finally:
             ex.kill()
 
