@@ -164,11 +164,29 @@ class Runtime:
         still pending, else asked of the supervisor (which may suspend the run meanwhile)."""
         seq, entry = await self.take(kind, None)
         if entry is not None:
+            _same_wait(seq, entry, kind, request)
             if entry["resolved"]:
                 return entry["result"]
             request = {"waitpointId": entry["waitpointId"]}
         reply = await self.channel.call("wait", sequence=seq, kind=kind, **request)
         return reply["result"]
+
+
+def _same_wait(seq: int, entry: dict[str, Any], kind: str, request: dict[str, Any]) -> None:
+    """Raise NonDeterminismError when the journal's wait at ``seq`` is not the one the task makes
+    now, as far as the entry tells: a token or run waited on (its id is the entry's key), the size
+    of a batch. Its result would otherwise go to another wait than the one it answers."""
+    waited = request.get("waitpointId")
+    if waited is not None and waited not in (entry.get("key"), entry.get("waitpointId")):
+        raise NonDeterminismError(
+            f"journal position {seq} holds a wait on {entry.get('key')!r} but the task now waits on {waited!r}: "
+            "task code must make the same journaled calls in the same order")
+    results, items = entry.get("result"), request.get("items")
+    if kind == "batch" and entry.get("resolved") and isinstance(results, list) and isinstance(items, list) \
+            and len(results) != len(items):
+        raise NonDeterminismError(
+            f"journal position {seq} holds a batch of {len(results)} runs but the task now triggers {len(items)}: "
+            "task code must make the same journaled calls in the same order")
 
 
 _current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("run_engine_runtime", default=None)
