@@ -25,10 +25,12 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, cast
 
@@ -139,6 +141,7 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
     # closed), a run's task, even a sync one in its thread, stops at once: another supervisor runs
     # the run again once its heartbeats are missed, and this execution must not go on beside it.
     channel = runtime.Channel(conn, loop, on_closed=_supervisor_gone)
+    clean = ProcessState()
     conn.send_bytes(orjson.dumps({"type": "ready", "pid": os.getpid()}))
     while True:
         try:
@@ -149,19 +152,85 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
             return
         if msg.get("type") != "run":
             continue  # a late reply or suspend for a run that already ended
+        # the run's own thread pool (asyncio.to_thread, a sync task): shut down after it, so that a
+        # thread of it still busy then is seen as left behind, as any thread the task started
+        threads = ThreadPoolExecutor(thread_name_prefix="run")
+        loop.set_default_executor(threads)
         try:
             result = loop.run_until_complete(_run_one(msg, channel))
         finally:
             os.environ.pop("RUN_ENGINE_RUN_TOKEN", None)
             left = cancel_leftovers(loop)
+            threads.shutdown(wait=False, cancel_futures=True)
+            left += clean.threads_left()
+            if not clean.restore():
+                left += 1
         if left:
             result["retire"] = True
         conn.send_bytes(orjson.dumps(result))
         if left:
-            # a task this run started ignored its cancellation: it would go on during the next run
-            # on this executor (maybe another environment's), call the supervisor in its name and
-            # read its run token. The executor is not reused (the supervisor starts another).
+            # a task this run started ignored its cancellation, or a thread it started still runs:
+            # it would go on during the next run on this executor (maybe another environment's),
+            # call the supervisor in its name and read its run token; or what the run changed in
+            # the process could not be put back. The executor is not reused (the supervisor
+            # starts another).
             return
+
+
+class ProcessState:
+    """What an executor's runs share through the process and must not hand from one run to the
+    next (maybe another environment's): its working directory, environment variables, signal
+    handlers, interval timer, and threads. Taken when the executor starts; :meth:`restore` puts
+    it back after each run (only what changed: a few microseconds), :meth:`threads_left` counts
+    the threads a run left running."""
+
+    def __init__(self) -> None:
+        self.cwd = os.getcwd()
+        self.environ = dict(os.environ)
+        # os.environ's own bytes (CPython's): compared in a microsecond, where the mapping decodes
+        # every variable again; None elsewhere (then the mapping is compared)
+        data = getattr(os.environ, "_data", None)
+        self._data = dict(data) if isinstance(data, dict) else None
+        # the named signals Python may handle (not the unnamed real-time ones: half the look-ups)
+        self.signals = {s: signal.getsignal(s) for s in signal.Signals
+                        if s not in (signal.SIGKILL, signal.SIGSTOP)}
+        self.threads = set(threading.enumerate())
+
+    def restore(self) -> bool:
+        """Put it back; False when some of it could not be (the executor is then not reused)."""
+        ok = True
+        signal.setitimer(signal.ITIMER_REAL, 0)  # an alarm the run set would fire in the next one
+        try:
+            if os.getcwd() != self.cwd:
+                os.chdir(self.cwd)
+        except OSError:  # its directory removed, or ours
+            ok = False
+        env, saved = os.environ, self.environ
+        data = getattr(env, "_data", None)
+        if (data != self._data) if self._data is not None else (env != saved):
+            for key in [k for k in env if k not in saved]:
+                del env[key]
+            for key, value in saved.items():
+                if env.get(key) != value:
+                    env[key] = value
+        for sig, handler in self.signals.items():
+            if signal.getsignal(sig) is not handler:
+                try:
+                    signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+                except (OSError, TypeError, ValueError):
+                    ok = False
+        return ok
+
+    def threads_left(self, grace_s: float = 1.0) -> int:
+        """Threads started since the executor started still running ``grace_s`` after the run (the
+        run's thread pool, shut down, ends its idle threads at once)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            left = [t for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+            remaining = deadline - time.monotonic()
+            if not left or remaining <= 0:
+                return len(left)
+            left[0].join(min(remaining, 0.05))
 
 
 def _supervisor_gone() -> None:

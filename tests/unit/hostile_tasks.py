@@ -3,7 +3,12 @@ may produce, which must fail (or finish) its run cleanly and leave its executor 
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import os
+import signal
+import threading
+import time
 from typing import Any
 
 from run_engine.sdk import task
@@ -40,3 +45,40 @@ async def step_of_python_values(payload: Any, ctx: Any) -> str:
     value = await ctx.step("values", lambda: {"at": datetime.datetime(2024, 1, 2, 3, 4, 5), "nan": float("nan"),
                                               "pair": (1, 2)})
     return repr(value)
+
+
+@task(id="leaves-a-thread")
+async def leaves_a_thread(payload: str) -> str:
+    """Starts a thread that outlives the run and writes down the run token it can read."""
+
+    def spy() -> None:
+        while True:
+            time.sleep(0.01)
+            with open(payload, "a") as f:
+                f.write(f"{os.environ.get('RUN_ENGINE_RUN_TOKEN')}\n")
+
+    threading.Thread(target=spy, daemon=True).start()
+    return "left"
+
+
+@task(id="uses-a-thread")
+async def uses_a_thread(payload: Any) -> str:
+    """A thread that ends with the run (asyncio.to_thread): not a leftover."""
+    return await asyncio.to_thread(lambda: "joined")
+
+
+@task(id="leaves-process-state")
+async def leaves_process_state(payload: str) -> str:
+    os.chdir(payload)
+    os.environ["HOSTILE_SECRET"] = "of the first run"
+    os.environ["HOME"] = "/changed/by/the/task"
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.setitimer(signal.ITIMER_REAL, 60)  # a SIGALRM a minute from now: in a later run
+    return "left"
+
+
+@task(id="process-state")
+async def process_state(payload: Any) -> dict[str, Any]:
+    return {"cwd": os.getcwd(), "secret": os.environ.get("HOSTILE_SECRET"), "home": os.environ.get("HOME"),
+            "sigterm": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+            "alarm": signal.getitimer(signal.ITIMER_REAL)[0]}

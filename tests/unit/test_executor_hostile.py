@@ -5,11 +5,12 @@ the executor nor reaches the next run."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from supervisor.executor import Executor
+from supervisor.executor import Executor, ExecutorPool
 
 MB = 1024 * 1024
 
@@ -75,6 +76,55 @@ def test_a_step_returns_what_its_replay_will_return() -> None:
             assert replay["ok"] and len(journaled) == 1  # replayed, not run again
             assert first["output"] == replay["output"] == repr({"at": "2024-01-02T03:04:05", "nan": None,
                                                                 "pair": [1, 2]})
+        finally:
+            ex.kill()
+
+    _in_loop(scenario())
+
+
+def test_an_executor_whose_run_left_a_thread_is_not_reused(tmp_path: Path) -> None:
+    """A thread a run started and left running would go on during the next run of its executor
+    (maybe another environment's) and read that run's token. Before: only asyncio tasks were
+    looked for, and the executor was reused (the thread read rt_second)."""
+    seen = tmp_path / "seen"
+
+    async def scenario() -> None:
+        pool = ExecutorPool("tests.unit.big_tasks")
+        try:
+            ex = await pool.acquire()
+            out = await ex.run(_run("uses-a-thread"), max_duration_s=60, memory_mb=None)
+            assert out == {"ok": True, "output": "joined"} and not ex.retired  # a thread that ended: reused
+            out = await ex.run(_run("leaves-a-thread", str(seen), token="rt_first"), max_duration_s=60,
+                               memory_mb=None)
+            assert out == {"ok": True, "output": "left"}
+            assert ex.retired
+            pool.release(ex)
+            nxt = await pool.acquire()
+            assert nxt is not ex
+            assert await nxt.run(_run("ok", token="rt_second"), max_duration_s=60, memory_mb=None) == \
+                {"ok": True, "output": "ok"}
+            pool.release(nxt)
+        finally:
+            pool.close()
+
+    _in_loop(scenario())
+    assert "rt_second" not in (seen.read_text() if seen.exists() else "")
+
+
+def test_a_run_leaves_no_cwd_environment_signal_handler_or_alarm_to_the_next(tmp_path: Path) -> None:
+    """Before: the next run on the executor (maybe another environment's) ran in the directory the
+    previous one moved to, read the variables it set, had its SIGTERM handler, and got its alarm."""
+
+    async def scenario() -> None:
+        ex = Executor("tests.unit.big_tasks")
+        try:
+            await ex.ready()
+            before = await ex.run(_run("process-state"), max_duration_s=60, memory_mb=None)
+            assert before["ok"] and before["output"]["secret"] is None and before["output"]["sigterm"]
+            out = await ex.run(_run("leaves-process-state", str(tmp_path)), max_duration_s=60, memory_mb=None)
+            assert out == {"ok": True, "output": "left"}
+            after = await ex.run(_run("process-state"), max_duration_s=60, memory_mb=None)
+            assert after == before and not ex.retired
         finally:
             ex.kill()
 
