@@ -669,11 +669,15 @@ class ExecutorPool:
         since = time.monotonic() - RETURN_WAIT_S
         return sum(1 for told in self._returning.values() if told > since)
 
-    async def acquire(self) -> Executor:
+    async def acquire(self, memory_mb: int | None = None) -> Executor:
+        """An idle executor, or a new one. An idle one whose RSS is at ``memory_mb`` (the run's
+        limit) or over is not handed out but killed: memory an earlier run left in it (a cache, a
+        run of a larger machine) would fail this run at its first watchdog tick
+        (TASK_PROCESS_OOM_KILLED) for memory it never used."""
         while True:
             while self._idle:
                 ex = self._idle.pop()
-                if ex.alive:
+                if ex.alive and (memory_mb is None or ex.rss_mb() < memory_mb):
                     self.busy += 1
                     return ex
                 ex.kill()

@@ -473,7 +473,7 @@ class Supervisor:
                "queue": started["run"]["queue"], "runToken": started["runToken"], "apiUrl": self.config.api_url,
                "journal": started.get("journal") or [], "journalNext": started.get("journalNext")}
         try:
-            executor = await self.pool.acquire()
+            executor = await self.pool.acquire(memory_mb=MACHINES.get(started.get("machine") or "small-1x"))
         except Exception as exc:
             # reported, retryable: the run is not left EXECUTING without heartbeats until the
             # engine takes it for stalled. The slot is kept for a back-off that doubles with each

@@ -27,7 +27,7 @@ class _Pool:
     def __init__(self) -> None:
         self.runs = 0
 
-    async def acquire(self) -> _Executor:
+    async def acquire(self, memory_mb: int | None = None) -> _Executor:
         self.runs += 1
         return _Executor()
 

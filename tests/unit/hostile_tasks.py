@@ -82,3 +82,19 @@ async def process_state(payload: Any) -> dict[str, Any]:
     return {"cwd": os.getcwd(), "secret": os.environ.get("HOSTILE_SECRET"), "home": os.environ.get("HOME"),
             "sigterm": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
             "alarm": signal.getitimer(signal.ITIMER_REAL)[0]}
+
+
+_HOARD: list[bytes] = []
+
+
+@task(id="hoards-memory")
+async def hoards_memory(payload: int) -> int:
+    """Keeps ``payload`` MiB in a module global (a cache): the executor's RSS stays up after the run."""
+    _HOARD.append(os.urandom(payload * 1024 * 1024))
+    return len(_HOARD)
+
+
+@task(id="sleeps")
+async def sleeps(payload: float) -> str:
+    await asyncio.sleep(payload)
+    return "slept"

@@ -129,3 +129,28 @@ def test_a_run_leaves_no_cwd_environment_signal_handler_or_alarm_to_the_next(tmp
             ex.kill()
 
     _in_loop(scenario())
+
+
+def test_a_run_is_not_killed_for_the_memory_an_earlier_run_left_in_its_executor() -> None:
+    """An executor whose earlier run (of a larger machine, or no limit) left its RSS over this run's
+    memory limit is not handed to it. Before: the run was killed at its first watchdog tick as
+    TASK_PROCESS_OOM_KILLED for memory it never used."""
+
+    async def scenario() -> None:
+        pool = ExecutorPool("tests.unit.big_tasks")
+        try:
+            ex = await pool.acquire()
+            fresh = ex.rss_mb()
+            assert (await ex.run(_run("hoards-memory", 300), max_duration_s=60, memory_mb=None))["ok"]
+            assert ex.rss_mb() > fresh + 250
+            pool.release(ex)
+            limit = int(fresh) + 150  # room for a fresh executor, not for the 300 MiB left behind
+            nxt = await pool.acquire(memory_mb=limit)
+            # long enough for the watchdog to look at its memory (every 0.1 s)
+            out = await nxt.run(_run("sleeps", 0.5), max_duration_s=60, memory_mb=limit)
+            assert out == {"ok": True, "output": "slept"}
+            pool.release(nxt)
+        finally:
+            pool.close()
+
+    _in_loop(scenario())

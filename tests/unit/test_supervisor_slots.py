@@ -19,7 +19,7 @@ class Pool:
     def __init__(self) -> None:
         self.busy = 0
 
-    async def acquire(self) -> Executor:
+    async def acquire(self, memory_mb: int | None = None) -> Executor:
         self.busy += 1
         return Executor()
 
@@ -105,7 +105,7 @@ async def test_a_run_that_fails_before_its_executor_returns_its_slot_once(monkey
     monkeypatch.setattr(sup, "_heartbeat", heartbeat)
 
     class Broken(Pool):
-        async def acquire(self) -> Executor:
+        async def acquire(self, memory_mb: int | None = None) -> Executor:
             raise RuntimeError("no executor")
 
     sup.pool = Broken()  # type: ignore[assignment]
@@ -415,7 +415,7 @@ async def test_a_run_whose_heartbeats_fail_keeps_beating_reports_stops_its_cance
             return {"ok": True, "output": msg["runId"]}
 
     class SlowPool(Pool):
-        async def acquire(self) -> Executor:
+        async def acquire(self, memory_mb: int | None = None) -> Executor:
             self.busy += 1
             return SlowExecutor()
 
