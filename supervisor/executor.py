@@ -15,6 +15,7 @@ is killed (if need be) and replaced.
 
 from __future__ import annotations
 
+import _signal  # signal.getsignal's own, without its enum conversion (see ProcessState)
 import asyncio
 import contextlib
 import importlib
@@ -141,6 +142,10 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
     # closed), a run's task, even a sync one in its thread, stops at once: another supervisor runs
     # the run again once its heartbeats are missed, and this execution must not go on beside it.
     channel = runtime.Channel(conn, loop, on_closed=_supervisor_gone)
+    # the executor's thread pool (asyncio.to_thread, a sync task), kept across runs: a run whose
+    # call in it is still going after the run (its thread busy) is as a thread left behind
+    pool = _CountingPool(thread_name_prefix="run")
+    loop.set_default_executor(pool)
     clean = ProcessState()
     conn.send_bytes(orjson.dumps({"type": "ready", "pid": os.getpid()}))
     while True:
@@ -152,17 +157,13 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
             return
         if msg.get("type") != "run":
             continue  # a late reply or suspend for a run that already ended
-        # the run's own thread pool (asyncio.to_thread, a sync task): shut down after it, so that a
-        # thread of it still busy then is seen as left behind, as any thread the task started
-        threads = ThreadPoolExecutor(thread_name_prefix="run")
-        loop.set_default_executor(threads)
         try:
             result = loop.run_until_complete(_run_one(msg, channel))
         finally:
             os.environ.pop("RUN_ENGINE_RUN_TOKEN", None)
             left = cancel_leftovers(loop)
-            threads.shutdown(wait=False, cancel_futures=True)
-            left += clean.threads_left()
+            left += clean.threads_left(pool)
+            clean.keep_env("RUN_ENGINE_API_URL")  # the executor's own, set for each run (when it changes)
             if not clean.restore():
                 left += 1
         if left:
@@ -175,6 +176,30 @@ def executor_main(conn: Connection, tasks_module: str) -> None:
             # the process could not be put back. The executor is not reused (the supervisor
             # starts another).
             return
+
+
+class _CountingPool(ThreadPoolExecutor):
+    """A thread pool that knows how many of its calls have not ended."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.busy = 0
+        self._count = threading.Lock()
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        with self._count:
+            self.busy += 1
+        future = super().submit(fn, *args, **kwargs)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _future: Any) -> None:
+        with self._count:
+            self.busy -= 1
+
+    @property
+    def own_threads(self) -> set[threading.Thread]:
+        return set(self._threads)
 
 
 class ProcessState:
@@ -191,10 +216,29 @@ class ProcessState:
         # every variable again; None elsewhere (then the mapping is compared)
         data = getattr(os.environ, "_data", None)
         self._data = dict(data) if isinstance(data, dict) else None
-        # the named signals Python may handle (not the unnamed real-time ones: half the look-ups)
-        self.signals = {s: signal.getsignal(s) for s in signal.Signals
+        # the named signals Python may handle (not the unnamed real-time ones: half the look-ups),
+        # by number and as _signal keeps them (signal.getsignal makes an enum of each: 14 us a run
+        # for the 31 of them, against 2)
+        self.signals = {int(s): _signal.getsignal(int(s)) for s in signal.Signals
                         if s not in (signal.SIGKILL, signal.SIGSTOP)}
         self.threads = set(threading.enumerate())
+
+    def keep_env(self, key: str) -> None:
+        """Take the variable ``key`` as it is now into the snapshot (one the executor itself sets
+        for its runs: put back, it would differ again at every run, and the environment be
+        compared and set again variable by variable, ~20 us a run)."""
+        value = os.environ.get(key)
+        if value is None:
+            self.environ.pop(key, None)
+        else:
+            self.environ[key] = value
+        if self._data is not None:
+            data = getattr(os.environ, "_data", {})
+            encoded = os.environ.encodekey(key)
+            if encoded in data:
+                self._data[encoded] = data[encoded]
+            else:
+                self._data.pop(encoded, None)
 
     def restore(self) -> bool:
         """Put it back; False when some of it could not be (the executor is then not reused)."""
@@ -214,23 +258,32 @@ class ProcessState:
                 if env.get(key) != value:
                     env[key] = value
         for sig, handler in self.signals.items():
-            if signal.getsignal(sig) is not handler:
+            if _signal.getsignal(sig) != handler:
                 try:
                     signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
                 except (OSError, TypeError, ValueError):
                     ok = False
         return ok
 
-    def threads_left(self, grace_s: float = 1.0) -> int:
-        """Threads started since the executor started still running ``grace_s`` after the run (the
-        run's thread pool, shut down, ends its idle threads at once)."""
+    def threads_left(self, pool: _CountingPool | None = None, grace_s: float = 1.0) -> int:
+        """Threads started since the executor started still running ``grace_s`` after the run, the
+        threads of ``pool`` (the executor's, idle between runs) apart, unless a call of the run is
+        still going in it. A thread count alone says when there is nothing to look at (the usual
+        case: no thread was started)."""
         deadline = time.monotonic() + grace_s
         while True:
-            left = [t for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+            own = pool.own_threads if pool is not None else set()
+            busy = pool.busy if pool is not None else 0
+            if threading.active_count() == len(self.threads) + len(own) and not busy:
+                return 0
+            left = [t for t in threading.enumerate() if t not in self.threads and t not in own and t.is_alive()]
             remaining = deadline - time.monotonic()
-            if not left or remaining <= 0:
-                return len(left)
-            left[0].join(min(remaining, 0.05))
+            if (not left and not busy) or remaining <= 0:
+                return len(left) + busy
+            if left:
+                left[0].join(min(remaining, 0.05))
+            else:
+                time.sleep(min(remaining, 0.01))
 
 
 def _supervisor_gone() -> None:

@@ -98,3 +98,16 @@ async def hoards_memory(payload: int) -> int:
 async def sleeps(payload: float) -> str:
     await asyncio.sleep(payload)
     return "slept"
+
+
+@task(id="leaves-a-pool-call")
+async def leaves_a_pool_call(payload: Any) -> str:
+    """A call in the executor's thread pool (asyncio.to_thread's) not awaited: it goes on after the run."""
+    asyncio.get_running_loop().run_in_executor(None, time.sleep, 5)
+    return "left"
+
+
+@task(id="sync-task")
+def sync_task(payload: Any) -> str:
+    """A sync task: it runs in the executor's thread pool, whose idle thread stays for the next run."""
+    return threading.current_thread().name

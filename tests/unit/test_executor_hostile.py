@@ -111,6 +111,27 @@ def test_an_executor_whose_run_left_a_thread_is_not_reused(tmp_path: Path) -> No
     assert "rt_second" not in (seen.read_text() if seen.exists() else "")
 
 
+def test_a_call_left_busy_in_the_executors_thread_pool_retires_it_and_an_idle_pool_thread_does_not() -> None:
+    """The executor's thread pool is kept across runs (one a run cost every run a thread pool and
+    ~40 us): its idle threads are no run's, but a call of the run still going in it after the run
+    is a thread left behind."""
+
+    async def scenario() -> None:
+        pool = ExecutorPool("tests.unit.big_tasks")
+        try:
+            ex = await pool.acquire()
+            first = await ex.run(_run("sync-task"), max_duration_s=60, memory_mb=None)
+            second = await ex.run(_run("sync-task"), max_duration_s=60, memory_mb=None)
+            assert first["ok"] and second["ok"] and not ex.retired  # its pool thread, idle: reused
+            out = await ex.run(_run("leaves-a-pool-call"), max_duration_s=60, memory_mb=None)
+            assert out == {"ok": True, "output": "left"} and ex.retired
+            pool.release(ex)
+        finally:
+            pool.close()
+
+    _in_loop(scenario())
+
+
 def test_a_run_leaves_no_cwd_environment_signal_handler_or_alarm_to_the_next(tmp_path: Path) -> None:
     """Before: the next run on the executor (maybe another environment's) ran in the directory the
     previous one moved to, read the variables it set, had its SIGTERM handler, and got its alarm."""
