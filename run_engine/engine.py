@@ -69,7 +69,8 @@ class RunEngine:
             {J.HEARTBEAT: self._on_heartbeat_job, J.MAX_DURATION: self._on_max_duration_job,
              J.WAITPOINT_DATETIME: self._on_datetime_job, J.WAITPOINT_TIMEOUT: self._on_timeout_job,
              J.WAITPOINT_SWEEP: self._on_sweep_job, J.DELAYED: self._on_delayed_job, J.TTL: self._on_ttl_job,
-             J.BULK_ACTION: self._on_bulk_action_job, J.CONTINUE_BLOCKED: self._on_continue_blocked_job},
+             J.BULK_ACTION: self._on_bulk_action_job, J.CONTINUE_BLOCKED: self._on_continue_blocked_job,
+             J.PROMOTE_PENDING: self._on_promote_pending_job},
             concurrency=resources.settings.job_concurrency,
             poll_interval_s=resources.settings.job_poll_interval_s,
         )
@@ -649,6 +650,12 @@ class RunEngine:
         after = await self.systems.waitpoints.continue_page(waitpoints, job.payload["after"])
         if after is not None:
             await self.resources.change_jobs(schedule=[J.continue_blocked(waitpoints, after, job.lane, self.now())])
+
+    async def _on_promote_pending_job(self, job: Job) -> None:
+        p = job.payload
+        if await self.systems.waiting_for_worker.promote_page(p["deployment_id"], p["env_id"], p["worker_group_id"]):
+            await self.resources.change_jobs(schedule=[J.promote_pending(p["deployment_id"], p["env_id"],
+                                                                         p["worker_group_id"], self.now())])
 
     async def _on_bulk_action_job(self, job: Job) -> None:
         bulk_id = job.payload["bulk_id"]

@@ -26,9 +26,12 @@ WAITPOINT_SWEEP = "waitpoint_sweep"  # the sweeper: RUN/BATCH waitpoints whose c
 SWEEP_ID = "sweep.waitpoints"
 BULK_ACTION = "bulk_action"  # the next page of a bulk cancel or replay (bulk_id)
 CONTINUE_BLOCKED = "continue_blocked"  # the next page of the runs completed waitpoints unblocked
+# the next page of the PENDING_VERSION runs a registered deployment can run (deployment_id, env_id,
+# worker_group_id): a connect promotes the first ones itself, a job the rest
+PROMOTE_PENDING = "promote_pending"
 
 KINDS = (HEARTBEAT, MAX_DURATION, DELAYED, TTL, WAITPOINT_DATETIME, WAITPOINT_TIMEOUT, WAITPOINT_SWEEP, BULK_ACTION,
-         CONTINUE_BLOCKED)
+         CONTINUE_BLOCKED, PROMOTE_PENDING)
 
 
 def heartbeat_id(run_id: str, snapshot_id: str) -> str:
@@ -100,3 +103,12 @@ def bulk_action(bulk_id: str, env_id: str, at: float) -> JobSpec:
 def continue_blocked(waitpoint_ids: list[str], after: str, env_id: str, at: float) -> JobSpec:
     return (f"continue.{waitpoint_ids[0]}", CONTINUE_BLOCKED, {"waitpoint_ids": waitpoint_ids, "after": after},
             at, env_id)
+
+
+def promote_pending_id(deployment_id: str) -> str:
+    return f"promote.{deployment_id}"
+
+
+def promote_pending(deployment_id: str, env_id: str, worker_group_id: str, at: float) -> JobSpec:
+    return (promote_pending_id(deployment_id), PROMOTE_PENDING,
+            {"deployment_id": deployment_id, "env_id": env_id, "worker_group_id": worker_group_id}, at, env_id)

@@ -17,6 +17,7 @@ from run_engine.errors import UnprocessableError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.statuses import ExecutionStatus, RunStatus
+from systems import engine_jobs
 from systems.resources import SystemResources
 
 if TYPE_CHECKING:
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 E = ExecutionStatus
 BATCH = 200
+#: the PENDING_VERSION runs a registration (a worker's connect) promotes itself; an engine job
+#: promotes the rest, PROMOTE_PAGE a turn: a connect finding a million runs waiting answered after
+#: minutes (past the supervisor's 10 s connect timeout: it connected again, and again)
+CONNECT_PROMOTE = 2000
+PROMOTE_PAGE = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +137,29 @@ class WaitingForWorkerSystem:
         await self.enqueue.mirror_queues(env_id, [q.name for q in queue_list])
         self.enqueue.invalidate(env_id)
         await self.schedules.sync_declarative(env_id, worker_group_id, tasks)
-        waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, [t.id for t in tasks])
-        return dep_id, await self.promote(waiting, dep_id, {t.id: t.queue_name for t in tasks}), registered
+        queue_of = {t.id: t.queue_name for t in tasks}
+        waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, list(queue_of),
+                                                              limit=CONNECT_PROMOTE + 1)
+        enqueued = await self.promote(waiting[:CONNECT_PROMOTE], dep_id, queue_of)
+        if len(waiting) > CONNECT_PROMOTE:  # the rest by a job, a page a turn (its environment's lane)
+            log.info("deployment %s: more than %d runs were waiting for it; the rest are enqueued in the "
+                     "background", dep_id, CONNECT_PROMOTE)
+            await self.r.change_jobs(schedule=[engine_jobs.promote_pending(dep_id, env_id, worker_group_id,
+                                                                           self.r.clock.now())])
+        return dep_id, enqueued, registered
+
+    async def promote_page(self, deployment_id: str, env_id: str, worker_group_id: str) -> bool:
+        """Enqueue the next PROMOTE_PAGE PENDING_VERSION runs the deployment can run (its tasks, in
+        the group and environment it registered for); whether more may be waiting."""
+        queue_of = await self.r.repo.deployments.task_queues(deployment_id)
+        if not queue_of:  # deleted with its environment
+            return False
+        waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, list(queue_of),
+                                                              limit=PROMOTE_PAGE + 1)
+        enqueued = await self.promote(waiting[:PROMOTE_PAGE], deployment_id, queue_of)
+        log.info("deployment %s: %d more runs that waited for it enqueued%s", deployment_id, enqueued,
+                 "; going on" if len(waiting) > PROMOTE_PAGE else "")
+        return len(waiting) > PROMOTE_PAGE
 
     @staticmethod
     def _queues(tasks: Sequence[TaskSpec], queues: Sequence[QueueSpec]) -> list[QueueSpec]:

@@ -256,6 +256,13 @@ class DeploymentRepository:
                    WHERE deployment_id = ANY(%s) GROUP BY deployment_id, environment_id""", (list(deployment_ids),))
             return {r[0]: (r[1], frozenset(r[2])) for r in await cur.fetchall()}
 
+    async def task_queues(self, deployment_id: str) -> dict[str, str]:
+        """The deployment's tasks, each with the queue it declares for it ({} for none)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT task_identifier, queue_name FROM deployment_task WHERE deployment_id = %s", (deployment_id,))
+            return {r[0]: r[1] for r in await cur.fetchall()}
+
     async def deployment_task(self, deployment_id: str, task_id: str) -> DeploymentTask | None:
         async with self.pool.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)

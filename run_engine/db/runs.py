@@ -1166,14 +1166,17 @@ class RunRepository:
                    WHERE id = ANY(%s) AND locked_to_version IS NOT NULL""", (list(run_ids),))
             return {r[0]: r[1] for r in await cur.fetchall()}
 
-    async def pending_version_runs(self, env_id: str, worker_group_id: str, tasks: Sequence[str]) -> list[str]:
+    async def pending_version_runs(self, env_id: str, worker_group_id: str, tasks: Sequence[str],
+                                   limit: int | None = None) -> list[str]:
+        """The environment's PENDING_VERSION runs of these tasks in the group, oldest first (at
+        most ``limit``)."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 """SELECT id FROM task_run
                    WHERE environment_id = %s AND worker_group_id = %s
                      AND status = 'PENDING_VERSION' AND task_identifier = ANY(%s)
-                   ORDER BY created_at""",
-                (env_id, worker_group_id, list(tasks)),
+                   ORDER BY created_at LIMIT %s""",
+                (env_id, worker_group_id, list(tasks), limit),
             )
             return [r[0] for r in await cur.fetchall()]
 

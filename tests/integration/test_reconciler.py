@@ -203,7 +203,7 @@ async def test_a_pending_version_run_the_registration_missed_is_enqueued(
     assert missed.status == never.status == "PENDING_VERSION"
     repo = h.engine.resources.repo.runs
 
-    async def nothing_waits(*args: object) -> list[str]:
+    async def nothing_waits(*args: object, **kwargs: object) -> list[str]:
         return []
 
     monkeypatch.setattr(repo, "pending_version_runs", nothing_waits)  # the registration's read ran first

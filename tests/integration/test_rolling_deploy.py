@@ -85,3 +85,29 @@ async def test_a_worker_runs_a_new_environments_task_one_of_its_deployments_has(
     run = await h.engine.trigger(TriggerRequest(env_id=prod.env_id, task_id="a"))
     (got,) = await h.engine.dequeue(dev.worker_group_id, 5, deployments=[mine], start=True)
     assert got.run.id == run.id
+
+
+async def test_a_connect_finding_many_runs_waiting_promotes_a_bounded_number_and_a_job_the_rest(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connect promoted every PENDING_VERSION run of its tasks before answering: a million runs
+    triggered before the first deploy took minutes, past the supervisor's 10 s connect timeout
+    (it connected again, and again). It promotes CONNECT_PROMOTE now and an engine job the rest, a
+    page a turn: every run is enqueued, once."""
+    import systems.waiting_for_worker as module
+
+    monkeypatch.setattr(module, "CONNECT_PROMOTE", 3)
+    monkeypatch.setattr(module, "PROMOTE_PAGE", 2)
+    await h.deploy({"id": "other"}, version="v0")
+    runs = [await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="late")) for _ in range(8)]
+    assert {(await h.engine.get_run(r.id)).status for r in runs} == {"PENDING_VERSION"}  # type: ignore[union-attr]
+    dep_id, enqueued = await h.engine.register_deployment(
+        env_id=h.env.env_id, worker_group_id=h.env.worker_group_id, version="v1", content_hash="hash-late",
+        tasks=[TaskDecl.model_validate({"id": "late"}).spec()])
+    assert enqueued == 3
+    for _ in range(10):  # the job's pages, each scheduling the next
+        if not await h.advance(0):
+            break
+    statuses = [(await h.engine.get_run(r.id)).status for r in runs]  # type: ignore[union-attr]
+    assert statuses == ["QUEUED"] * 8
+    got = await h.engine.dequeue(h.env.worker_group_id, 20, deployments=[dep_id])
+    assert sorted(d.run.id for d in got) == sorted(r.id for r in runs)  # each once
