@@ -513,9 +513,15 @@ class Executor:
             raise RuntimeError(f"executor sent {msg!r} instead of ready")
 
     def rss_mb(self) -> float:
+        # os.open and os.read: a third of open()'s cost (a file object and a text decoder), read
+        # at every acquire and every watchdog tick
         try:
-            with open(f"/proc/{self.process.pid}/statm") as f:
-                return int(f.read().split()[1]) * _PAGE / 2**20
+            fd = os.open(f"/proc/{self.process.pid}/statm", os.O_RDONLY)
+            try:
+                data = os.read(fd, 256)
+            finally:
+                os.close(fd)
+            return int(data.split()[1]) * _PAGE / 2**20
         except (OSError, ValueError, IndexError):
             return 0.0
 
