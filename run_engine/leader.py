@@ -1,6 +1,10 @@
 """Leader lease (the dex technique): one row per lease name in the UNLOGGED ``engine_lease`` table.
 A candidate takes the lease when it is free or expired and its holder extends it; time is
-PostgreSQL's, so the candidates' clocks do not matter. Work that must run once per cluster
+PostgreSQL's, so the candidates' clocks do not matter. The holder counts itself leader only until
+``ttl_s`` after it sent its last successful take or renewal (by its own monotonic clock, which
+runs on through a pause): a process stopped past its lease's end (SIGSTOP, a long GC, a blocked
+event loop, a renewal stuck waiting for a connection) runs no duty when it resumes, before it has
+asked again. Work that must run once per cluster
 (reconciler, retention) runs only on the holder; schedule planning runs on every process (a
 tick's idempotency key makes one run of it, `systems/schedules.py`).
 """
@@ -33,12 +37,19 @@ class LeaderLease:
         self.ttl_s = ttl_s
         self.renew_s = renew_s
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{new_id('lease')[-6:]}"
-        self.is_leader = False
+        self._held = False  # the last take or renewal succeeded
+        self._valid_until = 0.0  # time.monotonic() at which that lease ends at the latest
         self._duties: list[Duty] = []
         self._last_run: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._duty_task: asyncio.Task[None] | None = None
         self._stopping = False
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process holds the lease now: its last take or renewal succeeded and was
+        sent less than ``ttl_s`` ago."""
+        return self._held and time.monotonic() < self._valid_until
 
     def add_duty(self, name: str, interval_s: float, fn: Callable[[], Awaitable[object]]) -> None:
         """Run ``fn`` every ``interval_s`` while this process leads."""
@@ -46,10 +57,12 @@ class LeaderLease:
 
     async def try_acquire(self) -> float:
         """Take or extend the lease; returns seconds until it is worth trying again."""
+        sent = time.monotonic()  # the lease ends ttl_s after PostgreSQL's now(), which is later
         held, expires_in = await self.repo.maintenance.acquire_lease(self.name, self.holder, self.ttl_s)
         if held != self.is_leader:
             log.info("%s %s the %r lease", self.holder, "took" if held else "lost", self.name)
-        self.is_leader = held
+        self._held = held
+        self._valid_until = sent + self.ttl_s if held else 0.0
         if held:
             return self.renew_s
         # someone else holds it: try again as soon as it can have expired, at most every renew_s
@@ -68,7 +81,7 @@ class LeaderLease:
                 raise
             except Exception as exc:
                 log_failure(log, exc, "lease %r: could not be taken or renewed", self.name)
-                self.is_leader = False
+                self._held = False
                 wait = 1.0
             if self.is_leader and (self._duty_task is None or self._duty_task.done()):
                 self._duty_task = asyncio.create_task(self._run_duties())
@@ -95,7 +108,7 @@ class LeaderLease:
         for task in (self._task, self._duty_task):
             await stop_task(task)
         self._task = self._duty_task = None
-        if self.is_leader:
+        if self._held:  # (only where the holder is still this process)
             with contextlib.suppress(Exception):
                 await self.repo.maintenance.release_lease(self.name, self.holder)
-        self.is_leader = False
+        self._held = False

@@ -26,6 +26,8 @@ async def main(url: str, name: str, ttl_s: float, renew_s: float) -> None:
     while not stopping.is_set():
         if lease.is_leader and not was:
             print(f"LEADER {lease.holder}", flush=True)
+        elif was and not lease.is_leader:
+            print(f"FOLLOWER {lease.holder}", flush=True)
         was = lease.is_leader
         try:
             await asyncio.wait_for(stopping.wait(), 0.05)

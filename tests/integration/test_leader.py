@@ -104,3 +104,39 @@ async def test_duties_keep_their_own_interval_between_lease_renewals(database_ur
     stopped = len(calls)
     await asyncio.sleep(0.3)
     assert len(calls) == stopped  # stopping the lease stops its duties
+
+
+def test_a_paused_leader_runs_no_duty_once_its_lease_expired(database_url: str, unique: str, tmp_path: Path) -> None:
+    """A leader stopped (SIGSTOP, a long GC, a blocked event loop) past its lease's end, another
+    having taken it meanwhile: on resuming it runs no duty before it learns it lost the lease."""
+    name = f"paused-{unique}"
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = []
+
+    def start(log: Path) -> subprocess.Popen[bytes]:
+        with log.open("wb") as out:
+            return subprocess.Popen(
+                [sys.executable, str(ROOT / "tests/integration/lease_candidate.py"), database_url, name,
+                 str(TTL_S), str(RENEW_S)], stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    try:
+        procs.append(start(logs[0]))
+        _until(lambda: bool(_lines(logs[0], "DUTY")), "the first candidate to lead", 60)
+        procs.append(start(logs[1]))
+        _until(lambda: bool(_lines(logs[1], "STARTED")), "the second candidate to start", 60)
+        procs[0].send_signal(signal.SIGSTOP)
+        _until(lambda: Path(f"/proc/{procs[0].pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+               "the first candidate to stop", 10)
+        duties = len(_lines(logs[0], "DUTY"))
+        _until(lambda: bool(_lines(logs[1], "LEADER")), "the second candidate to take over", TTL_S + 10)
+        procs[0].send_signal(signal.SIGCONT)
+        _until(lambda: bool(_lines(logs[0], "FOLLOWER")), "the first candidate to learn it lost", 20)
+        assert len(_lines(logs[0], "DUTY")) == duties, logs[0].read_text()
+        assert _lines(logs[1], "DUTY")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
