@@ -6,7 +6,9 @@
   lets the lease run out and the job is delivered again (at least once: handlers are idempotent).
 * ``complete`` / ``fail`` act only if the job still carries the claimed token, so a job that was
   rescheduled while its handler ran survives. ``fail`` retries with back-off, then moves the job to
-  the job DLQ.
+  the job DLQ. A job whose kind the claiming process has no handler for (a process of an older
+  version, during a rolling upgrade or after a rollback) is no failure: it goes back as it was (no
+  attempt counted) ``UNKNOWN_KIND_DELAY_S`` later, for a process that knows the kind.
 * Each job is in a lane: the default one (``""``), claimed first, or an environment's. Lanes with
   jobs due take turns, so one tenant's flood of timers coming due at once does not hold back
   another's (``lua/jobs_lib.lua`` lays out the keys).
@@ -33,6 +35,8 @@ from run_engine.records import record
 from run_engine.tasks import stop_task
 
 log = logging.getLogger(__name__)
+#: a job of a kind this process does not know goes back this long later, its attempts untouched
+UNKNOWN_KIND_DELAY_S = 10.0
 
 
 @record
@@ -176,6 +180,11 @@ class JobQueue:
         run_at = self.clock.now() + self.retry_delay_s(attempt)
         return await self._settles.submit((job.id, job.token, "retry", encoded, self._ms(run_at)))
 
+    async def release(self, job: Job, run_at: float) -> bool:
+        """Put a claimed job back as it was (same attempt, same token) to run at ``run_at``."""
+        encoded = _encode(job.kind, job.payload, job.attempt, job.token, job.lane)
+        return await self._settles.submit((job.id, job.token, "retry", encoded, self._ms(run_at)))
+
     async def _found(self, job_ids: Sequence[str]) -> list[tuple[Any, str]]:
         """(run-at ms or None, lane) of each job (one round trip)."""
         flat = await self._call(self._find, job_ids) if job_ids else []
@@ -263,13 +272,22 @@ class JobWorker:
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._in_flight: dict[str, int] = {}  # lane -> its jobs running here
+        self._unknown_kinds: set[str] = set()  # kinds met without a handler (logged once each)
         self._stopping = False
 
     async def _run(self, job: Job) -> None:
         handler = self.handlers.get(job.kind)
+        if handler is None:  # a newer version's kind: not a failure of the job, nor an attempt
+            if job.kind not in self._unknown_kinds:
+                self._unknown_kinds.add(job.kind)
+                log.warning("engine job %s: no handler for its kind %r in this process (an older version?); "
+                            "it is put back for a process that knows it", job.id, job.kind)
+            try:
+                await self.queue.release(job, self.queue.clock.now() + UNKNOWN_KIND_DELAY_S)
+            except Exception as exc:  # its lease runs out and it is delivered again
+                log_failure(log, exc, "engine job %s (%s) could not be put back", job.id, job.kind)
+            return
         try:
-            if handler is None:
-                raise LookupError(f"no handler for job kind {job.kind!r}")
             await handler(job)
         except Exception as exc:
             log_failure(log, exc, "engine job %s (%s) failed", job.id, job.kind)

@@ -197,8 +197,8 @@ async def test_worker_runs_handlers_and_settles_them(jobs: JobQueue, clock: Fake
     assert await jobs.get("o1") is None
     failed = await jobs.get("b1")
     assert failed is not None and failed[0].attempt == 1
-    unknown = await jobs.get("u1")
-    assert unknown is not None and unknown[0].attempt == 1
+    unknown = await jobs.get("u1")  # put back for a process that knows its kind, no attempt counted
+    assert unknown is not None and unknown[0].attempt == 0
 
 
 async def test_worker_loop_picks_up_due_jobs(jobs: JobQueue, clock: FakeClock) -> None:
@@ -360,3 +360,29 @@ async def test_lanes_take_turns_within_one_millisecond_too(jobs: JobQueue, clock
     seen = [j.lane for _ in range(30) for j in await jobs.claim(1)]  # all within one ms
     assert {lane: seen.count(lane) for lane in ("env_a", "env_b", "env_c")} == {"env_a": 10, "env_b": 10,
                                                                                 "env_c": 10}
+
+
+async def test_a_job_of_a_kind_an_older_process_does_not_know_waits_for_one_that_does(
+        jobs: JobQueue, clock: FakeClock) -> None:
+    """A rolling upgrade (or a rollback): a process of the version before a kind was added claims
+    a job of it. That is no failure of the job: it is put back as it was (no attempt counted), a
+    while later, for a process that knows the kind. Before, each such claim counted an attempt
+    (and its back-off): an older process claiming it ``max_attempts`` times dead-lettered it, and
+    the new process never ran it."""
+    ran: list[str] = []
+
+    async def new_kind(job: Job) -> None:
+        ran.append(job.id)
+
+    old, new = JobWorker(jobs, {}), JobWorker(jobs, {"new_kind": new_kind})
+    await jobs.schedule("n1", "new_kind", {"x": 1}, T0, "e1")
+    for _ in range(jobs.max_attempts + 2):  # the old process claims it every time it is due
+        assert await old.run_due_once() == 1
+        got = await jobs.get("n1")
+        assert got is not None, await jobs.dlq()
+        job, at = got
+        assert (job.attempt, job.payload, job.lane) == (0, {"x": 1}, "e1")
+        assert 0 < at - clock.now() <= 60
+        clock.set(at)
+    assert await new.run_due_once() == 1
+    assert ran == ["n1"] and await jobs.get("n1") is None and await jobs.dlq() == []
