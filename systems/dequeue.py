@@ -115,13 +115,17 @@ class DequeueSystem:
             raise
         dequeued: list[DequeuedRun] = []
         stray: list[tuple[str, str]] = []
+        stray_deliveries: list[int | None] = []
         cancel: list[str] = []
         schedule: list[engine_jobs.JobSpec] = []
         timeout = self.r.settings.pending_executing_timeout_s
         for message, result, started, journal in zip(handed_out, results, starts, journals, strict=True):
             if not (result.applied and result.snapshot is not None and result.run is not None):
                 # The run moved on (finished, cancelled) while its message was queued: drop it.
+                # Only this delivery's: a dequeue that stalled past the reconciler's grace finds
+                # the run made ready again and handed out since, whose slot it must not free.
                 stray.append((message.env_id, message.run_id))
+                stray_deliveries.append(message.deliveries)
             elif started is not None and started.applied and started.run is not None \
                     and started.snapshot is not None:
                 try:
@@ -147,7 +151,8 @@ class DequeueSystem:
         # committed: the runs are the worker's now, answered all the same (a stray's message the
         # ack missed stays held until the reconciler drops it; a lost job is re-armed by the runs'
         # start or heartbeat)
-        await self.r.after_commit("dequeue", *([self.r.queue.ack(stray)] if stray else []),
+        await self.r.after_commit("dequeue",
+                                  *([self.r.queue.ack(stray, deliveries=stray_deliveries)] if stray else []),
                                   self.r.change_jobs(cancel, schedule))
         for d in dequeued:
             self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.env_id, d.snapshot.id,

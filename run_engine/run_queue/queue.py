@@ -192,17 +192,24 @@ class RunQueue:
 
     # --- after a dequeue ------------------------------------------------------------------------
 
-    async def ack(self, items: Sequence[tuple[str, str]], *, held_only: Sequence[bool] = ()) -> None:
+    async def ack(self, items: Sequence[tuple[str, str]], *, held_only: Sequence[bool] = (),
+                  deliveries: Sequence[int | None] = ()) -> None:
         """``(env_id, run_id)`` pairs are done: free their slots and forget them. A run whose
         ``held_only`` is true (by position) is forgotten only if its message is still held by the
         dequeue that handed it out: a suspended run that a continuation enqueued again meanwhile
-        keeps that new message."""
+        keeps that new message. A run with a number in ``deliveries`` (by position) is forgotten
+        only if its message is still held by that delivery (a dequeue dropping what it took: the
+        run may have been made ready again and handed out since)."""
         if held_only and len(held_only) != len(items):
             raise ValueError(f"held_only has {len(held_only)} flags for {len(items)} runs")
+        if deliveries and len(deliveries) != len(items):
+            raise ValueError(f"deliveries has {len(deliveries)} counts for {len(items)} runs")
         flags = held_only or [False] * len(items)
+        counts = deliveries or [None] * len(items)
         by_shard: dict[int, list[str]] = defaultdict(list)
-        for (env_id, run_id), held in zip(items, flags, strict=True):
-            by_shard[self.keys.shard_of(env_id)] += [encode_name(run_id), "1" if held else "0"]
+        for (env_id, run_id), held, delivery in zip(items, flags, counts, strict=True):
+            only = f"={delivery}" if delivery is not None else "1" if held else "0"
+            by_shard[self.keys.shard_of(env_id)] += [encode_name(run_id), only]
         await asyncio.gather(
             *(
                 self._ack(self.redis, [self.keys.delayed(shard)], [self.keys.base(shard), *runs])

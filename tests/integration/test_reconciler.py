@@ -477,3 +477,46 @@ async def test_a_slot_is_freed_only_when_two_passes_saw_it_held_by_a_finished_ru
     assert (await reconciler.reconcile(grace_s=30)).slots_freed == 0  # the new one seen once
     assert (await reconciler.reconcile(grace_s=30)).slots_freed == 1  # seen twice, same snapshot: freed
     assert lost not in await q.running_ids(h.env.env_id)
+
+
+async def test_a_dequeue_that_resumes_after_the_run_was_handed_out_again_frees_no_slot_of_it(
+        private: Harness) -> None:
+    """A dequeue stalled between its take from the queue and its PostgreSQL write (a GC, a
+    SIGSTOP, a connection wait) longer than the grace: the reconciler makes the run ready again
+    and another dequeue hands it out. The stalled one then finds the run moved on and drops its
+    message; it must drop only its own delivery's. Before, it acked the run wherever its message
+    was, deleting the second dequeue's and freeing the slot of a run a worker holds (one run over
+    every limit, and the reconciler later read it as a run holding no slot)."""
+    h = private
+    dequeue = h.engine.systems.dequeue
+    real = dequeue.execution_snapshot.append_many
+    stalled, go = asyncio.Event(), asyncio.Event()
+
+    async def append_many(*args: Any, **kwargs: Any) -> Any:
+        if not stalled.is_set():
+            stalled.set()
+            await go.wait()
+        return await real(*args, **kwargs)
+
+    dequeue.execution_snapshot.append_many = append_many  # type: ignore[method-assign]
+    try:
+        run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+        first = asyncio.create_task(h.engine.dequeue(h.env.worker_group_id, 5))
+        await asyncio.wait_for(stalled.wait(), 10)
+        h.clock.advance(31)  # held longer than the grace
+        report = await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
+        assert report.requeued_stuck >= 1
+        (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+        assert d.run.id == run.id
+        go.set()
+        assert await asyncio.wait_for(first, 10) == []  # its compare-and-set failed: nothing handed out
+    finally:
+        go.set()
+        dequeue.execution_snapshot.append_many = real  # type: ignore[method-assign]
+    assert run.id in await h.engine.resources.queue.running_ids(h.env.env_id)  # the second's slot, kept
+    other = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # `limited` allows one at a time
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
+    assert run.id not in await h.engine.resources.queue.running_ids(h.env.env_id)
+    assert [x.run.id for x in await h.engine.dequeue(h.env.worker_group_id, 5)] == [other.id]
