@@ -1,5 +1,5 @@
 """``GET /realtime/v1/runs/{runId}``: Server-Sent Events, ``event: run`` with the run object on
-every status change, closed after the terminal one. Changes made by any server process arrive
+every change (of its status, metadata or tags), closed after the terminal one. Changes made by any server process arrive
 through :class:`run_engine.realtime.RealtimeHub`; the run is also re-read every few seconds."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ async def while_allowed(chunks: AsyncGenerator[bytes, None], allowed: Callable[[
             yield chunk
 
 
-@operation("Server-Sent Events: the run object on every status change", None, media="text/event-stream",
+@operation("Server-Sent Events: the run object on every change", None, media="text/event-stream",
            security="apiKeyOrPublicToken")
 async def run_stream(request: Request) -> Response:
     ctx = ctx_of(request)
@@ -101,18 +101,19 @@ async def run_stream(request: Request) -> Response:
     async def events() -> AsyncGenerator[bytes, None]:
         try:
             async with hub.watch(run_id) as changed:
-                last_status = None
+                last: tuple[str, datetime] | None = None  # the status and last change sent
                 idle = 0.0
                 while True:
-                    # light: a change of its metadata or tags wakes the stream too, and the run's
-                    # payload (megabytes, maybe) is read and decoded only for an event to send
+                    # light: the stream is woken (and rechecks) more often than its run changes, and
+                    # the run's payload (megabytes, maybe) is read and decoded only for an event to
+                    # send. Every change sets updated_at: a status, and its metadata and tags too
                     run = await ctx.engine.get_run(run_id, auth.env_id, light=True)
-                    if run is not None and run.status != last_status:
+                    if run is not None and (run.status, run.updated_at) != last:
                         run = await ctx.engine.get_run(run_id, auth.env_id)
                     if run is None:  # deleted by retention meanwhile
                         return
-                    if run.status != last_status:
-                        last_status = run.status
+                    if (run.status, run.updated_at) != last:
+                        last = (run.status, run.updated_at)
                         idle = 0.0
                         yield _event(run_object(run))
                         if RunStatus(run.status) in FINAL_RUN_STATUSES:

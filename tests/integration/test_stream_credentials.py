@@ -76,28 +76,30 @@ async def test_a_stream_of_a_one_time_token_goes_on_past_its_checks(
     assert got.status_code == 200 and '"status":"CANCELED"' in got.text
 
 
-async def test_a_stream_reads_the_whole_run_only_when_its_status_changed(
+async def test_a_stream_reads_the_whole_run_only_when_it_changed(
         h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Woken by every change of its run (metadata, tags) and every RECHECK_S, a stream looks at the
-    run's status alone; the whole run (its payload: megabytes maybe, decoded on the loop every
-    tenant shares) is read for an event to send only. Before, every stream of a run re-read it
-    whole on every change and every recheck."""
+    """Woken by every change of its run and every RECHECK_S, a stream looks at the run's status and
+    last change alone; the whole run (its payload: megabytes maybe, decoded on the loop every
+    tenant shares) is read for an event to send only: once per change (a metadata change is one,
+    API.md: "on every change"), never for a wake or a recheck that finds none. Before, every stream
+    of a run re-read it whole on every change and every recheck."""
     full_reads: list[str] = []
-    first = asyncio.Event()
+    first, second = asyncio.Event(), asyncio.Event()
     get_run = h.engine.get_run
 
     async def counted(run_id: str, env_id: str | None = None, *, light: bool = False) -> Any:
         if not light:
             full_reads.append(run_id)
-            first.set()
+            (second if first.is_set() else first).set()
         return await get_run(run_id, env_id, light=light)
 
     monkeypatch.setattr(h.engine, "get_run", counted)
     async with streaming(h, monkeypatch) as (run_id, answer):
         await asyncio.wait_for(first.wait(), 20)  # the first event's read
-        await h.engine.set_metadata(h.env.env_id, run_id, {"n": 1})  # wakes the stream
+        await h.engine.set_metadata(h.env.env_id, run_id, {"n": 1})  # wakes the stream: one change
+        await asyncio.wait_for(second.wait(), 20)  # its event's read
         await asyncio.sleep(0.5)  # rechecks every 0.05 s meanwhile
-        assert full_reads == [run_id]
+        assert full_reads == [run_id, run_id]
         await h.engine.cancel(run_id)
         got = await asyncio.wait_for(answer, 20)
-    assert '"status":"CANCELED"' in got.text and full_reads == [run_id, run_id]
+    assert '"status":"CANCELED"' in got.text and full_reads == [run_id, run_id, run_id]
