@@ -246,8 +246,9 @@ class RunEngine:
         await self.systems.execution_snapshot.heartbeat(run_id, snapshot_id)
 
     async def replay(self, run: RunRow) -> TriggeredRun:
-        """A new run with the task, payload and options of ``run``."""
-        return await self.trigger(replay_request(run))
+        """A new run with the task, payload and options of ``run`` (the metadata it was triggered with)."""
+        seeds = await self.resources.repo.runs.seed_metadata([run.id])
+        return await self.trigger(replay_request(run, seed=seeds[run.id]) if run.id in seeds else replay_request(run))
 
     async def create_bulk_action(self, env_id: str, kind: str, run_filter: RunFilter,
                                  idempotency_key: str | None = None, name: str | None = None,

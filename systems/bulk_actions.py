@@ -89,12 +89,19 @@ class RunFilter:
                    created_to=date("created_to"), ids=tuple(data.get("ids", ())))
 
 
-def replay_request(run: RunRow, idempotency_key: str | None = None) -> TriggerRequest:
-    """A new run with the task, payload and options of ``run``."""
+#: no seed given: the run's metadata is still the one it was triggered with
+_NO_SEED = object()
+
+
+def replay_request(run: RunRow, idempotency_key: str | None = None, seed: Any = _NO_SEED) -> TriggerRequest:
+    """A new run with the task, payload and options of ``run``; its metadata is the one ``run`` was
+    triggered with: ``seed`` when its metadata was replaced since (:meth:`RunRepository.seed_metadata`),
+    else its own."""
     return TriggerRequest(
         env_id=run.env_id, task_id=run.task_id, payload=run.payload, payload_type=run.payload_type,
         queue=run.queue, concurrency_key=run.concurrency_key, priority_s=run.priority_ms / 1000,
-        tags=tuple(run.tags), metadata=run.metadata, max_attempts=run.max_attempts, retry=run.retry,
+        tags=tuple(run.tags), metadata=run.metadata if seed is _NO_SEED else seed,
+        max_attempts=run.max_attempts, retry=run.retry,
         max_duration_s=run.max_duration_s, machine=run.machine, idempotency_key=idempotency_key,
         worker_group_id=run.worker_group_id)
 
@@ -215,7 +222,8 @@ class BulkActionsSystem:
     async def _replay(self, action: BulkAction, runs: list[RunRow]) -> int:
         if not runs:
             return 0
-        requests = [replay_request(run, f"{action.id}:{run.id}") for run in runs]
+        seeds = await self.r.repo.runs.seed_metadata([run.id for run in runs])
+        requests = [replay_request(run, f"{action.id}:{run.id}", seeds.get(run.id, _NO_SEED)) for run in runs]
         try:
             made = await self.enqueue.trigger_many(requests)
         except Exception:  # one run that cannot be replayed must not stop the others: one at a time

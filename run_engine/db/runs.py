@@ -678,6 +678,8 @@ UPDATE task_run SET
     payload = CASE WHEN %(replace)s THEN %(payload)s::jsonb ELSE payload END,
     payload_type = CASE WHEN %(replace)s THEN %(payload_type)s::text ELSE payload_type END,
     metadata = coalesce(%(metadata)s::jsonb, metadata),
+    -- new metadata from a trigger is the run's seed again (migration 0050)
+    seed_metadata = CASE WHEN %(metadata)s::jsonb IS NULL THEN seed_metadata END,
     tags = coalesce(%(tags)s::text[], tags),
     max_attempts = coalesce(%(max_attempts)s::int, max_attempts),
     max_duration_s = coalesce(%(max_duration_s)s::int, max_duration_s),
@@ -1204,9 +1206,20 @@ class RunRepository:
             return {r[0]: (r[1], r[2]) for r in await cur.fetchall()}
 
     async def set_metadata(self, run_id: str, metadata: Any) -> None:
+        """Replace the run's metadata; the first replacement keeps the metadata the run was
+        triggered with as its seed (``seed_metadata``, migration 0050: what a replay starts with)."""
         async with self.pool.connection() as conn:
-            await conn.execute("UPDATE task_run SET metadata = %s, updated_at = clock_timestamp() WHERE id = %s",
-                               (Jsonb(metadata), run_id))
+            await conn.execute(
+                "UPDATE task_run SET seed_metadata = coalesce(seed_metadata, jsonb_build_array(metadata)), "
+                "metadata = %s, updated_at = clock_timestamp() WHERE id = %s", (Jsonb(metadata), run_id))
+
+    async def seed_metadata(self, run_ids: Sequence[str]) -> dict[str, Any]:
+        """The metadata each of ``run_ids`` was triggered with, for those whose metadata was replaced
+        since (the others' own metadata is still their seed), by id."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT id, seed_metadata -> 0 FROM task_run "
+                                     "WHERE id = ANY(%s) AND seed_metadata IS NOT NULL", (list(run_ids),))
+            return {r[0]: r[1] for r in await cur.fetchall()}
 
     async def add_tags(self, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
         """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""

@@ -10,7 +10,9 @@ from typing import Any
 import orjson
 import pytest
 
-from .conftest import Harness
+from run_engine.engine import Debounce, RunFilter, TriggerRequest
+
+from .conftest import Harness, api_client
 from .test_stream_credentials import streaming
 
 
@@ -56,3 +58,52 @@ async def test_a_run_stream_sends_a_change_of_its_metadata_and_tags(
     assert [(e["status"], e["metadata"], e["tags"]) for e in sent] == [
         ("DELAYED", {}, []), ("DELAYED", {"progress": 50}, []), ("DELAYED", {"progress": 50}, ["seen"]),
         ("CANCELED", {"progress": 50}, ["seen"])]
+
+
+async def test_a_replay_starts_with_the_metadata_its_run_was_triggered_with(h: Harness) -> None:
+    """Metadata given at trigger is an option; what the run (or anyone) wrote since is its state.
+    Before, a replay (one by id, or a bulk action's) copied the metadata as the old run left it:
+    the new run began with the old one's final progress ({"step": "done", "progress": 100})."""
+    seeded = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=1,
+                                                   tags=("rp",), metadata={"step": "start"}))
+    bare = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=2, tags=("rp",)))
+    untouched = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=3,
+                                                      tags=("rp",), metadata={"kept": True}))
+    async with api_client(h) as api:
+        for run in (seeded, bare):
+            for update in ({"step": "half", "progress": 50}, {"step": "done", "progress": 100}):
+                answer = await api.put(f"/api/v1/runs/{run.id}/metadata", json={"metadata": update})
+                assert answer.status_code == 200, answer.text
+        replayed = {}
+        for run in (seeded, bare, untouched):
+            answer = await api.post(f"/api/v1/runs/{run.id}/replay")
+            assert answer.status_code == 200, answer.text
+            replayed[run.id] = (await api.get(f"/api/v3/runs/{answer.json()['id']}")).json()["metadata"]
+    assert replayed == {seeded.id: {"step": "start"}, bare.id: {}, untouched.id: {"kept": True}}
+    assert (await h.engine.get_run(seeded.id)).metadata == {"step": "done", "progress": 100}  # type: ignore[union-attr]
+
+    action, _ = await h.engine.create_bulk_action(h.env.env_id, "REPLAY", RunFilter(ids=(seeded.id, bare.id)))
+    while await h.engine.systems.bulk_actions.run_page(action.id):
+        pass
+    made = [r for r in await h.engine.list_runs(h.env.env_id, tags=["rp"], limit=100)
+            if r.idempotency_key is not None and r.idempotency_key.startswith(action.id)]
+    assert {r.idempotency_key: r.metadata for r in made} == {f"{action.id}:{seeded.id}": {"step": "start"},
+                                                             f"{action.id}:{bare.id}": None}
+
+
+async def test_a_trailing_debounce_gives_its_run_a_new_seed(h: Harness) -> None:
+    """A trailing debounced trigger's metadata is a trigger's: a replay starts with it, even when
+    the run's metadata was replaced before that trigger joined it; one that gives none keeps the seed."""
+    key = "seed-key"
+
+    def debounced(**kw: Any) -> TriggerRequest:
+        return TriggerRequest(env_id=h.env.env_id, task_id="hello", debounce=Debounce(key, 10, "trailing", None), **kw)
+
+    run = await h.engine.trigger(debounced(payload=1, metadata={"seed": 1}))
+    await h.engine.set_metadata(h.env.env_id, run.id, {"progress": 1})
+    await h.engine.trigger(debounced(payload=2, metadata={"seed": 2}))
+    await h.engine.set_metadata(h.env.env_id, run.id, {"progress": 2})
+    await h.engine.trigger(debounced(payload=3))  # no metadata: the seed stays
+    assert (await h.engine.get_run(run.id)).metadata == {"progress": 2}  # type: ignore[union-attr]
+    replay = await h.engine.replay(await h.engine.get_run(run.id))  # type: ignore[arg-type]
+    assert (await h.engine.get_run(replay.id)).metadata == {"seed": 2}  # type: ignore[union-attr]
