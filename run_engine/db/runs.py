@@ -1210,8 +1210,10 @@ class RunRepository:
         triggered with as its seed (``seed_metadata``, migration 0050: what a replay starts with)."""
         async with self.pool.connection() as conn:
             await conn.execute(
-                "UPDATE task_run SET seed_metadata = coalesce(seed_metadata, jsonb_build_array(metadata)), "
-                "metadata = %s, updated_at = clock_timestamp() WHERE id = %s", (Jsonb(metadata), run_id))
+                # the right-hand sides read the row as it was: seed_metadata takes the metadata replaced
+                "UPDATE task_run SET metadata = %s, "
+                "seed_metadata = coalesce(seed_metadata, jsonb_build_array(metadata)), "
+                "updated_at = clock_timestamp() WHERE id = %s", (Jsonb(metadata), run_id))
 
     async def seed_metadata(self, run_ids: Sequence[str]) -> dict[str, Any]:
         """The metadata each of ``run_ids`` was triggered with, for those whose metadata was replaced
