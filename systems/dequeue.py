@@ -116,6 +116,7 @@ class DequeueSystem:
         dequeued: list[DequeuedRun] = []
         stray: list[tuple[str, str]] = []
         stray_deliveries: list[int | None] = []
+        stray_held_at: list[int | None] = []
         cancel: list[str] = []
         schedule: list[engine_jobs.JobSpec] = []
         timeout = self.r.settings.pending_executing_timeout_s
@@ -126,6 +127,7 @@ class DequeueSystem:
                 # the run made ready again and handed out since, whose slot it must not free.
                 stray.append((message.env_id, message.run_id))
                 stray_deliveries.append(message.deliveries)
+                stray_held_at.append(message.held_at_ms)  # the count alone: a retry resets it
             elif started is not None and started.applied and started.run is not None \
                     and started.snapshot is not None:
                 try:
@@ -152,7 +154,8 @@ class DequeueSystem:
         # ack missed stays held until the reconciler drops it; a lost job is re-armed by the runs'
         # start or heartbeat)
         await self.r.after_commit("dequeue",
-                                  *([self.r.queue.ack(stray, deliveries=stray_deliveries)] if stray else []),
+                                  *([self.r.queue.ack(stray, deliveries=stray_deliveries,
+                                                                  held_at=stray_held_at)] if stray else []),
                                   self.r.change_jobs(cancel, schedule))
         for d in dequeued:
             self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.env_id, d.snapshot.id,

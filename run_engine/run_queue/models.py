@@ -95,6 +95,8 @@ class DequeuedMessage:
     score_ms: float
     deliveries: int
     task: str
+    #: when this delivery took it (the dequeue's now): with ``deliveries``, the delivery's own mark
+    held_at_ms: int | None = None
 
 
 DequeuedRun = DequeuedMessage

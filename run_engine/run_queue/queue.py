@@ -178,6 +178,7 @@ class RunQueue:
                         score_ms=float(_s(flat[j + 4])),
                         deliveries=int(flat[j + 5]),
                         task=_s(flat[j + 6]),
+                        held_at_ms=int(now_ms),
                     )
                 )
         return out
@@ -193,22 +194,28 @@ class RunQueue:
     # --- after a dequeue ------------------------------------------------------------------------
 
     async def ack(self, items: Sequence[tuple[str, str]], *, held_only: Sequence[bool] = (),
-                  deliveries: Sequence[int | None] = ()) -> None:
+                  deliveries: Sequence[int | None] = (), held_at: Sequence[int | None] = ()) -> None:
         """``(env_id, run_id)`` pairs are done: free their slots and forget them. A run whose
         ``held_only`` is true (by position) is forgotten only if its message is still held by the
         dequeue that handed it out: a suspended run that a continuation enqueued again meanwhile
         keeps that new message. A run with a number in ``deliveries`` (by position) is forgotten
         only if its message is still held by that delivery (a dequeue dropping what it took: the
-        run may have been made ready again and handed out since)."""
+        run may have been made ready again and handed out since); with its ``held_at`` too (by
+        position, the dequeue's ``now_ms``), only if that delivery took it then: a retry, a
+        continuation or a redrive resets the count, and a later delivery may have the same one."""
         if held_only and len(held_only) != len(items):
             raise ValueError(f"held_only has {len(held_only)} flags for {len(items)} runs")
         if deliveries and len(deliveries) != len(items):
             raise ValueError(f"deliveries has {len(deliveries)} counts for {len(items)} runs")
+        if held_at and len(held_at) != len(items):
+            raise ValueError(f"held_at has {len(held_at)} times for {len(items)} runs")
         flags = held_only or [False] * len(items)
         counts = deliveries or [None] * len(items)
+        times = held_at or [None] * len(items)
         by_shard: dict[int, list[str]] = defaultdict(list)
-        for (env_id, run_id), held, delivery in zip(items, flags, counts, strict=True):
-            only = f"={delivery}" if delivery is not None else "1" if held else "0"
+        for (env_id, run_id), held, delivery, at in zip(items, flags, counts, times, strict=True):
+            only = (f"={delivery}" + (f"@{int(at)}" if at is not None else "") if delivery is not None
+                    else "1" if held else "0")
             by_shard[self.keys.shard_of(env_id)] += [encode_name(run_id), only]
         await asyncio.gather(
             *(

@@ -520,3 +520,49 @@ async def test_a_dequeue_that_resumes_after_the_run_was_handed_out_again_frees_n
     await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
     assert run.id not in await h.engine.resources.queue.running_ids(h.env.env_id)
     assert [x.run.id for x in await h.engine.dequeue(h.env.worker_group_id, 5)] == [other.id]
+
+
+async def test_a_stalled_dequeue_frees_no_slot_of_a_later_delivery_with_the_same_count(private: Harness) -> None:
+    """As above, but the run went round once more before the stalled dequeue resumed: its attempt
+    failed and its retry was enqueued again with its delivery count reset (as a retry, a
+    continuation and a redrive do), and a third dequeue took it as its first delivery again, the
+    count the stalled dequeue saw. The stalled one must still not take that delivery for its own:
+    before, its ack '=1' matched, deleted the third dequeue's held message and freed the slot of a
+    run a worker was starting (the queue's limit of 1 then let a second run out beside it)."""
+    h = private
+    dequeue = h.engine.systems.dequeue
+    real = dequeue.execution_snapshot.append_many
+    stalled, go = asyncio.Event(), asyncio.Event()
+
+    async def append_many(*args: Any, **kwargs: Any) -> Any:
+        if not stalled.is_set():
+            stalled.set()
+            await go.wait()
+        return await real(*args, **kwargs)
+
+    dequeue.execution_snapshot.append_many = append_many  # type: ignore[method-assign]
+    try:
+        run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited", max_attempts=3))
+        first = asyncio.create_task(h.engine.dequeue(h.env.worker_group_id, 5))
+        await asyncio.wait_for(stalled.wait(), 10)
+        h.clock.advance(31)  # held longer than the grace
+        assert (await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)).requeued_stuck >= 1
+        (d,) = await h.engine.dequeue(h.env.worker_group_id, 5)
+        assert d.run.id == run.id and d.deliveries == 2
+        s = await h.engine.start_attempt(run.id, d.snapshot.id)
+        await h.engine.complete_attempt(run.id, s.snapshot.id, ok=False,
+                                        error={"type": "BUILT_IN_ERROR", "message": "boom"}, retryable=True)
+        third: list[Any] = []
+        deadline = time.monotonic() + 10
+        while not third and time.monotonic() < deadline:  # the retry's back-off
+            h.clock.advance(5)
+            third = await h.engine.dequeue(h.env.worker_group_id, 5)
+        assert [x.run.id for x in third] == [run.id] and third[0].deliveries == 1
+        go.set()
+        assert await asyncio.wait_for(first, 10) == []  # its compare-and-set failed: nothing handed out
+    finally:
+        go.set()
+        dequeue.execution_snapshot.append_many = real  # type: ignore[method-assign]
+    assert run.id in await h.engine.resources.queue.running_ids(h.env.env_id)  # the third's slot, kept
+    await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # `limited` allows one at a time
