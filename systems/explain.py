@@ -64,10 +64,29 @@ class ExplainSystem:
                                   "yet: start a supervisor whose tasks include it", {"task": run.task_id}))
         elif status in (E.QUEUED, E.QUEUED_EXECUTING):
             reasons += await self._queued(env_id, run.id)
+            if run.locked_to_version is not None and reasons[0].code not in ("DEAD_LETTERED", "BEING_STARTED"):
+                reasons = await self._locked(run.worker_group_id, run.env_id, run.task_id, run.locked_to_version,
+                                             run.locked_to_deployment_id, reasons)
         else:
             reasons.append(Reason("NOT_WAITING_TO_START",
                                   f"the run is {run.status}: explain is for runs that have not started"))
         return Explanation(run.id, run.status, status, reasons)
+
+    async def _locked(self, worker_group_id: str, env_id: str, task_id: str, version: str,
+                      deployment_id: str | None, reasons: list[Reason]) -> list[Reason]:
+        """A run locked to a version (lockToVersion) that is not the current one: only a worker of
+        that version's deployment takes it, every other gives it back (it is never PENDING_VERSION),
+        so it is not READY for any worker that asks (first: a give-back's NOT_DUE is no back-off)."""
+        current = await self.r.repo.deployments.current_task(env_id, worker_group_id, task_id)
+        if current is not None and current.deployment_id == deployment_id:
+            return reasons
+        now = f"the current one is {current.version!r}" if current is not None and current.version \
+            else "no current deployment has its task"
+        lock = Reason("LOCKED_TO_VERSION",
+                      f"locked to version {version!r} (lockToVersion), not the current deployment ({now}): "
+                      "only a worker of that version takes it; workers of other versions give it back",
+                      {"version": version})
+        return [lock, *(r for r in reasons if r.code != "READY")]
 
     async def _queued(self, env_id: str, run_id: str) -> list[Reason]:
         facts = await self.r.queue.inspect(env_id, run_id)

@@ -76,3 +76,25 @@ async def test_a_connect_answers_the_version_of_the_deployment_it_registered(h: 
         assert again.status_code == 200, again.text
         assert again.json()["deploymentId"] == first.json()["deploymentId"]
         assert again.json()["version"] == "first"
+
+
+async def test_explain_says_a_run_waits_for_a_worker_of_the_version_it_is_locked_to(
+        h: Harness, api: httpx.AsyncClient) -> None:
+    """A run locked to a replaced version is given back by every worker of the current one, for as
+    long as no worker of its version asks for work: it is never PENDING_VERSION, so explain read
+    its queue and said it was READY ("starts as soon as a worker of its group asks for work") or
+    waiting out a retry's back-off (the give-back's 500 ms), neither true. It names the lock."""
+    from run_engine.api.serialize import explanation_object
+    old = await h.deploy({"id": "a"}, version="old")
+    new = await h.deploy({"id": "a"}, {"id": "b"}, version="new")
+    answer = await _trigger(api, "a", lockToVersion="old")
+    run_id = answer.json()["id"]
+    for _ in range(2):
+        out = explanation_object(await h.engine.explain(h.env.env_id, run_id))
+        first = out["reasons"][0]
+        assert first["code"] == "LOCKED_TO_VERSION", out
+        assert "'old'" in first["message"] and "not the current" in first["message"], out
+        assert await h.engine.dequeue(h.env.worker_group_id, 5, deployments=[new]) == []  # given back
+    h.clock.advance(0.6)
+    (got,) = await h.engine.dequeue(h.env.worker_group_id, 5, deployments=[old])
+    assert got.run.id == run_id
