@@ -1184,11 +1184,17 @@ class RunRepository:
 
     async def assign_deployment(self, run_ids: Sequence[str], deployment_id: str, queue_of: dict[str, str]) -> None:
         """Lock PENDING_VERSION (or due DELAYED) runs to the deployment that can run them; runs put in
-        their task's default queue move to the queue the deployment declares for the task."""
+        their task's default queue move to the queue the deployment declares for the task. A run
+        triggered with lockToVersion keeps its deployment and queue (a process of the version
+        before, which ignores the option, may have made it PENDING_VERSION)."""
         async with self.pool.connection() as conn:
             await conn.execute(
-                """UPDATE task_run r SET locked_to_deployment_id = %(dep)s,
+                """UPDATE task_run r SET
+                       locked_to_deployment_id = CASE WHEN r.locked_to_version IS NOT NULL
+                                                       AND r.locked_to_deployment_id IS NOT NULL
+                                                      THEN r.locked_to_deployment_id ELSE %(dep)s END,
                        queue = CASE WHEN r.queue = 'task/' || r.task_identifier
+                                     AND (r.locked_to_version IS NULL OR r.locked_to_deployment_id IS NULL)
                                     THEN coalesce((%(queues)s::jsonb) ->> r.task_identifier, r.queue)
                                     ELSE r.queue END
                    WHERE r.id = ANY(%(ids)s) AND r.status IN ('PENDING_VERSION', 'DELAYED')""",

@@ -98,3 +98,20 @@ async def test_explain_says_a_run_waits_for_a_worker_of_the_version_it_is_locked
     h.clock.advance(0.6)
     (got,) = await h.engine.dequeue(h.env.worker_group_id, 5, deployments=[old])
     assert got.run.id == run_id
+
+
+async def test_a_run_locked_to_a_version_keeps_its_deployment_when_another_promotes_it(
+        h: Harness, api: httpx.AsyncClient) -> None:
+    """An engine process of the version before ignores lockToVersion, and may make a locked run
+    PENDING_VERSION; the next registration's promotion then moved the lock to its own deployment
+    (another version) and the run to its queue. A locked run keeps both."""
+    old = await h.deploy({"id": "a", "queue": "old-q"}, queues=[{"name": "old-q"}], version="old")
+    new = await h.deploy({"id": "a"}, version="new")
+    answer = await _trigger(api, "a", lockToVersion="old")
+    run_id = answer.json()["id"]
+    runs = h.engine.resources.repo.runs
+    async with runs.pool.connection() as conn:  # as a process of the version before would leave it
+        await conn.execute("UPDATE task_run SET status = 'PENDING_VERSION' WHERE id = %s", (run_id,))
+    await runs.assign_deployment([run_id], new, {"a": "task/a"})
+    row = await h.engine.get_run(run_id)
+    assert row is not None and row.locked_to_deployment_id == old and row.queue == "old-q"
