@@ -61,8 +61,12 @@ class DequeueSystem:
         self.run_attempt = run_attempt
         self.waitpoints = waitpoints
         self._deployments: dict[str, tuple[str, frozenset[str]]] = {}
+        # run → (times this process gave it back in a row, when last): see _give_back_delay_ms
+        self._given_back: dict[str, tuple[int, int]] = {}
 
     GIVE_BACK_MS = 500  # a run given back is ready again this much later (the others' turn first)
+    GIVE_BACK_FREE = 8  # give-backs in a row at GIVE_BACK_MS (a worker that has it is likely among them)
+    GIVE_BACK_MAX_MS = 30_000  # then doubling with each, up to this
     DESCRIPTION = "Dequeued by a worker"
 
     async def dequeue(self, worker_group_id: str, max_runs: int, worker_id: str | None = None,
@@ -326,5 +330,20 @@ class DequeueSystem:
                 if result.applied:
                     await self.r.queue.remove(m.env_id, m.run_id)
                     return
-        await self.r.queue.give_back(m.env_id, m.run_id, now, now + self.GIVE_BACK_MS)
+        await self.r.queue.give_back(m.env_id, m.run_id, now, now + self._give_back_delay_ms(m.run_id, now))
         self.r.work_available([worker_group_id])
+
+    def _give_back_delay_ms(self, run_id: str, now: int) -> int:
+        """How long a run given back waits: GIVE_BACK_MS for its first GIVE_BACK_FREE give-backs in
+        a row (in a rolling deploy a worker that has its task is among those asking: it takes the
+        run within a few seconds), then doubling with each up to GIVE_BACK_MAX_MS. A run that no
+        worker asking can take (locked to a version whose workers are gone; a task only a worker
+        that left had) was handed out and given back twice a second for good: ten thousand of
+        them, twenty thousand dequeues and give-backs a second that the group's workers paid for."""
+        times, last = self._given_back.get(run_id, (0, 0))
+        times = times + 1 if now - last <= self.GIVE_BACK_MAX_MS * 2 else 1
+        if len(self._given_back) >= 100_000:
+            self._given_back.clear()
+        self._given_back[run_id] = (times, now)
+        doublings = max(0, times - self.GIVE_BACK_FREE)
+        return int(min(self.GIVE_BACK_MAX_MS, self.GIVE_BACK_MS * 2 ** min(doublings, 16)))

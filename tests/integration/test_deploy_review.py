@@ -115,3 +115,33 @@ async def test_a_run_locked_to_a_version_keeps_its_deployment_when_another_promo
     await runs.assign_deployment([run_id], new, {"a": "task/a"})
     row = await h.engine.get_run(run_id)
     assert row is not None and row.locked_to_deployment_id == old and row.queue == "old-q"
+
+
+async def test_a_run_no_worker_asking_can_take_is_given_back_ever_later(
+        h: Harness, api: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run locked to a version whose workers are gone was handed to the current version's
+    workers and given back twice a second for good (each time a dequeue, a look-up and a Lua call
+    the group's workers paid for). Given back eight times in a row, it then waits twice as long
+    each time, up to 30 s; a worker of its version still gets it."""
+    old = await h.deploy({"id": "a"}, version="old")
+    new = await h.deploy({"id": "a"}, version="new")
+    run_id = (await _trigger(api, "a", lockToVersion="old")).json()["id"]
+    queue = h.engine.resources.queue
+    given_back: list[str] = []
+    give_back = queue.give_back
+
+    async def counted(env_id: str, rid: str, *args: Any) -> Any:
+        given_back.append(rid)
+        return await give_back(env_id, rid, *args)
+
+    monkeypatch.setattr(queue, "give_back", counted)
+    for _ in range(240):  # two minutes of a worker of the current version asking every 0.5 s
+        assert await h.engine.dequeue(h.env.worker_group_id, 5, deployments=[new]) == []
+        h.clock.advance(0.5)
+    # every 0.5 s eight times, then 1, 2, 4, 8, 16 and every 30 s: about 16 in two minutes (before: 240)
+    assert 10 <= len(given_back) <= 24, len(given_back)
+    row = await h.engine.get_run(run_id)
+    assert row is not None and row.status == "QUEUED"
+    h.clock.advance(31)
+    (got,) = await h.engine.dequeue(h.env.worker_group_id, 5, deployments=[old])
+    assert got.run.id == run_id
