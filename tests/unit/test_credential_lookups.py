@@ -86,11 +86,11 @@ async def test_a_worker_token_that_matched_nothing_is_refused_without_looking_ag
     assert engine.calls == 2  # the first try: the group, then an environment; none after
 
 
-async def test_a_key_that_matched_lately_is_not_held_behind_a_flood() -> None:
+def directory_knowing(good: str) -> SlowDirectory:
+    """A SlowDirectory in which the key ``good`` matches an environment (found at once)."""
     from run_engine.tenancy import hash_secret
 
     engine = SlowDirectory()
-    good = "good-key"
     real_find = engine._find
 
     async def find(key_hash: str) -> object:
@@ -99,6 +99,11 @@ async def test_a_key_that_matched_lately_is_not_held_behind_a_flood() -> None:
         return await real_find(key_hash)
 
     engine.environment_by_key_hash = find  # type: ignore[method-assign]
+    return engine
+
+
+async def test_a_key_that_matched_lately_is_not_held_behind_a_flood() -> None:
+    engine = directory_knowing(good := "good-key")
     ctx = context(engine)
     assert await ctx.environment_by_key(good) == "the environment"
     ctx._envs = type(ctx._envs)()  # its 5 s cache expired
@@ -115,19 +120,10 @@ async def test_a_key_that_matched_lately_in_another_process_is_not_held_behind_a
     """A process just started (a restart, a deploy) knows no key yet: a key that matched in the
     process before (or another one) is not held behind a flood of unknown keys, which took every
     look-up slot (each tenant's first request waited behind the whole flood)."""
+    engine = directory_knowing(good := "good-key")
+    assert await context(engine).environment_by_key(good) == "the environment"  # the process before
     from run_engine.tenancy import hash_secret
 
-    engine = SlowDirectory()
-    good = "good-key"
-    real_find = engine._find
-
-    async def find(key_hash: str) -> object:
-        if key_hash == hash_secret(good):
-            return "the environment"
-        return await real_find(key_hash)
-
-    engine.environment_by_key_hash = find  # type: ignore[method-assign]
-    assert await context(engine).environment_by_key(good) == "the environment"  # the process before
     assert not any(hash_secret(good) in k for k in engine.redis.data)  # no credential's hash in Redis
     restarted = context(engine)
     flood = [asyncio.ensure_future(restarted.environment_by_key(secrets.token_hex(8))) for _ in range(20)]
