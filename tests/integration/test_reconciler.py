@@ -479,15 +479,10 @@ async def test_a_slot_is_freed_only_when_two_passes_saw_it_held_by_a_finished_ru
     assert lost not in await q.running_ids(h.env.env_id)
 
 
-async def test_a_dequeue_that_resumes_after_the_run_was_handed_out_again_frees_no_slot_of_it(
-        private: Harness) -> None:
-    """A dequeue stalled between its take from the queue and its PostgreSQL write (a GC, a
-    SIGSTOP, a connection wait) longer than the grace: the reconciler makes the run ready again
-    and another dequeue hands it out. The stalled one then finds the run moved on and drops its
-    message; it must drop only its own delivery's. Before, it acked the run wherever its message
-    was, deleting the second dequeue's and freeing the slot of a run a worker holds (one run over
-    every limit, and the reconciler later read it as a run holding no slot)."""
-    h = private
+@contextlib.asynccontextmanager
+async def stalled_dequeue(h: Harness) -> AsyncIterator[tuple[asyncio.Event, asyncio.Event]]:
+    """The next dequeue stalls before its PostgreSQL write: ``stalled`` is set when it does, and it
+    goes on once ``go`` is set (at the latest when the block ends)."""
     dequeue = h.engine.systems.dequeue
     real = dequeue.execution_snapshot.append_many
     stalled, go = asyncio.Event(), asyncio.Event()
@@ -500,6 +495,22 @@ async def test_a_dequeue_that_resumes_after_the_run_was_handed_out_again_frees_n
 
     dequeue.execution_snapshot.append_many = append_many  # type: ignore[method-assign]
     try:
+        yield stalled, go
+    finally:
+        go.set()
+        dequeue.execution_snapshot.append_many = real  # type: ignore[method-assign]
+
+
+async def test_a_dequeue_that_resumes_after_the_run_was_handed_out_again_frees_no_slot_of_it(
+        private: Harness) -> None:
+    """A dequeue stalled between its take from the queue and its PostgreSQL write (a GC, a
+    SIGSTOP, a connection wait) longer than the grace: the reconciler makes the run ready again
+    and another dequeue hands it out. The stalled one then finds the run moved on and drops its
+    message; it must drop only its own delivery's. Before, it acked the run wherever its message
+    was, deleting the second dequeue's and freeing the slot of a run a worker holds (one run over
+    every limit, and the reconciler later read it as a run holding no slot)."""
+    h = private
+    async with stalled_dequeue(h) as (stalled, go):
         run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
         first = asyncio.create_task(h.engine.dequeue(h.env.worker_group_id, 5))
         await asyncio.wait_for(stalled.wait(), 10)
@@ -510,9 +521,6 @@ async def test_a_dequeue_that_resumes_after_the_run_was_handed_out_again_frees_n
         assert d.run.id == run.id
         go.set()
         assert await asyncio.wait_for(first, 10) == []  # its compare-and-set failed: nothing handed out
-    finally:
-        go.set()
-        dequeue.execution_snapshot.append_many = real  # type: ignore[method-assign]
     assert run.id in await h.engine.resources.queue.running_ids(h.env.env_id)  # the second's slot, kept
     other = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # `limited` allows one at a time
@@ -530,18 +538,7 @@ async def test_a_stalled_dequeue_frees_no_slot_of_a_later_delivery_with_the_same
     before, its ack '=1' matched, deleted the third dequeue's held message and freed the slot of a
     run a worker was starting (the queue's limit of 1 then let a second run out beside it)."""
     h = private
-    dequeue = h.engine.systems.dequeue
-    real = dequeue.execution_snapshot.append_many
-    stalled, go = asyncio.Event(), asyncio.Event()
-
-    async def append_many(*args: Any, **kwargs: Any) -> Any:
-        if not stalled.is_set():
-            stalled.set()
-            await go.wait()
-        return await real(*args, **kwargs)
-
-    dequeue.execution_snapshot.append_many = append_many  # type: ignore[method-assign]
-    try:
+    async with stalled_dequeue(h) as (stalled, go):
         run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited", max_attempts=3))
         first = asyncio.create_task(h.engine.dequeue(h.env.worker_group_id, 5))
         await asyncio.wait_for(stalled.wait(), 10)
@@ -560,9 +557,6 @@ async def test_a_stalled_dequeue_frees_no_slot_of_a_later_delivery_with_the_same
         assert [x.run.id for x in third] == [run.id] and third[0].deliveries == 1
         go.set()
         assert await asyncio.wait_for(first, 10) == []  # its compare-and-set failed: nothing handed out
-    finally:
-        go.set()
-        dequeue.execution_snapshot.append_many = real  # type: ignore[method-assign]
     assert run.id in await h.engine.resources.queue.running_ids(h.env.env_id)  # the third's slot, kept
     await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # `limited` allows one at a time
