@@ -110,8 +110,10 @@ class WaitingForWorkerSystem:
         self, *, env_id: str, worker_group_id: str, version: str, content_hash: str,
         tasks: Sequence[TaskSpec], queues: Sequence[QueueSpec],
     ) -> tuple[str, int]:
-        """Record the deployment (current from now on), mirror its queues' settings into the run
-        queue and enqueue the runs that were waiting for it. Returns (deployment id, runs enqueued).
+        """Record the deployment (current from now on, unless it was registered before and a
+        deployment registered after it is current: see the repository), mirror its queues'
+        settings into the run queue and enqueue the runs that were waiting for it (when it is
+        current). Returns (deployment id, runs enqueued).
 
         Refused (422 ``too_many_queues``, nothing written) when the queues it declares that the
         environment does not have would take it past ``max_queues_per_env``."""
@@ -127,7 +129,7 @@ class WaitingForWorkerSystem:
         before with the same content, if any)."""
         self.validate(tasks)
         queue_list = self._queues(tasks, queues)
-        dep_id, _, registered = await self.r.repo.deployments.register_deployment(
+        dep_id, _, registered, current = await self.r.repo.deployments.register_deployment(
             deployment_id=new_id("deployment"), env_id=env_id, worker_group_id=worker_group_id,
             version=version, content_hash=content_hash, tasks=tasks, queues=queue_list,
             queue_ids=[new_id("queue") for _ in queue_list], max_queues=self.r.settings.max_queues_per_env,
@@ -136,6 +138,13 @@ class WaitingForWorkerSystem:
         # its environment only: the environment's other queues and other tenants are not its cost
         await self.enqueue.mirror_queues(env_id, [q.name for q in queue_list])
         self.enqueue.invalidate(env_id)
+        if not current:
+            # a worker of a version a later registration replaced, connecting again (a rolling
+            # deploy): its deployment is answered and its workers run what it has, but the crons and
+            # the runs waiting for a version (PENDING_VERSION) are the current deployment's to take
+            log.info("deployment %s (version %s) connected again in environment %s: not current, a deployment "
+                     "registered after it is", dep_id, registered, env_id)
+            return dep_id, 0, registered
         await self.schedules.sync_declarative(env_id, worker_group_id, tasks)
         queue_of = {t.id: t.queue_name for t in tasks}
         waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, list(queue_of),

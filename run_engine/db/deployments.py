@@ -133,46 +133,59 @@ class DeploymentRepository:
         queues: Sequence[QueueSpec],
         queue_ids: Sequence[str],
         max_queues: int | None = None,
-    ) -> tuple[str, bool, str]:
-        """Record a deployment and make it current; upsert its queues. Returns (id, created, its
-        version).
+    ) -> tuple[str, bool, str, bool]:
+        """Record a deployment and upsert its queues; make it current when it is new or registered
+        after the current one. Returns (id, created, its version, current).
 
         Registering the same content again returns the existing deployment (with the version it
-        was registered with, whatever ``version`` this call gives). The registrations of
-        one environment take turns (a transaction-scoped advisory lock on it), so that two at once
-        both succeed, the later one current, and count each other's queues. A deployment whose
-        queues the environment does not have would take it past ``max_queues`` is refused
-        (:class:`UnprocessableError` ``too_many_queues``) with nothing written."""
+        was registered with, whatever ``version`` this call gives). It is current again only when no
+        deployment registered at or after it is current (or none is): a worker of the version before
+        connecting again during a rolling deploy (a restart, a dropped connection) leaves the newer
+        deployment current, its queues' settings as they are (it adds the queues the environment
+        lacks, no more) and its crons to it. Registration order is the order of ``created_at``,
+        the clock read under the lock below. The registrations of one environment take turns (a
+        transaction-scoped advisory lock on it), so that two at once both succeed, the later one
+        current, and count each other's queues. A deployment whose queues the environment does
+        not have would take it past ``max_queues`` is refused (:class:`UnprocessableError`
+        ``too_many_queues``) with nothing written."""
         async with self.pool.connection() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_DEPLOY_LOCK_CLASS, env_id))
             await self._check_queue_room(conn, env_id, [q.name for q in queues], max_queues)
             existing = await (
                 await conn.execute(
-                    """SELECT id, version FROM deployment
-                       WHERE environment_id = %s AND worker_group_id = %s AND content_hash = %s
-                       ORDER BY created_at DESC LIMIT 1""",
+                    """SELECT d.id, d.version, d.is_current OR NOT EXISTS (
+                                  SELECT 1 FROM deployment c
+                                  WHERE c.environment_id = d.environment_id AND c.worker_group_id = d.worker_group_id
+                                    AND c.is_current AND c.id <> d.id AND c.created_at >= d.created_at)
+                       FROM deployment d
+                       WHERE d.environment_id = %s AND d.worker_group_id = %s AND d.content_hash = %s
+                       ORDER BY d.created_at DESC LIMIT 1""",
                     (env_id, worker_group_id, content_hash),
                 )
             ).fetchone()
             created = existing is None
             dep_id = deployment_id if existing is None else existing[0]
             version = version if existing is None else existing[1]
+            current = True if existing is None else bool(existing[2])
             if created and await (await conn.execute(
                     "SELECT 1 FROM deployment WHERE environment_id = %s AND worker_group_id = %s AND version = %s",
                     (env_id, worker_group_id, version))).fetchone():
                 raise ConflictError("deployment.version", f"version {version!r} is already deployed with other "
                                                           "tasks; give this deployment a new version")
-            await conn.execute(
-                "UPDATE deployment SET is_current = false"
-                " WHERE environment_id = %s AND worker_group_id = %s AND is_current AND id <> %s",
-                (env_id, worker_group_id, dep_id),
-            )
+            if current:
+                await conn.execute(
+                    "UPDATE deployment SET is_current = false"
+                    " WHERE environment_id = %s AND worker_group_id = %s AND is_current AND id <> %s",
+                    (env_id, worker_group_id, dep_id),
+                )
             cur = conn.cursor()
             if created:
+                # created_at read now, under the lock: registration order (now() is the
+                # transaction's start, and a transaction that started first may take the lock last)
                 await conn.execute(
                     """INSERT INTO deployment (id, environment_id, worker_group_id, version, content_hash, tasks,
-                                               queues, is_current)
-                       VALUES (%s, %s, %s, %s, %s, %s, %s, true)""",
+                                               queues, is_current, created_at)
+                       VALUES (%s, %s, %s, %s, %s, %s, %s, true, clock_timestamp())""",
                     (dep_id, env_id, worker_group_id, version, content_hash,
                      Jsonb([dataclasses.asdict(t) for t in tasks]), Jsonb([dataclasses.asdict(q) for q in queues])),
                 )
@@ -186,21 +199,24 @@ class DeploymentRepository:
                         for t in tasks
                     ],
                 )
-            else:
-                await conn.execute("UPDATE deployment SET is_current = true WHERE id = %s", (dep_id,))
+            elif current:
+                await conn.execute("UPDATE deployment SET is_current = true WHERE id = %s AND NOT is_current",
+                                   (dep_id,))
+            # a deployment that is not current sets no queue's settings: those are the current one's
             await cur.executemany(
                 """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit, rate_limit)
                    VALUES (%s, %s, %s, %s, %s, %s)
                    ON CONFLICT (environment_id, name) DO UPDATE
                        SET type = EXCLUDED.type, concurrency_limit = EXCLUDED.concurrency_limit,
-                           rate_limit = EXCLUDED.rate_limit""",
+                           rate_limit = EXCLUDED.rate_limit
+                       WHERE %s""",
                 [
                     (queue_id, env_id, queue.name, queue.type, queue.concurrency_limit,
-                     Jsonb(queue.rate_limit.stored()) if queue.rate_limit else None)
+                     Jsonb(queue.rate_limit.stored()) if queue.rate_limit else None, current)
                     for queue, queue_id in zip(queues, queue_ids, strict=True)
                 ],
             )
-        return dep_id, created, version
+        return dep_id, created, version, current
 
     @staticmethod
     async def _check_queue_room(conn: AsyncConnection[Any], env_id: str, names: Sequence[str],

@@ -145,3 +145,27 @@ async def test_a_run_no_worker_asking_can_take_is_given_back_ever_later(
     h.clock.advance(31)
     (got,) = await h.engine.dequeue(h.env.worker_group_id, 5, deployments=[old])
     assert got.run.id == run_id
+
+
+async def test_an_old_workers_connect_over_http_leaves_the_newer_deployment_current(
+        h: Harness, api: httpx.AsyncClient) -> None:
+    """A worker of version A connects again after B did (a rolling deploy): it is answered as
+    before (A's deployment and version) and B stays current: triggers are B's."""
+    def declaration(version: str, *tasks: str) -> dict[str, Any]:
+        return {"workerInstanceName": f"w-{version}",
+                "deployment": {"version": version, "tasks": [{"id": t} for t in tasks]}}
+
+    async with api_client(h, h.env.worker_group_token) as worker:
+        first = await worker.post(CONNECT, json=declaration("A", "a"))
+        assert first.status_code == 200, first.text
+        b = await worker.post(CONNECT, json=declaration("B", "a", "b"))
+        assert b.status_code == 200, b.text
+        again = await worker.post(CONNECT, json=declaration("A", "a"))
+        assert again.status_code == 200, again.text
+    assert again.json() == first.json()  # the same answer: A's deployment, A's version
+    for task in ("a", "b"):
+        answer = await _trigger(api, task)
+        assert answer.status_code == 200, answer.text
+        run = await h.engine.get_run(answer.json()["id"])
+        assert run is not None and run.status == "QUEUED", run
+        assert run.locked_to_deployment_id == b.json()["deploymentId"]

@@ -111,3 +111,83 @@ async def test_a_connect_finding_many_runs_waiting_promotes_a_bounded_number_and
     assert statuses == ["QUEUED"] * 8
     got = await h.engine.dequeue(h.env.worker_group_id, 20, deployments=[dep_id])
     assert sorted(d.run.id for d in got) == sorted(r.id for r in runs)  # each once
+
+
+A_TASKS = ({"id": "shared", "queue": "q", "maxDuration": 60}, {"id": "only-a", "cron": "0 * * * *"})
+A_QUEUES = [{"name": "q", "concurrencyLimit": 5}]
+B_TASKS = ({"id": "shared", "queue": "q", "maxDuration": 120}, {"id": "only-b", "cron": "30 * * * *"})
+B_QUEUES = [{"name": "q", "concurrencyLimit": 10}]
+
+
+async def _current(h: Harness, task: str) -> str | None:
+    found = await h.engine.resources.repo.deployments.current_task(h.env.env_id, h.env.worker_group_id, task)
+    return None if found is None else found.deployment_id
+
+
+async def test_an_old_worker_reconnecting_leaves_the_newer_deployment_current(h: Harness) -> None:
+    """A rolling deploy: version B connected after A, then a worker of A restarted (or its
+    connection dropped) and connected again. Its connect made A current again: new triggers were
+    A's (its task settings), a task only B has waited as PENDING_VERSION, the queue took A's limit
+    back and the crons were A's, until B's next connect flipped it all back. A deployment registered
+    before the current one stays as it is: still answered, still registered, its workers still run
+    what it has."""
+    a = await h.deploy(*A_TASKS, queues=A_QUEUES, version="A")
+    b = await h.deploy(*B_TASKS, queues=B_QUEUES, version="B")
+    assert await h.deploy(*A_TASKS, queues=A_QUEUES, version="A") == a  # A's worker again: A's deployment
+    assert await _current(h, "shared") == b and await _current(h, "only-b") == b
+    assert await _current(h, "only-a") is None
+    deps = h.engine.resources.repo.deployments
+    shared = await deps.current_task(h.env.env_id, h.env.worker_group_id, "shared")
+    assert shared is not None and shared.version == "B" and shared.max_duration_s == 120
+    queue = await deps.task_queue(h.env.env_id, "q")
+    assert queue is not None and queue.concurrency_limit == 10  # B's limit, not A's back
+    schedules = await h.engine.list_schedules(h.env.env_id, 10, None)
+    assert {s.task_id for s in schedules} == {"only-b"}  # B's crons, not A's back
+    # triggers go to B's task definitions
+    new_task = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="only-b"))
+    row = await h.engine.get_run(new_task.id)
+    assert row is not None and row.status == "QUEUED" and row.locked_to_deployment_id == b
+    plain = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="shared"))
+    row = await h.engine.get_run(plain.id)
+    assert row is not None and row.locked_to_deployment_id == b
+    gone = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="only-a"))
+    row = await h.engine.get_run(gone.id)
+    assert row is not None and row.status == "PENDING_VERSION"
+    # A is still registered: its workers run the tasks it has, a lock to its version still works
+    assert await deps.version_task(h.env.env_id, h.env.worker_group_id, "A", "only-a") is not None
+    (got,) = await h.engine.dequeue(h.env.worker_group_id, 5, deployments=[a])
+    assert got.run.id == plain.id
+    # A's connect again, once more: nothing moves (B's workers connecting again neither)
+    assert await h.deploy(*A_TASKS, queues=A_QUEUES, version="A") == a
+    assert await h.deploy(*B_TASKS, queues=B_QUEUES, version="B") == b
+    assert await _current(h, "shared") == b
+    row = await h.engine.get_run(gone.id)
+    assert row is not None and row.status == "PENDING_VERSION"  # not handed to A's deployment
+
+
+async def test_a_new_deployment_after_an_old_ones_reconnect_is_current(h: Harness) -> None:
+    a = await h.deploy(*A_TASKS, queues=A_QUEUES, version="A")
+    b = await h.deploy(*B_TASKS, queues=B_QUEUES, version="B")
+    await h.deploy(*A_TASKS, queues=A_QUEUES, version="A")
+    c = await h.deploy({"id": "shared"}, {"id": "only-c"}, version="C")
+    assert len({a, b, c}) == 3
+    assert await _current(h, "shared") == c and await _current(h, "only-c") == c
+    for tasks, queues, version in ((A_TASKS, A_QUEUES, "A"), (B_TASKS, B_QUEUES, "B")):
+        await h.deploy(*tasks, queues=queues, version=version)
+        assert await _current(h, "shared") == c
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="only-c"))
+    row = await h.engine.get_run(run.id)
+    assert row is not None and row.status == "QUEUED" and row.locked_to_deployment_id == c
+
+
+async def test_a_deployment_registered_after_the_current_one_is_made_current_by_its_connect(h: Harness) -> None:
+    """What the versions before left behind (an old worker's connect made its deployment current
+    again): the later deployment's next connect makes it current once more."""
+    a = await h.deploy(*A_TASKS, queues=A_QUEUES, version="A")
+    b = await h.deploy(*B_TASKS, queues=B_QUEUES, version="B")
+    async with h.engine.resources.repo.deployments.pool.connection() as conn, conn.transaction():
+        await conn.execute("UPDATE deployment SET is_current = false WHERE id = %s", (b,))
+        await conn.execute("UPDATE deployment SET is_current = true WHERE id = %s", (a,))
+    assert await _current(h, "shared") == a
+    assert await h.deploy(*B_TASKS, queues=B_QUEUES, version="B") == b
+    assert await _current(h, "shared") == b
