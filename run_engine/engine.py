@@ -26,7 +26,7 @@ from run_engine.errors import NotFoundError
 from run_engine.events import EventBus, RunEvent
 from run_engine.ids import new_id
 from run_engine.jobs import Job, JobQueue, JobWorker
-from run_engine.leader import LeaderLease
+from run_engine.leader import LeaderLease, default_duty_timeout
 from run_engine.locking import RunLocker
 from run_engine.redis_connect import close_fully
 from run_engine.redis_connect import connect as connect_redis
@@ -39,6 +39,7 @@ from systems.dead_letter import DeadRun
 from systems.dequeue import DequeuedRun
 from systems.enqueue import DEFAULT_IDEMPOTENCY_TTL_S, Debounce, TriggeredRun, TriggerRequest
 from systems.explain import Explanation
+from systems.reconciler import RECONCILE_TIMEOUT_S
 from systems.registry import Systems
 from systems.resources import SystemResources
 from systems.run_attempt import AttemptOutcome, StartedAttempt
@@ -78,7 +79,11 @@ class RunEngine:
         self._lock_nodes: list[aioredis.Redis] = []  # the run locks' own Redis nodes (RUN_ENGINE_LOCK_REDIS_URLS)
         s = resources.settings
         self.leader = LeaderLease(resources.repo, ttl_s=s.lease_ttl_s, renew_s=s.lease_renew_s)
-        self.leader.add_duty("reconcile", s.reconcile_interval_s, self.systems.reconciler.reconcile)
+        # each run bounded (leader.py): rearm jobs (budgeted scans, ~1 s) 10 min, retention (20 s of
+        # deleting runs a pass, then batches and expired packets) 50 min; a reconcile pass after Redis
+        # lost its data reads everything, so its own bound (RECONCILE_TIMEOUT_S)
+        self.leader.add_duty("reconcile", s.reconcile_interval_s, self.systems.reconciler.reconcile,
+                             timeout_s=max(RECONCILE_TIMEOUT_S, default_duty_timeout(s.reconcile_interval_s)))
         self.leader.add_duty("rearm jobs", s.rearm_interval_s, self.systems.reconciler.rearm_jobs)
         self.leader.add_duty("retention", s.retention_interval_s, self.systems.reconciler.retention)
 

@@ -22,19 +22,21 @@ def _uncounted(label: str) -> None:
 class Timings:
     """``dequeue``: one engine dequeue call, label ``runs`` or ``empty``; ``lock_wait``: from asking
     for a run lock to holding it, label the lock's name (``start_attempt``, ``dequeue``, …).
-    And one count: ``schedule_tick``, a due schedule tick this process dealt with, label ``fired``
+    And two counts: ``schedule_tick``, a due schedule tick this process dealt with, label ``fired``
     (its run made), ``skipped`` (the environment refused its run: its queue full, its task not
-    triggerable) or ``stopped`` (its next tick cannot be worked out: the schedule was deactivated).
+    triggerable) or ``stopped`` (its next tick cannot be worked out: the schedule was deactivated);
+    and ``leader_duty_timeout``, a leader duty's run cancelled past its timeout, label the duty.
     An observer must not raise: it is called in the middle of the work it times."""
 
     def __init__(self) -> None:
         self.dequeue: Observer = _ignore
         self.lock_wait: Observer = _ignore
         self.schedule_tick: Count = _uncounted
+        self.leader_duty_timeout: Count = _uncounted
 
     def reset(self) -> None:
         self.dequeue = self.lock_wait = _ignore
-        self.schedule_tick = _uncounted
+        self.schedule_tick = self.leader_duty_timeout = _uncounted
 
 
 TIMINGS = Timings()

@@ -54,6 +54,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 BULK_PAGE = 1000  # bulk actions under way re-armed per query
 RETENTION_PASS_S = 20.0  # of deleting finished runs, per retention pass
+#: the leader cancels a reconcile pass that runs longer (leader.py). A budgeted pass takes well under
+#: a second, but one that finds Redis's data lost reads every QUEUED run (~85 µs each: 8.4 s for
+#: 100,000, docs/BENCHMARKS.md) and re-arms every engine job, and a cut one is done again whole by the
+#: next: a bound below its length would never let it finish. So not the default 10 intervals.
+RECONCILE_TIMEOUT_S = 3600.0
 SLOT_PAGE = 500  # environments whose slots in use are counted per round trip
 #: a queue's settings change is compared again for this long (its version is PostgreSQL's clock when
 #: its statement ran, a moment before it commits)
@@ -417,8 +422,8 @@ class ReconcilerSystem:
             if total:
                 log.info("retention: deleted %d expired uploaded packets", total)
             return total
-        # at most RETENTION_PASS_S a pass: the leader's other duties (lost runs, leaked slots, lost
-        # jobs) wait while it runs, and a backlog of millions (retention just lowered) is hours
+        # at most RETENTION_PASS_S a pass: a backlog of millions (retention just lowered) is hours,
+        # and its deletes compete with the hot path (the leader's other duties run beside it)
         ends = time.monotonic() + RETENTION_PASS_S
         while True:
             deleted = await self.r.repo.maintenance.delete_finished_before(age, self.r.settings.retention_batch,
