@@ -64,11 +64,14 @@ SCHEDULE_TICKS = Counter("run_engine_schedule_ticks", "Due schedule ticks this p
                          "fired (a run made), skipped (the environment refused the run: its queue full, its task "
                          "not triggerable), stopped (the next tick cannot be worked out: the schedule deactivated).",
                          ["outcome"], registry=REGISTRY)
+LEADER_DUTY_TIMEOUTS = Counter("run_engine_leader_duty_timeouts", "Runs of a leader duty (reconcile, rearm jobs, "
+                               "retention) cancelled past their timeout, by duty.", ["duty"], registry=REGISTRY)
 LOCK_WAIT = Histogram("run_engine_lock_wait_seconds", "From asking for a run lock to holding it, by the "
                       "operation that takes it.", ["lock"], buckets=FAST_BUCKETS, registry=REGISTRY)
 
 FINAL_STATUSES = ("COMPLETED", "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT")
 CREATED_STATUSES = ("QUEUED", "DELAYED", "PENDING_VERSION")
+LEADER_DUTIES = ("reconcile", "rearm jobs", "retention")  # (engine.py's add_duty calls): series at 0 from the start
 
 
 class EngineMetrics:
@@ -81,6 +84,7 @@ class EngineMetrics:
         self._finished = {s: RUNS_FINISHED.labels(s) for s in FINAL_STATUSES}
         self._dequeue = {o: DEQUEUE.labels(o) for o in ("runs", "empty")}
         self._ticks = {o: SCHEDULE_TICKS.labels(o) for o in ("fired", "skipped", "stopped")}
+        self._duty_timeouts = {d: LEADER_DUTY_TIMEOUTS.labels(d) for d in LEADER_DUTIES}
         self._locks: dict[str, Any] = {}
 
     def install(self, events: EventBus) -> Callable[[], None]:
@@ -89,6 +93,7 @@ class EngineMetrics:
         TIMINGS.dequeue = self.on_dequeue
         TIMINGS.lock_wait = self.on_lock_wait
         TIMINGS.schedule_tick = self.on_schedule_tick
+        TIMINGS.leader_duty_timeout = self.on_leader_duty_timeout
 
         def uninstall() -> None:
             unsubscribe()
@@ -137,6 +142,12 @@ class EngineMetrics:
             self._ticks[outcome].inc()
         except Exception:
             log.debug("schedule tick not counted", exc_info=True)
+
+    def on_leader_duty_timeout(self, duty: str) -> None:
+        try:
+            self._status(self._duty_timeouts, LEADER_DUTY_TIMEOUTS, duty)
+        except Exception:
+            log.debug("leader duty timeout not counted", exc_info=True)
 
     def on_lock_wait(self, lock: str, seconds: float) -> None:
         try:

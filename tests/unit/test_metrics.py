@@ -81,6 +81,14 @@ def test_timings_reach_the_histograms_while_installed(bus: EventBus) -> None:
     assert sample("run_engine_lock_wait_seconds_count", lock="start_attempt") == waits + 1
 
 
+def test_leader_duty_timeouts_are_counted_by_duty_and_shown_at_zero_before(bus: EventBus) -> None:
+    text = generate_latest(metrics.REGISTRY).decode()
+    assert 'run_engine_leader_duty_timeouts_total{duty="retention"}' in text  # alertable from the start
+    before = sample("run_engine_leader_duty_timeouts_total", duty="reconcile")
+    TIMINGS.leader_duty_timeout("reconcile")
+    assert sample("run_engine_leader_duty_timeouts_total", duty="reconcile") == before + 1
+
+
 def test_uninstalled_metrics_see_nothing() -> None:
     events = EventBus()
     metrics.EngineMetrics().install(events)()
