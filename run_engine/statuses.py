@@ -71,6 +71,9 @@ IN_QUEUE = frozenset({E.QUEUED, E.QUEUED_EXECUTING})
 HEARTBEAT_STATUSES = frozenset(
     {E.PENDING_EXECUTING, E.EXECUTING, E.EXECUTING_WITH_WAITPOINTS, E.PENDING_CANCEL}
 )
+#: statuses of a run handed out to a worker (not yet given back): its queue message is held and
+#: holds its slots until the run's own ack, nack, release or enqueue
+HANDED_OUT = HEARTBEAT_STATUSES
 #: statuses a cancel finishes at once (nothing is running)
 CANCEL_AT_ONCE = frozenset(
     {E.RUN_CREATED, E.DELAYED, E.PENDING_VERSION, E.QUEUED, E.QUEUED_EXECUTING, E.SUSPENDED, E.PENDING_EXECUTING}

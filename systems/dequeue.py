@@ -21,7 +21,7 @@ from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.run_queue import Handed
 from run_engine.run_queue.models import DequeuedMessage
-from run_engine.statuses import DEQUEUEABLE, ExecutionStatus, RunStatus
+from run_engine.statuses import DEQUEUEABLE, HANDED_OUT, ExecutionStatus, RunStatus
 from run_engine.timings import TIMINGS
 from systems import engine_jobs
 from systems.resources import SystemResources
@@ -126,6 +126,13 @@ class DequeueSystem:
         timeout = self.r.settings.pending_executing_timeout_s
         for message, result, started, journal in zip(handed_out, results, starts, journals, strict=True):
             if not (result.applied and result.snapshot is not None and result.run is not None):
+                if result.latest_status in HANDED_OUT:
+                    # Another dequeue wrote the run while this one held its message (made ready
+                    # again by the reconciler while that one stalled, then taken here): the run is
+                    # that one's worker's, and this delivery is its slot. Kept held, freed by the
+                    # run's own ack; dropped, the run ran with no slot and its queue's limit let
+                    # one more run out beside it.
+                    continue
                 # The run moved on (finished, cancelled) while its message was queued: drop it.
                 # Only this delivery's: a dequeue that stalled past the reconciler's grace finds
                 # the run made ready again and handed out since, whose slot it must not free.

@@ -560,3 +560,52 @@ async def test_a_stalled_dequeue_frees_no_slot_of_a_later_delivery_with_the_same
     assert run.id in await h.engine.resources.queue.running_ids(h.env.env_id)  # the third's slot, kept
     await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # `limited` allows one at a time
+
+
+async def test_a_dequeue_that_loses_its_run_to_a_stalled_one_keeps_the_slot_for_it(private: Harness) -> None:
+    """As above, but a second dequeue took the run made ready again, and the stalled one resumed
+    and won the compare-and-set before the second wrote: the second finds the run moved on to
+    PENDING_EXECUTING, a state that holds a slot. Before, it dropped its delivery (the message and
+    the slot) while the first dequeue's worker ran the run: the queue's limit of 1 let a second run
+    out beside it. Now a dequeue whose run moved on to a state that holds a slot leaves its
+    message held: the run's slot, freed by the run's own ack."""
+    h = private
+    dequeue = h.engine.systems.dequeue
+    real = dequeue.execution_snapshot.append_many
+    stalled = [asyncio.Event(), asyncio.Event()]  # the first and the second dequeue, before they write
+    gates = [asyncio.Event(), asyncio.Event()]
+
+    async def append_many(*args: Any, **kwargs: Any) -> Any:
+        n = next((i for i, e in enumerate(stalled) if not e.is_set()), None)
+        if n is not None:
+            stalled[n].set()
+            await gates[n].wait()
+        return await real(*args, **kwargs)
+
+    dequeue.execution_snapshot.append_many = append_many  # type: ignore[method-assign]
+    try:
+        run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+        first = asyncio.create_task(h.engine.dequeue(h.env.worker_group_id, 5))
+        await asyncio.wait_for(stalled[0].wait(), 10)
+        h.clock.advance(31)  # held longer than the grace
+        assert (await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)).requeued_stuck >= 1
+        second = asyncio.create_task(h.engine.dequeue(h.env.worker_group_id, 5))
+        await asyncio.wait_for(stalled[1].wait(), 10)  # the second took the run, and stalls too
+        gates[0].set()
+        (d,) = await asyncio.wait_for(first, 10)  # the first wins
+        gates[1].set()
+        assert await asyncio.wait_for(second, 10) == []  # the second's compare-and-set failed
+    finally:
+        for g in gates:
+            g.set()
+        dequeue.execution_snapshot.append_many = real  # type: ignore[method-assign]
+    assert d.run.id == run.id
+    q = h.engine.resources.queue
+    assert run.id in await q.running_ids(h.env.env_id)
+    other = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+    for _ in range(3):
+        assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
+    assert run.id not in await q.running_ids(h.env.env_id)
+    assert [x.run.id for x in await h.engine.dequeue(h.env.worker_group_id, 5)] == [other.id]
