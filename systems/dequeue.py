@@ -121,6 +121,7 @@ class DequeueSystem:
         stray: list[tuple[str, str]] = []
         stray_deliveries: list[int | None] = []
         stray_held_at: list[int | None] = []
+        written: list[DequeuedMessage] = []  # the messages of the runs this dequeue wrote
         cancel: list[str] = []
         schedule: list[engine_jobs.JobSpec] = []
         timeout = self.r.settings.pending_executing_timeout_s
@@ -139,7 +140,9 @@ class DequeueSystem:
                 stray.append((message.env_id, message.run_id))
                 stray_deliveries.append(message.deliveries)
                 stray_held_at.append(message.held_at_ms)  # the count alone: a retry resets it
-            elif started is not None and started.applied and started.run is not None \
+                continue
+            written.append(message)
+            if started is not None and started.applied and started.run is not None \
                     and started.snapshot is not None:
                 try:
                     attempt, c, s = await self.run_attempt.attempt_started(
@@ -161,12 +164,21 @@ class DequeueSystem:
                 schedule.append(engine_jobs.heartbeat(result.run.id, result.snapshot.id,
                                                       self.r.clock.now() + timeout))
                 dequeued.append(DequeuedRun(result.run, result.snapshot, message.deliveries))
+        # A dequeue that took longer than half the reconciler's grace may have had its runs made
+        # ready again (their slots freed) before it wrote them: it takes back what it finds so.
+        # (The rest of the grace is for the clocks of the leader and this process to differ.)
+        # (A dequeue's messages share their take's time.)
+        now = self.r.now_ms()
+        took = written[0].held_at_ms if written else None
+        late = written if took is not None and now - took > self.r.settings.reconcile_grace_s * 500 else ()
         # committed: the runs are the worker's now, answered all the same (a stray's message the
         # ack missed stays held until the reconciler drops it; a lost job is re-armed by the runs'
-        # start or heartbeat)
+        # start or heartbeat; a run not taken back runs with no slot until the next dequeue of its
+        # queue takes its message and keeps it, above)
         await self.r.after_commit("dequeue",
                                   *([self.r.queue.ack(stray, deliveries=stray_deliveries,
                                                                   held_at=stray_held_at)] if stray else []),
+                                  *([self._reclaim(late, now)] if late else []),
                                   self.r.change_jobs(cancel, schedule))
         for d in dequeued:
             self.r.events.emit(RunEvent("run_dequeued", d.run.id, d.run.env_id, d.snapshot.id,
@@ -176,6 +188,13 @@ class DequeueSystem:
         out = Handed(dequeued)
         out.retry_at_ms, out.backlog = messages.retry_at_ms, messages.backlog
         return out
+
+    async def _reclaim(self, messages: Sequence[DequeuedMessage], now: int) -> None:
+        taken = await self.r.queue.reclaim_many(
+            [(m.env_id, m.run_id, m.deliveries, m.held_at_ms or 0) for m in messages], now)
+        if any(taken):
+            log.warning("dequeue: runs %s were made ready again while their dequeue stalled before writing them; "
+                        "their slots taken back", [m.run_id for m, t in zip(messages, taken, strict=True) if t][:20])
 
     async def _start_split(self, messages: Sequence[DequeuedMessage], worker_id: str | None,
                            ) -> tuple[list[DequeuedMessage], list[tuple[TransitionResult, TransitionResult, Any]]]:

@@ -322,6 +322,30 @@ class RunQueue:
             calls.append((keys, [base, "giveback", encode_name(run_id), now_ms, due_ms]))
         return [bool(x) for x in await self._move.call_many(self.redis, calls)]
 
+    async def reclaim_many(self, deliveries: Sequence[tuple[str, str, int, int]], now_ms: int) -> list[bool]:
+        """Take back ``(env_id, run_id, deliveries, held_at_ms)`` deliveries (as
+        :class:`DequeuedMessage` has them) of runs written as handed out whose messages were made
+        ready again meanwhile (by the reconciler, when their dequeue stalled past its grace
+        between its take and its write): held again, their slots taken whatever the limits (the
+        runs are handed out). Only a message as its delivery left it (its count and held_at: the
+        reconciler keeps both); a run held (by that delivery or a later one), made ready afresh
+        (a retry resets the count) or gone is left. One pipeline for all; whether each was
+        taken back."""
+        calls: list[Call] = []
+        for env_id, run_id, count, held_at in deliveries:
+            keys, base = self._shard_args(env_id)
+            calls.append((keys, [base, "reclaim", encode_name(run_id), now_ms, f"={count}@{held_at}"]))
+        return [bool(x) for x in await self._move.call_many(self.redis, calls)]
+
+    async def delivery(self, env_id: str, run_id: str) -> tuple[int, int] | None:
+        """The last delivery of a held run (its count and held_at), as :meth:`reclaim_many` takes
+        it; None when the run is not held."""
+        state, count, held_at = await self.redis.hmget(self.keys.message(env_id, run_id), "state", "deliveries",
+                                                       "held_at")
+        if _s(state) != "held" or count is None or held_at is None:
+            return None
+        return int(count), int(float(held_at))
+
     async def redrive(self, env_id: str, run_id: str, now_ms: int) -> bool:
         return await self._one("redrive", env_id, run_id, now_ms)
 

@@ -562,6 +562,42 @@ async def test_a_stalled_dequeue_frees_no_slot_of_a_later_delivery_with_the_same
     assert await h.engine.dequeue(h.env.worker_group_id, 5) == []  # `limited` allows one at a time
 
 
+async def test_a_stalled_dequeue_whose_run_was_made_ready_again_and_not_taken_keeps_its_slot(
+        private: Harness) -> None:
+    """A dequeue stalled between its take and its PostgreSQL write past the grace: the reconciler
+    makes the run ready again (its slot freed), and no other dequeue takes it before the stalled
+    one resumes. Its compare-and-set then succeeds (PostgreSQL still had the run QUEUED) and the
+    run is handed out, once. Before, it ran with no slot and its message left ready: the next
+    dequeue took that message, dropped it (its compare-and-set failed) and the queue's limit of 1
+    let a second run out beside it, for as long as the first ran; nothing in the reconciler sees
+    a run that holds no slot. Now the resumed dequeue takes its delivery back: held, its slot
+    counted once."""
+    h = private
+    q = h.engine.resources.queue
+    async with stalled_dequeue(h) as (stalled, go):
+        run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+        first = asyncio.create_task(h.engine.dequeue(h.env.worker_group_id, 5))
+        await asyncio.wait_for(stalled.wait(), 10)
+        h.clock.advance(31)  # held longer than the grace
+        assert (await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)).requeued_stuck >= 1
+        go.set()
+        (d,) = await asyncio.wait_for(first, 10)  # its compare-and-set succeeded: handed out
+    assert d.run.id == run.id
+    assert run.id in await q.running_ids(h.env.env_id)  # taken back at once: held, its slot counted
+    assert (await q.queue_stats(h.env.env_id, "limited")).queued == 0
+    other = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+    for _ in range(3):  # neither the run a second time nor a second run of `limited` beside it
+        assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+    assert run.id in await q.running_ids(h.env.env_id)
+    report = await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
+    assert (report.requeued_stuck, report.slots_freed) == (0, 0)
+    assert run.id in await q.running_ids(h.env.env_id)
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
+    assert run.id not in await q.running_ids(h.env.env_id)
+    assert [x.run.id for x in await h.engine.dequeue(h.env.worker_group_id, 5)] == [other.id]
+
+
 async def test_a_dequeue_that_loses_its_run_to_a_stalled_one_keeps_the_slot_for_it(private: Harness) -> None:
     """As above, but a second dequeue took the run made ready again, and the stalled one resumed
     and won the compare-and-set before the second wrote: the second finds the run moved on to
@@ -609,3 +645,55 @@ async def test_a_dequeue_that_loses_its_run_to_a_stalled_one_keeps_the_slot_for_
     await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
     assert run.id not in await q.running_ids(h.env.env_id)
     assert [x.run.id for x in await h.engine.dequeue(h.env.worker_group_id, 5)] == [other.id]
+
+
+class _RunsData(Exception):
+    sqlstate = "22000"  # data exception: the statement's runs are split
+
+
+async def test_a_dequeue_that_stalls_in_its_split_and_starts_a_run_made_ready_again_keeps_its_slot(
+        private: Harness) -> None:
+    """A dequeue that starts its runs (what the supervisor asks) splits a batch whose statement
+    failed on a run's data; it stalls between its halves past the grace, and the reconciler makes
+    the second half's run (still QUEUED) ready again, not the first's (started). Resumed, the
+    second half starts its run too: both are handed out, each holding its slot once, and neither
+    is handed out again. Before, the second ran with its message ready and no slot."""
+    h = private
+    q = h.engine.resources.queue
+    repo = h.engine.resources.repo.runs
+    real = repo.dequeue_and_start
+    stalled, go = asyncio.Event(), asyncio.Event()
+    calls = 0
+
+    async def dequeue_and_start(starts: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise _RunsData("a value out of range")  # the whole batch: split in halves
+        if calls == 3:  # the second half
+            stalled.set()
+            await go.wait()
+        return await real(starts, *args, **kwargs)
+
+    repo.dequeue_and_start = dequeue_and_start  # type: ignore[method-assign]
+    try:
+        runs = [await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello")) for _ in range(2)]
+        first = asyncio.create_task(h.engine.dequeue(h.env.worker_group_id, 2, start=True))
+        await asyncio.wait_for(stalled.wait(), 10)
+        h.clock.advance(31)  # held longer than the grace
+        assert (await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)).requeued_stuck >= 1
+        go.set()
+        got = await asyncio.wait_for(first, 10)
+    finally:
+        go.set()
+        repo.dequeue_and_start = real  # type: ignore[method-assign]
+    assert sorted(d.run.id for d in got) == sorted(r.id for r in runs)
+    assert all(d.started is not None for d in got)
+    assert {r.id for r in runs} <= await q.running_ids(h.env.env_id)
+    assert not {d.run.id for d in await h.engine.dequeue(h.env.worker_group_id, 5)} & {r.id for r in runs}
+    assert {r.id for r in runs} <= await q.running_ids(h.env.env_id)
+    for d in got:
+        assert d.started is not None
+        await h.engine.complete_attempt(d.run.id, d.started.snapshot.id, ok=True)
+    assert not {r.id for r in runs} & await q.running_ids(h.env.env_id)
+    assert (await q.queue_stats(h.env.env_id, runs[0].queue)).queued == 0

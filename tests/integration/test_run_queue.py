@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from run_engine.redis_connect import connect as connect_redis
 from run_engine.run_queue import EnqueueItem, RunQueue
+from run_engine.run_queue.models import DequeuedMessage
 
 pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
@@ -276,6 +278,59 @@ async def test_give_back_many_puts_held_runs_back_in_place_with_their_delivery_u
     again = await q.dequeue("wg", 4, NOW)
     assert [m.run_id for m in again if m.env_id == "envA"] == ["r1", "r2", "r4"]
     assert {m.run_id: m.deliveries for m in again} == {"r1": 1, "r2": 1, "r3": 1, "r4": 1}
+
+
+def mark(m: DequeuedMessage) -> tuple[str, str, int, int]:
+    assert m.held_at_ms is not None
+    return m.env_id, m.run_id, m.deliveries, m.held_at_ms
+
+
+async def test_reclaim_takes_back_only_a_delivery_made_ready_again_as_it_left_it(q: RunQueue) -> None:
+    """A dequeue that wrote its runs after the reconciler had made them ready again (it stalled
+    past the grace between its take and its write) takes each back: held, its slot counted once,
+    out of the ready set, even when the slot was taken by another meanwhile (the run is handed
+    out). A run held (by its own delivery or a later one), made ready afresh (a retry resets the
+    count) or gone is left as it is."""
+    await q.set_queue_limit("envA", "task/a", 1)
+    await q.enqueue([item("r1"), item("r2", score=NOW + 1), item("r3", env="envB")], NOW)
+    [m1] = await q.dequeue("wg", 1, NOW, ["envA"])
+    [m3] = await q.dequeue("wg", 1, NOW, ["envB"])
+    assert await q.reclaim_many([mark(m1), mark(m3)], NOW + 1) == [False, False]  # still held: nothing to take back
+    assert await q.delivery("envA", "r1") == (1, NOW) and await q.delivery("envA", "r2") is None
+    await q.enqueue([item("r1"), item("r3", env="envB")], NOW + 40_000)  # the reconciler: ready again
+    assert await q.delivery("envA", "r1") is None
+    assert await q.running_ids("envA") == set()
+    assert (await q.queue_stats("envA", "task/a")).queued == 2
+    assert await q.reclaim_many([mark(m1), mark(m3)], NOW + 40_001) == [True, True]
+    assert await q.running_ids("envA") == {"r1"} and await q.running_ids("envB") == {"r3"}
+    assert (await q.queue_stats("envA", "task/a")).queued == 1  # r2 only
+    assert (await q.queue_stats("envA", "task/a")).running == 1
+    assert await q.dequeue("wg", 5, NOW + 40_001) == []  # r1's slot: the limit of 1 holds r2
+    assert await q.reclaim_many([mark(m1)], NOW + 40_002) == [False]  # held again: once only
+    await q.ack([("envA", "r1")])
+    [m2] = await q.dequeue("wg", 5, NOW + 40_003)
+    assert m2.run_id == "r2"
+    # ready again and taken by another delivery since: that one's, left
+    await q.enqueue([item("r2")], NOW + 80_000)
+    [later] = await q.dequeue("wg", 5, NOW + 80_001)
+    assert later.run_id == "r2" and later.deliveries == 2
+    assert await q.reclaim_many([mark(m2)], NOW + 80_002) == [False]
+    # made ready afresh (a retry: count reset): not the delivery's
+    await q.enqueue([item("r2", reset_deliveries=True)], NOW + 90_000)
+    assert await q.reclaim_many([mark(m2)], NOW + 90_001) == [False]
+    assert await q.running_ids("envA") == set()
+    # its slot taken meanwhile by another run (one with a head start): taken back all the same,
+    # the queue one over its limit until one of them is done (the run is handed out)
+    await q.set_queue_limit("envB", "task/a", 1)
+    await q.ack([("envB", "r3")])
+    await q.enqueue([item("r4", env="envB")], NOW)
+    [m4] = await q.dequeue("wg", 1, NOW, ["envB"])
+    await q.enqueue([item("r4", env="envB"), item("r5", env="envB", score=NOW - 10)], NOW + 40_000)
+    [m5] = await q.dequeue("wg", 5, NOW + 40_000, ["envB"])
+    assert m5.run_id == "r5"
+    assert await q.reclaim_many([mark(m4), mark(dataclasses.replace(m4, run_id="gone"))], NOW + 40_001) == [True, False]
+    assert await q.running_ids("envB") == {"r4", "r5"}
+    assert (await q.queue_stats("envB", "task/a")).queued == 0
 
 
 async def test_remove_takes_a_run_out_from_anywhere(q: RunQueue) -> None:
