@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from run_engine.db.deployments import TaskQueue
 from run_engine.db.runs import RunRow, Snapshot
-from run_engine.statuses import ExecutionStatus
+from run_engine.statuses import HANDED_OUT, ExecutionStatus
 from systems import engine_jobs
 from systems.engine_jobs import JobSpec
 from systems.resources import SystemResources
@@ -280,7 +280,17 @@ class ReconcilerSystem:
                                                      held_grace_ms=grace * 1000))[0]
             if current != state:
                 return
+            stuck = await self.r.queue.delivery(run.env_id, run.id) if state == "held" else None
             await self.r.enqueue_items([self.enqueue.item_for(run, reset_deliveries=state in (None, "dlq"))])
+            if stuck is not None:
+                # Its dequeue (stalled, not dead) may have written the run since the read above,
+                # and found its delivery still held when it looked: the run is handed out, and
+                # would run with no slot. Taken back here (a dequeue that writes it from now on
+                # takes it back itself).
+                again = await self.r.repo.runs.latest_snapshot(run.id)
+                if again is not None and again.engine_status in HANDED_OUT:
+                    await self.r.queue.reclaim_many([(run.env_id, run.id, *stuck)], self.r.now_ms())
+                    return
         if state is None:
             report.requeued_missing += 1
         else:

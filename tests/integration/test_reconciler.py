@@ -598,6 +598,46 @@ async def test_a_stalled_dequeue_whose_run_was_made_ready_again_and_not_taken_ke
     assert [x.run.id for x in await h.engine.dequeue(h.env.worker_group_id, 5)] == [other.id]
 
 
+async def test_a_stalled_dequeue_that_writes_its_run_while_the_reconciler_makes_it_ready_keeps_its_slot(
+        private: Harness) -> None:
+    """As above, but the stalled dequeue resumes inside the reconciler's repair: after the pass
+    read the run QUEUED and before it made the run ready again. The dequeue writes the run and
+    finds its delivery still held (nothing to take back); the pass then frees its slot. The pass
+    reads the run once more after its move and takes the delivery back itself."""
+    h = private
+    q = h.engine.resources.queue
+    resources = h.engine.resources
+    real = resources.enqueue_items
+    handed: list[Any] = []
+    async with stalled_dequeue(h) as (stalled, go):
+        run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+        first = asyncio.create_task(h.engine.dequeue(h.env.worker_group_id, 5))
+        await asyncio.wait_for(stalled.wait(), 10)
+        h.clock.advance(31)  # held longer than the grace
+
+        async def enqueue_items(items: Any) -> Any:
+            if any(i.run_id == run.id for i in items) and not go.is_set():
+                go.set()  # the pass read the run QUEUED: the dequeue resumes and writes it first
+                handed.extend(await asyncio.wait_for(first, 10))
+            return await real(items)
+
+        resources.enqueue_items = enqueue_items  # type: ignore[method-assign]
+        try:
+            await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
+        finally:
+            resources.enqueue_items = real  # type: ignore[method-assign]
+    (d,) = handed
+    assert d.run.id == run.id
+    assert run.id in await q.running_ids(h.env.env_id)
+    assert (await q.queue_stats(h.env.env_id, "limited")).queued == 0
+    other = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="limited"))
+    for _ in range(3):
+        assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+    s = await h.engine.start_attempt(run.id, d.snapshot.id)
+    await h.engine.complete_attempt(run.id, s.snapshot.id, ok=True)
+    assert [x.run.id for x in await h.engine.dequeue(h.env.worker_group_id, 5)] == [other.id]
+
+
 async def test_a_dequeue_that_loses_its_run_to_a_stalled_one_keeps_the_slot_for_it(private: Harness) -> None:
     """As above, but a second dequeue took the run made ready again, and the stalled one resumed
     and won the compare-and-set before the second wrote: the second finds the run moved on to
