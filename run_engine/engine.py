@@ -13,6 +13,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from run_engine import heap
 from run_engine.clock import Clock, SystemClock
 from run_engine.db.bulk_actions import BulkAction
 from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec, queue_type
@@ -92,7 +93,9 @@ class RunEngine:
         cls, settings: EngineSettings, *, clock: Clock | None = None, run_jobs: bool = True,
     ) -> RunEngine:
         """Connect to PostgreSQL and Redis (``settings.database_url`` / ``redis_url``) and start
-        the background job worker unless ``run_jobs`` is False (tests drive it step by step)."""
+        the background job worker unless ``run_jobs`` is False (tests drive it step by step). Sets
+        the process's young garbage collections to ``settings.gc_threshold`` (run_engine/heap.py)."""
+        heap.tune(settings.gc_threshold)
         clock = clock or SystemClock()
         # A standalone server or a cluster, whichever REDIS_URL names; a connect gives up after
         # 5 s (Redis down later: the API answers 503, never hangs).

@@ -138,6 +138,9 @@ class EngineSettings:
     default_retry: RetryPolicy = field(default_factory=RetryPolicy)
     db_pool_min: int = 2
     db_pool_max: int = 8
+    # the garbage collector's youngest-generation threshold in a process running an engine (0: the
+    # process's own, as CPython or the host application set it); run_engine/heap.py
+    gc_threshold: int = 10_000
     job_concurrency: int = 20
     job_poll_interval_s: float = 0.05
 
@@ -187,6 +190,7 @@ class EngineSettings:
             "costly_read_timeout_s": "RUN_ENGINE_COSTLY_READ_TIMEOUT_S",
             "metrics_token": "RUN_ENGINE_METRICS_TOKEN",
             "db_pool_max": "RUN_ENGINE_DB_POOL_MAX",
+            "gc_threshold": "RUN_ENGINE_GC_THRESHOLD",
         }
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, Any] = {}
@@ -205,6 +209,8 @@ class EngineSettings:
             raise ConfigurationError("RUN_ENGINE_MAX_QUEUES_PER_ENV: at least 1")
         if values.get("max_schedules_per_env", 1) < 1:
             raise ConfigurationError("RUN_ENGINE_MAX_SCHEDULES_PER_ENV: at least 1")
+        if values.get("gc_threshold", 0) < 0:
+            raise ConfigurationError("RUN_ENGINE_GC_THRESHOLD: at least 0 (0: the collector as it is)")
         if values.get("costly_read_timeout_s", 0) < 0:
             raise ConfigurationError("RUN_ENGINE_COSTLY_READ_TIMEOUT_S: at least 0 (0: no bound)")
         if values.get("retention_days", 0) > MAX_RETENTION_DAYS:  # (PostgreSQL's dates end before)

@@ -354,6 +354,7 @@ class Supervisor:
             return
         await self.pool.warm(min(self.config.concurrency, 2))
         heap.settle()  # start-up is over: out of the full collections' way (run_engine/heap.py)
+        heap.tune()  # and the young collections rarer
         beat = asyncio.create_task(self._worker_heartbeats())
         try:
             while not self._stopping.is_set():

@@ -28,3 +28,17 @@ def test_settle_collects_then_freezes_what_start_up_made() -> None:
         assert any(o is made_later for o in gc.get_objects())  # what serving makes is collected as usual
     finally:
         gc.unfreeze()
+
+
+def test_tune_makes_young_collections_rarer_and_zero_leaves_the_collector_alone() -> None:
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        heap.tune()
+        assert gc.get_threshold() == (heap.DEFAULT_THRESHOLD, 10, 10)  # the older generations as they were
+        heap.tune(0)
+        assert gc.get_threshold() == (heap.DEFAULT_THRESHOLD, 10, 10)
+        heap.tune(2_500)
+        assert gc.get_threshold() == (2_500, 10, 10)
+    finally:
+        gc.set_threshold(*before)

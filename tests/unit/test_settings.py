@@ -99,3 +99,13 @@ def test_the_costly_read_timeout_is_a_setting() -> None:
     assert EngineSettings.from_env({"RUN_ENGINE_COSTLY_READ_TIMEOUT_S": "0"}).costly_read_timeout_s == 0
     with pytest.raises(ConfigurationError, match="RUN_ENGINE_COSTLY_READ_TIMEOUT_S"):
         EngineSettings.from_env({"RUN_ENGINE_COSTLY_READ_TIMEOUT_S": "-1"})
+
+
+def test_the_collectors_threshold_is_a_setting() -> None:
+    assert EngineSettings().gc_threshold == 10_000
+    assert EngineSettings.from_env({"RUN_ENGINE_GC_THRESHOLD": "0"}).gc_threshold == 0
+    assert EngineSettings.from_env({"RUN_ENGINE_GC_THRESHOLD": "50000"}).gc_threshold == 50_000
+    with pytest.raises(ConfigurationError, match="RUN_ENGINE_GC_THRESHOLD"):
+        EngineSettings.from_env({"RUN_ENGINE_GC_THRESHOLD": "-1"})
+    with pytest.raises(ConfigurationError, match="RUN_ENGINE_GC_THRESHOLD"):
+        EngineSettings.from_env({"RUN_ENGINE_GC_THRESHOLD": "lots"})
