@@ -113,6 +113,41 @@ async def test_a_connect_finding_many_runs_waiting_promotes_a_bounded_number_and
     assert sorted(d.run.id for d in got) == sorted(r.id for r in runs)  # each once
 
 
+async def test_a_connect_that_dies_before_scheduling_its_job_leaves_the_rest_to_the_reconciler(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connect promoted its CONNECT_PROMOTE runs, then died (or Redis went away) before the
+    engine job for the rest was scheduled: nothing else names that job. The reconciler's pass over
+    PENDING_VERSION runs a current deployment can run enqueues them, each once."""
+    import systems.waiting_for_worker as module
+
+    monkeypatch.setattr(module, "CONNECT_PROMOTE", 3)
+    await h.deploy({"id": "other"}, version="v0")
+    runs = [await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="late")) for _ in range(8)]
+
+    async def lost(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("the process died before the job was scheduled")
+
+    real = h.engine.resources.change_jobs
+    monkeypatch.setattr(h.engine.resources, "change_jobs", lost)
+    with pytest.raises(ConnectionError):
+        await h.engine.register_deployment(
+            env_id=h.env.env_id, worker_group_id=h.env.worker_group_id, version="v1", content_hash="hash-late",
+            tasks=[TaskDecl.model_validate({"id": "late"}).spec()])
+    monkeypatch.setattr(h.engine.resources, "change_jobs", real)
+    statuses = [(await h.engine.get_run(r.id)).status for r in runs]  # type: ignore[union-attr]
+    assert statuses.count("QUEUED") == 3 and statuses.count("PENDING_VERSION") == 5
+    assert not await h.advance(0)  # no job to take the rest
+    h.clock.advance(60)  # past the reconciler's grace
+    report = await h.engine.systems.reconciler.reconcile(grace_s=-1, full=True)
+    assert report.pending_version_enqueued == 5
+    statuses = [(await h.engine.get_run(r.id)).status for r in runs]  # type: ignore[union-attr]
+    assert statuses == ["QUEUED"] * 8
+    dep = await h.engine.resources.repo.deployments.current_task(h.env.env_id, h.env.worker_group_id, "late")
+    assert dep is not None
+    got = await h.engine.dequeue(h.env.worker_group_id, 20, deployments=[dep.deployment_id])
+    assert sorted(d.run.id for d in got) == sorted(r.id for r in runs)  # each once
+
+
 A_TASKS = ({"id": "shared", "queue": "q", "maxDuration": 60}, {"id": "only-a", "cron": "0 * * * *"})
 A_QUEUES = [{"name": "q", "concurrencyLimit": 5}]
 B_TASKS = ({"id": "shared", "queue": "q", "maxDuration": 120}, {"id": "only-b", "cron": "30 * * * *"})
