@@ -44,13 +44,13 @@ from systems.reconciler import RECONCILE_TIMEOUT_S
 from systems.registry import Systems
 from systems.resources import SystemResources
 from systems.run_attempt import AttemptOutcome, StartedAttempt
-from systems.waiting_for_worker import Deployed
+from systems.waiting_for_worker import Deployed, Promoted
 from systems.waitpoints import BlockOutcome, ResolvedJournal, WaitpointsSystem, is_batch_entry
 
 __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun", "DequeuedRun", "StartedAttempt",
            "AttemptOutcome", "RunRow", "Snapshot", "Waitpoint", "JournalEntry", "QueueStats", "BlockOutcome",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
-           "RateLimitSpec", "Deployed", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
+           "RateLimitSpec", "Deployed", "Promoted", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
            "GroupListing", "RunPackets", "UploadedPacket", "BatchRecord", "BatchItemError", "ShapeRead", "PACKET_TTL_S",
            "PACKET_BYTES_PER_ENV", "is_batch_entry", "JournalPage", "ResolvedJournal"]
 
@@ -550,6 +550,12 @@ class RunEngine:
         return await self.systems.waiting_for_worker.register_deployment(
             env_id=env_id, worker_group_id=worker_group_id, version=version, content_hash=content_hash,
             tasks=tasks, queues=queues)
+
+    async def promote_deployment(self, env_id: str, version: str, *,
+                                 worker_group: str | None = None) -> list[Promoted]:
+        """Make the environment's deployments of ``version`` current, in every worker group that
+        has one (or in the group named ``worker_group``); [] when none has (see the system)."""
+        return await self.systems.waiting_for_worker.promote_version(env_id, version, worker_group)
 
     async def pause_queue(self, env_id: str, queue: str) -> None:
         await self._set_queue_paused(env_id, queue, True)

@@ -13,7 +13,7 @@ from run_engine.cron import Cron, CronError
 from run_engine.db.deployments import QueueSpec, TaskSpec, queue_type
 from run_engine.db.runs import Transition
 from run_engine.db.tenancy import WorkerGroup
-from run_engine.errors import UnprocessableError, ValidationError
+from run_engine.errors import NotFoundError, UnprocessableError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.statuses import ExecutionStatus, RunStatus
@@ -42,6 +42,17 @@ class Deployed:
     version: str
     pending_runs_enqueued: int
     refused: str | None = None  # why this environment did not take it (its queue cap), if it did not
+
+
+@dataclass(frozen=True, slots=True)
+class Promoted:
+    """A deployment a promote made current (``already_current``: it was, nothing changed)."""
+
+    deployment_id: str
+    version: str
+    worker_group_id: str
+    already_current: bool
+    pending_runs_enqueued: int
 
 
 class WaitingForWorkerSystem:
@@ -134,17 +145,28 @@ class WaitingForWorkerSystem:
             version=version, content_hash=content_hash, tasks=tasks, queues=queue_list,
             queue_ids=[new_id("queue") for _ in queue_list], max_queues=self.r.settings.max_queues_per_env,
         )
+        if not current:
+            # a worker of a version a later registration (or a promote) replaced, connecting again (a
+            # rolling deploy): its deployment is answered and its workers run what it has, but the
+            # crons and the runs waiting for a version (PENDING_VERSION) are the current deployment's
+            log.info("deployment %s (version %s) connected again in environment %s: not current, a deployment "
+                     "made current after it is", dep_id, registered, env_id)
+        enqueued = await self._apply(env_id, worker_group_id, dep_id, tasks, queue_list, current=current)
+        return dep_id, enqueued, registered
+
+    async def _apply(self, env_id: str, worker_group_id: str, dep_id: str, tasks: Sequence[TaskSpec],
+                     queue_list: Sequence[QueueSpec], *, current: bool) -> int:
+        """What a deployment's registration (or promote) written in PostgreSQL does outside it: its
+        queues mirrored into the run queue and, when it is current, its crons synced and the runs
+        waiting for it enqueued (CONNECT_PROMOTE here, the rest by a promote_pending job). Each
+        step may be done again: a process that died part way leaves the reconciler to mirror the
+        queues and enqueue the runs, and the next connect or promote to sync the crons."""
         # its own queues only (read back: an override or pause of one is kept), and the caches of
         # its environment only: the environment's other queues and other tenants are not its cost
         await self.enqueue.mirror_queues(env_id, [q.name for q in queue_list])
         self.enqueue.invalidate(env_id)
         if not current:
-            # a worker of a version a later registration replaced, connecting again (a rolling
-            # deploy): its deployment is answered and its workers run what it has, but the crons and
-            # the runs waiting for a version (PENDING_VERSION) are the current deployment's to take
-            log.info("deployment %s (version %s) connected again in environment %s: not current, a deployment "
-                     "registered after it is", dep_id, registered, env_id)
-            return dep_id, 0, registered
+            return 0
         await self.schedules.sync_declarative(env_id, worker_group_id, tasks)
         queue_of = {t.id: t.queue_name for t in tasks}
         waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, list(queue_of),
@@ -155,13 +177,53 @@ class WaitingForWorkerSystem:
                      "background", dep_id, CONNECT_PROMOTE)
             await self.r.change_jobs(schedule=[engine_jobs.promote_pending(dep_id, env_id, worker_group_id,
                                                                            self.r.clock.now())])
-        return dep_id, enqueued, registered
+        return enqueued
+
+    async def promote_version(self, env_id: str, version: str, worker_group: str | None = None) -> list[Promoted]:
+        """Make the environment's deployments of ``version`` current (one per worker group that has
+        it, or that of the group named ``worker_group`` only, a name as the trigger option
+        ``workerGroup`` gives it: 400 when the project has no such group): a rollback to an older
+        version, or forward again.
+        Each does what a connect that makes its deployment current does: its queues' declared
+        settings written and mirrored, its crons synced, the PENDING_VERSION runs of its tasks
+        enqueued. Promoting the current one changes nothing but does those again (so a promote
+        that died part way is finished by sending it again). [] when no deployment of the
+        environment has that version (in that group). 422 ``too_many_queues`` as a connect."""
+        worker_group_id = None
+        if worker_group is not None:
+            env = await self.r.repo.tenancy.environment(env_id)
+            if env is None:
+                raise NotFoundError("environment", env_id)
+            worker_group_id = await self.r.repo.tenancy.routable_worker_group(env.project_id,
+                                                                              env.default_worker_group_id, worker_group)
+            if worker_group_id is None:
+                raise ValidationError("workerGroup", f"no worker group named {worker_group!r} in this project")
+        decls = await self.r.repo.deployments.deployments_of_version(env_id, version, worker_group_id)
+        if not decls:
+            return []
+        queue_lists = {d.id: self._queues(d.tasks, d.queues) for d in decls}
+        made = await self.r.repo.deployments.make_current(
+            env_id, [(d.id, queue_lists[d.id], [new_id("queue") for _ in queue_lists[d.id]]) for d in decls],
+            max_queues=self.r.settings.max_queues_per_env)
+        out = []
+        for d in decls:
+            if d.id not in made:  # gone meanwhile (its environment or group deleted)
+                continue
+            if made[d.id]:
+                log.info("deployment %s (version %s) promoted: current in environment %s, worker group %s",
+                         d.id, d.version, env_id, d.worker_group_id)
+            enqueued = await self._apply(env_id, d.worker_group_id, d.id, d.tasks, queue_lists[d.id], current=True)
+            out.append(Promoted(d.id, d.version, d.worker_group_id, already_current=not made[d.id],
+                                pending_runs_enqueued=enqueued))
+        return out
 
     async def promote_page(self, deployment_id: str, env_id: str, worker_group_id: str) -> bool:
         """Enqueue the next PROMOTE_PAGE PENDING_VERSION runs the deployment can run (its tasks, in
-        the group and environment it registered for); whether more may be waiting."""
-        queue_of = await self.r.repo.deployments.task_queues(deployment_id)
-        if not queue_of:  # deleted with its environment
+        the group and environment it registered for); whether more may be waiting. Nothing
+        (False) once the deployment is no longer current (another was connected or promoted since:
+        the runs still waiting are that one's to take, or wait for a deployment with their task)."""
+        queue_of = await self.r.repo.deployments.task_queues(deployment_id, current=True)
+        if not queue_of:  # deleted with its environment, or no longer current
             return False
         waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, list(queue_of),
                                                               limit=PROMOTE_PAGE + 1)

@@ -15,6 +15,7 @@ from run_engine.api import (
     batches,
     bulk,
     bulk_actions,
+    deployments,
     idempotency,
     metrics,
     packets,
@@ -82,7 +83,7 @@ def routes() -> list[BaseRoute]:
             *bulk_actions.ROUTES,
             *public.ROUTES, *batches.ROUTES, *tokens.ROUTES, *schedules.ROUTES, *stream.ROUTES, *packets.ROUTES,
             *uploads.ROUTES, *idempotency.ROUTES, *realtime_shapes.ROUTES, *auth.ROUTES, *worker_groups.ROUTES,
-            *worker.ROUTES, *metrics.ROUTES]
+            *deployments.ROUTES, *worker.ROUTES, *metrics.ROUTES]
 
 
 def create_app(ctx: ApiContext) -> Starlette:

@@ -243,6 +243,11 @@ class ResetIdempotencyKeyBody(_Body):
     taskIdentifier: str = Field(min_length=1, max_length=128)
 
 
+class PromoteBody(_Body):
+    """``POST /api/v1/deployments/{version}/promote`` (optional: Trigger.dev's CLI sends none)."""
+    workerGroup: str | None = Field(default=None, min_length=1, max_length=128)
+
+
 class OpenBatchBody(_Body):
     """Trigger.dev's two-phase batch, phase 1 (``POST /api/v3/batches``)."""
     runCount: int = Field(ge=1, le=1000)

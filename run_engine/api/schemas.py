@@ -476,3 +476,22 @@ class WorkerGroupOut(_Out):
 
 class WorkerGroupList(_Out):
     data: list[WorkerGroupOut]
+
+
+class PromotedDeployment(_Out):
+    id: str
+    version: str
+    workerGroupId: str
+    alreadyCurrent: bool
+    pendingRunsEnqueued: int
+
+
+class Promoted(_Out):
+    """The first deployment promoted (the environment's default group's when it has one), and all."""
+
+    id: str
+    version: str
+    workerGroupId: str
+    alreadyCurrent: bool
+    pendingRunsEnqueued: int
+    deployments: list[PromotedDeployment]

@@ -117,6 +117,40 @@ def _queue(row: Mapping[str, Any]) -> TaskQueue:
     return from_row(TaskQueue, {**row, "rate_limit": RateLimitSpec.from_stored(row["rate_limit"])})
 
 
+@dataclass(frozen=True, slots=True)
+class DeploymentDecl:
+    """A deployment as it was declared (its tasks with their settings and crons, its queues)."""
+
+    id: str
+    worker_group_id: str
+    version: str
+    is_current: bool
+    tasks: tuple[TaskSpec, ...]
+    queues: tuple[QueueSpec, ...]
+
+
+def _stored_cron(value: Any) -> CronSpec | None:
+    """A task's cron as deployment.tasks holds it: ``{"pattern", "timezone"}``, or (written by the
+    versions before 059ff40) the pattern alone; "" declares none."""
+    if isinstance(value, dict) and value.get("pattern"):
+        return CronSpec(str(value["pattern"]), str(value.get("timezone") or "UTC"))
+    if isinstance(value, str) and value:
+        return CronSpec(value)
+    return None
+
+
+def _stored_queue(value: Mapping[str, Any]) -> QueueSpec:
+    """A queue as deployment.queues holds it (the fields of :class:`QueueSpec`; the versions before
+    059ff40 kept the worker's camelCase declaration)."""
+    name = str(value["name"])
+    limit = value.get("concurrency_limit", value.get("concurrencyLimit"))
+    rate = value.get("rate_limit") or value.get("rateLimit")
+    return QueueSpec(
+        name, str(value.get("type") or queue_type(name)), None if limit is None else int(limit),
+        None if not isinstance(rate, dict) else RateLimitSpec(
+            int(rate["limit"]), int(rate.get("period_ms") or rate.get("periodMs") or 0), int(rate.get("burst", 1))))
+
+
 class DeploymentRepository:
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
@@ -134,20 +168,23 @@ class DeploymentRepository:
         queue_ids: Sequence[str],
         max_queues: int | None = None,
     ) -> tuple[str, bool, str, bool]:
-        """Record a deployment and upsert its queues; make it current when it is new or registered
-        after the current one. Returns (id, created, its version, current).
+        """Record a deployment and upsert its queues; make it current when it is new, or when no
+        current deployment was made current after it was. Returns (id, created, its version,
+        current).
 
         Registering the same content again returns the existing deployment (with the version it
         was registered with, whatever ``version`` this call gives). It is current again only when no
-        deployment registered at or after it is current (or none is): a worker of the version before
-        connecting again during a rolling deploy (a restart, a dropped connection) leaves the newer
-        deployment current, its queues' settings as they are (it adds the queues the environment
-        lacks, no more) and its crons to it. Registration order is the order of ``created_at``,
-        the clock read under the lock below. The registrations of one environment take turns (a
-        transaction-scoped advisory lock on it), so that two at once both succeed, the later one
-        current, and count each other's queues. A deployment whose queues the environment does
-        not have would take it past ``max_queues`` is refused (:class:`UnprocessableError`
-        ``too_many_queues``) with nothing written."""
+        deployment made current at or after it was is current (or none is): a worker of the version
+        before connecting again during a rolling deploy (a restart, a dropped connection) leaves the
+        newer deployment current, and a worker of a newer version connecting again leaves a
+        deployment :meth:`make_current` promoted since current; in both cases its queues' settings
+        stay as they are (it adds the queues the environment lacks, no more) and its crons to the
+        current one. That order is ``made_current_at`` (migration 0051), the clock read under the
+        lock below whenever a deployment becomes current. The registrations (and promotes) of one
+        environment take turns (a transaction-scoped advisory lock on it), so that two at once both
+        succeed, the later one current, and count each other's queues. A deployment whose queues
+        the environment does not have would take it past ``max_queues`` is refused
+        (:class:`UnprocessableError` ``too_many_queues``) with nothing written."""
         async with self.pool.connection() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_DEPLOY_LOCK_CLASS, env_id))
             await self._check_queue_room(conn, env_id, [q.name for q in queues], max_queues)
@@ -156,7 +193,7 @@ class DeploymentRepository:
                     """SELECT d.id, d.version, d.is_current OR NOT EXISTS (
                                   SELECT 1 FROM deployment c
                                   WHERE c.environment_id = d.environment_id AND c.worker_group_id = d.worker_group_id
-                                    AND c.is_current AND c.id <> d.id AND c.created_at >= d.created_at)
+                                    AND c.is_current AND c.id <> d.id AND c.made_current_at >= d.made_current_at)
                        FROM deployment d
                        WHERE d.environment_id = %s AND d.worker_group_id = %s AND d.content_hash = %s
                        ORDER BY d.created_at DESC LIMIT 1""",
@@ -180,12 +217,12 @@ class DeploymentRepository:
                 )
             cur = conn.cursor()
             if created:
-                # created_at read now, under the lock: registration order (now() is the
-                # transaction's start, and a transaction that started first may take the lock last)
+                # the clock read now, under the lock: the order deployments were made current in
+                # (now() is the transaction's start, and one that started first may take the lock last)
                 await conn.execute(
                     """INSERT INTO deployment (id, environment_id, worker_group_id, version, content_hash, tasks,
-                                               queues, is_current, created_at)
-                       VALUES (%s, %s, %s, %s, %s, %s, %s, true, clock_timestamp())""",
+                                               queues, is_current, created_at, made_current_at)
+                       VALUES (%s, %s, %s, %s, %s, %s, %s, true, clock_timestamp(), clock_timestamp())""",
                     (dep_id, env_id, worker_group_id, version, content_hash,
                      Jsonb([dataclasses.asdict(t) for t in tasks]), Jsonb([dataclasses.asdict(q) for q in queues])),
                 )
@@ -200,23 +237,97 @@ class DeploymentRepository:
                     ],
                 )
             elif current:
-                await conn.execute("UPDATE deployment SET is_current = true WHERE id = %s AND NOT is_current",
-                                   (dep_id,))
+                await conn.execute("UPDATE deployment SET is_current = true, made_current_at = clock_timestamp()"
+                                   " WHERE id = %s AND NOT is_current", (dep_id,))
             # a deployment that is not current sets no queue's settings: those are the current one's
-            await cur.executemany(
-                """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit, rate_limit)
-                   VALUES (%s, %s, %s, %s, %s, %s)
-                   ON CONFLICT (environment_id, name) DO UPDATE
-                       SET type = EXCLUDED.type, concurrency_limit = EXCLUDED.concurrency_limit,
-                           rate_limit = EXCLUDED.rate_limit
-                       WHERE %s""",
-                [
-                    (queue_id, env_id, queue.name, queue.type, queue.concurrency_limit,
-                     Jsonb(queue.rate_limit.stored()) if queue.rate_limit else None, current)
-                    for queue, queue_id in zip(queues, queue_ids, strict=True)
-                ],
-            )
+            await self._upsert_queues(conn, env_id, queues, queue_ids, settings=current)
         return dep_id, created, version, current
+
+    @staticmethod
+    async def _upsert_queues(conn: AsyncConnection[Any], env_id: str, queues: Sequence[QueueSpec],
+                             queue_ids: Sequence[str], *, settings: bool) -> None:
+        """The queues made where missing; with ``settings``, their declared settings (type, limit,
+        rate limit) written over those of queues that exist (an override or a pause is kept)."""
+        await conn.cursor().executemany(
+            """INSERT INTO task_queue (id, environment_id, name, type, concurrency_limit, rate_limit)
+               VALUES (%s, %s, %s, %s, %s, %s)
+               ON CONFLICT (environment_id, name) DO UPDATE
+                   SET type = EXCLUDED.type, concurrency_limit = EXCLUDED.concurrency_limit,
+                       rate_limit = EXCLUDED.rate_limit
+                   WHERE %s""",
+            [
+                (queue_id, env_id, queue.name, queue.type, queue.concurrency_limit,
+                 Jsonb(queue.rate_limit.stored()) if queue.rate_limit else None, settings)
+                for queue, queue_id in zip(queues, queue_ids, strict=True)
+            ],
+        )
+
+    async def deployments_of_version(self, env_id: str, version: str,
+                                     worker_group_id: str | None = None) -> list[DeploymentDecl]:
+        """The environment's deployments of ``version`` (one per worker group that has it; of
+        ``worker_group_id`` only when given), as they were declared, the environment's default
+        group's first."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                """SELECT d.id, d.worker_group_id, d.version, d.is_current, d.tasks, d.queues
+                   FROM deployment d JOIN runtime_environment e ON e.id = d.environment_id
+                   WHERE d.environment_id = %s AND d.version = %s
+                     AND (%s::text IS NULL OR d.worker_group_id = %s)
+                   ORDER BY d.worker_group_id = e.default_worker_group_id DESC, d.worker_group_id""",
+                (env_id, version, worker_group_id, worker_group_id))
+            found = await cur.fetchall()
+            if not found:
+                return []
+            await cur.execute(
+                """SELECT deployment_id, task_identifier, queue_name, retry, max_duration_s, machine
+                   FROM deployment_task WHERE deployment_id = ANY(%s) ORDER BY deployment_id, task_identifier""",
+                ([r["id"] for r in found],))
+            task_rows = await cur.fetchall()
+        out = []
+        for r in found:
+            crons = {str(t.get("id")): _stored_cron(t.get("cron")) for t in r["tasks"] or [] if isinstance(t, dict)}
+            tasks = tuple(
+                TaskSpec(id=t["task_identifier"], queue=t["queue_name"], retry=t["retry"],
+                         max_duration_s=t["max_duration_s"], machine=t["machine"], cron=crons.get(t["task_identifier"]))
+                for t in task_rows if t["deployment_id"] == r["id"])
+            queues = tuple(_stored_queue(q) for q in r["queues"] or [] if isinstance(q, dict) and q.get("name"))
+            out.append(DeploymentDecl(r["id"], r["worker_group_id"], r["version"], r["is_current"], tasks, queues))
+        return out
+
+    async def make_current(self, env_id: str, deployments: Sequence[tuple[str, Sequence[QueueSpec], Sequence[str]]],
+                           max_queues: int | None = None) -> dict[str, bool]:
+        """Make each of ``deployments`` (id, its queues, an id for each queue should it be made) of
+        ``env_id`` the current one of its worker group (a promote), in one transaction: its queues'
+        declared settings written (made where missing) and ``made_current_at`` set, so that a
+        worker of the deployment it replaces connecting again leaves it current. Returns, for each
+        deployment still there, whether it was made current (False: it was current already, left
+        as it was but for its queues' settings, written again). Takes turns with registrations (the
+        same lock); refused as they are (``too_many_queues``, nothing written) when its queues
+        that the environment lacks would take it past ``max_queues``."""
+        out: dict[str, bool] = {}
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_DEPLOY_LOCK_CLASS, env_id))
+            await self._check_queue_room(conn, env_id, sorted({q.name for _, qs, _ in deployments for q in qs}),
+                                         max_queues)
+            for dep_id, queues, queue_ids in deployments:
+                row = await (await conn.execute(
+                    "SELECT worker_group_id, is_current FROM deployment WHERE id = %s AND environment_id = %s",
+                    (dep_id, env_id))).fetchone()
+                if row is None:  # deleted with its environment or group meanwhile
+                    continue
+                worker_group_id, was_current = row
+                if not was_current:
+                    await conn.execute(
+                        "UPDATE deployment SET is_current = false"
+                        " WHERE environment_id = %s AND worker_group_id = %s AND is_current AND id <> %s",
+                        (env_id, worker_group_id, dep_id))
+                    await conn.execute(
+                        "UPDATE deployment SET is_current = true, made_current_at = clock_timestamp() WHERE id = %s",
+                        (dep_id,))
+                await self._upsert_queues(conn, env_id, queues, queue_ids, settings=True)
+                out[dep_id] = not was_current
+        return out
 
     @staticmethod
     async def _check_queue_room(conn: AsyncConnection[Any], env_id: str, names: Sequence[str],
@@ -272,11 +383,16 @@ class DeploymentRepository:
                    WHERE deployment_id = ANY(%s) GROUP BY deployment_id, environment_id""", (list(deployment_ids),))
             return {r[0]: (r[1], frozenset(r[2])) for r in await cur.fetchall()}
 
-    async def task_queues(self, deployment_id: str) -> dict[str, str]:
-        """The deployment's tasks, each with the queue it declares for it ({} for none)."""
+    async def task_queues(self, deployment_id: str, *, current: bool = False) -> dict[str, str]:
+        """The deployment's tasks, each with the queue it declares for it ({} for none; with
+        ``current``, {} too when the deployment is not current)."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                "SELECT task_identifier, queue_name FROM deployment_task WHERE deployment_id = %s", (deployment_id,))
+                """SELECT dt.task_identifier, dt.queue_name FROM deployment_task dt
+                   WHERE dt.deployment_id = %s
+                     AND (NOT %s OR EXISTS (SELECT 1 FROM deployment d
+                                            WHERE d.id = dt.deployment_id AND d.is_current))""",
+                (deployment_id, current))
             return {r[0]: r[1] for r in await cur.fetchall()}
 
     async def deployment_task(self, deployment_id: str, task_id: str) -> DeploymentTask | None:

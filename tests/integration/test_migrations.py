@@ -121,6 +121,30 @@ def test_snapshot_chain_migration_keeps_the_latest_of_a_forked_chain(empty_datab
                          "previous_snapshot_id) VALUES ('s6', 'run_forked', 'FINISHED', 'COMPLETED', 's4')")
 
 
+def test_deployments_from_before_0051_were_made_current_when_they_were_created(empty_database: str) -> None:
+    """made_current_at (the order a connect makes a deployment current again by): rows from before
+    take created_at, the order until then; a row a process of the version before inserts (a rolling
+    upgrade, no such column in its INSERT) takes the clock of its insert."""
+    migrate_sync(empty_database)
+    with psycopg.connect(empty_database, autocommit=True) as conn:
+        conn.execute("ALTER TABLE deployment DROP COLUMN made_current_at")  # the database as it was before 0051
+        conn.execute("DELETE FROM schema_migration WHERE version = '0051'")
+        conn.execute("SET session_replication_role = replica")  # deployments of no environment
+        for dep, created in (("d1", "2026-01-01T00:00:00Z"), ("d2", "2026-02-01T00:00:00Z")):
+            conn.execute("INSERT INTO deployment (id, environment_id, worker_group_id, version, content_hash, "
+                         "is_current, created_at) VALUES (%s, 'env', 'wg', %s, %s, %s, %s)",
+                         (dep, dep, dep, dep == "d1", created))
+    assert migrate_sync(empty_database) == ["0051"]
+    with psycopg.connect(empty_database, autocommit=True) as conn:
+        rows = conn.execute("SELECT id FROM deployment WHERE made_current_at = created_at ORDER BY id").fetchall()
+        assert rows == [("d1",), ("d2",)]
+        conn.execute("SET session_replication_role = replica")
+        conn.execute("INSERT INTO deployment (id, environment_id, worker_group_id, version, content_hash, is_current)"
+                     " VALUES ('d3', 'env', 'wg2', 'd3', 'd3', true)")
+        stamped = conn.execute("SELECT made_current_at >= created_at FROM deployment WHERE id = 'd3'").fetchone()
+        assert stamped == (True,)
+
+
 def test_a_runs_snapshots_are_found_by_index_for_its_delete_and_its_latest(database_url: str) -> None:
     """Retention deletes runs, which cascades to their snapshots by run_id: an index must serve
     that for every snapshot (valid or not), not a scan of the whole table per run; the latest
