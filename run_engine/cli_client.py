@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import httpx
 import typer
@@ -51,7 +52,9 @@ def _call(url: str, key: str, method: str, path: str, **kwargs: Any) -> Any:
         raise typer.Exit(1) from None
     if r.status_code >= 400:
         error = (data or {}).get("error", {}) if isinstance(data, dict) else {}
-        err_console.print(f"[red]{r.status_code} {error.get('code', '')}: {error.get('message', r.text)}[/red]")
+        # the message may quote the caller's input (a name, a version): never read as rich markup
+        err_console.print(f"{r.status_code} {error.get('code', '')}: {error.get('message', r.text)}", style="red",
+                          markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     return data
 
@@ -364,8 +367,37 @@ def worker_groups_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKe
     _emit(data, as_json, table=table)
 
 
+def promote(
+    version: Annotated[str, typer.Argument(help="The deployment version to make current (as its connect gave it).")],
+    worker_group: Annotated[str | None, typer.Option(
+        help="Only in this worker group (a name); default: every group of the environment that has the version.")]
+    = None,
+    api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False,
+) -> None:
+    """Make a deployment version current again (a rollback).
+
+    Triggers take its tasks' settings, its queues the limits it declared, its crons are the
+    environment's, and runs that waited for a version with their task are enqueued. It stays current
+    when workers of newer versions connect again; a new version connecting makes that one current."""
+    body = {"workerGroup": worker_group} if worker_group is not None else {}
+    data = _call(api_url, api_key, "POST", f"/api/v1/deployments/{quote(version, safe='')}/promote", json=body)
+    lines = []
+    for d in data["deployments"]:
+        if d["alreadyCurrent"]:
+            lines.append(f"version {d['version']} was current already in worker group {d['workerGroupId']} "
+                         f"({d['id']})")
+        else:
+            waited = f"; {d['pendingRunsEnqueued']} waiting runs enqueued" if d["pendingRunsEnqueued"] else ""
+            lines.append(f"version {d['version']} is current in worker group {d['workerGroupId']} ({d['id']}){waited}")
+    if as_json:
+        _emit(data, as_json)
+    else:  # a version is the user's text: printed as it is, never read as rich markup
+        console.print("\n".join(lines), markup=False, highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(trigger)
+    app.command()(promote)
     app.add_typer(runs_app, name="runs")
     app.add_typer(queues_app, name="queues")
     app.add_typer(dlq_app, name="dlq")

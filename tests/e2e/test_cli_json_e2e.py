@@ -62,7 +62,7 @@ def test_each_command_prints_json(stack: Stack, tmp_path: Path) -> None:
     own = stack.project("cli-json")
     with own.worker() as w:
         assert w.post("/engine/v1/worker-actions/connect", json={"workerInstanceName": "j", "deployment": {
-            "tasks": [{"id": "echo"}]}}).status_code == 200
+            "version": "j1", "tasks": [{"id": "echo"}]}}).status_code == 200
     run_id = own.trigger("echo", 1)
     env = {**stack.env, "RUN_ENGINE_API_KEY": own.api_key}
 
@@ -81,7 +81,7 @@ def test_each_command_prints_json(stack: Stack, tmp_path: Path) -> None:
         (("runs", "replay"), (run_id,)), (("runs", "cancel"), (run_id,)), (("queues", "list"), ()),
         (("queues", "pause"), ("task/echo",)), (("queues", "resume"), ("task/echo",)), (("dlq", "list"), ()),
         (("dlq", "redrive"), ("--all",)), (("tokens", "get"), (token,)), (("tokens", "complete"), (token,)),
-        (("tokens", "create"), ()), (("worker-groups", "list"), ()),
+        (("tokens", "create"), ()), (("worker-groups", "list"), ()), (("promote",), ("j1",)),
         (("worker-groups", "set-default"), ("json-group", "--org", "e2e", "--project", "cli-json")),
         # last: the API key the commands above used stops working
         (("keys", "rotate"), ("--org", "e2e", "--project", "cli-json", "--env", "dev")),
