@@ -40,7 +40,7 @@ def fuzz_tenant(stack: Stack) -> Iterator[dict[str, Any]]:
     worker = requests.Session()
     worker.headers["Authorization"] = f"Bearer {creds['workerGroupToken']}"
     assert worker.post(f"{stack.url}{W}/connect", timeout=30, json={
-        "workerInstanceName": "fuzz", "deployment": {"tasks": [{"id": "t"}]}}).status_code == 200
+        "workerInstanceName": "fuzz", "deployment": {"version": "f1", "tasks": [{"id": "t"}]}}).status_code == 200
     runs = [api.post(f"{stack.url}/api/v1/tasks/t/trigger", json={"payload": i}, timeout=30).json()["id"]
             for i in range(3)]
     started = worker.post(f"{stack.url}{W}/dequeue", timeout=30,
@@ -50,7 +50,7 @@ def fuzz_tenant(stack: Stack) -> Iterator[dict[str, Any]]:
     schedule = api.post(f"{stack.url}/api/v1/schedules", json={"task": "t", "cron": "0 0 1 1 *"}, timeout=30).json()
     known = {"runId": started["run"]["id"], "snapshotId": started["snapshot"]["id"], "waitpointId": token["id"],
              "signature": token["url"].rsplit("/", 1)[1], "batchId": batch, "scheduleId": schedule["id"],
-             "name": "task/t", "taskId": "t"}
+             "name": "task/t", "taskId": "t", "version": "f1"}
     yield {**creds, "known": known, "runs": runs}
 
 
