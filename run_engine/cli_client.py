@@ -12,6 +12,7 @@ from urllib.parse import quote
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 FINAL = {"COMPLETED", "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT"}
@@ -41,7 +42,7 @@ def _call(url: str, key: str, method: str, path: str, **kwargs: Any) -> Any:
         err_console.print(f"invalid --api-url {url!r}: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
     except httpx.TransportError as exc:
-        err_console.print(f"[red]cannot reach {url}: {exc}[/red]")
+        err_console.print(f"cannot reach {url}: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
     try:
         data = r.json() if r.content else None
@@ -68,17 +69,31 @@ def _try_call(url: str, key: str, method: str, path: str) -> Any:
         return None
 
 
+def _seg(value: str) -> str:
+    """A name or id as one segment of a request path: percent-encoded whole, so that a queue's
+    slash, a ``?`` or ``#``, a space or a ``%`` reach the server as the name has them."""
+    return quote(value, safe="")
+
+
+class _Table(Table):
+    """A table whose text cells are printed as they are (a name such as ``[prod]`` or ``[/]`` is
+    not read as rich markup)."""
+
+    def add_row(self, *cells: Any, **kwargs: Any) -> None:
+        super().add_row(*(escape(c) if isinstance(c, str) else c for c in cells), **kwargs)
+
+
 def _emit(data: Any, as_json: bool, table: Table | None = None, text: str | None = None) -> None:
     if as_json:
         typer.echo(json.dumps(data))
     elif table is not None:
         console.print(table)
-    elif text is not None:
-        console.print(text)
+    elif text is not None:  # it names the caller's input or the server's data: printed as it is
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def _runs_table(runs: list[dict[str, Any]]) -> Table:
-    table = Table("id", "task", "status", "attempts", "queue", "created")
+    table = _Table("id", "task", "status", "attempts", "queue", "created")
     for r in runs:
         table.add_row(r["id"], r["taskIdentifier"], r["status"], str(r["attemptCount"]), r["queue"], r["createdAt"])
     return table
@@ -120,24 +135,24 @@ def trigger(
     if debounce_key is not None:
         options["debounce"] = {"key": debounce_key, "delay": debounce_delay, "mode": debounce_mode,
                                **({"maxDelay": debounce_max_delay} if debounce_max_delay else {})}
-    created = _call(api_url, api_key, "POST", f"/api/v1/tasks/{task}/trigger",
+    created = _call(api_url, api_key, "POST", f"/api/v1/tasks/{_seg(task)}/trigger",
                     json={"payload": body, **({"options": options} if options else {})})
     if not wait:
-        _emit(created, as_json, text=f"triggered [bold]{created['id']}[/bold]")
+        _emit(created, as_json, text=f"triggered {created['id']}")
         return
     deadline = time.monotonic() + timeout
     started = time.monotonic()
     why, asked, pause = "", 0.0, 0.1
     with console.status(f"waiting for {created['id']}…", spinner="dots") as status:
         while True:
-            run = _call(api_url, api_key, "GET", f"/api/v3/runs/{created['id']}")
+            run = _call(api_url, api_key, "GET", f"/api/v3/runs/{_seg(created['id'])}")
             if run["status"] in FINAL:
                 break
             now = time.monotonic()
             if run["status"] in NOT_STARTED and now - started > 2 and now - asked > 5:
                 # not started after a while: say why (no deployment has the task, a paused queue, a limit…)
                 asked = now
-                explained = _try_call(api_url, api_key, "GET", f"/api/v1/runs/{created['id']}/explain")
+                explained = _try_call(api_url, api_key, "GET", f"/api/v1/runs/{_seg(created['id'])}/explain")
                 if isinstance(explained, dict):
                     why = explained.get("summary") or "; ".join(r["message"] for r in explained.get("reasons", []))
             elif run["status"] not in NOT_STARTED:
@@ -178,7 +193,7 @@ def runs_list(
 def runs_get(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
              as_json: AsJson = False) -> None:
     """Show one run: status, timeline, payload, output or the error with its stack (--json: the run object)."""
-    run = _call(api_url, api_key, "GET", f"/api/v3/runs/{run_id}")
+    run = _call(api_url, api_key, "GET", f"/api/v3/runs/{_seg(run_id)}")
     if as_json:
         _emit(run, as_json)
         return
@@ -230,14 +245,14 @@ def _indented(value: Any) -> str:
 def runs_cancel(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
                 as_json: AsJson = False) -> None:
     """Cancel a run (no-op when it already finished)."""
-    _emit(_call(api_url, api_key, "POST", f"/api/v2/runs/{run_id}/cancel"), as_json, text=f"cancelled {run_id}")
+    _emit(_call(api_url, api_key, "POST", f"/api/v2/runs/{_seg(run_id)}/cancel"), as_json, text=f"cancelled {run_id}")
 
 
 @runs_app.command("replay")
 def runs_replay(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
                 as_json: AsJson = False) -> None:
     """Trigger a new run with the same task, payload and options."""
-    data = _call(api_url, api_key, "POST", f"/api/v1/runs/{run_id}/replay")
+    data = _call(api_url, api_key, "POST", f"/api/v1/runs/{_seg(run_id)}/replay")
     _emit(data, as_json, text=f"replayed as {data['id']}")
 
 
@@ -245,7 +260,7 @@ def runs_replay(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key:
 def queues_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False) -> None:
     """List queues with their running and queued counts."""
     data = _call(api_url, api_key, "GET", "/api/v1/queues")
-    table = Table("name", "type", "running", "queued", "limit", "paused")
+    table = _Table("name", "type", "running", "queued", "limit", "paused")
     for q in data["data"]:
         table.add_row(q["name"], q["type"], str(q["running"]), str(q["queued"]),
                       "-" if q["concurrencyLimit"] is None else str(q["concurrencyLimit"]),
@@ -254,7 +269,7 @@ def queues_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
 
 
 def _pause(name: str, action: str, api_url: str, api_key: str, as_json: bool) -> None:
-    q = _call(api_url, api_key, "POST", f"/api/v1/queues/{name}/pause", json={"action": action})
+    q = _call(api_url, api_key, "POST", f"/api/v1/queues/{_seg(name)}/pause", json={"action": action})
     _emit(q, as_json, text=f"{name}: {'paused' if q['paused'] else 'running'}")
 
 
@@ -276,7 +291,7 @@ def queues_resume(name: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key:
 def dlq_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False) -> None:
     """Dead-lettered runs with the reason."""
     data = _call(api_url, api_key, "GET", "/api/v1/dlq", params={"page[size]": "100"})
-    table = Table("run", "task", "queue", "deliveries", "dead at", "reason")
+    table = _Table("run", "task", "queue", "deliveries", "dead at", "reason")
     for e in data["data"]:
         table.add_row(e["run"]["id"], e["run"]["taskIdentifier"], e["run"]["queue"], str(e["deliveries"]),
                       e["deadAt"], e["reason"])
@@ -293,7 +308,8 @@ def dlq_redrive(
 ) -> None:
     """Put dead-lettered runs back in their queues."""
     if run_id and not all_:
-        _emit(_call(api_url, api_key, "POST", f"/api/v1/dlq/{run_id}/redrive"), as_json, text=f"redriven {run_id}")
+        _emit(_call(api_url, api_key, "POST", f"/api/v1/dlq/{_seg(run_id)}/redrive"), as_json,
+              text=f"redriven {run_id}")
     elif all_ and not run_id:
         body: dict[str, Any] = {k: v for k, v in {"taskIdentifier": task, "queue": queue}.items() if v}
         total = 0
@@ -324,7 +340,7 @@ def tokens_create(
                                "idempotencyKeyTTL": idempotency_key_ttl, "tags": tag}.items() if v is not None}
     created = _call(api_url, api_key, "POST", "/api/v1/waitpoints/tokens", json=body)
     cached = " (existing token for this idempotency key)" if created["isCached"] else ""
-    _emit(created, as_json, text=f"token [bold]{created['id']}[/bold]{cached}\ncallback URL: {created['url']}")
+    _emit(created, as_json, text=f"token {created['id']}{cached}\ncallback URL: {created['url']}")
 
 
 @tokens_app.command("complete")
@@ -339,16 +355,17 @@ def tokens_complete(
     except json.JSONDecodeError as exc:
         err_console.print(f"[red]--data is not JSON: {exc}[/red]")
         raise typer.Exit(2) from None
-    result = _call(api_url, api_key, "POST", f"/api/v1/waitpoints/tokens/{token_id}/complete", json={"data": output})
-    _emit(result, as_json, text=f"completed [bold]{token_id}[/bold]")
+    result = _call(api_url, api_key, "POST", f"/api/v1/waitpoints/tokens/{_seg(token_id)}/complete",
+                   json={"data": output})
+    _emit(result, as_json, text=f"completed {token_id}")
 
 
 @tokens_app.command("get")
 def tokens_get(token_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
                as_json: AsJson = False) -> None:
     """Show a token: status (WAITING, COMPLETED, TIMED_OUT) and output."""
-    token = _call(api_url, api_key, "GET", f"/api/v1/waitpoints/tokens/{token_id}")
-    table = Table("field", "value")
+    token = _call(api_url, api_key, "GET", f"/api/v1/waitpoints/tokens/{_seg(token_id)}")
+    table = _Table("field", "value")
     for key in ("id", "status", "output", "completedAt", "timeoutAt", "tags", "idempotencyKey", "url"):
         if key in token:
             table.add_row(key, json.dumps(token[key]) if key in ("output", "tags") else str(token[key]))
@@ -359,7 +376,7 @@ def worker_groups_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKe
                        as_json: AsJson = False) -> None:
     """List the worker groups this environment's runs may be sent to, with their instances."""
     data = _call(api_url, api_key, "GET", "/api/v1/worker-groups")
-    table = Table("name", "default", "instances", "last heartbeat")
+    table = _Table("name", "default", "instances", "last heartbeat")
     for g in data["data"]:
         last = max((i["lastHeartbeatAt"] or "" for i in g["instances"]), default="") or "-"
         table.add_row(g["name"] + (" (shared)" if g["shared"] else ""), "yes" if g["isDefault"] else "",
@@ -380,7 +397,7 @@ def promote(
     environment's, and runs that waited for a version with their task are enqueued. It stays current
     when workers of newer versions connect again; a new version connecting makes that one current."""
     body = {"workerGroup": worker_group} if worker_group is not None else {}
-    data = _call(api_url, api_key, "POST", f"/api/v1/deployments/{quote(version, safe='')}/promote", json=body)
+    data = _call(api_url, api_key, "POST", f"/api/v1/deployments/{_seg(version)}/promote", json=body)
     lines = []
     for d in data["deployments"]:
         if d["alreadyCurrent"]:
