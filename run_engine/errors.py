@@ -12,6 +12,7 @@ Hierarchy::
     ├── LockTimeoutError           the run lock could not be taken in time
     ├── ReadTimeoutError           a costly read went past its statement timeout (HTTP 503)
     ├── ValidationError            bad input (HTTP 400), names the field
+    ├── TooLargeError              what the input would make is past a size limit (HTTP 413), names the field
     └── ConfigurationError         bad settings, missing embedded server, …
 
 Decisions (retry, finish, requeue) are returned as data, never raised.
@@ -122,6 +123,17 @@ class ReadTimeoutError(RunEngineError):
 
 class ValidationError(RunEngineError):
     code = "invalid_input"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class TooLargeError(RunEngineError):
+    """What the request would store is past a size limit (HTTP 413 ``payload_too_large``)."""
+
+    code = "payload_too_large"
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")

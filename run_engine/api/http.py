@@ -35,6 +35,7 @@ from run_engine.errors import (
     ReadTimeoutError,
     RunEngineError,
     StaleSnapshotError,
+    TooLargeError,
     TooManyError,
     UnprocessableError,
     ValidationError,
@@ -95,6 +96,8 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
     if isinstance(exc, ValidationError):
         field = WIRE_FIELDS.get(exc.field, exc.field)
         return err(400, exc.code, f"{field}: {exc.message}")
+    if isinstance(exc, TooLargeError):
+        return err(413, exc.code, str(exc))
     if isinstance(exc, UnprocessableError):
         return err(422, exc.code, str(exc))
     if isinstance(exc, QueueFullError | TooManyError):
