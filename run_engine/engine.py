@@ -29,6 +29,8 @@ from run_engine.ids import new_id
 from run_engine.jobs import Job, JobQueue, JobWorker
 from run_engine.leader import LeaderLease, default_duty_timeout
 from run_engine.locking import RunLocker
+from run_engine.metadata_ops import MAX_OPERATIONS as MAX_METADATA_OPERATIONS
+from run_engine.metadata_ops import MetadataOp, parse_op
 from run_engine.redis_connect import close_fully
 from run_engine.redis_connect import connect as connect_redis
 from run_engine.run_queue import Handed, QueueStats, RunQueue
@@ -52,7 +54,8 @@ __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
            "RateLimitSpec", "Deployed", "Promoted", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
            "GroupListing", "RunPackets", "UploadedPacket", "BatchRecord", "BatchItemError", "ShapeRead", "PACKET_TTL_S",
-           "PACKET_BYTES_PER_ENV", "is_batch_entry", "JournalPage", "ResolvedJournal"]
+           "PACKET_BYTES_PER_ENV", "is_batch_entry", "JournalPage", "ResolvedJournal", "MetadataOp", "parse_op",
+           "MAX_METADATA_OPERATIONS"]
 
 #: how long a packet uploaded for a trigger is kept (the trigger reads it at once; a retried one later)
 PACKET_TTL_S = 3600.0
@@ -387,6 +390,13 @@ class RunEngine:
     async def set_metadata(self, env_id: str, run_id: str, metadata: Any) -> None:
         await self.resources.repo.runs.set_metadata(run_id, metadata)
         self.resources.events.emit(RunEvent("run_updated", run_id, env_id, data={"what": "metadata"}))
+
+    async def change_metadata(self, run: RunRow, operations: Sequence[MetadataOp],
+                              parent_operations: Sequence[MetadataOp] = (),
+                              root_operations: Sequence[MetadataOp] = ()) -> dict[str, Any]:
+        """Metadata operations on ``run`` and on its parent and root, in one transaction; the
+        run's metadata after them (``systems/run_metadata.py``)."""
+        return await self.systems.run_metadata.change(run, operations, parent_operations, root_operations)
 
     async def add_tags(self, env_id: str, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
         """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""

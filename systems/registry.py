@@ -17,6 +17,7 @@ from systems.explain import ExplainSystem
 from systems.reconciler import ReconcilerSystem
 from systems.resources import SystemResources
 from systems.run_attempt import RunAttemptSystem
+from systems.run_metadata import RunMetadataSystem
 from systems.schedules import SchedulesSystem
 from systems.waiting_for_worker import WaitingForWorkerSystem
 from systems.waitpoints import WaitpointsSystem
@@ -38,6 +39,7 @@ class Systems:
     schedules: SchedulesSystem
     explain: ExplainSystem
     bulk_actions: BulkActionsSystem
+    run_metadata: RunMetadataSystem
 
     @classmethod
     def build(cls, resources: SystemResources) -> Systems:
@@ -74,4 +76,5 @@ class Systems:
             schedules=schedules,
             explain=ExplainSystem(r),
             bulk_actions=BulkActionsSystem(r, enqueue=enqueue, cancel=cancel),
+            run_metadata=RunMetadataSystem(r),
         )

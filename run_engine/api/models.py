@@ -19,7 +19,18 @@ from pydantic import (
     model_validator,
 )
 
-from run_engine.engine import CronSpec, Debounce, QueueSpec, RateLimitSpec, TaskSpec, queue_type
+from run_engine.engine import (
+    MAX_METADATA_OPERATIONS,
+    CronSpec,
+    Debounce,
+    MetadataOp,
+    QueueSpec,
+    RateLimitSpec,
+    TaskSpec,
+    parse_op,
+    queue_type,
+)
+from run_engine.errors import ValidationError
 
 MACHINES = ("micro", "small-1x", "small-2x", "medium-1x", "medium-2x", "large-1x", "large-2x")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
@@ -347,7 +358,39 @@ class RescheduleBody(_Body):
 
 
 class MetadataBody(_Body):
-    metadata: dict[str, Any]
+    """A replacement (``metadata``) or Trigger.dev's operations (``operations``: when given, even
+    empty, ``metadata`` is ignored, as Trigger.dev does), and operations on the run's parent and
+    root. The operations are checked one by one (:func:`metadata_operations`)."""
+
+    metadata: dict[str, Any] | None = None
+    operations: list[Any] | None = None
+    parentOperations: list[Any] | None = None
+    rootOperations: list[Any] | None = None
+
+
+def metadata_operations(raw: list[Any] | None, field: str) -> tuple[MetadataOp, ...]:
+    """The operations of one list of a :class:`MetadataBody`, each checked (400 naming
+    ``<field>.<index>`` and what is wrong with it)."""
+    return tuple(parse_op(op, f"{field}.{i}") for i, op in enumerate(raw or ()))
+
+
+def metadata_change(req: MetadataBody) -> tuple[tuple[MetadataOp, ...], tuple[MetadataOp, ...],
+                                                tuple[MetadataOp, ...]] | None:
+    """The operations of a body on the run, its parent and its root, or None for a plain
+    replacement (``metadata`` alone, as before operations: one statement, no row lock). 400 for a
+    body with nothing to do, or more than :data:`MAX_METADATA_OPERATIONS` operations."""
+    if req.operations is None and not req.parentOperations and not req.rootOperations:
+        if req.metadata is None:
+            raise ValidationError("metadata", "Field required (or operations, parentOperations, rootOperations)")
+        return None
+    count = sum(len(ops or ()) for ops in (req.operations, req.parentOperations, req.rootOperations))
+    if count > MAX_METADATA_OPERATIONS:
+        raise ValidationError("operations", f"at most {MAX_METADATA_OPERATIONS} operations a request (operations, "
+                                            f"parentOperations and rootOperations together; {count} given)")
+    own = (metadata_operations(req.operations, "operations") if req.operations is not None
+           else (MetadataOp("update", None, req.metadata, "metadata"),) if req.metadata is not None else ())
+    return (own, metadata_operations(req.parentOperations, "parentOperations"),
+            metadata_operations(req.rootOperations, "rootOperations"))
 
 
 class TagsBody(_Body):

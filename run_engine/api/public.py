@@ -41,6 +41,7 @@ from run_engine.api.models import (
     TagsBody,
     TriggerBody,
     TriggerOptions,
+    metadata_change,
     parse_date,
     parse_duration_s,
     parse_when,
@@ -808,7 +809,8 @@ async def explain_run(request: Request) -> Response:
     return json_response(explanation_object(await ctx.engine.explain(auth.env_id, request.path_params["run_id"])))
 
 
-@operation("Replace a run's metadata", S.MetadataOut, body=MetadataBody, security="apiKeyOrRunToken")
+@operation("Replace a run's metadata, or change it (and its parent's and root's) by operations", S.MetadataOut,
+           body=MetadataBody, security="apiKeyOrRunToken")
 async def update_metadata(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True)
@@ -816,11 +818,16 @@ async def update_metadata(request: Request) -> Response:
     if auth.run_id is not None and auth.run_id != run.id:
         raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
     req = await body(request, MetadataBody)
+    change = metadata_change(req)  # every operation checked before anything is read or written
     limit = ctx.engine.settings.max_metadata_bytes
-    if len(orjson.dumps(req.metadata)) > limit:
+    if req.operations is None and req.metadata is not None and len(orjson.dumps(req.metadata)) > limit:
         raise ApiError(413, "payload_too_large", f"metadata: larger than {limit} bytes")
-    await ctx.engine.set_metadata(auth.env_id, run.id, req.metadata)
-    return json_response({"metadata": req.metadata})
+    if change is None:
+        await ctx.engine.set_metadata(auth.env_id, run.id, req.metadata)
+        return json_response({"metadata": req.metadata})
+    # the run's parent and root are those its row names (never the body's): a run token reaches
+    # them only through these operations
+    return json_response({"metadata": await ctx.engine.change_metadata(run, *change)})
 
 
 @operation("Add tags to a run (at most 10)", S.TagsOut, body=TagsBody, security="apiKeyOrRunToken")

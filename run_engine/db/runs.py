@@ -1221,6 +1221,32 @@ class RunRepository:
                 "seed_metadata = coalesce(seed_metadata, jsonb_build_array(metadata)), "
                 "updated_at = clock_timestamp() WHERE id = %s", (Jsonb(metadata), run_id))
 
+    async def change_metadata(self, env_id: str, run_ids: Collection[str],
+                              change: Callable[[str, Any], Any]) -> dict[str, tuple[Any, bool]]:
+        """Change the metadata of the environment's runs among ``run_ids`` in one transaction:
+        each row is locked (``FOR UPDATE``, in id order: two requests that touch the same runs
+        wait for each other, never in a deadlock), ``change(run id, metadata)`` gives its new
+        metadata (``None``: unchanged), and the changed ones are written in one statement, the
+        first write keeping the trigger's metadata as the seed (as :meth:`set_metadata`). What
+        ``change`` raises rolls everything back. → run id → (metadata after, written), for the
+        runs found."""
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute("SELECT id, metadata FROM task_run WHERE id = ANY(%s) AND environment_id = %s "
+                                     "ORDER BY id FOR UPDATE", (sorted(run_ids), env_id))
+            after: dict[str, tuple[Any, bool]] = {}
+            for run_id, metadata in await cur.fetchall():
+                new = change(run_id, metadata)
+                after[run_id] = (metadata, False) if new is None else (new, True)
+            written = {run_id: m for run_id, (m, w) in after.items() if w}
+            if written:
+                # the right-hand sides read the row as it was: seed_metadata takes the metadata replaced
+                await conn.execute(
+                    "UPDATE task_run SET metadata = v.metadata, "
+                    "seed_metadata = coalesce(task_run.seed_metadata, jsonb_build_array(task_run.metadata)), "
+                    "updated_at = clock_timestamp() FROM jsonb_each(%s) AS v(id, metadata) WHERE task_run.id = v.id",
+                    (Jsonb(written),))
+        return after
+
     async def seed_metadata(self, run_ids: Sequence[str]) -> dict[str, Any]:
         """The metadata each of ``run_ids`` was triggered with, for those whose metadata was replaced
         since (the others' own metadata is still their seed), by id."""

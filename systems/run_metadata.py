@@ -1,0 +1,67 @@
+"""Run metadata changed by operations (Trigger.dev's ``metadata.*``, ``metadata.parent.*`` and
+``metadata.root.*``): what each operation does is :mod:`run_engine.metadata_ops`; here, which runs
+they act on, the bounds of what they make, and the announcement of each change."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from run_engine import metadata_ops
+from run_engine.db.runs import RunRow
+from run_engine.errors import TooLargeError, ValidationError
+from run_engine.events import RunEvent
+from run_engine.metadata_ops import MetadataOp
+from systems.resources import SystemResources
+
+
+class RunMetadataSystem:
+    def __init__(self, resources: SystemResources) -> None:
+        self.r = resources
+
+    async def change(self, run: RunRow, operations: Sequence[MetadataOp], parent_operations: Sequence[MetadataOp],
+                     root_operations: Sequence[MetadataOp]) -> dict[str, Any]:
+        """Apply ``operations`` to ``run``, ``parent_operations`` to its parent and
+        ``root_operations`` to its root (a run without a parent is its own parent and root, as in
+        Trigger.dev: its SDK sends ``metadata.parent.*`` of a root run so), in that order, each
+        run's under its row lock and all in one transaction: an operation refused while applied
+        (``ValidationError``) or a run's metadata past ``max_metadata_bytes`` (``TooLargeError``)
+        changes nothing. A parent or root that is gone (retention) is left out. Each run whose
+        metadata changed is announced as a replacement is (``run_updated``: realtime streams).
+        → the run's metadata after them."""
+        ops: dict[str, list[MetadataOp]] = {run.id: []}
+        fields: dict[str, list[str]] = {run.id: []}
+        for target, given, field in ((run.id, operations, "operations"),
+                                     (run.parent_run_id or run.id, parent_operations, "parentOperations"),
+                                     (run.root_run_id or run.id, root_operations, "rootOperations")):
+            if given:
+                ops.setdefault(target, []).extend(given)
+                fields.setdefault(target, []).append(field)
+        limit = self.r.settings.max_metadata_bytes
+        budget = metadata_ops.Budget()
+
+        def change(run_id: str, metadata: Any) -> Any:
+            field = " + ".join(fields[run_id]) or "operations"
+            too_deep = ValidationError(field, f"the run's metadata would be nested more than "
+                                              f"{metadata_ops.MAX_DEPTH} levels deep")
+            try:
+                new, changed = metadata_ops.apply(metadata, ops[run_id], budget)
+                if not changed:
+                    return None
+                size = len(orjson.dumps(new))  # C speed first: what the operations made may be megabytes
+            except (RecursionError, orjson.JSONEncodeError):  # orjson: past 254 levels
+                raise too_deep from None
+            if size > limit:
+                raise TooLargeError(field, f"the run's metadata would be {size} bytes, more than {limit}")
+            if metadata_ops.too_deep(new):
+                raise too_deep
+            return new
+
+        after = await self.r.repo.runs.change_metadata(run.env_id, ops.keys(), change)
+        for run_id, (_, written) in after.items():
+            if written:
+                self.r.events.emit(RunEvent("run_updated", run_id, run.env_id, data={"what": "metadata"}))
+        own = after.get(run.id, (None, False))[0]
+        return own if isinstance(own, dict) else {}
