@@ -73,10 +73,14 @@ class GroupListing:
 
 
 #: a worker group's (``g``) most recently heard instances (at most %(limit)s) as a JSON array
+#: a group's instances as an environment (``%(env)s``) sees them: not those of a token scoped to
+#: another environment of the group (named ``<environment id>/<name>``, see api/worker.py), which
+#: would show that environment's id, its supervisors' names and their concurrency
 _INSTANCES = """coalesce((SELECT jsonb_agg(jsonb_build_object('name', i.name, 'concurrency', i.concurrency,
                                                        'lastHeartbeatAt', i.last_heartbeat_at)
                                     ORDER BY i.last_heartbeat_at DESC)
                   FROM (SELECT * FROM worker_instance WHERE worker_group_id = g.id
+                          AND (split_part(name, '/', 1) !~ '^env_[a-z0-9]{1,64}$' OR split_part(name, '/', 1) = %(env)s)
                         ORDER BY last_heartbeat_at DESC LIMIT %(limit)s) i), '[]') AS instances"""
 _ENVIRONMENT = "SELECT e.*, p.organization_id FROM runtime_environment e JOIN project p ON p.id = e.project_id"
 
