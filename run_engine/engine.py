@@ -493,9 +493,12 @@ class RunEngine:
             env_id, statuses=statuses, timed_out=timed_out, tags=tags, idempotency_key=idempotency_key,
             created_from=created_from, created_to=created_to, limit=limit, after=after, timeout_s=self._read_bound)
 
-    async def run_waitpoint(self, env_id: str, run_id: str) -> Waitpoint:
-        """The RUN waitpoint of a run of the environment (made on demand; NotFoundError otherwise)."""
-        return await self.systems.waitpoints.run_waitpoint(env_id, run_id)
+    async def run_waitpoint(self, env_id: str, run_id: str, waiter_id: str | None = None) -> Waitpoint:
+        """The RUN waitpoint of a run of the environment (made on demand; NotFoundError otherwise).
+        ``waiter_id``: the run about to wait on it; if that is the run itself or descends from it
+        (the run finishes only after the wait), a waitpoint of its own, completed at once with a
+        ``WAIT_DEADLOCK`` error, so that the wait ends instead of blocking for ever."""
+        return await self.systems.waitpoints.run_waitpoint(env_id, run_id, waiter_id)
 
     async def complete_waitpoint(self, waitpoint_id: str, output: Any = None, *, is_error: bool = False,
                                  env_id: str | None = None) -> bool:

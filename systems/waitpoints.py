@@ -57,6 +57,9 @@ E = ExecutionStatus
 CHILDREN_REFUSED = (ValidationError, QueueFullError, ConflictError, NotFoundError)
 #: the key of a trigger-and-wait journal entry's stored result: the children's ids (the SDK replays it)
 RUN_IDS = "runIds"
+#: how far up its parent chain a run is read when a wait might name a run it descends from (a
+#: look-up a level: a tree deeper than this costs no more, and a wait that far up is not caught)
+ANCESTRY_READ_MOST = 100
 
 
 def _day_after(at: datetime) -> datetime:
@@ -296,13 +299,23 @@ class WaitpointsSystem:
 
     # --- blocking and continuing --------------------------------------------------------------
 
-    async def run_waitpoint(self, env_id: str, run_id: str) -> Waitpoint:
+    async def run_waitpoint(self, env_id: str, run_id: str, waiter_id: str | None = None) -> Waitpoint:
         """The RUN waitpoint of any run of the environment, made on demand (one per run, shared by
         every waiter; nothing on the plain trigger path): completed with the run's output, or its
-        error, when it finishes; at once if it has finished already."""
+        error, when it finishes; at once if it has finished already.
+
+        ``waiter_id``: the run that is to wait on it. When that is the run itself or one that
+        descends from it (and it has not finished), the run would finish only after the wait,
+        which would never end: a waitpoint of the waiter's own is returned instead, completed at
+        once with a ``WAIT_DEADLOCK`` error (the run's shared one, other waiters', is untouched)."""
         run = await self.r.repo.runs.get_run(run_id, env_id)
         if run is None:
             raise NotFoundError("run", run_id)
+        if waiter_id is not None and run.finished_at is None and await self._descends_from(waiter_id, run):
+            own, _ = await self._create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
+                                                     completed_by_run_id=run_id))
+            await self._fail_self_wait(own.id, run_id, by_key=False)
+            return await self.wp.get(own.id) or own
         key = f"run:{run_id}"
         for _ in range(3):
             wp, _ = await self._create(NewWaitpoint(id=new_id("waitpoint"), env_id=env_id, type="RUN",
@@ -759,12 +772,15 @@ class WaitpointsSystem:
             await self.wp.block(parent_id, [w.id for w in joined], None)
         return run_ids, key
 
-    async def _fail_self_wait(self, waitpoint_id: str, key: str) -> None:
-        """A child's key named the parent or a run it descends from: that run finishes only after
-        this wait, which ends at once instead (the parent is not blocked yet, or a repeat re-blocks)."""
-        await self.wp.complete([Completion({"type": "CHILD_TRIGGER_FAILED", "message":
-                                            f"the idempotency key names run {key}, which this run is or "
-                                            "descends from: a run cannot wait on itself"}, True, id=waitpoint_id)])
+    async def _fail_self_wait(self, waitpoint_id: str, key: str, *, by_key: bool = True) -> None:
+        """A wait on run ``key``, which the waiting run is or descends from: that run finishes only
+        after this wait, which ends at once instead, with an error (the waiter is not blocked yet,
+        or a repeat re-blocks). ``by_key``: a child's idempotency key named it (trigger and wait);
+        else the run was waited on by its id (``wait.for_run``)."""
+        why = (f"the idempotency key names run {key}, which this run is or descends from" if by_key
+               else f"run {key} is this run or one it descends from, and finishes only after this wait")
+        await self.wp.complete([Completion({"type": "CHILD_TRIGGER_FAILED" if by_key else "WAIT_DEADLOCK",
+                                            "message": f"{why}: a run cannot wait on itself"}, True, id=waitpoint_id)])
 
     async def _block_on_joined(self, parent: RunRow, run_ids: list[str], batch_id: str) -> None:
         """The parent of a batch also waits on each run the batch's items named by key rather than
@@ -778,12 +794,28 @@ class WaitpointsSystem:
         if joined:
             await self.wp.block(parent.id, [w.id for w in joined], None)
 
-    async def _ancestry(self, run: RunRow, most: int = 100) -> set[str]:
-        """The run's id and those of the runs it descends from (parent, its parent...)."""
+    async def _descends_from(self, run_id: str, ancestor: RunRow) -> bool:
+        """Whether run ``run_id`` is ``ancestor`` or descends from it (parent, grandparent...). A
+        run of another tree, or not below it, costs one look-up by key (a run's root and depth say
+        where it may be); the parent chain is read only between the two (ANCESTRY_READ_MOST up)."""
+        if run_id == ancestor.id:
+            return True
+        run = await self.r.repo.runs.get_run(run_id, light=True)
+        if run is None or run.root_run_id != (ancestor.root_run_id or ancestor.id) or run.depth <= ancestor.depth:
+            return False
+        if ancestor.id in (run.parent_run_id, run.root_run_id):
+            return True
+        return ancestor.id in await self._ancestry(run, most=min(run.depth - ancestor.depth, ANCESTRY_READ_MOST))
+
+    async def _ancestry(self, run: RunRow, most: int = ANCESTRY_READ_MOST) -> set[str]:
+        """The run's id and those of the runs it descends from (parent, its parent...), ``most``
+        of them at most (the last one's row is not read)."""
         out = {run.id}
         parent_id = run.parent_run_id
         while parent_id is not None and parent_id not in out and len(out) <= most:
             out.add(parent_id)
+            if len(out) > most:
+                break
             above = await self.r.repo.runs.get_run(parent_id, light=True)
             parent_id = above.parent_run_id if above is not None else None
         return out

@@ -451,10 +451,9 @@ async def _wait_on(ctx: ApiContext, run_id: str, env_id: str, snapshot_id: str, 
         outcome = await ctx.engine.block(run_id, snapshot_id, sequence=req.sequence, kind=req.kind, key=waitpoint_id,
                                          waitpoint_ids=[waitpoint_id], suspend=req.suspend, env_id=env_id)
         return _blocked(outcome, waitpointId=waitpoint_id)
-    if looks_like_id(waitpoint_id, "run"):  # wait on any run: its RUN waitpoint
-        if waitpoint_id == run_id:
-            raise ApiError(400, "invalid_input", "a run cannot wait on itself")
-        wp: Waitpoint | None = await ctx.engine.run_waitpoint(env_id, waitpoint_id)
+    if looks_like_id(waitpoint_id, "run"):  # wait on any run: its RUN waitpoint (on itself or an
+        # ancestor: one completed with a WAIT_DEADLOCK error, the wait over at once)
+        wp: Waitpoint | None = await ctx.engine.run_waitpoint(env_id, waitpoint_id, waiter_id=run_id)
     else:
         wp = await ctx.engine.get_waitpoint(waitpoint_id, env_id)
     if wp is None:

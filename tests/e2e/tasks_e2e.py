@@ -131,6 +131,18 @@ async def waits_for_run(payload, ctx):
     return {"ok": result.ok, "output": result.output, "error": result.error}
 
 
+@task(id="waits-up")
+async def waits_up(payload, ctx):
+    """A chain of ``depth`` runs below this one, each triggering and waiting for the next; the last
+    waits (wait.for_run) on the run ``up`` levels above it (0: itself). Each passes its answer up."""
+    above = [*payload.get("above", []), ctx.run.id]
+    if len(above) <= payload["depth"]:
+        return (await waits_up.trigger_and_wait({**payload, "above": above})).output
+    result = await wait.for_run(above[-1 - payload["up"]])
+    return {"ok": result.ok, "error": result.error, "target": above[-1 - payload["up"]],
+            "attempt": ctx.attempt.number}
+
+
 @task(id="creates-token-and-waits")
 async def creates_token_and_waits(payload, ctx):
     token = await tokens.create(timeout=payload.get("timeout"), tags=[ctx.run.id],

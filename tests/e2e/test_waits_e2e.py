@@ -256,6 +256,19 @@ def test_a_run_waits_for_any_run_of_its_environment(waiting: Stack, stack: Stack
     assert denied["status"] == "FAILED", denied
 
 
+def test_a_run_that_waits_on_itself_or_a_run_it_descends_from_is_told_at_once(waiting: Stack) -> None:
+    """``wait.for_run`` on the run itself, its parent or its grandparent: each would finish only
+    after the wait (before: the run stayed WAITING for good, its ancestors with it). The task gets
+    a WAIT_DEADLOCK error as the outcome of the wait, on its first attempt, and goes on."""
+    roots = [waiting.trigger("waits-up", {"depth": up, "up": up}) for up in (0, 1, 2)]
+    for root in roots:
+        done = waiting.wait_for(root)
+        assert done["status"] == "COMPLETED", done
+        out = done["output"]
+        assert out["ok"] is False and out["error"]["type"] == "WAIT_DEADLOCK" and out["attempt"] == 1, out
+        assert out["target"] == root and root in out["error"]["message"]
+
+
 def test_a_run_that_blocks_while_runs_queue_for_the_slots_is_suspended_at_once(stack: Stack) -> None:
     """One slot and a grace period of two minutes: the first run that blocks would hold the slot
     for that long, but the dequeue that handed it out said more runs were ready, so it suspends

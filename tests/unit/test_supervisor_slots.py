@@ -716,7 +716,8 @@ async def test_an_item_refused_on_its_own_is_its_answer_and_the_others_are_not_s
                 if i["runId"] == "r1" and i["ok"] else {"ok": True, "action": "finished"} for i in items]}, "")
         # /waits: r1's wait refused on its own (400), r2's applied
         return Reply(200, {"results": [
-            {"ok": False, "status": 400, "error": {"message": "a run cannot wait on itself"}}
+            {"ok": False, "status": 400, "error": {"message": "kind batch: waits only on the batch the run's "
+                                                              "journal entry at this sequence holds"}}
             if i["runId"] == "r1" else {"ok": True, "blocked": True, "snapshot": {"id": "s2"}} for i in items]}, "")
 
     monkeypatch.setattr(sup, "_post", post)
