@@ -795,17 +795,27 @@ class WaitpointsSystem:
             await self.wp.block(parent.id, [w.id for w in joined], None)
 
     async def _descends_from(self, run_id: str, ancestor: RunRow) -> bool:
-        """Whether run ``run_id`` is ``ancestor`` or descends from it (parent, grandparent...). A
-        run of another tree, or not below it, costs one look-up by key (a run's root and depth say
-        where it may be); the parent chain is read only between the two (ANCESTRY_READ_MOST up)."""
+        """Whether run ``run_id`` is ``ancestor``, or descends from it through runs each waited on
+        by its parent (trigger and wait): then ``ancestor`` finishes only after it. A child
+        triggered with a parent that did not wait for it (``resume_parent_on_completion`` false)
+        breaks the chain: that parent may finish first, and a wait on it is no deadlock. A run of
+        another tree, or not below it, costs one look-up by key (a run's root and depth say where
+        it may be); the chain is read only between the two (ANCESTRY_READ_MOST up)."""
         if run_id == ancestor.id:
             return True
         run = await self.r.repo.runs.get_run(run_id, light=True)
         if run is None or run.root_run_id != (ancestor.root_run_id or ancestor.id) or run.depth <= ancestor.depth:
             return False
-        if ancestor.id in (run.parent_run_id, run.root_run_id):
-            return True
-        return ancestor.id in await self._ancestry(run, most=min(run.depth - ancestor.depth, ANCESTRY_READ_MOST))
+        for _ in range(min(run.depth - ancestor.depth, ANCESTRY_READ_MOST)):
+            if not run.resume_parent_on_completion or run.parent_run_id is None:
+                return False
+            if run.parent_run_id == ancestor.id:
+                return True
+            above = await self.r.repo.runs.get_run(run.parent_run_id, light=True)
+            if above is None:
+                return False
+            run = above
+        return False
 
     async def _ancestry(self, run: RunRow, most: int = ANCESTRY_READ_MOST) -> set[str]:
         """The run's id and those of the runs it descends from (parent, its parent...), ``most``

@@ -60,8 +60,9 @@ class _Wait:
     async def for_run(self, run: Any) -> WaitResult:
         """Wait until another run of the environment (its id, or what ``trigger`` returned) has
         finished: ``ok`` with its ``output``, or its ``error``. At once if it finished already.
-        The run itself, or one it descends from (its parent...), would finish only after the
-        wait: not ok at once then, with an error of type ``WAIT_DEADLOCK``."""
+        The run itself, or one it descends from through parents that each wait on their child
+        (its parent that called ``trigger_and_wait``...), would finish only after the wait: not ok
+        at once then, with an error of type ``WAIT_DEADLOCK``."""
         run_id = run if isinstance(run, str) else run.id
         result = await runtime.require("wait.for_run").wait("token", waitpointId=run_id)
         return WaitResult(result["ok"], result.get("output"), result.get("error"))

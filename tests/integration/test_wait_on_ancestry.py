@@ -105,6 +105,23 @@ async def test_a_finished_ancestor_is_waited_on_as_any_finished_run(h: Harness) 
     assert not outcome.blocked and outcome.entry["result"] == {"ok": True, "output": {"done": 1}}
 
 
+async def test_a_child_its_parent_did_not_wait_for_may_wait_for_its_parent(h: Harness) -> None:
+    """A child triggered with a parent that does not wait on it (parentRunId alone): the parent may
+    finish first, so the child's wait on it (or on the grandparent above) blocks as any wait on a
+    run does, and ends with the parent's output."""
+    root = (await h.engine.trigger(req(h))).id
+    at = await start(h, root)
+    child = (await h.engine.trigger(req(h, parent_run_id=root, root_run_id=root, depth=1))).id
+    at_child = await start(h, child)
+    outcome = await wait_on_run(h, child, at_child[child], root)
+    assert outcome.blocked and (await h.engine.get_run(child)).status == "WAITING"  # type: ignore[union-attr]
+    await h.engine.complete_attempt(root, at[root], ok=True, output={"done": 2})
+    (shared,) = await h.engine.blocking_waitpoints(child) or [None]
+    assert shared is None or shared.status == "COMPLETED"
+    journal = (await h.engine.resolved_journal(child)).entries
+    assert journal[0]["result"] == {"ok": True, "output": {"done": 2}}
+
+
 async def test_the_worker_api_answers_a_wait_on_an_ancestor_with_the_error_alone_per_item(
         h: Harness, worker: httpx.AsyncClient) -> None:
     """``…/waitpoints/{runId}/wait`` and ``POST /waits``: the wait on the run itself (a 400 before)
