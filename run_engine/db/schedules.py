@@ -91,9 +91,11 @@ class ScheduleRepository:
                      external_id: str | None, deduplication_key: str | None, next_run_at: datetime,
                      type: str, max_schedules: int | None = None,
                      worker_group_id: str | None = None) -> Schedule | None:
-        """Insert a schedule, or update the one with the same (environment, deduplication key).
-        None when it would be new and the environment has ``max_schedules`` already (the
-        environment's capped upserts take turns: a transaction-scoped advisory lock on it)."""
+        """Insert a schedule, or update the one with the same (environment, deduplication key): its
+        next tick becomes ``next_run_at`` only if it is active and its cron or time zone changed (a
+        deactivated one has none until activated, as :meth:`update` leaves it). None when it would
+        be new and the environment has ``max_schedules`` already (the environment's capped upserts
+        take turns: a transaction-scoped advisory lock on it)."""
         async with self.pool.connection() as conn, conn.transaction():
             if max_schedules is not None:
                 await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_CREATE_LOCK_CLASS, env_id))
@@ -112,8 +114,9 @@ class ScheduleRepository:
                        SET task_identifier = EXCLUDED.task_identifier, cron = EXCLUDED.cron,
                            timezone = EXCLUDED.timezone, external_id = EXCLUDED.external_id,
                            worker_group_id = EXCLUDED.worker_group_id,
-                           next_run_at = CASE WHEN task_schedule.cron = EXCLUDED.cron
-                                               AND task_schedule.timezone = EXCLUDED.timezone
+                           next_run_at = CASE WHEN NOT task_schedule.active
+                                                OR (task_schedule.cron = EXCLUDED.cron
+                                                    AND task_schedule.timezone = EXCLUDED.timezone)
                                               THEN task_schedule.next_run_at ELSE EXCLUDED.next_run_at END,
                            updated_at = now()
                    RETURNING *""",
@@ -314,10 +317,12 @@ class ScheduleRepository:
              "group": schedule.worker_group_id})
         return cur.rowcount > 0
 
-    async def advance(self, schedule_id: str, fired_at: datetime, next_run_at: datetime) -> bool:
-        """Move the schedule past ``fired_at`` (only if nobody did yet): compare-and-set."""
+    async def advance(self, schedule_id: str, skipped: datetime, next_run_at: datetime) -> bool:
+        """Move the schedule past ``skipped``, a tick that made no run (only if nobody did yet):
+        compare-and-set. ``last_run_at`` stays the last tick that made one (the run's
+        ``lastTimestamp``, the API's ``lastRun``), as Trigger.dev's skip carries it forward."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """UPDATE task_schedule SET last_run_at = %s, next_run_at = %s
-                   WHERE id = %s AND next_run_at = %s""", (fired_at, next_run_at, schedule_id, fired_at))
+                """UPDATE task_schedule SET next_run_at = %s
+                   WHERE id = %s AND next_run_at = %s""", (next_run_at, schedule_id, skipped))
             return cur.rowcount > 0

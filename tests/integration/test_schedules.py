@@ -572,3 +572,42 @@ async def test_a_tick_two_processes_skip_is_counted_once(make_engine, monkeypatc
         assert skipped() - before == 1
     finally:
         uninstall()
+
+
+async def test_a_skipped_tick_is_not_the_schedules_last_run(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A tick refused (the queue full) made no run, but became the schedule's ``lastRun`` and the
+    next run's ``lastTimestamp``: a task reading it as the time it last ran missed that window. It
+    stays the last tick that made a run (Trigger.dev's skip carries it forward too)."""
+    h: Harness = await make_engine(max_queue_length=1)
+    await h.deploy({"id": "hello"})
+    schedules = h.engine.systems.schedules
+    sched = await schedules.upsert(h.env.env_id, task="hello", cron="* * * * *")
+    first = sched.next_run_at
+    h.clock.advance((first - ts(h)).total_seconds())
+    assert await schedules.fire_due(jitter_s=0) == 1  # the queue is full now
+    (made,) = await runs_of(h, sched.id)
+    h.clock.advance(60)
+    assert await schedules.fire_due(jitter_s=0) == 0  # refused: skipped
+    after = await h.engine.resources.repo.schedules.get(sched.id)
+    assert after is not None and after.next_run_at == first + timedelta(minutes=2)
+    assert after.last_run_at == first, f"lastRun {after.last_run_at}: a tick that made no run"
+    await h.engine.cancel(made.id)  # room in the queue again
+    h.clock.advance(60)
+    assert await schedules.fire_due(jitter_s=0) == 1
+    third = next(r for r in await runs_of(h, sched.id) if r.id != made.id)
+    assert datetime.fromisoformat(third.payload["timestamp"]) == first + timedelta(minutes=2)
+    assert datetime.fromisoformat(third.payload["lastTimestamp"]) == first
+
+
+async def test_a_deactivated_schedule_created_again_with_a_new_cron_shows_no_next_tick(h: Harness) -> None:
+    """A create with the deduplication key of a deactivated schedule (the SDK's create at every
+    start of an app) and another cron gave it a next tick it never fires (nextRun shown, the
+    schedule inactive), where a PUT leaves it none; activating it works the tick out from then."""
+    schedules = h.engine.systems.schedules
+    sched = await schedules.upsert(h.env.env_id, task="hello", cron="0 * * * *", deduplication_key="off")
+    await schedules.set_active(h.env.env_id, sched.id, False)
+    again = await schedules.upsert(h.env.env_id, task="hello", cron="*/5 * * * *", deduplication_key="off")
+    assert again.id == sched.id and again.cron == "*/5 * * * *"
+    assert again.active is False and again.next_run_at is None, again.next_run_at
+    on = await schedules.set_active(h.env.env_id, sched.id, True)
+    assert on.next_run_at is not None and on.next_run_at > ts(h) and on.next_run_at.minute % 5 == 0
