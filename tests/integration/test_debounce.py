@@ -236,3 +236,15 @@ async def test_a_batch_whose_debounced_item_names_a_queue_past_the_cap_creates_n
         refused = await api.post("/api/v1/tasks/batch", json=body)
         assert refused.status_code == 422 and refused.json()["error"]["code"] == "too_many_queues"
         assert await h.engine.list_runs(h.env.env_id, tasks=["hello"], limit=100, light=True) == []
+
+
+async def test_one_key_in_two_tasks_or_two_environments_makes_a_run_each(h: Harness) -> None:
+    """The key is (environment, task, key): the same key elsewhere never joins another's run."""
+    from run_engine.tenancy import ensure_environment
+
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org=h.env.org_id,
+                                     project="other-proj", env="prod")
+    key = new_key()
+    runs = [await h.engine.trigger(req(h, key)), await h.engine.trigger(req(h, key, task="limited")),
+            await h.engine.trigger(dataclasses.replace(req(h, key), env_id=other.env_id))]
+    assert len({r.id for r in runs}) == 3 and not any(r.is_cached for r in runs)

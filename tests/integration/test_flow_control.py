@@ -303,3 +303,29 @@ async def test_a_ttl_is_whole_seconds_and_zero_leaves_the_cap(make_engine) -> No
 
     with pytest.raises(ValidationError):
         await h.engine.trigger(req(h, ttl_s=-1))
+
+
+async def test_a_reschedule_racing_the_delay_job_either_moves_the_run_or_is_refused(h: Harness) -> None:
+    """Both take the run lock: the run is either enqueued (the reschedule then 422) or rescheduled
+    (DELAYED, the job moved), never enqueued with its date moved."""
+    for _ in range(5):
+        run = await h.engine.trigger(req(h, delay_until=at(h, 5)))
+        h.clock.advance(6)
+        _, moved = await asyncio.gather(h.engine.run_due_jobs(),
+                                        h.engine.reschedule(h.env.env_id, run.id, at(h, 100)), return_exceptions=True)
+        status = (await h.engine.latest_snapshot(run.id)).engine_status
+        assert (status == "QUEUED") if isinstance(moved, InvalidTransitionError) else (status == "DELAYED"), moved
+
+
+async def test_a_ttl_racing_a_dequeue_never_leaves_a_run_both_started_and_expired(h: Harness) -> None:
+    for _ in range(5):
+        run = await h.engine.trigger(req(h, ttl_s=5))
+        h.clock.advance(6)
+        _, taken = await asyncio.gather(h.engine.run_due_jobs(), h.engine.dequeue(h.env.worker_group_id, 5))
+        if taken:  # the dequeue won: handed out, the TTL job looks again later; the start goes through
+            (d,) = taken
+            await h.engine.start_attempt(run.id, d.snapshot.id)
+            assert (await h.engine.get_run(run.id)).status == "EXECUTING"  # type: ignore[union-attr]
+        else:
+            assert (await h.engine.get_run(run.id)).status == "EXPIRED"  # type: ignore[union-attr]
+        assert await h.statuses(run.id) in (["QUEUED", "FINISHED"], ["QUEUED", "PENDING_EXECUTING", "EXECUTING"])
