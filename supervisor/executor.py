@@ -104,23 +104,32 @@ async def _run_one(msg: dict[str, Any], channel: Channel) -> dict[str, Any]:
                   task=TaskInfo(task.id), queue=QueueInfo(msg.get("queue", ""))) if task.wants_ctx else None
     # this task is what a suspension cancels; the task's code runs in it (and in its context)
     channel.begin(asyncio.current_task())
-    token = runtime.activate(runtime.Runtime(channel, msg.get("journal") or [], msg.get("journalNext")))
+    rt = runtime.Runtime(channel, msg.get("journal") or [], msg.get("journalNext"), msg["runId"], msg.get("metadata"))
+    token = runtime.activate(rt)
+    failed: dict[str, Any] | None = None
     try:
-        output = await task.execute(msg["payload"], ctx)
+        try:
+            output = await task.execute(msg["payload"], ctx)
+        except AbortTaskRunError as exc:
+            failed = {"ok": False, "retryable": False, "error": {**_error_of(exc), "type": "ABORT"}}
+        except MemoryError as exc:
+            failed = {"ok": False, "retryable": True, "error": {**_error_of(exc), "type": "TASK_PROCESS_OOM_KILLED"}}
+        except Exception as exc:
+            failed = {"ok": False, "retryable": True, "error": _error_of(exc)}
+        if rt.metadata is not None:  # what the task changed, sent before its attempt completes
+            await rt.metadata.settle(final=True)
     except asyncio.CancelledError:
         return {"type": "suspended" if channel.suspended else "abandoned"}
     except runtime.DuplicateExecution as exc:
         return {"type": "abandoned", "reason": str(exc)}
-    except AbortTaskRunError as exc:
-        return {"ok": False, "retryable": False, "error": {**_error_of(exc), "type": "ABORT"}}
-    except MemoryError as exc:
-        return {"ok": False, "retryable": True, "error": {**_error_of(exc), "type": "TASK_PROCESS_OOM_KILLED"}}
-    except Exception as exc:
-        return {"ok": False, "retryable": True, "error": _error_of(exc)}
     finally:
+        if rt.metadata is not None:
+            rt.metadata.close()
         channel.end()
         runtime.activate(None)
         del token
+    if failed is not None:
+        return failed
     try:
         orjson.dumps(output)
     except TypeError as exc:

@@ -472,7 +472,8 @@ class Supervisor:
         msg = {"type": "run", "runId": run_id, "task": started["run"]["taskIdentifier"],
                "payload": started["payload"], "attempt": started["attemptNumber"], "tags": started["run"]["tags"],
                "queue": started["run"]["queue"], "runToken": started["runToken"], "apiUrl": self.config.api_url,
-               "journal": started.get("journal") or [], "journalNext": started.get("journalNext")}
+               "journal": started.get("journal") or [], "journalNext": started.get("journalNext"),
+               "metadata": started["run"].get("metadata")}
         try:
             executor = await self.pool.acquire(memory_mb=MACHINES.get(started.get("machine") or "small-1x"))
         except Exception as exc:

@@ -20,9 +20,10 @@ def _config() -> tuple[str, str]:
     return url.rstrip("/"), key
 
 
-async def request(method: str, path: str, json: Any = None, params: dict[str, str] | None = None) -> Any:
+async def request(method: str, path: str, json: Any = None, params: dict[str, str] | None = None,
+                  timeout: float = 30) -> Any:  # noqa: ASYNC109 - httpx's own timeout, per request
     url, key = _config()
-    async with httpx.AsyncClient(base_url=url, timeout=30, headers={"Authorization": f"Bearer {key}"}) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, headers={"Authorization": f"Bearer {key}"}) as client:
         response = await client.request(method, path, json=json, params=params)
     data = response.json() if response.content else None
     if response.status_code >= 400:

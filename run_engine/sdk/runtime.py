@@ -17,9 +17,12 @@ import itertools
 import os
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from run_engine.sdk.metadata import RunMetadata
 
 
 class DuplicateExecution(BaseException):  # noqa: N818 - not an error the task should catch
@@ -109,14 +112,27 @@ class Runtime:
     from the run's journal when the journal holds it. The journal comes a page at a time (a page
     holds at most 16 MiB of results): ``journal_next`` is the sequence of the first entry not
     received yet, and the next page is asked for when the replay gets there. An entry is let go
-    once replayed: the executor holds a page of the journal at most, never all of it."""
+    once replayed: the executor holds a page of the journal at most, never all of it.
 
-    def __init__(self, channel: Channel, journal: list[dict[str, Any]], journal_next: int | None = None) -> None:
+    ``metadata`` is the run's metadata as the attempt started (the trigger's, or the server's when
+    restored); ``self.metadata``, made by the first ``metadata.*`` call of the task, buffers its
+    changes (run_engine/sdk/metadata.py), sent before each wait and when the attempt completes."""
+
+    def __init__(self, channel: Channel, journal: list[dict[str, Any]], journal_next: int | None = None,
+                 run_id: str | None = None, metadata: Any = None) -> None:
         self.channel = channel
         self.journal = {e["sequence"]: e for e in journal}
         self._next = 0
         self._more = journal_next
         self._paging = asyncio.Lock()
+        self.run_id = run_id
+        self.seed_metadata = metadata
+        self.metadata: RunMetadata | None = None
+
+    def replaying(self) -> bool:
+        """Whether the journal still holds entries the task has not replayed: what the task does
+        until then, the execution before did too (metadata changes are not sent again)."""
+        return bool(self.journal) or self._more is not None
 
     async def take(self, kind: str, key: str | None) -> tuple[int, dict[str, Any] | None]:
         seq = self._next  # taken before any wait: concurrent calls are numbered in the order they are made
@@ -168,6 +184,8 @@ class Runtime:
             if entry["resolved"]:
                 return entry["result"]
             request = {"waitpointId": entry["waitpointId"]}
+        if self.metadata is not None:  # the run may be suspended: its executor stops
+            await self.metadata.settle(final=False)
         reply = await self.channel.call("wait", sequence=seq, kind=kind, **request)
         return reply["result"]
 

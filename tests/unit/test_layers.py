@@ -94,3 +94,28 @@ def test_no_system_calls_a_private_method_of_a_sibling() -> None:
                     and isinstance(node.value, ast.Attribute) and node.value.attr in siblings):
                 offences.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value.attr}.{node.attr}")
     assert offences == []
+
+
+def test_the_sdk_imports_only_pure_modules_of_the_engine() -> None:
+    """A task's executor imports the SDK (run_engine/sdk): of the rest of the engine, only pure modules
+    (``metadata.*`` applies its changes locally with the server's own run_engine/metadata_ops.py),
+    never storage, queue, systems or the API."""
+    pure = {"run_engine.metadata_ops", "run_engine.errors", "run_engine.records"}
+    offences = []
+    for path in sorted(ROOT.joinpath("run_engine", "sdk").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module == "run_engine":
+                names = [f"run_engine.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offences += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                         if n.split(".")[0] in ("run_engine", "systems", "supervisor")
+                         and not n.startswith("run_engine.sdk") and n not in pure]
+    assert offences == []
+    for module in pure:  # and those import nothing else of it
+        tree = ast.parse(ROOT.joinpath(*module.split(".")).with_suffix(".py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert {m for m in imported if m.split(".")[0] in ("run_engine", "systems")} <= pure, module
