@@ -253,3 +253,34 @@ async def waits_for_debounced(payload, ctx):
 
     result = await wait.for_run(await ctx.step("debounced", debounced))
     return {"ok": result.ok, "output": result.output}
+
+
+# --- metadata -------------------------------------------------------------------------------------
+
+from run_engine.sdk import metadata  # noqa: E402
+
+
+@task(id="metadata-through-waits")
+async def metadata_through_waits(payload, ctx):
+    """Sets, increments and appends its metadata around a wait long enough to suspend it: restored,
+    the task runs from the start, and what it changed before the wait is not made again."""
+    _note(payload["log"], json.dumps(metadata.current(), sort_keys=True))  # at each start
+    metadata.set("status", "started")
+    metadata.increment("count")
+    metadata.append("events", "before wait")
+    if payload.get("child"):
+        metadata.parent.increment("children")
+        metadata.parent.append("childRuns", ctx.run.id)
+    await wait.for_(seconds=payload.get("seconds", 1.5))
+    metadata.increment("count", by=2)
+    metadata.append("events", "after wait")
+    metadata.set("status", "done")
+    return metadata.current()
+
+
+@task(id="metadata-parent")
+async def metadata_parent(payload, ctx):
+    metadata.set("children", 0)
+    child = await metadata_through_waits.trigger_and_wait({**payload, "child": True},
+                                                          {"metadata": {"origin": "parent"}})
+    return {"child": child.output, "current": metadata.current()}

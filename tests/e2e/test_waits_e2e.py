@@ -3,6 +3,7 @@ blocked run after 0.5 s (RUN_ENGINE_SUSPEND_AFTER_S in the e2e stack)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from datetime import UTC, datetime, timedelta
@@ -302,3 +303,32 @@ def test_a_run_that_blocks_while_runs_queue_for_the_slots_is_suspended_at_once(s
         h = history[run_id]
         assert ("EXECUTING_WITH_WAITPOINTS", "SUSPENDED") in zip(h, h[1:], strict=False), h
     assert "SUSPENDED" not in history[last] and "EXECUTING_WITH_WAITPOINTS" in history[last], history[last]
+
+
+def test_metadata_changes_through_a_suspension_count_once_and_reach_the_parent(waiting: Stack,
+                                                                                tmp_path: Path) -> None:
+    """A task sets, increments and appends its metadata before and after a wait that suspends it
+    (run_engine/sdk/metadata.py): restored, it runs from the start again, and its increment before
+    the wait counts once; its metadata.parent.* reach its parent's metadata (once too)."""
+    log = tmp_path / "metadata.log"
+    run_id = waiting.trigger("metadata-through-waits", {"log": str(log)}, metadata={"origin": "trigger"})
+    run = waiting.wait_for(run_id)
+    assert run["status"] == "COMPLETED", run
+    expected = {"origin": "trigger", "status": "done", "count": 3, "events": ["before wait", "after wait"]}
+    assert run["metadata"] == expected and run["output"] == expected
+    starts = [json.loads(line) for line in log.read_text().splitlines()]
+    # first the trigger's metadata; restored, the run's as the first execution left it
+    assert starts == [{"origin": "trigger"},
+                      {"origin": "trigger", "status": "started", "count": 1, "events": ["before wait"]}]
+    assert run["attemptCount"] == 1
+
+    log = tmp_path / "parent.log"
+    parent_id = waiting.trigger("metadata-parent", {"log": str(log)})
+    parent = waiting.wait_for(parent_id)
+    assert parent["status"] == "COMPLETED", parent
+    [child_id] = parent["relatedRuns"]["children"]
+    assert parent["output"]["child"] == {"origin": "parent", "status": "done", "count": 3,
+                                         "events": ["before wait", "after wait"]}
+    # set to 0 before the child ran, incremented by it once (its replay sent nothing again)
+    assert parent["metadata"] == {"children": 1, "childRuns": [child_id]}
+    assert parent["output"]["current"] == parent["metadata"]  # the parent's copy, restored, is the server's
