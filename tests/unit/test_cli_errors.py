@@ -3,13 +3,16 @@ a message and a non-zero exit, never a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import json
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,11 +24,13 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=60)
 
 
-class _Html(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # a proxy's error page, or another program on the port
-        body = b"<html><body>502 Bad Gateway</body></html>"
-        self.send_response(502)
-        self.send_header("Content-Type", "text/html")
+class FakeApi(http.server.BaseHTTPRequestHandler):
+    """A stand-in server for the CLI's client commands (subclasses answer with :meth:`answer`)."""
+
+    def answer(self, status: int, data: Any, content_type: str = "application/json") -> None:
+        body = data if isinstance(data, bytes) else json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -34,14 +39,28 @@ class _Html(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def html_server() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Html)
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` served on a free port of 127.0.0.1 in a thread: its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Html(FakeApi):
+    def do_GET(self) -> None:  # a proxy's error page, or another program on the port
+        self.answer(502, b"<html><body>502 Bad Gateway</body></html>", "text/html")
+
+
+@pytest.fixture
+def html_server() -> Iterator[str]:
+    with serving(_Html) as url:
+        yield url
 
 
 def test_an_answer_that_is_not_json_is_a_message(html_server: str) -> None:

@@ -4,51 +4,33 @@ named `a?b#c`, a slash, a space, a `%`), and print names as they are (a queue na
 
 from __future__ import annotations
 
-import http.server
-import json
-import threading
 from collections.abc import Iterator
 
 import pytest
 
-from .test_cli_errors import cli
+from .test_cli_errors import FakeApi, cli, serving
 
 SEEN: list[str] = []
 NAMES = ["[/]", "[prod] emails", "task/hello"]
 
 
-class _Api(http.server.BaseHTTPRequestHandler):
-    def _answer(self, answer: object) -> None:
-        body = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
+class _Api(FakeApi):
     def do_GET(self) -> None:
         SEEN.append(self.path)
-        self._answer({"data": [{"name": n, "type": "custom", "running": 0, "queued": 1, "concurrencyLimit": None,
-                                "paused": False} for n in NAMES]})
+        self.answer(200, {"data": [{"name": n, "type": "custom", "running": 0, "queued": 1, "concurrencyLimit": None,
+                                    "paused": False} for n in NAMES]})
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         SEEN.append(self.path)
-        self._answer({"name": "whatever", "paused": True, "id": "run_1"})
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.answer(200, {"name": "whatever", "paused": True, "id": "run_1"})
 
 
 @pytest.fixture
 def api() -> Iterator[str]:
     SEEN.clear()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Api)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(_Api) as url:
+        yield url
 
 
 def test_a_name_is_one_path_segment_whatever_it_holds(api: str) -> None:

@@ -4,50 +4,35 @@ JSON, and an error as one line and exit 1 (a message quoting odd input is printe
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from .test_cli_errors import cli
+from .test_cli_errors import FakeApi, cli, serving
 
 SEEN: list[tuple[str, Any]] = []
 
 
-class _Api(http.server.BaseHTTPRequestHandler):
+class _Api(FakeApi):
     def do_POST(self) -> None:
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         SEEN.append((self.path, json.loads(raw) if raw else None))
         if "missing" in self.path:
-            status, answer = 404, {"error": {"code": "not_found",
-                                             "message": "no deployment of version '[/]missing' in this environment"}}
-        else:
-            d = {"id": "deployment_1", "version": "release/1 ü", "workerGroupId": "wg_1", "alreadyCurrent": False,
-                 "pendingRunsEnqueued": 3}
-            status, answer = 200, {**d, "deployments": [d]}
-        body = json.dumps(answer).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+            self.answer(404, {"error": {"code": "not_found",
+                                        "message": "no deployment of version '[/]missing' in this environment"}})
+            return
+        d = {"id": "deployment_1", "version": "release/1 ü", "workerGroupId": "wg_1", "alreadyCurrent": False,
+             "pendingRunsEnqueued": 3}
+        self.answer(200, {**d, "deployments": [d]})
 
 
 @pytest.fixture
 def api() -> Iterator[str]:
     SEEN.clear()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Api)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(_Api) as url:
+        yield url
 
 
 def test_promote_names_the_version_whole_and_says_what_became_current(api: str) -> None:
