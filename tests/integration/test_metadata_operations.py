@@ -16,7 +16,7 @@ from run_engine.run_tokens import RunTokens
 from run_engine.tenancy import ensure_environment
 
 from .conftest import Harness, api_client
-from .test_realtime_review import events, until
+from .test_realtime_review import count_full_reads, events, until
 from .test_stream_credentials import streaming
 
 
@@ -265,17 +265,8 @@ async def test_who_may_change_what(h: Harness) -> None:
 async def test_a_parents_stream_sends_the_change_a_child_made(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """A parent's metadata changed by its child's parentOperations reaches the parent's stream, as
     a replacement of its own metadata does."""
-    full_reads: list[str] = []
-    get_run = h.engine.get_run
-
-    async def counted(run_id: str, env_id: str | None = None, *, light: bool = False) -> Any:
-        got = await get_run(run_id, env_id, light=light)
-        if not light:
-            full_reads.append(run_id)
-        return got
-
     async with streaming(h, monkeypatch) as (run_id, answer):
-        monkeypatch.setattr(h.engine, "get_run", counted)
+        full_reads = count_full_reads(h, monkeypatch)
         assert await until(lambda: run_id in full_reads)  # the stream's first event
         child = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", parent_run_id=run_id,
                                                       root_run_id=run_id, depth=1))

@@ -30,10 +30,9 @@ async def until(check: Any, deadline_s: float = 10.0) -> bool:
     return False
 
 
-async def test_a_run_stream_sends_a_change_of_its_metadata_and_tags(
-        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before, the stream woke on a metadata or tags change but sent an event only when the status
-    changed: a client following a run's progress (metadata) saw none of it until the run ended."""
+def count_full_reads(h: Harness, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, the ids of the runs the engine reads whole (not light), in order: a stream's
+    events each read their run so."""
     full_reads: list[str] = []
     get_run = h.engine.get_run
 
@@ -44,6 +43,13 @@ async def test_a_run_stream_sends_a_change_of_its_metadata_and_tags(
         return got
 
     monkeypatch.setattr(h.engine, "get_run", counted)
+    return full_reads
+
+async def test_a_run_stream_sends_a_change_of_its_metadata_and_tags(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the stream woke on a metadata or tags change but sent an event only when the status
+    changed: a client following a run's progress (metadata) saw none of it until the run ended."""
+    full_reads = count_full_reads(h, monkeypatch)
     async with streaming(h, monkeypatch) as (run_id, answer):
         assert await until(lambda: len(full_reads) == 1)  # the first event's read
         await h.engine.set_metadata(h.env.env_id, run_id, {"progress": 50})
