@@ -1,7 +1,8 @@
 """The dashboard in a browser against a hostile tenant: values the tenant chose (task ids, queue
 names, tags, idempotency keys, payloads, outputs, metadata, errors and their stack traces, worker
 instance names, token tags) are shown as text on every page and in the fragments the live pages
-fetch again, and no script of theirs runs.
+fetch again, and no script of theirs runs; and a page once shown is not kept in the browser
+(htmx's history cache) for anyone to go back to after signing out.
 
 Headless Chromium (Playwright) against the real server, as tests/e2e/test_dashboard_e2e.py."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from urllib.parse import quote
 
 from playwright.sync_api import Page, expect
 
@@ -84,3 +86,29 @@ def test_a_tenants_values_are_text_on_every_page_and_run_nothing(page: Page, sta
     expect(page.locator("#runs-table tbody tr")).to_have_count(2)
     _untouched(page)
 
+
+def test_a_page_is_not_kept_in_the_browser_for_after_sign_out(page: Page, stack: Stack, shot: Shot) -> None:  # noqa: F811
+    """htmx keeps the last pages of a boosted navigation in sessionStorage (htmx-history-cache)
+    and shows them again on Back without asking the server: after signing out, Back showed the run
+    page, its payload and the session's CSRF token, from the browser alone (the pages answer
+    Cache-Control: no-store so that nothing of them is kept)."""
+    page.set_default_timeout(EXPECT_MS)
+    own = stack.project("dash-history")
+    run_id = own.trigger("manual", {"secret": "kept-in-the-browser"})
+    sign_in(page, own, own.api_key)
+    page.locator(f"a[href='/dashboard/runs/{run_id}']").click()  # a boosted navigation
+    expect(page).to_have_url(re.compile(f"/dashboard/runs/{run_id}$"))
+    expect(page.locator("section.card.two")).to_contain_text("kept-in-the-browser")
+    page.get_by_role("link", name="Queues").click()
+    expect(page).to_have_url(re.compile("/dashboard/queues$"))
+    page.get_by_role("button", name="Sign out").click()
+    expect(page).to_have_url(re.compile("/dashboard/login"))
+    stored = page.evaluate("JSON.stringify(Object.entries(sessionStorage))")
+    assert "kept-in-the-browser" not in stored and "csrf" not in stored, stored[:300]
+
+    for back_to in ("/dashboard/queues", f"/dashboard/runs/{run_id}"):  # each asked of the server again
+        page.go_back()
+        expect(page).to_have_url(re.compile("/dashboard/login[?]next=" + re.escape(quote(back_to, safe=""))))
+        expect(page.get_by_label("API key")).to_be_visible()
+        expect(page.locator("body")).not_to_contain_text("kept-in-the-browser")
+    shot(page, "back-after-sign-out")
