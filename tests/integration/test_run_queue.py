@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
+from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -12,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from run_engine.redis_connect import connect as connect_redis
-from run_engine.run_queue import EnqueueItem, RunQueue
+from run_engine.run_queue import EnqueueItem, QueueSettings, RunQueue
 from run_engine.run_queue.models import DequeuedMessage
 
 pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
@@ -917,6 +918,105 @@ async def test_a_queue_parked_for_its_rate_is_listed_again_when_its_rate_changes
     assert list(await q.dequeue("wg", 5, NOW + 1)) == []  # parked until NOW + a day
     await q.set_rate_limit("envA", "task/a", RateLimit(limit=100, period_ms=1000, burst=10))
     assert [m.run_id for m in await q.dequeue("wg", 5, NOW + 2)] == ["r2"]
+
+
+async def _parked_queues_of_one_env(redis_client: aioredis.Redis, key_prefix: str, unique: str,
+                                    settings: Callable[[str], QueueSettings], n: int = 2500) -> RunQueue:
+    """``n`` queues of env "noisy" with ``settings``, one run ready in each: more than one
+    dequeue's budget of candidates (2,000). The dequeues that follow park them all."""
+    q = RunQueue(redis_client, prefix=f"{key_prefix}:q{unique}", shards=1, default_env_limit=100_000)
+    await q.load_scripts()
+    await q.configure_queues([settings(f"n{i}") for i in range(n)])
+    await q.enqueue([item(f"n{i}-0", env="noisy", queue=f"n{i}", score=NOW - 10_000 + i) for i in range(n)], NOW)
+    envs = f"{q.keys.base(0)}:g:wg:envs"
+    for _ in range(10):
+        assert list(await q.dequeue("wg", 10, NOW)) == []
+        if await redis_client.zscore(envs, "noisy") is None:  # every queue parked: the env too
+            return q
+    raise AssertionError("the blocked queues were not all parked")
+
+
+async def _served_before(q: RunQueue, env: str, n: int, now: int) -> None:
+    """``n`` runs of ``env`` handed out: its virtual time is ahead of the others' (served more)."""
+    await q.enqueue([item(f"{env}-before-{i}", env=env, queue="task/q", score=now + i) for i in range(n)], now)
+    handed = 0
+    while got := await q.dequeue("wg", 500, now):
+        handed += len(got)
+    assert handed == n
+
+
+async def _calls_until_served(q: RunQueue, run_id: str, now: int) -> int:
+    """Dequeue calls of the group until ``run_id`` (another tenant's) is handed out."""
+    for calls in range(1, 20):
+        if any(m.run_id == run_id for m in await q.dequeue("wg", 10, now)):
+            return calls
+    return 20
+
+
+@pytest.mark.parametrize("blocked", ["paused", "limit 0"])
+async def test_a_change_of_settings_that_leaves_queues_blocked_does_not_put_them_back(
+        redis_client: aioredis.Redis, key_prefix: str, unique: str, blocked: str) -> None:
+    """2,500 queues of one environment, each blocked (paused, or of limit 0) with a run ready, are
+    parked. A deploy changes a setting of each and leaves it blocked (a paused queue's limit, a
+    queue of limit 0's rate): each was put back in the group's index anyway, and the next dequeue
+    calls parked them again, one candidate of their budget each, first in the group (the
+    environment was never served, the other one was): two calls handed no tenant of the group
+    anything (10,000 such queues: five calls of ~65 ms). Still blocked, they stay parked; the other
+    tenant is served by the first call."""
+    from run_engine.run_queue import RateLimit
+
+    def settings(version: int) -> Callable[[str], QueueSettings]:
+        if blocked == "paused":
+            return lambda name: QueueSettings("noisy", name, limit=version, paused=True, version=version)
+        return lambda name: QueueSettings("noisy", name, limit=0, version=version,
+                                          rate_limit=RateLimit(limit=version, period_ms=1000))
+
+    q = await _parked_queues_of_one_env(redis_client, key_prefix, unique, settings(1))
+    await _served_before(q, "quiet", 3000, NOW)
+    assert await q.configure_queues([settings(2)(f"n{i}") for i in range(2500)]) == [True] * 2500
+    await q.enqueue([item("quiet-1", env="quiet", queue="task/q", score=NOW)], NOW)
+    assert await _calls_until_served(q, "quiet-1", NOW) == 1
+    # unblocked, they serve at once
+    if blocked == "paused":
+        await asyncio.gather(*(q.resume("noisy", f"n{i}") for i in range(3)))
+    else:
+        await asyncio.gather(*(q.set_queue_limit("noisy", f"n{i}", 1) for i in range(3)))
+    assert sorted(m.run_id for m in await q.dequeue("wg", 10, NOW)) == ["n0-0", "n1-0", "n2-0"]
+
+
+async def test_a_change_of_settings_that_keeps_the_rate_leaves_queues_waiting_for_it(
+        redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:
+    """2,500 queues of one environment ahead of a rate of one an hour are parked until the hour is
+    up. A deploy raises each one's limit and keeps the rate: each was put back, and the next
+    dequeue calls found each ahead of its rate and parked it again, two calls that served no one.
+    They wait for their rate; the other tenant (served more than that environment lately, so
+    after it in fair order) is served by the first call, and the hour on, every queue serves its
+    next run."""
+    from run_engine.run_queue import RateLimit
+
+    hour, n = 3_600_000, 2500
+
+    def settings(version: int) -> Callable[[str], QueueSettings]:
+        return lambda name: QueueSettings("noisy", name, limit=version, version=version,
+                                          rate_limit=RateLimit(limit=1, period_ms=hour))
+
+    q = RunQueue(redis_client, prefix=f"{key_prefix}:q{unique}", shards=1, default_env_limit=100_000)
+    await q.load_scripts()
+    await q.configure_queues([settings(1)(f"n{i}") for i in range(n)])
+    await q.enqueue([item(f"n{i}-{j}", env="noisy", queue=f"n{i}", score=NOW - 10_000 + i)
+                     for i in range(n) for j in range(2)], NOW)
+    first = 0
+    while got := await q.dequeue("wg", 500, NOW):  # one run each; then each is ahead of its rate
+        first += len(got)
+    assert first == n
+    await _served_before(q, "quiet", 3000, NOW)  # served more than the noisy one since
+    assert await q.configure_queues([settings(2)(f"n{i}") for i in range(n)]) == [True] * n
+    await q.enqueue([item("quiet-1", env="quiet", queue="task/q", score=NOW)], NOW)
+    assert await _calls_until_served(q, "quiet-1", NOW + 1) == 1
+    later = 0
+    while got := await q.dequeue("wg", 500, NOW + hour):
+        later += len(got)
+    assert later == n
 
 
 async def test_the_loss_of_any_one_shard_is_seen(q: RunQueue) -> None:
