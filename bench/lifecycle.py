@@ -38,7 +38,7 @@ async def run(args: argparse.Namespace, database_url: str, redis_url: str) -> fl
     prefix = f"rebench{secrets.token_hex(3)}"
     settings = EngineSettings(database_url=database_url, redis_url=redis_url, key_prefix=prefix,
                               env_concurrency=args.concurrency, db_pool_max=args.pool,
-                              gc_threshold=args.gc_threshold)
+                              **({} if args.gc_threshold is None else {"gc_threshold": args.gc_threshold}))
     engine = await RunEngine.create(settings)
     try:
         env = await ensure_environment(engine.resources.repo, secret="bench", org="bench", project="bench",
@@ -127,8 +127,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=1000)
     parser.add_argument("--pool", type=int, default=8)
-    parser.add_argument("--gc-threshold", type=int, default=EngineSettings.gc_threshold,
-                        help="the collector's youngest-generation threshold (0: CPython's own, 700)")
+    parser.add_argument("--gc-threshold", type=int, default=None,
+                        help="the collector's youngest-generation threshold (default: the engine's, 10,000; "
+                             "0: CPython's own, 700)")
     parser.add_argument("--enqueue-first", action="store_true",
                         help="trigger every run first (batches of 500), then drain: the peers' batch mode")
     parser.add_argument("--start-in-dequeue", action="store_true",

@@ -1,0 +1,27 @@
+"""`bench/lifecycle.py` (what `bench/peers.py` runs as "run-engine in process") runs with its
+defaults and ends with its last line: a default that broke it (an argument's default read off the
+slots dataclass of the settings, not a number) failed only the peers benchmark."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("mode", [[], ["--enqueue-first", "--start-in-dequeue"], ["--gc-threshold", "0"]])
+def test_the_lifecycle_benchmark_runs_and_prints_its_last_line(database_server: str, standalone_redis_url: str,
+                                                              mode: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "bench/lifecycle.py", "--runs", "40", "--producers", "2", "--consumers", "2", *mode],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "DATABASE_URL": database_server,
+             "REDIS_URL": standalone_redis_url})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.fullmatch(r"lifecycle runs/s: \d+", out.stdout.strip().splitlines()[-1]), out.stdout[-500:]
