@@ -56,3 +56,12 @@ def test_depth() -> None:
     for _ in range(100):
         deep = [deep]
     assert not too_deep(deep) and too_deep([deep]) and not too_deep("flat")
+
+
+def test_an_increment_by_an_integer_no_float_holds_is_refused() -> None:
+    """An integer past a double's range (the SDK takes Python's ints as they are) is refused naming
+    the operation, as a sum that is not finite is, not an OverflowError out of float()."""
+    with pytest.raises(ValidationError, match="operations.0.value"):
+        applied({}, {"type": "increment", "key": "n", "value": 10**400})
+    with pytest.raises(ValidationError, match="operations.1.value"):
+        applied({}, {"type": "increment", "key": "n", "value": 1}, {"type": "increment", "key": "n", "value": -10**400})

@@ -139,6 +139,10 @@ async def test_a_value_that_is_not_json_or_a_bad_operation_raises_at_the_call(se
             metadata.increment("a", "1")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="metadata.decrement.value: must be a number"):
             metadata.decrement("a", True)
+        with pytest.raises(ValueError, match="metadata.increment.value: must be a number"):
+            metadata.increment("a", 10**400)  # past a double: not an OverflowError out of the task's call
+        with pytest.raises(ValueError, match="metadata.root.decrement.value: must be a number"):
+            metadata.root.decrement("a", 10**400)
         with pytest.raises(ValueError, match="wildcards"):
             metadata.set("$.a.*", 1)
         with pytest.raises(ValueError, match="past the end of the list"):
