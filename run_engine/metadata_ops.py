@@ -81,7 +81,7 @@ def parse_op(raw: Any, at: str) -> MetadataOp:
         raise ValidationError(f"{at}.value", "is required")
     value = raw["value"]
     if kind == "increment" and (isinstance(value, bool) or not isinstance(value, int | float)
-                                or not math.isfinite(value)):
+                                or not _finite(value)):
         raise ValidationError(f"{at}.value", "must be a number")
     return MetadataOp(kind, key, value, at, parse_path(key, at) if key.startswith("$.") else None)
 
@@ -175,6 +175,15 @@ def _parent(root: dict[str, Any], path: tuple[str, ...]) -> tuple[Any, Any] | No
     return None
 
 
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite number a double holds (an integer past its range is not:
+    ``math.isfinite`` raises OverflowError for it)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _index(name: str) -> bool:
     return name.isascii() and name.isdigit()
 
@@ -221,7 +230,7 @@ def _apply_one(op: MetadataOp, holder: Any, name: Any, budget: Budget) -> bool:
     base = before if isinstance(before, int | float) and not isinstance(before, bool) else 0
     total = base + op.value
     if isinstance(total, int) and abs(total) > _MAX_INT:
-        total = float(total)
+        total = float(total) if _finite(total) else math.inf
     if isinstance(total, float) and not math.isfinite(total):
         raise ValidationError(f"{op.at}.value", "the sum is not a finite number")
     put(total)
