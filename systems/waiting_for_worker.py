@@ -168,6 +168,7 @@ class WaitingForWorkerSystem:
         if not current:
             return 0
         await self.schedules.sync_declarative(env_id, worker_group_id, tasks)
+        await self._crons_of_the_current(env_id, worker_group_id, dep_id)
         queue_of = {t.id: t.queue_name for t in tasks}
         waiting = await self.r.repo.runs.pending_version_runs(env_id, worker_group_id, list(queue_of),
                                                               limit=CONNECT_PROMOTE + 1)
@@ -178,6 +179,21 @@ class WaitingForWorkerSystem:
             await self.r.change_jobs(schedule=[engine_jobs.promote_pending(dep_id, env_id, worker_group_id,
                                                                            self.r.clock.now())])
         return enqueued
+
+    async def _crons_of_the_current(self, env_id: str, worker_group_id: str, dep_id: str) -> None:
+        """After a deployment's crons were synced: when it is no longer current (a connect or
+        promote of another one committed meanwhile, under the environment's lock, and may have
+        synced its own crons before these), the current one's crons are synced again, so that the
+        schedules are the current deployment's whichever sync ended last."""
+        now = await self.r.repo.deployments.current_version(env_id, worker_group_id)
+        if now is None or now[0] == dep_id:
+            return
+        decl = next((d for d in await self.r.repo.deployments.deployments_of_version(env_id, now[1], worker_group_id)
+                     if d.id == now[0]), None)
+        if decl is not None:
+            log.info("deployment %s: replaced by %s while its crons were synced; the current one's synced again",
+                     dep_id, now[0])
+            await self.schedules.sync_declarative(env_id, worker_group_id, decl.tasks)
 
     async def promote_version(self, env_id: str, version: str, worker_group: str | None = None) -> list[Promoted]:
         """Make the environment's deployments of ``version`` current (one per worker group that has

@@ -262,6 +262,14 @@ class DeploymentRepository:
             ],
         )
 
+    async def current_version(self, env_id: str, worker_group_id: str) -> tuple[str, str] | None:
+        """(id, version) of the current deployment of (environment, worker group), or None."""
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute(
+                "SELECT id, version FROM deployment WHERE environment_id = %s AND worker_group_id = %s AND is_current",
+                (env_id, worker_group_id))).fetchone()
+        return None if row is None else (row[0], row[1])
+
     async def deployments_of_version(self, env_id: str, version: str,
                                      worker_group_id: str | None = None) -> list[DeploymentDecl]:
         """The environment's deployments of ``version`` (one per worker group that has it; of

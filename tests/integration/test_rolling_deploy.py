@@ -226,3 +226,19 @@ async def test_a_deployment_registered_after_the_current_one_is_made_current_by_
     assert await _current(h, "shared") == a
     assert await h.deploy(*B_TASKS, queues=B_QUEUES, version="B") == b
     assert await _current(h, "shared") == b
+
+
+async def test_a_sync_of_crons_that_ends_after_a_newer_deployment_was_made_current_leaves_the_newer_ones(
+        h: Harness) -> None:
+    """A connect (or promote) of A and one of B take turns under the environment's lock, but each
+    syncs its crons after it: A's sync may end after B's, and the schedules were A's while B was
+    current, until the next connect or promote. A sync that finds its deployment replaced syncs the
+    current one's crons again."""
+    a = await h.deploy(*A_TASKS, queues=A_QUEUES, version="A")
+    await h.deploy(*B_TASKS, queues=B_QUEUES, version="B")
+    wfw = h.engine.systems.waiting_for_worker
+    a_tasks = [TaskDecl.model_validate(t).spec() for t in A_TASKS]
+    # A's connect committed first, but its sync of crons comes last
+    await wfw._apply(h.env.env_id, h.env.worker_group_id, a, a_tasks, wfw._queues(a_tasks, []), current=True)
+    schedules = await h.engine.list_schedules(h.env.env_id, 10, None)
+    assert {s.task_id for s in schedules} == {"only-b"}
