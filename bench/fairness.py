@@ -19,8 +19,12 @@ dequeue, start, "work" ``--work-ms`` and complete (so capacity is finite and a b
    wait.until); then environment B triggers ``--victim`` runs delayed 200 ms, one every 5 ms. How
    late B's runs start after their date (p99), against the same on the idle system.
 
+5. retries: in the run queue alone (no PostgreSQL), environment A's ``--flood`` runs are due again
+   at one instant (retry back-offs, nacks); environment B's one run is due a millisecond later. How
+   many dequeue calls of 50 (and how long) until B's run is handed out; A's are acked as they come.
+
 Last lines: ``tenant p99 ratio: R``, ``key p99 ratio: R``, ``jain index: J``, ``timer p99 late: idle S s,
-flood S s``.
+flood S s``, ``retry victim dequeue calls: N``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, pct  # noqa: E402
 from run_engine.embedded import EmbeddedRedisCluster  # noqa: E402
 from run_engine.engine import RunEngine, TaskSpec, TriggerRequest  # noqa: E402
+from run_engine.redis_connect import connect as connect_redis  # noqa: E402
+from run_engine.run_queue import EnqueueItem, RunQueue  # noqa: E402
 from run_engine.settings import EngineSettings  # noqa: E402
 from run_engine.tenancy import ensure_environment  # noqa: E402
 
@@ -241,6 +247,33 @@ async def timers(args: argparse.Namespace) -> tuple[float, float, float]:
     return result
 
 
+async def retries(args: argparse.Namespace) -> tuple[int, float]:
+    """(dequeue calls until the victim's run came out, seconds they took)."""
+    prefix = f"refair{secrets.token_hex(3)}"
+    client = await connect_redis(args.redis_url, max_connections=4)
+    queue = RunQueue(client, prefix=prefix, shards=1, default_env_limit=10**9)
+    try:
+        await queue.load_scripts()
+        now = int(time.time() * 1000)
+        due = now + 60_000
+        for start in range(0, args.flood, 1000):
+            await queue.enqueue([EnqueueItem(f"a{i}", "env-a", "task/noop", "wg", now + i, due)
+                                 for i in range(start, min(args.flood, start + 1000))], now)
+        await queue.enqueue([EnqueueItem("victim", "env-b", "task/noop", "wg", now, due + 1)], now)
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            calls += 1
+            got = await queue.dequeue("wg", 50, due + 10)
+            if any(m.run_id == "victim" for m in got):
+                return calls, time.perf_counter() - t0
+            if calls > args.flood:
+                raise RuntimeError("the victim's run never came out")
+            await queue.ack([(m.env_id, m.run_id) for m in got])
+    finally:
+        await client.aclose()
+        await delete_prefix(args.redis_url, prefix)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flood", type=int, default=20_000)
@@ -249,7 +282,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=5000)
     parser.add_argument("--consumers", type=int, default=16)
     parser.add_argument("--work-ms", type=float, default=2.0)
-    parser.add_argument("--only", choices=("tenants", "keys", "jain", "timers"), action="append",
+    parser.add_argument("--only", choices=("tenants", "keys", "jain", "timers", "retries"), action="append",
                         help="run only these measurements (repeatable)")
     parser.add_argument("--cluster", action="store_true", help="a local 3-master Redis Cluster")
     parser.add_argument("--shards", type=int, default=1, help="queue shards (environments spread over them)")
@@ -264,7 +297,7 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace) -> None:
-    only = set(args.only or ("tenants", "keys", "jain", "timers"))
+    only = set(args.only or ("tenants", "keys", "jain", "timers", "retries"))
     lines = []
     if "tenants" in only:
         idle, loaded, drain = asyncio.run(tenants(args, keys=False))
@@ -285,6 +318,11 @@ def measure(args: argparse.Namespace) -> None:
         print(f"timers:  victim's delayed runs p99 late idle {t_idle * 1000:.1f} ms, behind {args.flood} delayed "
               f"runs come due {t_loaded * 1000:.1f} ms (the flood took {t_drain:.1f} s to start)")
         lines.append(f"timer p99 late: idle {t_idle:.3f} s, flood {t_loaded:.3f} s")
+    if "retries" in only:
+        calls, took = asyncio.run(retries(args))
+        print(f"retries: the victim's run came out in dequeue call {calls} ({took * 1000:.0f} ms), behind "
+              f"{args.flood} retries of another tenant due at once")
+        lines.append(f"retry victim dequeue calls: {calls}")
     print("\n".join(lines))
 
 

@@ -2,7 +2,10 @@
 -- Every key lives under one shard base B = '<prefix>:{rq:N}' (a hash tag: one cluster slot).
 -- Layout (see docs/ARCHITECTURE.md, "Run queue"):
 --   B:msg:<run>                       HASH  env, queue, ck, wg, score, due, deliveries, task, state, reason, dead_at
---   B:delayed                         ZSET  run -> due ms (not yet visible)
+--   B:delayed                         ZSET  run -> due ms: runs the version before this one delayed (a
+--                                           rolling upgrade); promoted, never written
+--   B:delayed_envs                    ZSET  env -> due ms of the earliest run in its :delayed (or
+--                                           earlier: a run taken out of it leaves the score)
 --   B:g:<wg>:envs                     ZSET  env -> virtual time (envs of group wg with ready runs)
 --   B:g:<wg>:meta / :evt              HASH  vt (group virtual clock) / env -> saved virtual time
 --   B:g:<wg>:e:<env>:qs               ZSET  queue -> head score (queues with ready runs)
@@ -18,6 +21,7 @@
 --                                           rate_tau_us, rate_us_for, tat_us (see rate_us_holds)
 --   B:e:<env>:q:<q>:running           SET   runs holding a queue slot
 --   B:e:<env>:q:<q>:k:<ck>:running    SET   runs holding a key slot
+--   B:e:<env>:delayed                 ZSET  run -> due ms (not yet visible: delays, retry back-offs)
 --   B:e:<env>:dlq                     ZSET  run -> dead at ms
 --   B:e:<env>:parked                  SET   groups in whose index the env is parked (at its limit)
 --   B:e:<env>:q:<q>:parked            SET   groups in whose index the queue is parked (paused / at its cap / limit 0)
@@ -294,6 +298,18 @@ local function free_slots(run, m)
   unpark_env(m.env)
 end
 
+-- The environment's earliest due time in the shard's index of delayed environments: at most `due`.
+local function index_delayed(env, due)
+  local cur = redis.call('ZSCORE', B .. ':delayed_envs', env)
+  if not cur or due < tonumber(cur) then redis.call('ZADD', B .. ':delayed_envs', due, env) end
+end
+
+-- A run waits in its own environment's delayed set, not yet visible, until `due`.
+local function delay(run, env, due)
+  redis.call('ZADD', ekey(env) .. ':delayed', due, run)
+  index_delayed(env, due)
+end
+
 -- Take a message out of wherever it is (ready, delayed, held, dlq); the hash stays.
 local function detach(run, m)
   local s = m.state
@@ -302,7 +318,12 @@ local function detach(run, m)
     refresh_key(m.wg, m.env, m.queue, m.ck)
     count_queued(m.env, m.queue, -1)
   elseif s == 'delayed' then
-    redis.call('ZREM', B .. ':delayed', run)
+    local dk = ekey(m.env) .. ':delayed'
+    if redis.call('ZREM', dk, run) == 1 then
+      if redis.call('EXISTS', dk) == 0 then redis.call('ZREM', B .. ':delayed_envs', m.env) end
+    else
+      redis.call('ZREM', B .. ':delayed', run) -- delayed by the version before this one
+    end
     count_queued(m.env, m.queue, -1)
   elseif s == 'held' then
     free_slots(run, m)
@@ -315,7 +336,7 @@ end
 local function attach(run, m, due, now)
   local mk = B .. ':msg:' .. run
   if due > now then
-    redis.call('ZADD', B .. ':delayed', due, run)
+    delay(run, m.env, due)
     redis.call('HSET', mk, 'state', 'delayed', 'due', due)
   else
     redis.call('HSET', mk, 'state', 'ready', 'due', due)
@@ -324,17 +345,48 @@ local function attach(run, m, due, now)
   count_queued(m.env, m.queue, 1)
 end
 
--- Delayed runs whose time has come become ready (bounded per call).
+-- A delayed run taken out of its set at `now` becomes ready, only if its message still says it is
+-- delayed until then: an entry a process of the version before left behind when it moved the run
+-- on (it takes runs out of the shard's one set only), or delayed it again, is dropped.
+local function make_due(run, now)
+  local mk = B .. ':msg:' .. run
+  local m = msg_fields(mk)
+  if m and m.state == 'delayed' and (tonumber(m.due) or 0) <= now then
+    redis.call('HSET', mk, 'state', 'ready')
+    make_ready(run, m)
+  end
+end
+
+-- Delayed runs whose time has come become ready, at most `limit` a call, shared evenly among the
+-- environments that have some due, earliest first: one tenant's flood of retries due at once is
+-- promoted a share at a time beside everyone else's, never ahead of them (its runs then compete
+-- for the dequeue fairly, like any ready run).
 local function promote(now, limit)
-  local due = redis.call('ZRANGEBYSCORE', B .. ':delayed', '-inf', now, 'LIMIT', 0, limit)
-  for _, run in ipairs(due) do
+  local n = 0
+  -- runs the version before this one delayed, in the shard's one set (a rolling upgrade)
+  local old = redis.call('ZRANGEBYSCORE', B .. ':delayed', '-inf', now, 'LIMIT', 0, limit)
+  for _, run in ipairs(old) do
     redis.call('ZREM', B .. ':delayed', run)
-    local mk = B .. ':msg:' .. run
-    local m = msg_fields(mk)
-    if m then
-      redis.call('HSET', mk, 'state', 'ready')
-      make_ready(run, m)
+    make_due(run, now)
+  end
+  n = n + #old
+  local envs = redis.call('ZRANGEBYSCORE', B .. ':delayed_envs', '-inf', now, 'LIMIT', 0, limit)
+  if #envs == 0 then return n end
+  local share = math.max(1, math.floor(limit / #envs))
+  for _, env in ipairs(envs) do
+    local dk = ekey(env) .. ':delayed'
+    local due = redis.call('ZRANGEBYSCORE', dk, '-inf', now, 'LIMIT', 0, share)
+    for _, run in ipairs(due) do
+      redis.call('ZREM', dk, run)
+      make_due(run, now)
+    end
+    n = n + #due
+    local head = redis.call('ZRANGE', dk, 0, 0, 'WITHSCORES')
+    if head[1] then
+      redis.call('ZADD', B .. ':delayed_envs', head[2], env)
+    else
+      redis.call('ZREM', B .. ':delayed_envs', env)
     end
   end
-  return #due
+  return n
 end

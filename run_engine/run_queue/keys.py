@@ -67,7 +67,17 @@ class QueueKeys:
         return self.base(self.shard_of(env_id))
 
     def delayed(self, shard: int) -> str:
+        """The shard's one delayed set of the version before (each environment has its own now, see
+        :meth:`env_delayed`); every script call still names it: it declares the shard's slot."""
         return f"{self.base(shard)}:delayed"
+
+    def delayed_envs(self, shard: int) -> str:
+        """The shard's index of environments with delayed runs (env → earliest due ms)."""
+        return f"{self.base(shard)}:delayed_envs"
+
+    def env_delayed(self, env_id: str) -> str:
+        """An environment's runs not yet due (run → due ms)."""
+        return f"{self.env(env_id)}:delayed"
 
     def dlq_rebuild(self) -> str:
         """Where the reconciler's rebuild of the DLQs after a loss of Redis's data has got to (one

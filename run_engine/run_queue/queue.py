@@ -602,7 +602,7 @@ class RunQueue:
         rows = [[b"broken", None, None, None, None] if isinstance(row, Exception) else row
                 for row in await pipe.execute(raise_on_error=False)]
         pipe = self.redis.pipeline(transaction=False)
-        checked: list[int] = []
+        checked: list[tuple[int, int]] = []  # (item, how many of the answers are its)
         out: list[str | None] = [None if row[0] is None else _s(row[0]) for row in rows]
         for i, ((env_id, run_id), (state, wg, queue, ck, held_at)) in enumerate(zip(items, rows, strict=True)):
             if _s(state) == "held" and now_ms is not None and held_at is not None \
@@ -611,14 +611,22 @@ class RunQueue:
                 continue
             if _s(state) == "ready":
                 pipe.zscore(self.keys.ready(env_id, _name(wg), _name(queue), _name(ck)), encode_name(run_id))
+                checked.append((i, 1))
             elif _s(state) == "delayed":
-                pipe.zscore(self.keys.delayed(self.keys.shard_of(env_id)), encode_name(run_id))
-            else:
-                continue
-            checked.append(i)
+                # in its environment's set with the environment indexed (or the promotion never
+                # looks), or in the shard's set of the version before
+                shard = self.keys.shard_of(env_id)
+                pipe.zscore(self.keys.env_delayed(env_id), encode_name(run_id))
+                pipe.zscore(self.keys.delayed_envs(shard), encode_name(env_id))
+                pipe.zscore(self.keys.delayed(shard), encode_name(run_id))
+                checked.append((i, 3))
         if checked:
-            for i, score in zip(checked, await pipe.execute(), strict=True):
-                if score is None:
+            answers = iter(await pipe.execute())
+            for i, n in checked:
+                scores = [next(answers) for _ in range(n)]
+                placed = scores[0] is not None if n == 1 else \
+                    (scores[0] is not None and scores[1] is not None) or scores[2] is not None
+                if not placed:
                     out[i] = "lost"
         return out
 

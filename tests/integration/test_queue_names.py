@@ -85,7 +85,7 @@ async def test_placements_find_runs_lost_from_their_set(q: RunQueue) -> None:
     await q.enqueue([EnqueueItem("p1", "envL", "task/l", "wg", NOW), EnqueueItem("p2", "envL", "task/l", "wg", NOW),
                      EnqueueItem("p3", "envL", "task/l", "wg", NOW, available_at_ms=NOW + 60_000)], NOW)
     await q.redis.zrem(q.keys.ready("envL", "wg", "task/l", None), "p1")  # as a failed script would leave it
-    await q.redis.zrem(q.keys.delayed(0), "p3")
+    await q.redis.zrem(q.keys.env_delayed("envL"), "p3")
     assert await q.placements([("envL", "p1"), ("envL", "p2"), ("envL", "p3"), ("envL", "nope")]) == \
         ["lost", "ready", "lost", None]
 

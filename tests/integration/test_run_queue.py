@@ -1036,3 +1036,84 @@ async def test_an_epoch_says_when_everything_is_to_be_read_once_more(q: RunQueue
     assert await q.epoch() == 0
     await q.redis.delete(f"{q.keys.base(0)}:epoch")
     assert await q.epoch() is None
+
+
+async def _small_promote_queue(redis_client: aioredis.Redis, key_prefix: str, unique: str) -> RunQueue:
+    queue = RunQueue(redis_client, prefix=f"{key_prefix}:p{unique}", shards=1, default_env_limit=10_000,
+                     promote_limit=5)
+    await queue.load_scripts()
+    return queue
+
+
+async def test_one_tenants_flood_of_retries_does_not_hold_back_anothers(
+        redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:
+    """Runs not yet due wait in their own environment's set; a dequeue promotes the due ones a fair
+    share per environment. Before, all tenants' waited in one set per shard, promoted oldest first
+    a batch at a time: 100,000 retries of one tenant due together held another's run, due a moment
+    later, back for 201 dequeue calls (here 50 behind a promotion of 5: ten calls)."""
+    q = await _small_promote_queue(redis_client, key_prefix, unique)
+    await q.enqueue([item(f"a{i}", env="envA", available_at_ms=NOW + 10) for i in range(50)], NOW)
+    await q.enqueue([item("b0", env="envB", available_at_ms=NOW + 20)], NOW)
+    got = await q.dequeue("wg", 10, NOW + 100)
+    assert "b0" in [m.run_id for m in got]
+    assert len([m for m in got if m.env_id == "envA"]) >= 2  # the flood still moves, its share a call
+    seen = {m.run_id for m in got}
+    for _ in range(20):  # and every run of it is handed out, each once
+        more = await q.dequeue("wg", 10, NOW + 100)
+        assert not seen & {m.run_id for m in more}
+        seen |= {m.run_id for m in more}
+    assert seen == {f"a{i}" for i in range(50)} | {"b0"}
+    assert await redis_client.exists(q.keys.delayed_envs(0), q.keys.env_delayed("envA")) == 0
+
+
+async def test_a_run_delayed_by_the_version_before_is_promoted_and_can_be_removed(
+        redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:
+    """The version before kept every environment's delayed runs in the shard's one set: in a
+    rolling upgrade such runs are still promoted, and a run taken out of the queue leaves it."""
+    q = await _small_promote_queue(redis_client, key_prefix, unique)
+    await q.enqueue([item("old1", available_at_ms=NOW + 10), item("old2", available_at_ms=NOW + 10)], NOW)
+    for run in ("old1", "old2"):  # as the version before wrote them
+        await redis_client.zrem(q.keys.env_delayed("envA"), run)
+        await redis_client.zadd(q.keys.delayed(0), {run: NOW + 10})
+    await redis_client.zrem(q.keys.delayed_envs(0), "envA")
+    assert await q.placements([("envA", "old1")]) == ["delayed"]
+    assert await q.remove("envA", "old2")
+    assert await redis_client.zscore(q.keys.delayed(0), "old2") is None
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW + 10)] == ["old1"]
+    assert (await q.env_stats("envA")).queued == 0
+
+
+async def test_a_stale_delayed_entry_is_not_handed_out_again(
+        redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:
+    """An entry left in a delayed set for a run that moved on (a process of the version before
+    takes runs out of its own set only) is dropped, not made ready a second time."""
+    q = await _small_promote_queue(redis_client, key_prefix, unique)
+    await q.enqueue([item("r1")], NOW)
+    [m] = await q.dequeue("wg", 1, NOW)
+    await redis_client.zadd(q.keys.env_delayed("envA"), {"r1": NOW})
+    await redis_client.zadd(q.keys.delayed_envs(0), {"envA": NOW})
+    await redis_client.zadd(q.keys.delayed(0), {"r1": NOW})
+    assert await q.dequeue("wg", 5, NOW + 1) == []
+    assert await q.running_ids("envA") == {"r1"}
+    assert await q.message_states([("envA", "r1")]) == ["held"]
+    assert await redis_client.exists(q.keys.delayed_envs(0), q.keys.env_delayed("envA"), q.keys.delayed(0)) == 0
+    # delayed again by the version before (its back-off in the shard's set), its old entry left behind
+    await q.enqueue([item("r2", available_at_ms=NOW + 5)], NOW)
+    await redis_client.zadd(q.keys.delayed(0), {"r2": NOW + 5_000})
+    await redis_client.hset(q.keys.message("envA", "r2"), "due", NOW + 5_000)
+    assert await q.dequeue("wg", 5, NOW + 10) == []  # not before its back-off is over
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW + 5_000)] == ["r2"]
+
+
+async def test_a_delayed_run_whose_environment_left_the_index_is_found_lost(
+        redis_client: aioredis.Redis, key_prefix: str, unique: str) -> None:
+    """The promotion looks only at indexed environments: a run in its set whose environment is not
+    indexed (a partial loss) would wait for ever, so the reconciler is told it is lost, and its
+    enqueue again indexes it."""
+    q = await _small_promote_queue(redis_client, key_prefix, unique)
+    await q.enqueue([item("r1", available_at_ms=NOW + 10)], NOW)
+    await redis_client.zrem(q.keys.delayed_envs(0), "envA")
+    assert await q.placements([("envA", "r1")]) == ["lost"]
+    await q.enqueue([item("r1", available_at_ms=NOW + 10)], NOW)
+    assert await q.placements([("envA", "r1")]) == ["delayed"]
+    assert [m.run_id for m in await q.dequeue("wg", 5, NOW + 10)] == ["r1"]
