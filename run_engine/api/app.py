@@ -29,6 +29,7 @@ from run_engine.api import (
     worker_groups,
 )
 from run_engine.api.context import ApiContext
+from run_engine.api.headers import BaselineHeaders
 from run_engine.api.http import ApiError, handle_exception, json_response
 from run_engine.api.inputs import RejectUnstorable
 from run_engine.api.openapi import openapi_document, operation
@@ -89,7 +90,7 @@ def routes() -> list[BaseRoute]:
 def create_app(ctx: ApiContext) -> Starlette:
     app = Starlette(
         routes=[*routes(), *dashboard.routes()],  # the pages are served beside the API, not in its OpenAPI
-        middleware=[Middleware(RejectUnstorable)],
+        middleware=[Middleware(BaselineHeaders), Middleware(RejectUnstorable)],
         # Expected errors are answered by ExceptionMiddleware; anything else reaches
         # ServerErrorMiddleware, which answers with the same shape and logs the traceback.
         # A dependency that cannot be reached is expected too (503), not a server error.
