@@ -148,7 +148,7 @@ class DequeueSystem:
                     attempt, c, s = await self.run_attempt.attempt_started(
                         started.run, started.snapshot, result.snapshot.id, pending_job=False,
                         journal=None if journal is None else await self.waitpoints.resolve_journal(
-                            journal_page_of(journal)))
+                            message.run_id, journal_page_of(journal)))
                 except Exception:
                     # Committed: the run is EXECUTING, but what its worker needs could not be
                     # worked out (its policy, its journal). It is not handed out, and the other runs

@@ -845,9 +845,9 @@ class WaitpointsSystem:
     async def resolved_journal(self, run_id: str, from_sequence: int = 0) -> ResolvedJournal:
         """A page of the run's journal from ``from_sequence``, each wait's outcome filled in
         (``resolved`` False while pending), and where the next page starts (None: no more)."""
-        return await self.resolve_journal(await self._journals.submit((run_id, from_sequence)))
+        return await self.resolve_journal(run_id, await self._journals.submit((run_id, from_sequence)))
 
-    async def resolve_journal(self, page: JournalPage) -> ResolvedJournal:
+    async def resolve_journal(self, run_id: str, page: JournalPage) -> ResolvedJournal:
         """Journal entries (with their waitpoints' state) as a replay reads them: each wait's
         outcome filled in, ``resolved`` False while it is pending. A batch wait's results (up to
         RESULTS_BYTES of its runs' outputs) end the page: it holds one at most, beside entries
@@ -861,7 +861,7 @@ class WaitpointsSystem:
                     entries, following = entries[:1], entries[1].sequence
                 break
         batches = [batch_runs(e.result) for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"]
-        runs, over = await self.wp.run_results(batches, RESULTS_BYTES) if batches else ({}, set())
+        runs, over = await self.wp.run_results(run_id, batches, RESULTS_BYTES) if batches else ({}, set())
         out = []
         for e in entries:
             item: dict[str, Any] = {"sequence": e.sequence, "kind": e.kind, "key": e.key}

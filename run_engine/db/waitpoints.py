@@ -872,18 +872,21 @@ class WaitpointRepository:
             cur = await conn.execute("SELECT id FROM task_run WHERE id = ANY(%s)", (list(run_ids),))
             return {r[0] for r in await cur.fetchall()}
 
-    async def run_results(self, batches: Sequence[Sequence[str]], max_bytes: int = RESULTS_BYTES,
-                          ) -> tuple[dict[str, tuple[str, Any, Any]], set[str]]:
-        """status, output, error of each run of ``batches``, and the runs whose output and error
-        were left out: those of a batch, in its order, past ``max_bytes`` of them as JSON (measured
-        first, in PostgreSQL): a parent that waited on a batch of a thousand 3 MiB outputs must not
-        take 3 GB of the memory every tenant shares. Per batch, so that a batch's results are the
-        same whichever other entries of the journal are read with it."""
+    async def run_results(self, owner_run_id: str, batches: Sequence[Sequence[str]],
+                          max_bytes: int = RESULTS_BYTES) -> tuple[dict[str, tuple[str, Any, Any]], set[str]]:
+        """status, output, error of each run of ``batches`` (those of ``owner_run_id``'s environment
+        only: whatever ids a journal entry holds, another tenant's runs are never read), and the runs
+        whose output and error were left out: those of a batch, in its order, past ``max_bytes`` of
+        them as JSON (measured first, in PostgreSQL): a parent that waited on a batch of a thousand
+        3 MiB outputs must not take 3 GB of the memory every tenant shares. Per batch, so that a
+        batch's results are the same whichever other entries of the journal are read with it."""
         ids = list(dict.fromkeys(rid for batch in batches for rid in batch))
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 """SELECT id, coalesce(octet_length(output::text), 0) + coalesce(octet_length(error::text), 0)
-                   FROM task_run WHERE id = ANY(%s)""", (ids,))
+                   FROM task_run WHERE id = ANY(%s)
+                     AND environment_id = (SELECT environment_id FROM task_run WHERE id = %s)""",
+                (ids, owner_run_id))
             sizes: dict[str, int] = {r[0]: r[1] for r in await cur.fetchall()}
             kept, over = [], set()
             for batch in batches:

@@ -1218,3 +1218,29 @@ async def test_a_token_many_runs_wait_on_continues_them_a_page_at_a_time_in_its_
     assert {latest[r] for i, r in enumerate(runs) if i and not i % 2} == {"EXECUTING"}
     assert await h.engine.waitpoints.complete(other.id, "also")  # few runs: continued at once
     assert (await h.engine.latest_snapshot(runs[0])).engine_status == "EXECUTING"
+
+
+async def test_a_batch_entry_naming_another_tenants_run_reads_nothing_of_it(h: Harness, unique: str) -> None:
+    """A batch wait's results are read by the run ids its journal entry holds. The engine writes
+    those ids, but whatever an entry holds, another environment's run is never read: it is a run
+    that does not exist, as for ids that were never created."""
+    from run_engine.db.waitpoints import NewWaitpoint
+    from run_engine.tenancy import ensure_environment
+
+    other = await ensure_environment(h.engine.resources.repo, secret="test-secret", org=f"org-other-{unique}",
+                                     project="p", env="dev")
+    secret = await h.engine.trigger(TriggerRequest(env_id=other.env_id, task_id="hello", payload={"s": 1}))
+    async with h.engine.resources.repo.pool.connection() as conn:  # as if it had finished
+        await conn.execute("""UPDATE task_run SET status = 'COMPLETED', output = '{"secret": "theirs"}'
+                              WHERE id = %s""", (secret.id,))
+    parent, s = await started_run(h)
+    wp_repo = h.engine.resources.repo.waitpoints
+    await wp_repo.insert_batch(f"batch_foreign_{unique}", h.env.env_id, 1, parent.id)
+    wp, _ = await wp_repo.create(NewWaitpoint(id=f"waitpoint_foreign_{unique}", env_id=h.env.env_id, type="BATCH",
+                                              completed_by_batch_id=f"batch_foreign_{unique}"))
+    await h.engine.block(parent.id, s.snapshot.id, sequence=0, kind="batch", key=f"batch_foreign_{unique}",
+                         waitpoint_ids=[wp.id], result={"runIds": [secret.id]})
+    await h.engine.waitpoints.complete(wp.id, None)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
+    assert "theirs" not in str(entry) and "COMPLETED" not in str(entry)  # neither its output nor its status
+    assert [r["ok"] for r in entry["result"]] == [False]
