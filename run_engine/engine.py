@@ -75,7 +75,7 @@ class RunEngine:
              J.WAITPOINT_DATETIME: self._on_datetime_job, J.WAITPOINT_TIMEOUT: self._on_timeout_job,
              J.WAITPOINT_SWEEP: self._on_sweep_job, J.DELAYED: self._on_delayed_job, J.TTL: self._on_ttl_job,
              J.BULK_ACTION: self._on_bulk_action_job, J.CONTINUE_BLOCKED: self._on_continue_blocked_job,
-             J.PROMOTE_PENDING: self._on_promote_pending_job},
+             J.PROMOTE_PENDING: self._on_promote_pending_job, J.CANCEL_CASCADE: self._on_cancel_cascade_job},
             concurrency=resources.settings.job_concurrency,
             poll_interval_s=resources.settings.job_poll_interval_s,
         )
@@ -693,6 +693,9 @@ class RunEngine:
                 action = await self.resources.repo.bulk_actions.get(bulk_id)
                 lane = action.env_id if action is not None else ""
             await self.resources.change_jobs(schedule=[J.bulk_action(bulk_id, lane, self.now())])
+
+    async def _on_cancel_cascade_job(self, job: Job) -> None:
+        await self.systems.cancel.cancel(job.payload["run_id"], again=True)
 
     async def _on_max_duration_job(self, job: Job) -> None:
         await self.systems.run_attempt.on_max_duration(job.payload["run_id"], job.payload["attempt"])

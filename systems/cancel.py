@@ -3,18 +3,25 @@ worker reports back (or its heartbeat times out)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+from run_engine.dependencies import log_failure
 from run_engine.errors import StaleSnapshotError
 from run_engine.events import RunEvent
 from run_engine.statuses import CANCEL_AT_ONCE, EXECUTING, ExecutionStatus, RunStatus
+from systems import engine_jobs
 from systems.resources import SystemResources
 
 if TYPE_CHECKING:
     from systems.execution_snapshot import ExecutionSnapshotSystem
     from systems.run_attempt import RunAttemptSystem
 
+log = logging.getLogger(__name__)
 E = ExecutionStatus
+#: how long after a cancel of a run with children it waits on the engine takes the cancel up again
+#: (its job fires only when the cancel stopped part way: it is gone once the cancel reached the end)
+CASCADE_GRACE_S = 60.0
 CANCEL_ERROR = {"type": "CANCELED", "message": "Run was cancelled"}
 
 
@@ -25,20 +32,41 @@ class CancelSystem:
         self.execution_snapshot = execution_snapshot
         self.run_attempt = run_attempt
 
-    async def cancel(self, run_id: str) -> RunStatus:
+    async def cancel(self, run_id: str, *, again: bool = False) -> RunStatus:
         """Cancel a run and the children it waits on, and theirs, a level at a time (a chain of
         any depth: no recursion); a finished run is left as it is. Children cancelled already
         are gone through to theirs: a cancel that stopped part way (its process died, a lock
         was busy) leaves runs below a run it cancelled, which a cancel tried again reaches.
-        Returns the run's public status after."""
+        Returns the run's public status after.
+
+        A run with children it waits on gets a job first that tries the cancel again
+        CASCADE_GRACE_S later, and loses it once the cancel reached the end: the run is FINISHED
+        (or PENDING_CANCEL) as soon as its own cancel commits, and a cancel that stopped after
+        that left its children running for good unless its caller happened to cancel again (a
+        dashboard's button, a script, a process that died with nobody to answer). ``again``:
+        this is that job (a failure leaves it to the job's own retries)."""
+        children = await self.r.repo.runs.waiting_children([run_id])
+        guard = None
+        if children and not again:
+            run = await self.r.repo.runs.get_run(run_id, light=True)
+            if run is not None:
+                guard = engine_jobs.cancel_cascade(run_id, run.env_id, self.r.clock.now() + CASCADE_GRACE_S)
+                try:
+                    await self.r.change_jobs(schedule=[guard])
+                except Exception as exc:  # Redis away: the cancel goes on, as it did before the job
+                    log_failure(log, exc, "cancel of run %s: its job to take it up again could not be armed",
+                                run_id)
+                    guard = None
         status = await self._cancel_one(run_id)
         level = [run_id]
-        while level:
+        while level:  # the run's children read again: one its trigger-and-wait made meanwhile is among them
             children = await self.r.repo.runs.waiting_children(level)
             for child, finished in children:
                 if not finished:
                     await self._cancel_one(child)
             level = [child for child, _ in children]
+        if guard is not None:
+            await self.r.after_commit("cancel", self.r.change_jobs(cancel=[guard[0]]))
         return status
 
     async def _cancel_one(self, run_id: str) -> RunStatus:

@@ -29,9 +29,12 @@ CONTINUE_BLOCKED = "continue_blocked"  # the next page of the runs completed wai
 # the next page of the PENDING_VERSION runs a registered deployment can run (deployment_id, env_id,
 # worker_group_id): a connect promotes the first ones itself, a job the rest
 PROMOTE_PENDING = "promote_pending"
+# a cancel's way down the runs its run waits on, taken up again should the cancel stop part way
+# (run_id): armed before the cancel, gone once it reached their end
+CANCEL_CASCADE = "cancel_cascade"
 
 KINDS = (HEARTBEAT, MAX_DURATION, DELAYED, TTL, WAITPOINT_DATETIME, WAITPOINT_TIMEOUT, WAITPOINT_SWEEP, BULK_ACTION,
-         CONTINUE_BLOCKED, PROMOTE_PENDING)
+         CONTINUE_BLOCKED, PROMOTE_PENDING, CANCEL_CASCADE)
 
 
 def heartbeat_id(run_id: str, snapshot_id: str) -> str:
@@ -98,6 +101,14 @@ def bulk_action_id(bulk_id: str) -> str:
 
 def bulk_action(bulk_id: str, env_id: str, at: float) -> JobSpec:
     return bulk_action_id(bulk_id), BULK_ACTION, {"bulk_id": bulk_id}, at, env_id
+
+
+def cancel_cascade_id(run_id: str) -> str:
+    return f"cancel.{run_id}"
+
+
+def cancel_cascade(run_id: str, env_id: str, at: float) -> JobSpec:
+    return cancel_cascade_id(run_id), CANCEL_CASCADE, {"run_id": run_id}, at, env_id
 
 
 def continue_blocked(waitpoint_ids: list[str], after: str, env_id: str, at: float) -> JobSpec:

@@ -143,3 +143,56 @@ async def test_a_bulk_cancel_page_tried_again_reaches_the_runs_below_a_run_its_f
     done = await h.engine.bulk_action(h.env.env_id, action.id)
     assert (done.status, done.processed, done.succeeded) == ("COMPLETED", 1, 1)  # type: ignore[union-attr]
     assert (await h.engine.get_run(grandchild_id)).status == "CANCELED"  # type: ignore[union-attr]
+
+
+async def test_a_cancel_that_stopped_part_way_is_taken_up_again_by_the_engine(
+        h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A cancel whose process died (or whose child's lock was busy) after it had cancelled the run
+    and before it reached the children the run waits on left them running for good, unless the
+    caller happened to cancel again: the dashboard's button, a script that does not retry, or a
+    process that died with nobody to answer. The engine takes the cancel up again itself."""
+    from systems.cancel import CASCADE_GRACE_S
+
+    from .test_waitpoints import req, started_run
+
+    root, s = await started_run(h)
+    (child_id,), out = await h.engine.trigger_and_wait(root.id, s.snapshot.id, 0, [req(h)])
+    await h.engine.suspend(root.id, out.snapshot.id)
+    cancel = h.engine.systems.cancel
+    real = cancel._cancel_one
+
+    async def dies_at_the_child(run_id: str):  # type: ignore[no-untyped-def]
+        if run_id == child_id:
+            raise ConnectionError("the process died here")
+        return await real(run_id)
+
+    monkeypatch.setattr(cancel, "_cancel_one", dies_at_the_child)
+    try:
+        await h.engine.cancel(root.id)
+    except ConnectionError:
+        pass
+    monkeypatch.undo()
+    assert (await h.engine.get_run(root.id)).status == "CANCELED"  # type: ignore[union-attr]
+    assert (await h.engine.get_run(child_id)).status == "QUEUED"  # type: ignore[union-attr]
+    await h.engine.systems.reconciler.reconcile(grace_s=-1)  # nobody cancels again: the engine's own repairs
+    await h.advance(CASCADE_GRACE_S + 1)
+    assert (await h.engine.get_run(child_id)).status == "CANCELED"  # type: ignore[union-attr]
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+
+
+async def test_a_cancel_that_reached_its_end_leaves_no_job_behind(h: Harness) -> None:
+    """The job that takes a cancel up again is armed only for a run with children it waits on,
+    and goes once the cancel reached the end of them."""
+    from systems import engine_jobs
+
+    from .test_waitpoints import req, started_run
+
+    root, s = await started_run(h)
+    (child_id,), out = await h.engine.trigger_and_wait(root.id, s.snapshot.id, 0, [req(h)])
+    await h.engine.suspend(root.id, out.snapshot.id)
+    (alone,) = await h.engine.trigger_many([req(h)])
+    await h.engine.cancel(root.id)
+    await h.engine.cancel(alone.id)
+    assert (await h.engine.get_run(child_id)).status == "CANCELED"  # type: ignore[union-attr]
+    ids = [engine_jobs.cancel_cascade_id(root.id), engine_jobs.cancel_cascade_id(alone.id)]
+    assert await h.engine.resources.jobs.missing(ids) == ids
