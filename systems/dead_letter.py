@@ -134,9 +134,16 @@ class DeadLetterSystem:
             latest = await self.execution_snapshot.latest(run_id)
             if latest.engine_status != E.FINISHED or run.status != RunStatus.SYSTEM_FAILURE:
                 raise InvalidTransitionError(run_id, latest.engine_status, "redrive")
+            # A run dead-lettered on its way to be restored from its checkpoint (QUEUED_EXECUTING
+            # before it died) goes back that way, to resume the same attempt: QUEUED without the
+            # checkpoint, its next start would be a new attempt, as if that one had failed.
+            before = (await self.r.repo.runs.snapshots_from(run_id, latest.previous_snapshot_id, 1)
+                      if latest.previous_snapshot_id else [])
+            restore = before[0].checkpoint_id if before and before[0].engine_status == E.QUEUED_EXECUTING else None
             result = await self.execution_snapshot.apply(
-                run_id, E.QUEUED, RunStatus.QUEUED, from_statuses=(E.FINISHED,), expected_snapshot_id=latest.id,
-                operation="redrive", description="Redriven from the DLQ", reopen=True,
+                run_id, E.QUEUED_EXECUTING if restore else E.QUEUED, RunStatus.QUEUED, from_statuses=(E.FINISHED,),
+                expected_snapshot_id=latest.id, operation="redrive", description="Redriven from the DLQ",
+                reopen=True, checkpoint_id=restore,
             )
             assert result.snapshot is not None and result.run is not None
             # Committed: the run is redriven whatever follows (a message left in the DLQ by a

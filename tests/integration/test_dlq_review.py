@@ -196,3 +196,31 @@ async def test_a_cancel_that_reached_its_end_leaves_no_job_behind(h: Harness) ->
     assert (await h.engine.get_run(child_id)).status == "CANCELED"  # type: ignore[union-attr]
     ids = [engine_jobs.cancel_cascade_id(root.id), engine_jobs.cancel_cascade_id(alone.id)]
     assert await h.engine.resources.jobs.missing(ids) == ids
+
+
+async def test_a_run_dead_lettered_on_its_way_to_be_restored_is_restored_when_redriven(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A run whose waits completed goes back to its queue to be restored from its checkpoint
+    (QUEUED_EXECUTING: the same attempt, by journal replay). Dead-lettered on that way (its
+    restores never started), its redrive made it QUEUED without the checkpoint: the next start
+    was a new attempt (2 of a run in its first), as if the first had failed, which a task on its
+    last attempt ran past its max attempts."""
+    from .test_waitpoints import started_run
+
+    h: Harness = await make_engine(max_deliveries=1)
+    await h.deploy({"id": "hello"})
+    run, s = await started_run(h)
+    token, _ = await h.engine.waitpoints.create_token(h.env.env_id, timeout_s=3600)
+    out = await h.engine.block(run.id, s.snapshot.id, sequence=0, kind="token", key=token.id,
+                               waitpoint_ids=[token.id])
+    checkpoint = (await h.engine.suspend(run.id, out.snapshot.id)).checkpoint_id
+    assert await h.engine.waitpoints.complete(token.id, {"approved": True})
+    assert len(await h.engine.dequeue(h.env.worker_group_id, 10)) == 1  # handed out, never started
+    await h.advance(61)
+    assert (await h.engine.get_run(run.id)).status == "SYSTEM_FAILURE"  # type: ignore[union-attr]
+    await h.engine.redrive(h.env.env_id, run.id)
+    assert (await h.engine.latest_snapshot(run.id)).engine_status == "QUEUED_EXECUTING"
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 10)
+    assert d.snapshot.checkpoint_id == checkpoint
+    resumed = await h.engine.start_attempt(run.id, d.snapshot.id)
+    assert resumed.attempt_number == 1  # the same attempt, restored
+    assert (await h.engine.complete_attempt(run.id, resumed.snapshot.id, ok=True, output=1)).status == "COMPLETED"
