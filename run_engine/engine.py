@@ -6,6 +6,7 @@ The facade holds no logic of its own: every method delegates to one system.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Awaitable, Collection, Mapping, Sequence
 from datetime import UTC, datetime
@@ -695,7 +696,9 @@ class RunEngine:
             await self.resources.change_jobs(schedule=[J.bulk_action(bulk_id, lane, self.now())])
 
     async def _on_cancel_cascade_job(self, job: Job) -> None:
-        await self.systems.cancel.cancel(job.payload["run_id"], again=True)
+        # a run deleted since (retention) has nothing left to cancel; any other error is tried again
+        with contextlib.suppress(NotFoundError):
+            await self.systems.cancel.cancel(job.payload["run_id"], again=True)
 
     async def _on_max_duration_job(self, job: Job) -> None:
         await self.systems.run_attempt.on_max_duration(job.payload["run_id"], job.payload["attempt"])

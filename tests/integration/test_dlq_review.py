@@ -224,3 +224,31 @@ async def test_a_run_dead_lettered_on_its_way_to_be_restored_is_restored_when_re
     resumed = await h.engine.start_attempt(run.id, d.snapshot.id)
     assert resumed.attempt_number == 1  # the same attempt, restored
     assert (await h.engine.complete_attempt(run.id, resumed.snapshot.id, ok=True, output=1)).status == "COMPLETED"
+
+
+async def test_the_job_of_a_cancel_whose_run_was_deleted_since_ends(h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The job that takes a cancel up again finds nothing to cancel when the run is gone
+    (retention): it ends, rather than failing and being tried again for its every attempt."""
+    from systems import engine_jobs
+    from systems.cancel import CASCADE_GRACE_S
+
+    from .test_waitpoints import req, started_run
+
+    root, s = await started_run(h)
+    (child_id,), out = await h.engine.trigger_and_wait(root.id, s.snapshot.id, 0, [req(h)])
+    await h.engine.suspend(root.id, out.snapshot.id)
+    cancel = h.engine.systems.cancel
+
+    async def dies(run_id: str):  # type: ignore[no-untyped-def]
+        raise ConnectionError("the process died here")
+
+    monkeypatch.setattr(cancel, "_cancel_one", dies)
+    try:
+        await h.engine.cancel(root.id)
+    except ConnectionError:
+        pass
+    monkeypatch.undo()
+    await delete_rows(h, [child_id, root.id])
+    await h.advance(CASCADE_GRACE_S + 1)
+    job = engine_jobs.cancel_cascade_id(root.id)
+    assert await h.engine.resources.jobs.missing([job]) == [job]
