@@ -5,7 +5,8 @@
 --   B:delayed                         ZSET  run -> due ms: runs the version before this one delayed (a
 --                                           rolling upgrade); promoted, never written
 --   B:delayed_envs                    ZSET  env -> due ms of the earliest run in its :delayed (or
---                                           earlier: a run taken out of it leaves the score)
+--                                           earlier: a run taken out of it leaves the score; or, while
+--                                           some are due, the time of the promotion that last served it)
 --   B:g:<wg>:envs                     ZSET  env -> virtual time (envs of group wg with ready runs)
 --   B:g:<wg>:meta / :evt              HASH  vt (group virtual clock) / env -> saved virtual time
 --   B:g:<wg>:e:<env>:qs               ZSET  queue -> head score (queues with ready runs)
@@ -319,11 +320,14 @@ local function detach(run, m)
     count_queued(m.env, m.queue, -1)
   elseif s == 'delayed' then
     local dk = ekey(m.env) .. ':delayed'
-    if redis.call('ZREM', dk, run) == 1 then
-      if redis.call('EXISTS', dk) == 0 then redis.call('ZREM', B .. ':delayed_envs', m.env) end
-    else
-      redis.call('ZREM', B .. ':delayed', run) -- delayed by the version before this one
+    if redis.call('ZREM', dk, run) == 1 and redis.call('EXISTS', dk) == 0 then
+      redis.call('ZREM', B .. ':delayed_envs', m.env)
     end
+    -- and out of the shard's set, always: in a rolling upgrade a run may be in both (delayed here,
+    -- then again by the version before, which leaves this entry), and the version before promotes
+    -- whatever that set holds, whatever its message says (a held run handed out twice, a run
+    -- delayed again made ready before its time)
+    redis.call('ZREM', B .. ':delayed', run)
     count_queued(m.env, m.queue, -1)
   elseif s == 'held' then
     free_slots(run, m)
@@ -352,6 +356,7 @@ local function make_due(run, now)
   local mk = B .. ':msg:' .. run
   local m = msg_fields(mk)
   if m and m.state == 'delayed' and (tonumber(m.due) or 0) <= now then
+    redis.call('ZREM', B .. ':delayed', run) -- (see detach) its entry there, if any, is stale now
     redis.call('HSET', mk, 'state', 'ready')
     make_ready(run, m)
   end
@@ -383,7 +388,10 @@ local function promote(now, limit)
     n = n + #due
     local head = redis.call('ZRANGE', dk, 0, 0, 'WITHSCORES')
     if head[1] then
-      redis.call('ZADD', B .. ':delayed_envs', head[2], env)
+      -- some still due: indexed at `now`, behind the environments due that this call left out
+      -- (more than `limit`), which come first in the next; at its head, the earliest due ones
+      -- came first again and again, and an environment due later waited for all of them
+      redis.call('ZADD', B .. ':delayed_envs', math.max(tonumber(head[2]), now), env)
     else
       redis.call('ZREM', B .. ':delayed_envs', env)
     end
