@@ -22,6 +22,9 @@ E = ExecutionStatus
 #: how long after a cancel of a run with children it waits on the engine takes the cancel up again
 #: (its job fires only when the cancel stopped part way: it is gone once the cancel reached the end)
 CASCADE_GRACE_S = 60.0
+#: runs below the run one cancel call cancels at most: the rest are its job's, at once (a tree of
+#: 100,000 children held the request of a cancel, one lock and transaction each, for minutes)
+CASCADE_PAGE = 500
 CANCEL_ERROR = {"type": "CANCELED", "message": "Run was cancelled"}
 
 
@@ -44,12 +47,17 @@ class CancelSystem:
         (or PENDING_CANCEL) as soon as its own cancel commits, and a cancel that stopped after
         that left its children running for good unless its caller happened to cancel again (a
         dashboard's button, a script, a process that died with nobody to answer). ``again``:
-        this is that job (a failure leaves it to the job's own retries)."""
+        this is that job (a failure leaves it to the job's own retries).
+
+        One call cancels CASCADE_PAGE runs below the run at most; past them it hands the rest to
+        that job at once (the job does the same, a page a time) and returns."""
         children = await self.r.repo.runs.waiting_children([run_id])
+        env_id = None
         guard = None
         if children and not again:
             run = await self.r.repo.runs.get_run(run_id, light=True)
             if run is not None:
+                env_id = run.env_id
                 guard = engine_jobs.cancel_cascade(run_id, run.env_id, self.r.clock.now() + CASCADE_GRACE_S)
                 try:
                     await self.r.change_jobs(schedule=[guard])
@@ -58,16 +66,38 @@ class CancelSystem:
                                 run_id)
                     guard = None
         status = await self._cancel_one(run_id)
+        left = CASCADE_PAGE if guard is not None or again else None  # no job: all of them here
         level = [run_id]
         while level:  # the run's children read again: one its trigger-and-wait made meanwhile is among them
             children = await self.r.repo.runs.waiting_children(level)
             for child, finished in children:
-                if not finished:
-                    await self._cancel_one(child)
+                if finished:
+                    continue
+                if left is not None and left <= 0:
+                    try:
+                        await self._hand_on(run_id, env_id)
+                    except Exception as exc:
+                        if again:
+                            raise  # the job's own retries
+                        # the job armed a grace ahead takes the rest up then
+                        log_failure(log, exc, "cancel of run %s: the rest could not be handed to its job now",
+                                    run_id)
+                    return status
+                await self._cancel_one(child)
+                if left is not None:
+                    left -= 1
             level = [child for child, _ in children]
         if guard is not None:
             await self.r.after_commit("cancel", self.r.change_jobs(cancel=[guard[0]]))
         return status
+
+    async def _hand_on(self, run_id: str, env_id: str | None) -> None:
+        """The runs left below ``run_id`` to its cancel's job, due now (it replaces the job armed
+        a grace ahead, or this is that job, armed again)."""
+        if env_id is None:
+            run = await self.r.repo.runs.get_run(run_id, light=True)
+            env_id = run.env_id if run is not None else ""
+        await self.r.change_jobs(schedule=[engine_jobs.cancel_cascade(run_id, env_id, self.r.clock.now())])
 
     async def _cancel_one(self, run_id: str) -> RunStatus:
         # A transition that takes no run lock (a dequeue, a start, a successful completion) may move

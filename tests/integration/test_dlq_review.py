@@ -59,6 +59,7 @@ async def test_a_cancel_of_a_deep_chain_of_waiting_runs_is_answered_and_reaches_
     async with api_client(h) as client:
         r = await client.post(f"/api/v2/runs/{ids[0]}/cancel")
     assert r.status_code == 200, r.text
+    await h.advance(0)  # the runs past the request's page: its job's, due at once
     runs = await h.engine.resources.repo.runs.runs_by_ids(h.env.env_id, ids)
     assert {runs[i].status for i in ids} == {"CANCELED"}
 
@@ -252,3 +253,30 @@ async def test_the_job_of_a_cancel_whose_run_was_deleted_since_ends(h: Harness, 
     await h.advance(CASCADE_GRACE_S + 1)
     job = engine_jobs.cancel_cascade_id(root.id)
     assert await h.engine.resources.jobs.missing([job]) == [job]
+
+
+async def test_a_cancel_of_many_children_cancels_a_page_and_hands_the_rest_to_its_job(
+        h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A cancel cancelled every run below its run in the request, one lock and transaction each:
+    a tree of 100,000 children held it for minutes. It now cancels CASCADE_PAGE of them and hands
+    the rest to its job, due at once, which goes on a page at a time until none is left."""
+    import systems.cancel
+    from systems import engine_jobs
+
+    from .test_waitpoints import req, started_run
+
+    monkeypatch.setattr(systems.cancel, "CASCADE_PAGE", 2)
+    root, s = await started_run(h)
+    ids, out = await h.engine.trigger_and_wait(root.id, s.snapshot.id, 0, [req(h) for _ in range(7)], batch=True)
+    await h.engine.suspend(root.id, out.snapshot.id)
+    assert await h.engine.cancel(root.id) == "CANCELED"
+
+    async def statuses() -> list[str]:
+        return [(await h.engine.get_run(i)).status for i in ids]  # type: ignore[union-attr]
+
+    assert sorted(await statuses()) == ["CANCELED"] * 2 + ["QUEUED"] * 5  # a page, and no more
+    assert await h.advance(0) >= 3  # the job, due at once: a page each time, armed again until done
+    assert await statuses() == ["CANCELED"] * 7
+    assert await h.engine.dequeue(h.env.worker_group_id, 10) == []
+    job = engine_jobs.cancel_cascade_id(root.id)
+    assert await h.engine.resources.jobs.missing([job]) == [job]  # nothing left armed
