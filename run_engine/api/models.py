@@ -438,8 +438,8 @@ class QueueKindBody(_Body):
 
 
 class RedriveAllBody(_Body):
-    taskIdentifier: str | None = None
-    queue: str | None = None
+    taskIdentifier: str | None = Field(default=None, max_length=128)
+    queue: str | None = Field(default=None, max_length=128)
     after: str | None = Field(default=None, max_length=256)  # the `next` of the call before
 
 

@@ -398,3 +398,13 @@ async def test_deleting_old_batches_keeps_to_the_passs_time(make_engine, monkeyp
             break
         await h.engine.systems.reconciler.retention()
     assert not any([await batch_row(h, b) for b in batches])
+
+
+async def test_redrive_all_refuses_filters_longer_than_any_name(dlq: tuple[Harness, httpx.AsyncClient]) -> None:
+    """A task identifier or queue name longer than either can be is a 400 naming the field, not a
+    walk of the DLQ comparing megabytes of text with every entry."""
+    _, client = dlq
+    for field in ("taskIdentifier", "queue"):
+        r = await client.post("/api/v1/dlq/redrive", json={field: "x" * 129})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+        assert (await client.post("/api/v1/dlq/redrive", json={field: "x" * 128})).status_code == 200
