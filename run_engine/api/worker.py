@@ -95,8 +95,9 @@ def _instance_name(group: WorkerGroup, name: str) -> str:
 
 def _run_payload(ctx: ApiContext, run: RunRow, snapshot: Any, token: str | None = None) -> dict[str, Any]:
     """A dequeued run as the worker gets it; ``token``: the run token of the attempt the dequeue
-    started (else one is minted for the next attempt)."""
-    attempt = run.attempt_number + 1
+    started (else one is minted for the attempt its start makes: the next one, or, for a run
+    restored from its checkpoint, the attempt it resumes by journal replay)."""
+    attempt = run.attempt_number + (0 if snapshot.checkpoint_id else 1)
     expires = int(ctx.engine.now()) + ctx.run_token_ttl_s
     return {
         "run": {"id": run.id, "taskIdentifier": run.task_id, "queue": run.queue,
