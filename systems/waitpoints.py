@@ -43,7 +43,7 @@ from run_engine.errors import (
 )
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
-from run_engine.statuses import ExecutionStatus, RunStatus
+from run_engine.statuses import EXECUTING, ExecutionStatus, RunStatus
 from systems import engine_jobs
 from systems.resources import SystemResources
 
@@ -838,6 +838,11 @@ class WaitpointsSystem:
         latest = await self.execution_snapshot.latest(run_id)
         if latest.id != snapshot_id:
             raise StaleSnapshotError(run_id, snapshot_id, latest.id, latest.engine_status)
+        if latest.engine_status not in EXECUTING:
+            # A step is journaled by an execution of the run only: the snapshot a completion
+            # answered (QUEUED for a retry, FINISHED) is held by none, and an entry written then
+            # would be replayed by the next attempt as a step it had taken.
+            raise InvalidTransitionError(run_id, latest.engine_status, "journal a step of")
         existing = await self.wp.append_journal(run_id, JournalEntry(sequence, kind, key, result, None))
         if existing is not None:
             raise DuplicateExecutionError(run_id, sequence)

@@ -1,5 +1,5 @@
 """A review of the worker API as a hostile or crashing worker sees it: what a dequeue hands out
-for a run restored from its checkpoint, ..."""
+for a run restored from its checkpoint, and who may journal a step of a run."""
 
 from __future__ import annotations
 
@@ -52,3 +52,25 @@ async def test_a_restored_run_is_handed_out_with_its_own_attempts_number_and_run
         async with api_client(h, restored["runToken"]) as executor:
             read = await executor.get(f"/api/v3/runs/{run.id}")
             assert read.status_code == 200, read.text
+
+
+async def test_a_step_is_journaled_only_by_an_execution_of_the_run(h: Harness) -> None:
+    """The snapshot a completion answers (QUEUED for a retry, FINISHED) is the run's latest, but
+    no execution holds it: a step journaled with it was taken (200) and replayed by the next
+    attempt as a step it had taken. It is 409 invalid_state now, and nothing is written."""
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    async with api_client(h, h.env.env_worker_group_token) as worker:
+        item = await _dequeued(worker, run.id, startAttempts=True)
+        snapshot = item["attempt"]["snapshot"]["id"]
+        journaled = await worker.post(f"{W}/runs/{run.id}/journal",
+                                      json={"snapshotId": snapshot, "sequence": 0, "key": "a", "result": 1})
+        assert journaled.status_code == 200, journaled.text  # the execution's own step
+        failed = await worker.post(f"{W}/runs/{run.id}/snapshots/{snapshot}/attempts/complete",
+                                   json={"ok": False, "error": {"message": "boom"}})
+        assert failed.json()["action"] == "retry", failed.text
+        queued = failed.json()["snapshotId"]
+        late = await worker.post(f"{W}/runs/{run.id}/journal",
+                                 json={"snapshotId": queued, "sequence": 1, "key": "b", "result": "injected"})
+        assert late.status_code == 409 and late.json()["error"]["code"] == "invalid_state", late.text
+        journal = await worker.get(f"{W}/runs/{run.id}/journal")
+        assert [e["key"] for e in journal.json()["journal"]] == ["a"]
