@@ -106,10 +106,15 @@ async def run_stream(request: Request) -> Response:
                 while True:
                     # light: the stream is woken (and rechecks) more often than its run changes, and
                     # the run's payload (megabytes, maybe) is read and decoded only for an event to
-                    # send. Every change sets updated_at: a status, and its metadata and tags too
-                    run = await ctx.engine.get_run(run_id, auth.env_id, light=True)
-                    if run is not None and (run.status, run.updated_at) != last:
-                        run = await ctx.engine.get_run(run_id, auth.env_id)
+                    # send. Every change sets updated_at: a status, and its metadata and tags too.
+                    # In the environment's turn of the costly reads: how often its streams read is
+                    # the tenant's to decide (a hundred streams of a run whose metadata it changes
+                    # a thousand times a second), and without turns their reads queued in front of
+                    # every other tenant's for the database pool and the event loop
+                    async with ctx.costly_reads.turn(auth.env_id):
+                        run = await ctx.engine.get_run(run_id, auth.env_id, light=True)
+                        if run is not None and (run.status, run.updated_at) != last:
+                            run = await ctx.engine.get_run(run_id, auth.env_id)
                     if run is None:  # deleted by retention meanwhile
                         return
                     if (run.status, run.updated_at) != last:
