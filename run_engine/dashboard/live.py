@@ -46,7 +46,9 @@ def _stream(request: Request, dash: Dash, events: AsyncGenerator[bytes, None]) -
 async def run_events(request: Request, dash: Dash) -> Response:
     run_id = request.path_params["run_id"]
     engine = dash.ctx.engine
-    if not looks_like_id(run_id, "run") or await engine.get_run(run_id, dash.env.id) is None:
+    # light, here and below: only the run's status and last change are looked at, never its payload
+    # (megabytes, maybe, decoded on the loop every tenant shares at every wake)
+    if not looks_like_id(run_id, "run") or await engine.get_run(run_id, dash.env.id, light=True) is None:
         raise ApiError(404, "not_found", "run not found")
     hub = dash.ctx.realtime
     if hub is None:
@@ -56,7 +58,9 @@ async def run_events(request: Request, dash: Dash) -> Response:
         async with hub.watch(run_id) as changed:
             last = None
             while True:
-                run = await engine.get_run(run_id, dash.env.id)
+                # in the environment's turns, as the API's streams (run_engine/api/stream.py)
+                async with dash.ctx.costly_reads.turn(dash.env.id):
+                    run = await engine.get_run(run_id, dash.env.id, light=True)
                 if run is None:
                     return
                 if (run.status, run.updated_at) != last:

@@ -116,3 +116,57 @@ async def test_a_tenants_stream_reads_wait_for_its_own_turns_while_anothers_stre
         assert answer.status_code == 200
         assert '"metadata":{"n":1}' in answer.text and '"status":"CANCELED"' in answer.text
     assert gate.waiting_or_reading(h.env.env_id) == 0
+
+
+async def test_a_live_run_page_reads_its_run_light_and_in_its_environments_turns(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run page's live stream looks at the run's status and last change alone. Before, it read
+    the run whole (its payload of megabytes, maybe, decoded on the shared loop) at every wake and
+    every recheck, outside any turn: a page open on a run whose metadata changed fast read it whole
+    at every change."""
+    from run_engine.dashboard import live
+
+    from .test_dashboard_sessions import sign_in
+
+    monkeypatch.setattr(live, "RECHECK_S", 0.05)
+    monkeypatch.setattr(live, "THROTTLE_S", 0.01)
+    run_id = await waiting_run(h, h.env)
+    reads: list[bool] = []  # light or not, the page's reads of its run
+    get_run = h.engine.get_run
+
+    async def counted(run_id_: str, env_id: str | None = None, *, light: bool = False) -> Any:
+        if run_id_ == run_id:
+            reads.append(light)
+        return await get_run(run_id_, env_id, light=light)
+
+    async with realtime_app(h) as ctx:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)),
+                                     base_url="http://t") as c:
+            await sign_in(c, h.env.api_key)
+            monkeypatch.setattr(h.engine, "get_run", counted)
+            page = asyncio.ensure_future(c.get(f"/dashboard/runs/{run_id}/events"))
+            try:
+                await until(lambda: len(reads) >= 3, "the page's first reads and rechecks")
+                release = asyncio.Event()
+                held = 0
+
+                async def hold() -> None:
+                    nonlocal held
+                    async with ctx.costly_reads.turn(h.env.env_id):
+                        held += 1
+                        await release.wait()
+
+                hogs = [asyncio.create_task(hold()) for _ in range(2)]
+                await until(lambda: held == 2, "the tenant's two turns taken")
+                await h.engine.set_metadata(h.env.env_id, run_id, {"n": 1})
+                await until(lambda: ctx.costly_reads.waiting_or_reading(h.env.env_id) == 3,
+                            "the page's read waiting for a turn")
+                release.set()
+                await asyncio.gather(*hogs)
+                await h.engine.cancel(run_id)
+                answer = await asyncio.wait_for(page, 20)
+            finally:
+                page.cancel()
+    assert answer.status_code == 200
+    assert "event: changed\ndata: final" in answer.text
+    assert reads and all(reads), f"the page read its run whole {reads.count(False)} times"
