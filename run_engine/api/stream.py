@@ -25,6 +25,7 @@ from run_engine.api.public import can_read
 from run_engine.api.public_tokens import forbidden
 from run_engine.api.serialize import run_object
 from run_engine.api.shape_stream import shape
+from run_engine.dependencies import unavailable_dependency
 from run_engine.engine import ShapeRead
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
@@ -63,6 +64,26 @@ async def while_allowed(chunks: AsyncGenerator[bytes, None], allowed: Callable[[
                         return
                     log.warning("a stream's credential could not be checked again: %r", exc)
             yield chunk
+
+
+def unreadable(exc: Exception) -> bool:
+    """Whether a stream's read of its run failed for PostgreSQL being away (a failover, a restart,
+    a pool without a free connection for 10 s): logged, and the stream reads again at its next
+    wake or recheck (the client gets the change it missed then), and ends once its credential could
+    not be checked for ``UNCHECKED_CHECKS`` intervals (:func:`while_allowed`), as cleanly as at its
+    run's end. Raised out of the stream, the error cut the response short (a chunked body left
+    unfinished) and logged two tracebacks per open stream."""
+    global _warned
+    if (dependency := unavailable_dependency(exc)) is None:
+        return False
+    if time.monotonic() - _warned >= RECHECK_S:  # one line for every open stream would flood the log
+        _warned = time.monotonic()
+        log.warning("streams could not read their runs (%s unavailable: %r); reading again at their next wake",
+                    dependency, exc)
+    return True
+
+
+_warned = -RECHECK_S
 
 
 @operation("Server-Sent Events: the run object on every change", None, media="text/event-stream",
@@ -111,18 +132,23 @@ async def run_stream(request: Request) -> Response:
                     # the tenant's to decide (a hundred streams of a run whose metadata it changes
                     # a thousand times a second), and without turns their reads queued in front of
                     # every other tenant's for the database pool and the event loop
-                    async with ctx.costly_reads.turn(auth.env_id):
-                        run = await ctx.engine.get_run(run_id, auth.env_id, light=True)
-                        if run is not None and (run.status, run.updated_at) != last:
-                            run = await ctx.engine.get_run(run_id, auth.env_id)
-                    if run is None:  # deleted by retention meanwhile
-                        return
-                    if (run.status, run.updated_at) != last:
-                        last = (run.status, run.updated_at)
-                        idle = 0.0
-                        yield _event(run_object(run))
-                        if RunStatus(run.status) in FINAL_RUN_STATUSES:
+                    try:
+                        async with ctx.costly_reads.turn(auth.env_id):
+                            run = await ctx.engine.get_run(run_id, auth.env_id, light=True)
+                            if run is not None and (run.status, run.updated_at) != last:
+                                run = await ctx.engine.get_run(run_id, auth.env_id)
+                    except Exception as exc:
+                        if not unreadable(exc):
+                            raise
+                    else:
+                        if run is None:  # deleted by retention meanwhile
                             return
+                        if (run.status, run.updated_at) != last:
+                            last = (run.status, run.updated_at)
+                            idle = 0.0
+                            yield _event(run_object(run))
+                            if RunStatus(run.status) in FINAL_RUN_STATUSES:
+                                return
                     changed.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(changed.wait(), RECHECK_S)

@@ -14,7 +14,7 @@ from starlette.responses import Response, StreamingResponse
 
 from run_engine.api.http import ApiError
 from run_engine.api.inputs import looks_like_id
-from run_engine.api.stream import while_allowed
+from run_engine.api.stream import unreadable, while_allowed
 from run_engine.dashboard.core import SECURITY_HEADERS, Dash, page, signed_in
 from run_engine.realtime import env_key
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
@@ -59,19 +59,24 @@ async def run_events(request: Request, dash: Dash) -> Response:
             last = None
             while True:
                 # in the environment's turns, as the API's streams (run_engine/api/stream.py)
-                async with dash.ctx.costly_reads.turn(dash.env.id):
-                    run = await engine.get_run(run_id, dash.env.id, light=True)
-                if run is None:
-                    return
-                if (run.status, run.updated_at) != last:
-                    if last is not None:
-                        yield b"event: changed\ndata: " + run.status.encode() + b"\n\n"
-                    last = (run.status, run.updated_at)
-                    if RunStatus(run.status) in FINAL_RUN_STATUSES:
-                        # the last change may still be settling (output, snapshots): one more look
-                        await asyncio.sleep(THROTTLE_S)
-                        yield b"event: changed\ndata: final\n\n"
+                try:
+                    async with dash.ctx.costly_reads.turn(dash.env.id):
+                        run = await engine.get_run(run_id, dash.env.id, light=True)
+                except Exception as exc:
+                    if not unreadable(exc):  # PostgreSQL away: read again at the next wake or recheck
+                        raise
+                else:
+                    if run is None:
                         return
+                    if (run.status, run.updated_at) != last:
+                        if last is not None:
+                            yield b"event: changed\ndata: " + run.status.encode() + b"\n\n"
+                        last = (run.status, run.updated_at)
+                        if RunStatus(run.status) in FINAL_RUN_STATUSES:
+                            # the last change may still be settling (output, snapshots): one more look
+                            await asyncio.sleep(THROTTLE_S)
+                            yield b"event: changed\ndata: final\n\n"
+                            return
                 changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), RECHECK_S)
