@@ -16,6 +16,8 @@ from run_engine import heap
 from run_engine.api.access_log import AccessLog
 from run_engine.api.app import create_app
 from run_engine.api.context import ApiContext, costly_read_gate
+from run_engine.api.stalls import STALLS
+from run_engine.api.stalls import STATE_KEY as STALL_KEY
 from run_engine.engine import RunEngine
 from run_engine.metrics import EngineMetrics
 from run_engine.ratelimit import ConnectionCaps, RequestLimiter
@@ -82,6 +84,22 @@ def _http_protocol() -> type | str:
         def on_header(self, name: bytes, value: bytes) -> None:
             self._count(len(name) + len(value) + 4)
             super().on_header(name, value)
+
+        # a connection whose answer is not read is watched, and cut once it stops for good
+        # (run_engine/api/stalls.py); the key its environment's answers count under is the one the
+        # request's handler left in its scope's state
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            scope = getattr(self, "scope", None) or {}
+            STALLS.watch(self.transport, (scope.get("state") or {}).get(STALL_KEY))
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            STALLS.unwatch(self.transport)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            STALLS.unwatch(self.transport)
+            super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
             if not self._too_large:

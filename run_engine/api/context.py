@@ -25,6 +25,7 @@ from run_engine.api.public_tokens import (
     unverified_claims,
     verify,
 )
+from run_engine.api.stalls import STATE_KEY as STALL_KEY
 from run_engine.engine import Environment, RunEngine, WorkerGroup
 from run_engine.ratelimit import ConnectionCaps, ReadGate, RequestLimiter, TooMany
 from run_engine.realtime import RealtimeHub
@@ -138,6 +139,13 @@ class ApiContext:
         not counted against its rate, nor as the one use of a one-time token. ``spend`` False:
         counted against its rate, but a one-time token stays unused (a step before the call it is
         for)."""
+        auth = await self._env_auth(request, run_token, public, recheck, spend)
+        # the key its answers count under should the client stop reading them (api/stalls.py)
+        request.scope.setdefault("state", {})[STALL_KEY] = auth.bucket
+        return auth
+
+    async def _env_auth(self, request: Request, run_token: bool, public: bool, recheck: bool,
+                        spend: bool) -> EnvAuth:
         token = bearer(request)
         if looks_like_jwt(token):
             return await self._public_auth(token, public, recheck, spend)
