@@ -23,6 +23,7 @@ from systems.resources import SystemResources
 
 log = logging.getLogger(__name__)
 DEFAULT_IDEMPOTENCY_TTL_S = 30 * 86400
+MAX_IDEMPOTENCY_KEY_CHARS = 256  # as the API's options.idempotencyKey (an index entry: bounded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,6 +502,9 @@ class EnqueueSystem:
             raise ValidationError("task_id", "must be 1..128 characters")
         if req.queue is not None and (not req.queue or len(req.queue) > 128):
             raise ValidationError("queue", "must be 1..128 characters")
+        if req.idempotency_key is not None and not 1 <= len(req.idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+            # an empty key would be one more key, that the reset endpoint cannot name
+            raise ValidationError("idempotency_key", f"must be 1..{MAX_IDEMPOTENCY_KEY_CHARS} characters")
         if req.priority_s < 0:
             raise ValidationError("priority_s", "must be >= 0")
         if req.ttl_s is not None and not req.ttl_s >= 0:

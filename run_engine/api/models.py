@@ -57,6 +57,14 @@ def parse_duration_s(value: float | int | str) -> float:
     return seconds
 
 
+def not_a_bool(value: Any) -> Any:
+    """Refuse true and false where a duration or a date is expected (a ``mode="before"`` check):
+    pydantic would take true for one second."""
+    if isinstance(value, bool):
+        raise ValueError("must not be true or false")
+    return value
+
+
 def parse_when(value: float | int | str | datetime, now: float) -> datetime:
     """A delay as a duration (seconds, "30s", "15m", …) from ``now`` or an ISO 8601 date (UTC if naive)."""
     if isinstance(value, datetime):
@@ -152,12 +160,7 @@ class DebounceOption(_Body):
     mode: Literal["leading", "trailing"] = "leading"
     maxDelay: float | int | str | None = None
 
-    @field_validator("delay", "maxDelay", mode="before")
-    @classmethod
-    def _not_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):
-            raise ValueError("must be a number of seconds or a string like '30s', '15m', '2h', '1d'")
-        return v
+    _not_bool = field_validator("delay", "maxDelay", mode="before")(not_a_bool)
 
     @field_validator("delay")
     @classmethod
@@ -185,7 +188,9 @@ class DebounceOption(_Body):
 class TriggerOptions(_Body):
     queue: QueueOption | str | None = None
     concurrencyKey: str | None = Field(default=None, max_length=256)
-    idempotencyKey: str | None = Field(default=None, max_length=256)
+    # an empty key is refused, as a token's is: it would be one more key (every trigger with it
+    # answered with the first run for 30 days) that the reset endpoint cannot name
+    idempotencyKey: str | None = Field(default=None, min_length=1, max_length=256)
     idempotencyKeyTTL: float | int | str | None = None
     delay: float | int | str | datetime | None = None
     ttl: float | int | str | None = None
@@ -222,6 +227,8 @@ class TriggerOptions(_Body):
         if isinstance(v, str) and (not v or len(v) > 128):
             raise ValueError("must be 1..128 characters")
         return v
+
+    _not_a_bool = field_validator("ttl", "idempotencyKeyTTL", "delay", mode="before")(not_a_bool)
 
     @field_validator("ttl", "idempotencyKeyTTL")
     @classmethod
@@ -268,6 +275,8 @@ class OpenBatchBody(_Body):
     #: how long the key names this batch (default 30 days, as a run's)
     idempotencyKeyTTL: float | int | str | None = None
     parentRunId: str | None = Field(default=None, max_length=128)
+
+    _not_a_bool = field_validator("idempotencyKeyTTL", mode="before")(not_a_bool)
 
     @field_validator("idempotencyKeyTTL")
     @classmethod
@@ -604,12 +613,7 @@ class TokenCreateBody(_Body):
             return parse_date(v)
         return _duration(v)
 
-    @field_validator("timeout", "idempotencyKeyTTL", mode="before")
-    @classmethod
-    def _not_a_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):  # (pydantic would take true for one second)
-            raise ValueError("a duration or a date, not true or false")
-        return v
+    _not_a_bool = field_validator("timeout", "idempotencyKeyTTL", mode="before")(not_a_bool)
 
     @field_validator("tags", mode="before")
     @classmethod
@@ -646,7 +650,7 @@ class WaitDurationBody(_WaitBody):
     @classmethod
     def _date(cls, v: datetime | None) -> datetime | None:
         return None if v is None else utc(v)
-    idempotencyKey: str | None = Field(default=None, max_length=256)
+    idempotencyKey: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class WaitBody(_WaitBody):
