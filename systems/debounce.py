@@ -132,7 +132,8 @@ class DebounceSystem:
     async def _idempotent(self, req: TriggerRequest, now: float) -> TriggeredRun | None:
         """The run holding the request's idempotency key (once expired keys are released), if any."""
         key = (req.task_id, req.idempotency_key or "")
-        await self.r.repo.runs.release_expired_idempotency_keys(req.env_id, [key], datetime.fromtimestamp(now, UTC))
+        await self.r.repo.runs.release_expired_idempotency_keys(req.env_id, [(*key, req.batch_id)],
+                                                                datetime.fromtimestamp(now, UTC))
         holder = (await self.r.repo.runs.runs_by_idempotency_key(req.env_id, [key])).get(key)
         if holder is None:
             return None

@@ -258,13 +258,13 @@ class EnqueueSystem:
         item_requests: list[TriggerRequest] = []
         results: list[TriggeredRun] = []
         jobs: list[engine_jobs.JobSpec] = []
-        keyed: dict[str, list[tuple[str, str]]] = {}
+        keyed: dict[str, list[tuple[str, str, str | None]]] = {}
         for req in requests:
             if req.debounce is not None:
                 raise ValidationError("debounce", "this way of triggering does not debounce")
             run, item, run_jobs, result = await self._prepare(req, now)
             if req.idempotency_key is not None:
-                keyed.setdefault(req.env_id, []).append((req.task_id, req.idempotency_key))
+                keyed.setdefault(req.env_id, []).append((req.task_id, req.idempotency_key, req.batch_id))
             new_runs.append(run)
             if item is not None:
                 items.append(item)

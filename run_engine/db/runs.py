@@ -761,16 +761,21 @@ class RunRepository:
             row = await cur.fetchone()
         return run_row(row) if row else None
 
-    async def release_expired_idempotency_keys(self, env_id: str, keys: Sequence[tuple[str, str]],
+    async def release_expired_idempotency_keys(self, env_id: str, keys: Sequence[tuple[str, str, str | None]],
                                                now: datetime) -> None:
-        """Free (task, key) pairs whose runs' idempotency TTL has passed, so a new run may take them."""
+        """Free (task, key) pairs whose runs' idempotency TTL has passed, so a new run may take them;
+        each with the batch its trigger is an item of (None: none), whose own run holding the key
+        keeps it: that item was made already, and is sent again (a stream retried after its first
+        attempt died before noting its items; an index makes one run, whatever its key's TTL)."""
         async with self.pool.connection() as conn:
             await conn.execute(
                 """UPDATE task_run r SET idempotency_key = NULL, updated_at = clock_timestamp()
-                   FROM (SELECT unnest(%s::text[]) AS task, unnest(%s::text[]) AS key) k
+                   FROM (SELECT unnest(%s::text[]) AS task, unnest(%s::text[]) AS key,
+                                unnest(%s::text[]) AS batch) k
                    WHERE r.environment_id = %s AND r.task_identifier = k.task AND r.idempotency_key = k.key
-                     AND r.idempotency_key_expires_at <= %s""",
-                ([t for t, _ in keys], [k for _, k in keys], env_id, now))
+                     AND r.idempotency_key_expires_at <= %s
+                     AND (k.batch IS NULL OR r.batch_id IS DISTINCT FROM k.batch)""",
+                ([t for t, _, _ in keys], [k for _, k, _ in keys], [b for _, _, b in keys], env_id, now))
 
     async def reset_idempotency_key(self, env_id: str, task_id: str, key: str) -> int:
         """Free the task's idempotency key in the environment whatever its TTL (the SDK's

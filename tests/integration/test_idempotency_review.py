@@ -6,9 +6,53 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from .conftest import Harness
+
+
+async def batch_runs(api: httpx.AsyncClient, batch_id: str) -> list[str]:
+    got = await api.get(f"/api/v2/batches/{batch_id}")
+    assert got.status_code == 200, got.text
+    runs: list[str] = got.json()["runs"]
+    return runs
+
+
+async def test_a_retried_stream_makes_no_second_run_of_an_item_whose_own_key_expired(
+        h: Harness, api: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A two-phase batch's stream retried after its first attempt made the runs and died before
+    noting its items (the SDK sends it again): each index is deduplicated by its key. An item with
+    a key of its own whose TTL had passed by then had that key released by the retry itself, and a
+    second run of the item was made in the batch (a batch of 2 with 3 runs; the item ran twice)."""
+    opened = await api.post("/api/v3/batches", json={"runCount": 2})
+    batch_id = opened.json()["id"]
+    lines = b"\n".join(orjson.dumps(item) for item in [
+        {"index": 0, "task": "hello", "options": {"idempotencyKey": "own", "idempotencyKeyTTL": "1s"}},
+        {"index": 1, "task": "hello"}])
+    noted = h.engine.note_batch_items
+    calls = 0
+
+    async def dies_the_first_time(*args: Any, **kwargs: Any) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ConnectionError("the process died before noting the items")
+        return await noted(*args, **kwargs)
+
+    monkeypatch.setattr(h.engine, "note_batch_items", dies_the_first_time)
+    with pytest.raises(ConnectionError):
+        await api.post(f"/api/v3/batches/{batch_id}/items", content=lines)
+    made = await batch_runs(api, batch_id)
+    assert len(made) == 2
+    h.clock.advance(2)  # the item's own key has expired when the stream is sent again
+    again = await api.post(f"/api/v3/batches/{batch_id}/items", content=lines)
+    assert again.status_code == 200, again.text
+    assert again.json()["sealed"] and again.json()["itemsDeduplicated"] == 2, again.json()
+    assert sorted(await batch_runs(api, batch_id)) == sorted(made)  # before: a third run, item 0's again
+    # outside the batch the key's TTL holds as ever: a trigger with it makes a new run
+    other = await api.post("/api/v1/tasks/hello/trigger", json={"options": {"idempotencyKey": "own"}})
+    assert other.status_code == 200 and other.json()["isCached"] is False and other.json()["id"] not in made
 
 
 @pytest.mark.parametrize(("path", "body"), [
