@@ -30,6 +30,7 @@ from run_engine.db.runs import (
     transition_result,
     walked_page,
 )
+from run_engine.errors import ConflictError
 from run_engine.records import record
 
 
@@ -980,28 +981,32 @@ class WaitpointRepository:
         existed: the same idempotency key answers with the batch it made before until the key
         ``expires_at``; a key expired at ``now`` is released first, as a run's is). ``made_by``:
         the identity of the credential that makes it (None: the environment's secret key), kept
-        on a batch made now (a batch found keeps its own)."""
+        on a batch made now (a batch found keeps its own). A key let go between the insert that found
+        it taken and the look-up of its batch (that batch's request failed before making a run,
+        :meth:`release_empty_batch_key`, or a reset) is free: the insert is tried again."""
         async with self.pool.connection() as conn, conn.transaction():
             if idempotency_key is not None:
                 await conn.execute(
                     """UPDATE batch_task_run SET idempotency_key = NULL, idempotency_key_expires_at = NULL
                        WHERE environment_id = %s AND idempotency_key = %s
                          AND idempotency_key_expires_at <= coalesce(%s, now())""", (env_id, idempotency_key, now))
-            cur = await conn.execute(
-                """INSERT INTO batch_task_run (id, environment_id, size, idempotency_key, idempotency_key_expires_at,
-                                               two_phase, made_by)
-                   VALUES (%s, %s, %s, %s, %s, %s, %s)
-                   ON CONFLICT (environment_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-                   RETURNING id, size""", (batch_id, env_id, size, idempotency_key, expires_at, two_phase, made_by))
-            row = await cur.fetchone()
-            if row is not None:
-                return str(row[0]), int(row[1]), False
-            cur = await conn.execute(
-                "SELECT id, size FROM batch_task_run WHERE environment_id = %s AND idempotency_key = %s",
-                (env_id, idempotency_key))
-            found = await cur.fetchone()
-            assert found is not None  # the conflict was with this row
-            return str(found[0]), int(found[1]), True
+            for _ in range(3):  # each statement reads what was committed before it (read committed)
+                cur = await conn.execute(
+                    """INSERT INTO batch_task_run (id, environment_id, size, idempotency_key,
+                                                   idempotency_key_expires_at, two_phase, made_by)
+                       VALUES (%s, %s, %s, %s, %s, %s, %s)
+                       ON CONFLICT (environment_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+                       RETURNING id, size""", (batch_id, env_id, size, idempotency_key, expires_at, two_phase, made_by))
+                row = await cur.fetchone()
+                if row is not None:
+                    return str(row[0]), int(row[1]), False
+                cur = await conn.execute(
+                    "SELECT id, size FROM batch_task_run WHERE environment_id = %s AND idempotency_key = %s",
+                    (env_id, idempotency_key))
+                found = await cur.fetchone()
+                if found is not None:
+                    return str(found[0]), int(found[1]), True
+        raise ConflictError("idempotency-key", "the key kept changing hands while this batch was opened; retry")
 
     async def release_empty_batch_key(self, batch_id: str, env_id: str) -> bool:
         """Free the idempotency key of the environment's batch ``batch_id`` if no run is in it

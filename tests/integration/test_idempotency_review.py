@@ -92,3 +92,57 @@ async def test_the_engine_refuses_an_empty_idempotency_key(h: Harness) -> None:
     with pytest.raises(ValidationError, match="idempotency_key"):
         await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", idempotency_key=""))
     assert await h.engine.list_runs(h.env.env_id, limit=10, light=True) == []
+
+
+class _HookedPool:
+    """A pool whose connections run ``hook`` once, right after the first statement naming ``marker``:
+    another request's write between two statements of one call, at that exact point."""
+
+    def __init__(self, pool: Any, marker: str, hook: Any) -> None:
+        self.pool, self.marker, self.hook, self.fired = pool, marker, hook, False
+
+    def connection(self) -> Any:
+        import contextlib
+
+        hooked = self
+
+        class Conn:
+            def __init__(self, conn: Any) -> None:
+                self.conn = conn
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.conn, name)
+
+            async def execute(self, sql: str, *args: Any, **kwargs: Any) -> Any:
+                cur = await self.conn.execute(sql, *args, **kwargs)
+                if hooked.marker in sql and not hooked.fired:
+                    hooked.fired = True
+                    await hooked.hook()
+                return cur
+
+        @contextlib.asynccontextmanager
+        async def connect() -> Any:
+            async with self.pool.connection() as conn:
+                yield Conn(conn)
+
+        return connect()
+
+
+async def test_a_batch_key_let_go_between_the_insert_and_the_look_up_opens_a_batch_not_a_500(
+        h: Harness, api: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests with one batch key at once: the first, refused for a bad item, frees the key it
+    took (``release_empty_batch_key``) just after the second's insert found it taken and before the
+    second read the batch holding it. The second asserted that the batch was there: an
+    AssertionError, a 500 for a request that was fine (its retry would have worked)."""
+    repo = h.engine.resources.repo.waitpoints
+    first, _, _ = await h.engine.open_batch(h.env.env_id, 1, "shared", two_phase=False)  # the first request's row
+
+    async def first_request_fails() -> None:  # its item refused: its key freed (it made no run)
+        assert await h.engine.release_empty_batch_key(h.env.env_id, first)
+
+    monkeypatch.setattr(repo, "pool", _HookedPool(repo.pool, "INSERT INTO batch_task_run", first_request_fails))
+    second = await api.post("/api/v2/tasks/batch", json={"items": [{"task": "hello"}]},
+                            headers={"idempotency-key": "shared"})
+    assert second.status_code == 200, second.text  # before: 500
+    assert second.json()["id"] != first and second.json()["isCached"] is False
+    assert len(await batch_runs(api, second.json()["id"])) == 1
