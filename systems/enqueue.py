@@ -13,7 +13,7 @@ from typing import Any
 
 from run_engine.db.deployments import TaskQueue
 from run_engine.db.runs import InsertGuard, NewRun, RunRow
-from run_engine.errors import NotFoundError, QueueFullError, UnprocessableError, ValidationError
+from run_engine.errors import ConflictError, NotFoundError, QueueFullError, UnprocessableError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
 from run_engine.run_queue import EnqueueItem, QueueSettings, RateLimit
@@ -282,7 +282,8 @@ class EnqueueSystem:
         inserted = (await self.r.insert_runs(new_runs) if guard is None
                     else await self.r.repo.runs.insert_runs(new_runs, guard=guard))
         if len(inserted) < len(new_runs):
-            results, items, jobs, new_runs = await self._cached(requests, new_runs, results, inserted, items, jobs)
+            results, items, jobs, new_runs = await self._cached(requests, new_runs, results, inserted, items, jobs,
+                                                                retake=guard is None)
         try:
             if jobs:
                 await self.r.change_jobs(schedule=jobs)
@@ -410,24 +411,35 @@ class EnqueueSystem:
         return run, item, jobs, TriggeredRun(run.id, status, run.snapshot_id, queue)
 
     async def _cached(self, requests: Sequence[TriggerRequest], new_runs: list[NewRun], results: list[TriggeredRun],
-                      inserted: set[str], items: list[EnqueueItem], jobs: list[Any],
+                      inserted: set[str], items: list[EnqueueItem], jobs: list[Any], *, retake: bool = True,
                       ) -> tuple[list[TriggeredRun], list[EnqueueItem], list[Any], list[NewRun]]:
         """Requests whose idempotency key was taken: answer with the run that holds it, and
-        enqueue or schedule nothing for them."""
+        enqueue or schedule nothing for them. A key let go between the insert that found it taken
+        and the look-up of its holder (a reset; a holder whose TTL had passed, or was 0, released by
+        another trigger) is free: those runs are inserted again (``retake``; not after an insert
+        with a guard, which is its caller's to repeat), as the insert that found the key free would
+        have. A key that keeps changing hands is a conflict of the moment (409: retry)."""
+        inserted = set(inserted)
         lost = [(req, run) for req, run in zip(requests, new_runs, strict=True) if run.id not in inserted]
         existing: dict[tuple[str, str, str], RunRow] = {}
-        for env_id in {req.env_id for req, _ in lost}:
-            found = await self.r.repo.runs.runs_by_idempotency_key(
-                env_id, [(req.task_id, req.idempotency_key or "") for req, _ in lost if req.env_id == env_id])
-            existing.update({(env_id, *k): v for k, v in found.items()})
+        for attempt in range(3):
+            for env_id in {req.env_id for req, _ in lost}:
+                found = await self.r.repo.runs.runs_by_idempotency_key(
+                    env_id, [(req.task_id, req.idempotency_key or "") for req, _ in lost if req.env_id == env_id])
+                existing.update({(env_id, *k): v for k, v in found.items()})
+            free = [run for req, run in lost if (req.env_id, req.task_id, req.idempotency_key or "") not in existing]
+            if not free:
+                break
+            if not retake or attempt == 2:
+                raise ConflictError("idempotency_key", "the key changed hands while this run was triggered; retry")
+            inserted |= await self.r.insert_runs(free)
+            lost = [(req, run) for req, run in lost if run.id not in inserted]
         out: list[TriggeredRun] = []
         for req, run, result in zip(requests, new_runs, results, strict=True):
             if run.id in inserted:
                 out.append(result)
                 continue
-            holder = existing.get((req.env_id, req.task_id, req.idempotency_key or ""))
-            if holder is None:  # released between our insert and this look-up: very unlikely; say so
-                raise ValidationError("idempotency_key", "the key changed hands concurrently; retry")
+            holder = existing[(req.env_id, req.task_id, req.idempotency_key or "")]
             out.append(TriggeredRun(holder.id, RunStatus(holder.status), "", holder.queue, is_cached=True))
         keep = {r.id for r in new_runs if r.id in inserted}
         return (out, [i for i in items if i.run_id in keep], [j for j in jobs if j[2]["run_id"] in keep],
