@@ -526,7 +526,10 @@ class WaitpointRepository:
 
     async def create(self, wp: NewWaitpoint, now: datetime | None = None) -> tuple[Waitpoint, bool]:
         """Insert ``wp``; with an idempotency key that is taken and not expired (at ``now``),
-        return the existing waitpoint and ``True`` (cached) instead. An expired key is released."""
+        return the existing waitpoint and ``True`` (cached) instead. An expired key is released. A
+        key let go between the insert that found it taken and the look-up of its holder (a RUN
+        waitpoint's, by a wait on its run redriven since; a waitpoint deleted by retention) is
+        free: the insert is tried again."""
         if wp.idempotency_key is None:
             return (await self.create_many([wp]))[0], False
         row = to_columns(wp)
@@ -537,15 +540,17 @@ class WaitpointRepository:
                    WHERE environment_id = %s AND idempotency_key = %s
                      AND idempotency_key_expires_at <= coalesce(%s, now())""",
                 (wp.env_id, wp.idempotency_key, now))
-            await cur.execute(_INSERT_WAITPOINT, {"rows": Jsonb([row])})
-            inserted = await cur.fetchone()
-            if inserted is not None:
-                return _waitpoint(inserted), False
-            await cur.execute("SELECT * FROM waitpoint WHERE environment_id = %s AND idempotency_key = %s",
-                              (wp.env_id, wp.idempotency_key))
-            existing = await cur.fetchone()
-        assert existing is not None
-        return _waitpoint(existing), True
+            for _ in range(3):  # each statement reads what was committed before it (read committed)
+                await cur.execute(_INSERT_WAITPOINT, {"rows": Jsonb([row])})
+                inserted = await cur.fetchone()
+                if inserted is not None:
+                    return _waitpoint(inserted), False
+                await cur.execute("SELECT * FROM waitpoint WHERE environment_id = %s AND idempotency_key = %s",
+                                  (wp.env_id, wp.idempotency_key))
+                existing = await cur.fetchone()
+                if existing is not None:
+                    return _waitpoint(existing), True
+        raise ConflictError("idempotencyKey", "the key kept changing hands while the waitpoint was made; retry")
 
     async def create_many(self, wps: Sequence[NewWaitpoint]) -> list[Waitpoint]:
         """Insert waitpoints that have no idempotency key, in one statement."""

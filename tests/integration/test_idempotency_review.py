@@ -106,24 +106,27 @@ class _HookedPool:
 
         hooked = self
 
-        class Conn:
-            def __init__(self, conn: Any) -> None:
-                self.conn = conn
+        class Executes:  # a connection or a cursor
+            def __init__(self, inner: Any) -> None:
+                self.inner = inner
 
             def __getattr__(self, name: str) -> Any:
-                return getattr(self.conn, name)
+                return getattr(self.inner, name)
+
+            def cursor(self, *args: Any, **kwargs: Any) -> Any:
+                return Executes(self.inner.cursor(*args, **kwargs))
 
             async def execute(self, sql: str, *args: Any, **kwargs: Any) -> Any:
-                cur = await self.conn.execute(sql, *args, **kwargs)
+                done = await self.inner.execute(sql, *args, **kwargs)
                 if hooked.marker in sql and not hooked.fired:
                     hooked.fired = True
                     await hooked.hook()
-                return cur
+                return self if done is self.inner else done
 
         @contextlib.asynccontextmanager
         async def connect() -> Any:
             async with self.pool.connection() as conn:
-                yield Conn(conn)
+                yield Executes(conn)
 
         return connect()
 
@@ -176,6 +179,32 @@ async def test_a_key_let_go_between_the_insert_and_the_look_up_of_its_holder_mak
     assert third.json() == {"id": again.json()["id"], "isCached": True}  # the new run holds the key
     handed = await h.engine.dequeue(h.env.worker_group_id, 5)
     assert {d.run.id for d in handed} == {held.json()["id"], again.json()["id"]}  # the new run was enqueued too
+
+
+async def test_a_run_waitpoint_key_let_go_between_the_insert_and_the_look_up_makes_one_not_a_500(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same race for a waitpoint's key: a wait on a run (``wait.for_run``) finds the run's
+    ``run:<id>`` key taken by its completed RUN waitpoint, and, before it reads that waitpoint, a
+    concurrent wait on the run (redriven from the DLQ since) lets the completed one's key go. The
+    look-up found nothing and asserted it had: an AssertionError, a 500 for the wait."""
+    from run_engine.engine import TriggerRequest
+
+    target = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (handed,) = await h.engine.dequeue(h.env.worker_group_id, 1)
+    started = await h.engine.start_attempt(target.id, handed.snapshot.id)
+    await h.engine.complete_attempt(target.id, started.snapshot.id, ok=True, output=1)
+    done = await h.engine.get_waitpoint((await h.engine.run_waitpoint(h.env.env_id, target.id)).id)
+    assert done is not None and done.status == "COMPLETED"  # the run had finished: completed at once
+    repo = h.engine.resources.repo.waitpoints
+
+    async def another_wait_lets_it_go() -> None:
+        await repo.release_run_key(done.id, f"run:{target.id}")
+
+    monkeypatch.setattr(repo, "pool", _HookedPool(repo.pool, "INSERT INTO waitpoint", another_wait_lets_it_go))
+    made = await h.engine.run_waitpoint(h.env.env_id, target.id)  # before: AssertionError
+    again = await h.engine.get_waitpoint(made.id)
+    assert again is not None and again.id != done.id and again.completed_by_run_id == target.id
+    assert again.status == "COMPLETED" and again.output == 1  # the run has finished: answered at once
 
 
 # --- guarantees that held: what the review tried and could not break --------------------------------
