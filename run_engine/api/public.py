@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -89,6 +90,23 @@ def _may_trigger(auth: EnvAuth, task: str, action: str) -> None:
         raise forbidden()
 
 
+#: the shapes of the idempotency keys the engine gives the runs it makes itself: a schedule's tick
+#: (``schedule:<schedule>:<tick>``), a batch's item (``<batch>:<index>``), a bulk replay's
+#: (``<action>:<run>``)
+ENGINE_KEY = re.compile(r"schedule:sched_[a-z0-9]+:.*|(?:batch|bulk)_[a-z0-9]+:.*", re.DOTALL)
+
+
+def _may_name_key(auth: EnvAuth, options: TriggerOptions | None, field: str) -> None:
+    """A public access token names no key of the engine's own runs: a run it triggered with the
+    next tick's key of a schedule (shown in its scheduled runs' ``idempotencyKey``) would be the run
+    of that tick, with the token holder's payload, and the schedule's would never be made."""
+    key = options.idempotencyKey if options is not None else None
+    if key is not None and auth.scopes is not None and ENGINE_KEY.fullmatch(key):
+        raise ApiError(403, "forbidden", f"{field}: has the shape of a key the engine gives its own runs (a "
+                                         "schedule's tick, a batch's item, a bulk replay's), which only the "
+                                         "environment's secret key may name")
+
+
 def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, options: TriggerOptions | None,
                     field: str, *, batch_id: str | None = None, trigger_function: str = "trigger") -> TriggerRequest:
     o = options or TriggerOptions()
@@ -141,6 +159,7 @@ async def trigger(request: Request) -> Response:
         raise ApiError(400, "invalid_input", "taskId: must be 1..128 characters")
     _may_trigger(auth, task, "trigger")
     req = await body(request, TriggerBody)
+    _may_name_key(auth, req.options, "options.idempotencyKey")
     ((payload, options),) = await unpack(ctx, auth.env_id, [(req.payload, req.options)], [""])
     trigger_req = await with_parent(ctx, auth, trigger_request(ctx, auth, task, payload, options, "body"),
                                      "options.parentRunId", {})
@@ -409,6 +428,7 @@ async def _item_requests(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_i
                             [f"items.{i}." for i in indexes])
     requests = []
     for i, item, (payload, options) in zip(indexes, items, unpacked, strict=True):
+        _may_name_key(auth, options, f"items.{i}.options.idempotencyKey")
         if top:
             options = (options or TriggerOptions()).model_copy(update=top)
         if keyed and (options is None or options.idempotencyKey is None):

@@ -207,6 +207,49 @@ async def test_a_run_waitpoint_key_let_go_between_the_insert_and_the_look_up_mak
     assert again.status == "COMPLETED" and again.output == 1  # the run has finished: answered at once
 
 
+async def test_a_public_token_cannot_take_the_key_of_a_schedules_next_tick(h: Harness, database_url: str) -> None:
+    """A scheduled run's ``idempotencyKey`` (``schedule:<schedule>:<tick>``, shown to whoever may
+    read the run) names the next ticks too. A public access token that may trigger the task (one
+    handed to a browser) triggered it with the next tick's key: the schedule's run of that tick then
+    joined the token's run, with the token holder's payload, and the scheduled run was never made.
+    Keys of the shapes the engine gives its own runs (a schedule's tick, a batch's item, a bulk
+    replay's) are the environment's secret key's to name."""
+    from datetime import UTC, datetime
+
+    import psycopg
+
+    from run_engine.api.public_tokens import AUDIENCE, ISSUER, sign
+    from systems.schedules import schedule_key
+
+    from .conftest import api_client
+
+    sched = await h.engine.systems.schedules.upsert(h.env.env_id, task="hello", cron="* * * * *")
+    try:
+        now = int(h.clock.now())
+        token = sign(h.env.api_key, {"sub": h.env.env_id, "pub": True, "iss": ISSUER, "aud": AUDIENCE, "iat": now,
+                                     "exp": now + 600, "scopes": ["trigger:tasks:hello", "batchTrigger:tasks:hello"]})
+        tick = sched.next_run_at
+        async with api_client(h, token) as browser:
+            taken = await browser.post("/api/v1/tasks/hello/trigger", json={
+                "payload": {"scheduleId": sched.id, "forged": True},
+                "options": {"idempotencyKey": schedule_key(sched.id, tick)}})
+            assert taken.status_code == 403, taken.text  # before: 200
+            assert taken.json()["error"]["code"] == "forbidden"
+            for key in (f"{h.engine.new_batch_id()}:0", "bulk_abc:run_def"):
+                batched = await browser.post("/api/v1/tasks/batch", json={
+                    "items": [{"task": "hello", "options": {"idempotencyKey": key}}]})
+                assert batched.status_code == 403, batched.text
+            mine = await browser.post("/api/v1/tasks/hello/trigger", json={"options": {"idempotencyKey": "schedule"}})
+            assert mine.status_code == 200, mine.text  # a key of its own, of any other shape
+        h.clock.advance((tick - datetime.fromtimestamp(h.clock.now(), UTC)).total_seconds())
+        await h.engine.systems.schedules.fire_due(jitter_s=0)
+        (run,) = await h.engine.list_runs(h.env.env_id, tags=[f"schedule:{sched.id}"], limit=10)
+        assert "forged" not in run.payload and run.idempotency_key == schedule_key(sched.id, tick)
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:  # (the planners of other tests)
+            conn.execute("DELETE FROM task_schedule WHERE id = %s", (sched.id,))
+
+
 # --- guarantees that held: what the review tried and could not break --------------------------------
 
 async def test_a_token_completed_as_its_timeout_fires_in_another_process_has_one_outcome(
