@@ -136,7 +136,9 @@ class DelayedRunsSystem:
             now = self.r.clock.now()
             # a job of an earlier date (the run was rescheduled or debounced, and the process died
             # before moving the job): not yet; the job goes to the date the TTL ends
-            ends = (run.delay_until or run.created_at).timestamp() + run.ttl_s
+            # (from the engine's clock at the trigger, as the job's date: created_at is the database's,
+            # later by the insert's time, which put a job off once more; in tests, a fake clock's past)
+            ends = (run.delay_until or run.queue_timestamp or run.created_at).timestamp() + run.ttl_s
             if ends > now + 0.001:
                 await self.r.change_jobs(schedule=[engine_jobs.ttl(run_id, run.env_id, ends)])
                 return False

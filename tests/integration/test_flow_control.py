@@ -329,3 +329,19 @@ async def test_a_ttl_racing_a_dequeue_never_leaves_a_run_both_started_and_expire
         else:
             assert (await h.engine.get_run(run.id)).status == "EXPIRED"  # type: ignore[union-attr]
         assert await h.statuses(run.id) in (["QUEUED", "FINISHED"], ["QUEUED", "PENDING_EXECUTING", "EXECUTING"])
+
+
+async def test_a_ttl_counts_from_the_engines_clock_at_the_trigger(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """The TTL's job is dated by the engine's clock at the trigger; its check read the end from the
+    row's created_at, the database's clock, later by the insert's time: the job was put off once
+    more (and a test's fake clock, a moment behind the database's under load, saw no expiry:
+    test_a_ttl_is_whole_seconds_and_zero_leaves_the_cap failed about once in six runs)."""
+    h: Harness = await make_engine()
+    await h.deploy({"id": "hello"})
+    await h.engine.pause_queue(h.env.env_id, "task/hello")
+    h.clock.set(h.clock.now() - 3600)  # the engine's clock an hour behind the database's
+    run = await h.engine.trigger(req(h, ttl_s=5))
+    await h.advance(4)
+    assert (await h.engine.get_run(run.id)).status == "QUEUED"  # type: ignore[union-attr]
+    await h.advance(1.5)
+    assert (await h.engine.get_run(run.id)).status == "EXPIRED"  # type: ignore[union-attr]
