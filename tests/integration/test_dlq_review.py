@@ -41,6 +41,25 @@ async def test_a_dlq_page_whose_first_entries_are_of_deleted_runs_does_not_say_t
     assert seen == ids[2:]
 
 
+async def cancel_dying_at(h: Harness, monkeypatch, root_id: str, at_run: str) -> None:  # type: ignore[no-untyped-def]
+    """A cancel of ``root_id`` whose process dies as it comes to ``at_run`` (the runs before are
+    cancelled, that one and those after are not)."""
+    cancel = h.engine.systems.cancel
+    real = cancel._cancel_one
+
+    async def dies_there(run_id: str):  # type: ignore[no-untyped-def]
+        if run_id == at_run:
+            raise ConnectionError("the process died here")
+        return await real(run_id)
+
+    monkeypatch.setattr(cancel, "_cancel_one", dies_there)
+    try:
+        await h.engine.cancel(root_id)
+    except ConnectionError:
+        pass
+    monkeypatch.undo()
+
+
 async def test_a_cancel_of_a_deep_chain_of_waiting_runs_is_answered_and_reaches_its_end(h: Harness) -> None:
     """A cancel went down the runs each run waits on by recursion: a chain of a thousand (each run
     triggered with the one before as its parent, resumeParentOnCompletion: what the public API
@@ -78,20 +97,7 @@ async def test_a_cancel_tried_again_reaches_the_runs_below_a_run_it_cancelled_be
     cs = await h.engine.start_attempt(child_id, d.snapshot.id)
     (grandchild_id,), out = await h.engine.trigger_and_wait(child_id, cs.snapshot.id, 0, [req(h)])
     await h.engine.suspend(child_id, out.snapshot.id)
-    cancel = h.engine.systems.cancel
-    real = cancel._cancel_one
-
-    async def dies_at_the_grandchild(run_id: str):  # type: ignore[no-untyped-def]
-        if run_id == grandchild_id:
-            raise ConnectionError("the process died here")
-        return await real(run_id)
-
-    monkeypatch.setattr(cancel, "_cancel_one", dies_at_the_grandchild)
-    try:
-        await h.engine.cancel(root.id)
-    except ConnectionError:
-        pass
-    monkeypatch.undo()
+    await cancel_dying_at(h, monkeypatch, root.id, grandchild_id)
     assert (await h.engine.get_run(child_id)).status == "CANCELED"  # type: ignore[union-attr]
     assert (await h.engine.get_run(grandchild_id)).status == "QUEUED"  # type: ignore[union-attr]
     await h.engine.cancel(root.id)  # the caller tries again
@@ -159,20 +165,7 @@ async def test_a_cancel_that_stopped_part_way_is_taken_up_again_by_the_engine(
     root, s = await started_run(h)
     (child_id,), out = await h.engine.trigger_and_wait(root.id, s.snapshot.id, 0, [req(h)])
     await h.engine.suspend(root.id, out.snapshot.id)
-    cancel = h.engine.systems.cancel
-    real = cancel._cancel_one
-
-    async def dies_at_the_child(run_id: str):  # type: ignore[no-untyped-def]
-        if run_id == child_id:
-            raise ConnectionError("the process died here")
-        return await real(run_id)
-
-    monkeypatch.setattr(cancel, "_cancel_one", dies_at_the_child)
-    try:
-        await h.engine.cancel(root.id)
-    except ConnectionError:
-        pass
-    monkeypatch.undo()
+    await cancel_dying_at(h, monkeypatch, root.id, child_id)
     assert (await h.engine.get_run(root.id)).status == "CANCELED"  # type: ignore[union-attr]
     assert (await h.engine.get_run(child_id)).status == "QUEUED"  # type: ignore[union-attr]
     await h.engine.systems.reconciler.reconcile(grace_s=-1)  # nobody cancels again: the engine's own repairs
