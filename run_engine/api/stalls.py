@@ -59,6 +59,7 @@ class StallGuard:
         # transport -> [key, unsent bytes when last seen to shrink, since when]
         self._watched: dict[Any, list[Any]] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
         return len(self._watched)
@@ -67,11 +68,14 @@ class StallGuard:
         """``transport``'s buffer passed its high-water mark (its answer counts under ``key``)."""
         if transport not in self._watched:
             self._watched[transport] = [key, unsent(transport), self.clock()]
-        if self._timer is None:
-            try:
-                self._timer = asyncio.get_running_loop().call_later(self.check_s, self._tick)
-            except RuntimeError:  # no loop (a test calling sweep itself)
-                pass
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a test calling sweep itself)
+            return
+        # (a timer of another loop, closed since, would never fire: one is set on this one)
+        if self._timer is None or self._timer_loop is not loop:
+            self._timer = loop.call_later(self.check_s, self._tick)
+            self._timer_loop = loop
 
     def unwatch(self, transport: Any) -> None:
         self._watched.pop(transport, None)

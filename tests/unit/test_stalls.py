@@ -88,3 +88,26 @@ def test_a_connection_closed_with_its_answer_unsent_is_still_cut() -> None:
     t.closed = True
     now[0] += 30
     assert g.sweep() == [t] and t.aborted
+
+
+def test_a_guard_whose_loop_closed_with_its_check_pending_checks_on_the_next_loop() -> None:
+    """The guard is one per process; a loop that closed with its check still to come (a server
+    stopped, a test's loop) left a timer that would never fire, and no check was set again."""
+    import asyncio
+    import time
+
+    g = StallGuard(stall_s=0.05, check_s=0.01)
+
+    async def watch_and_leave() -> None:
+        g.watch(Transport(1000), None)  # its check is set on this loop, which then closes
+
+    async def watch_until_cut() -> None:
+        t = Transport(1000)
+        g.watch(t, None)
+        deadline = time.monotonic() + 10
+        while not t.aborted:
+            assert time.monotonic() < deadline, "never checked"
+            await asyncio.sleep(0.01)
+
+    asyncio.run(watch_and_leave())
+    asyncio.run(watch_until_cut())
