@@ -68,6 +68,18 @@ class Batcher(Generic[T, R]):
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
+    async def drain(self, within_s: float) -> None:
+        """Let the flushes under way end (at most ``within_s``), then cancel those still going: a
+        stop closes the pools they use next, and a drain outlives its callers by design (a caller
+        cancelled, as at a server's stop, leaves the batch to the others waiting on it)."""
+        if not self._tasks:
+            return
+        _, late = await asyncio.wait(set(self._tasks), timeout=within_s)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late)
+
     async def submit(self, item: T) -> R:
         (result,) = await self.submit_many((item,))
         return result

@@ -15,6 +15,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from run_engine import heap
+from run_engine.batching import Batcher
 from run_engine.clock import Clock, SystemClock
 from run_engine.db.bulk_actions import BulkAction
 from run_engine.db.deployments import CronSpec, QueueSpec, RateLimitSpec, TaskQueue, TaskSpec, queue_type
@@ -63,6 +64,9 @@ PACKET_TTL_S = 3600.0
 #: what an environment's uploaded packets waiting for their triggers may take in all
 PACKET_BYTES_PER_ENV = 256 * 1024 * 1024
 
+
+#: how long a stop lets the grouped writes and reads under way end before it cancels them
+BATCH_DRAIN_S = 10.0
 
 class RunEngine:
     def __init__(self, resources: SystemResources, redis: aioredis.Redis, *, run_jobs: bool = True) -> None:
@@ -145,13 +149,21 @@ class RunEngine:
         ones before it raised (a stop cut short must not leave the pools open)."""
         errors: list[BaseException] = []
         for step in (self.systems.schedules.stop, self.leader.stop, self.jobs.stop, self.resources.locker.stop,
-                     self.resources.repo.close, self.redis.aclose, *(n.aclose for n in self._lock_nodes)):
+                     self._drain_batches, self.resources.repo.close, self.redis.aclose,
+                     *(n.aclose for n in self._lock_nodes)):
             try:
                 await step()
             except BaseException as exc:  # noqa: PERF203 (a handful of steps)
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+    async def _drain_batches(self) -> None:
+        """The grouped writes and reads under way end before the pools they use are closed (a
+        server's stop cancels the requests that were waiting on them, not the flushes)."""
+        owners = (self.resources, self.resources.locker, self.jobs.queue, self.systems.waitpoints)
+        batchers = [b for owner in owners for b in vars(owner).values() if isinstance(b, Batcher)]
+        await asyncio.gather(*(b.drain(BATCH_DRAIN_S) for b in batchers))
 
     # --- runs ---------------------------------------------------------------------------------
 

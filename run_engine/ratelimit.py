@@ -52,6 +52,10 @@ class RequestLimiter:
         self._local: dict[str, tuple[int, float]] = {}  # bucket -> (requests left of its grant, lapse time)
         self._warned = 0.0
 
+    async def drain(self, within_s: float) -> None:
+        """The decisions under way end (or are cancelled past ``within_s``) before Redis closes."""
+        await self._batcher.drain(within_s)
+
     async def retry_after_s(self, bucket: str) -> int | None:
         """None when a request of ``bucket`` may go ahead; else whole seconds to wait."""
         if self.rate is None:

@@ -18,7 +18,7 @@ from run_engine.api.app import create_app
 from run_engine.api.context import ApiContext, costly_read_gate
 from run_engine.api.stalls import STALLS
 from run_engine.api.stalls import STATE_KEY as STALL_KEY
-from run_engine.engine import RunEngine
+from run_engine.engine import BATCH_DRAIN_S, RunEngine
 from run_engine.metrics import EngineMetrics
 from run_engine.ratelimit import ConnectionCaps, RequestLimiter
 from run_engine.realtime import RealtimeHub
@@ -123,6 +123,7 @@ async def api_context(settings: EngineSettings, *, secret: str, public_url: str)
     realtime = RealtimeHub(engine.redis, prefix=settings.key_prefix)
     # counters and histograms of /metrics, and the log line per state change that matters
     uninstall = [EngineMetrics().install(engine.events), RunLog().install(engine.events)]
+    limiter: RequestLimiter | None = None
     try:
         engine.resources.on_work(wakeups.notify)
         # a supervisor long-polling a waiting run's snapshot wakes when the run continues or is cancelled
@@ -141,10 +142,12 @@ async def api_context(settings: EngineSettings, *, secret: str, public_url: str)
     finally:  # shielded: a second Ctrl-C must not leave connections and tasks behind
         for undo in uninstall:
             undo()
-        await asyncio.shield(_close(engine, wakeups, realtime))
+        await asyncio.shield(_close(engine, wakeups, realtime, limiter))
 
 
-async def _close(engine: RunEngine, wakeups: WakeUps, realtime: RealtimeHub) -> None:
+async def _close(engine: RunEngine, wakeups: WakeUps, realtime: RealtimeHub, limiter: RequestLimiter | None) -> None:
+    if limiter is not None:  # its decisions under way (requests cancelled by the stop) end first
+        await limiter.drain(BATCH_DRAIN_S)
     await realtime.stop()
     await wakeups.stop()
     await engine.close()

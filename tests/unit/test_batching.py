@@ -262,3 +262,31 @@ async def test_a_flush_that_fails_after_its_caller_stopped_waiting_is_logged(cap
                 break
             await asyncio.sleep(0.01)
     assert "the Redis call failed" in caplog.text and "flush" in caplog.text
+
+
+async def test_a_drain_lets_a_flush_its_callers_left_end_and_cancels_one_that_does_not() -> None:
+    """A caller cancelled (a request a server's stop cancelled) leaves its batch's flush running:
+    a stop drains the batchers before it closes the pools, so that nothing of theirs outlives it
+    (a server stopped a second after its start once left a flush running: test_server_shutdown)."""
+    release = asyncio.Event()
+    flushed: list[list[int]] = []
+
+    async def flush(items: list[int]) -> list[int]:
+        await release.wait()
+        flushed.append(items)
+        return items
+
+    b: Batcher[int, int] = Batcher(flush)
+    caller = asyncio.ensure_future(b.submit(1))
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    asyncio.get_running_loop().call_later(0.05, release.set)
+    await b.drain(10)
+    assert flushed == [[1]] and not b._tasks  # it ended, written
+
+    stuck: Batcher[int, int] = Batcher(lambda items: asyncio.Event().wait())  # type: ignore[arg-type,return-value]
+    caller = asyncio.ensure_future(stuck.submit(2))
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    await stuck.drain(0.05)
+    assert not stuck._tasks  # cancelled past the bound, none left running
