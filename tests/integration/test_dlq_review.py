@@ -3,6 +3,8 @@ shows a bug of the code before it (a wrong answer, a run lost or a tenant's runs
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from run_engine.engine import TriggerRequest
 
 from .conftest import Harness
@@ -41,9 +43,10 @@ async def test_a_dlq_page_whose_first_entries_are_of_deleted_runs_does_not_say_t
     assert seen == ids[2:]
 
 
-async def cancel_dying_at(h: Harness, monkeypatch, root_id: str, at_run: str) -> None:  # type: ignore[no-untyped-def]
-    """A cancel of ``root_id`` whose process dies as it comes to ``at_run`` (the runs before are
-    cancelled, that one and those after are not)."""
+async def cancel_dying_at(h: Harness, monkeypatch, at_run: str,  # type: ignore[no-untyped-def]
+                          act: Callable[[], Awaitable[object]], caught: type[Exception] = ConnectionError) -> None:
+    """``act`` (a cancel, a bulk cancel's page) with the process dying as its cancel comes to
+    ``at_run``: the runs before are cancelled, that one and those after are not."""
     cancel = h.engine.systems.cancel
     real = cancel._cancel_one
 
@@ -54,8 +57,8 @@ async def cancel_dying_at(h: Harness, monkeypatch, root_id: str, at_run: str) ->
 
     monkeypatch.setattr(cancel, "_cancel_one", dies_there)
     try:
-        await h.engine.cancel(root_id)
-    except ConnectionError:
+        await act()
+    except caught:
         pass
     monkeypatch.undo()
 
@@ -97,7 +100,7 @@ async def test_a_cancel_tried_again_reaches_the_runs_below_a_run_it_cancelled_be
     cs = await h.engine.start_attempt(child_id, d.snapshot.id)
     (grandchild_id,), out = await h.engine.trigger_and_wait(child_id, cs.snapshot.id, 0, [req(h)])
     await h.engine.suspend(child_id, out.snapshot.id)
-    await cancel_dying_at(h, monkeypatch, root.id, grandchild_id)
+    await cancel_dying_at(h, monkeypatch, grandchild_id, lambda: h.engine.cancel(root.id))
     assert (await h.engine.get_run(child_id)).status == "CANCELED"  # type: ignore[union-attr]
     assert (await h.engine.get_run(grandchild_id)).status == "QUEUED"  # type: ignore[union-attr]
     await h.engine.cancel(root.id)  # the caller tries again
@@ -128,21 +131,9 @@ async def test_a_bulk_cancel_page_tried_again_reaches_the_runs_below_a_run_its_f
         await conn.execute("UPDATE task_run SET tags = '{nested}' WHERE id = %s", (root.id,))
         await conn.execute("UPDATE task_run SET tags = '{}' WHERE id = %s", (child_id,))
     action, _ = await h.engine.create_bulk_action(h.env.env_id, "CANCEL", RunFilter(tags=("nested",)))
-    cancel = h.engine.systems.cancel
-    real = cancel._cancel_one
-
-    async def busy_at_the_grandchild(run_id: str):  # type: ignore[no-untyped-def]
-        if run_id == grandchild_id:
-            raise ConnectionError("PostgreSQL went away here")
-        return await real(run_id)
-
     bulk = h.engine.systems.bulk_actions
-    monkeypatch.setattr(cancel, "_cancel_one", busy_at_the_grandchild)
-    try:
-        await bulk.run_page(action.id)
-    except RuntimeError:  # the page fails, to be tried again
-        pass
-    monkeypatch.undo()
+    # the page fails (RuntimeError), to be tried again
+    await cancel_dying_at(h, monkeypatch, grandchild_id, lambda: bulk.run_page(action.id), RuntimeError)
     assert (await h.engine.get_run(root.id)).status == "CANCELED"  # type: ignore[union-attr]
     assert (await h.engine.get_run(grandchild_id)).status == "QUEUED"  # type: ignore[union-attr]
     while await bulk.run_page(action.id):
@@ -165,7 +156,7 @@ async def test_a_cancel_that_stopped_part_way_is_taken_up_again_by_the_engine(
     root, s = await started_run(h)
     (child_id,), out = await h.engine.trigger_and_wait(root.id, s.snapshot.id, 0, [req(h)])
     await h.engine.suspend(root.id, out.snapshot.id)
-    await cancel_dying_at(h, monkeypatch, root.id, child_id)
+    await cancel_dying_at(h, monkeypatch, child_id, lambda: h.engine.cancel(root.id))
     assert (await h.engine.get_run(root.id)).status == "CANCELED"  # type: ignore[union-attr]
     assert (await h.engine.get_run(child_id)).status == "QUEUED"  # type: ignore[union-attr]
     await h.engine.systems.reconciler.reconcile(grace_s=-1)  # nobody cancels again: the engine's own repairs
