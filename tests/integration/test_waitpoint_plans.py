@@ -39,6 +39,8 @@ def young_database(database_server: str) -> Iterator[str]:
     with fresh_database(database_server, f"re_plans_{secrets.token_hex(4)}") as url:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute("SET session_replication_role = replica")  # the fixture's rows need no parents
+            for table in ("waitpoint", "task_run_waitpoint"):  # the statistics stay those of empty tables
+                conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = off)")
             conn.execute("INSERT INTO waitpoint (id, environment_id, type) "
                          "SELECT 'waitpoint_' || g, 'env', 'MANUAL' FROM generate_series(1, 10000) g")
             conn.execute("INSERT INTO task_run_waitpoint (run_id, waitpoint_id) "
@@ -78,3 +80,22 @@ def test_the_token_list_reads_the_environments_tokens_by_their_own_index(young_d
             "after_ts": None, "after_id": None,
             "limit": 26, "max_bytes": 16 * 1024 * 1024}).fetchall())
     assert "waitpoint_tokens_env_created" in plan, plan
+
+
+def test_the_runs_a_completion_unblocked_are_read_by_waitpoint(young_database: str) -> None:
+    """A completion's look-up of the runs it unblocked reads a range of the (waitpoint, run) index
+    per waitpoint in its generic plan too (the one a prepared statement runs after its sixth call):
+    written as one condition on the table, it walked the primary key in run order instead, reading
+    every blocked run of every tenant to find the few blocked on these waitpoints."""
+    sql = w._BLOCKED_RUNS.replace("%(ids)s", "$1").replace("%(after)s", "$2").replace("%(limit)s", "$3")
+    with psycopg.connect(young_database, autocommit=True) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute(f"PREPARE blocked_runs(text[], text, bigint) AS {sql}")
+        plan = "\n".join(row[0] for row in conn.execute(
+            "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) "
+            "EXECUTE blocked_runs(ARRAY['waitpoint_5', 'waitpoint_7'], '', 201)").fetchall())
+        runs = [r[0] for r in conn.execute("EXECUTE blocked_runs(ARRAY['waitpoint_7', 'waitpoint_5'], '', 201)")]
+        after = [r[0] for r in conn.execute("EXECUTE blocked_runs(ARRAY['waitpoint_7', 'waitpoint_5'], 'run_5', 1)")]
+    assert runs == ["run_5", "run_7"] and after == ["run_7"]
+    assert "task_run_waitpoint_pkey" not in plan and "Rows Removed by Filter" not in plan, plan
+    assert "task_run_waitpoint_by_waitpoint_run" in plan, plan
