@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictFloat,
@@ -58,11 +59,16 @@ def parse_duration_s(value: float | int | str) -> float:
 
 
 def not_a_bool(value: Any) -> Any:
-    """Refuse true and false where a duration or a date is expected (a ``mode="before"`` check):
-    pydantic would take true for one second."""
+    """Refuse true and false where a duration, a date or a count is expected (a ``mode="before"``
+    check): pydantic would take true for one second, or for 1."""
     if isinstance(value, bool):
         raise ValueError("must not be true or false")
     return value
+
+
+#: a count (a queue's limit, a rate's runs and burst): a whole number, true and false refused
+#: (pydantic reads true as 1 and false as 0: a queue stopped by ``concurrencyLimit: false``)
+Count = Annotated[int, BeforeValidator(not_a_bool)]
 
 
 def parse_when(value: float | int | str | datetime, now: float) -> datetime:
@@ -102,9 +108,9 @@ class _Body(BaseModel):
 class RateLimitOption(_Body):
     """``limit`` runs per ``period`` (a duration), at most ``burst`` of them back to back."""
 
-    limit: int = Field(ge=1, le=1_000_000)
+    limit: Count = Field(ge=1, le=1_000_000)
     period: float | int | str = 1
-    burst: int = Field(default=1, ge=1, le=1_000_000)
+    burst: Count = Field(default=1, ge=1, le=1_000_000)
 
     @field_validator("period")
     @classmethod
@@ -122,7 +128,7 @@ class RateLimitOption(_Body):
 
 class QueueOption(_Body):
     name: str = Field(min_length=1, max_length=128)
-    concurrencyLimit: int | None = Field(default=None, ge=0, le=100_000)
+    concurrencyLimit: Count | None = Field(default=None, ge=0, le=100_000)
     rateLimit: RateLimitOption | None = None
 
     def spec(self) -> QueueSpec:
@@ -438,7 +444,7 @@ class PauseBody(_Body):
 
 
 class ConcurrencyBody(_Body):
-    concurrencyLimit: int = Field(ge=0, le=100_000)
+    concurrencyLimit: Count = Field(ge=0, le=100_000)
     type: QueueKind | None = None
 
 

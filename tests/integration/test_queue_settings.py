@@ -215,3 +215,29 @@ async def test_a_rate_limit_copied_by_the_version_before_is_copied_again_in_micr
     await h.engine.systems.reconciler.reconcile(full=True)
     assert await h.engine.redis.hmget(meta, "rate_t", "rate_t_us", "rate_tau_us", "tat") == [
         b"1", b"1667", b"0", b"1900000000000"]  # the same rate: its arrival time kept
+
+
+@pytest.mark.parametrize("value", [True, False])
+async def test_true_or_false_is_refused_as_a_queues_limit_not_read_as_one_or_zero(
+        h: Harness, api: Any, value: bool) -> None:
+    """A hostile review of the queue endpoints sent ``concurrencyLimit: true``: pydantic read it as 1
+    (false as 0: the queue stopped) and answered 200. A limit is a number: true and false are 400,
+    over the API's override, a trigger's queue option (its limit and rate limit) alike, and nothing
+    changes."""
+    queue = "/api/v1/queues/limited"
+    sent = [(f"{queue}/concurrency/override", {"concurrencyLimit": value}),
+            ("/api/v1/tasks/limited/trigger", {"payload": {}, "options": {
+                "queue": {"name": "limited", "concurrencyLimit": value}}}),
+            ("/api/v1/tasks/limited/trigger", {"payload": {}, "options": {
+                "queue": {"name": "limited", "rateLimit": {"limit": value, "period": "1s"}}}}),
+            ("/api/v1/tasks/limited/trigger", {"payload": {}, "options": {
+                "queue": {"name": "limited", "rateLimit": {"limit": 5, "burst": value}}}})]
+    for path, body in sent:
+        r = await api.post(path, json=body)
+        assert r.status_code == 400, (path, body, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "invalid_input" and "true or false" in error["message"], error
+    shown = (await api.get(queue)).json()
+    assert (shown["concurrencyLimit"], shown["concurrencyLimitOverridden"], shown["rateLimit"]) == (1, False, None)
+    assert (await api.post(f"{queue}/concurrency/override", json={"concurrencyLimit": 2.0})).json()[
+        "concurrencyLimit"] == 2  # a whole number written as a float is still one
