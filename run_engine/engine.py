@@ -604,6 +604,9 @@ class RunEngine:
     async def list_queues(self, env_id: str) -> list[TaskQueue]:
         return await self.resources.repo.deployments.list_queues(env_id)
 
+    async def queue_by_id(self, env_id: str, queue_id: str) -> TaskQueue | None:
+        return await self.resources.repo.deployments.queue_by_id(env_id, queue_id)
+
     async def queue_stats(self, env_id: str, name: str) -> QueueStats:
         return await self.resources.queue.queue_stats(env_id, name)
 

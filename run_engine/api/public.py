@@ -682,8 +682,8 @@ async def _queue_row(ctx: ApiContext, auth: EnvAuth, name: str, kind: str | None
     row = None
     if kind is not None:  # the SDK sends a slash of a name as %2F, encoded once more
         name = name.replace("%2F", "/").replace("%2f", "/")
-    if kind == "id":
-        row = next((q for q in await ctx.engine.list_queues(auth.env_id) if q.id == name), None)
+    if kind == "id":  # one row, not the environment's every queue (it may have 10,000)
+        row = await ctx.engine.queue_by_id(auth.env_id, name) if looks_like_id(name, "queue") else None
     else:
         if kind == "task" and not name.startswith("task/"):
             name = f"task/{name}"
@@ -706,15 +706,18 @@ def _kind(request: Request) -> str | None:
 async def list_queues(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request)
-    rows = await ctx.engine.list_queues(auth.env_id)
     number, per_page = request.query_params.get("page", "1"), request.query_params.get("perPage")
     if not is_number(number) or int(number) < 1 or (per_page is not None and not (
             is_number(per_page) and 1 <= int(per_page) <= 1000)):
         raise ApiError(400, "invalid_input", "page: an integer from 1; perPage: an integer 1..1000")
-    size = int(per_page) if per_page else max(1, len(rows))
-    start = (int(number) - 1) * size
-    page = rows[start:start + size]
-    return json_response({"data": await queue_objects(ctx, auth.env_id, page), "pagination": {
+    # in the environment's turn: its queues (up to RUN_ENGINE_MAX_QUEUES_PER_ENV, 10,000) are read
+    # and each counted in Redis, a cost its own data decides
+    async with ctx.costly_reads.turn(auth.env_id):
+        rows = await ctx.engine.list_queues(auth.env_id)
+        size = int(per_page) if per_page else max(1, len(rows))
+        start = (int(number) - 1) * size
+        data = await queue_objects(ctx, auth.env_id, rows[start:start + size])
+    return json_response({"data": data, "pagination": {
         "currentPage": int(number), "totalPages": max(1, -(-len(rows) // size)), "count": len(rows)}})
 
 

@@ -441,6 +441,13 @@ class DeploymentRepository:
             row = await cur.fetchone()
             return None if row is None else _queue(row)
 
+    async def queue_by_id(self, env_id: str, queue_id: str) -> TaskQueue | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute("SELECT * FROM task_queue WHERE id = %s AND environment_id = %s", (queue_id, env_id))
+            row = await cur.fetchone()
+            return None if row is None else _queue(row)
+
     async def queues_named(self, env_id: str, names: Sequence[str]) -> list[TaskQueue]:
         """The environment's queues of ``names`` (those it has), by name."""
         async with self.pool.connection() as conn:
