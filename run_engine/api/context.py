@@ -109,11 +109,12 @@ class ApiContext:
     _run_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
     costly_reads: ReadGate = field(default_factory=lambda: ReadGate(COSTLY_READS_PER_ENV, COSTLY_READS_AT_ONCE))
 
-    def check_size(self, value: Any, field: str, encoded: bytes | None = None) -> None:
-        """413 when ``value`` (or its JSON ``encoded`` already) is over the payload limit."""
+    def check_size(self, value: Any, field: str, encoded: bytes | None = None, limit: int | None = None) -> None:
+        """413 when ``value`` (or its JSON ``encoded`` already) is over ``limit`` (the payload
+        limit when None)."""
         if value is None:
             return
-        limit = self.engine.settings.max_payload_bytes
+        limit = self.engine.settings.max_payload_bytes if limit is None else limit
         raw = encoded if encoded is not None else orjson.dumps(value)
         if len(raw) > limit:
             raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")

@@ -113,7 +113,8 @@ def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, opt
     at = "" if field == "body" else f"{field}."  # field paths as the client wrote them
     payload = _decode_payload(payload, o.payloadType, f"{at}payload")
     ctx.check_size(payload, f"{at}payload")
-    ctx.check_size(o.metadata, f"{at}options.metadata")
+    # the metadata's own limit, as for each later change of it (PUT …/metadata)
+    ctx.check_size(o.metadata, f"{at}options.metadata", limit=ctx.engine.settings.max_metadata_bytes)
     queue_name = o.queue.name if o.queue is not None and not isinstance(o.queue, str) else o.queue
     queue_limit = o.queue.concurrencyLimit if o.queue is not None and not isinstance(o.queue, str) else None
     # a queue's limit holds for every run of the environment that names it: a trigger sets it only

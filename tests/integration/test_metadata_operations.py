@@ -280,3 +280,23 @@ async def test_a_parents_stream_sends_the_change_a_child_made(h: Harness, monkey
         got = await asyncio.wait_for(answer, 20)
     sent = events(got.text)
     assert [e["metadata"] for e in sent] == [{}, {"progress": 50}, {"progress": 50}]
+
+
+async def test_a_triggers_metadata_is_bounded_by_the_metadata_limit(make_engine: Any) -> None:
+    """A run's metadata is bounded by ``max_metadata_bytes`` from its trigger on, not only by its
+    later changes: a trigger's ``options.metadata`` was bounded by the payload limit (3 MiB, twelve
+    times the metadata's), and a run so triggered then had every operation refused (413)."""
+    h: Harness = await make_engine(max_metadata_bytes=512)
+    await h.deploy({"id": "hello"})
+    async with api_client(h) as api:
+        fits = await api.post("/api/v1/tasks/hello/trigger", json={"payload": {}, "options": {"metadata": {
+            "a": "x" * 400}}})
+        assert fits.status_code == 200, fits.text
+        big = {"a": "x" * 600}
+        refused = await api.post("/api/v1/tasks/hello/trigger", json={"payload": {}, "options": {"metadata": big}})
+        assert refused.status_code == 413, refused.text
+        assert refused.json()["error"]["message"].startswith("options.metadata: ")
+        batch = await api.post("/api/v1/tasks/batch", json={"items": [
+            {"task": "hello", "payload": {}}, {"task": "hello", "payload": {}, "options": {"metadata": big}}]})
+        assert batch.status_code == 413, batch.text
+        assert batch.json()["error"]["message"].startswith("items.1.options.metadata: ")
