@@ -1261,15 +1261,18 @@ class RunRepository:
             return {r[0]: r[1] for r in await cur.fetchall()}
 
     async def add_tags(self, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
-        """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""
+        """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``.
+        The merge reads the row it updates (its own columns, in SET and WHERE): an add held up
+        behind another's row lock merges into the tags that one left, which PostgreSQL reads again
+        after the wait (a subquery of the row in FROM is not read again: the other's tags were lost)."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
-                """UPDATE task_run SET tags = merged.tags, updated_at = clock_timestamp()
-                   FROM (SELECT array(SELECT t FROM unnest(r.tags || %s::text[]) WITH ORDINALITY u(t, n)
-                                      GROUP BY t ORDER BY min(n)) AS tags
-                         FROM task_run r WHERE r.id = %s) merged
-                   WHERE id = %s AND cardinality(merged.tags) <= %s
-                   RETURNING task_run.tags""", (list(tags), run_id, run_id, limit))
+                """UPDATE task_run SET tags = array(SELECT t FROM unnest(tags || %(tags)s::text[])
+                                                    WITH ORDINALITY u(t, n) GROUP BY t ORDER BY min(n)),
+                                       updated_at = clock_timestamp()
+                   WHERE id = %(run)s
+                     AND (SELECT count(DISTINCT t) FROM unnest(tags || %(tags)s::text[]) u(t)) <= %(limit)s
+                   RETURNING tags""", {"tags": list(tags), "run": run_id, "limit": limit})
             row = await cur.fetchone()
         return list(row[0]) if row else None
 

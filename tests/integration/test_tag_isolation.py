@@ -82,3 +82,35 @@ async def test_a_tag_shapes_first_read_walks_when_the_tag_is_common_and_finds_th
         listed = await h.engine.list_runs(h.env.env_id, tags=[tag], limit=500, light=True)
         assert [r.id for r in read.runs] == [r.id for r in listed] and walks.pop() is True, tag
     assert walks == []
+
+
+async def test_tags_added_while_another_add_holds_the_run_are_all_kept(h: Harness) -> None:
+    """Two adds of tags to one run at once keep both's tags: the second, held up behind the first's
+    row lock, merges its tags into the run's tags as the first left them. It merged them into the
+    tags its statement had read before it waited (a subquery of the run's row: PostgreSQL re-reads
+    the row it updates after the wait, not that subquery), and the first add's tags were lost."""
+    import asyncio
+
+    run = await h.engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello", tags=("start",)))
+    repo = h.engine.resources.repo.runs
+    async with repo.pool.connection() as holder:
+        async with holder.transaction():
+            first = await holder.execute("UPDATE task_run SET tags = tags || '{first}'::text[] WHERE id = %s "
+                                         "RETURNING tags", (run.id,))
+            assert (await first.fetchone())[0] == ["start", "first"]  # type: ignore[index]
+            second = asyncio.create_task(h.engine.add_tags(h.env.env_id, run.id, ["second"], 10))
+            deadline = asyncio.get_running_loop().time() + 10
+            while True:  # the second add waits for the run's row now
+                cur = await holder.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                           "AND pid <> pg_backend_pid() AND query LIKE 'UPDATE task_run SET tags = %%'")
+                if (await cur.fetchone())[0]:  # type: ignore[index]
+                    break
+                assert asyncio.get_running_loop().time() < deadline and not second.done()
+                await asyncio.sleep(0.01)
+        assert await second == ["start", "first", "second"]
+    after = await h.engine.get_run(run.id)
+    assert after is not None and after.tags == ["start", "first", "second"]
+    # each tag once, in the order added; past the limit nothing is added
+    assert await h.engine.add_tags(h.env.env_id, run.id, ["second", "a", "a"], 4) == ["start", "first", "second", "a"]
+    assert await h.engine.add_tags(h.env.env_id, run.id, ["a", "b"], 4) is None
+    assert await h.engine.add_tags(h.env.env_id, run.id, ["a", "start"], 4) == ["start", "first", "second", "a"]
