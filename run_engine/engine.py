@@ -56,13 +56,16 @@ __all__ = ["RunEngine", "TriggerRequest", "Debounce", "TriggeredRun", "DeadRun",
            "Explanation", "Environment", "WorkerGroup", "TaskQueue", "Schedule", "TaskSpec", "QueueSpec", "CronSpec",
            "RateLimitSpec", "Deployed", "Promoted", "queue_type", "BatchView", "WorkerView", "BulkAction", "RunFilter",
            "GroupListing", "RunPackets", "UploadedPacket", "BatchRecord", "BatchItemError", "ShapeRead", "PACKET_TTL_S",
-           "PACKET_BYTES_PER_ENV", "is_batch_entry", "JournalPage", "ResolvedJournal", "MetadataOp", "parse_op",
-           "MAX_METADATA_OPERATIONS"]
+           "PACKET_BYTES_PER_ENV", "PACKET_MIN_BYTES", "is_batch_entry", "JournalPage", "ResolvedJournal", "MetadataOp",
+           "parse_op", "MAX_METADATA_OPERATIONS"]
 
 #: how long a packet uploaded for a trigger is kept (the trigger reads it at once; a retried one later)
 PACKET_TTL_S = 3600.0
 #: what an environment's uploaded packets waiting for their triggers may take in all
 PACKET_BYTES_PER_ENV = 256 * 1024 * 1024
+#: what an uploaded packet counts as at least (the SDK uploads those of 128 KiB or more): at most
+#: 4,096 packets an environment, whose sizes each upload adds up
+PACKET_MIN_BYTES = 64 * 1024
 
 
 #: how long a stop lets the grouped writes and reads under way end before it cancels them
@@ -333,9 +336,9 @@ class RunEngine:
     async def put_packet(self, env_id: str, path: str, content_type: str, data: str) -> bool:
         """Keep a packet a client uploaded for a trigger to name (``application/store``) for
         :data:`PACKET_TTL_S`; False when the environment's waiting packets would pass
-        :data:`PACKET_BYTES_PER_ENV`."""
+        :data:`PACKET_BYTES_PER_ENV` (each counted as :data:`PACKET_MIN_BYTES` at least)."""
         return await self.resources.repo.packets.put(env_id, path, content_type, data, PACKET_TTL_S,
-                                                     PACKET_BYTES_PER_ENV)
+                                                     PACKET_BYTES_PER_ENV, PACKET_MIN_BYTES)
 
     async def uploaded_packets(self, env_id: str, paths: Sequence[str]) -> dict[str, UploadedPacket]:
         """The environment's unexpired uploaded packets among ``paths``, by path."""

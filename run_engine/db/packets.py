@@ -19,20 +19,26 @@ class PacketRepository:
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
 
-    async def put(self, env_id: str, path: str, content_type: str, data: str, ttl_s: float, max_bytes: int) -> bool:
+    async def put(self, env_id: str, path: str, content_type: str, data: str, ttl_s: float, max_bytes: int,
+                  min_bytes: int) -> bool:
         """Store (or replace: an upload repeated) the environment's packet at ``path`` for
         ``ttl_s``, unless the environment's unexpired packets would then pass ``max_bytes``
-        (False). Their sizes are read from the values' headers, not the values."""
+        (False). A packet counts as its data and path, and as ``min_bytes`` at least: what bounds
+        how many rows an environment keeps, and so what each upload's sum reads (an empty packet
+        counted nothing, and the rows of a tenant uploading them had no bound). Their sizes are read
+        from the values' headers, not the values."""
         async with self.pool.connection() as conn:
             cur = await conn.execute(
                 """INSERT INTO uploaded_packet (environment_id, path, content_type, data, expires_at)
                    SELECT %(env)s, %(path)s, %(type)s, %(data)s::text, now() + make_interval(secs => %(ttl)s)
-                   WHERE (SELECT coalesce(sum(octet_length(data)), 0) FROM uploaded_packet
+                   WHERE (SELECT coalesce(sum(greatest(octet_length(data) + octet_length(path), %(min)s)), 0)
+                          FROM uploaded_packet
                           WHERE environment_id = %(env)s AND expires_at > now() AND path <> %(path)s)
-                         + octet_length(%(data)s::text) <= %(max)s
+                         + greatest(octet_length(%(data)s::text) + octet_length(%(path)s::text), %(min)s) <= %(max)s
                    ON CONFLICT (environment_id, path) DO UPDATE
                    SET content_type = excluded.content_type, data = excluded.data, expires_at = excluded.expires_at""",
-                {"env": env_id, "path": path, "type": content_type, "data": data, "ttl": ttl_s, "max": max_bytes})
+                {"env": env_id, "path": path, "type": content_type, "data": data, "ttl": ttl_s, "max": max_bytes,
+                 "min": min_bytes})
             return cur.rowcount == 1
 
     async def get_many(self, env_id: str, paths: Sequence[str]) -> dict[str, UploadedPacket]:

@@ -161,7 +161,8 @@ async def test_an_environments_waiting_uploads_are_capped(h: Harness, api: httpx
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     import run_engine.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "PACKET_BYTES_PER_ENV", 25)
+    monkeypatch.setattr(engine_module, "PACKET_BYTES_PER_ENV", 250)
+    monkeypatch.setattr(engine_module, "PACKET_MIN_BYTES", 100)  # each of these counts 100 (53 bytes with its path)
     await upload(api, "one.json", b'"0123456789"')
     await upload(api, "two.json", b'"0123456789"')
     made = (await api.put("/api/v2/packets/three.json")).json()
@@ -169,3 +170,20 @@ async def test_an_environments_waiting_uploads_are_capped(h: Harness, api: httpx
     full = await api.put(f"{url.path}?{url.query}", content=b'"0123456789"',
                          headers={"Authorization": "", "Content-Type": "application/json"})
     assert full.status_code == 429 and "expire" in full.json()["error"]["message"]
+
+
+async def test_empty_uploads_count_against_the_cap(h: Harness, api: httpx.AsyncClient,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packet counts as PACKET_MIN_BYTES at least: empty uploads (or ones of a byte, under names
+    of 512 characters) counted nothing or next to nothing, and a tenant could keep millions of rows
+    that every one of its uploads then added up."""
+    import run_engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PACKET_BYTES_PER_ENV", 3 * engine_module.PACKET_MIN_BYTES)
+    for i in range(3):
+        await upload(api, f"{i}.json", b"")
+    made = (await api.put("/api/v2/packets/3.json")).json()
+    url = urlsplit(made["presignedUrl"])
+    full = await api.put(f"{url.path}?{url.query}", content=b"",
+                         headers={"Authorization": "", "Content-Type": "application/json"})
+    assert full.status_code == 429, full.text
