@@ -13,6 +13,7 @@ from run_engine import metadata_ops
 from run_engine.db.runs import RunRow
 from run_engine.errors import TooLargeError, ValidationError
 from run_engine.events import RunEvent
+from run_engine.jsontext import stored_size
 from run_engine.metadata_ops import MetadataOp
 from systems.resources import SystemResources
 
@@ -50,7 +51,8 @@ class RunMetadataSystem:
                 new, changed = metadata_ops.apply(metadata, ops[run_id], budget)
                 if not changed:
                     return None
-                size = len(orjson.dumps(new))  # C speed first: what the operations made may be megabytes
+                # C speed first: what the operations made may be megabytes; as stored (1e+308: 309 digits)
+                size = stored_size(orjson.dumps(new), limit)
             except (RecursionError, orjson.JSONEncodeError):  # orjson: past 254 levels
                 raise too_deep from None
             if size > limit:

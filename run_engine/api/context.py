@@ -15,7 +15,7 @@ import orjson
 from starlette.requests import Request
 
 from run_engine.api.http import ApiError, TtlCache, bearer
-from run_engine.api.inputs import looks_like_id, too_many_containers
+from run_engine.api.inputs import looks_like_id, too_large, too_many_containers
 from run_engine.api.public_tokens import (
     LEEWAY_S,
     environment_key,
@@ -116,8 +116,8 @@ class ApiContext:
             return
         limit = self.engine.settings.max_payload_bytes if limit is None else limit
         raw = encoded if encoded is not None else orjson.dumps(value)
-        if len(raw) > limit:
-            raise ApiError(413, "payload_too_large", f"{field}: larger than {limit} bytes")
+        if (large := too_large(raw, limit)) is not None:
+            raise ApiError(413, "payload_too_large", f"{field}: {large}")
         if (problem := too_many_containers(raw)) is not None:
             raise ApiError(413, "payload_too_large", f"{field}: {problem}")
 

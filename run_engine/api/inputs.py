@@ -20,6 +20,8 @@ from urllib.parse import unquote_to_bytes
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from run_engine.jsontext import stored_size
+
 MAX_DEPTH = 100
 #: the most JSON objects and arrays one stored value (a payload, an output, metadata, a step's
 #: result, a token's data) may hold, counted as the `[` and `{` of its JSON text (those in its
@@ -96,6 +98,16 @@ def too_many_containers(raw: bytes | bytearray | str) -> str | None:
         return None
     return (f"holds {n} JSON objects and arrays (counting brackets in its strings); at most "
             f"{MAX_CONTAINERS} are stored")
+
+
+def too_large(raw: bytes | bytearray, limit: int) -> str | None:
+    """Why the JSON text ``raw`` (orjson's) is too large to be stored under ``limit``, or None."""
+    if len(raw) > limit:
+        return f"larger than {limit} bytes"
+    if (stored := stored_size(raw, limit)) > limit:
+        return (f"larger than {limit} bytes as stored ({stored} at most: a number in exponent form is stored "
+                "written out in full, 1e+308 as 309 digits)")
+    return None
 
 
 def needs_scan(raw: bytes | bytearray) -> bool:

@@ -29,7 +29,7 @@ from run_engine.api.http import (
     json_response,
     page_size,
 )
-from run_engine.api.inputs import is_number, looks_like_id
+from run_engine.api.inputs import is_number, looks_like_id, too_large
 from run_engine.api.models import (
     BatchBody,
     BatchV2Body,
@@ -844,8 +844,9 @@ async def update_metadata(request: Request) -> Response:
     req = await body(request, MetadataBody)
     change = metadata_change(req)  # every operation checked before anything is read or written
     limit = ctx.engine.settings.max_metadata_bytes
-    if req.operations is None and req.metadata is not None and len(orjson.dumps(req.metadata)) > limit:
-        raise ApiError(413, "payload_too_large", f"metadata: larger than {limit} bytes")
+    if (req.operations is None and req.metadata is not None
+            and (large := too_large(orjson.dumps(req.metadata), limit)) is not None):
+        raise ApiError(413, "payload_too_large", f"metadata: {large}")
     if change is None:
         await ctx.engine.set_metadata(auth.env_id, run.id, req.metadata)
         return json_response({"metadata": req.metadata})
