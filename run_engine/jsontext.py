@@ -28,12 +28,14 @@ def loads(data: str | bytes | bytearray | memoryview) -> Any:
         gc.enable()
 
 
-#: a number as orjson writes it in exponent form (``1e+308``, ``-1.5e-7``: always a sign), ending
-#: where a JSON value ends (so not the ``2e-41`` inside a UUID)
-_EXPONENT_FORM = re.compile(rb"[0-9]e([+-][0-9]{1,3})(?=[,\]}]|\Z)")
+#: a number as orjson writes it in exponent form (``1e+308``, ``-1.5e-7``; an older one (3.8 here) wrote
+#: ``1e308``), ending where a JSON value ends (so not the ``2e-41`` inside a UUID)
+_EXPONENT_FORM = re.compile(rb"[0-9]e([+-]?[0-9]{1,3})(?=[,\]}]|\Z)")
 #: what a number in exponent form grows by at most as PostgreSQL gives its jsonb back: less than
 #: its exponent (``5e-324`` comes back as 326 characters)
 _MAX_GROWTH = 324
+#: this orjson signs every exponent: counting ``e+`` and ``e-`` finds every number in exponent form
+_SIGNED_EXPONENTS = orjson.dumps(1e308) == b"1e+308"
 
 
 def stored_size(raw: bytes | bytearray, limit: int) -> int:
@@ -41,10 +43,12 @@ def stored_size(raw: bytes | bytearray, limit: int) -> int:
     column, as far as ``limit`` tells: jsonb keeps a number as a decimal and writes it out in full,
     so ``1e+308`` (6 bytes) comes back as 309 digits, and a 3 MiB payload of them as 137 MB of text
     that every read of the run decoded (seconds each, on the event loop every tenant shares).
-    ``len(raw)`` when even each ``e+`` and ``e-`` in it growing the most would keep it within
-    ``limit`` (two C-speed counts: every ordinary value); else ``len(raw)`` plus the exponents of its
-    numbers in exponent form (an upper bound of what they grow by, one regex pass)."""
+    ``len(raw)`` when even each ``e+`` and ``e-`` in it (each ``e`` with an orjson that writes
+    ``1e308``) growing the most would keep it within ``limit`` (C-speed counts: every ordinary
+    value); else ``len(raw)`` plus the exponents of its numbers in exponent form (an upper bound of
+    what they grow by, one regex pass)."""
     n = len(raw)
-    if n + (raw.count(b"e+") + raw.count(b"e-")) * _MAX_GROWTH <= limit:
+    exponents = raw.count(b"e+") + raw.count(b"e-") if _SIGNED_EXPONENTS else raw.count(b"e")
+    if n + exponents * _MAX_GROWTH <= limit:
         return n
     return n + sum(abs(int(e)) for e in _EXPONENT_FORM.findall(raw))
