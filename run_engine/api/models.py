@@ -66,9 +66,12 @@ def not_a_bool(value: Any) -> Any:
     return value
 
 
-#: a count (a queue's limit, a rate's runs and burst): a whole number, true and false refused
-#: (pydantic reads true as 1 and false as 0: a queue stopped by ``concurrencyLimit: false``)
+#: a count (a queue's limit, a rate's runs and burst, attempts, a batch's size and index, a wait's
+#: sequence, a dequeue's runs and wait): a whole number (2.0 is 2), true and false refused (pydantic
+#: reads true as 1 and false as 0: a queue stopped by ``concurrencyLimit: false``)
 Count = Annotated[int, BeforeValidator(not_a_bool)]
+#: a number (a priority, seconds, a back-off factor): true and false refused, as for a count
+Number = Annotated[float, BeforeValidator(not_a_bool)]
 
 
 def parse_when(value: float | int | str | datetime, now: float) -> datetime:
@@ -112,6 +115,8 @@ class RateLimitOption(_Body):
     period: float | int | str = 1
     burst: Count = Field(default=1, ge=1, le=1_000_000)
 
+    _not_a_bool = field_validator("period", mode="before")(not_a_bool)
+
     @field_validator("period")
     @classmethod
     def _period(cls, v: float | int | str) -> float | int | str:
@@ -142,11 +147,11 @@ class OutOfMemoryOption(_Body):
 
 
 class RetryOption(_Body):
-    maxAttempts: int | None = Field(default=None, ge=1, le=250)
+    maxAttempts: Count | None = Field(default=None, ge=1, le=250)
     outOfMemory: OutOfMemoryOption | None = None  # an attempt killed for its memory is retried on this machine
-    factor: float | None = Field(default=None, ge=1, le=100)
-    minTimeoutInMs: int | None = Field(default=None, ge=0, le=MAX_DURATION_S * 1000)
-    maxTimeoutInMs: int | None = Field(default=None, ge=0, le=MAX_DURATION_S * 1000)
+    factor: Number | None = Field(default=None, ge=1, le=100)
+    minTimeoutInMs: Count | None = Field(default=None, ge=0, le=MAX_DURATION_S * 1000)
+    maxTimeoutInMs: Count | None = Field(default=None, ge=0, le=MAX_DURATION_S * 1000)
     randomize: bool | None = None
 
     @model_validator(mode="after")
@@ -200,11 +205,11 @@ class TriggerOptions(_Body):
     idempotencyKeyTTL: float | int | str | None = None
     delay: float | int | str | datetime | None = None
     ttl: float | int | str | None = None
-    priority: float | None = Field(default=None, ge=0, le=MAX_DURATION_S)
+    priority: Number | None = Field(default=None, ge=0, le=MAX_DURATION_S)
     tags: list[str] | str | None = None
     metadata: dict[str, Any] | None = None
-    maxAttempts: int | None = Field(default=None, ge=1, le=250)
-    maxDuration: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
+    maxAttempts: Count | None = Field(default=None, ge=1, le=250)
+    maxDuration: Number | None = Field(default=None, gt=0, le=MAX_DURATION_S)
     machine: Literal[MACHINES] | None = None  # type: ignore[valid-type]
     lockToVersion: str | None = Field(default=None, max_length=128)
     parentRunId: str | None = Field(default=None, max_length=128)
@@ -274,7 +279,7 @@ class PromoteBody(_Body):
 
 class OpenBatchBody(_Body):
     """Trigger.dev's two-phase batch, phase 1 (``POST /api/v3/batches``)."""
-    runCount: int = Field(ge=1, le=1000)
+    runCount: Count = Field(ge=1, le=1000)
     taskIdentifiers: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(default=None,
                                                                                             max_length=1000)
     idempotencyKey: str | None = Field(default=None, min_length=1, max_length=256)  # an index entry: bounded
@@ -294,7 +299,7 @@ class OpenBatchBody(_Body):
 
 class BatchStreamItem(_Body):
     """One NDJSON line of phase 2 (``POST /api/v3/batches/{batchId}/items``)."""
-    index: int = Field(ge=0, le=999)
+    index: Count = Field(ge=0, le=999)
     task: str = Field(min_length=1, max_length=128)
     payload: Any = None
     options: TriggerOptions | None = None
@@ -364,6 +369,8 @@ class CreateBulkActionBody(_Body):
 
 class RescheduleBody(_Body):
     delay: float | int | str | datetime
+
+    _not_a_bool = field_validator("delay", mode="before")(not_a_bool)
 
     @field_validator("delay")
     @classmethod
@@ -470,7 +477,7 @@ class TaskDecl(_Body):
     cron: Annotated[str, Field(max_length=100)] | CronDecl | None = None
     queue: str | None = Field(default=None, min_length=1, max_length=128)
     retry: dict[str, Any] | None = None
-    maxDuration: int | None = Field(default=None, gt=0, le=MAX_DURATION_S)
+    maxDuration: Count | None = Field(default=None, gt=0, le=MAX_DURATION_S)
     machine: Literal[MACHINES] | None = None  # type: ignore[valid-type]
 
     def spec(self) -> TaskSpec:
@@ -520,7 +527,7 @@ class DeploymentDecl(_Body):
 
 class ConnectBody(_Body):
     workerInstanceName: str = Field(min_length=1, max_length=256)
-    concurrency: int | None = Field(default=None, ge=0, le=100_000)  # runs it takes at once (shown, not enforced)
+    concurrency: Count | None = Field(default=None, ge=0, le=100_000)  # runs it takes at once (shown, not enforced)
     deployment: DeploymentDecl
     environments: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=100)
 
@@ -532,8 +539,8 @@ class WorkerHeartbeatBody(_Body):
 
 
 class DequeueBody(_Body):
-    maxRuns: int = Field(default=1, ge=1, le=100)
-    waitMs: int = Field(default=0, ge=0, le=60_000)
+    maxRuns: Count = Field(default=1, ge=1, le=100)
+    waitMs: Count = Field(default=0, ge=0, le=60_000)
     workerInstanceName: str | None = Field(default=None, max_length=256)
     # extension: only runs of these environments (ids); a supervisor started with --env sends them
     environments: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=100)
@@ -644,12 +651,12 @@ class TokenCompleteBody(_Body):
 class _WaitBody(_Body):
     """A wait of an executing run; ``suspend``: checkpoint the run at once if it is blocked."""
 
-    sequence: int = Field(ge=0, le=1_000_000)
+    sequence: Count = Field(ge=0, le=1_000_000)
     suspend: bool = False
 
 
 class WaitDurationBody(_WaitBody):
-    seconds: float | None = Field(default=None, ge=0, le=10 * 365 * 86400)
+    seconds: Number | None = Field(default=None, ge=0, le=10 * 365 * 86400)
     date: datetime | None = None
 
     @field_validator("date")
@@ -682,7 +689,7 @@ class ChildTriggerBody(_WaitBody):
 
 class JournalBody(_Body):
     snapshotId: str = Field(min_length=1, max_length=64)
-    sequence: int = Field(ge=0, le=1_000_000)
+    sequence: Count = Field(ge=0, le=1_000_000)
     kind: Literal["step"] = "step"
     key: str = Field(min_length=1, max_length=256)
     result: Any = None
@@ -694,3 +701,5 @@ class PublicTokenBody(_Body):
     expirationTime: str | int | None = None  # a duration ("15m", "1h") or a date in Unix seconds; 15 minutes
     oneTimeUse: bool = False
     realtime: dict[str, Any] | None = None
+
+    _not_a_bool = field_validator("expirationTime", mode="before")(not_a_bool)
