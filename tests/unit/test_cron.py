@@ -192,3 +192,29 @@ def test_bad_expressions_are_refused(expr: str) -> None:
 def test_unknown_timezone_is_refused() -> None:
     with pytest.raises(CronError, match="unknown timezone"):
         Cron.parse("* * * * *").next_after(datetime(2026, 1, 1, tzinfo=UTC), "Mars/Olympus")
+
+
+def _answer(expr: str, after: datetime, tz: str) -> str:
+    try:
+        return Cron.parse(expr, lenient=True).next_after(after, tz).isoformat()
+    except CronError as exc:
+        return f"refused: {exc}"
+
+
+def test_a_cron_no_day_can_match_is_refused_as_the_search_refuses_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal without a search (``Cron.no_day_matches``: a day-of-month past the longest of
+    its months, February's 29) answers every expression as the 5-year search alone does: the same
+    tick or the same error, a bad timezone or date first; February 29th is left to the search,
+    which finds it in a leap year or refuses it from March 2097 (2100 is not one)."""
+    exprs = [f"0 0 {day} {month} {weekday}"
+             for day in ("1", "28", "29", "30", "31", "29-31", "30,31", "31/5", ",31", "*", "?")
+             for month in ("*", "2", "feb", "4", "4,6,9,11", "2,4", "2-4", "*/2", "2/12", "1")
+             for weekday in ("*", "?", "1")] + ["@yearly", "0 0 0 30 2 *"]
+    cases = [(e, after, tz) for e in exprs
+             for after, tz in ((utc(2024, 3, 10, 6, 30), "America/New_York"), (utc(2097, 3, 1), "UTC"))]
+    cases += [("0 0 30 2 *", utc(2026, 1, 1), "Mars/Olympus"), ("0 0 30 2 *", utc(9999, 12, 1), "UTC")]
+    answers = [_answer(*case) for case in cases]
+    assert sum(Cron.parse(e, lenient=True).no_day_matches() for e in exprs) > 30  # not a vacuous check
+    monkeypatch.setattr(Cron, "no_day_matches", lambda self: False)  # the search alone
+    assert answers == [_answer(*case) for case in cases]
+    assert "refused: '0 0 29 2 *' never fires" in answers and "2028-02-29T05:00:00+00:00" in answers
