@@ -8,7 +8,8 @@
   rescheduled while its handler ran survives. ``fail`` retries with back-off, then moves the job to
   the job DLQ. A job whose kind the claiming process has no handler for (a process of an older
   version, during a rolling upgrade or after a rollback) is no failure: it goes back as it was (no
-  attempt counted) ``UNKNOWN_KIND_DELAY_S`` later, for a process that knows the kind.
+  attempt counted) ``UNKNOWN_KIND_DELAY_S`` later, for a process that knows the kind. A job whose
+  stored item is not a job (corrupted, written by hand) goes to the job DLQ as the claim reads it.
 * Each job is in a lane: the default one (``""``), claimed first, or an environment's. Lanes with
   jobs due take turns, so one tenant's flood of timers coming due at once does not hold back
   another's (``lua/jobs_lib.lua`` lays out the keys).
@@ -37,6 +38,8 @@ from run_engine.tasks import stop_task
 log = logging.getLogger(__name__)
 #: a job of a kind this process does not know goes back this long later, its attempts untouched
 UNKNOWN_KIND_DELAY_S = 10.0
+#: of a job whose stored item is not a job (corrupted, written by hand), the job DLQ keeps this much
+UNREADABLE_KEPT = 4096
 
 
 @record
@@ -69,10 +72,23 @@ def _text(value: str | bytes) -> str:
 
 def _decode(job_id: str | bytes, raw: str | bytes, lane: str | bytes | None = None) -> Job:
     """A job as stored; ``lane``: the lane it was claimed from (a job a process of the version
-    before lanes wrote has none in its JSON)."""
+    before lanes wrote has none in its JSON). ValueError when ``raw`` is not a job."""
     data = orjson.loads(raw)
-    return Job(_text(job_id), data["kind"], data["payload"], data["attempt"], data["token"],
-               _text(lane) if lane is not None else data.get("lane", ""))
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    kind, payload, attempt, token = data.get("kind"), data.get("payload"), data.get("attempt"), data.get("token")
+    if not (isinstance(kind, str) and isinstance(payload, dict) and isinstance(token, str)
+            and isinstance(attempt, int) and not isinstance(attempt, bool)):
+        raise ValueError("not a job: kind, payload, attempt or token missing or of another type")
+    return Job(_text(job_id), kind, payload, attempt, token,
+               _text(lane) if lane is not None else str(data.get("lane", "")))
+
+
+def _unreadable(raw: str | bytes, why: Exception) -> bytes:
+    """What the job DLQ keeps of a job whose item is not one: no kind, the item as text, and why."""
+    text = raw.decode(errors="backslashreplace") if isinstance(raw, bytes) else raw
+    return orjson.dumps({"kind": "", "payload": {}, "attempt": 0, "token": "", "item": text[:UNREADABLE_KEPT],
+                         "error": f"the stored job cannot be read ({why}); kept as it was in 'item'"})
 
 
 class JobQueue:
@@ -103,7 +119,7 @@ class JobQueue:
         self._find = LuaScript.get("jobs_find")
         self._stats = LuaScript.get("jobs_stats")
         # the settles of jobs finishing together go in one call
-        self._settles: Batcher[tuple[str, str, str, bytes | str, int], bool] = Batcher(self._settle_many)
+        self._settles: Batcher[tuple[str, str | bytes, str, bytes | str, int], bool] = Batcher(self._settle_many)
 
     def _ms(self, when: float) -> int:
         return int(when * 1000)
@@ -160,9 +176,30 @@ class JobQueue:
             if lane:
                 args += [lane, n]
         flat = await self._call(self._claim, args)
-        return [_decode(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+        jobs: list[Job] = []
+        unreadable: list[tuple[bytes | str, bytes | str, Exception]] = []
+        for i in range(0, len(flat), 3):
+            try:
+                jobs.append(_decode(flat[i], flat[i + 1], flat[i + 2]))
+            except (ValueError, TypeError) as exc:  # (orjson's decode error is a ValueError)
+                unreadable.append((flat[i], flat[i + 1], exc))
+        if unreadable:
+            await self._bury(unreadable)
+        return jobs
 
-    async def _settle_many(self, settles: list[tuple[str, str, str, bytes | str, int]]) -> list[bool]:
+    async def _bury(self, items: list[tuple[bytes | str, bytes | str, Exception]]) -> None:
+        """Move jobs whose items are not jobs to the job DLQ (each only if its item is still the one
+        read): one must not fail every claim that takes it, and with it the jobs claimed beside it.
+        Should this fail (Redis away), their leases run out and the next claim tries again."""
+        for job_id, _, exc in items:
+            log.error("engine job %s: its stored item cannot be read (%s); moved to the job DLQ", _text(job_id), exc)
+        try:
+            await asyncio.gather(*(self._settles.submit((_text(job_id), raw, "bury", _unreadable(raw, exc), 0))
+                                   for job_id, raw, exc in items))
+        except Exception as exc:
+            log_failure(log, exc, "%d unreadable engine jobs could not be moved to the job DLQ", len(items))
+
+    async def _settle_many(self, settles: list[tuple[str, str | bytes, str, bytes | str, int]]) -> list[bool]:
         return [bool(x) for x in await self._call(self._settle, [field for s in settles for field in s])]
 
     async def complete(self, job: Job) -> bool:
@@ -212,7 +249,10 @@ class JobQueue:
     async def dlq(self, limit: int = 100) -> list[tuple[Job, str]]:
         out = []
         async for job_id, raw in self.redis.hscan_iter(self.dlq_key, count=limit):
-            out.append((_decode(job_id, raw), orjson.loads(raw).get("error", "")))
+            try:
+                out.append((_decode(job_id, raw), str(orjson.loads(raw).get("error", ""))))
+            except (ValueError, TypeError, AttributeError) as exc:  # an entry written by hand
+                out.append((Job(_text(job_id), "", {}, 0, ""), f"the entry cannot be read ({exc})"))
             if len(out) >= limit:
                 break
         return out

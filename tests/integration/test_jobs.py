@@ -386,3 +386,43 @@ async def test_a_job_of_a_kind_an_older_process_does_not_know_waits_for_one_that
         clock.set(at)
     assert await new.run_due_once() == 1
     assert ran == ["n1"] and await jobs.get("n1") is None and await jobs.dlq() == []
+
+
+# --- a job whose stored item cannot be read ----------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", [b"\xff not json", b"[1, 2]", b'{"kind": "k"}', b'{"kind": "k", "payload": {}, '
+                                 b'"attempt": "0", "token": "t"}'])
+async def test_an_unreadable_job_goes_to_the_dlq_and_the_jobs_claimed_with_it_run(
+        jobs: JobQueue, clock: FakeClock, raw: bytes) -> None:
+    """A job item in Redis that is not a job (corrupted, or written by hand) used to make every
+    claim that took it raise after leasing its whole batch: the jobs claimed with it ran never
+    (their leases ran out together with its, and the next claim took them all again)."""
+    seen: list[str] = []
+
+    async def handler(job: Job) -> None:
+        seen.append(job.id)
+
+    await jobs.apply((), [("a", "k", {}, T0, ""), ("b", "k", {}, T0, "e1")])
+    await jobs.redis.hset(jobs.items_key, "bad", raw)
+    await jobs.redis.zadd(jobs.due_key, {"bad": T0 * 1000})
+    worker = JobWorker(jobs, {"k": handler}, concurrency=4)
+    for _ in range(3):  # as many claims as leases running out
+        await worker.run_due_once()
+        clock.advance(60)
+    assert sorted(seen) == ["a", "b"]
+    assert await jobs.get("bad") is None
+    [(dead, error)] = await jobs.dlq()
+    assert dead.id == "bad" and "cannot be read" in error
+    assert (await jobs.stats())[2] == 1
+
+
+async def test_a_job_item_spoilt_while_its_handler_ran_fails_no_other_jobs_settle(
+        jobs: JobQueue, clock: FakeClock) -> None:
+    """The settles of jobs ending together go in one script call, which used to raise for all of
+    them when one job's item could not be decoded there: none was completed, each ran again."""
+    await jobs.apply((), [("x", "k", {}, T0, ""), ("y", "k", {}, T0, "")])
+    x, y = sorted(await jobs.claim(10), key=lambda j: j.id)
+    await jobs.redis.hset(jobs.items_key, "x", b"\xff spoilt")
+    assert await asyncio.gather(jobs.complete(x), jobs.complete(y)) == [False, True]
+    assert await jobs.get("y") is None
