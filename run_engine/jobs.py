@@ -38,6 +38,8 @@ from run_engine.tasks import stop_task
 log = logging.getLogger(__name__)
 #: a job of a kind this process does not know goes back this long later, its attempts untouched
 UNKNOWN_KIND_DELAY_S = 10.0
+#: a handler still running after this share of its job's lease is cancelled and its job failed
+HANDLER_SHARE_OF_LEASE = 0.9
 #: of a job whose stored item is not a job (corrupted, written by hand), the job DLQ keeps this much
 UNREADABLE_KEPT = 4096
 
@@ -297,7 +299,13 @@ class JobWorker:
 
     A quarter of the slots (one at least) are the default lane's alone: the checks of held runs
     never wait for slots that environments' jobs hold. Of the others, one lane holds a third at
-    most: a tenant whose jobs are slow (a bulk action's pages) cannot take them all."""
+    most: a tenant whose jobs are slow (a bulk action's pages) cannot take them all.
+
+    A handler runs for ``handler_timeout_s`` at most (HANDLER_SHARE_OF_LEASE of the lease): one
+    still running then is cancelled and its job failed (tried again after its back-off, and
+    dead-lettered after its attempts). Past its lease another process may take the job and run it
+    beside it; and one that hangs (a statement behind a lock never released, a Redis call never
+    answered) would hold its slot for ever, and the next process's that took the job, and so on."""
 
     def __init__(self, queue: JobQueue, handlers: Mapping[str, Handler], *, concurrency: int = 10,
                  poll_interval_s: float = 0.05, visibility_s: float = 30.0) -> None:
@@ -306,6 +314,7 @@ class JobWorker:
         self.concurrency = concurrency
         self.poll_interval_s = poll_interval_s
         self.visibility_s = visibility_s
+        self.handler_timeout_s = visibility_s * HANDLER_SHARE_OF_LEASE
         self.reserved = max(1, concurrency // 4) if concurrency > 1 else 0
         self.lane_slots = concurrency - self.reserved
         self.lane_cap = max(1, self.lane_slots // 3)
@@ -327,11 +336,19 @@ class JobWorker:
             except Exception as exc:  # its lease runs out and it is delivered again
                 log_failure(log, exc, "engine job %s (%s) could not be put back", job.id, job.kind)
             return
+        bound = asyncio.timeout(self.handler_timeout_s)
         try:
-            await handler(job)
+            async with bound:
+                await handler(job)
         except Exception as exc:
-            log_failure(log, exc, "engine job %s (%s) failed", job.id, job.kind)
-            settle = self.queue.fail(job, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, TimeoutError) and bound.expired():
+                log.error("engine job %s (%s) cancelled: still running after %.1f s, near its lease's end; it is "
+                          "tried again later", job.id, job.kind, self.handler_timeout_s)
+                error = f"cancelled after {self.handler_timeout_s:.1f} s, near the end of its lease"
+            else:
+                log_failure(log, exc, "engine job %s (%s) failed", job.id, job.kind)
+                error = f"{type(exc).__name__}: {exc}"
+            settle = self.queue.fail(job, error)
         else:
             settle = self.queue.complete(job)
         try:

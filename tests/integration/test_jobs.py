@@ -426,3 +426,36 @@ async def test_a_job_item_spoilt_while_its_handler_ran_fails_no_other_jobs_settl
     await jobs.redis.hset(jobs.items_key, "x", b"\xff spoilt")
     assert await asyncio.gather(jobs.complete(x), jobs.complete(y)) == [False, True]
     assert await jobs.get("y") is None
+
+
+async def test_a_handler_that_hangs_is_cut_at_its_lease_and_its_job_tried_again_later(
+        jobs: JobQueue, clock: FakeClock) -> None:
+    """A handler that never returned (a statement behind a lock that is never released, a Redis
+    call that never answers) held its slot for ever: once its lease ran out another process took
+    the job and hung on it as well, a slot every lease, until no process had one left. Now a
+    handler still running near its lease's end is cancelled and its job failed: tried again after
+    its back-off, and dead-lettered after its attempts, as any failing job."""
+    seen: list[str] = []
+
+    async def hangs(job: Job) -> None:
+        await asyncio.Event().wait()
+
+    async def ok(job: Job) -> None:
+        seen.append(job.id)
+
+    await jobs.apply((), [("stuck", "hangs", {}, T0 - 1, ""), ("next", "ok", {}, T0, "")])
+    worker = JobWorker(jobs, {"hangs": hangs, "ok": ok}, concurrency=1, poll_interval_s=0.01, visibility_s=1.0)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    await worker.start()
+    try:
+        while "next" not in seen:
+            assert loop.time() < deadline, "the job behind the hung one never ran"
+            await asyncio.sleep(0.01)
+    finally:
+        await worker.stop()
+    got = await jobs.get("stuck")
+    assert got is not None and got[0].attempt == 1
+    assert got[1] == pytest.approx(clock.now() + jobs.retry_delay_s(1))
+    raw = await jobs.redis.hget(jobs.items_key, "stuck")
+    assert "lease" in orjson.loads(raw)["error"]
