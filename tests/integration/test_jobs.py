@@ -459,3 +459,21 @@ async def test_a_handler_that_hangs_is_cut_at_its_lease_and_its_job_tried_again_
     assert got[1] == pytest.approx(clock.now() + jobs.retry_delay_s(1))
     raw = await jobs.redis.hget(jobs.items_key, "stuck")
     assert "lease" in orjson.loads(raw)["error"]
+
+
+async def test_a_dead_job_scheduled_again_leaves_the_job_dlq(jobs: JobQueue, clock: FakeClock) -> None:
+    """A job that failed every attempt and is armed again (the reconciler re-arms the job a run
+    still needs; the engine schedules the same id anew) is live: its dead copy used to stay in the
+    job DLQ for good, listed as dead beside the scheduled job, and counted by
+    run_engine_engine_jobs_dead for ever after one outage, with nothing that could clear it."""
+    await jobs.apply((), [("d", "k", {"v": 1}, T0, "e1"), ("other", "k", {}, T0, "")])
+    for _ in range(jobs.max_attempts):
+        for job in await jobs.claim(10):
+            await jobs.fail(job, "down")
+        clock.advance(jobs.max_retry_s)
+    assert sorted(job.id for job, _ in await jobs.dlq()) == ["d", "other"]
+    await jobs.schedule("d", "k", {"v": 2}, clock.now(), "e1")  # re-armed
+    [(dead, _)] = await jobs.dlq()
+    assert dead.id == "other" and (await jobs.stats())[2] == 1
+    [job] = await jobs.claim(10)
+    assert (job.id, job.payload) == ("d", {"v": 2})
