@@ -1,8 +1,9 @@
 -- include: jobs_lib
 -- jobs_settle: finish claimed jobs, each only if it was not replaced meanwhile (same token).
 -- KEYS[1] J:items
--- ARGV[1] J, then per job 5 fields: id, token, action ('complete' | 'retry' | 'dead' | 'bury'), new
---   job JSON (retry, dead, bury; else ''), run-at ms (retry; else 0). 'bury': a job whose item is not
+-- ARGV[1] J, then per job 5 fields: id, token, action ('complete' | 'retry' | 'dead' | 'bury' |
+--   'extend'), new job JSON (retry, dead, bury; else ''), run-at ms (retry; extend: the lease's new
+--   end; else 0). 'bury': a job whose item is not
 --   a job goes to the DLQ as the new JSON says; its "token" is the whole item as it was read.
 -- returns: per job 1 when applied, 0 when the job was replaced or is gone
 -- the token of a stored job (false: the item is not a job's)
@@ -20,6 +21,10 @@ for i = 2, #ARGV, 5 do
   else
     if action == 'complete' then
       remove(id)
+    elseif action == 'extend' then  -- a job whose handler still runs keeps its lease
+      local lane = lane_of(id)
+      redis.call('ZADD', lane_key(lane), tonumber(ARGV[i + 4]), id)
+      rescore(lane)
     elseif action == 'retry' then
       redis.call('HSET', ITEMS, id, ARGV[i + 3])
       local lane = lane_of(id)

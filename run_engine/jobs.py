@@ -38,8 +38,9 @@ from run_engine.tasks import stop_task
 log = logging.getLogger(__name__)
 #: a job of a kind this process does not know goes back this long later, its attempts untouched
 UNKNOWN_KIND_DELAY_S = 10.0
-#: a handler still running after this share of its job's lease is cancelled and its job failed
-HANDLER_SHARE_OF_LEASE = 0.9
+#: a handler keeps its job's lease while it runs, for this many leases at most (5 minutes of 30 s);
+#: one still running then is cancelled and its job failed
+HANDLER_LEASES_AT_MOST = 10
 #: of a job whose stored item is not a job (corrupted, written by hand), the job DLQ keeps this much
 UNREADABLE_KEPT = 4096
 
@@ -219,6 +220,10 @@ class JobQueue:
         run_at = self.clock.now() + self.retry_delay_s(attempt)
         return await self._settles.submit((job.id, job.token, "retry", encoded, self._ms(run_at)))
 
+    async def extend(self, job: Job, until: float) -> bool:
+        """Move the lease of a claimed job to ``until``; False when the job was replaced or is gone."""
+        return (await self._settle_many([(job.id, job.token, "extend", "", self._ms(until))]))[0]
+
     async def release(self, job: Job, run_at: float) -> bool:
         """Put a claimed job back as it was (same attempt, same token) to run at ``run_at``."""
         encoded = _encode(job.kind, job.payload, job.attempt, job.token, job.lane)
@@ -301,11 +306,12 @@ class JobWorker:
     never wait for slots that environments' jobs hold. Of the others, one lane holds a third at
     most: a tenant whose jobs are slow (a bulk action's pages) cannot take them all.
 
-    A handler runs for ``handler_timeout_s`` at most (HANDLER_SHARE_OF_LEASE of the lease): one
-    still running then is cancelled and its job failed (tried again after its back-off, and
-    dead-lettered after its attempts). Past its lease another process may take the job and run it
-    beside it; and one that hangs (a statement behind a lock never released, a Redis call never
-    answered) would hold its slot for ever, and the next process's that took the job, and so on."""
+    A handler keeps its job's lease while it runs (moved a lease on every third of one), so that no
+    other process takes a job merely slow and runs it beside it; for ``handler_timeout_s`` at most
+    (HANDLER_LEASES_AT_MOST leases): one still running then is cancelled and its job failed (tried
+    again after its back-off, and dead-lettered after its attempts). A handler that hangs (a
+    statement behind a lock never released, a Redis call never answered) held its slot for ever
+    before, and, once its lease ran out, the slot of each next process that took the job."""
 
     def __init__(self, queue: JobQueue, handlers: Mapping[str, Handler], *, concurrency: int = 10,
                  poll_interval_s: float = 0.05, visibility_s: float = 30.0) -> None:
@@ -314,7 +320,7 @@ class JobWorker:
         self.concurrency = concurrency
         self.poll_interval_s = poll_interval_s
         self.visibility_s = visibility_s
-        self.handler_timeout_s = visibility_s * HANDLER_SHARE_OF_LEASE
+        self.handler_timeout_s = visibility_s * HANDLER_LEASES_AT_MOST
         self.reserved = max(1, concurrency // 4) if concurrency > 1 else 0
         self.lane_slots = concurrency - self.reserved
         self.lane_cap = max(1, self.lane_slots // 3)
@@ -337,24 +343,37 @@ class JobWorker:
                 log_failure(log, exc, "engine job %s (%s) could not be put back", job.id, job.kind)
             return
         bound = asyncio.timeout(self.handler_timeout_s)
+        keeper = asyncio.create_task(self._keep_lease(job))
         try:
             async with bound:
                 await handler(job)
         except Exception as exc:
             if isinstance(exc, TimeoutError) and bound.expired():
-                log.error("engine job %s (%s) cancelled: still running after %.1f s, near its lease's end; it is "
-                          "tried again later", job.id, job.kind, self.handler_timeout_s)
-                error = f"cancelled after {self.handler_timeout_s:.1f} s, near the end of its lease"
+                log.error("engine job %s (%s) cancelled: still running after %.1f s; it is tried again later",
+                          job.id, job.kind, self.handler_timeout_s)
+                error = f"cancelled: still running after {self.handler_timeout_s:.1f} s"
             else:
                 log_failure(log, exc, "engine job %s (%s) failed", job.id, job.kind)
                 error = f"{type(exc).__name__}: {exc}"
             settle = self.queue.fail(job, error)
         else:
             settle = self.queue.complete(job)
+        finally:
+            keeper.cancel()
         try:
             await settle
         except Exception as exc:  # its lease runs out and it is delivered again
             log_failure(log, exc, "engine job %s (%s) could not be settled", job.id, job.kind)
+
+    async def _keep_lease(self, job: Job) -> None:
+        """Move the job's lease a lease on every third of one, until the job is replaced or gone."""
+        while True:
+            await asyncio.sleep(self.visibility_s / 3)
+            try:
+                if not await self.queue.extend(job, self.queue.clock.now() + self.visibility_s):
+                    return
+            except Exception as exc:  # Redis away: the next tick tries again, else the lease runs out
+                log_failure(log, exc, "engine job %s (%s): its lease could not be kept", job.id, job.kind)
 
     async def run_due_once(self) -> int:
         """Claim and run every job due now; returns how many ran."""

@@ -428,13 +428,13 @@ async def test_a_job_item_spoilt_while_its_handler_ran_fails_no_other_jobs_settl
     assert await jobs.get("y") is None
 
 
-async def test_a_handler_that_hangs_is_cut_at_its_lease_and_its_job_tried_again_later(
+async def test_a_handler_that_hangs_is_cut_after_ten_leases_and_its_job_tried_again_later(
         jobs: JobQueue, clock: FakeClock) -> None:
     """A handler that never returned (a statement behind a lock that is never released, a Redis
     call that never answers) held its slot for ever: once its lease ran out another process took
     the job and hung on it as well, a slot every lease, until no process had one left. Now a
-    handler still running near its lease's end is cancelled and its job failed: tried again after
-    its back-off, and dead-lettered after its attempts, as any failing job."""
+    handler still running after ten leases is cancelled and its job failed: tried again after its
+    back-off, and dead-lettered after its attempts, as any failing job."""
     seen: list[str] = []
 
     async def hangs(job: Job) -> None:
@@ -444,7 +444,7 @@ async def test_a_handler_that_hangs_is_cut_at_its_lease_and_its_job_tried_again_
         seen.append(job.id)
 
     await jobs.apply((), [("stuck", "hangs", {}, T0 - 1, ""), ("next", "ok", {}, T0, "")])
-    worker = JobWorker(jobs, {"hangs": hangs, "ok": ok}, concurrency=1, poll_interval_s=0.01, visibility_s=1.0)
+    worker = JobWorker(jobs, {"hangs": hangs, "ok": ok}, concurrency=1, poll_interval_s=0.01, visibility_s=0.2)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
     await worker.start()
@@ -458,7 +458,7 @@ async def test_a_handler_that_hangs_is_cut_at_its_lease_and_its_job_tried_again_
     assert got is not None and got[0].attempt == 1
     assert got[1] == pytest.approx(clock.now() + jobs.retry_delay_s(1))
     raw = await jobs.redis.hget(jobs.items_key, "stuck")
-    assert "lease" in orjson.loads(raw)["error"]
+    assert "still running after 2.0 s" in orjson.loads(raw)["error"]
 
 
 async def test_a_dead_job_scheduled_again_leaves_the_job_dlq(jobs: JobQueue, clock: FakeClock) -> None:
@@ -477,3 +477,39 @@ async def test_a_dead_job_scheduled_again_leaves_the_job_dlq(jobs: JobQueue, clo
     assert dead.id == "other" and (await jobs.stats())[2] == 1
     [job] = await jobs.claim(10)
     assert (job.id, job.payload) == ("d", {"v": 2})
+
+
+async def test_a_handler_slower_than_its_lease_keeps_it(jobs: JobQueue, clock: FakeClock) -> None:
+    """A job merely slow (a bulk action's page on a loaded machine) keeps its lease while its
+    handler runs: no other process takes it and runs it beside it, and it is done once."""
+    started, release = asyncio.Event(), asyncio.Event()
+    ran: list[str] = []
+
+    async def slow(job: Job) -> None:
+        ran.append(job.id)
+        started.set()
+        await release.wait()
+
+    await jobs.apply((), [("slow", "slow", {}, T0 - 1, "")])
+    worker = JobWorker(jobs, {"slow": slow}, concurrency=1, poll_interval_s=0.01, visibility_s=0.3)
+    loop = asyncio.get_running_loop()
+    await worker.start()
+    try:
+        await asyncio.wait_for(started.wait(), 30)
+        first = await jobs.get("slow")
+        assert first is not None
+        clock.advance(10.0)  # far past the lease it was claimed with
+        deadline = loop.time() + 30
+        while (got := await jobs.get("slow")) is None or got[1] <= clock.now():
+            assert loop.time() < deadline, "the lease was never moved"
+            await asyncio.sleep(0.01)
+        assert await jobs.claim(10, 0.3) == []  # another process finds nothing to take
+        release.set()
+        deadline = loop.time() + 30
+        while await jobs.get("slow") is not None:
+            assert loop.time() < deadline, "the job was never completed"
+            await asyncio.sleep(0.01)
+    finally:
+        release.set()
+        await worker.stop()
+    assert ran == ["slow"]
