@@ -49,15 +49,25 @@ class CancelSystem:
         dashboard's button, a script, a process that died with nobody to answer). ``again``:
         this is that job (a failure leaves it to the job's own retries).
 
+        The cascade is noted in PostgreSQL (``cancel_cascade``, migration 0052) before the run's
+        own cancel, and the note deleted once it reached the end: while it stands the reconciler's
+        re-arm arms the job again should Redis no longer hold it (dead after its every attempt,
+        or lost with Redis's data).
+
         One call cancels CASCADE_PAGE runs below the run at most; past them it hands the rest to
         that job at once (the job does the same, a page a time) and returns."""
         children = await self.r.repo.runs.waiting_children([run_id])
         env_id = None
         guard = None
+        noted = False
         if children and not again:
             run = await self.r.repo.runs.get_run(run_id, light=True)
             if run is not None:
                 env_id = run.env_id
+                # noted in PostgreSQL first: a job that failed every attempt (the job DLQ) or was
+                # lost with Redis is armed again by the reconciler while this row stands
+                await self.r.repo.runs.begin_cancel_cascade(run_id)
+                noted = True
                 guard = engine_jobs.cancel_cascade(run_id, run.env_id, self.r.clock.now() + CASCADE_GRACE_S)
                 try:
                     await self.r.change_jobs(schedule=[guard])
@@ -87,6 +97,15 @@ class CancelSystem:
                 if left is not None:
                     left -= 1
             level = [child for child, _ in children]
+        if noted or again:
+            try:
+                await self.r.repo.runs.end_cancel_cascade(run_id)
+            except Exception as exc:
+                if again:
+                    raise  # the job's own retries
+                # its job (armed a grace ahead, else the reconciler's) ends it then
+                log_failure(log, exc, "cancel of run %s: its end could not be noted", run_id)
+                return status
         if guard is not None:
             await self.r.after_commit("cancel", self.r.change_jobs(cancel=[guard[0]]))
         return status

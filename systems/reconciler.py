@@ -346,8 +346,9 @@ class ReconcilerSystem:
         """Schedule again every engine job that a run or waitpoint not yet finished needs and that
         Redis does not hold (lost to a flush, a restart without persistence, or a process that died
         between its PostgreSQL write and the job): heartbeat timeouts and max durations of held
-        runs, delays and TTLs of runs not started, dates and timeouts of waitpoints, the sweeper.
-        Each of the three scans reads the next ``reconcile_budget`` rows (``full``: all). Fixed job
+        runs, delays and TTLs of runs not started, dates and timeouts of waitpoints, the sweeper,
+        bulk actions under way, and the cancels whose cascade is not through (``cancel_cascade``).
+        Each of the four scans reads the next ``reconcile_budget`` rows (``full``: all). Fixed job
         ids make this idempotent. Returns how many were scheduled."""
         grace = self.r.settings.reconcile_grace_s if grace_s is None else grace_s
         now = self.r.clock.now()
@@ -361,6 +362,16 @@ class ReconcilerSystem:
             if len(pending) < BULK_PAGE:
                 break
             after = pending[-1][0]
+
+        async def cascades(after: str, limit: int) -> list[tuple[str, str]]:
+            return await self.r.repo.maintenance.cancel_cascades_page(after, grace, limit)
+
+        # cancels whose way down their runs' children is not through (systems/cancel.py): a job
+        # dead after its every attempt (the job DLQ) or lost with Redis's data left them running
+        async for cancels in self._pages("cancel cascades", cascades, lambda row: row[0], full):
+            total += await self._schedule_missing([engine_jobs.cancel_cascade(run_id, env_id, now)
+                                                   for run_id, env_id in cancels])
+
         async def active(after: str, limit: int) -> list[tuple[RunRow, Snapshot]]:
             return await self.r.repo.maintenance.active_runs_page(after, grace, limit)
 

@@ -124,6 +124,16 @@ class MaintenanceRepository:
                    ORDER BY id LIMIT %s""", (after_id, limit))
             return [run_row(r) for r in await cur.fetchall()]
 
+    async def cancel_cascades_page(self, after_id: str, older_than_s: float, limit: int) -> list[tuple[str, str]]:
+        """(run, environment) of the cancels whose way down their runs' children is not through
+        (migration 0052), noted more than ``older_than_s`` ago, by run id after ``after_id``."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                """SELECT c.run_id, r.environment_id FROM cancel_cascade c JOIN task_run r ON r.id = c.run_id
+                   WHERE c.run_id > %s AND c.created_at < now() - make_interval(secs => %s)
+                   ORDER BY c.run_id LIMIT %s""", (after_id, older_than_s, limit))
+            return [(r[0], r[1]) for r in await cur.fetchall()]
+
     async def queued_runs_page(self, after_id: str, older_than_s: float, limit: int) -> list[RunRow]:
         """Runs the API shows as QUEUED (latest snapshot QUEUED or QUEUED_EXECUTING), untouched for
         ``older_than_s``, by id after ``after_id``."""

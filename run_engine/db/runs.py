@@ -1164,6 +1164,19 @@ class RunRepository:
                    ORDER BY created_at, id""", (list(run_ids),))
             return [(r[0], r[1]) for r in await cur.fetchall()]
 
+    async def begin_cancel_cascade(self, run_id: str) -> None:
+        """Note that a cancel goes down the runs ``run_id`` waits on (migration 0052): the
+        reconciler arms its job again until :meth:`end_cancel_cascade` (a run gone: nothing)."""
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                """INSERT INTO cancel_cascade (run_id) SELECT id FROM task_run WHERE id = %s
+                   ON CONFLICT DO NOTHING""", (run_id,))
+
+    async def end_cancel_cascade(self, run_id: str) -> None:
+        """The cancel of ``run_id`` reached the end of the runs below it."""
+        async with self.pool.connection() as conn:
+            await conn.execute("DELETE FROM cancel_cascade WHERE run_id = %s", (run_id,))
+
     async def version_locks(self, run_ids: Sequence[str]) -> dict[str, str]:
         """run id → the deployment it is locked to, for the runs of ``run_ids`` triggered with
         lockToVersion (the others are any deployment's that has their task)."""

@@ -264,3 +264,47 @@ async def test_a_cancel_of_many_children_cancels_a_page_and_hands_the_rest_to_it
     assert await h.engine.dequeue(h.env.worker_group_id, 10) == []
     job = engine_jobs.cancel_cascade_id(root.id)
     assert await h.engine.resources.jobs.missing([job]) == [job]  # nothing left armed
+
+
+async def test_a_cancel_whose_job_failed_every_attempt_is_taken_up_again_by_the_reconciler(
+        h: Harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A cancel that stopped part way leaves the rest to its job, `cancel.<run>`. When that job
+    failed every attempt (a PostgreSQL outage longer than its retries) it lay in the job DLQ, and
+    nothing armed it again: the reconciler's re-arm knew delays, TTLs, waitpoints and bulk actions,
+    not cancels, and the children of a cancelled run were left running or queued for good."""
+    from systems import engine_jobs
+    from systems.cancel import CASCADE_GRACE_S
+
+    from .test_waitpoints import req, started_run
+
+    root, s = await started_run(h)
+    (child_id,), out = await h.engine.trigger_and_wait(root.id, s.snapshot.id, 0, [req(h)])
+    await h.engine.suspend(root.id, out.snapshot.id)
+    cancel = h.engine.systems.cancel
+    real = cancel._cancel_one
+
+    async def outage(run_id: str):  # type: ignore[no-untyped-def]
+        if run_id == child_id:
+            raise ConnectionError("PostgreSQL is away")
+        return await real(run_id)
+
+    monkeypatch.setattr(cancel, "_cancel_one", outage)
+    monkeypatch.setattr(h.engine.resources.jobs, "max_attempts", 1)  # the outage outlasts the job's retries
+    try:
+        await h.engine.cancel(root.id)
+    except ConnectionError:
+        pass
+    assert await h.advance(CASCADE_GRACE_S + 1) == 1  # the job, which fails its every attempt
+    job = engine_jobs.cancel_cascade_id(root.id)
+    assert job in [dead.id for dead, _ in await h.engine.resources.jobs.dlq(10_000)]
+    monkeypatch.undo()  # PostgreSQL is back
+    assert (await h.engine.get_run(child_id)).status == "QUEUED"  # type: ignore[union-attr]
+
+    await h.engine.systems.reconciler.rearm_jobs(grace_s=-1)  # the leader's re-arm, every 60 s
+    await h.advance(0)
+    assert (await h.engine.get_run(child_id)).status == "CANCELED"  # type: ignore[union-attr]
+    assert await h.engine.dequeue(h.env.worker_group_id, 5) == []
+    assert await h.engine.resources.jobs.missing([job]) == [job]
+    assert job not in [dead.id for dead, _ in await h.engine.resources.jobs.dlq(10_000)]
+    await h.engine.systems.reconciler.rearm_jobs(grace_s=-1)  # the cascade is through: not armed again
+    assert await h.engine.resources.jobs.missing([job]) == [job]

@@ -16,6 +16,7 @@ TABLES = {
     "deployment_task", "task_queue", "task_run", "task_run_execution_snapshot", "waitpoint",
     "task_run_waitpoint", "batch_task_run", "task_run_checkpoint", "task_run_journal", "task_schedule",
     "engine_lease", "engine_setting", "schema_migration", "worker_group_env_token", "bulk_action", "uploaded_packet",
+    "cancel_cascade",
 }
 
 
@@ -143,6 +144,32 @@ def test_deployments_from_before_0051_were_made_current_when_they_were_created(e
                      " VALUES ('d3', 'env', 'wg2', 'd3', 'd3', true)")
         stamped = conn.execute("SELECT made_current_at >= created_at FROM deployment WHERE id = 'd3'").fetchone()
         assert stamped == (True,)
+
+
+def test_the_cancel_cascades_unfinished_before_0052_are_noted(empty_database: str) -> None:
+    """The cancels whose cascade was left unfinished before the table that notes them (their jobs
+    dead in the job DLQ, or lost) are noted by the migration, for the reconciler to arm again: a
+    cancelled run with a child it waits on not finished; not one whose children finished, nor a
+    run not cancelled, nor one whose unfinished child it does not wait on."""
+    migrate_sync(empty_database)
+    with psycopg.connect(empty_database, autocommit=True) as conn:
+        conn.execute("DROP TABLE cancel_cascade")  # the database as it was before 0052
+        conn.execute("DELETE FROM schema_migration WHERE version = '0052'")
+        conn.execute("SET session_replication_role = replica")  # runs of no environment
+        runs = [("p_left", "CANCELED", None, False, None), ("c_left", "QUEUED", "p_left", True, None),
+                ("p_done", "CANCELED", None, False, None), ("c_done", "CANCELED", "p_done", True, "now"),
+                ("p_live", "EXECUTING", None, False, None), ("c_live", "QUEUED", "p_live", True, None),
+                ("p_nowait", "CANCELED", None, False, None), ("c_nowait", "QUEUED", "p_nowait", False, None)]
+        for run_id, status, parent, waited, finished in runs:
+            conn.execute("INSERT INTO task_run (id, environment_id, worker_group_id, task_identifier, status, queue, "
+                         "parent_run_id, resume_parent_on_completion, finished_at) "
+                         "VALUES (%s, 'env', 'wg', 't', %s, 'q', %s, %s, %s::timestamptz)",
+                         (run_id, status, parent, waited, finished))
+    assert migrate_sync(empty_database) == ["0052"]
+    with psycopg.connect(empty_database, autocommit=True) as conn:
+        assert conn.execute("SELECT run_id FROM cancel_cascade").fetchall() == [("p_left",)]
+        conn.execute("DELETE FROM task_run WHERE id = 'p_left'")  # retention: the note goes with its run
+        assert conn.execute("SELECT run_id FROM cancel_cascade").fetchall() == []
 
 
 def test_a_runs_snapshots_are_found_by_index_for_its_delete_and_its_latest(database_url: str) -> None:
