@@ -275,10 +275,11 @@ class JobQueue:
     async def epoch(self) -> float | None:
         """None when Redis lost the jobs' data (a flush, or a restart without persistence, of the
         node holding them: on a Redis Cluster not always the one holding the run queue): the
-        reconciler then re-arms every job from PostgreSQL and calls :meth:`mark_epoch`. Else when
-        it is to look at every job once more (0: never; see :mod:`run_engine.epochs`)."""
+        reconciler then re-arms every job from PostgreSQL and calls :meth:`mark_epoch`; likewise
+        when the key holds what is not an epoch. Else when it is to look at every job once more
+        (0: never; see :mod:`run_engine.epochs`)."""
         value = await self.redis.get(self.epoch_key)
-        return None if value is None else recheck_time(value)
+        return None if value is None else recheck_time(value, self.epoch_key)  # unreadable: None too
 
     async def has_epoch(self) -> bool:
         return await self.epoch() is not None

@@ -560,13 +560,17 @@ class RunQueue:
     async def epoch(self) -> float | None:
         """None when Redis lost the queue's data of any shard (a flush, or a restart without
         persistence, of any node): the reconciler then restores settings and runs from PostgreSQL
-        and calls :meth:`mark_epoch`. Else when it is to read every run once more (0: never; see
-        :mod:`run_engine.epochs`)."""
+        and calls :meth:`mark_epoch`; likewise when an epoch key holds what is not an epoch. Else
+        when it is to read every run once more (0: never; see :mod:`run_engine.epochs`)."""
         pipe = self.redis.pipeline(transaction=False)
         for key in self._epochs():
             pipe.get(key)
         values = await pipe.execute()
-        return None if any(v is None for v in values) else max(recheck_time(v) for v in values)
+        if any(v is None for v in values):
+            return None
+        # a value that is not an epoch (corrupted) is taken as lost, and logged
+        times = [recheck_time(v, key) for v, key in zip(values, self._epochs(), strict=True)]
+        return None if any(t is None for t in times) else max(t for t in times if t is not None)
 
     async def has_epoch(self) -> bool:
         return await self.epoch() is not None

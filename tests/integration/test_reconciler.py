@@ -335,6 +335,31 @@ async def test_engine_jobs_lost_alone_are_rearmed_whole(h: Harness) -> None:
     assert await jobs.missing([job]) == [] and await jobs.has_epoch()
 
 
+async def test_an_epoch_key_that_holds_no_epoch_is_taken_as_lost(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    """An epoch key whose value is not an epoch (corrupted, written by hand: `recheck:abc`) made
+    reading it raise ValueError, and with it every reconcile pass: nothing was reconciled again,
+    and a loss of the data beside it was never repaired. It is now taken as the key's absence
+    (logged): the data is restored from PostgreSQL and the key written again."""
+    engine, jobs, q = h.engine, h.engine.resources.jobs, h.engine.resources.queue
+    reconciler = engine.systems.reconciler
+    await reconciler.reconcile(grace_s=-1)  # both epochs marked
+    run = await engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await engine.dequeue(h.env.worker_group_id, 1)
+    started = await engine.start_attempt(run.id, d.snapshot.id)
+    job = f"hb.{run.id}.{started.snapshot.id}"
+    await engine.redis.delete(*[k async for k in engine.redis.scan_iter(f"{jobs.base}*")])  # the jobs' data lost
+    await engine.redis.set(jobs.epoch_key, "recheck:abc")  # and its epoch key spoilt
+    report = await reconciler.reconcile(grace_s=0)
+    assert report.jobs_rearmed >= 1 and report.settings_restored == 0
+    assert await jobs.missing([job]) == [] and await jobs.epoch() == 0.0  # written again, whole
+    assert "recheck:abc" in caplog.text
+    await engine.redis.set(q._epochs()[-1], b"\xff")  # a queue's epoch key too (not even text)
+    report = await reconciler.reconcile(grace_s=0)
+    assert report.settings_restored >= 1
+    assert await q.epoch() == 0.0
+
+
 async def test_a_full_pass_after_redis_lost_its_data_is_done_again_until_it_succeeds(
         private: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """The epoch was marked before the full pass: one that failed or was cut short (the leader
