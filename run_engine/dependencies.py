@@ -3,10 +3,13 @@ and for background loops that log an outage in one line instead of a traceback p
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import psycopg
 from psycopg_pool import PoolClosed, PoolTimeout
@@ -25,6 +28,14 @@ DEPENDENCY_ERRORS = (*POSTGRES_DOWN, *REDIS_DOWN)
 REDIS_REFUSING = (redis_errors.ReadOnlyError, redis_errors.ClusterDownError, redis_errors.TryAgainError,
                   redis_errors.OutOfMemoryError)
 REDIS_REFUSING_REPLIES = ("READONLY ", "CLUSTERDOWN ", "MASTERDOWN ", "TRYAGAIN ", "OOM ", "MISCONF ")
+# PostgreSQL rolled the transaction back for what ran beside it, not for what it was given: a
+# deadlock (40P01) or a serialization failure (40001). Psycopg raises them as OperationalError,
+# so the API answers them 503 like an outage (unavailable_dependency); a transaction that is one
+# idempotent unit is run again first (retry_conflicts).
+TRANSACTION_CONFLICTS = ("40P01", "40001")
+#: how many times retry_conflicts runs a transaction at most
+CONFLICT_ATTEMPTS = 3
+T = TypeVar("T")
 
 
 def unavailable_dependency(exc: BaseException) -> str | None:
@@ -40,6 +51,30 @@ def unavailable_dependency(exc: BaseException) -> str | None:
                                            and str(exc).startswith(REDIS_REFUSING_REPLIES)):
         return "redis"
     return None
+
+
+def transaction_conflict(exc: BaseException) -> bool:
+    """Whether PostgreSQL rolled ``exc``'s transaction back for a deadlock or a serialization
+    failure (running it again may well succeed)."""
+    return isinstance(exc, psycopg.Error) and getattr(exc, "sqlstate", None) in TRANSACTION_CONFLICTS
+
+
+async def retry_conflicts(attempt: Callable[[], Awaitable[T]], *, attempts: int = CONFLICT_ATTEMPTS,
+                          log: logging.Logger | None = None, what: str = "a transaction") -> T:
+    """``attempt()`` (one whole transaction, which a conflict rolls back, with nothing done outside
+    it before it commits), run again after a deadlock or a serialization failure, ``attempts``
+    times at most (after a short random pause, so that the two sides do not meet again in step);
+    the last conflict is raised (the API's 503, with Retry-After)."""
+    for n in range(1, attempts + 1):
+        try:
+            return await attempt()
+        except psycopg.Error as exc:
+            if n == attempts or not transaction_conflict(exc):
+                raise
+            (log or logging.getLogger("run_engine")).info("%s was rolled back (%s: %s); trying it again (%d of %d)",
+                                                         what, type(exc).__name__, exc.sqlstate, n + 1, attempts)
+        await asyncio.sleep(random.uniform(0.005, 0.05) * n)  # noqa: S311 (jitter)
+    raise AssertionError("unreachable")
 
 
 def refusing_writes(exc: BaseException) -> str | None:

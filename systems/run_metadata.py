@@ -4,6 +4,8 @@ they act on, the bounds of what they make, and the announcement of each change."
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,11 +13,28 @@ import orjson
 
 from run_engine import metadata_ops
 from run_engine.db.runs import RunRow
+from run_engine.dependencies import retry_conflicts
 from run_engine.errors import TooLargeError, ValidationError
 from run_engine.events import RunEvent
 from run_engine.jsontext import stored_size
 from run_engine.metadata_ops import MetadataOp
 from systems.resources import SystemResources
+
+log = logging.getLogger(__name__)
+
+
+def _fresh(op: MetadataOp) -> MetadataOp:
+    """``op`` with a copy of its value when that is a container: applying operations puts their
+    values into the metadata and later ones change them there, in place (a transaction tried
+    again must start from the operations as sent)."""
+    if not isinstance(op.value, dict | list):
+        return op
+    try:
+        return dataclasses.replace(op, value=orjson.loads(orjson.dumps(op.value)))  # JSON as it came (C speed)
+    except (orjson.JSONEncodeError, RecursionError):
+        # past 254 levels, an integer past 64 bits, a lone surrogate: a value that cannot be
+        # stored as it is (the metadata is written as orjson writes it), used as sent
+        return op
 
 
 class RunMetadataSystem:
@@ -31,7 +50,9 @@ class RunMetadataSystem:
         (``ValidationError``) or a run's metadata past ``max_metadata_bytes`` (``TooLargeError``)
         changes nothing. A parent or root that is gone (retention) is left out. Each run whose
         metadata changed is announced as a replacement is (``run_updated``: realtime streams).
-        → the run's metadata after them."""
+        A transaction PostgreSQL rolls back for a deadlock or a serialization failure (another
+        statement locking some of the same rows in another order) is run again, from the
+        operations as sent, a few times (``retry_conflicts``). → the run's metadata after them."""
         ops: dict[str, list[MetadataOp]] = {run.id: []}
         fields: dict[str, list[str]] = {run.id: []}
         for target, given, field in ((run.id, operations, "operations"),
@@ -41,6 +62,18 @@ class RunMetadataSystem:
                 ops.setdefault(target, []).extend(given)
                 fields.setdefault(target, []).append(field)
         limit = self.r.settings.max_metadata_bytes
+        after = await retry_conflicts(lambda: self._change(run, ops, fields, limit), log=log,
+                                      what=f"a metadata change of run {run.id}")
+        for run_id, (_, written) in after.items():
+            if written:
+                self.r.events.emit(RunEvent("run_updated", run_id, run.env_id, data={"what": "metadata"}))
+        own = after.get(run.id, (None, False))[0]
+        return own if isinstance(own, dict) else {}
+
+    async def _change(self, run: RunRow, sent: dict[str, list[MetadataOp]], fields: dict[str, list[str]],
+                      limit: int) -> dict[str, tuple[Any, bool]]:
+        """One try of :meth:`change`: its transaction, with fresh copies of the operations."""
+        ops = {run_id: [_fresh(op) for op in given] for run_id, given in sent.items()}
         budget = metadata_ops.Budget()
 
         def change(run_id: str, metadata: Any) -> Any:
@@ -61,9 +94,4 @@ class RunMetadataSystem:
                 raise too_deep
             return new
 
-        after = await self.r.repo.runs.change_metadata(run.env_id, ops.keys(), change)
-        for run_id, (_, written) in after.items():
-            if written:
-                self.r.events.emit(RunEvent("run_updated", run_id, run.env_id, data={"what": "metadata"}))
-        own = after.get(run.id, (None, False))[0]
-        return own if isinstance(own, dict) else {}
+        return await self.r.repo.runs.change_metadata(run.env_id, ops.keys(), change)

@@ -36,6 +36,16 @@ def test_postgresql_read_only_after_a_failover_is_a_503() -> None:
     assert error_payload(exc)[0] == 503
 
 
+@pytest.mark.parametrize("exc", [psycopg.errors.DeadlockDetected("deadlock detected"),
+                                 psycopg.errors.SerializationFailure("could not serialize access"),
+                                 psycopg.errors.LockNotAvailable("could not obtain lock on row"),
+                                 psycopg.errors.QueryCanceled("canceling statement due to statement timeout")])
+def test_a_postgresql_transaction_rolled_back_for_what_ran_beside_it_is_a_503(exc: Exception) -> None:
+    status, data, headers = error_payload(exc)  # (what a retry of the transaction did not get past)
+    assert status == 503 and data["error"]["code"] == "service_unavailable" and headers
+    assert headers["Retry-After"]
+
+
 def test_a_redis_error_of_the_engines_own_is_still_a_500() -> None:
     assert unavailable_dependency(redis_errors.ResponseError("WRONGTYPE Operation against a key")) is None
     assert unavailable_dependency(BaseParser.parse_error("ERR user_script:1: bad argument")) is None
