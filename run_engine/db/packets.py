@@ -8,6 +8,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from run_engine.records import record
 
+#: the first key of the advisory lock that makes one environment's uploads take turns
+_PUT_LOCK_CLASS = 0x5041434B  # "PACK"
+
 
 @record
 class UploadedPacket:
@@ -26,8 +29,11 @@ class PacketRepository:
         (False). A packet counts as its data and path, and as ``min_bytes`` at least: what bounds
         how many rows an environment keeps, and so what each upload's sum reads (an empty packet
         counted nothing, and the rows of a tenant uploading them had no bound). Their sizes are read
-        from the values' headers, not the values."""
-        async with self.pool.connection() as conn:
+        from the values' headers, not the values. The environment's uploads take turns (a
+        transaction-scoped advisory lock on it, the sum read after it is taken): two at once each
+        read the sum without the other's row, not yet committed, and both were stored past the cap."""
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_PUT_LOCK_CLASS, env_id))
             cur = await conn.execute(
                 """INSERT INTO uploaded_packet (environment_id, path, content_type, data, expires_at)
                    SELECT %(env)s, %(path)s, %(type)s, %(data)s::text, now() + make_interval(secs => %(ttl)s)

@@ -4,14 +4,21 @@ packet is the environment's own, bounded like any payload, and deleted once expi
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpx
 import orjson
+import psycopg
 import pytest
+from psycopg_pool import AsyncConnectionPool
 
 from run_engine.api import uploads
+from run_engine.db.packets import PacketRepository
 from run_engine.tenancy import ensure_environment
 
 from .conftest import Harness
@@ -187,3 +194,36 @@ async def test_empty_uploads_count_against_the_cap(h: Harness, api: httpx.AsyncC
     full = await api.put(f"{url.path}?{url.query}", content=b"",
                          headers={"Authorization": "", "Content-Type": "application/json"})
     assert full.status_code == 429, full.text
+
+
+async def test_uploads_at_once_never_pass_the_cap_together(h: Harness, database_url: str) -> None:
+    """The check of the cap and the write are one step per environment: an upload running beside
+    another (its row written, not yet committed) waits for it and counts its row; before, each read
+    the sum without the other's and both were stored, past the cap."""
+    packets = h.engine.resources.repo.packets
+    env = h.env.env_id
+    cap, each = 150, 100  # one packet fits, two do not
+
+    async with await psycopg.AsyncConnection.connect(database_url) as other:
+        class Held:  # the other upload's connection, its transaction left open
+            @contextlib.asynccontextmanager
+            async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+                yield other
+
+        await other.execute("SELECT 1")  # the transaction the other upload is made (and held) in
+        assert await PacketRepository(cast(AsyncConnectionPool, Held())).put(env, "one.json", "application/json",
+                                                                            '"1"', 3600, cap, each)
+        mine = (await (await other.execute("SELECT pg_backend_pid()")).fetchone() or [0])[0]
+        second = asyncio.ensure_future(packets.put(env, "two.json", "application/json", '"2"', 3600, cap, each))
+        deadline = time.monotonic() + 30
+        while not second.done():  # until the second is done, or waits for the first
+            cur = await other.execute("SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                                      (mine,))
+            if (await cur.fetchone() or [0])[0]:
+                break
+            assert time.monotonic() < deadline, "the second upload neither ended nor waited"
+            await asyncio.sleep(0.01)
+        await other.commit()
+        stored = await second
+    assert not stored  # refused: the two would pass the cap
+    assert set(await packets.get_many(env, ["one.json", "two.json"])) == {"one.json"}
