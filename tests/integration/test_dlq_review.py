@@ -43,19 +43,24 @@ async def test_a_dlq_page_whose_first_entries_are_of_deleted_runs_does_not_say_t
     assert seen == ids[2:]
 
 
+def cancel_failing_at(h: Harness, monkeypatch, at_run: str, why: str) -> None:  # type: ignore[no-untyped-def]
+    """Every cancel of ``at_run`` fails with ConnectionError(``why``) until ``monkeypatch`` is undone."""
+    cancel = h.engine.systems.cancel
+    real = cancel._cancel_one
+
+    async def fails_there(run_id: str):  # type: ignore[no-untyped-def]
+        if run_id == at_run:
+            raise ConnectionError(why)
+        return await real(run_id)
+
+    monkeypatch.setattr(cancel, "_cancel_one", fails_there)
+
+
 async def cancel_dying_at(h: Harness, monkeypatch, at_run: str,  # type: ignore[no-untyped-def]
                           act: Callable[[], Awaitable[object]], caught: type[Exception] = ConnectionError) -> None:
     """``act`` (a cancel, a bulk cancel's page) with the process dying as its cancel comes to
     ``at_run``: the runs before are cancelled, that one and those after are not."""
-    cancel = h.engine.systems.cancel
-    real = cancel._cancel_one
-
-    async def dies_there(run_id: str):  # type: ignore[no-untyped-def]
-        if run_id == at_run:
-            raise ConnectionError("the process died here")
-        return await real(run_id)
-
-    monkeypatch.setattr(cancel, "_cancel_one", dies_there)
+    cancel_failing_at(h, monkeypatch, at_run, "the process died here")
     try:
         await act()
     except caught:
@@ -280,15 +285,7 @@ async def test_a_cancel_whose_job_failed_every_attempt_is_taken_up_again_by_the_
     root, s = await started_run(h)
     (child_id,), out = await h.engine.trigger_and_wait(root.id, s.snapshot.id, 0, [req(h)])
     await h.engine.suspend(root.id, out.snapshot.id)
-    cancel = h.engine.systems.cancel
-    real = cancel._cancel_one
-
-    async def outage(run_id: str):  # type: ignore[no-untyped-def]
-        if run_id == child_id:
-            raise ConnectionError("PostgreSQL is away")
-        return await real(run_id)
-
-    monkeypatch.setattr(cancel, "_cancel_one", outage)
+    cancel_failing_at(h, monkeypatch, child_id, "PostgreSQL is away")
     monkeypatch.setattr(h.engine.resources.jobs, "max_attempts", 1)  # the outage outlasts the job's retries
     try:
         await h.engine.cancel(root.id)

@@ -322,11 +322,7 @@ async def test_engine_jobs_lost_alone_are_rearmed_whole(h: Harness) -> None:
     re-armed in the next pass, not left to the budgeted scans."""
     engine, jobs = h.engine, h.engine.resources.jobs
     reconciler = engine.systems.reconciler
-    await reconciler.reconcile(grace_s=-1)  # both epochs marked
-    run = await engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
-    (d,) = await engine.dequeue(h.env.worker_group_id, 1)
-    started = await engine.start_attempt(run.id, d.snapshot.id)
-    job = f"hb.{run.id}.{started.snapshot.id}"
+    job = await executing_run_heartbeat_job(h)  # both epochs marked first
     assert await jobs.missing([job]) == []
     await engine.redis.delete(*[k async for k in engine.redis.scan_iter(f"{jobs.base}*")])  # only the jobs' slot lost
     assert await engine.resources.queue.has_epoch()
@@ -343,11 +339,7 @@ async def test_an_epoch_key_that_holds_no_epoch_is_taken_as_lost(
     (logged): the data is restored from PostgreSQL and the key written again."""
     engine, jobs, q = h.engine, h.engine.resources.jobs, h.engine.resources.queue
     reconciler = engine.systems.reconciler
-    await reconciler.reconcile(grace_s=-1)  # both epochs marked
-    run = await engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
-    (d,) = await engine.dequeue(h.env.worker_group_id, 1)
-    started = await engine.start_attempt(run.id, d.snapshot.id)
-    job = f"hb.{run.id}.{started.snapshot.id}"
+    job = await executing_run_heartbeat_job(h)  # both epochs marked first
     await engine.redis.delete(*[k async for k in engine.redis.scan_iter(f"{jobs.base}*")])  # the jobs' data lost
     await engine.redis.set(jobs.epoch_key, "recheck:abc")  # and its epoch key spoilt
     report = await reconciler.reconcile(grace_s=0)
@@ -770,3 +762,13 @@ async def test_a_dequeue_that_stalls_in_its_split_and_starts_a_run_made_ready_ag
         await h.engine.complete_attempt(d.run.id, d.started.snapshot.id, ok=True)
     assert not {r.id for r in runs} & await q.running_ids(h.env.env_id)
     assert (await q.queue_stats(h.env.env_id, runs[0].queue)).queued == 0
+
+
+async def executing_run_heartbeat_job(h: Harness) -> str:
+    """Both epochs marked, then a run started: the id of its heartbeat job."""
+    engine = h.engine
+    await engine.systems.reconciler.reconcile(grace_s=-1)
+    run = await engine.trigger(TriggerRequest(env_id=h.env.env_id, task_id="hello"))
+    (d,) = await engine.dequeue(h.env.worker_group_id, 1)
+    started = await engine.start_attempt(run.id, d.snapshot.id)
+    return f"hb.{run.id}.{started.snapshot.id}"
