@@ -77,6 +77,12 @@ async def retry_conflicts(attempt: Callable[[], Awaitable[T]], *, attempts: int 
     raise AssertionError("unreachable")
 
 
+#: the exceptions that may be a dependency refusing writes (refusing_writes tells): the API answers
+#: those that are with the dependency errors' handler (a 503 and one warning line), the others as
+#: before (a 500 with its traceback)
+MAYBE_REFUSING = (psycopg.errors.ReadOnlySqlTransaction, redis_errors.ResponseError)
+
+
 def refusing_writes(exc: BaseException) -> str | None:
     """"postgres" or "redis" when ``exc`` is a dependency refusing writes for a while (an outage
     to the API's callers: 503), else None. PostgreSQL's read-only transaction is not an outage to

@@ -30,12 +30,12 @@ from run_engine.api import (
 )
 from run_engine.api.context import ApiContext
 from run_engine.api.headers import BaselineHeaders
-from run_engine.api.http import ApiError, handle_exception, json_response
+from run_engine.api.http import ApiError, handle_exception, handle_refusing, json_response
 from run_engine.api.inputs import RejectUnstorable
 from run_engine.api.openapi import openapi_document, operation
 from run_engine.api.routing import IndexedRouter
 from run_engine.api.schemas import Health, Index
-from run_engine.dependencies import DEPENDENCY_ERRORS
+from run_engine.dependencies import DEPENDENCY_ERRORS, MAYBE_REFUSING
 from run_engine.errors import RunEngineError
 
 
@@ -93,9 +93,11 @@ def create_app(ctx: ApiContext) -> Starlette:
         middleware=[Middleware(BaselineHeaders), Middleware(RejectUnstorable)],
         # Expected errors are answered by ExceptionMiddleware; anything else reaches
         # ServerErrorMiddleware, which answers with the same shape and logs the traceback.
-        # A dependency that cannot be reached is expected too (503), not a server error.
+        # A dependency that cannot be reached, or refuses writes for a while, is expected too (503),
+        # not a server error.
         exception_handlers={ApiError: handle_exception, RunEngineError: handle_exception,
                             HTTPException: handle_exception, **dict.fromkeys(DEPENDENCY_ERRORS, handle_exception),
+                            **dict.fromkeys(MAYBE_REFUSING, handle_refusing),
                             Exception: handle_exception},
     )
     # the same routes, tried only where the path can match (run_engine/api/routing.py)

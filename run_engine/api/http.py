@@ -129,6 +129,16 @@ async def handle_exception(request: Request, exc: Exception) -> Response:
     return json_response(data, status, headers)
 
 
+async def handle_refusing(request: Request, exc: Exception) -> Response:
+    """A dependency refusing writes for a while (dependencies.MAYBE_REFUSING) as the other outages
+    (:func:`handle_exception`: a 503, one warning line); any other such error is raised on, to the
+    server's error handler (a 500 with its traceback). Left to that handler alone, the refusals
+    were answered 503 but raised on after it too, a traceback in the server's log per request."""
+    if refusing_writes(exc) is None:
+        raise exc
+    return await handle_exception(request, exc)
+
+
 def redact(path: str) -> str:
     """A path as it may be logged: a callback URL's signature is a credential (also when the path
     spells the route's slashes or letters percent-encoded: it is routed decoded)."""

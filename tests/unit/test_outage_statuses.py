@@ -6,11 +6,16 @@ maxmemory answered 500 for that long failed runs that had succeeded."""
 
 from __future__ import annotations
 
+import logging
+from typing import cast
+
+import httpx
 import psycopg
 import pytest
 from redis import exceptions as redis_errors
 from redis._parsers.base import BaseParser
 
+from run_engine.api.context import ApiContext
 from run_engine.api.http import error_payload
 from run_engine.dependencies import refusing_writes, unavailable_dependency
 
@@ -50,3 +55,55 @@ def test_a_redis_error_of_the_engines_own_is_still_a_500() -> None:
     assert unavailable_dependency(redis_errors.ResponseError("WRONGTYPE Operation against a key")) is None
     assert unavailable_dependency(BaseParser.parse_error("ERR user_script:1: bad argument")) is None
     assert error_payload(redis_errors.ResponseError("ERR unknown command"))[0] == 500
+
+
+class _Refusing:
+    """An API context whose every credential check raises ``exc`` (where a request first reaches
+    PostgreSQL or Redis)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    async def env_auth(self, *args: object, **kwargs: object) -> None:
+        raise self.exc
+
+
+async def _answer(exc: Exception, *, raised_on: bool = True) -> httpx.Response:
+    """The app's answer to a request meeting ``exc``; raises what the app raises on after answering
+    (what a server logs with its traceback) unless not ``raised_on``."""
+    from run_engine.api.app import create_app
+
+    app = create_app(cast(ApiContext, _Refusing(exc)))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raised_on)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        return await client.get("/api/v1/batches/batch_x", headers={"Authorization": "Bearer k"})
+
+
+@pytest.mark.parametrize("exc", [
+    psycopg.errors.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction"),
+    *(BaseParser.parse_error(reply) for reply in (
+        "READONLY You can't write against a read only replica.",
+        "OOM command not allowed when used memory > 'maxmemory'.",
+        "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.",
+        "CLUSTERDOWN The cluster is down",
+        "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+        "TRYAGAIN Multiple keys request during rehashing of slot")),
+], ids=lambda exc: type(exc).__name__ + ":" + str(exc)[:10])
+async def test_the_api_answers_a_refusal_as_an_outage_in_one_line(
+        exc: Exception, caplog: pytest.LogCaptureFixture) -> None:
+    # (answered by Starlette's ServerErrorMiddleware, it was a 503 too, but raised on after it, to
+    # the server: a traceback in its log for every request during a failover; and without nosniff)
+    caplog.set_level(logging.WARNING)
+    answer = await _answer(exc)  # (not raised on)
+    assert answer.status_code == 503 and answer.headers["Retry-After"]
+    assert answer.json()["error"]["code"] == "service_unavailable"
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and not caplog.records[0].exc_info
+    assert answer.headers["X-Content-Type-Options"] == "nosniff"  # (answered inside the middleware)
+
+
+async def test_a_redis_error_of_the_engines_own_is_still_a_500_with_its_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    answer = await _answer(redis_errors.ResponseError("WRONGTYPE Operation against a key"), raised_on=False)
+    assert answer.status_code == 500 and answer.json()["error"]["code"] == "internal_error"
+    assert any(r.levelname == "ERROR" and r.exc_info for r in caplog.records)
