@@ -32,7 +32,7 @@ REDIS_REFUSING_REPLIES = ("READONLY ", "CLUSTERDOWN ", "MASTERDOWN ", "TRYAGAIN 
 # deadlock (40P01) or a serialization failure (40001). Psycopg raises them as OperationalError,
 # so the API answers them 503 like an outage (unavailable_dependency); a transaction that is one
 # idempotent unit is run again first (retry_conflicts).
-TRANSACTION_CONFLICTS = ("40P01", "40001")
+TRANSACTION_CONFLICTS = {"40P01": "deadlock detected", "40001": "serialization failure"}
 #: how many times retry_conflicts runs a transaction at most
 CONFLICT_ATTEMPTS = 3
 T = TypeVar("T")
@@ -56,7 +56,15 @@ def unavailable_dependency(exc: BaseException) -> str | None:
 def transaction_conflict(exc: BaseException) -> bool:
     """Whether PostgreSQL rolled ``exc``'s transaction back for a deadlock or a serialization
     failure (running it again may well succeed)."""
-    return isinstance(exc, psycopg.Error) and getattr(exc, "sqlstate", None) in TRANSACTION_CONFLICTS
+    return conflict_reason(exc) is not None
+
+
+def conflict_reason(exc: BaseException) -> str | None:
+    """"deadlock detected" or "serialization failure" when PostgreSQL rolled ``exc``'s transaction
+    back for one (what a message says instead of "unavailable": PostgreSQL answered), else None."""
+    if not isinstance(exc, psycopg.Error):
+        return None
+    return TRANSACTION_CONFLICTS.get(getattr(exc, "sqlstate", None) or "")
 
 
 async def retry_conflicts(attempt: Callable[[], Awaitable[T]], *, attempts: int = CONFLICT_ATTEMPTS,
@@ -98,7 +106,9 @@ def log_failure(log: logging.Logger, exc: BaseException, message: str, *args: ob
     """A dependency outage as one warning line (it is expected and retried); anything else with
     its traceback."""
     dependency = unavailable_dependency(exc)
-    if dependency is not None:
+    if (reason := conflict_reason(exc)) is not None:
+        log.warning(message + ": %s rolled the transaction back (%s); will retry", *args, dependency, reason)
+    elif dependency is not None:
         log.warning(message + ": %s unreachable (%s); will retry", *args, dependency, type(exc).__name__)
     else:
         log.error(message, *args, exc_info=exc)

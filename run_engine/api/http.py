@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from run_engine import jsontext
 from run_engine.api.inputs import is_number, needs_scan, too_many_containers, unstorable
-from run_engine.dependencies import refusing_writes
+from run_engine.dependencies import conflict_reason, refusing_writes
 from run_engine.errors import (
     ConflictError,
     DuplicateExecutionError,
@@ -108,8 +108,10 @@ def error_payload(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str] |
         return err(503, exc.code, str(exc), headers={"Retry-After": "2"})
     if (dependency := refusing_writes(exc)) is not None:
         name = {"postgres": "PostgreSQL", "redis": "Redis"}[dependency]
-        return err(503, "service_unavailable", f"{name} is unavailable; try again",
-                   {"dependency": dependency}, headers={"Retry-After": "2"})
+        reason = conflict_reason(exc)  # (PostgreSQL answered: what it did, not "unavailable")
+        message = (f"{name} rolled the transaction back ({reason}); try again" if reason
+                   else f"{name} is unavailable; try again")
+        return err(503, "service_unavailable", message, {"dependency": dependency}, headers={"Retry-After": "2"})
     if isinstance(exc, HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return err(exc.status_code, code, str(exc.detail))

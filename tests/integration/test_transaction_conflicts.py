@@ -95,6 +95,8 @@ async def test_past_its_tries_a_conflict_is_a_503_to_retry(
     tries = conflicting(monkeypatch, CONFLICT_ATTEMPTS, lambda: psycopg.errors.DeadlockDetected("deadlock detected"))
     answer = await api.put(path(run.id), json={"operations": [{"type": "set", "key": "b", "value": 2}]})
     assert answer.status_code == 503, answer.text
-    assert answer.headers["retry-after"] and answer.json()["error"]["code"] == "service_unavailable"
+    assert answer.headers["retry-after"] and answer.json()["error"] == {
+        "code": "service_unavailable", "dependency": "postgres",  # (as documented)
+        "message": "PostgreSQL rolled the transaction back (deadlock detected); try again"}  # not "unavailable"
     assert len(tries) == CONFLICT_ATTEMPTS
     assert await metadata(h, run.id) == {"a": 1}  # nothing written

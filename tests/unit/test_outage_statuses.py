@@ -17,7 +17,7 @@ from redis._parsers.base import BaseParser
 
 from run_engine.api.context import ApiContext
 from run_engine.api.http import error_payload
-from run_engine.dependencies import refusing_writes, unavailable_dependency
+from run_engine.dependencies import log_failure, refusing_writes, unavailable_dependency
 
 
 @pytest.mark.parametrize("reply", [
@@ -49,6 +49,32 @@ def test_a_postgresql_transaction_rolled_back_for_what_ran_beside_it_is_a_503(ex
     status, data, headers = error_payload(exc)  # (what a retry of the transaction did not get past)
     assert status == 503 and data["error"]["code"] == "service_unavailable" and headers
     assert headers["Retry-After"]
+
+
+@pytest.mark.parametrize(("exc", "reason"), [
+    (psycopg.errors.DeadlockDetected("deadlock detected"), "deadlock detected"),
+    (psycopg.errors.SerializationFailure("could not serialize access"), "serialization failure")])
+def test_a_postgresql_conflict_says_what_happened_not_unavailable(
+        exc: Exception, reason: str, caplog: pytest.LogCaptureFixture) -> None:
+    status, data, _ = error_payload(exc)
+    assert status == 503 and data["error"] == {  # the documented shape, with what happened
+        "code": "service_unavailable", "dependency": "postgres",
+        "message": f"PostgreSQL rolled the transaction back ({reason}); try again"}
+    log = logging.getLogger("run_engine.test_outage_statuses")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        log_failure(log, exc, "engine job %s failed", "job_1")
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records] == [
+        ("WARNING", f"engine job job_1 failed: postgres rolled the transaction back ({reason}); will retry", None)]
+
+
+def test_a_postgresql_outage_is_still_unavailable(caplog: pytest.LogCaptureFixture) -> None:
+    exc = psycopg.OperationalError("connection refused")
+    assert error_payload(exc)[1]["error"]["message"] == "PostgreSQL is unavailable; try again"
+    log = logging.getLogger("run_engine.test_outage_statuses")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        log_failure(log, exc, "claiming engine jobs failed")
+    assert [r.getMessage() for r in caplog.records] == [
+        "claiming engine jobs failed: postgres unreachable (OperationalError); will retry"]
 
 
 def test_a_redis_error_of_the_engines_own_is_still_a_500() -> None:
