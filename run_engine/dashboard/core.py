@@ -28,6 +28,8 @@ HERE = Path(__file__).parent
 FLASH_COOKIE = "re_flash"
 #: a form is small: the largest is a test run's payload, bounded by the payload limit
 FORM_OVERHEAD_BYTES = 64 * 1024
+#: the sign-in form, which anyone may post: a key, its token and where to go next (a page's filters)
+SIGN_IN_FORM_BYTES = FORM_OVERHEAD_BYTES
 #: what every dashboard answer carries: no framing (clickjacking), no inline script, no referrer
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -237,9 +239,11 @@ def action(handler: Callable[[Request, Dash, dict[str, str]], Awaitable[Response
     return wrapped
 
 
-async def read_form(request: Request, ctx: ApiContext) -> dict[str, str]:
-    """An ``application/x-www-form-urlencoded`` body, bounded in size; one value per field."""
-    raw = await read_body(request, ctx.engine.settings.max_payload_bytes * 3 + FORM_OVERHEAD_BYTES)  # percent-encoded
+async def read_form(request: Request, ctx: ApiContext, limit: int | None = None) -> dict[str, str]:
+    """An ``application/x-www-form-urlencoded`` body of at most ``limit`` bytes (by default the
+    largest a signed-in form may be: a payload, percent-encoded); one value per field."""
+    raw = await read_body(request, ctx.engine.settings.max_payload_bytes * 3 + FORM_OVERHEAD_BYTES
+                          if limit is None else limit)
     try:
         text = raw.decode("utf-8")
         fields = parse_qs(text, keep_blank_values=True, max_num_fields=50, errors="strict")

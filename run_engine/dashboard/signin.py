@@ -12,6 +12,7 @@ from run_engine.api.context import ctx_of
 from run_engine.api.http import ApiError
 from run_engine.dashboard.core import (
     FLASH_COOKIE,
+    SIGN_IN_FORM_BYTES,
     Dash,
     action,
     marks_since,
@@ -53,8 +54,8 @@ async def login_form(request: Request) -> Response:
 async def login(request: Request) -> Response:
     """``apiKey`` from the form: a session for its environment, or the form again with a 401."""
     ctx = ctx_of(request)
-    try:
-        form = await read_form(request, ctx)
+    try:  # before any check: bounded to what a sign-in needs (a signed-in form may be 9 MiB)
+        form = await read_form(request, ctx, SIGN_IN_FORM_BYTES)
     except ApiError as exc:
         return _form(request, error=exc.message, status=exc.status)
     next_path = _next(form.get("next"))
