@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from run_engine.api.context import ApiContext, EnvAuth, ctx_of
-from run_engine.api.http import ApiError, error_payload, read_body
+from run_engine.api.http import SCAN_OFF_LOOP_BYTES, ApiError, error_payload, read_body
 from run_engine.dashboard.session import COOKIE, Session, Sessions, clear_cookie, same, set_cookie, since_key
 from run_engine.dependencies import DEPENDENCY_ERRORS
 from run_engine.engine import Environment, RunEngine
@@ -244,6 +245,12 @@ async def read_form(request: Request, ctx: ApiContext, limit: int | None = None)
     largest a signed-in form may be: a payload, percent-encoded); one value per field."""
     raw = await read_body(request, ctx.engine.settings.max_payload_bytes * 3 + FORM_OVERHEAD_BYTES
                           if limit is None else limit)
+    # a large form (a payload of megabytes, percent-escaped: a second or two of unquoting) is parsed
+    # off the event loop: the loop's other requests, every tenant's, go on meanwhile
+    return await asyncio.to_thread(_parse_form, raw) if len(raw) > SCAN_OFF_LOOP_BYTES else _parse_form(raw)
+
+
+def _parse_form(raw: bytes | bytearray) -> dict[str, str]:
     try:
         text = raw.decode("utf-8")
         fields = parse_qs(text, keep_blank_values=True, max_num_fields=50, errors="strict")
