@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import secrets
-from urllib.parse import unquote
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,7 +27,9 @@ from run_engine.dependencies import DEPENDENCY_ERRORS, REDIS_DOWN
 
 
 def _next(value: str | None) -> str:
-    value = unquote(value or "")
+    """Where signing in goes: a dashboard path, as the page sent it (decoded once already, as a
+    query parameter or a form field: decoding it again changed a filter holding % or &)."""
+    value = value or ""
     return value if value.startswith("/dashboard/") and not value.startswith("//") else "/dashboard/runs"
 
 

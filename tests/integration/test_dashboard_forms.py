@@ -96,3 +96,23 @@ async def test_a_test_runs_payload_is_held_to_the_apis_bounds_and_decoded_off_th
         got = await c.post("/dashboard/runs/trigger", data={"csrf": csrf, "task": task, "payload": '{"a": 1}'})
         assert got.status_code == 303, got.text
         assert parsed_on == [True, True], parsed_on
+
+
+async def test_signing_in_goes_back_to_the_page_asked_for_as_it_was_asked(h: Harness) -> None:
+    """The page a signed-out browser asked for is where signing in goes, its query as it was: the
+    sign-in decoded next= once more than it was encoded, so a filter holding % or & (task=50%,
+    tag=a&b) came back another filter (task=50 with a stray %, tag=a and a field b)."""
+    async with api_client(h) as c:
+        c.headers.pop("Authorization")
+        asked = "/dashboard/runs?" + str(httpx.QueryParams({"task": "50%", "tag": "a&b=c"}))
+        sent = await c.get(asked)
+        assert sent.status_code == 303, sent.text
+        form = await c.get(sent.headers["location"])
+        found = re.search(r'name="next" value="([^"]*)"', form.text)
+        assert found is not None, form.text[:500]
+        signed = await c.post("/dashboard/login", data={"csrf": csrf_of(form.text), "apiKey": h.env.api_key,
+                                                        "next": found.group(1).replace("&amp;", "&")})
+        assert signed.status_code == 303 and signed.headers["location"] == asked, signed.headers
+        page = await c.get(signed.headers["location"])
+        assert page.status_code == 200
+        assert 'name="task" value="50%"' in page.text and 'name="tag" value="a&amp;b=c"' in page.text
