@@ -48,9 +48,17 @@ def unavailable_dependency(exc: BaseException) -> str | None:
     if isinstance(exc, REDIS_DOWN):
         return "redis"
     if isinstance(exc, REDIS_REFUSING) or (isinstance(exc, redis_errors.ResponseError)
-                                           and str(exc).startswith(REDIS_REFUSING_REPLIES)):
+                                           and _reply(exc).startswith(REDIS_REFUSING_REPLIES)):
         return "redis"
     return None
+
+
+def _reply(exc: redis_errors.ResponseError) -> str:
+    """Redis's error reply of ``exc``: a pipeline rewrites it as "Command # 2 (SET k v) of pipeline
+    caused error: ('MISCONF …',)" (the classes of the other refusals survive it, MISCONF's has none)."""
+    text = str(exc)
+    _, annotated, reply = text.partition(" of pipeline caused error: ")
+    return reply.lstrip("('\"") if annotated else text
 
 
 def transaction_conflict(exc: BaseException) -> bool:

@@ -19,7 +19,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from run_engine.api.context import ApiContext, EnvAuth, ctx_of
 from run_engine.api.http import SCAN_OFF_LOOP_BYTES, ApiError, error_payload, read_body
 from run_engine.dashboard.session import COOKIE, Session, Sessions, clear_cookie, same, set_cookie, since_key
-from run_engine.dependencies import DEPENDENCY_ERRORS
+from run_engine.dependencies import DEPENDENCY_ERRORS, MAYBE_REFUSING, refusing_writes
 from run_engine.engine import Environment, RunEngine
 from run_engine.errors import RunEngineError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
@@ -175,13 +175,16 @@ def key_hash(key: str) -> str:
     return hash_secret(key)
 
 
-#: what a page shows as an error page instead of the API's JSON answer
-EXPECTED = (ApiError, RunEngineError, *DEPENDENCY_ERRORS)
+#: what a page shows as an error page instead of the API's JSON answer (of MAYBE_REFUSING, a
+#: dependency refusing writes for a while: the others are the engine's own errors, 500s)
+EXPECTED = (ApiError, RunEngineError, *DEPENDENCY_ERRORS, *MAYBE_REFUSING)
 
 
 def _error_page(request: Request, dash: Dash | None, exc: Exception) -> Response:
     """The error page of ``exc``; without ``dash`` (the session could not be checked) it shows
     nothing of the environment."""
+    if isinstance(exc, MAYBE_REFUSING) and refusing_writes(exc) is None:
+        raise exc
     status, data, headers = error_payload(exc)
     response = render(request, "error.html", {"status": status, "message": data["error"]["message"],
                                               "title": "Error"}, dash=dash, status=status)

@@ -35,6 +35,21 @@ def test_a_redis_refusing_writes_for_a_while_is_a_503(reply: str) -> None:
     assert status == 503 and data["error"]["code"] == "service_unavailable" and headers
 
 
+async def test_a_redis_refusing_writes_in_a_pipeline_is_a_503() -> None:
+    """A pipeline rewrites the reply of the command that failed ("Command # 1 (SET k v) of pipeline
+    caused error: ('MISCONF …',)"): MISCONF, which redis-py gives no class of its own, was a 500."""
+    from redis.asyncio.client import Pipeline
+
+    exc = BaseParser.parse_error("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to "
+                                 "persist to disk.")
+    Pipeline.annotate_exception(cast(Pipeline, None), exc, 1, ("SET", "k", "v"))
+    assert "of pipeline caused error" in str(exc)
+    assert unavailable_dependency(exc) == "redis" and error_payload(exc)[0] == 503
+    other = BaseParser.parse_error("WRONGTYPE Operation against a key holding the wrong kind of value")
+    Pipeline.annotate_exception(cast(Pipeline, None), other, 1, ("SET", "k", "v"))
+    assert unavailable_dependency(other) is None
+
+
 def test_postgresql_read_only_after_a_failover_is_a_503() -> None:
     exc = psycopg.errors.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction")
     assert refusing_writes(exc) == "postgres"
