@@ -256,3 +256,25 @@ async def test_a_batch_all_of_whose_items_failed_is_stored_completed(h: Harness,
     assert sent["sealed"] is True
     assert (await api.get(f"/api/v2/batches/{batch_id}")).json()["status"] == "COMPLETED"
     assert await stored(h, batch_id) == ("COMPLETED", 2, 0, True)
+
+
+async def test_a_body_of_more_objects_and_arrays_than_a_json_body_may_hold_is_refused_whole(
+        h: Harness, api: httpx.AsyncClient) -> None:
+    """Each line under its own bound, the body together past the bound of any JSON body (the same
+    items sent as one JSON batch are refused): 413 before a line is decoded, nothing triggered."""
+    from run_engine.api.http import MAX_BODY_CONTAINERS
+
+    per_line = MAX_BODY_CONTAINERS // 1000 + 1
+    body = b"\n".join(line(i, payload=[[] for _ in range(per_line)]) for i in range(1000))
+    batch_id = await opened(api, 1000)
+    sent = await api.post(f"/api/v3/batches/{batch_id}/items", content=body, headers=NDJSON)
+    assert sent.status_code == 413, sent.text
+    error = sent.json()["error"]
+    assert error["code"] == "payload_too_large" and f"at most {MAX_BODY_CONTAINERS}" in error["message"]
+    got = (await api.get(f"/api/v2/batches/{batch_id}")).json()
+    assert got["runs"] == [] and got["processing"]["errors"] == []
+    # the same items in bodies under the bound are made
+    for half in (body.split(b"\n")[:500], body.split(b"\n")[500:]):
+        sent = await api.post(f"/api/v3/batches/{batch_id}/items", content=b"\n".join(half), headers=NDJSON)
+        assert sent.status_code == 200 and sent.json()["itemsAccepted"] == 500, sent.text
+    assert sent.json()["sealed"] is True
