@@ -5,6 +5,7 @@ batch, which seals and completes without it."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import httpx
@@ -278,3 +279,40 @@ async def test_a_body_of_more_objects_and_arrays_than_a_json_body_may_hold_is_re
         sent = await api.post(f"/api/v3/batches/{batch_id}/items", content=b"\n".join(half), headers=NDJSON)
         assert sent.status_code == 200 and sent.json()["itemsAccepted"] == 500, sent.text
     assert sent.json()["sealed"] is True
+
+
+async def test_a_stream_cut_off_by_its_client_is_a_400_and_its_retry_makes_the_items(
+        h: Harness, api: httpx.AsyncClient, caplog: pytest.LogCaptureFixture) -> None:
+    """The client goes half way through its body (a timeout, a crash): the request is answered 400
+    in the API's error shape (to nobody), not a 500 logged with its traceback; nothing is
+    triggered, and the SDK's retry of the whole stream makes every item."""
+    from run_engine.api.app import create_app
+    from run_engine.api.context import ApiContext
+
+    batch_id = await opened(api, 2)
+    body = line(0) + b"\n" + line(1)
+    path = f"/api/v3/batches/{batch_id}/items"
+    messages: list[dict[str, Any]] = [{"type": "http.request", "body": body[:30], "more_body": True},
+                                      {"type": "http.disconnect"}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    ctx: ApiContext = api._transport.app.state.ctx  # type: ignore[attr-defined]
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"authorization", f"Bearer {h.env.api_key}".encode()),
+                         (b"content-type", b"application/x-ndjson")],
+             "scheme": "http", "server": ("t", 80), "client": ("c", 1), "http_version": "1.1", "root_path": ""}
+    with caplog.at_level(logging.WARNING):
+        await create_app(ctx)(scope, receive, send)
+    assert sent[0]["status"] == 400
+    assert orjson.loads(sent[1]["body"])["error"]["code"] == "invalid_input"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert (await api.get(f"/api/v2/batches/{batch_id}")).json()["runs"] == []
+    retried = (await api.post(path, content=body, headers=NDJSON)).json()
+    assert (retried["itemsAccepted"], retried["sealed"]) == (2, True)
