@@ -16,6 +16,7 @@ from run_engine import heap
 from run_engine.api.access_log import AccessLog
 from run_engine.api.app import create_app
 from run_engine.api.context import ApiContext, costly_read_gate
+from run_engine.api.slow_requests import SLOW
 from run_engine.api.stalls import STALLS
 from run_engine.api.stalls import STATE_KEY as STALL_KEY
 from run_engine.engine import BATCH_DRAIN_S, RunEngine
@@ -51,6 +52,12 @@ def _http_protocol() -> type | str:
         # complete, and grows a header without end quadratically: one endless header held the
         # event loop for seconds before any of the counts below saw it)
 
+        # a request head or body that stops arriving is closed (run_engine/api/slow_requests.py):
+        # uvicorn bounds neither, and a connection that sends nothing stays open for ever
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            SLOW.head_begins(self)
+
         def data_received(self, data: bytes) -> None:
             if self._in_head:
                 if self._head_raw > MAX_HEAD_BYTES:
@@ -58,6 +65,8 @@ def _http_protocol() -> type | str:
                     self.send_400_response("request head too large")
                     return
                 self._head_raw += len(data)
+            else:
+                SLOW.body_arrives(self)
             super().data_received(data)
 
         def on_message_begin(self) -> None:
@@ -65,11 +74,17 @@ def _http_protocol() -> type | str:
             self._too_large = False
             self._in_head = True
             self._head_raw = 0
+            SLOW.head_begins(self)
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            SLOW.body_begins(self)
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            SLOW.done(self)
+            super().on_message_complete()
 
         def _count(self, n: int) -> None:
             self._head += n
@@ -99,6 +114,7 @@ def _http_protocol() -> type | str:
 
         def connection_lost(self, exc: Exception | None) -> None:
             STALLS.unwatch(self.transport)
+            SLOW.done(self)
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
