@@ -10,17 +10,21 @@ from psycopg_pool import AsyncConnectionPool
 from run_engine.db.rows import from_prefixed, select_as
 from run_engine.db.runs import LIGHT_RUN_COLUMNS, RunRow, Snapshot, run_row
 
+#: a parent that may still replay its journal: not finished, or in the DLQ (SYSTEM_FAILURE: a redrive
+#: reopens it, and it replays its journal then, as a restored run does)
+_PARENT_LIVE = "(p.finished_at IS NULL OR p.status = 'SYSTEM_FAILURE')"
 #: the conditions under which a finished run stays (see delete_finished_before): a run waits on its
-#: batch (its BATCH waitpoint is pending); its batch's idempotency key holds (a retried batch request
-#: answers with the batch's runs, and makes those it lacks again); or its parent has not finished
-#: (the status in a CASE: not the partial index of pending waitpoints, see waitpoints._IS_PENDING)
+#: batch (its BATCH waitpoint is pending: the status in a CASE, not the partial index of pending
+#: waitpoints, see waitpoints._IS_PENDING); its batch's idempotency key holds (a retried batch request
+#: answers with the batch's runs, and makes those it lacks again); or its parent may still replay its
+#: journal (_PARENT_LIVE)
 _BATCH_WAITED = ("EXISTS (SELECT 1 FROM waitpoint w WHERE w.completed_by_batch_id = {batch}"
                  " AND CASE WHEN w.status = 'PENDING' THEN true ELSE false END)")
 _RUN_STAYS = "NOT " + _BATCH_WAITED.format(batch="r.batch_id") + """
                  AND NOT EXISTS (SELECT 1 FROM batch_task_run b WHERE b.id = r.batch_id
                                    AND b.idempotency_key IS NOT NULL
                                    AND coalesce(b.idempotency_key_expires_at > now(), true))
-                 AND NOT EXISTS (SELECT 1 FROM task_run p WHERE p.id = r.parent_run_id AND p.finished_at IS NULL)"""
+                 AND NOT EXISTS (SELECT 1 FROM task_run p WHERE p.id = r.parent_run_id AND """ + _PARENT_LIVE + ")"
 _DOOMED_RUNS = f"""
 SELECT id, environment_id FROM task_run WHERE id IN (
     (SELECT r.id FROM task_run r WHERE r.finished_at IS NOT NULL AND r.idempotency_key IS NULL
@@ -40,11 +44,12 @@ ORDER BY finished_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED
 """
 
 #: batches past retention that none of their runs is left in (deleted, they would show a batch short of
-#: its runs), that nobody waits on and whose parent, if any, has finished (it reads its batch when it
-#: replays its journal). A batch nobody waits on is never marked completed: its age is its creation's.
+#: its runs), that nobody waits on and whose parent, if any, has finished and is not in the DLQ (it
+#: reads its batch when it replays its journal). A batch nobody waits on is never marked completed: its
+#: age is its creation's.
 _BATCH_GOES = """NOT EXISTS (SELECT 1 FROM task_run r WHERE r.batch_id = b.id)
            AND NOT """ + _BATCH_WAITED.format(batch="b.id") + """
-           AND NOT EXISTS (SELECT 1 FROM task_run p WHERE p.id = b.parent_run_id AND p.finished_at IS NULL)"""
+           AND NOT EXISTS (SELECT 1 FROM task_run p WHERE p.id = b.parent_run_id AND """ + _PARENT_LIVE + ")"
 _DOOMED_BATCHES = f"""
 WITH doomed AS (
     SELECT id FROM batch_task_run WHERE id IN (
@@ -210,10 +215,11 @@ class MaintenanceRepository:
             cur = await conn.execute(
                 # A child of a batch still pending stays: the batch counts its children to end its
                 # parent's wait, and one deleted would make it look short of runs (failed). So does
-                # a child of a run not finished: a batch's results are read from its children's rows
-                # whenever the parent replays its journal (restored, retried), and a child gone
-                # would read as never created. And a run whose idempotency key has not expired:
-                # deleted, it would free the key, and the same trigger would run the work again.
+                # a child of a run not finished or in the DLQ: a batch's results are read from its
+                # children's rows whenever the parent replays its journal (restored, retried,
+                # redriven), and a child gone would read as never created. And a run whose
+                # idempotency key has not expired: deleted, it would free the key, and the same
+                # trigger would run the work again.
                 # The runs without a key by their finish, those with one by their key's expiry (each
                 # its own partial index: the runs kept for their keys are never walked again).
                 _DOOMED_RUNS, {"age": age_s, "limit": limit})

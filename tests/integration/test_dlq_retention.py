@@ -408,3 +408,36 @@ async def test_redrive_all_refuses_filters_longer_than_any_name(dlq: tuple[Harne
         r = await client.post("/api/v1/dlq/redrive", json={field: "x" * 129})
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
         assert (await client.post("/api/v1/dlq/redrive", json={field: "x" * 128})).status_code == 200
+
+
+async def test_retention_keeps_the_children_of_a_dead_lettered_run_a_redrive_replays(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A run in the DLQ has finished (SYSTEM_FAILURE) but may be redriven, and its redrive replays
+    its journal, which reads a batch's results from the children's rows. Retention took the DLQ's
+    run for a finished parent and deleted its older children at once: redriven, the run read every
+    child of its batch as never created (RUN_NOT_CREATED) instead of their outputs."""
+    from .test_waitpoints import started_run
+
+    h: Harness = await make_engine(max_deliveries=1, retention_days=1)
+    await h.deploy({"id": "hello"})
+    parent, s = await started_run(h)
+    children, out = await h.engine.trigger_and_wait(parent.id, s.snapshot.id, 0, [
+        TriggerRequest(env_id=h.env.env_id, task_id="hello", payload=i) for i in range(2)], batch=True)
+    await h.engine.suspend(parent.id, out.snapshot.id)
+    got = await h.engine.dequeue(h.env.worker_group_id, 10)
+    assert sorted(d.run.id for d in got) == sorted(children)
+    for d in got:
+        st = d.started or await h.engine.start_attempt(d.run.id, d.snapshot.id)
+        await h.engine.complete_attempt(d.run.id, st.snapshot.id, ok=True, output=f"out-{d.run.id}")
+    assert [d.run.id for d in await h.engine.dequeue(h.env.worker_group_id, 10)] == [parent.id]  # never started
+    await h.advance(61)
+    assert (await h.engine.get_run(parent.id)).status == "SYSTEM_FAILURE"  # type: ignore[union-attr]
+    async with h.engine.resources.repo.pool.connection() as conn:  # a long run: its children finished long ago
+        await conn.execute("UPDATE task_run SET finished_at = now() - interval '2 days' WHERE id = ANY(%s)",
+                           (children,))
+    await h.engine.systems.reconciler.retention()
+    assert all([await h.engine.get_run(c) for c in children])  # before: deleted
+    await h.engine.redrive(h.env.env_id, parent.id)
+    (d,) = await h.engine.dequeue(h.env.worker_group_id, 10)
+    await h.engine.start_attempt(parent.id, d.snapshot.id)
+    (entry,) = (await h.engine.waitpoints.resolved_journal(parent.id)).entries
+    assert [item["output"] for item in entry["result"]] == [f"out-{c}" for c in children]
