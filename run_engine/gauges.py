@@ -3,11 +3,12 @@ and dead-lettered per environment and queue, the engine jobs' lag, the worker in
 Read from the shared stores, they are the same whichever server process is scraped, and the
 engine's hot path pays nothing for them.
 
-A scrape's cost is bounded: two short indexed queries, one aggregate over ``worker_instance``,
+A scrape's cost is bounded: a few short indexed queries, one aggregate over ``worker_instance``,
 two pipelined Redis round trips and one more for the jobs. At most :data:`MAX_ENVIRONMENTS`
-environments, :data:`MAX_QUEUES` queues (only of environments with runs queued or running) and
-:data:`MAX_WORKER_GROUPS` worker groups are read; ``run_engine_metrics_truncated`` says when more
-were left out."""
+environments, :data:`MAX_QUEUES` queues (only of environments with runs queued or running, shared
+out among them: each one's first queues by name before any one's next, so that one tenant's
+thousands of queues leave the others' in) and :data:`MAX_WORKER_GROUPS` worker groups are read;
+``run_engine_metrics_truncated`` says when more were left out."""
 
 from __future__ import annotations
 
@@ -46,11 +47,11 @@ async def collect(engine: RunEngine) -> list[Metric]:
     queues, jobs, workers = await asyncio.gather(
         _queues(r), r.jobs.stats(),
         r.repo.tenancy.connected_worker_instances(CONNECTED_WITHIN_S, MAX_WORKER_GROUPS + 1))
-    envs, env_counts, names, queue_counts = queues
+    envs, env_counts, names, more_queues, queue_counts = queues
     truncated = GaugeMetricFamily("run_engine_metrics_truncated", "1 when this scrape left series out: more "
                                   "environments, queues or worker groups than it reads.", labels=["what"])
     truncated.add_metric(["environments"], float(len(envs) > MAX_ENVIRONMENTS))
-    truncated.add_metric(["queues"], float(len(names) > MAX_QUEUES))
+    truncated.add_metric(["queues"], float(more_queues))
     truncated.add_metric(["worker_groups"], float(len(workers) > MAX_WORKER_GROUPS))
 
     env_queued = _gauge("run_engine_env_runs_queued", "Runs waiting in the queue (ready or in back-off) per "
@@ -93,13 +94,13 @@ def _gauge(name: str, documentation: str, *labels: str) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, labels=list(labels))
 
 
-async def _queues(r: SystemResources) -> tuple[list[str], list[tuple[int, int, int]], list[tuple[str, str]],
+async def _queues(r: SystemResources) -> tuple[list[str], list[tuple[int, int, int]], list[tuple[str, str]], bool,
                                                 list[tuple[int, int]]]:
     """Environments (one more than read, to tell truncation) with their counts, then the queues of
-    the active ones (likewise) with theirs."""
+    the active ones, shared out among them (and whether some were left out), with theirs."""
     envs = await r.repo.tenancy.environment_ids(MAX_ENVIRONMENTS + 1)
     env_counts = await r.queue.env_counts(envs[:MAX_ENVIRONMENTS])
     active = [e for e, (queued, running, _) in zip(envs, env_counts, strict=False) if queued or running]
-    names = await r.repo.deployments.queue_names(active, MAX_QUEUES + 1) if active else []
-    queue_counts = await r.queue.queue_counts(names[:MAX_QUEUES])
-    return envs, env_counts, names, queue_counts
+    names, more = await r.repo.deployments.queue_names(active, MAX_QUEUES) if active else ([], False)
+    queue_counts = await r.queue.queue_counts(names)
+    return envs, env_counts, names, more, queue_counts

@@ -16,6 +16,10 @@ from psycopg_pool import AsyncConnectionPool
 from run_engine.db.rows import from_row, from_row_or_none
 from run_engine.errors import ConflictError, UnprocessableError
 
+#: rounds of :meth:`DeploymentRepository.queue_names` (metrics): environments of few queues leave their
+#: share to the others, read in the next round
+QUEUE_SHARE_ROUNDS = 4
+
 #: the first key of the advisory lock that makes one environment's deployment registrations take
 #: turns (the second is the environment id's hash)
 _DEPLOY_LOCK_CLASS = 0x4445504C  # "DEPL"
@@ -462,13 +466,40 @@ class DeploymentRepository:
             await cur.execute("SELECT * FROM task_queue WHERE environment_id = %s ORDER BY name", (env_id,))
             return [_queue(r) for r in await cur.fetchall()]
 
-    async def queue_names(self, env_ids: Sequence[str], limit: int) -> list[tuple[str, str]]:
-        """(environment, queue name) of the queues of ``env_ids``, at most ``limit`` (metrics)."""
+    async def queue_names(self, env_ids: Sequence[str], limit: int) -> tuple[list[tuple[str, str]], bool]:
+        """(environment, queue name) of the queues of ``env_ids``, at most ``limit``, shared out
+        among the environments: each one's first queues (by name) before any one's next, so that
+        an environment of thousands of queues does not crowd the others out (metrics); and whether
+        queues were left out. Read in at most :data:`QUEUE_SHARE_ROUNDS` rounds, each of about
+        ``limit`` rows plus two per environment still being read."""
+        taken: dict[str, list[str]] = {e: [] for e in env_ids}
+        reading = list(taken)
+        budget = limit
         async with self.pool.connection() as conn:
-            cur = await conn.execute(
-                """SELECT environment_id, name FROM task_queue WHERE environment_id = ANY(%s)
-                   ORDER BY environment_id, name LIMIT %s""", (list(env_ids), limit))
-            return [(str(r[0]), str(r[1])) for r in await cur.fetchall()]
+            for _ in range(QUEUE_SHARE_ROUNDS):
+                if not reading or budget <= 0:
+                    break
+                share = -(-budget // len(reading))  # one more is read: whether there are more
+                cur = await conn.execute(
+                    """SELECT e.env, q.name FROM unnest(%s::text[], %s::text[]) AS e(env, after)
+                       CROSS JOIN LATERAL (SELECT name FROM task_queue
+                                           WHERE environment_id = e.env AND (e.after IS NULL OR name > e.after)
+                                           ORDER BY name LIMIT %s) q""",
+                    (reading, [taken[e][-1] if taken[e] else None for e in reading], share + 1))
+                got: dict[str, list[str]] = {}
+                for env, name in await cur.fetchall():
+                    got.setdefault(str(env), []).append(str(name))
+                still = []
+                for e in reading:
+                    names = got.get(e, [])
+                    taken[e] += names[:share]
+                    budget -= min(len(names), share)
+                    if len(names) > share:
+                        still.append(e)
+                reading = still
+        ranked = sorted((rank, i, env, name) for i, (env, names) in enumerate(taken.items())
+                        for rank, name in enumerate(names))
+        return [(env, name) for _, _, env, name in ranked[:limit]], bool(reading) or len(ranked) > limit
 
     async def set_queue_paused(self, env_id: str, name: str, paused: bool) -> TaskQueue | None:
         """The queue as it is once paused (or resumed), with its settings' version; None if missing."""
