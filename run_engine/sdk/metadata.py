@@ -88,8 +88,8 @@ async def _put(run_id: str, body: dict[str, Any]) -> Any:
 
 def _transient(exc: BaseException) -> bool:
     """A failure the server may get over (its operations are kept), not a refusal of them."""
-    if isinstance(exc, TaskError):
-        return exc.status >= 500 or exc.status in (408, 429)
+    if isinstance(exc, TaskError):  # bad_response: not the server's answer (a proxy's page)
+        return exc.status >= 500 or exc.status in (408, 429) or exc.code == "bad_response"
     return isinstance(exc, httpx.TransportError | OSError | json.JSONDecodeError)
 
 

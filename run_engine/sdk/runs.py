@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from run_engine.sdk.client import request
+from run_engine.sdk.client import expect, request
 
 
 async def retrieve(run_id: str) -> dict[str, Any]:
-    result: dict[str, Any] = await request("GET", f"/api/v3/runs/{run_id}")
-    return result
+    return expect(await request("GET", f"/api/v3/runs/{run_id}"), "id", "status", what=f"run {run_id}")
 
 
 async def list(**filters: str) -> dict[str, Any]:  # noqa: A001 - the SDK's documented name
@@ -19,15 +18,12 @@ async def list(**filters: str) -> dict[str, Any]:  # noqa: A001 - the SDK's docu
         params["page[size]"] = filters["size"]
     if "after" in filters:
         params["page[after]"] = filters["after"]
-    result: dict[str, Any] = await request("GET", "/api/v1/runs", params=params)
-    return result
+    return expect(await request("GET", "/api/v1/runs", params=params), "data", what="runs.list")
 
 
 async def cancel(run_id: str) -> dict[str, Any]:
-    result: dict[str, Any] = await request("POST", f"/api/v2/runs/{run_id}/cancel")
-    return result
+    return expect(await request("POST", f"/api/v2/runs/{run_id}/cancel"), "id", what=f"cancel {run_id}")
 
 
 async def replay(run_id: str) -> dict[str, Any]:
-    result: dict[str, Any] = await request("POST", f"/api/v1/runs/{run_id}/replay")
-    return result
+    return expect(await request("POST", f"/api/v1/runs/{run_id}/replay"), "id", what=f"replay {run_id}")

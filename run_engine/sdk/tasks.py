@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from run_engine.sdk import runtime
-from run_engine.sdk.client import request
+from run_engine.sdk.client import expect, request
+from run_engine.sdk.errors import TaskError
 
 MACHINES = {"micro": 256, "small-1x": 512, "small-2x": 1024, "medium-1x": 2048, "medium-2x": 4096,
             "large-1x": 8192, "large-2x": 16384}  # MiB of memory per preset
@@ -139,7 +140,8 @@ class Task:
         """Trigger a run of this task through the public API."""
         data = await request("POST", f"/api/v1/tasks/{self.id}/trigger",
                              json={"payload": payload, "options": options or {}})
-        return RunHandle(data["id"], data.get("isCached", False))
+        data = expect(data, "id", what=f"trigger {self.id}")
+        return RunHandle(data["id"], bool(data.get("isCached", False)))
 
     async def trigger_and_wait(self, payload: Any = None, options: dict[str, Any] | None = None) -> RunResult:
         """From inside a task: trigger a child run and wait for it (a RUN waitpoint); the parent
@@ -164,12 +166,19 @@ class Task:
         others' runs were made) raise :class:`BatchItemsFailedError`, which holds the handles."""
         data = await request("POST", "/api/v1/tasks/batch", json={
             "items": [{"task": self.id, "payload": p, "options": options or {}} for p in items]})
-        failed = {e["index"]: e for e in data.get("errors") or ()}
+        data = expect(data, "runs", what="batch trigger")
+        errors = data.get("errors") or []
+        if not isinstance(data["runs"], list) or not isinstance(errors, list) \
+                or not all(isinstance(e, dict) and isinstance(e.get("index"), int) for e in errors) \
+                or len(data["runs"]) + len(errors) != len(items):
+            raise TaskError(200, "bad_response", f"batch trigger: {len(items)} items answered with "
+                            f"{str(data)[:200]!r}")
+        failed = {e["index"]: e for e in errors}
         made = iter(data["runs"])  # the other items' runs, in their order
         handles: list[RunHandle | None] = []
         for index in range(len(items)):
-            run = None if index in failed else next(made)
-            handles.append(None if run is None else RunHandle(run["id"], run.get("isCached", False)))
+            run = None if index in failed else expect(next(made), "id", what="batch trigger")
+            handles.append(None if run is None else RunHandle(run["id"], bool(run.get("isCached", False))))
         if failed:
             raise BatchItemsFailedError(handles, list(failed.values()))
         return [h for h in handles if h is not None]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from run_engine.sdk import runtime
-from run_engine.sdk.client import request
+from run_engine.sdk.client import expect, request
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,8 +19,7 @@ class Token:
 
 
 async def _create(body: dict[str, Any]) -> dict[str, Any]:
-    data: dict[str, Any] = await request("POST", "/api/v1/waitpoints/tokens", json=body)
-    return data
+    return expect(await request("POST", "/api/v1/waitpoints/tokens", json=body), "id", "url", what="tokens.create")
 
 
 async def create(*, timeout: float | str | None = None, idempotency_key: str | None = None,  # noqa: ASYNC109
@@ -39,5 +38,5 @@ async def complete(token_id: str, data: Any = None) -> None:
 
 
 async def retrieve(token_id: str) -> dict[str, Any]:
-    result: dict[str, Any] = await request("GET", f"/api/v1/waitpoints/tokens/{token_id}")
-    return result
+    return expect(await request("GET", f"/api/v1/waitpoints/tokens/{token_id}"), "id", "status",
+                  what=f"token {token_id}")
