@@ -83,13 +83,14 @@ Sender = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
 
 async def _put(run_id: str, body: dict[str, Any]) -> Any:
-    return await request("PUT", f"/api/v1/runs/{run_id}/metadata", json=body, timeout=REQUEST_TIMEOUT_S)
+    # tried once: the flush has its own tries, and keeps the operations when they fail
+    return await request("PUT", f"/api/v1/runs/{run_id}/metadata", json=body, timeout=REQUEST_TIMEOUT_S, tries=1)
 
 
 def _transient(exc: BaseException) -> bool:
     """A failure the server may get over (its operations are kept), not a refusal of them."""
-    if isinstance(exc, TaskError):  # bad_response: not the server's answer (a proxy's page)
-        return exc.status >= 500 or exc.status in (408, 429) or exc.code == "bad_response"
+    if isinstance(exc, TaskError):  # status 0: no answer; bad_response: not the server's (a proxy's page)
+        return exc.status >= 500 or exc.status in (0, 408, 429) or exc.code == "bad_response"
     return isinstance(exc, httpx.TransportError | OSError | json.JSONDecodeError)
 
 

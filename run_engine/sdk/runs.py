@@ -22,8 +22,12 @@ async def list(**filters: str) -> dict[str, Any]:  # noqa: A001 - the SDK's docu
 
 
 async def cancel(run_id: str) -> dict[str, Any]:
-    return expect(await request("POST", f"/api/v2/runs/{run_id}/cancel"), "id", what=f"cancel {run_id}")
+    """Cancel the run (a no-op on a finished one: tried again after a lost answer)."""
+    return expect(await request("POST", f"/api/v2/runs/{run_id}/cancel", idempotent=True), "id",
+                  what=f"cancel {run_id}")
 
 
 async def replay(run_id: str) -> dict[str, Any]:
+    """A new run like ``run_id``. Each call makes one, so one whose answer was lost is not tried
+    again: it raises ``TaskError`` with code ``outcome_unknown`` (look at the runs before replaying again)."""
     return expect(await request("POST", f"/api/v1/runs/{run_id}/replay"), "id", what=f"replay {run_id}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from run_engine.sdk import runtime
-from run_engine.sdk.client import expect, request
+from run_engine.sdk.client import expect, sdk_key, send
 from run_engine.sdk.errors import TaskError
 
 MACHINES = {"micro": 256, "small-1x": 512, "small-2x": 1024, "medium-1x": 2048, "medium-2x": 4096,
@@ -137,11 +137,19 @@ class Task:
         return await asyncio.to_thread(self.fn, *args)
 
     async def trigger(self, payload: Any = None, options: dict[str, Any] | None = None) -> RunHandle:
-        """Trigger a run of this task through the public API."""
-        data = await request("POST", f"/api/v1/tasks/{self.id}/trigger",
-                             json={"payload": payload, "options": options or {}})
-        data = expect(data, "id", what=f"trigger {self.id}")
-        return RunHandle(data["id"], bool(data.get("isCached", False)))
+        """Trigger a run of this task through the public API. Without ``options["idempotencyKey"]``
+        the call carries one of its own (``sdk:<uuid>``), so that trying it again after a lost
+        answer finds the run the first try made instead of making another."""
+        options = dict(options or {})
+        own = options.get("idempotencyKey") is None
+        if own:
+            options["idempotencyKey"] = sdk_key()
+        answer = await send("POST", f"/api/v1/tasks/{self.id}/trigger",
+                            json={"payload": payload, "options": options}, idempotent=True)
+        data = expect(answer.data, "id", what=f"trigger {self.id}")
+        # a run found by the call's own key is the run this call made (a debounced run it joined is not)
+        cached = bool(data.get("isCached", False)) and not (own and answer.resent and "debounce" not in options)
+        return RunHandle(data["id"], cached)
 
     async def trigger_and_wait(self, payload: Any = None, options: dict[str, Any] | None = None) -> RunResult:
         """From inside a task: trigger a child run and wait for it (a RUN waitpoint); the parent
@@ -160,13 +168,17 @@ class Task:
         items = [{"task": self.id, "payload": p, "options": options or {}} for p in payloads]
         return [RunResult.of(r) for r in await rt.wait("batch", items=items, batch=True)]
 
-    async def batch_trigger(self, items: list[Any], options: dict[str, Any] | None = None) -> list[RunHandle]:
+    async def batch_trigger(self, items: list[Any], options: dict[str, Any] | None = None,
+                            idempotency_key: str | None = None) -> list[RunHandle]:
         """Trigger one run per payload in one request (up to 1,000): a handle per payload, in
         order. Items that made no run while the others did (a debounced item failing after the
-        others' runs were made) raise :class:`BatchItemsFailedError`, which holds the handles."""
-        data = await request("POST", "/api/v1/tasks/batch", json={
+        others' runs were made) raise :class:`BatchItemsFailedError`, which holds the handles.
+        The batch carries ``idempotency_key`` (the ``idempotency-key`` header), or one of its own,
+        so that trying it again after a lost answer makes no run twice."""
+        headers = {"idempotency-key": sdk_key() if idempotency_key is None else idempotency_key}
+        answer = await send("POST", "/api/v1/tasks/batch", headers=headers, idempotent=True, json={
             "items": [{"task": self.id, "payload": p, "options": options or {}} for p in items]})
-        data = expect(data, "runs", what="batch trigger")
+        data = expect(answer.data, "runs", what="batch trigger")
         errors = data.get("errors") or []
         if not isinstance(data["runs"], list) or not isinstance(errors, list) \
                 or not all(isinstance(e, dict) and isinstance(e.get("index"), int) for e in errors) \
@@ -174,11 +186,14 @@ class Task:
             raise TaskError(200, "bad_response", f"batch trigger: {len(items)} items answered with "
                             f"{str(data)[:200]!r}")
         failed = {e["index"]: e for e in errors}
+        # an item keyed by the batch (no key or debounce of its own) found by a retry is this call's own run
+        own = idempotency_key is None and answer.resent and not {"idempotencyKey", "debounce"} & set(options or {})
         made = iter(data["runs"])  # the other items' runs, in their order
         handles: list[RunHandle | None] = []
         for index in range(len(items)):
             run = None if index in failed else expect(next(made), "id", what="batch trigger")
-            handles.append(None if run is None else RunHandle(run["id"], bool(run.get("isCached", False))))
+            handles.append(None if run is None else RunHandle(run["id"], bool(run.get("isCached", False))
+                                                              and not own))
         if failed:
             raise BatchItemsFailedError(handles, list(failed.values()))
         return [h for h in handles if h is not None]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from run_engine.sdk import runtime
-from run_engine.sdk.client import expect, request
+from run_engine.sdk.client import expect, request, sdk_key, send
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +19,11 @@ class Token:
 
 
 async def _create(body: dict[str, Any]) -> dict[str, Any]:
-    return expect(await request("POST", "/api/v1/waitpoints/tokens", json=body), "id", "url", what="tokens.create")
+    own = "idempotencyKey" not in body  # a key of the call's own: its retry finds the token it made
+    answer = await send("POST", "/api/v1/waitpoints/tokens", idempotent=True,
+                        json={**body, "idempotencyKey": sdk_key()} if own else body)
+    data = expect(answer.data, "id", "url", what="tokens.create")
+    return {**data, "isCached": False} if own else data
 
 
 async def create(*, timeout: float | str | None = None, idempotency_key: str | None = None,  # noqa: ASYNC109
@@ -34,7 +38,8 @@ async def create(*, timeout: float | str | None = None, idempotency_key: str | N
 
 
 async def complete(token_id: str, data: Any = None) -> None:
-    await request("POST", f"/api/v1/waitpoints/tokens/{token_id}/complete", json={"data": data})
+    """Complete the token (the first completion wins: tried again after a lost answer)."""
+    await request("POST", f"/api/v1/waitpoints/tokens/{token_id}/complete", json={"data": data}, idempotent=True)
 
 
 async def retrieve(token_id: str) -> dict[str, Any]:
