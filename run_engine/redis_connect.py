@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import socket
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -52,6 +53,28 @@ async def close_fully(client: aioredis.Redis) -> None:
         raise
 
 
+#: a peer gone without a word (its host powered off, a network partition, a failover that moved
+#: the address): an idle connection is probed after 30 s, every 10 s, dropped after 3 probes
+#: unanswered; a command's bytes unacknowledged for 30 s drop it too (TCP_USER_TIMEOUT). Without
+#: them a command on such a connection waited for the kernel's retransmissions to give up (~15
+#: minutes) or for ever, the engine stalled behind it. A peer alive but slow (a long script, a
+#: Redis stopped for a while) is not cut: its kernel acknowledges.
+DEAD_PEER_S = 30
+KEEPALIVE_OPTIONS: dict[int, int] = {
+    option: value for option, value in ((getattr(socket, "TCP_KEEPIDLE", None), DEAD_PEER_S),
+                                        (getattr(socket, "TCP_KEEPINTVL", None), 10),
+                                        (getattr(socket, "TCP_KEEPCNT", None), 3),
+                                        (getattr(socket, "TCP_USER_TIMEOUT", None), DEAD_PEER_S * 1000))
+    if option is not None}
+
+
+def _tcp_options(url: str) -> dict[str, Any]:
+    """redis-py's keep-alive arguments for ``url`` (none for a Unix socket, which has no peer to lose)."""
+    if url.startswith("unix:"):
+        return {}
+    return {"socket_keepalive": True, "socket_keepalive_options": KEEPALIVE_OPTIONS}
+
+
 async def connect(url: str, *, max_connections: int = 64, connect_timeout_s: float = 5.0,
                   socket_timeout_s: float | None = None) -> aioredis.Redis:
     """A client for ``url``: a blocking pool of ``max_connections`` (callers wait for a connection
@@ -64,7 +87,7 @@ async def connect(url: str, *, max_connections: int = 64, connect_timeout_s: flo
         # (as on the standalone pool), with room left for pipelines and pub/sub connections
         cluster = cast(BoundedRedisCluster, BoundedRedisCluster.from_url(
             url, max_connections=2 * max_connections, socket_connect_timeout=connect_timeout_s,
-            socket_timeout=socket_timeout_s))
+            socket_timeout=socket_timeout_s, **_tcp_options(url)))
         cluster.bound(max_connections)
         cluster.pack_in_c()
         await cluster.initialize()
@@ -73,7 +96,7 @@ async def connect(url: str, *, max_connections: int = 64, connect_timeout_s: flo
         return cast(aioredis.Redis, cluster)
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=30,
                                                     socket_connect_timeout=connect_timeout_s,
-                                                    socket_timeout=socket_timeout_s)
+                                                    socket_timeout=socket_timeout_s, **_tcp_options(url))
     pool.connection_class = packing_in_c(pool.connection_class)
     return aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes it
 

@@ -12,7 +12,9 @@ import asyncio
 from typing import Any
 
 import orjson
+import psycopg
 from psycopg import AsyncConnection
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.json import set_json_dumps, set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
@@ -46,6 +48,25 @@ async def _configure(conn: AsyncConnection[Any]) -> None:
     await conn.execute("SET TimeZone = 'UTC'")
 
 
+#: libpq's keep-alives and TCP_USER_TIMEOUT (run_engine/redis_connect.py's DEAD_PEER_S for Redis):
+#: a PostgreSQL gone without a word (its host powered off, a partition, a failover that moved the
+#: address) drops the connection within about a minute instead of leaving a statement waiting for
+#: the kernel's retransmissions (~15 minutes) or for ever; a statement merely slow is not cut
+#: (PostgreSQL's kernel acknowledges). What the URL sets itself is kept.
+DEAD_PEER_OPTIONS = {"keepalives": "1", "keepalives_idle": "30", "keepalives_interval": "10",
+                     "keepalives_count": "3", "tcp_user_timeout": "30000"}
+
+
+def dead_peer_options(database_url: str) -> dict[str, str]:
+    """DEAD_PEER_OPTIONS but those ``database_url`` names itself."""
+    try:
+        own = conninfo_to_dict(database_url)
+    except psycopg.ProgrammingError:  # not a URL libpq reads: the connect says why
+        return {}
+    old_libpq = psycopg.pq.version() < 120000  # tcp_user_timeout came with libpq 12
+    return {k: v for k, v in DEAD_PEER_OPTIONS.items() if k not in own and not (old_libpq and k == "tcp_user_timeout")}
+
+
 class Repository:
     """The aggregates' repositories over one psycopg connection pool."""
 
@@ -70,7 +91,8 @@ class Repository:
             database_url,
             min_size=min_size,
             max_size=max_size,
-            kwargs={"autocommit": True, "prepare_threshold": 0, "connect_timeout": 5},
+            kwargs={"autocommit": True, "prepare_threshold": 0, "connect_timeout": 5,
+                    **dead_peer_options(database_url)},
             configure=_configure,
             timeout=acquire_timeout_s,
             open=False,
