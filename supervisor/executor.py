@@ -104,7 +104,8 @@ async def _run_one(msg: dict[str, Any], channel: Channel) -> dict[str, Any]:
                   task=TaskInfo(task.id), queue=QueueInfo(msg.get("queue", ""))) if task.wants_ctx else None
     # this task is what a suspension cancels; the task's code runs in it (and in its context)
     channel.begin(asyncio.current_task())
-    rt = runtime.Runtime(channel, msg.get("journal") or [], msg.get("journalNext"), msg["runId"], msg.get("metadata"))
+    rt = runtime.Runtime(channel, msg.get("journal") or [], msg.get("journalNext"), msg["runId"], msg.get("metadata"),
+                         msg.get("attempt"))
     token = runtime.activate(rt)
     failed: dict[str, Any] | None = None
     try:

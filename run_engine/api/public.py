@@ -92,19 +92,24 @@ def _may_trigger(auth: EnvAuth, task: str, action: str) -> None:
 
 #: the shapes of the idempotency keys the engine gives the runs it makes itself: a schedule's tick
 #: (``schedule:<schedule>:<tick>``), a batch's item (``<batch>:<index>``), a bulk replay's
-#: (``<action>:<run>``)
-ENGINE_KEY = re.compile(r"schedule:sched_[a-z0-9]+:.*|(?:batch|bulk)_[a-z0-9]+:.*", re.DOTALL)
+#: (``<action>:<run>``), and those the SDK gives a run's triggers and batches inside it
+#: (``sdk:<run>:<attempt>:…``, the same on every replay of the attempt: known to whoever reads the run)
+ENGINE_KEY = re.compile(r"schedule:sched_[a-z0-9]+:.*|(?:batch|bulk)_[a-z0-9]+:.*|" + r"sdk:run_[a-z0-9]+:.*",
+                        re.DOTALL)
+#: the shape of the batch keys the SDK gives a run's batches inside it
+RUN_BATCH_KEY = re.compile(r"sdk:run_[a-z0-9]+:.*", re.DOTALL)
+ENGINE_KEY_MESSAGE = ("has the shape of a key the engine gives its own runs (a schedule's tick, a batch's item, "
+                      "a bulk replay's, a run's trigger inside it), which only the environment's secret key may name")
 
 
 def _may_name_key(auth: EnvAuth, options: TriggerOptions | None, field: str) -> None:
     """A public access token names no key of the engine's own runs: a run it triggered with the
     next tick's key of a schedule (shown in its scheduled runs' ``idempotencyKey``) would be the run
-    of that tick, with the token holder's payload, and the schedule's would never be made."""
+    of that tick, with the token holder's payload, and the schedule's would never be made; one it
+    triggered with the key a run's next trigger inside it will carry would be that trigger's run."""
     key = options.idempotencyKey if options is not None else None
     if key is not None and auth.scopes is not None and ENGINE_KEY.fullmatch(key):
-        raise ApiError(403, "forbidden", f"{field}: has the shape of a key the engine gives its own runs (a "
-                                         "schedule's tick, a batch's item, a bulk replay's), which only the "
-                                         "environment's secret key may name")
+        raise ApiError(403, "forbidden", f"{field}: {ENGINE_KEY_MESSAGE}")
 
 
 def trigger_request(ctx: ApiContext, auth: EnvAuth, task: str, payload: Any, options: TriggerOptions | None,
@@ -189,12 +194,16 @@ async def with_parent(ctx: ApiContext, auth: EnvAuth, req: TriggerRequest, field
     return dataclasses.replace(req, root_run_id=parent.root_run_id or parent.id, depth=parent.depth + 1)
 
 
-def batch_key(request: Request) -> tuple[str | None, float | None]:
+def batch_key(request: Request, auth: EnvAuth) -> tuple[str | None, float | None]:
     """A one-request batch's idempotency key and its TTL in seconds, from the headers Trigger.dev's
-    SDK sends them in (``idempotency-key``, ``idempotency-key-ttl``; default 30 days)."""
+    SDK sends them in (``idempotency-key``, ``idempotency-key-ttl``; default 30 days). A public
+    access token names no key of the shape the SDK gives a run's batches inside it (that run's
+    batch would be the token's)."""
     key = request.headers.get("idempotency-key") or None
     if key is not None and len(key) > MAX_BATCH_KEY_CHARS:
         raise ApiError(400, "invalid_input", f"idempotency-key: at most {MAX_BATCH_KEY_CHARS} characters")
+    if key is not None and auth.scopes is not None and RUN_BATCH_KEY.fullmatch(key):
+        raise ApiError(403, "forbidden", f"idempotency-key: {ENGINE_KEY_MESSAGE}")
     ttl = request.headers.get("idempotency-key-ttl") or None
     if ttl is None:
         return key, None
@@ -463,7 +472,7 @@ async def _batch_token(ctx: ApiContext, auth: EnvAuth, batch_id: str, own: bool)
 async def batch_trigger(request: Request) -> Response:
     ctx = ctx_of(request)
     auth = await ctx.env_auth(request, run_token=True, public=True)
-    key, ttl_s = batch_key(request)
+    key, ttl_s = batch_key(request, auth)
     batch_id, answers, _, own = await _trigger_items(ctx, auth, await body(request, BatchBody), key, ttl_s)
     # an item that failed alone has no run: the runs are the other items', in their order
     out: dict[str, Any] = {"id": batch_id, "runs": [
@@ -491,7 +500,7 @@ async def batch_trigger_v2(request: Request) -> Response:
     strategy = request.headers.get("batch-processing-strategy") or "parallel"
     if strategy not in STRATEGIES:
         raise ApiError(400, "invalid_input", f"batch-processing-strategy: one of {', '.join(STRATEGIES)}")
-    key, ttl_s = batch_key(request)
+    key, ttl_s = batch_key(request, auth)
     req = await body(request, BatchV2Body)
     batch_id, answers, cached, own = await _trigger_items(ctx, auth, req, key, ttl_s)
     # the batch's number of items (a cached batch's runs may be fewer: items that joined others' runs)

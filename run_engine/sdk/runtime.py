@@ -6,6 +6,11 @@ number, the call returns the recorded result at once: this is how a run restored
 checkpoint (or retried) continues where it stopped. Otherwise the call does its work and the
 supervisor journals it through the worker API; a unique (run, sequence) makes a duplicate
 execution lose that insert race and stop.
+
+Fire-and-forget triggers (``Task.trigger``, ``Task.batch_trigger``) take no sequence number: each
+one without a key of the author's carries :meth:`Runtime.call_key`, the same on every execution of
+the attempt, so that a replay finds the run (or batch) its first execution made instead of making
+another; a run suspended by a version that journaled nothing for them replays as it did.
 """
 
 from __future__ import annotations
@@ -119,8 +124,10 @@ class Runtime:
     changes (run_engine/sdk/metadata.py), sent before each wait and when the attempt completes."""
 
     def __init__(self, channel: Channel, journal: list[dict[str, Any]], journal_next: int | None = None,
-                 run_id: str | None = None, metadata: Any = None) -> None:
+                 run_id: str | None = None, metadata: Any = None, attempt: int | None = None) -> None:
         self.channel = channel
+        self.attempt = attempt
+        self._calls: dict[str, int] = {}  # the triggers made so far outside steps, by what they trigger
         self.journal = {e["sequence"]: e for e in journal}
         self._next = 0
         self._more = journal_next
@@ -146,6 +153,22 @@ class Runtime:
                 f"{kind} {key!r}: task code must make the same journaled calls in the same order")
         return seq, entry
 
+    def call_key(self, what: str) -> str | None:
+        """The idempotency key of this attempt's next trigger of ``what`` (a task, or a batch of
+        one): ``sdk:<run>:<attempt>:<what>:<n>``, ``n`` counting this execution's triggers of
+        ``what`` from 0, so that every execution of the attempt (a restore replays the task from
+        its start) gives its n-th trigger the same key as the first did. A trigger inside a step's
+        function counts in that step (``sdk:<run>:<attempt>:s<sequence>:<what>:<n>``): a replay
+        returns the step's result without calling it, and the triggers after the step keep their
+        numbers. Another attempt (a retry) has keys of its own. None without a run (a test)."""
+        if self.run_id is None or self.attempt is None:
+            return None
+        scope = _step_calls.get()
+        where, calls = scope if scope is not None else ("", self._calls)
+        n = calls.get(what, 0)  # taken before any wait: concurrent calls count in the order they are made
+        calls[what] = n + 1
+        return f"sdk:{self.run_id}:{self.attempt}:{where}{what}:{n}"
+
     async def _page_up_to(self, seq: int) -> None:
         """Receive the journal's pages until the one holding ``seq`` (or its end)."""
         async with self._paging:
@@ -162,9 +185,13 @@ class Runtime:
         seq, entry = await self.take("step", name)
         if entry is not None:
             return entry["result"]
-        result = fn(*args, **kwargs)
-        if inspect.isawaitable(result):
-            result = await result
+        scope = _step_calls.set((f"s{seq}:", {}))  # the triggers the function makes count in this step
+        try:
+            result = fn(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+        finally:
+            _step_calls.reset(scope)
         try:
             encoded = orjson.dumps(result)
         except TypeError as exc:
@@ -208,6 +235,9 @@ def _same_wait(seq: int, entry: dict[str, Any], kind: str, request: dict[str, An
 
 
 _current: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("run_engine_runtime", default=None)
+#: while a step's function runs: where its triggers count (``s<sequence>:``) and their counts
+_step_calls: contextvars.ContextVar[tuple[str, dict[str, int]] | None] = contextvars.ContextVar(
+    "run_engine_step_calls", default=None)
 
 
 def current() -> Runtime | None:

@@ -138,17 +138,28 @@ class Task:
 
     async def trigger(self, payload: Any = None, options: dict[str, Any] | None = None) -> RunHandle:
         """Trigger a run of this task through the public API. Without ``options["idempotencyKey"]``
-        the call carries one of its own (``sdk:<uuid>``), so that trying it again after a lost
-        answer finds the run the first try made instead of making another."""
+        the call carries one of its own, so that trying it again after a lost answer finds the run
+        the first try made instead of making another: ``sdk:<uuid>``, or inside a task one that
+        every execution of the attempt gives this call (:meth:`runtime.Runtime.call_key`), so that
+        a run restored by replay gets back the run its first execution triggered (``is_cached``
+        False, as then) instead of triggering a second one, for the key's TTL (30 days, or
+        ``options["idempotencyKeyTTL"]``)."""
         options = dict(options or {})
         own = options.get("idempotencyKey") is None
+        in_run = False
         if own:
-            options["idempotencyKey"] = sdk_key()
+            rt = runtime.current()
+            key = rt.call_key(self.id) if rt is not None else None
+            in_run = key is not None
+            # its TTL the server's default (30 days) or the options' idempotencyKeyTTL: a longer one
+            # keeps the child (retention keeps a run while its key holds) as long
+            options["idempotencyKey"] = key if key is not None else sdk_key()
         answer = await send("POST", f"/api/v1/tasks/{self.id}/trigger",
                             json={"payload": payload, "options": options}, idempotent=True)
         data = expect(answer.data, "id", what=f"trigger {self.id}")
         # a run found by the call's own key is the run this call made (a debounced run it joined is not)
-        cached = bool(data.get("isCached", False)) and not (own and answer.resent and "debounce" not in options)
+        cached = bool(data.get("isCached", False)) and not (own and (in_run or answer.resent)
+                                                               and "debounce" not in options)
         return RunHandle(data["id"], cached)
 
     async def trigger_and_wait(self, payload: Any = None, options: dict[str, Any] | None = None) -> RunResult:
@@ -174,8 +185,13 @@ class Task:
         order. Items that made no run while the others did (a debounced item failing after the
         others' runs were made) raise :class:`BatchItemsFailedError`, which holds the handles.
         The batch carries ``idempotency_key`` (the ``idempotency-key`` header), or one of its own,
-        so that trying it again after a lost answer makes no run twice."""
-        headers = {"idempotency-key": sdk_key() if idempotency_key is None else idempotency_key}
+        so that trying it again after a lost answer makes no run twice; inside a task, one that
+        every execution of the attempt gives this call, so that a run restored by replay gets back
+        the batch its first execution made (as :meth:`trigger`; for 30 days)."""
+        rt = runtime.current() if idempotency_key is None else None
+        key = rt.call_key(f"batch:{self.id}") if rt is not None else None
+        in_run = key is not None
+        headers = {"idempotency-key": idempotency_key if idempotency_key is not None else key or sdk_key()}
         answer = await send("POST", "/api/v1/tasks/batch", headers=headers, idempotent=True, json={
             "items": [{"task": self.id, "payload": p, "options": options or {}} for p in items]})
         data = expect(answer.data, "runs", what="batch trigger")
@@ -187,7 +203,8 @@ class Task:
                             f"{str(data)[:200]!r}")
         failed = {e["index"]: e for e in errors}
         # an item keyed by the batch (no key or debounce of its own) found by a retry is this call's own run
-        own = idempotency_key is None and answer.resent and not {"idempotencyKey", "debounce"} & set(options or {})
+        own = idempotency_key is None and (in_run or answer.resent) \
+            and not {"idempotencyKey", "debounce"} & set(options or {})
         made = iter(data["runs"])  # the other items' runs, in their order
         handles: list[RunHandle | None] = []
         for index in range(len(items)):

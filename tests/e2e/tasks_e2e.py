@@ -284,3 +284,28 @@ async def metadata_parent(payload, ctx):
     child = await metadata_through_waits.trigger_and_wait({**payload, "child": True},
                                                           {"metadata": {"origin": "parent"}})
     return {"child": child.output, "current": metadata.current()}
+
+
+# --- fire-and-forget triggers inside a task, across a restore ------------------------------------
+
+async def _trigger_in_step(parent: str) -> str:
+    return (await echo.trigger({"n": "in step"}, {"tags": [parent]})).id
+
+
+@task(id="triggers-then-waits", retry={"max_attempts": 2, "min_timeout": 0.2, "factor": 1, "randomize": False})
+async def triggers_then_waits(payload, ctx):
+    """Triggers children without waiting for them (a run, one in a step, a batch of two, another
+    run), notes what it got, then waits on a token long enough to be suspended: restored, the task
+    runs from its start again. ``fail_first``: the first attempt fails after its wait."""
+    tags = {"tags": [ctx.run.id]}
+    child = await echo.trigger({"n": 1}, tags)
+    in_step = await ctx.step("in-step", _trigger_in_step, ctx.run.id)
+    batch = await echo.batch_trigger([{"n": 2}, {"n": 3}], tags)
+    after = await echo.trigger({"n": 4}, tags)
+    seen = {"attempt": ctx.attempt.number, "runs": [child.id, in_step, *(h.id for h in batch), after.id],
+            "cached": [child.is_cached, *(h.is_cached for h in batch), after.is_cached]}
+    _note(payload["log"], json.dumps(seen))
+    await wait.for_token(payload["token"])
+    if payload.get("fail_first") and ctx.attempt.number == 1:
+        raise RuntimeError("fails once, after its wait")
+    return seen
