@@ -283,10 +283,15 @@ LIMIT %(limit)s
 _FINISHED_CHILDREN = "(SELECT count(*) FROM task_run r WHERE r.batch_id = b.id AND r.finished_at IS NOT NULL)"
 
 #: the failures of %(failed)s a note counts: those of indexes not sent before (of the row as it was)
+#: and not made by this note
 _NEWLY_FAILED = ("(SELECT count(*) FROM unnest(%(failed)s::integer[]) AS f(i)"
-                 " WHERE NOT f.i = ANY(b.items_seen))::integer")
-#: the runs batch ``b`` completes with, its newly failed items counted
-_RUNS_LEFT = f"(b.size - b.items_failed - {_NEWLY_FAILED})"
+                 " WHERE NOT f.i = ANY(b.items_seen) AND NOT f.i = ANY(%(made)s::integer[]))::integer")
+#: the failures of batch ``b`` a note of %(made)s drops: an index made (by an overlapping stream)
+#: after another stream noted it failed has its run, and is no longer counted failed
+_UNFAILED = ("(SELECT count(*) FROM jsonb_object_keys(b.item_errors) AS k(i)"
+             " WHERE k.i::integer = ANY(%(made)s::integer[]))::integer")
+#: the runs batch ``b`` completes with, its newly failed items counted and its failures made dropped
+_RUNS_LEFT = f"(b.size - b.items_failed - {_NEWLY_FAILED} + {_UNFAILED})"
 #: whether the failures the note counts complete batch ``b``, as count_finished_children would have
 #: had they been counted first: its finished children (counted as they finish) reach the runs left
 _NOTE_COMPLETES = f"""(b.status = 'PENDING' AND {_NEWLY_FAILED} > 0 AND b.completed_count >= {_RUNS_LEFT}
@@ -296,15 +301,20 @@ _NOTE_BATCH_ITEMS = """
 -- note a batch's items sent: %(made)s triggered, %(failed)s failed on their own with %(errors)s
 -- ({"<index>": {taskIdentifier, error, errorCode}}). Every expression reads the row as it was (the
 -- transaction locked it first), so a failure is kept, and counted, only for an index not sent
--- before; and in the same statement the batch completes if its runs had all finished but for
--- these failures (they may be noted after its runs finished: a later stream, a retry after dying
--- before the note). Returns the indexes sent.
+-- before (nor made by this note); an index made that was noted failed (two overlapping streams:
+-- one failed it, the other then made its run) has its failure dropped and uncounted, so that no
+-- index is both a run and a failure (the batch would complete before that run finished); and in
+-- the same statement the batch completes if its runs had all finished but for these failures
+-- (they may be noted after its runs finished: a later stream, a retry after dying before the
+-- note). Returns the indexes sent.
 UPDATE batch_task_run b
 SET items_seen = ARRAY(SELECT DISTINCT i FROM unnest(b.items_seen || %(made)s::integer[] || %(failed)s::integer[])
                        AS i ORDER BY i),
-    item_errors = b.item_errors || coalesce((SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(%(errors)s) e
-                                             WHERE NOT e.key::integer = ANY(b.items_seen)), '{}'::jsonb),
-    items_failed = b.items_failed + """ + _NEWLY_FAILED + """,
+    item_errors = (b.item_errors - %(made)s::integer[]::text[])
+                  || coalesce((SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(%(errors)s) e
+                               WHERE NOT e.key::integer = ANY(b.items_seen)
+                                 AND NOT e.key::integer = ANY(%(made)s::integer[])), '{}'::jsonb),
+    items_failed = b.items_failed + """ + _NEWLY_FAILED + " - " + _UNFAILED + """,
     completed_count = CASE WHEN b.status = 'PENDING' AND """ + _NEWLY_FAILED + """ > 0
                                 AND b.completed_count >= """ + _RUNS_LEFT + """
                            THEN """ + _FINISHED_CHILDREN + """ ELSE b.completed_count END,
@@ -1074,7 +1084,9 @@ class WaitpointRepository:
         """Record that the items at ``indexes`` of a batch were triggered and those of ``failed``
         failed on their own; how many of its indexes have been sent, with these. A failure is kept
         only for an index not sent before (triggered, or failed already: the first failure stays),
-        so a retried stream changes nothing. The failures are counted (``items_failed``) and the
+        so a retried stream changes nothing; an index of ``indexes`` noted failed before (two
+        overlapping streams: one failed it, the other made its run) is no longer a failure, so that
+        no index is counted both as a run and as failed. The failures are counted (``items_failed``) and the
         batch completes, when its runs had all finished but for them, in one statement: they may
         come after its runs were made and counted as they finished (:meth:`count_finished_children`
         compares those with ``items_failed`` as it is then). The row is locked first, so that the
