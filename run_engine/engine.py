@@ -210,6 +210,11 @@ class RunEngine:
         items triggered so far; None for a run's batchTriggerAndWait batch or none."""
         return await self.resources.repo.waitpoints.open_batch_items(batch_id, env_id)
 
+    async def batch_indexes_run(self, batch_id: str, indexes: Sequence[int]) -> set[int]:
+        """Which of ``indexes`` of a streamed batch have a run of it, whatever their task or key (made
+        by a stream that may have died before noting them)."""
+        return await self.resources.repo.waitpoints.batch_indexes_run(batch_id, indexes) if indexes else set()
+
     async def reset_idempotency_key(self, env_id: str, task_id: str, key: str) -> bool:
         """Free an idempotency key of the task before its TTL, and the same key of the environment's
         batches; False when no run or batch holds it."""

@@ -61,6 +61,7 @@ class TriggerRequest:
     root_run_id: str | None = None
     depth: int = 0
     batch_id: str | None = None
+    batch_index: int | None = None  # a streamed batch's item: its index (one run an index)
     trigger_function: str = "trigger"
     ttl_s: float | None = None
     run_id: str | None = None  # given by callers that must know it before the insert
@@ -391,6 +392,7 @@ class EnqueueSystem:
             root_run_id=req.root_run_id,
             depth=req.depth,
             batch_id=req.batch_id,
+            batch_index=req.batch_index,
             trigger_function=req.trigger_function,
             resume_parent_on_completion=req.resume_parent_on_completion,
             ttl_s=None if ttl_s is None else int(ttl_s),

@@ -9,6 +9,7 @@ input, fails alone, is answered in ``errors`` and kept with the batch (its ``pro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -62,13 +63,17 @@ async def stream_items(request: Request) -> Response:
     # a large body is parsed and walked in a thread: not on the event loop every tenant shares
     lines = await asyncio.to_thread(read_lines, raw, size) if len(raw) > SCAN_OFF_LOOP_BYTES else read_lines(raw, size)
     errors = list(lines.errors)
-    # an index makes one run: one sent again (another task, another key, a key's TTL passed) is not
+    # an index makes one run: one sent again (another task, another key, a key's TTL passed) is not,
+    # nor one whose run a stream before made and did not note (it died first; or it overlaps this
+    # one): the batch's runs are found by their index (task_run.batch_index), and noted again
+    run_before = await ctx.engine.batch_indexes_run(batch_id, sorted({item.index for _, item in lines.items}))
     items: list[tuple[int, BatchStreamItem]] = []
     repeated = 0
     taken = set(seen)
     for number, item in lines.items:
-        if item.index in taken:
+        if item.index in taken or item.index in run_before:
             repeated += 1
+            taken.add(item.index)
             continue
         taken.add(item.index)
         items.append((number, item))
@@ -88,13 +93,15 @@ async def stream_items(request: Request) -> Response:
                                                  "idempotencyKeyTTL": None})
         try:
             # a parent must be a run of the caller's environment (refused otherwise), as for any trigger
-            requests.append((number, item, await with_parent(ctx, auth, trigger_request(
+            asked = await with_parent(ctx, auth, trigger_request(
                 ctx, auth, item.task, payload, options, f"items.{item.index}", batch_id=batch_id,
-                trigger_function="batchTrigger"), f"items.{item.index}.options.parentRunId", parents)))
+                trigger_function="batchTrigger"), f"items.{item.index}.options.parentRunId", parents)
+            requests.append((number, item, dataclasses.replace(asked, batch_index=item.index)))
         except ApiError as exc:
             errors.append(LineError.of(number, item, exc))
     triggered = await _trigger(ctx, requests, errors)  # the batch row exists (phase 1)
-    made = [item.index for item, _ in triggered]
+    # an index noted failed whose run was made (an overlapping stream) has that failure dropped
+    made = [item.index for item, _ in triggered] + sorted(run_before)
     # an item that failed counts as sent (the batch seals without it) unless its index was sent
     # before or made by another line: its first failure, in line order, is kept with the batch
     failed: dict[int, BatchItemError] = {}

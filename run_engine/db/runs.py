@@ -622,6 +622,7 @@ class NewRun:
     debounce_key: str | None = None  # while the run is DELAYED, triggers with this key join it
     debounce_deadline: datetime | None = None  # the latest date those triggers may push it to
     locked_to_version: str | None = None  # lockToVersion: the run is its deployment's only
+    batch_index: int | None = None  # the index of its streamed batch it was made as (migration 0053)
 
 
 #: what must hold for runs to be inserted, checked (and written) in the insert's transaction
@@ -639,7 +640,7 @@ WITH input AS (
         locked_to_deployment_id text, parent_run_id text, root_run_id text, depth int,
         batch_id text, trigger_function text, resume_parent_on_completion bool,
         queue_timestamp timestamptz, description text, debounce_key text, debounce_deadline timestamptz,
-        locked_to_version text)
+        locked_to_version text, batch_index int)
 ), runs AS (
     INSERT INTO task_run (
         id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
@@ -647,13 +648,13 @@ WITH input AS (
         delay_until, tags, metadata, max_attempts, retry, max_duration_s, machine,
         locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
         resume_parent_on_completion, queued_at, queue_timestamp, debounce_key, debounce_deadline,
-        locked_to_version)
+        locked_to_version, batch_index)
     SELECT id, environment_id, worker_group_id, task_identifier, payload, payload_type, status, queue,
         concurrency_key, priority_ms, idempotency_key, idempotency_key_expires_at, ttl_s,
         delay_until, coalesce(tags, '{}'), metadata, max_attempts, retry, max_duration_s, machine,
         locked_to_deployment_id, parent_run_id, root_run_id, depth, batch_id, trigger_function,
         coalesce(resume_parent_on_completion, false), CASE WHEN engine_status = 'QUEUED' THEN now() END,
-        coalesce(queue_timestamp, now()), debounce_key, debounce_deadline, locked_to_version
+        coalesce(queue_timestamp, now()), debounce_key, debounce_deadline, locked_to_version, batch_index
     FROM input
     /*conflict*/
     RETURNING id, created_at

@@ -282,14 +282,22 @@ LIMIT %(limit)s
 #: the finished children of batch ``b`` (a scalar subquery of an UPDATE of batch_task_run b)
 _FINISHED_CHILDREN = "(SELECT count(*) FROM task_run r WHERE r.batch_id = b.id AND r.finished_at IS NOT NULL)"
 
-#: the failures of %(failed)s a note counts: those of indexes not sent before (of the row as it was)
-#: and not made by this note
+#: the indexes of batch %(batch)s that have a run (task_run.batch_index, migration 0053: a streamed
+#: batch's runs; made by a stream that may not have noted them yet). Not correlated with the row
+#: updated (its id is the parameter): evaluated once, hashed
+_INDEXES_RUN = ("(SELECT r.batch_index FROM task_run r"
+                " WHERE r.batch_id = %(batch)s AND r.batch_index IS NOT NULL)")
+#: the failures of %(failed)s a note counts: those of indexes not sent before (of the row as it was),
+#: not made by this note and with no run of the batch
 _NEWLY_FAILED = ("(SELECT count(*) FROM unnest(%(failed)s::integer[]) AS f(i)"
-                 " WHERE NOT f.i = ANY(b.items_seen) AND NOT f.i = ANY(%(made)s::integer[]))::integer")
-#: the failures of batch ``b`` a note of %(made)s drops: an index made (by an overlapping stream)
-#: after another stream noted it failed has its run, and is no longer counted failed
-_UNFAILED = ("(SELECT count(*) FROM jsonb_object_keys(b.item_errors) AS k(i)"
-             " WHERE k.i::integer = ANY(%(made)s::integer[]))::integer")
+                 " WHERE NOT f.i = ANY(b.items_seen) AND NOT f.i = ANY(%(made)s::integer[])"
+                 f" AND f.i NOT IN {_INDEXES_RUN})::integer")
+#: the failures of batch ``b`` a note drops: an index made by this note, or that has a run of the
+#: batch, after another stream noted it failed (two overlapping streams: one failed it, the other
+#: made its run) is no longer counted failed
+_UNFAILING = ("(SELECT k.i FROM jsonb_object_keys(b.item_errors) AS k(i)"
+              f" WHERE k.i::integer = ANY(%(made)s::integer[]) OR k.i::integer IN {_INDEXES_RUN})")
+_UNFAILED = f"(SELECT count(*) FROM {_UNFAILING} AS u)::integer"
 #: the runs batch ``b`` completes with, its newly failed items counted and its failures made dropped
 _RUNS_LEFT = f"(b.size - b.items_failed - {_NEWLY_FAILED} + {_UNFAILED})"
 #: whether the failures the note counts complete batch ``b``, as count_finished_children would have
@@ -301,19 +309,21 @@ _NOTE_BATCH_ITEMS = """
 -- note a batch's items sent: %(made)s triggered, %(failed)s failed on their own with %(errors)s
 -- ({"<index>": {taskIdentifier, error, errorCode}}). Every expression reads the row as it was (the
 -- transaction locked it first), so a failure is kept, and counted, only for an index not sent
--- before (nor made by this note); an index made that was noted failed (two overlapping streams:
--- one failed it, the other then made its run) has its failure dropped and uncounted, so that no
--- index is both a run and a failure (the batch would complete before that run finished); and in
+-- before (nor made by this note, nor holding a run of the batch: task_run.batch_index); an index
+-- made, or holding a run, that was noted failed (two overlapping streams: one failed it, the other
+-- then made its run) has its failure dropped and uncounted, so that no index is both a run and a
+-- failure (the batch would complete before that run finished); and in
 -- the same statement the batch completes if its runs had all finished but for these failures
 -- (they may be noted after its runs finished: a later stream, a retry after dying before the
 -- note). Returns the indexes sent.
 UPDATE batch_task_run b
 SET items_seen = ARRAY(SELECT DISTINCT i FROM unnest(b.items_seen || %(made)s::integer[] || %(failed)s::integer[])
                        AS i ORDER BY i),
-    item_errors = (b.item_errors - %(made)s::integer[]::text[])
+    item_errors = (b.item_errors - ARRAY""" + _UNFAILING + """)
                   || coalesce((SELECT jsonb_object_agg(e.key, e.value) FROM jsonb_each(%(errors)s) e
                                WHERE NOT e.key::integer = ANY(b.items_seen)
-                                 AND NOT e.key::integer = ANY(%(made)s::integer[])), '{}'::jsonb),
+                                 AND NOT e.key::integer = ANY(%(made)s::integer[])
+                                 AND e.key::integer NOT IN """ + _INDEXES_RUN + """), '{}'::jsonb),
     items_failed = b.items_failed + """ + _NEWLY_FAILED + " - " + _UNFAILED + """,
     completed_count = CASE WHEN b.status = 'PENDING' AND """ + _NEWLY_FAILED + """ > 0
                                 AND b.completed_count >= """ + _RUNS_LEFT + """
@@ -1065,6 +1075,14 @@ class WaitpointRepository:
             row = await cur.fetchone()
             return None if row is None else (int(row[0]), set(row[1] or ()))
 
+    async def batch_indexes_run(self, batch_id: str, indexes: Sequence[int]) -> set[int]:
+        """Which of ``indexes`` of a streamed batch have a run of it (``task_run.batch_index``),
+        whatever their task or key: made by a stream, noted or not (one that died before its note)."""
+        async with self.pool.connection() as conn:
+            cur = await conn.execute("SELECT DISTINCT batch_index FROM task_run WHERE batch_id = %s"
+                                     " AND batch_index = ANY(%s)", (batch_id, list(indexes)))
+            return {int(r[0]) for r in await cur.fetchall()}
+
     async def batch_record(self, batch_id: str, env_id: str) -> BatchRecord | None:
         """The environment's batch as it was opened (or triggered in one request), or None."""
         async with self.pool.connection() as conn:
@@ -1084,9 +1102,11 @@ class WaitpointRepository:
         """Record that the items at ``indexes`` of a batch were triggered and those of ``failed``
         failed on their own; how many of its indexes have been sent, with these. A failure is kept
         only for an index not sent before (triggered, or failed already: the first failure stays),
-        so a retried stream changes nothing; an index of ``indexes`` noted failed before (two
-        overlapping streams: one failed it, the other made its run) is no longer a failure, so that
-        no index is counted both as a run and as failed. The failures are counted (``items_failed``) and the
+        so a retried stream changes nothing; a failure of an index that has a run of the batch
+        (``task_run.batch_index``: made by a stream not noted yet) is not kept either, and an index
+        of ``indexes`` (or one with a run) noted failed before (two overlapping streams: one failed
+        it, the other made its run) is no longer a failure, so that no index is counted both as a
+        run and as failed. The failures are counted (``items_failed``) and the
         batch completes, when its runs had all finished but for them, in one statement: they may
         come after its runs were made and counted as they finished (:meth:`count_finished_children`
         compares those with ``items_failed`` as it is then). The row is locked first, so that the
