@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 from urllib.parse import quote
 
 import httpx
 import typer
 from rich.console import Console
+from rich.errors import NotRenderableError
 from rich.markup import escape
 from rich.table import Table
 
@@ -21,10 +24,53 @@ NOT_STARTED = {"QUEUED", "DELAYED", "PENDING_VERSION"}
 console = Console(width=None if sys.stdout.isatty() else 240)
 err_console = Console(stderr=True)
 
-runs_app = typer.Typer(help="Inspect and control runs.", no_args_is_help=True)
-queues_app = typer.Typer(help="Inspect and control queues.", no_args_is_help=True)
-dlq_app = typer.Typer(help="The dead-letter queue.", no_args_is_help=True)
-tokens_app = typer.Typer(help="Waitpoint tokens that runs wait on.", no_args_is_help=True)
+F = TypeVar("F", bound=Callable[..., Any])
+# what reading an answer of another shape than the command expects raises (a field missing, a list
+# where an object was expected, a value a table cannot print)
+_SHAPE_ERRORS = (KeyError, IndexError, TypeError, AttributeError, NotRenderableError)
+_answers: list[tuple[str, str, int, str]] = []  # the command's answers so far: method, URL, status, body
+
+
+def _reads_answers(command: F) -> F:
+    """``command`` with an answer it cannot read (a 200 of another shape) said in one line with exit 1:
+    the request, its status and the start of the body, never a traceback."""
+
+    @functools.wraps(command)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        _answers.clear()
+        try:
+            return command(*args, **kwargs)
+        except _SHAPE_ERRORS as exc:
+            if not _answers:  # not from an answer: the CLI's own bug, with its traceback
+                raise
+            method, url, status, body = _answers[-1]
+            what = f"no field {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args \
+                else f"{type(exc).__name__}: {str(exc)[:100]}"
+            body = body[:200] or "an empty body"
+            err_console.print(f"{status}: not a run-engine answer from {method} {url} ({what}): {body}",
+                              style="red", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return guarded  # type: ignore[return-value]
+
+
+class _Commands(typer.Typer):
+    """A group of client commands, each registered through :func:`_reads_answers`."""
+
+    def command(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:
+        register = super().command(*args, **kwargs)
+
+        def decorator(f: F) -> F:
+            register(_reads_answers(f))
+            return f
+
+        return decorator
+
+
+runs_app = _Commands(help="Inspect and control runs.", no_args_is_help=True)
+queues_app = _Commands(help="Inspect and control queues.", no_args_is_help=True)
+dlq_app = _Commands(help="The dead-letter queue.", no_args_is_help=True)
+tokens_app = _Commands(help="Waitpoint tokens that runs wait on.", no_args_is_help=True)
 
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 ApiUrl = Annotated[str, typer.Option(envvar="RUN_ENGINE_API_URL", help="run-engine server URL.")]
@@ -44,6 +90,7 @@ def _call(url: str, key: str, method: str, path: str, **kwargs: Any) -> Any:
     except httpx.TransportError as exc:
         err_console.print(f"cannot reach {url}: {exc}", style="red", markup=False, highlight=False)
         raise typer.Exit(1) from None
+    _answers.append((method, str(r.request.url), r.status_code, r.text))
     try:
         data = r.json() if r.content else None
     except ValueError:  # a proxy's error page, another program on the port: not a run-engine server
@@ -152,9 +199,7 @@ def trigger(
             if run["status"] in NOT_STARTED and now - started > 2 and now - asked > 5:
                 # not started after a while: say why (no deployment has the task, a paused queue, a limit…)
                 asked = now
-                explained = _try_call(api_url, api_key, "GET", f"/api/v1/runs/{_seg(created['id'])}/explain")
-                if isinstance(explained, dict):
-                    why = explained.get("summary") or "; ".join(r["message"] for r in explained.get("reasons", []))
+                why = _why(_try_call(api_url, api_key, "GET", f"/api/v1/runs/{_seg(created['id'])}/explain"))
             elif run["status"] not in NOT_STARTED:
                 why = ""
             status.update(f"{created['id']}: {run['status']}" + (f" ({why})" if why else ""))
@@ -170,6 +215,14 @@ def trigger(
         console.print(run_view(run), soft_wrap=True, highlight=False)
     if run["status"] != "COMPLETED":
         raise typer.Exit(1)
+
+
+def _why(explained: Any) -> str:
+    """What an explain answers, in a line ("" when it answers nothing readable: it is only nice to have)."""
+    try:
+        return str(explained.get("summary") or "; ".join(str(r["message"]) for r in explained.get("reasons", [])))
+    except _SHAPE_ERRORS:
+        return ""
 
 
 @runs_app.command("list")
@@ -194,10 +247,11 @@ def runs_get(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: Ap
              as_json: AsJson = False) -> None:
     """Show one run: status, timeline, payload, output or the error with its stack (--json: the run object)."""
     run = _call(api_url, api_key, "GET", f"/api/v3/runs/{_seg(run_id)}")
+    view = run_view(run)  # also with --json: a run object, or an error
     if as_json:
         _emit(run, as_json)
         return
-    console.print(run_view(run), soft_wrap=True, highlight=False)
+    console.print(view, soft_wrap=True, highlight=False)
 
 
 def run_view(run: dict[str, Any]) -> str:
@@ -367,7 +421,7 @@ def tokens_get(token_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key
     token = _call(api_url, api_key, "GET", f"/api/v1/waitpoints/tokens/{_seg(token_id)}")
     table = _Table("field", "value")
     for key in ("id", "status", "output", "completedAt", "timeoutAt", "tags", "idempotencyKey", "url"):
-        if key in token:
+        if key in ("id", "status") or key in token:  # every token has these
             table.add_row(key, json.dumps(token[key]) if key in ("output", "tags") else str(token[key]))
     _emit(token, as_json, table=table)
 
@@ -413,8 +467,8 @@ def promote(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(trigger)
-    app.command()(promote)
+    app.command()(_reads_answers(trigger))
+    app.command()(_reads_answers(promote))
     app.add_typer(runs_app, name="runs")
     app.add_typer(queues_app, name="queues")
     app.add_typer(dlq_app, name="dlq")
@@ -422,4 +476,4 @@ def register(app: typer.Typer) -> None:
 
 
 def register_worker_groups(group: typer.Typer) -> None:
-    group.command("list")(worker_groups_list)
+    group.command("list")(_reads_answers(worker_groups_list))
