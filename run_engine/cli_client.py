@@ -7,6 +7,7 @@ import functools
 import json
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 from urllib.parse import quote
@@ -17,6 +18,8 @@ from rich.console import Console
 from rich.errors import NotRenderableError
 from rich.markup import escape
 from rich.table import Table
+
+from run_engine.sdk.client import _UNSENT, BACKOFF_S, MAX_RETRY_AFTER_S, RETRYABLE, TRIES, _retry_after
 
 FINAL = {"COMPLETED", "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT"}
 NOT_STARTED = {"QUEUED", "DELAYED", "PENDING_VERSION"}
@@ -77,32 +80,113 @@ ApiUrl = Annotated[str, typer.Option(envvar="RUN_ENGINE_API_URL", help="run-engi
 ApiKey = Annotated[str, typer.Option(envvar="RUN_ENGINE_API_KEY", help="Environment secret key.", show_default=False)]
 
 
-def _call(url: str, key: str, method: str, path: str, **kwargs: Any) -> Any:
+MAX_PAUSE_S = 5.0  # the longest pause between two tries of a patient call (a poll)
+POLL_PATIENCE_S = 60.0  # a poll fails after failing for this long (a failover, a restart: seconds)
+_sleep = time.sleep
+
+
+def _call(url: str, key: str, method: str, path: str, *, safe: bool | None = None, patience_s: float | None = None,
+          deadline: float | None = None, hint: str = "", on_retry: Callable[[str], None] | None = None,
+          **kwargs: Any) -> Any:
+    """One call of the API: its JSON answer, or a line on stderr and exit 1 (2 for a bad ``--api-url``).
+
+    As the SDK does (run_engine.sdk.client), a call is tried again only where that cannot do anything
+    twice: when it never reached the server, when it was refused before anything was done (429), and,
+    when it is ``safe`` (a GET; a call that does twice what it does once), when its answer was lost or
+    was a 5xx or 408. It is tried ``TRIES`` times, 0.5 s, 1 s, 2 s apart, or after the answer's
+    ``Retry-After`` (at most 60 s: longer gives up at once); with ``patience_s`` (a poll) until that
+    long after its first failure, pauses growing to ``MAX_PAUSE_S``; never past ``deadline``
+    (``time.monotonic()``). ``hint`` ends every error line; ``on_retry`` is told each failure tried again."""
+    return _send(url, key, method, path, safe=safe, patience_s=patience_s, deadline=deadline, hint=hint,
+                 on_retry=on_retry, **kwargs)[0]
+
+
+def _send(url: str, key: str, method: str, path: str, *, safe: bool | None = None, patience_s: float | None = None,
+          deadline: float | None = None, hint: str = "", on_retry: Callable[[str], None] | None = None,
+          **kwargs: Any) -> tuple[Any, bool]:
+    """:func:`_call`, also saying whether the call was sent again after a try whose outcome is unknown
+    (its answer lost, a 5xx: it may have been done)."""
     if not key:
         err_console.print("[red]set RUN_ENGINE_API_KEY (or --api-key) to an environment secret key[/red]")
         raise typer.Exit(2)
+    safe = method == "GET" if safe is None else safe
+    tail = f"; {hint}" if hint else ""
+    tries, first_failure, resent = 0, 0.0, False
+    while True:
+        tries += 1
+        wait: float | None = None
+        answer: httpx.Response | None = None
+        try:
+            r = httpx.request(method, f"{url.rstrip('/')}{path}", headers={"Authorization": f"Bearer {key}"},
+                              timeout=30, **kwargs)
+        except httpx.InvalidURL as exc:
+            err_console.print(f"invalid --api-url {url!r}: {exc}", style="red", markup=False, highlight=False)
+            raise typer.Exit(2) from None
+        except _UNSENT as exc:  # the server saw nothing
+            problem = f"cannot reach {url}: {exc}"
+        except httpx.TransportError as exc:
+            if not safe:
+                err_console.print(f"{method} {path}: the answer was lost ({type(exc).__name__}: {exc}); the server "
+                                  f"may have done it: look before doing it again{tail}", style="red", markup=False,
+                                  highlight=False, soft_wrap=True)
+                raise typer.Exit(1) from None
+            problem, resent = f"no answer from {url}: {type(exc).__name__}: {exc}", True
+        else:
+            if r.status_code < 400 or not (r.status_code == 429 or (safe and r.status_code in RETRYABLE)):
+                return _read(url, r, tail), resent
+            answer, wait = r, _retry_after(r)
+            problem = f"{r.status_code} {_error_text(r)}"
+            resent = resent or r.status_code != 429  # a 429 did nothing; a 5xx may have
+        now = time.monotonic()
+        first_failure = first_failure or now
+        pause = min(BACKOFF_S * 2 ** (tries - 1), MAX_PAUSE_S)
+        if wait is not None:
+            pause = max(wait, BACKOFF_S / 5)  # as the server asks (a Retry-After of 0 is not a busy loop)
+        if wait is not None and wait > MAX_RETRY_AFTER_S:
+            why = f"the server asks to wait {wait:.0f} s"
+        elif patience_s is None and tries >= TRIES:
+            why = f"{tries} tries"
+        elif patience_s is not None and now + pause - first_failure > patience_s:
+            why = f"{tries} tries over {now - first_failure:.0f} s"
+        elif deadline is not None and now + pause > deadline:
+            why = f"{tries} tries, out of time"
+        else:
+            if on_retry is not None:
+                on_retry(problem)
+            _sleep(pause)
+            continue
+        if answer is not None:  # said as any error answer is
+            _read(url, answer, f" (gave up after {why}){tail}")
+        err_console.print(f"{problem} (gave up after {why}){tail}", style="red", markup=False, highlight=False,
+                          soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def _error_text(r: httpx.Response) -> str:
+    """An error answer's code and message (its start when it is not run-engine's error body)."""
     try:
-        r = httpx.request(method, f"{url.rstrip('/')}{path}", headers={"Authorization": f"Bearer {key}"},
-                          timeout=30, **kwargs)
-    except httpx.InvalidURL as exc:
-        err_console.print(f"invalid --api-url {url!r}: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(2) from None
-    except httpx.TransportError as exc:
-        err_console.print(f"cannot reach {url}: {exc}", style="red", markup=False, highlight=False)
-        raise typer.Exit(1) from None
-    _answers.append((method, str(r.request.url), r.status_code, r.text))
+        error = r.json().get("error")
+        return f"{error['code']}: {error['message']}"
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return r.text[:200]
+
+
+def _read(url: str, r: httpx.Response, tail: str) -> Any:
+    """A final answer: its JSON, or a line on stderr and exit 1 for an error or what is not run-engine's."""
+    _answers.append((r.request.method, str(r.request.url), r.status_code, r.text))
     try:
         data = r.json() if r.content else None
     except ValueError:  # a proxy's error page, another program on the port: not a run-engine server
         err_console.print(f"{r.status_code}: not a run-engine answer from {url} "
-                          f"({r.headers.get('content-type', 'no content type')}): {r.text[:200]}",
+                          f"({r.headers.get('content-type', 'no content type')}): {r.text[:200]}{tail}",
                           style="red", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     if r.status_code >= 400:
         error = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+        error = error if isinstance(error, dict) else {}
         # the message may quote the caller's input (a name, a version): never read as rich markup
-        err_console.print(f"{r.status_code} {error.get('code', '')}: {error.get('message', r.text)}", style="red",
-                          markup=False, highlight=False, soft_wrap=True)
+        err_console.print(f"{r.status_code} {error.get('code', '')}: {error.get('message', r.text)}{tail}",
+                          style="red", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     return data
 
@@ -176,23 +260,33 @@ def trigger(
     except json.JSONDecodeError as exc:
         err_console.print(f"[red]--payload is not JSON: {exc}[/red]")
         raise typer.Exit(2) from None
-    given: dict[str, Any] = {"delay": delay, "ttl": ttl, "tags": tag or None, "idempotencyKey": idempotency_key,
+    # without a key of the caller's, one of the call's own (as the SDK's): a try whose answer was lost
+    # is sent again, and finds the run it made instead of making another
+    own = idempotency_key is None
+    given: dict[str, Any] = {"delay": delay, "ttl": ttl, "tags": tag or None,
+                             "idempotencyKey": f"cli:{uuid.uuid4().hex}" if own else idempotency_key,
                              "queue": queue, "concurrencyKey": concurrency_key, "maxAttempts": max_attempts}
     options = {k: v for k, v in given.items() if v is not None}
     if debounce_key is not None:
         options["debounce"] = {"key": debounce_key, "delay": debounce_delay, "mode": debounce_mode,
                                **({"maxDelay": debounce_max_delay} if debounce_max_delay else {})}
-    created = _call(api_url, api_key, "POST", f"/api/v1/tasks/{_seg(task)}/trigger",
-                    json={"payload": body, **({"options": options} if options else {})})
+    created, resent = _send(api_url, api_key, "POST", f"/api/v1/tasks/{_seg(task)}/trigger", safe=True,
+                            json={"payload": body, "options": options})
+    if own and resent and "debounce" not in options:
+        created["isCached"] = False  # found by the call's own key: the run this call made
     if not wait:
         _emit(created, as_json, text=f"triggered {created['id']}")
         return
     deadline = time.monotonic() + timeout
     started = time.monotonic()
     why, asked, pause = "", 0.0, 0.1
+    hint = f"{created['id']} was triggered (`run-engine runs get {created['id']}` shows it)"
     with console.status(f"waiting for {created['id']}…", spinner="dots") as status:
         while True:
-            run = _call(api_url, api_key, "GET", f"/api/v3/runs/{_seg(created['id'])}")
+            # a failover or a restart of the server is waited out (POLL_PATIENCE_S), the run goes on meanwhile
+            run = _call(api_url, api_key, "GET", f"/api/v3/runs/{_seg(created['id'])}", patience_s=POLL_PATIENCE_S,
+                        deadline=deadline, hint=hint,
+                        on_retry=lambda problem: status.update(f"{created['id']}: {escape(problem)}; trying again"))
             if run["status"] in FINAL:
                 break
             now = time.monotonic()
@@ -299,7 +393,8 @@ def _indented(value: Any) -> str:
 def runs_cancel(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "",
                 as_json: AsJson = False) -> None:
     """Cancel a run (no-op when it already finished)."""
-    _emit(_call(api_url, api_key, "POST", f"/api/v2/runs/{_seg(run_id)}/cancel"), as_json, text=f"cancelled {run_id}")
+    _emit(_call(api_url, api_key, "POST", f"/api/v2/runs/{_seg(run_id)}/cancel", safe=True), as_json,
+          text=f"cancelled {run_id}")
 
 
 @runs_app.command("replay")
@@ -410,7 +505,7 @@ def tokens_complete(
         err_console.print(f"[red]--data is not JSON: {exc}[/red]")
         raise typer.Exit(2) from None
     result = _call(api_url, api_key, "POST", f"/api/v1/waitpoints/tokens/{_seg(token_id)}/complete",
-                   json={"data": output})
+                   safe=True, json={"data": output})  # the first completion wins: twice is once
     _emit(result, as_json, text=f"completed {token_id}")
 
 
