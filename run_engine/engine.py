@@ -414,10 +414,12 @@ class RunEngine:
 
     async def change_metadata(self, run: RunRow, operations: Sequence[MetadataOp],
                               parent_operations: Sequence[MetadataOp] = (),
-                              root_operations: Sequence[MetadataOp] = ()) -> dict[str, Any]:
+                              root_operations: Sequence[MetadataOp] = (), *,
+                              request: tuple[str, str] | None = None) -> dict[str, Any]:
         """Metadata operations on ``run`` and on its parent and root, in one transaction; the
-        run's metadata after them (``systems/run_metadata.py``)."""
-        return await self.systems.run_metadata.change(run, operations, parent_operations, root_operations)
+        run's metadata after them (``systems/run_metadata.py``). ``request``: its idempotency key
+        and the digest of its body (a request sent again is applied once)."""
+        return await self.systems.run_metadata.change(run, operations, parent_operations, root_operations, request)
 
     async def add_tags(self, env_id: str, run_id: str, tags: Sequence[str], limit: int) -> list[str] | None:
         """Add tags (kept once, in order); ``None`` if the run would have more than ``limit``."""

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from run_engine import metadata_ops
-from run_engine.db.runs import RunRow
+from run_engine.db.runs import MetadataRequest, RunRow
 from run_engine.dependencies import retry_conflicts
 from run_engine.errors import TooLargeError, ValidationError
 from run_engine.events import RunEvent
@@ -42,7 +42,7 @@ class RunMetadataSystem:
         self.r = resources
 
     async def change(self, run: RunRow, operations: Sequence[MetadataOp], parent_operations: Sequence[MetadataOp],
-                     root_operations: Sequence[MetadataOp]) -> dict[str, Any]:
+                     root_operations: Sequence[MetadataOp], request: tuple[str, str] | None = None) -> dict[str, Any]:
         """Apply ``operations`` to ``run``, ``parent_operations`` to its parent and
         ``root_operations`` to its root (a run without a parent is its own parent and root, as in
         Trigger.dev: its SDK sends ``metadata.parent.*`` of a root run so), in that order, each
@@ -52,7 +52,13 @@ class RunMetadataSystem:
         metadata changed is announced as a replacement is (``run_updated``: realtime streams).
         A transaction PostgreSQL rolls back for a deadlock or a serialization failure (another
         statement locking some of the same rows in another order) is run again, from the
-        operations as sent, a few times (``retry_conflicts``). → the run's metadata after them."""
+        operations as sent, a few times (``retry_conflicts``). → the run's metadata after them.
+
+        ``request``: the request's idempotency key and the digest of its body. A request the run
+        remembers (its key and body, among the last few of the run's) was applied already: it is
+        answered with the run's metadata as it is, nothing applied again on any of the runs
+        (``ConflictError`` for its key with another body); one it does not is remembered in the
+        transaction that applies it (so a request rolled back is not)."""
         ops: dict[str, list[MetadataOp]] = {run.id: []}
         fields: dict[str, list[str]] = {run.id: []}
         for target, given, field in ((run.id, operations, "operations"),
@@ -62,7 +68,8 @@ class RunMetadataSystem:
                 ops.setdefault(target, []).extend(given)
                 fields.setdefault(target, []).append(field)
         limit = self.r.settings.max_metadata_bytes
-        after = await retry_conflicts(lambda: self._change(run, ops, fields, limit), log=log,
+        remember = MetadataRequest(run.id, *request) if request is not None else None
+        after = await retry_conflicts(lambda: self._change(run, ops, fields, limit, remember), log=log,
                                       what=f"a metadata change of run {run.id}")
         for run_id, (_, written) in after.items():
             if written:
@@ -71,7 +78,7 @@ class RunMetadataSystem:
         return own if isinstance(own, dict) else {}
 
     async def _change(self, run: RunRow, sent: dict[str, list[MetadataOp]], fields: dict[str, list[str]],
-                      limit: int) -> dict[str, tuple[Any, bool]]:
+                      limit: int, request: MetadataRequest | None) -> dict[str, tuple[Any, bool]]:
         """One try of :meth:`change`: its transaction, with fresh copies of the operations."""
         ops = {run_id: [_fresh(op) for op in given] for run_id, given in sent.items()}
         budget = metadata_ops.Budget()
@@ -94,4 +101,4 @@ class RunMetadataSystem:
                 raise too_deep
             return new
 
-        return await self.r.repo.runs.change_metadata(run.env_id, ops.keys(), change)
+        return await self.r.repo.runs.change_metadata(run.env_id, ops.keys(), change, request=request)

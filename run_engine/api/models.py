@@ -3,10 +3,12 @@ fields are ignored so that Trigger.dev's SDK can call run-engine."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -396,15 +398,18 @@ def metadata_operations(raw: list[Any] | None, field: str) -> tuple[MetadataOp, 
     return tuple(parse_op(op, f"{field}.{i}") for i, op in enumerate(raw or ()))
 
 
-def metadata_change(req: MetadataBody) -> tuple[tuple[MetadataOp, ...], tuple[MetadataOp, ...],
-                                                tuple[MetadataOp, ...]] | None:
+def metadata_change(req: MetadataBody, *, keyed: bool = False) -> tuple[tuple[MetadataOp, ...], tuple[MetadataOp, ...],
+                                                                      tuple[MetadataOp, ...]] | None:
     """The operations of a body on the run, its parent and its root, or None for a plain
-    replacement (``metadata`` alone, as before operations: one statement, no row lock). 400 for a
-    body with nothing to do, or more than :data:`MAX_METADATA_OPERATIONS` operations."""
+    replacement (``metadata`` alone, as before operations: one statement, no row lock; ``keyed``,
+    a request with an idempotency key: an ``update`` operation, as the key is remembered under the
+    row lock). 400 for a body with nothing to do, or more than :data:`MAX_METADATA_OPERATIONS`
+    operations."""
     if req.operations is None and not req.parentOperations and not req.rootOperations:
         if req.metadata is None:
             raise ValidationError("metadata", "Field required (or operations, parentOperations, rootOperations)")
-        return None
+        if not keyed:
+            return None
     count = sum(len(ops or ()) for ops in (req.operations, req.parentOperations, req.rootOperations))
     if count > MAX_METADATA_OPERATIONS:
         raise ValidationError("operations", f"at most {MAX_METADATA_OPERATIONS} operations a request (operations, "
@@ -413,6 +418,18 @@ def metadata_change(req: MetadataBody) -> tuple[tuple[MetadataOp, ...], tuple[Me
            else (MetadataOp("update", None, req.metadata, "metadata"),) if req.metadata is not None else ())
     return (own, metadata_operations(req.parentOperations, "parentOperations"),
             metadata_operations(req.rootOperations, "rootOperations"))
+
+
+def metadata_digest(req: MetadataBody) -> str:
+    """A digest of a metadata request's body (what a request sent again with its idempotency key
+    must be): of its fields as decoded, in the order they came (a client sends a try again as it
+    sent it)."""
+    fields = [req.metadata, req.operations, req.parentOperations, req.rootOperations]
+    try:
+        text = orjson.dumps(fields)
+    except (orjson.JSONEncodeError, RecursionError):  # an integer past 64 bits, past 254 levels
+        text = repr(fields).encode()
+    return hashlib.blake2b(text, digest_size=12).hexdigest()
 
 
 class TagsBody(_Body):

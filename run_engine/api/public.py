@@ -43,6 +43,7 @@ from run_engine.api.models import (
     TriggerBody,
     TriggerOptions,
     metadata_change,
+    metadata_digest,
     parse_date,
     parse_duration_s,
     parse_when,
@@ -56,6 +57,9 @@ from run_engine.errors import InvalidTransitionError
 from run_engine.statuses import FINAL_RUN_STATUSES, RunStatus
 
 log = logging.getLogger(__name__)
+
+#: the longest ``Idempotency-Key`` of a metadata request (the run's row keeps the last few)
+MAX_METADATA_KEY_CHARS = 256
 
 
 def _decode_payload(payload: Any, payload_type: str | None, field: str) -> Any:
@@ -842,7 +846,8 @@ async def explain_run(request: Request) -> Response:
     return json_response(explanation_object(await ctx.engine.explain(auth.env_id, request.path_params["run_id"])))
 
 
-@operation("Replace a run's metadata, or change it (and its parent's and root's) by operations", S.MetadataOut,
+@operation("Replace a run's metadata, or change it (and its parent's and root's) by operations (header "
+           "Idempotency-Key: a request sent again is applied once)", S.MetadataOut,
            body=MetadataBody, security="apiKeyOrRunToken")
 async def update_metadata(request: Request) -> Response:
     ctx = ctx_of(request)
@@ -850,8 +855,13 @@ async def update_metadata(request: Request) -> Response:
     run = await _own_run(ctx, auth, request.path_params["run_id"])
     if auth.run_id is not None and auth.run_id != run.id:
         raise ApiError(403, "forbidden", f"a run token may only {RUN_TOKEN_SCOPE}")
+    # the SDK's flush sends one with each request, and the same again when it tries it again
+    key = request.headers.get("idempotency-key") or None
+    if key is not None and len(key) > MAX_METADATA_KEY_CHARS:
+        raise ApiError(400, "invalid_input", f"Idempotency-Key: at most {MAX_METADATA_KEY_CHARS} characters")
     req = await body(request, MetadataBody)
-    change = metadata_change(req)  # every operation checked before anything is read or written
+    # every operation checked before anything is read or written
+    change = metadata_change(req, keyed=key is not None)
     limit = ctx.engine.settings.max_metadata_bytes
     if (req.operations is None and req.metadata is not None
             and (large := too_large(orjson.dumps(req.metadata), limit)) is not None):
@@ -861,7 +871,8 @@ async def update_metadata(request: Request) -> Response:
         return json_response({"metadata": req.metadata})
     # the run's parent and root are those its row names (never the body's): a run token reaches
     # them only through these operations
-    return json_response({"metadata": await ctx.engine.change_metadata(run, *change)})
+    keyed = (key, metadata_digest(req)) if key is not None else None
+    return json_response({"metadata": await ctx.engine.change_metadata(run, *change, request=keyed)})
 
 
 @operation("Add tags to a run (at most 10)", S.TagsOut, body=TagsBody, security="apiKeyOrRunToken")

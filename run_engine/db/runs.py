@@ -23,6 +23,7 @@ from psycopg_pool import AsyncConnectionPool
 from run_engine.batching import committed
 from run_engine.db.bounded import bounded_read
 from run_engine.db.rows import columns_of, from_prefixed, from_row, from_slice, select_as, to_columns
+from run_engine.errors import ConflictError
 from run_engine.records import evolve, record
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,39 @@ class RunRow:
     locked_to_version: str | None = None
 
 
+
+
+#: the requests with an idempotency key a run's metadata remembers (``task_run.metadata_requests``):
+#: enough for a client that sends one request at a time and tries it again until answered
+METADATA_REQUESTS_KEPT = 8
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataRequest:
+    """A request that changes the metadata of run ``run_id`` (and its parent's, its root's) sent
+    with an idempotency key: ``digest`` names its body (a key sent again with another body is a
+    conflict, not a repeat)."""
+
+    run_id: str
+    key: str
+    digest: str
+
+    @property
+    def entry(self) -> str:
+        """As ``task_run.metadata_requests`` keeps it (the digest is hex: the first ``:`` ends it)."""
+        return f"{self.digest}:{self.key}"
+
+    def seen_in(self, entries: Sequence[str]) -> bool:
+        """Whether ``entries`` hold this request; ``ConflictError`` if they hold its key with
+        another body."""
+        for entry in entries:
+            digest, _, key = entry.partition(":")
+            if key == self.key:
+                if digest != self.digest:
+                    raise ConflictError("Idempotency-Key", "names another request to this run's metadata "
+                                                           "(a key is one request's: its tries send the same body)")
+                return True
+        return False
 
 
 def run_row(row: dict[str, Any]) -> RunRow:
@@ -1240,20 +1274,35 @@ class RunRepository:
                 "seed_metadata = coalesce(seed_metadata, jsonb_build_array(metadata)), "
                 "updated_at = clock_timestamp() WHERE id = %s", (Jsonb(metadata), run_id))
 
-    async def change_metadata(self, env_id: str, run_ids: Collection[str],
-                              change: Callable[[str, Any], Any]) -> dict[str, tuple[Any, bool]]:
+    async def change_metadata(self, env_id: str, run_ids: Collection[str], change: Callable[[str, Any], Any], *,
+                              request: MetadataRequest | None = None) -> dict[str, tuple[Any, bool]]:
         """Change the metadata of the environment's runs among ``run_ids`` in one transaction:
         each row is locked (``FOR UPDATE``, in id order: two requests that touch the same runs
         wait for each other, never in a deadlock), ``change(run id, metadata)`` gives its new
         metadata (``None``: unchanged), and the changed ones are written in one statement, the
         first write keeping the trigger's metadata as the seed (as :meth:`set_metadata`). What
         ``change`` raises rolls everything back. → run id → (metadata after, written), for the
-        runs found."""
+        runs found.
+
+        With ``request`` (a request with an idempotency key, on the metadata of its run): read on
+        that run's locked row (``metadata_requests``, migration 0054), a request it names already
+        changes nothing (→ the metadata as it is, nothing written; ``ConflictError`` if its key
+        named another body), and one it does not is remembered there (the last
+        :data:`METADATA_REQUESTS_KEPT`) in this transaction, written or not."""
+        own = request.run_id if request is not None else None
         async with self.pool.connection() as conn, conn.transaction():
-            cur = await conn.execute("SELECT id, metadata FROM task_run WHERE id = ANY(%s) AND environment_id = %s "
-                                     "ORDER BY id FOR UPDATE", (sorted(run_ids), env_id))
+            cur = await conn.execute("SELECT id, metadata, CASE WHEN id = %s THEN metadata_requests END "
+                                     "FROM task_run WHERE id = ANY(%s) AND environment_id = %s "
+                                     "ORDER BY id FOR UPDATE", (own, sorted(run_ids), env_id))
+            rows = await cur.fetchall()
+            remembered: list[str] | None = None
+            for run_id, _, seen in rows:
+                if request is not None and run_id == own:
+                    if request.seen_in(seen or ()):  # sent again: its first try applied it
+                        return {r[0]: (r[1], False) for r in rows}
+                    remembered = [*(seen or ()), request.entry][-METADATA_REQUESTS_KEPT:]
             after: dict[str, tuple[Any, bool]] = {}
-            for run_id, metadata in await cur.fetchall():
+            for run_id, metadata, _ in rows:
                 new = change(run_id, metadata)
                 after[run_id] = (metadata, False) if new is None else (new, True)
             written = {run_id: m for run_id, (m, w) in after.items() if w}
@@ -1262,8 +1311,14 @@ class RunRepository:
                 await conn.execute(
                     "UPDATE task_run SET metadata = v.metadata, "
                     "seed_metadata = coalesce(task_run.seed_metadata, jsonb_build_array(task_run.metadata)), "
+                    "metadata_requests = CASE WHEN task_run.id = %s THEN %s::text[] "
+                    "ELSE task_run.metadata_requests END, "
                     "updated_at = clock_timestamp() FROM jsonb_each(%s) AS v(id, metadata) WHERE task_run.id = v.id",
-                    (Jsonb(written),))
+                    (own if remembered is not None else None, remembered, Jsonb(written)))
+            if remembered is not None and own not in written:
+                # nothing of its own changed (its parent's, its root's, or nothing at all): remembered
+                # all the same, without a change the run's readers would see (updated_at)
+                await conn.execute("UPDATE task_run SET metadata_requests = %s WHERE id = %s", (remembered, own))
         return after
 
     async def seed_metadata(self, run_ids: Sequence[str]) -> dict[str, Any]:

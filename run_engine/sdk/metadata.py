@@ -22,8 +22,13 @@ metadata, which becomes the copy (with the changes made since re-applied): what 
 (``metadata.parent.*`` of its children) shows after a flush. ``metadata.parent.*`` and ``root.*`` are
 not applied to the copy (a run without a parent is its own parent and root on the server).
 
-Failures: a server away or overloaded (5xx, 408, 429, unreachable) keeps the operations for the next
-flush (a flush before a wait or at completion tries 3 times, 0.5 s and 1 s apart, first; a suspension
+Each request carries an ``Idempotency-Key`` of its own, which the server applies once (it remembers
+a run's last few): a request whose answer was lost is kept whole, with its key, and sent again
+before the changes made since (in a request of their own), so an increment the server applied
+before the connection dropped is not counted twice.
+
+Failures: a server away or overloaded (5xx, 408, 429, unreachable, an answer lost) keeps the request
+for the next flush (a flush before a wait or at completion tries 3 times, 0.5 s and 1 s apart, first; a suspension
 sends nothing more: changes other code of the task made while the wait was pending and that were
 not sent yet are lost with the executor). A refusal
 (another 4xx: 413 metadata too large, 400 an operation the server refuses) drops the operations of
@@ -51,6 +56,7 @@ import asyncio
 import json
 import logging
 import threading
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -79,12 +85,15 @@ REQUEST_TIMEOUT_S = 10.0
 OWN, PARENT, ROOT = "operations", "parentOperations", "rootOperations"
 _NO_VALUE = object()
 
-Sender = Callable[[str, dict[str, Any]], Awaitable[Any]]
+#: (run id, body, its idempotency key) → the server's answer
+Sender = Callable[[str, dict[str, Any], str], Awaitable[Any]]
 
 
-async def _put(run_id: str, body: dict[str, Any]) -> Any:
-    # tried once: the flush has its own tries, and keeps the operations when they fail
-    return await request("PUT", f"/api/v1/runs/{run_id}/metadata", json=body, timeout=REQUEST_TIMEOUT_S, tries=1)
+async def _put(run_id: str, body: dict[str, Any], key: str) -> Any:
+    # tried once: the flush has its own tries, and keeps the operations when they fail; every try
+    # of a request carries its key, so that the server applies it once however many reach it
+    return await request("PUT", f"/api/v1/runs/{run_id}/metadata", json=body, timeout=REQUEST_TIMEOUT_S,
+                         headers={"Idempotency-Key": key}, tries=1)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -112,7 +121,10 @@ class RunMetadata:
         self._base: dict[str, Any] = seed if isinstance(seed, dict) else {}  # the server's, never changed
         self._local: dict[str, Any] = _copy(self._base)  # _base with the buffered own operations applied
         self._ops: dict[str, list[dict[str, Any]]] = {OWN: [], PARENT: [], ROOT: []}
-        self._count = 0
+        self._count = 0  # operations not sent yet, _unsent's included
+        # a request that failed without an answer (the server may have applied it): sent again as it
+        # was, with its key, before anything buffered since
+        self._unsent: tuple[str, dict[str, list[dict[str, Any]]]] | None = None
         self._lock = threading.Lock()
         self._flushing = asyncio.Lock()
         self._armed = False  # a timer or an automatic flush is on its way
@@ -289,12 +301,13 @@ class RunMetadata:
         async with self._flushing:
             while True:
                 with self._lock:
-                    body = self._take()
-                if body is None:
+                    taken = self._take()
+                if taken is None:
                     return
+                key, body = taken
                 for attempt in range(tries):
                     try:
-                        answer = await send(self.run_id, body)
+                        answer = await send(self.run_id, body, key)
                         break
                     except Exception as exc:
                         if _transient(exc) and attempt + 1 < tries:
@@ -302,14 +315,20 @@ class RunMetadata:
                             continue
                         with self._lock:
                             if _transient(exc):
-                                self._put_back(body)
+                                self._put_back(key, body)
                             else:
                                 self._rebase(None)  # without the refused ones
                         raise
                 with self._lock:
                     self._rebase(answer)
 
-    def _take(self) -> dict[str, list[dict[str, Any]]] | None:
+    def _take(self) -> tuple[str, dict[str, list[dict[str, Any]]]] | None:
+        """The next request: the one not answered before (as it was), else the buffered operations
+        (MAX_PER_REQUEST at most) under a new key."""
+        if self._unsent is not None:
+            unsent, self._unsent = self._unsent, None
+            self._count -= sum(len(ops) for ops in unsent[1].values())
+            return unsent
         if not self._count:
             return None
         body: dict[str, list[dict[str, Any]]] = {}
@@ -319,12 +338,14 @@ class RunMetadata:
             del ops[:room]
             room -= len(body[name])
         self._count -= MAX_PER_REQUEST - room
-        return body
+        return uuid.uuid4().hex, body
 
-    def _put_back(self, body: dict[str, list[dict[str, Any]]]) -> None:
-        for name, ops in body.items():
-            self._ops[name][:0] = ops
-            self._count += len(ops)
+    def _put_back(self, key: str, body: dict[str, list[dict[str, Any]]]) -> None:
+        """A request not answered is kept whole, with its key: the server may have applied it, and
+        a request with other operations (more buffered since, an increment folded into one of its)
+        would not be known as its repeat."""
+        self._unsent = (key, body)
+        self._count += sum(len(ops) for ops in body.values())
 
     def _rebase(self, answer: Any) -> None:
         """The copy: the server's metadata (its answer, else the last one) with the own operations

@@ -58,7 +58,7 @@ def conflicting(monkeypatch: pytest.MonkeyPatch, fails: int, exc: Callable[[], E
     real = RunRepository.change_metadata
     tries: list[int] = []
 
-    async def change_metadata(self: RunRepository, env_id: str, run_ids: Any, change: Any) -> Any:
+    async def change_metadata(self: RunRepository, env_id: str, run_ids: Any, change: Any, **kw: Any) -> Any:
         tries.append(len(tries) + 1)
 
         def then_fail(run_id: str, md: Any) -> Any:
@@ -67,7 +67,7 @@ def conflicting(monkeypatch: pytest.MonkeyPatch, fails: int, exc: Callable[[], E
                 raise exc()
             return new
 
-        return await real(self, env_id, run_ids, then_fail)
+        return await real(self, env_id, run_ids, then_fail, **kw)
 
     monkeypatch.setattr(RunRepository, "change_metadata", change_metadata)
     return tries

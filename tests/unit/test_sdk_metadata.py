@@ -34,11 +34,14 @@ class _Server:
         self._ops = metadata_ops
         self.metadata: dict[str, Any] = metadata or {}
         self.bodies: list[dict[str, Any]] = []
+        self.keys: list[str] = []  # each body's Idempotency-Key
+        self.tried: list[str] = []  # the key of every request, failed ones too
         self.fail: list[BaseException] = []
         self.gate: asyncio.Event | None = None  # held closed: a request waits (one under way)
         self.log: list[str] | None = None
 
-    async def __call__(self, run_id: str, body: dict[str, Any]) -> Any:
+    async def __call__(self, run_id: str, body: dict[str, Any], key: str) -> Any:
+        self.tried.append(key)
         if self.log is not None:
             self.log.append("metadata")
         if self.gate is not None:
@@ -46,6 +49,7 @@ class _Server:
         if self.fail:
             raise self.fail.pop(0)
         self.bodies.append(body)
+        self.keys.append(key)
         ops = [self._ops.parse_op(op, f"operations.{i}") for i, op in enumerate(body["operations"])]
         self.metadata, _ = self._ops.apply(self.metadata, ops, self._ops.Budget())
         return {"metadata": self.metadata}
@@ -226,6 +230,32 @@ async def test_the_server_away_keeps_the_changes_a_refusal_drops_them(server: _S
 
     await _in_task(body)
     assert len(server.bodies) == 1
+
+
+async def test_a_request_not_answered_goes_again_whole_with_its_key(server: _Server) -> None:
+    """The server may have applied a request whose answer was lost: it goes again as it was, with
+    its Idempotency-Key (the server applies a key once), and the changes made since in another."""
+    async def body() -> None:
+        metadata.increment("count")
+        metadata.parent.increment("children")
+        server.fail = [TaskError(0, "outcome_unknown", "the answer was lost")] * 3
+        with pytest.raises(TaskError, match="lost"):
+            await metadata.flush()
+        assert md_mod._state("x").pending == 2
+        metadata.increment("count", by=2)  # not folded into the kept request
+        metadata.parent.increment("children")
+        assert metadata.current() == {"count": 3}
+        await metadata.flush()
+        assert metadata.current() == {"count": 3} and md_mod._state("x").pending == 0
+
+    await _in_task(body)
+    assert server.bodies == [
+        {"operations": [{"type": "increment", "key": "count", "value": 1}],
+         "parentOperations": [{"type": "increment", "key": "children", "value": 1}], "rootOperations": []},
+        {"operations": [{"type": "increment", "key": "count", "value": 2}],
+         "parentOperations": [{"type": "increment", "key": "children", "value": 1}], "rootOperations": []}]
+    first, second = server.keys
+    assert first != second and server.tried == [first] * 4 + [second]
 
 
 async def test_changes_are_sent_about_every_second_without_a_flush(server: _Server, monkeypatch: pytest.MonkeyPatch,
