@@ -19,7 +19,7 @@ from rich.errors import NotRenderableError
 from rich.markup import escape
 from rich.table import Table
 
-from run_engine.sdk.client import _UNSENT, BACKOFF_S, MAX_RETRY_AFTER_S, RETRYABLE, TRIES, _retry_after
+from run_engine.sdk.client import BACKOFF_S, MAX_RETRY_AFTER_S, RETRYABLE, TRIES, UNSENT, retry_after
 
 FINAL = {"COMPLETED", "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT"}
 NOT_STARTED = {"QUEUED", "DELAYED", "PENDING_VERSION"}
@@ -122,7 +122,7 @@ def _send(url: str, key: str, method: str, path: str, *, safe: bool | None = Non
         except httpx.InvalidURL as exc:
             err_console.print(f"invalid --api-url {url!r}: {exc}", style="red", markup=False, highlight=False)
             raise typer.Exit(2) from None
-        except _UNSENT as exc:  # the server saw nothing
+        except UNSENT as exc:  # the server saw nothing
             problem = f"cannot reach {url}: {exc}"
         except httpx.TransportError as exc:
             if not safe:
@@ -134,7 +134,7 @@ def _send(url: str, key: str, method: str, path: str, *, safe: bool | None = Non
         else:
             if r.status_code < 400 or not (r.status_code == 429 or (safe and r.status_code in RETRYABLE)):
                 return _read(url, r, tail), resent
-            answer, wait = r, _retry_after(r)
+            answer, wait = r, retry_after(r)
             problem = f"{r.status_code} {_error_text(r)}"
             resent = resent or r.status_code != 429  # a 429 did nothing; a 5xx may have
         now = time.monotonic()

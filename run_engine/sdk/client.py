@@ -27,7 +27,7 @@ BACKOFF_S = 0.5  # then 1 s, 2 s
 MAX_RETRY_AFTER_S = 60.0  # a server asking for a longer pause is answered with its error at once
 RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 _pause = asyncio.sleep  # between tries (tests note the pauses instead)
-_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)  # the server saw nothing
+UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)  # the server saw nothing
 
 
 def _config() -> tuple[str, str]:
@@ -44,7 +44,7 @@ class Answer:
     resent: bool  # sent again after a try whose outcome is unknown (its answer lost, a 5xx): it may have been done
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def retry_after(response: httpx.Response) -> float | None:
     value = response.headers.get("retry-after")
     if not value:
         return None
@@ -83,7 +83,7 @@ async def send(method: str, path: str, json: Any = None, params: dict[str, str] 
             pause = BACKOFF_S * 2 ** (attempt - 1)
             try:
                 response = await client.request(method, path, json=json, params=params)
-            except _UNSENT as exc:
+            except UNSENT as exc:
                 if last:
                     raise TaskError(0, "unreachable", f"{method} {path}: cannot reach {url} "
                                     f"({type(exc).__name__}: {exc}) after {tries} tries") from None
@@ -100,7 +100,7 @@ async def send(method: str, path: str, json: Any = None, params: dict[str, str] 
                 status = response.status_code
                 if status < 400:
                     return Answer(_decode(response, method, path), resent)
-                wait = _retry_after(response)
+                wait = retry_after(response)
                 again = not last and (status == 429 or (safe and status in RETRYABLE)) \
                     and (wait is None or wait <= MAX_RETRY_AFTER_S)
                 if not again:
