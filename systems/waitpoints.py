@@ -43,7 +43,7 @@ from run_engine.errors import (
 )
 from run_engine.events import RunEvent
 from run_engine.ids import new_id
-from run_engine.statuses import EXECUTING, ExecutionStatus, RunStatus
+from run_engine.statuses import EXECUTING, FINAL_RUN_STATUSES, ExecutionStatus, RunStatus
 from systems import engine_jobs
 from systems.resources import SystemResources
 
@@ -80,6 +80,20 @@ def batch_runs(result: Any) -> list[str]:
 def is_batch_entry(result: Any) -> bool:
     """Whether a journal entry's stored result names a batch's runs."""
     return isinstance(result, dict) and isinstance(result.get(RUN_IDS), list)
+
+
+def _gone(e: JournalEntry) -> bool:
+    """A wait whose waitpoint no longer exists: one retention deleted, which it does only once it
+    has completed. A block now never journals a waitpoint deleted (it locks the one it names, and
+    retention checks again under its own lock); an entry written before that names a run's
+    waitpoint replays as that run's outcome, if it is still there, else as a WAITPOINT_DELETED
+    error; a duration as over; a batch as its runs' results."""
+    return e.kind != "step" and e.waitpoint_id is not None and e.waitpoint_status is None
+
+
+def _done(e: JournalEntry) -> bool:
+    """A wait whose waitpoint has completed (or is gone: see _gone)."""
+    return e.waitpoint_status == "COMPLETED" or _gone(e)
 
 
 TOKEN_TIMEOUT_ERROR = {"type": "WAITPOINT_TIMEOUT", "message": "The token timed out before it was completed"}
@@ -859,31 +873,43 @@ class WaitpointsSystem:
         within JOURNAL_PAGE_BYTES."""
         entries, following = page.entries, page.next
         for i, e in enumerate(entries):
-            if e.kind == "batch" and e.waitpoint_status == "COMPLETED":
+            if e.kind == "batch" and _done(e):
                 if i > 0:  # on the next page, alone
                     entries, following = entries[:i], e.sequence
                 elif i + 1 < len(entries):
                     entries, following = entries[:1], entries[1].sequence
                 break
-        batches = [batch_runs(e.result) for e in entries if e.kind == "batch" and e.waitpoint_status == "COMPLETED"]
+        batches = [batch_runs(e.result) for e in entries if e.kind == "batch" and _done(e)]
         runs, over = await self.wp.run_results(run_id, batches, RESULTS_BYTES) if batches else ({}, set())
+        # the outcomes of the runs that waits on a waitpoint gone stood for (see _gone), each its own
+        gone = [[e.key] for e in entries if _gone(e) and e.kind in ("token", "child")]
+        outcomes = (await self.wp.run_results(run_id, gone, RESULTS_BYTES))[0] if gone else {}
         out = []
         for e in entries:
             item: dict[str, Any] = {"sequence": e.sequence, "kind": e.kind, "key": e.key}
+            output, is_error = e.waitpoint_output, e.waitpoint_output_is_error
+            if _gone(e) and e.kind in ("token", "child"):
+                status, run_output, run_error = outcomes.get(e.key, (None, None, None))
+                if status in FINAL_RUN_STATUSES:  # the run it stood for, finished: its outcome, as completed
+                    ok = status == RunStatus.COMPLETED
+                    output, is_error = (run_output if ok else (run_error or {"type": status})), not ok
+                else:
+                    output, is_error = {"type": "WAITPOINT_DELETED", "message": (
+                        f"the waitpoint {e.waitpoint_id} of this wait was deleted by retention, and with it "
+                        "its outcome")}, True
             if e.kind == "step":
                 item.update(resolved=True, result=e.result)
-            elif e.waitpoint_status != "COMPLETED":
+            elif not _done(e):
                 item.update(resolved=False, waitpointId=e.waitpoint_id)
             elif e.kind == "wait":
                 item.update(resolved=True, result=None)
             elif e.kind == "token":
                 item.update(resolved=True, result=(
-                    {"ok": False, "error": e.waitpoint_output} if e.waitpoint_output_is_error
-                    else {"ok": True, "output": e.waitpoint_output}))
+                    {"ok": False, "error": output} if is_error else {"ok": True, "output": output}))
             elif e.kind == "child":
                 item.update(resolved=True, result=(
-                    {"ok": False, "id": e.key, "error": e.waitpoint_output} if e.waitpoint_output_is_error
-                    else {"ok": True, "id": e.key, "output": e.waitpoint_output}))
+                    {"ok": False, "id": e.key, "error": output} if is_error
+                    else {"ok": True, "id": e.key, "output": output}))
             else:  # batch
                 item.update(resolved=True, result=[
                     {"ok": False, "id": rid, "error": {

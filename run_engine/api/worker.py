@@ -38,7 +38,7 @@ from run_engine.api.models import (
 from run_engine.api.openapi import Query, operation
 from run_engine.api.serialize import run_object, snapshot_object
 from run_engine.engine import ResolvedJournal, RunRow, StartedAttempt, Waitpoint, WorkerGroup, is_batch_entry
-from run_engine.errors import StaleSnapshotError
+from run_engine.errors import NotFoundError, StaleSnapshotError
 
 PREFIX = "/engine/v1/worker-actions"
 LATEST_RECHECK_S = 5.0  # a snapshot long-poll re-reads the run this often without a wake-up
@@ -452,26 +452,40 @@ async def _wait_on(ctx: ApiContext, run_id: str, env_id: str, snapshot_id: str, 
         outcome = await ctx.engine.block(run_id, snapshot_id, sequence=req.sequence, kind=req.kind, key=waitpoint_id,
                                          waitpoint_ids=[waitpoint_id], suspend=req.suspend, env_id=env_id)
         return _blocked(outcome, waitpointId=waitpoint_id)
-    if looks_like_id(waitpoint_id, "run"):  # wait on any run: its RUN waitpoint (on itself or an
-        # ancestor: one completed with a WAIT_DEADLOCK error, the wait over at once)
-        wp: Waitpoint | None = await ctx.engine.run_waitpoint(env_id, waitpoint_id, waiter_id=run_id)
-    else:
-        wp = await ctx.engine.get_waitpoint(waitpoint_id, env_id)
-    if wp is None:
-        raise ApiError(404, "not_found", "waitpoint not found")
     entry = None
     if req.kind in ("child", "batch"):  # a replay re-blocking on its children: keep the journaled ids
         entries = (await ctx.engine.journal(run_id, req.sequence)).entries
         entry = entries[0].result if entries and entries[0].sequence == req.sequence else None
-    if req.kind == "batch" and (wp.type != "BATCH" or not is_batch_entry(entry)):
-        # only a replay waits on a batch this way: its journal entry names the batch's runs, which
-        # every later read of the journal lists (an entry without them would break the journal)
-        raise ApiError(400, "invalid_input", "kind batch: waits only on the batch the run's journal entry at this "
-                                             "sequence holds (batches are triggered and waited on with /trigger)")
-    outcome = await ctx.engine.block(run_id, snapshot_id, sequence=req.sequence, kind=req.kind,
-                                     key=wp.completed_by_batch_id or wp.completed_by_run_id or wp.id,
-                                     waitpoint_ids=[wp.id], result=entry, suspend=req.suspend)
-    return _blocked(outcome, waitpointId=wp.id)
+    for tries_left in range(_LOOK_UPS - 1, -1, -1):
+        if looks_like_id(waitpoint_id, "run"):  # wait on any run: its RUN waitpoint (on itself or an
+            # ancestor: one completed with a WAIT_DEADLOCK error, the wait over at once)
+            wp: Waitpoint | None = await ctx.engine.run_waitpoint(env_id, waitpoint_id, waiter_id=run_id)
+        else:
+            wp = await ctx.engine.get_waitpoint(waitpoint_id, env_id)
+        if wp is None:
+            raise ApiError(404, "not_found", "waitpoint not found")
+        if req.kind == "batch" and (wp.type != "BATCH" or not is_batch_entry(entry)):
+            # only a replay waits on a batch this way: its journal entry names the batch's runs, which
+            # every later read of the journal lists (an entry without them would break the journal)
+            raise ApiError(400, "invalid_input", "kind batch: waits only on the batch the run's journal entry at this "
+                                                 "sequence holds (batches are triggered and waited on with /trigger)")
+        try:
+            outcome = await ctx.engine.block(run_id, snapshot_id, sequence=req.sequence, kind=req.kind,
+                                             key=wp.completed_by_batch_id or wp.completed_by_run_id or wp.id,
+                                             waitpoint_ids=[wp.id], result=entry, suspend=req.suspend)
+        except NotFoundError as exc:
+            # Retention deleted the (completed, old) waitpoint between the look-up and the block,
+            # which wrote nothing: looked up again, a run's is made again (completed at once if the
+            # run has finished), another is gone (404)
+            if exc.kind != "waitpoint" or exc.ident != wp.id or not tries_left:
+                raise
+            continue
+        return _blocked(outcome, waitpointId=wp.id)
+    raise AssertionError("unreachable")
+
+
+#: how many times a wait looks its waitpoint up when retention deleted the one it found before it blocked
+_LOOK_UPS = 3
 
 
 @operation("Trigger children and wait for them (RUN or BATCH waitpoint)", S.Blocked, body=ChildTriggerBody,

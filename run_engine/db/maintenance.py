@@ -227,20 +227,32 @@ class MaintenanceRepository:
             if doomed:
                 await forget(doomed)
                 await conn.execute("DELETE FROM task_run WHERE id = ANY(%s)", ([run_id for _, run_id in doomed],))
-        async with self.pool.connection() as conn:
+        async with self.pool.connection() as conn, conn.transaction():
+            # Two statements: the waitpoints locked first, then deleted only if, read again after
+            # the lock (a snapshot of its own), no journal entry or blocking row names them. A block
+            # journaling a wait locks the waitpoint it names FOR KEY SHARE until it commits (see
+            # waitpoints._BLOCK): one holding it now is passed over (SKIP LOCKED), one that committed
+            # before the lock is seen by the second statement (a single statement's snapshot, taken
+            # before that commit, saw no entry and deleted the waitpoint its entry names: a wait that
+            # never resolved), and one that comes after waits for this commit and finds it gone.
             cur = await conn.execute(
-                """WITH doomed AS (SELECT id FROM waitpoint w WHERE status = 'COMPLETED'
-                                     AND completed_at < now() - make_interval(secs => %s)
-                                     -- a token's key kept for its TTL (a new token would take it);
-                                     -- a RUN waitpoint's (run:<id>, no expiry) is no caller's: a wait
-                                     -- on that run made later makes another, completed at once
-                                     AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now()
-                                          OR type = 'RUN')
-                                     AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
-                                     AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)
-                                   LIMIT %s FOR UPDATE SKIP LOCKED)
-                   DELETE FROM waitpoint WHERE id IN (SELECT id FROM doomed)""", (age_s, limit))
-            return len(doomed) + cur.rowcount
+                """SELECT id FROM waitpoint w WHERE status = 'COMPLETED'
+                     AND completed_at < now() - make_interval(secs => %s)
+                     -- a token's key kept for its TTL (a new token would take it); a RUN waitpoint's
+                     -- (run:<id>, no expiry) is no caller's: a wait on that run made later makes
+                     -- another, completed at once
+                     AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now() OR type = 'RUN')
+                     AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
+                     AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)
+                   LIMIT %s FOR UPDATE SKIP LOCKED""", (age_s, limit))
+            locked = [r[0] for r in await cur.fetchall()]
+            if not locked:
+                return len(doomed)
+            cur = await conn.execute(
+                """DELETE FROM waitpoint w WHERE w.id = ANY(%s)
+                     AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
+                     AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)""", (locked,))
+            return len(doomed) + max(cur.rowcount, 0)
 
     async def delete_finished_batches_before(self, age_s: float, limit: int) -> int:
         """Delete up to ``limit`` batches done more than ``age_s`` ago whose runs retention has deleted

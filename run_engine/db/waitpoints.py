@@ -137,7 +137,7 @@ class Blocked:
     allowed: bool
     pending: int
     suspended: Snapshot | None = None  # the SUSPENDED snapshot, when the write asked to suspend
-    missing: bool = False  # the waitpoint is not one of the write's environment: nothing was written
+    missing: bool = False  # the waitpoint is gone (or not of the write's environment): nothing was written
 
 
 @record
@@ -470,22 +470,28 @@ _BLOCK = """
 -- way); the caller counts again after the commit (a completion committed meanwhile did not see these
 -- blocking rows). With `suspend_new`, a run blocked is also suspended: its REPLAY checkpoint
 -- `checkpoint` at its journal position and the SUSPENDED snapshot carrying it, after the other (one
--- commit for both). With `env`, `wp` must be a waitpoint of that environment (`missing`: it is not, and
--- nothing is written) and the entry's key is the waitpoint's (the batch or run it stands for, or its id).
--- One statement for many runs, in id order.
+-- commit for both). The waitpoint `wp` the entry names is locked FOR KEY SHARE until the commit, so that
+-- retention (which deletes a completed one, locked FOR UPDATE SKIP LOCKED, only when no journal entry
+-- names it, checked again after its lock) passes over it, and one it deleted first is not found:
+-- `missing`, and nothing is written (an entry naming a deleted waitpoint would never resolve). With
+-- `env`, `wp` must also be of that environment (else `missing`) and the entry's key is the waitpoint's
+-- (the batch or run it stands for, or its id). One statement for many runs, in id order.
 WITH given AS (
     SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS t(run_id text, expected text, seq int, kind text, key text,
                                                           result jsonb, wp text, wps text[], new text,
                                                           description text, suspend_new text, checkpoint text,
                                                           env text)
+), named AS MATERIALIZED (
+    -- by primary key; a row deleted by a delete committed while the lock waited is skipped
+    SELECT w.id, w.environment_id, coalesce(w.completed_by_batch_id, w.completed_by_run_id, w.id) AS wp_key
+    FROM waitpoint w WHERE w.id = ANY(ARRAY(SELECT wp FROM given)) FOR KEY SHARE
 ), looked_up AS (
-    SELECT g.*, CASE WHEN g.env IS NOT NULL THEN (
-        SELECT coalesce(w.completed_by_batch_id, w.completed_by_run_id, w.id) FROM waitpoint w
-        WHERE w.id = g.wp AND w.environment_id = g.env) END AS wp_key  -- per row, by primary key
+    SELECT g.*, (SELECT n.wp_key FROM named n
+                 WHERE n.id = g.wp AND (g.env IS NULL OR n.environment_id = g.env)) AS wp_key
     FROM given g
 ), input AS (
-    SELECT run_id, expected, seq, kind, coalesce(wp_key, key) AS key, result, wp, wps, new, description, suspend_new,
-           checkpoint, (env IS NOT NULL AND wp_key IS NULL) AS missing
+    SELECT run_id, expected, seq, kind, CASE WHEN env IS NOT NULL THEN coalesce(wp_key, key) ELSE key END AS key,
+           result, wp, wps, new, description, suspend_new, checkpoint, wp_key IS NULL AS missing
     FROM looked_up
 ), latest AS (
     SELECT i.*, l.id AS latest_id, l.engine_status AS latest_status, l.attempt_number
