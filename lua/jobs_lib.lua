@@ -10,7 +10,7 @@
 --                          had more jobs due, the claim's time and its turn in it (lanes with jobs
 --                          due take turns, the one served longest ago first)
 --   J:lane_of        HASH  id -> lane, for the jobs of a lane other than the default one
---   J:items          HASH  id -> job JSON;  J:dlq  HASH id -> job JSON with its error
+--   J:items          HASH  id -> job JSON;  J:dlq  HASH id -> job JSON with its error and dead_at ms
 -- A claimed job stays in its lane, scored at its lease's end.
 local J = ARGV[1]
 local LANES = J .. ':lanes'

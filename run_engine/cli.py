@@ -6,7 +6,8 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -20,6 +21,7 @@ from run_engine.dependencies import DEPENDENCY_ERRORS, unavailable_dependency, w
 from run_engine.services import services
 
 if TYPE_CHECKING:
+    from run_engine.jobs import DeadJob, JobQueue
     from run_engine.settings import EngineSettings
 
 T = TypeVar("T")
@@ -29,6 +31,9 @@ worker_groups = typer.Typer(help="Self-hosted worker groups.", no_args_is_help=T
 app.add_typer(worker_groups, name="worker-groups")
 keys = typer.Typer(help="Rotate API keys and worker group tokens.", no_args_is_help=True)
 app.add_typer(keys, name="keys")
+jobs_app = typer.Typer(help="The job DLQ: engine jobs (timeouts, timers, bulk pages) that failed every attempt, "
+                       "read and changed in Redis directly (REDIS_URL, RUN_ENGINE_KEY_PREFIX).", no_args_is_help=True)
+app.add_typer(jobs_app, name="jobs")
 register_client_commands(app)
 register_worker_groups(worker_groups)
 
@@ -367,6 +372,162 @@ async def _set_default_group(database_url: str, name: str, org: str, project: st
         return moved
     finally:
         await repo.close()
+
+
+#: entries of the job DLQ read per HSCAN page by ``jobs`` commands
+JOB_DLQ_PAGE = 200
+#: how ``jobs retry`` reports each outcome (run_engine.jobs), and its key in --json
+_RETRY_SAYS = {
+    "retried": ("retried", "retried: due now, its attempts reset"),
+    "not dead": ("notDead", "not in the job DLQ (retried or dropped already, or never dead): nothing done"),
+    "scheduled": ("scheduled", "scheduled already (armed again): its dead copy dropped, the job left as it is"),
+    "unreadable": ("unreadable", "not retried: its entry is not a job's (see `run-engine jobs dead`); drop it"),
+    "changed": ("changed", "not retried: its entry kept changing while read; run the command again"),
+}
+
+
+def _with_jobs(data_dir: Path | None, redis_url: str | None, work: Callable[[JobQueue], Awaitable[T]]) -> T:
+    """``work`` on the engine's job queue, in the Redis of ``REDIS_URL`` (or the embedded one) under
+    ``RUN_ENGINE_KEY_PREFIX``; a Redis that cannot be reached is one line and exit 1."""
+    from run_engine.clock import SystemClock
+    from run_engine.dependencies import redacted_url
+    from run_engine.jobs import JobQueue
+    from run_engine.redis_connect import close_fully
+    from run_engine.redis_connect import connect as connect_redis
+
+    with services(data_dir, _urls(None, redis_url), database=False) as svc:
+        settings = _settings(svc.database_url, svc.redis_url)
+
+        async def run() -> T:
+            client = await connect_redis(svc.redis_url, max_connections=4)
+            try:
+                return await work(JobQueue(client, prefix=f"{settings.key_prefix}:jobs", clock=SystemClock()))
+            finally:
+                await close_fully(client)
+
+        try:
+            return asyncio.run(run())
+        except DEPENDENCY_ERRORS as exc:
+            typer.echo(f"error: Redis cannot be reached at {redacted_url(svc.redis_url)}: {exc}", err=True)
+            raise typer.Exit(1) from None
+
+
+def _when(dead_at: float | None) -> str | None:
+    return None if dead_at is None else datetime.fromtimestamp(dead_at, UTC).isoformat(timespec="milliseconds")
+
+
+def _dead_json(d: DeadJob) -> dict[str, Any]:
+    return {"id": d.id, "kind": d.kind, "lane": d.lane, "attempts": d.attempt, "error": d.error,
+            "deadAt": _when(d.dead_at), "payload": d.payload, "readable": d.readable}
+
+
+@jobs_app.command("dead")
+def jobs_dead(
+    limit: Annotated[int, typer.Option(min=1, max=100_000, help="Show at most this many.")] = 50,
+    kind: Annotated[str | None, typer.Option(help="Only jobs of this kind (e.g. bulk_action).")] = None,
+    redis_url: RedisUrl = None,
+    data_dir: DataDir = None,
+    as_json: AsJson = False,
+) -> None:
+    """List the engine jobs that failed every attempt (the job DLQ).
+
+    Each with its id, kind, lane (its environment, or the default lane), attempts, last error and
+    when it died; read a page (HSCAN) at a time, in no order, never the whole DLQ at once. --json:
+    {"data": [{id, kind, lane, attempts, error, deadAt, payload, readable}], "total": N}."""
+
+    async def read(q: JobQueue) -> tuple[list[DeadJob], int]:
+        found: list[DeadJob] = []
+        cursor = 0
+        while True:
+            cursor, page = await q.dead_page(cursor, min(JOB_DLQ_PAGE, limit))
+            found += [d for d in page if kind is None or d.kind == kind]
+            if len(found) >= limit or cursor == 0:
+                break
+        return found[:limit], await q.dead_count()
+
+    found, total = _with_jobs(data_dir, redis_url, read)
+    if as_json:
+        typer.echo(json.dumps({"data": [_dead_json(d) for d in found], "total": total}))
+        return
+    from run_engine.cli_client import _Table, console
+
+    table = _Table("id", "kind", "lane", "attempts", "dead at", "error")
+    for d in found:
+        table.add_row(d.id, d.kind or "(not a job)", d.lane or "(default)", str(d.attempt),
+                      _when(d.dead_at) or "(before dead_at)", d.error)
+    if found:
+        console.print(table)
+    shown = f"{len(found)} shown of {total} in the job DLQ" + (f" (kind {kind})" if kind else "")
+    console.print(shown, markup=False, highlight=False)
+
+
+@jobs_app.command("retry")
+def jobs_retry(
+    job_ids: Annotated[list[str] | None, typer.Argument(help="Ids of dead jobs; omit with --all.",
+                                                        show_default=False)] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Every dead job (that was dead when the command started).")]
+    = False,
+    kind: Annotated[str | None, typer.Option(help="With --all: only jobs of this kind.")] = None,
+    redis_url: RedisUrl = None,
+    data_dir: DataDir = None,
+    as_json: AsJson = False,
+) -> None:
+    """Put dead jobs back to run now, their attempts reset.
+
+    Each leaves the job DLQ atomically as it is scheduled, only while its entry is the one read, so
+    running this twice retries a job once; one line per id says what was done (--all: the counts)."""
+    if bool(job_ids) == all_ or (kind is not None and not all_):
+        typer.echo("error: give job ids, or --all [--kind K]", err=True)
+        raise typer.Exit(2)
+
+    async def retry(q: JobQueue) -> dict[str, str] | dict[str, int]:
+        if job_ids:
+            return dict(zip(job_ids, await q.retry_dead(job_ids), strict=True))
+        counts = dict.fromkeys(_RETRY_SAYS, 0)
+        started = q.clock.now()  # a job retried here that dies again meanwhile is not retried twice
+        cursor = 0
+        while True:
+            cursor, page = await q.dead_page(cursor, JOB_DLQ_PAGE)
+            page = [d for d in page if (kind is None or d.kind == kind) and (d.dead_at is None or d.dead_at <= started)]
+            for outcome in await q.retry_entries(page):
+                counts[outcome] += 1
+            if cursor == 0:
+                return counts
+
+    done = _with_jobs(data_dir, redis_url, retry)
+    if job_ids:
+        outcomes = {job_id: str(outcome) for job_id, outcome in done.items()}
+        counts = {o: sum(1 for x in outcomes.values() if x == o) for o in _RETRY_SAYS}
+    else:
+        outcomes, counts = {}, {o: int(n) for o, n in done.items()}
+    if as_json:
+        out: dict[str, Any] = {_RETRY_SAYS[o][0]: n for o, n in counts.items()}
+        if job_ids:
+            out["jobs"] = {job_id: _RETRY_SAYS[o][0] for job_id, o in outcomes.items()}
+        typer.echo(json.dumps(out))
+        return
+    for job_id, outcome in outcomes.items():
+        typer.echo(f"{job_id}: {_RETRY_SAYS[outcome][1]}")
+    if not job_ids:
+        left = [f"{n} {_RETRY_SAYS[o][0]}" for o, n in counts.items() if n and o != "retried"]
+        typer.echo(f"retried {counts['retried']} dead jobs" + (f" ({', '.join(left)})" if left else ""))
+
+
+@jobs_app.command("drop")
+def jobs_drop(
+    job_ids: Annotated[list[str], typer.Argument(help="Ids of dead jobs.", show_default=False)],
+    redis_url: RedisUrl = None,
+    data_dir: DataDir = None,
+    as_json: AsJson = False,
+) -> None:
+    """Delete entries of the job DLQ (their jobs are not run)."""
+    dropped = _with_jobs(data_dir, redis_url, lambda q: q.drop_dead(job_ids))
+    if as_json:
+        said = {j: "dropped" if d else "notDead" for j, d in zip(job_ids, dropped, strict=True)}
+        typer.echo(json.dumps({"dropped": sum(dropped), "notDead": len(dropped) - sum(dropped), "jobs": said}))
+        return
+    for job_id, gone in zip(job_ids, dropped, strict=True):
+        typer.echo(f"{job_id}: " + ("dropped" if gone else "not in the job DLQ: nothing done"))
 
 
 @app.command("supervisor")

@@ -79,7 +79,8 @@ async def collect(engine: RunEngine) -> list[Metric]:
                                 value=lag_s)
     job_count = GaugeMetricFamily("run_engine_engine_jobs_scheduled", "Engine jobs scheduled.", value=scheduled)
     job_dead = GaugeMetricFamily("run_engine_engine_jobs_dead", "Engine jobs that failed every attempt and were not "
-                                 "armed again.", value=dead_jobs)
+                                 "armed again (run-engine jobs dead lists them; deleted after "
+                                 "RUN_ENGINE_JOB_DLQ_RETENTION_DAYS).", value=dead_jobs)
     instances = _gauge("run_engine_worker_instances_connected", "Worker instances (supervisors) heard from in "
                        f"the last {CONNECTED_WITHIN_S:g} s, per worker group.", "worker_group_id")
     for group, count in workers[:MAX_WORKER_GROUPS]:

@@ -10,6 +10,11 @@
   version, during a rolling upgrade or after a rollback) is no failure: it goes back as it was (no
   attempt counted) ``UNKNOWN_KIND_DELAY_S`` later, for a process that knows the kind. A job whose
   stored item is not a job (corrupted, written by hand) goes to the job DLQ as the claim reads it.
+* The job DLQ keeps each dead job with its last error and the time it died (``dead_at``, ms); an
+  operator lists it a page at a time (``dead_page``, HSCAN), puts jobs back to run now with their
+  attempts reset (``retry_dead``) or deletes entries (``drop_dead``), each entry acted on atomically
+  and only while it is the one read (``lua/jobs_dlq.lua``); the leader's retention deletes entries
+  older than ``job_dlq_retention_days`` a page at a time (``trim_dead``).
 * Each job is in a lane: the default one (``""``), claimed first, or an environment's. Lanes with
   jobs due take turns, so one tenant's flood of timers coming due at once does not hold back
   another's (``lua/jobs_lib.lua`` lays out the keys).
@@ -43,6 +48,8 @@ UNKNOWN_KIND_DELAY_S = 10.0
 HANDLER_LEASES_AT_MOST = 10
 #: of a job whose stored item is not a job (corrupted, written by hand), the job DLQ keeps this much
 UNREADABLE_KEPT = 4096
+#: what ``retry_dead`` reports of each id
+RETRIED, NOT_DEAD, SCHEDULED, UNREADABLE, CHANGED = "retried", "not dead", "scheduled", "unreadable", "changed"
 
 
 @record
@@ -55,17 +62,38 @@ class Job:
     lane: str = ""  # "": the default lane; else the environment whose lane it is in
 
 
+@record
+class DeadJob:
+    """An entry of the job DLQ as read. ``raw``: the entry as stored, so that it is acted on only
+    while it is still that one. ``readable`` False: the entry is not a job's (a stored item the claim
+    could not read, kept under ``item``; an entry written by hand): ``error`` says why, and it cannot
+    be retried. ``dead_at`` (epoch s) None: written before entries carried it, not yet seen by
+    retention (which stamps it with the time it first sees it)."""
+
+    id: str
+    kind: str
+    lane: str
+    attempt: int
+    error: str
+    dead_at: float | None
+    payload: dict[str, Any]
+    readable: bool
+    raw: bytes
+
+
 #: a job to create or replace: id, kind, payload, run-at (epoch s), lane ("": the default one)
 JobSpec = tuple[str, str, dict[str, Any], float, str]
 
 
 def _encode(kind: str, payload: dict[str, Any], attempt: int, token: str, lane: str,
-            error: str | None = None) -> bytes:
+            error: str | None = None, dead_at_ms: int | None = None) -> bytes:
     data: dict[str, Any] = {"kind": kind, "payload": payload, "attempt": attempt, "token": token}
     if lane:
         data["lane"] = lane
     if error is not None:
         data["error"] = error
+    if dead_at_ms is not None:
+        data["dead_at"] = dead_at_ms
     return orjson.dumps(data)
 
 
@@ -87,11 +115,44 @@ def _decode(job_id: str | bytes, raw: str | bytes, lane: str | bytes | None = No
                _text(lane) if lane is not None else str(data.get("lane", "")))
 
 
-def _unreadable(raw: str | bytes, why: Exception) -> bytes:
+def _unreadable(raw: str | bytes, why: Exception, dead_at_ms: int) -> bytes:
     """What the job DLQ keeps of a job whose item is not one: no kind, the item as text, and why."""
     text = raw.decode(errors="backslashreplace") if isinstance(raw, bytes) else raw
     return orjson.dumps({"kind": "", "payload": {}, "attempt": 0, "token": "", "item": text[:UNREADABLE_KEPT],
-                         "error": f"the stored job cannot be read ({why}); kept as it was in 'item'"})
+                         "error": f"the stored job cannot be read ({why}); kept as it was in 'item'",
+                         "dead_at": dead_at_ms})
+
+
+def _dead(job_id: str | bytes, raw: str | bytes) -> DeadJob:
+    """An entry of the job DLQ as :class:`DeadJob`, whatever it holds."""
+    raw_b = raw.encode() if isinstance(raw, str) else raw
+    try:
+        data = orjson.loads(raw_b)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        return DeadJob(_text(job_id), "", "", 0, "the entry cannot be read: not a JSON object", None, {}, False, raw_b)
+    at = data.get("dead_at")
+    dead_at = at / 1000 if isinstance(at, int | float) and not isinstance(at, bool) else None
+    error = str(data.get("error", ""))
+    try:
+        job = _decode(job_id, raw_b)
+    except (ValueError, TypeError) as exc:
+        return DeadJob(_text(job_id), str(data.get("kind", "")), str(data.get("lane", "")), 0,
+                       f"the entry cannot be read ({exc})", dead_at, {}, False, raw_b)
+    return DeadJob(job.id, job.kind, job.lane, job.attempt, error, dead_at, job.payload, job.kind != "", raw_b)
+
+
+def _stamped(entry: DeadJob, now_ms: int) -> bytes:
+    """``entry`` with the time of death ``now_ms`` (one that is not a JSON object is kept as text under
+    'item', as an unreadable item is)."""
+    try:
+        data = orjson.loads(entry.raw)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        return _unreadable(entry.raw, ValueError("not a JSON object"), now_ms)
+    return orjson.dumps({**data, "dead_at": now_ms})
 
 
 class JobQueue:
@@ -121,6 +182,7 @@ class JobQueue:
         self._apply = LuaScript.get("jobs_apply")
         self._find = LuaScript.get("jobs_find")
         self._stats = LuaScript.get("jobs_stats")
+        self._dlq_script = LuaScript.get("jobs_dlq")
         # the settles of jobs finishing together go in one call
         self._settles: Batcher[tuple[str, str | bytes, str, bytes | str, int], bool] = Batcher(self._settle_many)
 
@@ -196,8 +258,9 @@ class JobQueue:
         Should this fail (Redis away), their leases run out and the next claim tries again."""
         for job_id, _, exc in items:
             log.error("engine job %s: its stored item cannot be read (%s); moved to the job DLQ", _text(job_id), exc)
+        now_ms = self._ms(self.clock.now())
         try:
-            await asyncio.gather(*(self._settles.submit((_text(job_id), raw, "bury", _unreadable(raw, exc), 0))
+            await asyncio.gather(*(self._settles.submit((_text(job_id), raw, "bury", _unreadable(raw, exc, now_ms), 0))
                                    for job_id, raw, exc in items))
         except Exception as exc:
             log_failure(log, exc, "%d unreadable engine jobs could not be moved to the job DLQ", len(items))
@@ -214,9 +277,10 @@ class JobQueue:
     async def fail(self, job: Job, error: str) -> bool:
         """Retry the job after a back-off, or move it to the job DLQ after ``max_attempts``."""
         attempt = job.attempt + 1
-        encoded = _encode(job.kind, job.payload, attempt, job.token, job.lane, error)
         if attempt >= self.max_attempts:
-            return await self._settles.submit((job.id, job.token, "dead", encoded, 0))
+            dead = _encode(job.kind, job.payload, attempt, job.token, job.lane, error, self._ms(self.clock.now()))
+            return await self._settles.submit((job.id, job.token, "dead", dead, 0))
+        encoded = _encode(job.kind, job.payload, attempt, job.token, job.lane, error)
         run_at = self.clock.now() + self.retry_delay_s(attempt)
         return await self._settles.submit((job.id, job.token, "retry", encoded, self._ms(run_at)))
 
@@ -254,15 +318,82 @@ class JobQueue:
         return _decode(job_id, raw), float(score) / 1000
 
     async def dlq(self, limit: int = 100) -> list[tuple[Job, str]]:
-        out = []
-        async for job_id, raw in self.redis.hscan_iter(self.dlq_key, count=limit):
-            try:
-                out.append((_decode(job_id, raw), str(orjson.loads(raw).get("error", ""))))
-            except (ValueError, TypeError, AttributeError) as exc:  # an entry written by hand
-                out.append((Job(_text(job_id), "", {}, 0, ""), f"the entry cannot be read ({exc})"))
-            if len(out) >= limit:
+        """Up to ``limit`` entries of the job DLQ as jobs with their errors (an entry that is not a
+        job's as an empty one)."""
+        out: list[tuple[Job, str]] = []
+        cursor = 0
+        while len(out) < limit:
+            cursor, page = await self.dead_page(cursor, limit)
+            out += [(Job(d.id, d.kind, d.payload, d.attempt, "", d.lane), d.error) for d in page]
+            if cursor == 0:
                 break
-        return out
+        return out[:limit]
+
+    async def dead_page(self, cursor: int = 0, count: int = 100) -> tuple[int, list[DeadJob]]:
+        """One HSCAN page of the job DLQ from ``cursor`` (0: the start), about ``count`` entries
+        (Redis's hint: a small hash comes whole), in no order; the cursor to go on from (0: through).
+        An entry present throughout a walk is met at least once (twice at most, should Redis rehash)."""
+        next_cursor, page = await self.redis.hscan(self.dlq_key, cursor, count=count)
+        assert isinstance(page, dict)  # (without no_values)
+        return int(next_cursor), [_dead(job_id, raw) for job_id, raw in page.items()]
+
+    async def dead_count(self) -> int:
+        return int(await self.redis.hlen(self.dlq_key))
+
+    async def _act_on_dead(self, acts: Sequence[tuple[str, str, bytes, bytes, str]]) -> list[int]:
+        """jobs_dlq.lua's (id, action, entry as read, new JSON, lane) quintuples, in one call."""
+        if not acts:
+            return []
+        args: list[Any] = [self._ms(self.clock.now())]
+        for act in acts:
+            args += act
+        return [int(x) for x in await self._call(self._dlq_script, args)]
+
+    async def retry_entries(self, entries: Sequence[DeadJob]) -> list[str]:
+        """Put these dead jobs back to run now, attempts reset and a new token, each taken out of the
+        job DLQ atomically and only while its entry is the one read: RETRIED, SCHEDULED (a job of
+        its id is scheduled already: left as it is, the dead copy dropped), CHANGED (the entry is
+        gone or is another now), or UNREADABLE (not a job's: left, to be dropped)."""
+        acts = [(d.id, "retry", d.raw, _encode(d.kind, d.payload, 0, secrets.token_hex(8), d.lane), d.lane)
+                for d in entries if d.readable]
+        done = iter(await self._act_on_dead(acts))
+        outcome = {0: CHANGED, 1: RETRIED, 2: SCHEDULED}
+        return [outcome[next(done)] if d.readable else UNREADABLE for d in entries]
+
+    async def retry_dead(self, job_ids: Sequence[str]) -> list[str]:
+        """:meth:`retry_entries` of these ids as their entries are now; NOT_DEAD for an id the job DLQ
+        does not hold (retried or dropped already: retrying twice does it once). An entry written
+        again between the read and the move (the job died again) is read again."""
+        outcomes: dict[str, str] = {}
+        todo = list(dict.fromkeys(job_ids))
+        for _ in range(3):
+            if not todo:
+                break
+            raws = await self.redis.hmget(self.dlq_key, todo)
+            present = [_dead(job_id, raw) for job_id, raw in zip(todo, raws, strict=True) if raw is not None]
+            outcomes.update({job_id: NOT_DEAD for job_id, raw in zip(todo, raws, strict=True) if raw is None})
+            results = await self.retry_entries(present)
+            outcomes.update({d.id: r for d, r in zip(present, results, strict=True)})
+            todo = [d.id for d, r in zip(present, results, strict=True) if r == CHANGED]
+        return [outcomes[job_id] for job_id in job_ids]
+
+    async def drop_dead(self, job_ids: Sequence[str]) -> list[bool]:
+        """Delete these entries of the job DLQ (one call); False for an id it does not hold."""
+        done = await self._act_on_dead([(job_id, "forget", b"", b"", "") for job_id in job_ids])
+        return [bool(x) for x in done]
+
+    async def trim_dead(self, cursor: int, count: int, older_than: float) -> tuple[int, int, int]:
+        """One page of retention's walk of the job DLQ (:meth:`dead_page`): the entries that died
+        before ``older_than`` (epoch s) are deleted, each only while it is the one read; one that
+        carries no time of death (written before entries did) is stamped with now, so that it goes
+        a retention later. Returns (the cursor to go on from, 0: through; deleted; stamped)."""
+        next_cursor, page = await self.dead_page(cursor, count)
+        now_ms = self._ms(self.clock.now())
+        acts = [(d.id, "drop", d.raw, b"", "") for d in page if d.dead_at is not None and d.dead_at < older_than]
+        dropped = len(acts)
+        acts += [(d.id, "stamp", d.raw, _stamped(d, now_ms), "") for d in page if d.dead_at is None]
+        done = await self._act_on_dead(acts)
+        return next_cursor, sum(done[:dropped]), sum(done[dropped:])
 
     async def size(self) -> int:
         return int(await self.redis.hlen(self.items_key))

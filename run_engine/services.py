@@ -24,8 +24,10 @@ class Services:
 
 
 @contextlib.contextmanager
-def services(data_dir: Path | None = None, environ: dict[str, str] | None = None) -> Iterator[Services]:
-    """Yield the URLs to use; embedded servers started here are stopped on exit."""
+def services(data_dir: Path | None = None, environ: dict[str, str] | None = None, *,
+             database: bool = True) -> Iterator[Services]:
+    """Yield the URLs to use; embedded servers started here are stopped on exit. ``database``
+    False: Redis only (no embedded PostgreSQL is started; ``database_url`` is what is set, or "")."""
     env = os.environ if environ is None else environ
     data_dir = data_dir or Path(env.get("RUN_ENGINE_DATA_DIR", DEFAULT_DATA_DIR))
     database_url = env.get("DATABASE_URL", "")
@@ -33,7 +35,7 @@ def services(data_dir: Path | None = None, environ: dict[str, str] | None = None
     pg: EmbeddedPostgres | None = None
     rd: EmbeddedRedis | None = None
     try:
-        if not database_url:
+        if not database_url and database:
             pg = EmbeddedPostgres(data_dir / "pgdata")
             database_url = pg.start()
         if not redis_url:

@@ -120,6 +120,8 @@ class EngineSettings:
     rearm_interval_s: float = 60.0  # how often the leader looks for engine jobs that are missing
     reconcile_budget: int = 2000  # rows each reconciler scan reads per pass, going on where it stopped
     retention_days: float = 30.0  # finished runs older than this are deleted (0: keep forever)
+    # job DLQ entries (engine jobs that failed every attempt) older than this are deleted (0: kept)
+    job_dlq_retention_days: float = 7.0
     retention_batch: int = 1000
     retention_interval_s: float = 300.0
     schedule_poll_s: float = 1.0  # how often each engine process looks for due cron ticks
@@ -147,6 +149,10 @@ class EngineSettings:
     @property
     def retention_s(self) -> float | None:
         return self.retention_days * 86400 if self.retention_days > 0 else None
+
+    @property
+    def job_dlq_retention_s(self) -> float | None:
+        return self.job_dlq_retention_days * 86400 if self.job_dlq_retention_days > 0 else None
 
     def heartbeat_timeout_s(self, status: ExecutionStatus) -> float | None:
         return {
@@ -177,6 +183,7 @@ class EngineSettings:
             "max_queues_per_env": "RUN_ENGINE_MAX_QUEUES_PER_ENV",
             "max_schedules_per_env": "RUN_ENGINE_MAX_SCHEDULES_PER_ENV",
             "retention_days": "RUN_ENGINE_RETENTION_DAYS",
+            "job_dlq_retention_days": "RUN_ENGINE_JOB_DLQ_RETENTION_DAYS",
             "lease_ttl_s": "RUN_ENGINE_LEASE_TTL_S",
             "lease_renew_s": "RUN_ENGINE_LEASE_RENEW_S",
             "reconcile_interval_s": "RUN_ENGINE_RECONCILE_INTERVAL_S",
@@ -215,6 +222,9 @@ class EngineSettings:
             raise ConfigurationError("RUN_ENGINE_COSTLY_READ_TIMEOUT_S: at least 0 (0: no bound)")
         if values.get("retention_days", 0) > MAX_RETENTION_DAYS:  # (PostgreSQL's dates end before)
             raise ConfigurationError(f"RUN_ENGINE_RETENTION_DAYS: at most {MAX_RETENTION_DAYS} (0: keep forever)")
+        if values.get("job_dlq_retention_days", 0) > MAX_RETENTION_DAYS:
+            raise ConfigurationError(f"RUN_ENGINE_JOB_DLQ_RETENTION_DAYS: at most {MAX_RETENTION_DAYS} "
+                                     "(0: keep forever)")
         if raw_locks := env.get("RUN_ENGINE_LOCK_REDIS_URLS", "").strip():
             values["lock_redis_urls"] = lock_nodes(raw_locks)
         values.update(overrides)

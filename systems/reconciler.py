@@ -24,7 +24,8 @@ data a pass reads everything at once, and the first pass ``reconcile_grace_s`` l
 again (the runs touched within the grace before the loss, which the first left to their writers).
 Retention deletes finished runs (with their snapshots, journals and checkpoints, and first what
 Redis holds of them: a DLQ entry, a message) and completed waitpoints that no journal still names,
-older than the configured age, in batches.
+older than the configured age, in batches; and the job DLQ's entries older than
+``job_dlq_retention_days``, walked a page (HSCAN) at a time from where the previous pass stopped.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class ReconcilerSystem:
         # env → {run → latest snapshot id}: runs the last pass saw holding a slot they should not
         self._slot_suspects: dict[str, dict[str, str | None]] = {}
         self._settings_since: int | None = None  # µs of PostgreSQL's clock: settings changed since, to compare
+        self._job_dlq_cursor = 0  # retention's walk of the job DLQ: where it goes on (leader-local)
 
     async def _pages(self, scan: str, fetch: Callable[[str, int], Awaitable[Sequence[T]]],
                      key: Callable[[T], str], full: bool) -> AsyncIterator[Sequence[T]]:
@@ -429,9 +431,40 @@ class ReconcilerSystem:
             await self.r.change_jobs(schedule=[j for j in wanted if j[0] in missing])
         return len(missing)
 
+    async def trim_job_dlq(self) -> int:
+        """Delete the job DLQ's entries that died more than ``job_dlq_retention_s`` ago: HSCAN pages of
+        about ``retention_batch`` entries from where the previous pass stopped, at most
+        RETENTION_PASS_S a pass (the walk goes on next pass). An entry with no time of death (written
+        before entries carried one) is stamped with the time the walk first meets it. Without this,
+        the entries of the kinds nothing arms again (promoting the runs waiting for a deployment,
+        continuing unblocked runs) stayed for ever. Returns how many were deleted."""
+        age = self.r.settings.job_dlq_retention_s
+        if age is None:
+            return 0
+        ends = time.monotonic() + RETENTION_PASS_S
+        deleted = stamped = 0
+        while True:
+            self._job_dlq_cursor, gone, marked = await self.r.jobs.trim_dead(
+                self._job_dlq_cursor, max(1, self.r.settings.retention_batch), self.r.clock.now() - age)
+            deleted += gone
+            stamped += marked
+            if self._job_dlq_cursor == 0 or time.monotonic() > ends:
+                break
+            await asyncio.sleep(0.05)  # leave room for the hot path between pages
+        if deleted or stamped:
+            log.info("retention: deleted %d job DLQ entries older than %.0f s (%d without a time of death "
+                     "stamped with now)", deleted, age, stamped)
+        return deleted
+
     async def retention(self) -> int:
         """Delete what finished more than ``retention_s`` ago, a batch at a time; and uploaded
-        packets that expired (whatever the retention: they are a trigger's input, not history)."""
+        packets that expired (whatever the retention: they are a trigger's input, not history).
+        First the job DLQ's old entries (:meth:`trim_job_dlq`, its own setting; not counted in the
+        rows returned)."""
+        try:
+            await self.trim_job_dlq()
+        except Exception:
+            log.exception("retention: the job DLQ could not be trimmed; the rest goes on")
         total = 0
         while (expired := await self.r.repo.packets.delete_expired(self.r.settings.retention_batch)) > 0:
             total += expired

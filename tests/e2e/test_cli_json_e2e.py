@@ -83,6 +83,7 @@ def test_each_command_prints_json(stack: Stack, tmp_path: Path) -> None:
         (("dlq", "redrive"), ("--all",)), (("tokens", "get"), (token,)), (("tokens", "complete"), (token,)),
         (("tokens", "create"), ()), (("worker-groups", "list"), ()), (("promote",), ("j1",)),
         (("worker-groups", "set-default"), ("json-group", "--org", "e2e", "--project", "cli-json")),
+        (("jobs", "dead"), ()), (("jobs", "retry"), ("no-such-job",)), (("jobs", "drop"), ("no-such-job",)),
         # last: the API key the commands above used stops working
         (("keys", "rotate"), ("--org", "e2e", "--project", "cli-json", "--env", "dev")),
     ):

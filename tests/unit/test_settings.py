@@ -78,6 +78,15 @@ def test_a_retention_postgresql_cannot_count_is_refused_at_start(raw: str) -> No
     assert EngineSettings.from_env({"RUN_ENGINE_RETENTION_DAYS": "7"}).retention_s == 7 * 86400
 
 
+def test_the_job_dlqs_retention_is_a_setting_of_seven_days() -> None:
+    assert EngineSettings().job_dlq_retention_s == 7 * 86400
+    assert EngineSettings.from_env({"RUN_ENGINE_JOB_DLQ_RETENTION_DAYS": "0"}).job_dlq_retention_s is None
+    assert EngineSettings.from_env({"RUN_ENGINE_JOB_DLQ_RETENTION_DAYS": "1.5"}).job_dlq_retention_s == 1.5 * 86400
+    for raw in ("inf", "40000"):
+        with pytest.raises(ConfigurationError, match="RUN_ENGINE_JOB_DLQ_RETENTION_DAYS"):
+            EngineSettings.from_env({"RUN_ENGINE_JOB_DLQ_RETENTION_DAYS": raw})
+
+
 def test_the_queues_an_environment_may_have_are_at_least_one() -> None:
     assert EngineSettings.from_env({"RUN_ENGINE_MAX_QUEUES_PER_ENV": "50"}).max_queues_per_env == 50
     assert EngineSettings.from_env({}).max_queues_per_env == 10_000
