@@ -449,9 +449,9 @@ def jobs_dead(
     if as_json:
         typer.echo(json.dumps({"data": [_dead_json(d) for d in found], "total": total}))
         return
-    from run_engine.cli_client import _Table, console
+    from run_engine.cli_client import ResultTable, console
 
-    table = _Table("id", "kind", "lane", "attempts", "dead at", "error")
+    table = ResultTable("id", "kind", "lane", "attempts", "dead at", "error")
     for d in found:
         table.add_row(d.id, d.kind or "(not a job)", d.lane or "(default)", str(d.attempt),
                       _when(d.dead_at) or "(before dead_at)", d.error)

@@ -206,7 +206,7 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
-class _Table(Table):
+class ResultTable(Table):
     """A table whose text cells are printed as they are (a name such as ``[prod]`` or ``[/]`` is
     not read as rich markup)."""
 
@@ -224,7 +224,7 @@ def _emit(data: Any, as_json: bool, table: Table | None = None, text: str | None
 
 
 def _runs_table(runs: list[dict[str, Any]]) -> Table:
-    table = _Table("id", "task", "status", "attempts", "queue", "created")
+    table = ResultTable("id", "task", "status", "attempts", "queue", "created")
     for r in runs:
         table.add_row(r["id"], r["taskIdentifier"], r["status"], str(r["attemptCount"]), r["queue"], r["createdAt"])
     return table
@@ -409,7 +409,7 @@ def runs_replay(run_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key:
 def queues_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False) -> None:
     """List queues with their running and queued counts."""
     data = _call(api_url, api_key, "GET", "/api/v1/queues")
-    table = _Table("name", "type", "running", "queued", "limit", "paused")
+    table = ResultTable("name", "type", "running", "queued", "limit", "paused")
     for q in data["data"]:
         table.add_row(q["name"], q["type"], str(q["running"]), str(q["queued"]),
                       "-" if q["concurrencyLimit"] is None else str(q["concurrencyLimit"]),
@@ -440,7 +440,7 @@ def queues_resume(name: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key:
 def dlq_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKey = "", as_json: AsJson = False) -> None:
     """Dead-lettered runs with the reason."""
     data = _call(api_url, api_key, "GET", "/api/v1/dlq", params={"page[size]": "100"})
-    table = _Table("run", "task", "queue", "deliveries", "dead at", "reason")
+    table = ResultTable("run", "task", "queue", "deliveries", "dead at", "reason")
     for e in data["data"]:
         table.add_row(e["run"]["id"], e["run"]["taskIdentifier"], e["run"]["queue"], str(e["deliveries"]),
                       e["deadAt"], e["reason"])
@@ -514,7 +514,7 @@ def tokens_get(token_id: str, api_url: ApiUrl = "http://127.0.0.1:3030", api_key
                as_json: AsJson = False) -> None:
     """Show a token: status (WAITING, COMPLETED, TIMED_OUT) and output."""
     token = _call(api_url, api_key, "GET", f"/api/v1/waitpoints/tokens/{_seg(token_id)}")
-    table = _Table("field", "value")
+    table = ResultTable("field", "value")
     for key in ("id", "status", "output", "completedAt", "timeoutAt", "tags", "idempotencyKey", "url"):
         if key in ("id", "status") or key in token:  # every token has these
             table.add_row(key, json.dumps(token[key]) if key in ("output", "tags") else str(token[key]))
@@ -525,7 +525,7 @@ def worker_groups_list(api_url: ApiUrl = "http://127.0.0.1:3030", api_key: ApiKe
                        as_json: AsJson = False) -> None:
     """List the worker groups this environment's runs may be sent to, with their instances."""
     data = _call(api_url, api_key, "GET", "/api/v1/worker-groups")
-    table = _Table("name", "default", "instances", "last heartbeat")
+    table = ResultTable("name", "default", "instances", "last heartbeat")
     for g in data["data"]:
         last = max((i["lastHeartbeatAt"] or "" for i in g["instances"]), default="") or "-"
         table.add_row(g["name"] + (" (shared)" if g["shared"] else ""), "yes" if g["isDefault"] else "",
