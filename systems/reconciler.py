@@ -479,6 +479,9 @@ class ReconcilerSystem:
         # at most RETENTION_PASS_S a pass: a backlog of millions (retention just lowered) is hours,
         # and its deletes compete with the hot path (the leader's other duties run beside it)
         ends = time.monotonic() + RETENTION_PASS_S
+        # each walk goes on from where the last batch stopped (past the rows that must stay), and one
+        # that reached its end last pass starts over: the rows that must stay are read once a pass
+        self.r.repo.maintenance.rewind()
         while True:
             deleted = await self.r.repo.maintenance.delete_finished_before(age, self.r.settings.retention_batch,
                                                                self.r.queue.remove_many)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
@@ -17,31 +18,75 @@ _PARENT_LIVE = "(p.finished_at IS NULL OR p.status = 'SYSTEM_FAILURE')"
 #: batch (its BATCH waitpoint is pending: the status in a CASE, not the partial index of pending
 #: waitpoints, see waitpoints._IS_PENDING); its batch's idempotency key holds (a retried batch request
 #: answers with the batch's runs, and makes those it lacks again); or its parent may still replay its
-#: journal (_PARENT_LIVE)
+#: journal (_PARENT_LIVE; the parent looked up by its id for the runs that have one: as an anti join the
+#: planner may read every unfinished run of the table to hash them, for each batch)
 _BATCH_WAITED = ("EXISTS (SELECT 1 FROM waitpoint w WHERE w.completed_by_batch_id = {batch}"
                  " AND CASE WHEN w.status = 'PENDING' THEN true ELSE false END)")
 _RUN_STAYS = "NOT " + _BATCH_WAITED.format(batch="r.batch_id") + """
                  AND NOT EXISTS (SELECT 1 FROM batch_task_run b WHERE b.id = r.batch_id
                                    AND b.idempotency_key IS NOT NULL
                                    AND coalesce(b.idempotency_key_expires_at > now(), true))
-                 AND NOT EXISTS (SELECT 1 FROM task_run p WHERE p.id = r.parent_run_id AND """ + _PARENT_LIVE + ")"
-_DOOMED_RUNS = f"""
-SELECT id, environment_id FROM task_run WHERE id IN (
-    (SELECT r.id FROM task_run r WHERE r.finished_at IS NOT NULL AND r.idempotency_key IS NULL
-       AND r.finished_at < now() - make_interval(secs => %(age)s) AND {_RUN_STAYS}
-     ORDER BY r.finished_at LIMIT %(limit)s)
-    UNION ALL
-    (SELECT r.id FROM task_run r WHERE r.finished_at IS NOT NULL AND r.idempotency_key IS NOT NULL
-       AND r.idempotency_key_expires_at <= now() AND r.finished_at < now() - make_interval(secs => %(age)s)
-       AND {_RUN_STAYS}
-     ORDER BY r.idempotency_key_expires_at LIMIT %(limit)s))
--- again on the row as it is when locked: a run a redrive reopened after this statement's snapshot
--- was taken is locked in its new version, and PostgreSQL checks only these conditions again, not
--- those of the subqueries above
-  AND finished_at IS NOT NULL AND finished_at < now() - make_interval(secs => %(age)s)
-  AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now())
-ORDER BY finished_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+                 AND (r.parent_run_id IS NULL
+                      OR NOT EXISTS (SELECT 1 FROM task_run p WHERE p.id = r.parent_run_id AND """ + _PARENT_LIVE + "))"
+#: one walk of retention over finished runs, from the position after which it stopped (see Walk): the
+#: first ``limit`` runs past the age that may go, by (position, id), read without a lock; then those of
+#: them locked (SKIP LOCKED) and checked again on the row as it is when locked: a run a redrive reopened
+#: after this statement's snapshot was taken is locked in its new version, and PostgreSQL checks only
+#: these conditions again, not those of the walk's subqueries. Answers every run walked, by position,
+#: with its environment if it is to go (NULL: left). {pos} is the walk's index's column, {range} its
+#: part of the finished runs (each a partial index of migration 0024).
+_RUN_WALK = """
+WITH walked AS MATERIALIZED (
+    SELECT r.id, {pos} AS pos FROM task_run r
+    WHERE r.finished_at IS NOT NULL AND {range}
+      AND r.finished_at < now() - make_interval(secs => %(age)s)
+      AND ({pos}, r.id) > (%(after_pos)s::timestamptz, %(after_id)s::text)
+      AND """ + _RUN_STAYS + """
+    ORDER BY {pos}, r.id LIMIT %(limit)s),
+doomed AS (
+    SELECT id, environment_id FROM task_run WHERE id IN (SELECT id FROM walked)
+      AND finished_at IS NOT NULL AND finished_at < now() - make_interval(secs => %(age)s)
+      AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now())
+    FOR UPDATE SKIP LOCKED)
+SELECT w.pos, w.id, d.environment_id FROM walked w LEFT JOIN doomed d ON d.id = w.id ORDER BY w.pos, w.id
 """
+#: the runs without a key by their finish, those with one by their key's expiry: the runs kept for
+#: their keys are never walked while their keys hold
+_RUN_WALKS = {
+    "runs": _RUN_WALK.format(pos="r.finished_at", range="r.idempotency_key IS NULL"),
+    "keyed runs": _RUN_WALK.format(pos="r.idempotency_key_expires_at",
+                                   range="r.idempotency_key IS NOT NULL AND r.idempotency_key_expires_at <= now()"),
+}
+#: what a walk answers when it deletes in its statement: how many rows it walked, the last one's
+#: position and id, and how many it deleted
+_WALK_ANSWER = """
+SELECT (SELECT count(*) FROM walked), l.pos, l.id, (SELECT count(*) FROM gone)
+FROM (SELECT 1) one LEFT JOIN (SELECT pos, id FROM walked ORDER BY pos DESC, id DESC LIMIT 1) l ON true
+"""
+#: completed waitpoints past the age that no journal entry or blocking row names, by their
+#: completion (waitpoint_completed_at, migration 0024), walked and locked (deleted by _WAITPOINT_DELETE)
+_WAITPOINT_WALK = """
+WITH walked AS MATERIALIZED (
+    SELECT w.id, w.completed_at AS pos FROM waitpoint w WHERE w.status = 'COMPLETED'
+      AND w.completed_at < now() - make_interval(secs => %(age)s)
+      AND (w.completed_at, w.id) > (%(after_pos)s::timestamptz, %(after_id)s::text)
+      -- a token's key kept for its TTL (a new token would take it); a RUN waitpoint's (run:<id>,
+      -- no expiry) is no caller's: a wait on that run made later makes another, completed at once
+      AND (w.idempotency_key IS NULL OR w.idempotency_key_expires_at <= now() OR w.type = 'RUN')
+      AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
+      AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)
+    ORDER BY w.completed_at, w.id LIMIT %(limit)s),
+doomed AS (SELECT id FROM waitpoint WHERE id IN (SELECT id FROM walked) AND status = 'COMPLETED'
+             AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now() OR type = 'RUN')
+           FOR UPDATE SKIP LOCKED)
+SELECT (SELECT count(*) FROM walked), l.pos, l.id, (SELECT array_agg(id) FROM doomed)
+FROM (SELECT 1) one LEFT JOIN (SELECT pos, id FROM walked ORDER BY pos DESC, id DESC LIMIT 1) l ON true
+"""
+#: the waitpoints _WAITPOINT_WALK locked that no journal entry or blocking row names, read again
+#: after the lock (see MaintenanceRepository._delete_waitpoints)
+_WAITPOINT_DELETE = """DELETE FROM waitpoint w WHERE w.id = ANY(%s)
+  AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
+  AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)"""
 
 #: batches past retention that none of their runs is left in (deleted, they would show a batch short of
 #: its runs), that nobody waits on and whose parent, if any, has finished and is not in the DLQ (it
@@ -50,22 +95,54 @@ ORDER BY finished_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED
 _BATCH_GOES = """NOT EXISTS (SELECT 1 FROM task_run r WHERE r.batch_id = b.id)
            AND NOT """ + _BATCH_WAITED.format(batch="b.id") + """
            AND NOT EXISTS (SELECT 1 FROM task_run p WHERE p.id = b.parent_run_id AND """ + _PARENT_LIVE + ")"
-_DOOMED_BATCHES = f"""
-WITH doomed AS (
-    SELECT id FROM batch_task_run WHERE id IN (
-        (SELECT b.id FROM batch_task_run b WHERE b.idempotency_key IS NULL
-           AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => %(age)s) AND {_BATCH_GOES}
-         ORDER BY coalesce(b.completed_at, b.created_at) LIMIT %(limit)s)
-        UNION ALL
-        (SELECT b.id FROM batch_task_run b WHERE b.idempotency_key IS NOT NULL
-           AND b.idempotency_key_expires_at <= now()
-           AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => %(age)s) AND {_BATCH_GOES}
-         ORDER BY b.idempotency_key_expires_at LIMIT %(limit)s))
-    -- again on the row as locked: a key set again meanwhile holds
-    AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now())
-    LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
-DELETE FROM batch_task_run WHERE id IN (SELECT id FROM doomed)
-"""
+#: one walk over batches past the age that may go, as _RUN_WALK's: those without a key by their
+#: completion (or creation: a batch nobody waits on is never marked completed), those with one by the
+#: key's expiry (migration 0030); each locked and checked again (a key set again meanwhile holds)
+_BATCH_WALK = """
+WITH walked AS MATERIALIZED (
+    SELECT b.id, {pos} AS pos FROM batch_task_run b WHERE {range}
+      AND coalesce(b.completed_at, b.created_at) < now() - make_interval(secs => %(age)s)
+      AND ({pos}, b.id) > (%(after_pos)s::timestamptz, %(after_id)s::text)
+      AND """ + _BATCH_GOES + """
+    ORDER BY {pos}, b.id LIMIT %(limit)s),
+doomed AS (SELECT id FROM batch_task_run WHERE id IN (SELECT id FROM walked)
+             AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now())
+           FOR UPDATE SKIP LOCKED),
+gone AS (DELETE FROM batch_task_run WHERE id IN (SELECT id FROM doomed) RETURNING id)
+""" + _WALK_ANSWER
+_BATCH_WALKS = {
+    "batches": _BATCH_WALK.format(pos="coalesce(b.completed_at, b.created_at)", range="b.idempotency_key IS NULL"),
+    "keyed batches": _BATCH_WALK.format(
+        pos="b.idempotency_key_expires_at",
+        range="b.idempotency_key IS NOT NULL AND b.idempotency_key_expires_at <= now()"),
+}
+
+
+class Walk:
+    """Where one of retention's walks over an index stands (leader-local: a new leader starts over).
+    A walk's batch reads the rows that may go after ``after`` (the last position an earlier batch
+    walked past: rows deleted, or rows that must stay, such as the children of a live parent or the
+    runs of a batch whose key holds), so a batch never reads again the rows the batches before it
+    found must stay; before, each began at the index's oldest row and read all of them again (~0.65
+    µs each: 10 million, ~7 s a batch). A walk that reaches its end (a batch walked fewer rows than
+    it asked) waits until ``MaintenanceRepository.rewind`` (the next retention pass) and then starts
+    over: the rows behind it that became deletable since are found on that round."""
+
+    __slots__ = ("after", "ended")
+
+    def __init__(self) -> None:
+        self.after: tuple[datetime, str] | None = None
+        self.ended = False
+
+    def params(self) -> dict[str, object]:
+        pos, last = self.after if self.after is not None else ("-infinity", "")
+        return {"after_pos": pos, "after_id": last}
+
+    def walked(self, count: int, asked: int, last: tuple[datetime, str] | None) -> None:
+        if count < asked or last is None:
+            self.after, self.ended = None, True
+        else:
+            self.after = last
 
 
 class MaintenanceRepository:
@@ -73,6 +150,14 @@ class MaintenanceRepository:
 
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
+        #: retention's walks (see Walk), by name
+        self.walks = {name: Walk() for name in (*_RUN_WALKS, "waitpoints", *_BATCH_WALKS)}
+
+    def rewind(self) -> None:
+        """The walks that reached their end start over from their index's oldest row (retention
+        calls it at the start of each pass: a walk is read through at most once a pass)."""
+        for walk in self.walks.values():
+            walk.ended = False
 
     async def acquire_lease(self, name: str, holder: str, ttl_s: float) -> tuple[bool, float]:
         """Take the lease if free or expired, or extend it if ours (dex). Returns (held, seconds
@@ -207,56 +292,72 @@ class MaintenanceRepository:
                                      forget: Callable[[list[tuple[str, str]]], Awaitable[None]]) -> int:
         """Delete up to ``limit`` runs finished more than ``age_s`` ago (their snapshots, journals,
         checkpoints and blocking rows go with them) and as many completed waitpoints as old that no
-        journal or blocking row still needs. ``forget((env_id, run_id) ...)`` is awaited with the
-        doomed runs locked and before their rows go: it removes what Redis holds of them (a DLQ
-        entry, a message), so a crash in between leaves runs that are still whole, never Redis
-        entries of runs that are gone."""
+        journal or blocking row still needs, each walk on from where its last batch stopped (Walk).
+        ``forget((env_id, run_id) ...)`` is awaited with the doomed runs locked and before their rows
+        go: it removes what Redis holds of them (a DLQ entry, a message), so a crash in between leaves
+        runs that are still whole, never Redis entries of runs that are gone.
+        A child of a batch still pending stays: the batch counts its children to end its parent's
+        wait, and one deleted would make it look short of runs (failed). So does a child of a run not
+        finished or in the DLQ: a batch's results are read from its children's rows whenever the
+        parent replays its journal (restored, retried, redriven), and a child gone would read as never
+        created. And a run whose idempotency key has not expired: deleted, it would free the key, and
+        the same trigger would run the work again."""
+        doomed: list[tuple[str, str]] = []
         async with self.pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(
-                # A child of a batch still pending stays: the batch counts its children to end its
-                # parent's wait, and one deleted would make it look short of runs (failed). So does
-                # a child of a run not finished or in the DLQ: a batch's results are read from its
-                # children's rows whenever the parent replays its journal (restored, retried,
-                # redriven), and a child gone would read as never created. And a run whose
-                # idempotency key has not expired: deleted, it would free the key, and the same
-                # trigger would run the work again.
-                # The runs without a key by their finish, those with one by their key's expiry (each
-                # its own partial index: the runs kept for their keys are never walked again).
-                _DOOMED_RUNS, {"age": age_s, "limit": limit})
-            doomed = [(env_id, run_id) for run_id, env_id in await cur.fetchall()]
+            # the runs without a key first, then (what a batch has room for) those with one
+            for name, sql in _RUN_WALKS.items():
+                walk, asked = self.walks[name], limit - len(doomed)
+                if walk.ended or asked <= 0:
+                    continue
+                cur = await conn.execute(sql, {"age": age_s, "limit": asked, **walk.params()})
+                rows = await cur.fetchall()
+                walk.walked(len(rows), asked, (rows[-1][0], rows[-1][1]) if rows else None)
+                doomed += [(env_id, run_id) for _, run_id, env_id in rows if env_id is not None]
             if doomed:
                 await forget(doomed)
                 await conn.execute("DELETE FROM task_run WHERE id = ANY(%s)", ([run_id for _, run_id in doomed],))
+        return len(doomed) + await self._delete_waitpoints(age_s, limit)
+
+    async def _delete_waitpoints(self, age_s: float, limit: int) -> int:
+        """One batch of the completed waitpoints' walk; how many it deleted. Two statements: the
+        waitpoints walked and locked first, then deleted only if, read again after the lock (a
+        snapshot of its own), no journal entry or blocking row names them. A block journaling a
+        wait locks the waitpoint it names FOR KEY SHARE until it commits (see waitpoints._BLOCK):
+        one holding it now is passed over (SKIP LOCKED), one that committed before the lock is seen
+        by the second statement (a single statement's snapshot, taken before that commit, saw no
+        entry and deleted the waitpoint its entry names: a wait that never resolved), and one that
+        comes after waits for this commit and finds it gone."""
+        walk = self.walks["waitpoints"]
+        if walk.ended or limit <= 0:
+            return 0
         async with self.pool.connection() as conn, conn.transaction():
-            # Two statements: the waitpoints locked first, then deleted only if, read again after
-            # the lock (a snapshot of its own), no journal entry or blocking row names them. A block
-            # journaling a wait locks the waitpoint it names FOR KEY SHARE until it commits (see
-            # waitpoints._BLOCK): one holding it now is passed over (SKIP LOCKED), one that committed
-            # before the lock is seen by the second statement (a single statement's snapshot, taken
-            # before that commit, saw no entry and deleted the waitpoint its entry names: a wait that
-            # never resolved), and one that comes after waits for this commit and finds it gone.
-            cur = await conn.execute(
-                """SELECT id FROM waitpoint w WHERE status = 'COMPLETED'
-                     AND completed_at < now() - make_interval(secs => %s)
-                     -- a token's key kept for its TTL (a new token would take it); a RUN waitpoint's
-                     -- (run:<id>, no expiry) is no caller's: a wait on that run made later makes
-                     -- another, completed at once
-                     AND (idempotency_key IS NULL OR idempotency_key_expires_at <= now() OR type = 'RUN')
-                     AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
-                     AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)
-                   LIMIT %s FOR UPDATE SKIP LOCKED""", (age_s, limit))
-            locked = [r[0] for r in await cur.fetchall()]
+            cur = await conn.execute(_WAITPOINT_WALK, {"age": age_s, "limit": limit, **walk.params()})
+            row = await cur.fetchone()
+            assert row is not None
+            count, pos, last, locked = row
+            walk.walked(count, limit, (pos, last) if last is not None else None)
             if not locked:
-                return len(doomed)
-            cur = await conn.execute(
-                """DELETE FROM waitpoint w WHERE w.id = ANY(%s)
-                     AND NOT EXISTS (SELECT 1 FROM task_run_journal j WHERE j.waitpoint_id = w.id)
-                     AND NOT EXISTS (SELECT 1 FROM task_run_waitpoint b WHERE b.waitpoint_id = w.id)""", (locked,))
-            return len(doomed) + max(cur.rowcount, 0)
+                return 0
+            cur = await conn.execute(_WAITPOINT_DELETE, (locked,))
+            return max(cur.rowcount, 0)
+
+    async def _walk_and_delete(self, name: str, sql: str, age_s: float, limit: int) -> int:
+        """One batch of a walk that deletes in its own statement; how many rows it deleted."""
+        walk = self.walks[name]
+        if walk.ended or limit <= 0:
+            return 0
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(sql, {"age": age_s, "limit": limit, **walk.params()})
+            row = await cur.fetchone()
+        assert row is not None
+        count, pos, last, gone = row
+        walk.walked(count, limit, (pos, last) if last is not None else None)
+        return int(gone)
 
     async def delete_finished_batches_before(self, age_s: float, limit: int) -> int:
         """Delete up to ``limit`` batches done more than ``age_s`` ago whose runs retention has deleted
-        and whose idempotency key, if any, has expired (see _DOOMED_BATCHES)."""
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(_DOOMED_BATCHES, {"age": age_s, "limit": limit})
-            return cur.rowcount
+        and whose idempotency key, if any, has expired (see _BATCH_WALK), those without a key first."""
+        gone = 0
+        for name, sql in _BATCH_WALKS.items():
+            gone += await self._walk_and_delete(name, sql, age_s, limit - gone)
+        return gone

@@ -129,12 +129,12 @@ async def test_retention_leaves_a_run_a_redrive_reopened_while_its_statement_ran
     await h.deploy({"id": "hello"})
     (run_id,) = await dead_letter(h, "hello", 1)
     key = secrets.randbelow(2**31 - 1) + 1
-    held = maintenance._DOOMED_RUNS.replace(
+    held = maintenance._RUN_WALKS["runs"].replace(
         "WHERE r.finished_at IS NOT NULL AND r.idempotency_key IS NULL",
         f"WHERE (SELECT pg_advisory_xact_lock_shared({key})) IS NOT NULL"
         " AND r.finished_at IS NOT NULL AND r.idempotency_key IS NULL", 1)
-    assert held != maintenance._DOOMED_RUNS
-    monkeypatch.setattr(maintenance, "_DOOMED_RUNS", held)
+    assert held != maintenance._RUN_WALKS["runs"]
+    monkeypatch.setitem(maintenance._RUN_WALKS, "runs", held)
     gate = await psycopg.AsyncConnection.connect(database_url, autocommit=True)
     try:
         await gate.execute("SELECT pg_advisory_lock(%s)", (key,))
