@@ -107,3 +107,23 @@ async def api(h: Harness) -> AsyncIterator[httpx.AsyncClient]:
     """:func:`api_client` with the environment's API key."""
     async with api_client(h) as c:
         yield c
+
+
+#: the fake clock's start in the engine jobs' tests
+JOBS_T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """A fake clock at JOBS_T0 (the engine jobs' tests)."""
+    return FakeClock(JOBS_T0)
+
+
+@pytest.fixture
+def jobs(redis_client: Any, key_prefix: str, unique: str, clock: FakeClock) -> Any:
+    """An engine job queue of the test's own on real Redis, on ``clock``: 3 attempts, back-off 1 s doubling."""
+    from run_engine.jobs import JobQueue
+
+    return JobQueue(redis_client, prefix=f"{key_prefix}:j{unique}", clock=clock, max_attempts=3,
+                    min_retry_s=1, factor=2)
+

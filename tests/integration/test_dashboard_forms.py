@@ -19,22 +19,7 @@ import run_engine.dashboard.core as dash_core
 from run_engine.api.inputs import MAX_CONTAINERS
 
 from .conftest import Harness, api_client
-
-
-def csrf_of(html: str) -> str:
-    found = re.search(r'name="csrf" value="([^"]+)"', html)
-    assert found, html[:500]
-    return found.group(1)
-
-
-async def sign_in(c: httpx.AsyncClient, api_key: str) -> str:
-    """Signs ``c`` in; the session's CSRF token."""
-    form = await c.get("/dashboard/login")
-    signed = await c.post("/dashboard/login", data={"csrf": csrf_of(form.text), "apiKey": api_key})
-    assert signed.status_code == 303, signed.text
-    page = await c.get("/dashboard/runs")
-    assert page.status_code == 200
-    return csrf_of(page.text)
+from .test_dashboard_sessions import csrf_of, sign_in
 
 
 async def test_the_sign_in_form_is_read_only_as_far_as_a_sign_in_needs(h: Harness) -> None:

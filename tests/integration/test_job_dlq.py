@@ -10,24 +10,14 @@ from typing import Any
 
 import orjson
 import pytest
-import redis.asyncio as aioredis
 
 from run_engine.clock import FakeClock
 from run_engine.jobs import CHANGED, NOT_DEAD, RETRIED, SCHEDULED, UNREADABLE, JobQueue
 
-T0 = 1_700_000_000.0
+from .conftest import JOBS_T0
+
+T0 = JOBS_T0
 DAY = 86400.0
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
-def jobs(redis_client: aioredis.Redis, key_prefix: str, unique: str, clock: FakeClock) -> JobQueue:
-    return JobQueue(redis_client, prefix=f"{key_prefix}:j{unique}", clock=clock, max_attempts=3,
-                    min_retry_s=1, factor=2)
 
 
 async def kill(jobs: JobQueue, clock: Any, *specs: tuple[str, str, dict[str, Any], str]) -> None:

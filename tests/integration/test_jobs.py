@@ -7,25 +7,15 @@ from collections.abc import Callable
 
 import orjson
 import pytest
-import redis.asyncio as aioredis
 
 from run_engine.clock import FakeClock
 from run_engine.jobs import Job, JobQueue, JobWorker
 
+from .conftest import JOBS_T0
+
 pytestmark = pytest.mark.cluster  # also on a Redis Cluster (tests/conftest.py)
 
-T0 = 1_700_000_000.0
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(T0)
-
-
-@pytest.fixture
-def jobs(redis_client: aioredis.Redis, key_prefix: str, unique: str, clock: FakeClock) -> JobQueue:
-    return JobQueue(redis_client, prefix=f"{key_prefix}:j{unique}", clock=clock, max_attempts=3,
-                    min_retry_s=1, factor=2)
+T0 = JOBS_T0
 
 
 async def test_schedule_replaces_and_claim_waits_until_due(jobs: JobQueue, clock: FakeClock) -> None:

@@ -11,40 +11,19 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-import uvicorn
 
 from run_engine.api import slow_requests
-from run_engine.api.app import create_app
-from run_engine.api.context import ApiContext
-from run_engine.run_tokens import RunTokens
-from run_engine.server import _http_protocol
-from run_engine.wakeups import WakeUps
 
 from .conftest import Harness
-from .test_unread_answers import _port
+from .test_unread_answers import served
 
 
 @pytest.fixture
 async def port(h: Harness, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[int]:
     for name, value in (("head_s", 1.0), ("body_idle_s", 2.0), ("body_s", 30.0), ("check_s", 0.1)):
         monkeypatch.setattr(slow_requests.SLOW, name, value)
-    ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"),
-                     wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"),
-                     public_url="http://t", secret="test-secret")
-    at = _port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ctx), host="127.0.0.1", port=at, log_level="warning",
-                                           access_log=False, log_config=None, lifespan="off",
-                                           timeout_graceful_shutdown=1, http=_http_protocol()))
-    serving = asyncio.ensure_future(server.serve())
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and not serving.done()
-        await asyncio.sleep(0.02)
-    try:
-        yield at
-    finally:
-        server.should_exit = True
-        await serving
+    async with served(h) as server:
+        yield server.config.port
 
 
 async def until_closed(reader: asyncio.StreamReader) -> bytes:

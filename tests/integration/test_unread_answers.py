@@ -6,8 +6,10 @@ connection stayed open: 100 such connections held 800 MB of one server process."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import uvicorn
@@ -31,25 +33,37 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-async def test_an_answer_nobody_reads_is_cut_and_one_read_slowly_is_not(
-        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stalls.STALLS, "stall_s", 1.0)
-    monkeypatch.setattr(stalls.STALLS, "check_s", 0.2)
-    await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload="p" * (2 * MIB))
-                                 for _ in range(4)])  # a page of them: ~8 MiB, past the kernel's buffers
+@contextlib.asynccontextmanager
+async def served(h: Harness) -> AsyncIterator[uvicorn.Server]:
+    """The API over the harness's engine on a real uvicorn socket with the server's own protocol
+    (its port: ``.config.port``)."""
     ctx = ApiContext(engine=h.engine, tokens=RunTokens("test-secret"),
                      wakeups=WakeUps(h.engine.redis, channel=f"{h.engine.resources.settings.key_prefix}:wake"),
                      public_url="http://t", secret="test-secret")
     port = _port()
     server = uvicorn.Server(uvicorn.Config(create_app(ctx), host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False, log_config=None, lifespan="off",
-                                           http=_http_protocol()))
+                                           timeout_graceful_shutdown=1, http=_http_protocol()))
     serving = asyncio.ensure_future(server.serve())
     try:
         deadline = time.monotonic() + 30
         while not server.started:
             assert time.monotonic() < deadline and not serving.done()
             await asyncio.sleep(0.02)
+        yield server
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 30)
+
+
+async def test_an_answer_nobody_reads_is_cut_and_one_read_slowly_is_not(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stalls.STALLS, "stall_s", 1.0)
+    monkeypatch.setattr(stalls.STALLS, "check_s", 0.2)
+    await h.engine.trigger_many([TriggerRequest(env_id=h.env.env_id, task_id="hello", payload="p" * (2 * MIB))
+                                 for _ in range(4)])  # a page of them: ~8 MiB, past the kernel's buffers
+    async with served(h) as server:
+        port = server.config.port
         request = (f"GET /api/v1/runs?page%5Bsize%5D=100 HTTP/1.1\r\nhost: t\r\n"
                    f"authorization: Bearer {h.env.api_key}\r\nconnection: close\r\n\r\n").encode()
 
@@ -81,6 +95,3 @@ async def test_an_answer_nobody_reads_is_cut_and_one_read_slowly_is_not(
             await asyncio.sleep(0.01)
         assert got > 8 * MIB, got
         slow_writer.close()
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, 30)

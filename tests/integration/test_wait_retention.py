@@ -16,27 +16,14 @@ from typing import Any
 import psycopg
 import pytest
 
-from run_engine.engine import TriggerRequest
-
 from .conftest import Harness, api_client
-
-W = "/engine/v1/worker-actions"
+from .test_wait_on_ancestry import W, req, start
 
 
 @pytest.fixture
 async def worker(h: Harness) -> Any:
     async with api_client(h, h.env.worker_group_token) as c:
         yield c
-
-
-def req(h: Harness, **kw: Any) -> TriggerRequest:
-    return TriggerRequest(env_id=h.env.env_id, task_id="hello", **kw)
-
-
-async def start(h: Harness, *run_ids: str) -> dict[str, str]:
-    """Dequeue and start ``run_ids``: their executing snapshots' ids."""
-    got = {d.run.id: d for d in await h.engine.dequeue(h.env.worker_group_id, 10)}
-    return {r: (await h.engine.start_attempt(r, got[r].snapshot.id)).snapshot.id for r in run_ids}
 
 
 async def finished_target_and_waiter(h: Harness, output: Any) -> tuple[str, str, str, str]:
