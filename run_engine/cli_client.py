@@ -19,7 +19,7 @@ from rich.errors import NotRenderableError
 from rich.markup import escape
 from rich.table import Table
 
-from run_engine.sdk.client import BACKOFF_S, MAX_RETRY_AFTER_S, RETRYABLE, TRIES, UNSENT, retry_after
+from run_engine.sdk.client import BACKOFF_S, MAX_RETRY_AFTER_S, OWN_KEY_TTL, RETRYABLE, TRIES, UNSENT, retry_after
 
 FINAL = {"COMPLETED", "CANCELED", "FAILED", "CRASHED", "SYSTEM_FAILURE", "EXPIRED", "TIMED_OUT"}
 NOT_STARTED = {"QUEUED", "DELAYED", "PENDING_VERSION"}
@@ -267,6 +267,8 @@ def trigger(
                              "idempotencyKey": f"cli:{uuid.uuid4().hex}" if own else idempotency_key,
                              "queue": queue, "concurrencyKey": concurrency_key, "maxAttempts": max_attempts}
     options = {k: v for k, v in given.items() if v is not None}
+    if own:  # kept for the call's tries only: retention keeps a run as long as its key holds
+        options["idempotencyKeyTTL"] = OWN_KEY_TTL
     if debounce_key is not None:
         options["debounce"] = {"key": debounce_key, "delay": debounce_delay, "mode": debounce_mode,
                                **({"maxDelay": debounce_max_delay} if debounce_max_delay else {})}

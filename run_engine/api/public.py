@@ -318,11 +318,12 @@ async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody, key: st
         raise ApiError(409, "conflict", "idempotency-key: names a batch of another number of items" if _scoped(auth)
                        else f"idempotency-key: names a batch of {size} items, not {len(req.items)}")
     if cached:
-        answers, own = await _cached_batch(ctx, auth, req, batch_id)
+        answers, own = await _cached_batch(ctx, auth, req, batch_id, key_ttl_s)
         return batch_id, answers, True, own
     # the batch's row was made with its key (and its maker): its runs now
     try:
-        requests = await _item_requests(ctx, auth, req, batch_id, range(len(req.items)), keyed=True)
+        requests = await _item_requests(ctx, auth, req, batch_id, range(len(req.items)), keyed=True,
+                                        key_ttl_s=key_ttl_s)
         answers = _answers(range(len(req.items)), requests, await ctx.engine.trigger_each(requests))
         _made_any(answers)
     except Exception:
@@ -339,7 +340,7 @@ async def _trigger_items(ctx: ApiContext, auth: EnvAuth, req: BatchBody, key: st
 
 
 async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody,
-                        batch_id: str) -> tuple[list[_ItemAnswer], bool]:
+                        batch_id: str, key_ttl_s: float | None = None) -> tuple[list[_ItemAnswer], bool]:
     """The answer to a batch whose idempotency key found the batch ``batch_id`` it made before, and
     whether the caller is the batch's own (the secret key, or the credential that made it).
 
@@ -398,7 +399,7 @@ async def _cached_batch(ctx: ApiContext, auth: EnvAuth, req: BatchBody,
         return [_ItemRun(r.id, r.task_id, True) for r in _in_order(at, others)], own
     missing = [i for i, r in enumerate(found) if r is None]
     if own:
-        requests = await _item_requests(ctx, auth, req, batch_id, missing, keyed=True)
+        requests = await _item_requests(ctx, auth, req, batch_id, missing, keyed=True, key_ttl_s=key_ttl_s)
         made = dict(zip(missing, _answers(missing, requests, await ctx.engine.trigger_each(requests)), strict=True))
         answers: list[_ItemAnswer] = [made[i] if r is None else _ItemRun(r.id, r.task_id, True)
                                       for i, r in enumerate(found)]
@@ -430,9 +431,11 @@ def _in_order(at: dict[int, RunRow], others: list[RunRow]) -> list[RunRow]:
 
 
 async def _item_requests(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_id: str, indexes: Sequence[int], *,
-                         keyed: bool) -> list[TriggerRequest]:
+                         keyed: bool, key_ttl_s: float | None = None) -> list[TriggerRequest]:
     """The trigger requests of the batch's items at ``indexes``; ``keyed``: each without a key of
-    its own keyed ``{batch id}:{index}``, so that a retry makes no run twice."""
+    its own keyed ``{batch id}:{index}``, so that a retry makes no run twice, for as long as the
+    batch's key (``key_ttl_s``; the default, 30 days, when None): a run is kept by retention while
+    its key holds, and a batch keyed for an hour kept its runs a month."""
     parents: dict[str, RunRow] = {}
     top: dict[str, Any] = {}
     if isinstance(req, BatchV2Body) and req.parentRunId is not None:  # the parent of every item
@@ -447,7 +450,7 @@ async def _item_requests(ctx: ApiContext, auth: EnvAuth, req: BatchBody, batch_i
             options = (options or TriggerOptions()).model_copy(update=top)
         if keyed and (options is None or options.idempotencyKey is None):
             options = (options or TriggerOptions()).model_copy(update={"idempotencyKey": f"{batch_id}:{i}",
-                                                                       "idempotencyKeyTTL": None})
+                                                                       "idempotencyKeyTTL": key_ttl_s})
         requests.append(await with_parent(ctx, auth, trigger_request(ctx, auth, item.task, payload, options,
                                                                       f"items.{i}", batch_id=batch_id,
                                                                       trigger_function="batchTrigger"),

@@ -136,3 +136,10 @@ def expect(data: Any, *fields: str, what: str) -> dict[str, Any]:
 def sdk_key() -> str:
     """An idempotency key of one call of the SDK: its tries all carry it, and nothing else does."""
     return f"sdk:{uuid.uuid4().hex}"
+
+
+#: how long a call's own key is kept (OWN_KEY_TTL, with the call's idempotencyKeyTTL): long enough
+#: for its tries (4 at most, 30 s each), and no longer. Retention keeps a run, or a token, for as
+#: long as its key holds: with the server's default (30 days) every run the SDK triggered outside a
+#: task was kept a month, whatever the installation's retention
+OWN_KEY_TTL = "1h"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from run_engine.sdk import runtime
-from run_engine.sdk.client import expect, sdk_key, send
+from run_engine.sdk.client import OWN_KEY_TTL, expect, sdk_key, send
 from run_engine.sdk.errors import TaskError
 
 MACHINES = {"micro": 256, "small-1x": 512, "small-2x": 1024, "medium-1x": 2048, "medium-2x": 4096,
@@ -154,6 +154,8 @@ class Task:
             # its TTL the server's default (30 days) or the options' idempotencyKeyTTL: a longer one
             # keeps the child (retention keeps a run while its key holds) as long
             options["idempotencyKey"] = key if key is not None else sdk_key()
+            if not in_run:  # kept for the call's tries only (see OWN_KEY_TTL)
+                options.setdefault("idempotencyKeyTTL", OWN_KEY_TTL)
         answer = await send("POST", f"/api/v1/tasks/{self.id}/trigger",
                             json={"payload": payload, "options": options}, idempotent=True)
         data = expect(answer.data, "id", what=f"trigger {self.id}")
@@ -192,6 +194,8 @@ class Task:
         key = rt.call_key(f"batch:{self.id}") if rt is not None else None
         in_run = key is not None
         headers = {"idempotency-key": idempotency_key if idempotency_key is not None else key or sdk_key()}
+        if idempotency_key is None and key is None:  # kept for the call's tries only (see OWN_KEY_TTL)
+            headers["idempotency-key-ttl"] = OWN_KEY_TTL
         answer = await send("POST", "/api/v1/tasks/batch", headers=headers, idempotent=True, json={
             "items": [{"task": self.id, "payload": p, "options": options or {}} for p in items]})
         data = expect(answer.data, "runs", what="batch trigger")

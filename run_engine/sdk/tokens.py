@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from run_engine.sdk import runtime
-from run_engine.sdk.client import expect, request, sdk_key, send
+from run_engine.sdk.client import OWN_KEY_TTL, expect, request, sdk_key, send
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +21,7 @@ class Token:
 async def _create(body: dict[str, Any]) -> dict[str, Any]:
     own = "idempotencyKey" not in body  # a key of the call's own: its retry finds the token it made
     answer = await send("POST", "/api/v1/waitpoints/tokens", idempotent=True,
-                        json={**body, "idempotencyKey": sdk_key()} if own else body)
+                        json={"idempotencyKeyTTL": OWN_KEY_TTL, **body, "idempotencyKey": sdk_key()} if own else body)
     data = expect(answer.data, "id", "url", what="tokens.create")
     return {**data, "isCached": False} if own else data
 

@@ -108,6 +108,36 @@ async def test_a_trigger_whose_answer_was_lost_is_tried_again_and_makes_one_run(
     assert len(wire.seen) == 2 and len(keys) == 1  # both tries carried the same key
 
 
+async def test_a_calls_own_key_is_kept_for_its_tries_not_for_a_month(h: Harness, wire: Breakable,
+                                                                      unique: str) -> None:
+    """Retention keeps a run (and a token) for as long as its idempotency key holds: with the
+    server's default TTL (30 days) for the SDK's own keys, every run the SDK triggered outside a task
+    was kept a month whatever the installation's retention. Its own keys now hold for an hour (its
+    tries); a key or a TTL of the caller's is kept as given."""
+    from datetime import UTC, datetime, timedelta
+
+    async def key_expiry(run_id: str) -> datetime:
+        async with h.engine.resources.repo.pool.connection() as conn:
+            cur = await conn.execute("SELECT idempotency_key_expires_at FROM task_run WHERE id = %s", (run_id,))
+            return (await cur.fetchone())[0]  # type: ignore[index]
+
+    hour = datetime.now(UTC) + timedelta(hours=1)
+    own = await Task(id="hello", fn=noop).trigger(None, {"tags": [f"k-{unique}"]})
+    assert abs((await key_expiry(own.id) - hour).total_seconds()) < 600
+    batch = await Task(id="hello", fn=noop).batch_trigger([1], {"tags": [f"k-{unique}"]})
+    async with h.engine.resources.repo.pool.connection() as conn:
+        cur = await conn.execute("SELECT b.idempotency_key_expires_at FROM batch_task_run b JOIN task_run r"
+                                 " ON r.batch_id = b.id WHERE r.id = %s", (batch[0].id,))
+        assert abs(((await cur.fetchone())[0] - hour).total_seconds()) < 600  # type: ignore[index]
+    assert abs((await key_expiry(batch[0].id) - hour).total_seconds()) < 600  # its item's key, <batch>:<index>
+    token = await tokens.create()
+    async with h.engine.resources.repo.pool.connection() as conn:
+        cur = await conn.execute("SELECT idempotency_key_expires_at FROM waitpoint WHERE id = %s", (token.id,))
+        assert abs(((await cur.fetchone())[0] - hour).total_seconds()) < 600  # type: ignore[index]
+    theirs = await Task(id="hello", fn=noop).trigger(None, {"idempotencyKey": unique, "idempotencyKeyTTL": "2d"})
+    assert abs((await key_expiry(theirs.id) - hour - timedelta(hours=47)).total_seconds()) < 600
+
+
 async def test_a_trigger_with_the_callers_key_keeps_it(h: Harness, wire: Breakable, unique: str) -> None:
     wire.faults = [lost_answer]
     handle = await Task(id="hello", fn=noop).trigger(None, {"tags": [f"t-{unique}"], "idempotencyKey": unique})

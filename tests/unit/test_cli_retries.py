@@ -72,6 +72,8 @@ def test_a_trigger_whose_answer_was_lost_is_sent_again_with_its_own_key(api: str
     assert out.exit_code == 0, (out.exception, out.stderr)
     keys = {body["options"]["idempotencyKey"] for _, _, body in SEEN}
     assert len(SEEN) == 3 and len(keys) == 1 and keys.pop().startswith("cli:"), SEEN
+    # kept for the call's tries only (retention keeps a run while its key holds: 30 days by default)
+    assert {body["options"]["idempotencyKeyTTL"] for _, _, body in SEEN} == {"1h"}
     # the run found by the call's own key is the run it made
     assert json.loads(out.stdout) == {"id": "run_1", "isCached": False}
 
@@ -81,6 +83,7 @@ def test_a_trigger_with_the_callers_key_keeps_it_and_says_cached(api: str) -> No
     out = run(api, "trigger", "echo", "--idempotency-key", "mine", "--json")
     assert out.exit_code == 0, (out.exception, out.stderr)
     assert [body["options"]["idempotencyKey"] for _, _, body in SEEN] == ["mine", "mine"]
+    assert not any("idempotencyKeyTTL" in body["options"] for _, _, body in SEEN)
     assert json.loads(out.stdout) == {"id": "run_1", "isCached": True}
 
 
