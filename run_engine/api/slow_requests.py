@@ -15,11 +15,12 @@ out is answered 408 first; a body is cut (its handler reads a disconnect: 400 to
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+from run_engine.api.sweeps import PeriodicSweep
 
 log = logging.getLogger(__name__)
 
@@ -39,18 +40,18 @@ ANSWER_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r
 _HEAD, _BODY = 0, 1
 
 
-class SlowRequests:
+class SlowRequests(PeriodicSweep):
+    WHAT = "requests under way"
+
     def __init__(self, *, head_s: float = HEAD_S, body_idle_s: float = BODY_IDLE_S, body_s: float = BODY_S,
                  check_s: float = CHECK_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.head_s = head_s
         self.body_idle_s = body_idle_s
         self.body_s = body_s
-        self.check_s = check_s
+        super().__init__(check_s)
         self.clock = clock
         # protocol -> [phase, since when, last byte seen (a body's)]
         self._open: dict[Any, list[Any]] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
         return len(self._open)
@@ -75,25 +76,6 @@ class SlowRequests:
     def done(self, protocol: Any) -> None:
         """``protocol``'s request arrived whole (or its connection is gone)."""
         self._open.pop(protocol, None)
-
-    def _arm(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a test calling sweep itself)
-            return
-        # (a timer of another loop, closed since, would never fire: one is set on this one)
-        if self._timer is None or self._timer_loop is not loop:
-            self._timer = loop.call_later(self.check_s, self._tick)
-            self._timer_loop = loop
-
-    def _tick(self) -> None:
-        self._timer = None
-        try:
-            self.sweep()
-        except Exception:  # never let the loop's callback fail: look again next time
-            log.exception("requests under way could not be checked")
-        if self._open:
-            self._timer = asyncio.get_running_loop().call_later(self.check_s, self._tick)
 
     def sweep(self) -> list[Any]:
         """Close the connections whose request is late; returns their protocols."""

@@ -14,7 +14,6 @@ memory back within ``STALL_S``, and one tenant holds at most ``STALLED_PER_KEY``
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import logging
 import termios
@@ -22,6 +21,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
+
+from run_engine.api.sweeps import PeriodicSweep
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +50,17 @@ def unsent(transport: Any) -> int:
     return size
 
 
-class StallGuard:
+class StallGuard(PeriodicSweep):
+    WHAT = "stalled connections"
+
     def __init__(self, *, stall_s: float = STALL_S, check_s: float = CHECK_S, per_key: int = STALLED_PER_KEY,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(check_s)
         self.stall_s = stall_s
-        self.check_s = check_s
         self.per_key = per_key
         self.clock = clock
         # transport -> [key, unsent bytes when last seen to shrink, since when]
         self._watched: dict[Any, list[Any]] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
         return len(self._watched)
@@ -68,26 +69,10 @@ class StallGuard:
         """``transport``'s buffer passed its high-water mark (its answer counts under ``key``)."""
         if transport not in self._watched:
             self._watched[transport] = [key, unsent(transport), self.clock()]
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a test calling sweep itself)
-            return
-        # (a timer of another loop, closed since, would never fire: one is set on this one)
-        if self._timer is None or self._timer_loop is not loop:
-            self._timer = loop.call_later(self.check_s, self._tick)
-            self._timer_loop = loop
+        self._arm()
 
     def unwatch(self, transport: Any) -> None:
         self._watched.pop(transport, None)
-
-    def _tick(self) -> None:
-        self._timer = None
-        try:
-            self.sweep()
-        except Exception:  # never let the loop's callback fail: look again next time
-            log.exception("stalled connections could not be checked")
-        if self._watched:
-            self._timer = asyncio.get_running_loop().call_later(self.check_s, self._tick)
 
     def sweep(self) -> list[Any]:
         """Abort the connections stalled too long, or beyond their key's share; returns them."""
