@@ -9,6 +9,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -153,3 +154,25 @@ def machine_busy_s() -> float:
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:9]]
     return (sum(ticks) - ticks[3] - ticks[4]) / TICK
+
+
+async def noop_engine(label: str, database_url: str, redis_url: str) -> tuple[Any, Any]:
+    """An engine of its own key prefix (``bench-<label>-<hex>``, no engine jobs run) and an environment
+    with a deployment of one task, ``noop``: (engine, environment). The caller closes the engine."""
+    from run_engine.engine import RunEngine, TaskSpec
+    from run_engine.settings import EngineSettings
+    from run_engine.tenancy import ensure_environment
+
+    engine = await RunEngine.create(EngineSettings(database_url=database_url, redis_url=redis_url,
+                                                   key_prefix=f"bench-{label}-{secrets.token_hex(4)}",
+                                                   max_queue_length=None), run_jobs=False)
+    try:
+        env = await ensure_environment(engine.resources.repo, secret="bench-secret", org="bench", project="p",
+                                       env="dev")
+        await engine.register_deployment(env_id=env.env_id, worker_group_id=env.worker_group_id, version="1",
+                                         content_hash="h", tasks=[TaskSpec("noop")], queues=[])
+    except BaseException:
+        await engine.close()
+        raise
+    return engine, env
+

@@ -13,28 +13,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import secrets
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, median  # noqa: E402
-from run_engine.engine import RunEngine, TaskSpec, TriggerRequest  # noqa: E402
-from run_engine.settings import EngineSettings  # noqa: E402
-from run_engine.tenancy import ensure_environment  # noqa: E402
+from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, median, noop_engine  # noqa: E402
+from run_engine.engine import TriggerRequest  # noqa: E402
 
 
 async def measure(size: int, passes: int, database_url: str, redis_url: str) -> tuple[float, float, float]:
-    prefix = f"bench-rec-{secrets.token_hex(4)}"
-    engine = await RunEngine.create(EngineSettings(database_url=database_url, redis_url=redis_url, key_prefix=prefix,
-                                                   max_queue_length=None), run_jobs=False)
+    engine, env = await noop_engine("rec", database_url, redis_url)
+    prefix = engine.resources.settings.key_prefix
     try:
-        env = await ensure_environment(engine.resources.repo, secret="bench-secret", org="bench", project="p",
-                                       env="dev")
-        await engine.register_deployment(env_id=env.env_id, worker_group_id=env.worker_group_id, version="1",
-                                         content_hash="h", tasks=[TaskSpec("noop")], queues=[])
         for start in range(0, size, 1000):
             await engine.trigger_many([TriggerRequest(env_id=env.env_id, task_id="noop", payload=i)
                                        for i in range(start, min(size, start + 1000))])

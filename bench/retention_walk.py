@@ -15,17 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import secrets
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, median  # noqa: E402
-from run_engine.engine import RunEngine, TaskSpec, TriggerRequest  # noqa: E402
-from run_engine.settings import EngineSettings  # noqa: E402
-from run_engine.tenancy import ensure_environment  # noqa: E402
+from bench._common import DEFAULT_REDIS, delete_prefix, fresh_database, median, noop_engine  # noqa: E402
+from run_engine.engine import TriggerRequest  # noqa: E402
 
 _COPIES = """
 INSERT INTO task_run SELECT (jsonb_populate_record(NULL::task_run, to_jsonb(t) || jsonb_build_object(
@@ -36,14 +33,9 @@ FROM task_run t, generate_series(1, %(n)s) g WHERE t.id = %(template)s
 
 
 async def measure(stay: int, doomed: int, batch: int, database_url: str, redis_url: str) -> tuple[float, float, int]:
-    prefix = f"bench-retwalk-{secrets.token_hex(4)}"
-    engine = await RunEngine.create(EngineSettings(database_url=database_url, redis_url=redis_url, key_prefix=prefix,
-                                                   max_queue_length=None), run_jobs=False)
+    engine, env = await noop_engine("retwalk", database_url, redis_url)
+    prefix = engine.resources.settings.key_prefix
     try:
-        env = await ensure_environment(engine.resources.repo, secret="bench-secret", org="bench", project="p",
-                                       env="dev")
-        await engine.register_deployment(env_id=env.env_id, worker_group_id=env.worker_group_id, version="1",
-                                         content_hash="h", tasks=[TaskSpec("noop")], queues=[])
         parent, template = await engine.trigger_many([TriggerRequest(env_id=env.env_id, task_id="noop", payload=i)
                                                       for i in range(2)])
         async with engine.resources.repo.pool.connection() as conn:
