@@ -485,10 +485,14 @@ WITH given AS (
     -- by primary key; a row deleted by a delete committed while the lock waited is skipped
     SELECT w.id, w.environment_id, coalesce(w.completed_by_batch_id, w.completed_by_run_id, w.id) AS wp_key
     FROM waitpoint w WHERE w.id = ANY(ARRAY(SELECT wp FROM given)) FOR KEY SHARE
+), named_by_id AS MATERIALIZED (
+    -- one row, an object by waitpoint id: looked up per input row in O(log n) (a subquery per row
+    -- over `named` read all of it for each: n^2 rows, tests/integration/test_batch_plans.py)
+    SELECT coalesce(jsonb_object_agg(n.id, jsonb_build_array(n.environment_id, n.wp_key)), '{}'::jsonb) AS m
+    FROM named n
 ), looked_up AS (
-    SELECT g.*, (SELECT n.wp_key FROM named n
-                 WHERE n.id = g.wp AND (g.env IS NULL OR n.environment_id = g.env)) AS wp_key
-    FROM given g
+    SELECT g.*, CASE WHEN g.env IS NULL OR nb.m -> g.wp ->> 0 = g.env THEN nb.m -> g.wp ->> 1 END AS wp_key
+    FROM given g CROSS JOIN named_by_id nb
 ), input AS (
     SELECT run_id, expected, seq, kind, CASE WHEN env IS NOT NULL THEN coalesce(wp_key, key) ELSE key END AS key,
            result, wp, wps, new, description, suspend_new, checkpoint, wp_key IS NULL AS missing

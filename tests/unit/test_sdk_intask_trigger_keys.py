@@ -91,7 +91,8 @@ async def test_an_authors_key_and_ttl_are_kept_and_outside_a_task_a_call_has_a_r
     monkeypatch.setattr(tasks_module, "send", server.send)
     a = Task(id="a", fn=noop)
     await a.trigger(1)
-    assert server.sent[-1][1]["idempotencyKey"].startswith("sdk:") and "idempotencyKeyTTL" not in server.sent[-1][1]
+    # outside a task, a random key kept for the call's tries (an hour: retention keeps a run while its key holds)
+    assert server.sent[-1][1]["idempotencyKey"].startswith("sdk:") and server.sent[-1][1]["idempotencyKeyTTL"] == "1h"
     rt = runtime.Runtime(_Channel(), [], None, "run_parent", None, 1)  # type: ignore[arg-type]
     token = runtime.activate(rt)
     try:
