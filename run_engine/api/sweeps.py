@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import ABC, abstractmethod
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-class PeriodicSweep:
+class PeriodicSweep(ABC):
     #: what the sweep looks at, for the log line of a check that failed
     WHAT = "connections"
 
@@ -20,11 +21,13 @@ class PeriodicSweep:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
 
+    @abstractmethod
     def __len__(self) -> int:
-        raise NotImplementedError
+        """How many connections are watched (the timer is set again while any are)."""
 
+    @abstractmethod
     def sweep(self) -> list[Any]:
-        raise NotImplementedError
+        """Act on the connections due; those acted on."""
 
     def _arm(self) -> None:
         try:
